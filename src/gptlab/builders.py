@@ -1,0 +1,116 @@
+"""Build the parts of a run from a composed config. Each builder reads only its own part of the config.
+
+From a notebook::
+
+    from hydra import compose, initialize_config_dir
+    import gptlab
+    with initialize_config_dir(str(gptlab.CONFIG_DIR), version_base="1.3"):
+        cfg = compose("train", overrides=["model=tiny", "pos=sinusoidal"])
+    model = gptlab.build_model(cfg)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from gptlab.data import corpus, tokenizers
+from gptlab.data.datamodule import GPTDataModule
+from gptlab.errors import ConfigError
+from gptlab.model.config import GPTConfig
+from gptlab.model.gpt import GPT
+
+# Keys of the data node that describe the corpus (the rest are loader settings).
+_SPEC_KEYS = {
+    "builtin",
+    "path",
+    "name",
+    "config_name",
+    "split",
+    "revision",
+    "text_field",
+    "val_fraction",
+    "split_seed",
+    "num_proc",
+    "cache_dir",
+}
+_LOADER_KEYS = {"batch_size", "block_size", "stride", "val_stride", "num_workers"}
+
+
+def _plain(node: Any) -> Any:
+    return OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else node
+
+
+def data_spec(cfg: DictConfig) -> corpus.DataSpec:
+    data = _plain(cfg.data)
+    unknown = sorted(set(data) - _SPEC_KEYS - _LOADER_KEYS)
+    if unknown:
+        raise ConfigError(f"Unknown data option(s) {unknown}. Known: {sorted(_SPEC_KEYS | _LOADER_KEYS)}.")
+    return corpus.DataSpec(**{k: v for k, v in data.items() if k in _SPEC_KEYS})
+
+
+def build_tokenizer(cfg: DictConfig) -> tokenizers.Tokenizer:
+    """The configured tokenizer. ``word`` and ``char`` build their vocabulary from the training split of the
+    configured corpus (prepared and cached on first use)."""
+    name = cfg.tokenizer.name
+    if name == "gpt2":
+        return tokenizers.GPT2Tokenizer()
+    if name not in tokenizers.TOKENIZERS:
+        tokenizers.build(name)  # raises the error that lists the choices
+    return corpus.prepare(data_spec(cfg), name).tokenizer
+
+
+def build_model_config(cfg: DictConfig, tokenizer: tokenizers.Tokenizer | None = None) -> GPTConfig:
+    model = _plain(cfg.model)
+    pos = _plain(cfg.pos)
+    norm = _plain(cfg.norm)
+    values = dict(model)
+    if values.get("vocab_size") is None:
+        tokenizer = tokenizer or build_tokenizer(cfg)
+        values["vocab_size"] = tokenizer.vocab_size
+    elif tokenizer is not None and tokenizer.vocab_size > values["vocab_size"]:
+        raise ConfigError(
+            f"tokenizer={tokenizer.name} has {tokenizer.vocab_size} ids but model.vocab_size="
+            f"{values['vocab_size']}: the embedding table has no row for the larger ids. Set "
+            f"model.vocab_size={tokenizer.vocab_size} or larger, or null to take the tokenizer's size."
+        )
+    values["pos"] = pos.pop("name")
+    values["pos_options"] = pos
+    values["activation"] = _plain(cfg.activation)["name"]
+    values["norm"] = norm.pop("name")
+    if "placement" in norm:
+        values["norm_placement"] = norm.pop("placement")
+    if "eps" in norm:
+        values["norm_eps"] = norm.pop("eps")
+    if norm:
+        raise ConfigError(
+            f"Unknown norm option(s) {sorted(norm)}. Known: norm.name, norm.placement, norm.eps."
+        )
+    return GPTConfig.from_dict(values)
+
+
+def build_model(cfg: DictConfig, tokenizer: tokenizers.Tokenizer | None = None) -> GPT:
+    return GPT(build_model_config(cfg, tokenizer))
+
+
+def build_datamodule(cfg: DictConfig) -> GPTDataModule:
+    data = _plain(cfg.data)
+    model_cfg = _plain(cfg.model)
+    block_size = data.get("block_size") or model_cfg["block_size"]
+    if cfg.pos.name == "learned" and block_size > model_cfg["block_size"]:
+        raise ConfigError(
+            f"data.block_size={block_size} is longer than the learned position table "
+            f"(model.block_size={model_cfg['block_size']}). Set model.block_size={block_size}, shorten "
+            "data.block_size, or use a scheme without a table (pos=sinusoidal, pos=nope)."
+        )
+    return GPTDataModule(
+        spec=data_spec(cfg),
+        tokenizer=cfg.tokenizer.name,
+        block_size=block_size,
+        batch_size=data.get("batch_size", 8),
+        stride=data.get("stride"),
+        val_stride=data.get("val_stride"),
+        num_workers=data.get("num_workers", 0),
+        seed=cfg.seed,
+    )

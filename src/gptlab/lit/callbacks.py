@@ -1,0 +1,130 @@
+"""Callbacks: throughput and sample generations."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import TQDMProgressBar
+
+log = logging.getLogger(__name__)
+
+
+class TokensPerSecond(L.Callback):
+    """Logs ``train/tokens_per_second`` (all ranks together, averaged over the last ``window`` steps, data
+    loading and optimizer included) and ``train/tokens`` (tokens trained on so far)."""
+
+    def __init__(self, window: int = 20) -> None:
+        self.window = window
+        self._times: deque[float] = deque(maxlen=window + 1)
+        self._tokens: deque[int] = deque(maxlen=window + 1)
+        self.tokens_seen = 0
+
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx
+    ) -> None:
+        x = batch[0]
+        self.tokens_seen += x.numel() * trainer.world_size
+        self._times.append(time.perf_counter())
+        self._tokens.append(self.tokens_seen)
+        pl_module.log("train/tokens", float(self.tokens_seen), on_step=True, on_epoch=False)
+        if len(self._times) >= 2:
+            rate = (self._tokens[-1] - self._tokens[0]) / max(self._times[-1] - self._times[0], 1e-9)
+            pl_module.log("train/tokens_per_second", rate, prog_bar=True, on_step=True, on_epoch=False)
+
+    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # Validation time is not training throughput: restart the window afterwards.
+        self._times.clear()
+        self._tokens.clear()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"tokens_seen": self.tokens_seen}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.tokens_seen = int(state_dict.get("tokens_seen", 0))
+
+
+class SampleGeneration(L.Callback):
+    """At every validation, continues a fixed prompt and logs it as text (a growing table in W&B, a
+    ``samples.txt`` beside CSV logs, and the console log)."""
+
+    def __init__(
+        self,
+        prompt: str = "The",
+        max_new_tokens: int = 32,
+        temperature: float = 0.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+    ) -> None:
+        self.prompt = prompt
+        self.max_new_tokens = max_new_tokens
+        self.temperature = temperature
+        self.top_k = top_k
+        self.top_p = top_p
+        self.rows: list[list[Any]] = []
+
+    def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        tokenizer = getattr(pl_module, "tokenizer", None)
+        if trainer.sanity_checking or tokenizer is None or self.max_new_tokens <= 0:
+            return
+        ids = tokenizer.encode(self.prompt) or [tokenizer.eot_id]
+        idx = torch.tensor([ids], device=pl_module.device)
+        generator = torch.Generator(device=pl_module.device).manual_seed(trainer.global_step)
+        out = pl_module.model.generate(
+            idx,
+            self.max_new_tokens,
+            temperature=self.temperature,
+            top_k=self.top_k,
+            top_p=self.top_p,
+            generator=generator,
+        )
+        completion = tokenizer.decode(out[0, len(ids) :].tolist())
+        if trainer.global_rank != 0:
+            return
+        self.rows.append([trainer.global_step, self.prompt, completion])
+        log.info("step %d sample: %r -> %r", trainer.global_step, self.prompt, completion)
+        from gptlab.tracking.loggers import log_text_samples
+
+        log_text_samples(trainer, ["step", "prompt", "completion"], self.rows)
+
+
+class StepProgressBar(TQDMProgressBar):
+    """A progress bar over optimizer steps (``global_step / max_steps``), not epochs, showing the loss,
+    tokens per second and the last validation loss."""
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        super().on_train_start(trainer, pl_module)
+        self.train_progress_bar.reset(total=trainer.max_steps)
+        self.train_progress_bar.initial = trainer.global_step
+        self.train_progress_bar.n = trainer.global_step
+        self.train_progress_bar.set_description("Training")
+
+    def on_train_epoch_start(self, trainer: L.Trainer, *_: Any) -> None:
+        pass  # one bar for the whole run
+
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx
+    ) -> None:
+        bar = self.train_progress_bar
+        if bar is not None and self._should_update(trainer.global_step, bar.total):
+            bar.n = trainer.global_step
+            bar.set_postfix(self.get_metrics(trainer, pl_module), refresh=False)
+            bar.refresh()
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        pass
+
+    def get_metrics(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, Any]:
+        items = super().get_metrics(trainer, pl_module)
+        items.pop("v_num", None)
+        short = {"train/loss": "loss", "train/tokens_per_second": "tok/s", "val/loss": "val_loss"}
+        out = {}
+        for key, value in items.items():
+            if key == "train/tokens_per_second":
+                value = f"{float(value):,.0f}"
+            out[short.get(key, key)] = value
+        return out

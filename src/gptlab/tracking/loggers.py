@@ -1,0 +1,109 @@
+"""Experiment loggers: W&B (online when logged in, offline files otherwise) and CSV."""
+
+from __future__ import annotations
+
+import logging
+import netrc
+import os
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+import lightning as L
+from lightning.pytorch.loggers import CSVLogger, Logger, WandbLogger
+
+log = logging.getLogger(__name__)
+
+
+def wandb_logged_in() -> bool:
+    """True when W&B credentials are present (WANDB_API_KEY, or a netrc entry for the W&B host)."""
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname or "api.wandb.ai"
+    path = os.environ.get("NETRC", os.path.expanduser("~/.netrc"))
+    try:
+        return netrc.netrc(path).authenticators(host) is not None
+    except (FileNotFoundError, netrc.NetrcParseError, OSError):
+        return False
+
+
+def wandb_mode(mode: str | None) -> str:
+    """``online``, ``offline`` or ``disabled``: the configured mode, else WANDB_MODE, else online exactly when
+    the user is logged in."""
+    allowed = ("online", "offline", "disabled")
+    if mode in (None, "auto"):
+        env = os.environ.get("WANDB_MODE")
+        if env in ("dryrun",):
+            env = "offline"
+        mode = env if env in allowed else ("online" if wandb_logged_in() else "offline")
+    if mode not in allowed:
+        from gptlab.errors import ConfigError
+
+        raise ConfigError(f"logger.wandb.mode={mode!r} is not one of {allowed} (or auto / null).")
+    return mode
+
+
+def wandb_logger(
+    save_dir: str,
+    project: str = "gptlab",
+    entity: str | None = None,
+    name: str | None = None,
+    group: str | None = None,
+    job_type: str | None = "train",
+    tags: list[str] | None = None,
+    id: str | None = None,
+    mode: str | None = None,
+    log_model: bool = False,
+    **kwargs: Any,
+) -> WandbLogger:
+    """A Lightning WandbLogger whose files live in the run directory. Offline runs are written under
+    ``<save_dir>/wandb/offline-run-*`` and can be uploaded later with ``wandb sync <that folder>``."""
+    resolved = wandb_mode(mode)
+    Path(save_dir).mkdir(parents=True, exist_ok=True)
+    os.environ["WANDB_MODE"] = resolved  # respected by wandb.init in this process and its children
+    os.environ.setdefault("WANDB_SILENT", "true")
+    if resolved == "online":
+        log.info("W&B: logging online to project %s", project)
+    return WandbLogger(
+        save_dir=save_dir,
+        project=project,
+        entity=entity,
+        name=name,
+        group=group,
+        job_type=job_type,
+        tags=list(tags) if tags else None,
+        id=id,
+        offline=resolved == "offline",
+        mode=resolved,
+        log_model=log_model and resolved == "online",
+        **kwargs,
+    )
+
+
+def csv_logger(save_dir: str, name: str = "csv", version: str | int | None = "") -> CSVLogger:
+    """Metrics as ``<save_dir>/<name>/metrics.csv``: needs nothing, read by scripts/compare.py."""
+    return CSVLogger(save_dir=save_dir, name=name, version=version)
+
+
+def log_text_samples(trainer: L.Trainer, columns: list[str], rows: list[list[Any]]) -> None:
+    """Log generated samples with every logger that can hold text."""
+    for logger in trainer.loggers:
+        if isinstance(logger, WandbLogger):
+            logger.log_text(key="samples", columns=columns, data=rows, step=trainer.global_step)
+        elif isinstance(logger, CSVLogger):
+            path = Path(logger.log_dir) / "samples.tsv"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with path.open("a") as f:
+                if path.stat().st_size == 0:
+                    f.write("\t".join(columns) + "\n")
+                f.write("\t".join(str(v).replace("\t", " ").replace("\n", "\\n") for v in rows[-1]) + "\n")
+
+
+def finish_wandb(loggers: list[Logger], failed: bool) -> None:
+    """Close this job's W&B run, so that the next job of a multirun starts its own."""
+    if not any(isinstance(lg, WandbLogger) for lg in loggers):
+        return
+    import wandb
+
+    if wandb.run is not None:
+        wandb.finish(exit_code=1 if failed else 0)

@@ -1,0 +1,145 @@
+"""Read a W&B run back from its local ``run-*.wandb`` file (offline runs, or the local copy of online ones).
+
+W&B keeps no readable copy of an offline run's metrics and its API cannot see offline runs, so this reads
+the transaction log itself. The file is a LevelDB-style log: a 7-byte header (``:W&B``, magic 0xBEE1,
+version), then 32 KiB blocks of records, each with a 7-byte header (crc32, length, type FULL/FIRST/MIDDLE/
+LAST); a record's payload is a ``wandb_internal_pb2.Record`` protobuf.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import struct
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+BLOCK_SIZE = 32 * 1024
+HEADER_SIZE = 7
+FULL, FIRST, MIDDLE, LAST = 1, 2, 3, 4
+FILE_IDENT = b":W&B"
+FILE_MAGIC = 0xBEE1
+
+
+class WandbFileError(ValueError):
+    pass
+
+
+def iter_payloads(path: str | os.PathLike) -> Iterator[bytes]:
+    """Yield each record's payload bytes, joining records split across blocks."""
+    data = Path(path).read_bytes()
+    if len(data) < HEADER_SIZE or data[:4] != FILE_IDENT:
+        raise WandbFileError(f"{path} is not a W&B run file (no ':W&B' header)")
+    ident, magic, version = struct.unpack("<4sHB", data[:HEADER_SIZE])
+    if magic != FILE_MAGIC:
+        raise WandbFileError(f"{path}: unexpected magic {magic:#x} (version {version})")
+    pos = HEADER_SIZE
+    pending: list[bytes] = []
+    while pos + HEADER_SIZE <= len(data):
+        left_in_block = BLOCK_SIZE - pos % BLOCK_SIZE
+        if left_in_block < HEADER_SIZE:  # the block's tail is padding
+            pos += left_in_block
+            continue
+        checksum, length, kind = struct.unpack("<IHB", data[pos : pos + HEADER_SIZE])
+        if length == 0 and kind == 0:  # zero padding, or the end of what was flushed
+            pos += left_in_block
+            continue
+        payload = data[pos + HEADER_SIZE : pos + HEADER_SIZE + length]
+        if len(payload) < length:
+            break  # a record still being written
+        if zlib.crc32(bytes([kind]) + payload) & 0xFFFFFFFF != checksum:
+            raise WandbFileError(f"{path}: checksum mismatch at byte {pos}")
+        pos += HEADER_SIZE + length
+        if kind == FULL:
+            yield payload
+        elif kind == FIRST:
+            pending = [payload]
+        elif kind == MIDDLE:
+            pending.append(payload)
+        elif kind == LAST:
+            pending.append(payload)
+            yield b"".join(pending)
+            pending = []
+
+
+def _value(item: Any) -> Any:
+    return json.loads(item.value_json) if item.value_json else None
+
+
+def _key(item: Any) -> str:
+    return "/".join(item.nested_key) if item.nested_key else item.key
+
+
+@dataclass
+class WandbRun:
+    path: Path
+    run_id: str = ""
+    name: str = ""
+    project: str = ""
+    group: str = ""
+    job_type: str = ""
+    tags: list[str] = field(default_factory=list)
+    config: dict[str, Any] = field(default_factory=dict)
+    history: list[dict[str, Any]] = field(default_factory=list)
+    summary: dict[str, Any] = field(default_factory=dict)
+    exit_code: int | None = None
+
+    def metric(self, key: str) -> list[tuple[int, float]]:
+        """(step, value) pairs of one metric, in logged order; the step is Lightning's global step."""
+        out = []
+        for row in self.history:
+            if key in row:
+                step = row.get("trainer/global_step", row.get("_step", len(out)))
+                out.append((int(step), row[key]))
+        return out
+
+
+def read_run(path: str | os.PathLike) -> WandbRun:
+    """Parse a ``run-*.wandb`` file (or a run folder holding one) into run info, config, history and summary."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    path = Path(path)
+    if path.is_dir():
+        files = sorted(path.glob("*.wandb"))
+        if not files:
+            raise WandbFileError(f"{path} holds no .wandb file")
+        path = files[0]
+    run = WandbRun(path=path)
+    for payload in iter_payloads(path):
+        record = pb.Record()
+        record.ParseFromString(payload)
+        kind = record.WhichOneof("record_type")
+        if kind == "run":
+            r = record.run
+            run.run_id, run.name, run.project = r.run_id, r.display_name, r.project
+            run.group, run.job_type, run.tags = r.run_group, r.job_type, list(r.tags)
+            for item in r.config.update:
+                run.config[_key(item)] = _value(item)
+        elif kind == "config":
+            for item in record.config.update:
+                run.config[_key(item)] = _value(item)
+            for item in record.config.remove:
+                run.config.pop(_key(item), None)
+        elif kind == "history":
+            run.history.append({_key(item): _value(item) for item in record.history.item})
+        elif kind == "summary":
+            for item in record.summary.update:
+                run.summary[_key(item)] = _value(item)
+        elif kind == "exit":
+            run.exit_code = record.exit.exit_code
+    # W&B wraps each config entry as {"value": ..., "desc": ...}.
+    run.config = {
+        k: (v["value"] if isinstance(v, dict) and "value" in v else v) for k, v in run.config.items()
+    }
+    return run
+
+
+def find_runs(root: str | os.PathLike) -> list[Path]:
+    """Every ``run-*.wandb`` file below ``root`` (offline and online run folders)."""
+    found = glob.glob(os.path.join(str(root), "**", "run-*.wandb"), recursive=True)
+    # wandb/latest-run is a link to the newest run folder: count each run once.
+    return sorted(Path(p) for p in found if "latest-run" not in Path(p).parts)

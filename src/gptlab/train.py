@@ -1,0 +1,200 @@
+"""The training task: everything is built and checked from the config before any expensive work, then
+Lightning fits, and the W&B run is always closed, also on error."""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from hydra.core.hydra_config import HydraConfig
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from gptlab.builders import build_datamodule, build_model_config, build_tokenizer
+from gptlab.errors import ConfigError
+from gptlab.lit.module import GPTLitModule, check_optim
+from gptlab.tracking.loggers import finish_wandb
+
+log = logging.getLogger("gptlab")
+
+
+def _route_lightning_logs() -> None:
+    """Lightning prints through its own console handler; Hydra already logs the root logger to the console
+    and to the run's log file. Keep one copy of each line, in both places."""
+    for name in ("lightning.pytorch", "lightning.fabric"):
+        logger = logging.getLogger(name)
+        for handler in list(logger.handlers):
+            if isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler):
+                logger.removeHandler(handler)
+        logger.propagate = True
+
+
+def run_dir_of(cfg: DictConfig) -> Path:
+    if HydraConfig.initialized():
+        return Path(HydraConfig.get().runtime.output_dir)
+    return Path(cfg.paths.get("output_dir") or "outputs/runs/interactive")
+
+
+def check_trainer_options(trainer_cfg: dict[str, Any]) -> None:
+    import difflib
+
+    allowed = set(inspect.signature(L.Trainer.__init__).parameters) - {"self"}
+    for key in trainer_cfg:
+        if key not in allowed:
+            close = difflib.get_close_matches(key, sorted(allowed), n=1)
+            raise ConfigError(
+                f"trainer.{key} is not a Lightning Trainer argument."
+                + (f" Did you mean trainer.{close[0]}?" if close else "")
+                + " See https://lightning.ai/docs/pytorch/stable/common/trainer.html#trainer-flags."
+            )
+
+
+def choose_precision(requested: Any) -> Any:
+    """fp32 on CPU (bf16 matrix products run far slower than fp32 on CPUs); bf16 mixed precision on GPUs
+    that have it, fp16 mixed on older ones."""
+    if requested not in (None, "auto"):
+        return requested
+    if torch.cuda.is_available():
+        return "bf16-mixed" if torch.cuda.is_bf16_supported() else "16-mixed"
+    return "32-true"
+
+
+def build_strategy(strategy_cfg: DictConfig) -> Any:
+    if "_target_" in strategy_cfg:
+        return instantiate(strategy_cfg)
+    return strategy_cfg.get("name", "auto")
+
+
+def build_loggers(cfg: DictConfig) -> list:
+    loggers = []
+    for _, node in (cfg.get("logger") or {}).items():
+        if node is not None and "_target_" in node:
+            loggers.append(instantiate(node))
+    return loggers
+
+
+def build_callbacks(cfg: DictConfig) -> list[L.Callback]:
+    return [
+        instantiate(node) for _, node in (cfg.get("callbacks") or {}).items() if node and "_target_" in node
+    ]
+
+
+def human(n: float) -> str:
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f}{unit}"
+    return str(int(n))
+
+
+def model_summary(module: GPTLitModule) -> str:
+    c = module.model_config
+    counts = module.model.parameter_counts()
+    return (
+        f"Model: {c.n_layer} layers x {c.n_head} heads x {c.n_embd} wide, context {c.block_size}, vocabulary "
+        f"{c.vocab_size}; pos={c.pos}, activation={c.activation}, norm={c.norm} ({c.norm_placement}), "
+        f"head {'tied to' if c.tie_weights else 'separate from'} the token embedding\n"
+        f"Parameters: total {counts['total']:,} ({human(counts['total'])}), embedding {counts['embedding']:,}, "
+        f"non-embedding {counts['non_embedding']:,}"
+    )
+
+
+def run(cfg: DictConfig) -> dict[str, float]:
+    """Train one model as configured; returns the final metrics (``val/loss``, ``val/ppl``, ...)."""
+    t0 = time.perf_counter()
+    _route_lightning_logs()
+    run_dir = run_dir_of(cfg)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with open_dict(cfg):
+        cfg.paths.output_dir = str(run_dir)
+    L.seed_everything(cfg.seed, workers=True, verbose=False)
+
+    # ---- build and check everything before any expensive work --------------------------------
+    trainer_cfg = OmegaConf.to_container(cfg.trainer, resolve=True)
+    check_trainer_options(trainer_cfg)
+    if not trainer_cfg.get("max_steps") or trainer_cfg["max_steps"] <= 0:
+        raise ConfigError(
+            f"trainer.max_steps={trainer_cfg.get('max_steps')}: set a positive number of optimizer steps "
+            "(the learning-rate schedule is defined over them)."
+        )
+    check_optim(OmegaConf.to_container(cfg.optim, resolve=True))
+    datamodule = build_datamodule(cfg)
+    tokenizer = build_tokenizer(cfg)
+    model_config = build_model_config(cfg, tokenizer)
+    module = GPTLitModule(model=model_config.to_dict(), optim=OmegaConf.to_container(cfg.optim, resolve=True))
+    module.tokenizer = tokenizer
+    trainer_cfg["precision"] = choose_precision(trainer_cfg.get("precision"))
+    strategy = build_strategy(cfg.strategy)
+    loggers = build_loggers(cfg)
+    callbacks = build_callbacks(cfg)
+
+    failed = True
+    try:
+        trainer = L.Trainer(**trainer_cfg, strategy=strategy, logger=loggers or False, callbacks=callbacks)
+        if trainer.is_global_zero:
+            log.info("Run directory: %s", run_dir)
+            log.info("\n%s", model_summary(module))
+        resolved = OmegaConf.to_container(cfg, resolve=True)
+        for lg in loggers:
+            lg.log_hyperparams(resolved)
+        if trainer.is_global_zero:
+            OmegaConf.save(cfg, run_dir / "config_resolved.yaml", resolve=True)
+
+        datamodule.prepare_data()
+        datamodule.setup("fit")
+        corpus = datamodule.corpus
+        if tokenizer.vocab_size != corpus.tokenizer.vocab_size:  # pragma: no cover - a stale cache
+            raise ConfigError("the token cache was made with another tokenizer: delete it and run again")
+        log.info("Data ready after %.1f s", time.perf_counter() - t0)
+
+        trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
+        metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1}
+        metrics["unigram_entropy"] = corpus.unigram_entropy
+        metrics["wall_seconds"] = time.perf_counter() - t0
+        if trainer.is_global_zero:
+            for lg in loggers:
+                if hasattr(lg, "experiment") and lg.__class__.__name__ == "WandbLogger":
+                    lg.experiment.summary.update(
+                        {
+                            "unigram_entropy": corpus.unigram_entropy,
+                            "parameters/total": module.model.parameter_counts()["total"],
+                        }
+                    )
+            _report(metrics, corpus.unigram_entropy, run_dir, trainer, loggers)
+        failed = False
+        return metrics
+    finally:
+        finish_wandb(loggers, failed)
+
+
+def _report(
+    metrics: dict[str, float], entropy: float, run_dir: Path, trainer: L.Trainer, loggers: list
+) -> None:
+    val = metrics.get("val/loss", math.nan)
+    lines = [
+        f"Final validation loss {val:.4f} nats (perplexity {math.exp(val) if val == val else math.nan:.1f}); "
+        f"unigram entropy of the corpus {entropy:.4f} nats"
+        + (f" ({entropy - val:+.3f} below it)" if val == val else ""),
+        f"Trained {trainer.global_step} steps in {metrics['wall_seconds']:.0f} s",
+        f"Outputs: {run_dir}",
+    ]
+    ckpt = trainer.checkpoint_callback
+    if ckpt is not None and ckpt.dirpath:
+        lines.append(
+            f"  checkpoints: {ckpt.dirpath} (last.ckpt, best by val/loss: {Path(ckpt.best_model_path).name})"
+        )
+    for lg in loggers:
+        if lg.__class__.__name__ == "WandbLogger":
+            folder = Path(lg.experiment.dir).parent
+            if lg.experiment.settings._offline:
+                lines.append(f"  W&B offline run: {folder}  (upload: wandb sync {folder})")
+            else:
+                lines.append(f"  W&B run: {lg.experiment.url}")
+        elif lg.__class__.__name__ == "CSVLogger":
+            lines.append(f"  metrics: {Path(lg.log_dir) / 'metrics.csv'}")
+    print("\n".join(lines), flush=True)

@@ -1,0 +1,71 @@
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+
+ROOT = Path(__file__).resolve().parents[1]
+CONF = ROOT / "conf"
+
+# Tests never touch the network or a real W&B account.
+os.environ["WANDB_MODE"] = "offline"
+os.environ["WANDB_SILENT"] = "true"
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+torch.set_num_threads(min(2, torch.get_num_threads()))
+
+
+@pytest.fixture
+def cache_root(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("root")
+
+
+@pytest.fixture
+def make_cfg(cache_root):
+    """Compose the training config with overrides, as `python train.py <overrides>` would."""
+
+    def _compose(*overrides: str, root: Path | None = None):
+        GlobalHydra.instance().clear()
+        with initialize_config_dir(str(CONF), version_base="1.3"):
+            return compose("train", overrides=[f"paths.root_dir={root or cache_root}", *overrides])
+
+    return _compose
+
+
+TINY = [
+    "model.n_layer=1",
+    "model.n_head=2",
+    "model.n_embd=32",
+    "model.block_size=32",
+    "data.batch_size=4",
+    "trainer.max_steps=8",
+    "trainer.val_check_interval=4",
+    "trainer.limit_val_batches=2",
+    "callbacks.sample_generation.max_new_tokens=4",
+]
+
+
+def run_train(
+    args: list[str], cwd: Path, timeout: int = 600, env: dict | None = None, check: bool = True
+) -> subprocess.CompletedProcess:
+    """Run `python train.py <args>` as a user would, in a subprocess."""
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), *args],
+        cwd=cwd,
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    if check and proc.returncode != 0:
+        raise AssertionError(
+            f"train.py failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
+        )
+    return proc

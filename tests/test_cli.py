@@ -1,0 +1,120 @@
+"""`python train.py` as a user types it, in a subprocess."""
+
+import json
+import math
+
+import pytest
+import torch
+from conftest import TINY, run_train
+
+from gptlab.tracking.wandb_files import find_runs, read_run
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cli")
+    run_dir = root / "run"
+    proc = run_train(
+        [
+            *TINY,
+            "trainer.max_steps=30",
+            "trainer.val_check_interval=10",
+            "optim.lr=1e-2",
+            "optim.warmup_steps=5",
+            f"paths.root_dir={root}",
+            f"hydra.run.dir={run_dir}",
+        ],
+        cwd=root,
+    )
+    return root, run_dir, proc
+
+
+def test_train_run_lowers_the_loss_and_leaves_a_checkpoint(trained):
+    root, run_dir, proc = trained
+    out = proc.stdout + proc.stderr
+    assert "Parameters: total" in out and "non-embedding" in out
+    assert "unigram entropy of the corpus" in out
+    assert str(run_dir) in out
+    ckpts = run_dir / "checkpoints"
+    assert (ckpts / "last.ckpt").is_file()
+    assert list(ckpts.glob("best-*.ckpt"))
+    ckpt = torch.load(ckpts / "last.ckpt", map_location="cpu", weights_only=False)
+    assert ckpt["global_step"] == 30
+    assert ckpt["tokenizer"] == {"name": "gpt2"}
+    assert ckpt["hyper_parameters"]["model"]["n_embd"] == 32
+    assert (run_dir / "config_resolved.yaml").is_file()
+    assert (run_dir / ".hydra" / "config.yaml").is_file()
+
+
+def test_wandb_offline_run_holds_the_logged_metrics(trained):
+    root, run_dir, _ = trained
+    files = find_runs(run_dir / "wandb")
+    assert len(files) == 1 and "offline-run-" in str(files[0])
+    run = read_run(files[0])
+    losses = [v for _, v in run.metric("train/loss")]
+    val = run.metric("val/loss")
+    assert len(losses) >= 3 and [s for s, _ in val] == [
+        9,
+        19,
+        29,
+    ]  # Lightning's 0-based step at each validation
+    assert losses[-1] < losses[0] - 0.5  # the loss fell
+    assert val[-1][1] < val[0][1]
+    ppl = run.metric("val/ppl")
+    assert math.isclose(ppl[-1][1], math.exp(val[-1][1]), rel_tol=1e-4)
+    assert run.metric("lr") and run.metric("train/tokens_per_second")
+    # the whole resolved config is in the run
+    assert run.config["model"]["n_embd"] == 32
+    assert run.config["pos"]["name"] == "learned"
+    assert run.config["seed"] == 1337
+    assert run.summary["unigram_entropy"] > 5
+    # the greedy continuation of the fixed prompt, one row per validation, in a W&B table file
+    assert run.summary["samples/_type"] == "table-file"
+    table = json.loads((files[0].parent / "files" / run.summary["samples/path"]).read_text())
+    assert table["columns"] == ["step", "prompt", "completion"]
+    assert [row[0] for row in table["data"]] == [10, 20, 30]
+    assert all(row[1] == "The" and row[2] for row in table["data"])
+    assert run.exit_code == 0
+
+
+def test_second_run_reuses_the_token_cache(trained):
+    root, _, _ = trained
+    proc = run_train(
+        [
+            *TINY,
+            "trainer.max_steps=2",
+            "trainer.val_check_interval=2",
+            "logger=csv",
+            f"paths.root_dir={root}",
+            f"hydra.run.dir={root / 'run2'}",
+        ],
+        cwd=root,
+    )
+    out = proc.stdout + proc.stderr
+    assert "Token cache hit" in out and "Preparing" not in out
+    assert (root / "run2" / "csv" / "metrics.csv").is_file()
+
+
+@pytest.mark.parametrize(
+    "override,expected",
+    [
+        ("trainer.max_step=5", "Key 'max_step' is not in struct"),
+        ("pos=rotary", "Could not find 'pos/rotary'"),
+        ("activation=gleu", "Could not find 'activation/gleu'"),
+        ("model.n_head=3", "n_embd=32 is not divisible by model.n_head=3"),
+        ("data.path=/no/such/file.txt", "matches no file"),
+        ("model.vocab_size=1000", "tokenizer=gpt2 has 50257 ids but model.vocab_size=1000"),
+        ("data.block_size=64", "longer than the learned position table"),
+        ("+trainer.max_epoch=3", "Did you mean trainer.max_epochs"),
+    ],
+)
+def test_bad_input_fails_fast_with_the_fix(tmp_path, override, expected):
+    proc = run_train(
+        [*TINY, override, f"paths.root_dir={tmp_path}", f"hydra.run.dir={tmp_path / 'r'}"],
+        cwd=tmp_path,
+        check=False,
+        timeout=120,
+    )
+    assert proc.returncode != 0
+    assert expected in proc.stdout + proc.stderr
+    assert not (tmp_path / "r" / "checkpoints").exists()

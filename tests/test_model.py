@@ -1,0 +1,112 @@
+import pytest
+import torch
+
+from gptlab.errors import ConfigError
+from gptlab.model.config import GPTConfig
+from gptlab.model.gpt import GPT, KVCache
+
+SCHEMES = ["learned", "sinusoidal", "nope"]
+
+
+def tiny(**kw) -> GPTConfig:
+    base = dict(vocab_size=97, block_size=32, n_layer=2, n_head=4, n_embd=32)
+    return GPTConfig(**{**base, **kw})
+
+
+@pytest.mark.parametrize("pos", SCHEMES)
+@pytest.mark.parametrize("placement", ["pre", "post"])
+def test_causality_future_tokens_never_change_past_logits(pos, placement):
+    torch.manual_seed(0)
+    model = GPT(tiny(pos=pos, norm_placement=placement)).eval()
+    idx = torch.randint(0, 97, (2, 24))
+    logits, _ = model(idx)
+    for t in (0, 7, 22):
+        changed = idx.clone()
+        changed[:, t + 1 :] = torch.randint(0, 97, changed[:, t + 1 :].shape)
+        logits2, _ = model(changed)
+        torch.testing.assert_close(logits2[:, : t + 1], logits[:, : t + 1], rtol=0, atol=1e-5)
+        assert not torch.allclose(logits2[:, t + 1 :], logits[:, t + 1 :])
+
+
+def test_output_head_reuses_the_token_embedding():
+    model = GPT(tiny())
+    assert model.lm_head.weight is model.transformer.wte.weight
+    untied = GPT(tiny(tie_weights=False))
+    assert untied.lm_head.weight is not untied.transformer.wte.weight
+    assert untied.parameter_counts()["total"] == model.parameter_counts()["total"] + 97 * 32
+
+
+def test_gpt2_preset_has_exactly_gpt2s_parameter_count():
+    with torch.device("meta"):
+        model = GPT(GPTConfig(vocab_size=50257, block_size=1024, n_layer=12, n_head=12, n_embd=768))
+    counts = model.parameter_counts()
+    assert counts["total"] == 124_439_808
+    assert counts["embedding"] == 50257 * 768 + 1024 * 768
+    assert counts["non_embedding"] == 124_439_808 - counts["embedding"]
+
+
+@pytest.mark.parametrize("pos", SCHEMES)
+def test_kv_cache_gives_the_same_logits_as_recomputing(pos):
+    torch.manual_seed(0)
+    model = GPT(tiny(pos=pos)).eval()
+    idx = torch.randint(0, 97, (2, 20))
+    full, _ = model(idx)
+    cache = KVCache.empty(model.config.n_layer)
+    pieces = [model(idx[:, :12], cache=cache)[0]]  # a prompt, then a chunk, then one token at a time
+    pieces.append(model(idx[:, 12:15], cache=cache)[0])
+    for t in range(15, 20):
+        pieces.append(model(idx[:, t : t + 1], cache=cache)[0])
+    torch.testing.assert_close(torch.cat(pieces, dim=1), full, rtol=1e-4, atol=1e-5)
+
+
+def test_greedy_generation_with_and_without_cache_agree():
+    torch.manual_seed(0)
+    model = GPT(tiny()).eval()
+    prompt = torch.randint(0, 97, (1, 5))
+    a = model.generate(prompt, 40, use_cache=True)  # runs past block_size: the window slides
+    b = model.generate(prompt, 40, use_cache=False)
+    assert a.shape == (1, 45)
+    assert torch.equal(a, b)
+
+
+def test_sampling_respects_top_k():
+    torch.manual_seed(0)
+    model = GPT(tiny()).eval()
+    prompt = torch.randint(0, 97, (4, 3))
+    g = torch.Generator().manual_seed(0)
+    out = model.generate(prompt, 1, temperature=1.0, top_k=1, generator=g)
+    greedy = model.generate(prompt, 1)
+    assert torch.equal(out, greedy)
+
+
+def test_learned_positions_refuse_sequences_past_the_table():
+    model = GPT(tiny(pos="learned"))
+    with pytest.raises(ValueError, match="32 positions"):
+        model(torch.zeros(1, 33, dtype=torch.long))
+    # a fixed table extends past block_size
+    GPT(tiny(pos="sinusoidal"))(torch.zeros(1, 40, dtype=torch.long))
+
+
+def test_sinusoidal_table_equals_the_formula():
+    import math
+
+    model = GPT(tiny(pos="sinusoidal", n_embd=16, n_head=2))
+    table = model.transformer.pos.table
+    for pos in (0, 1, 5, 31):
+        for i in range(8):
+            angle = pos / 10000 ** (2 * i / 16)
+            assert table[pos, 2 * i].item() == pytest.approx(math.sin(angle), abs=1e-6)
+            assert table[pos, 2 * i + 1].item() == pytest.approx(math.cos(angle), abs=1e-6)
+
+
+def test_bad_model_configs_are_refused_with_the_fix():
+    with pytest.raises(ConfigError, match=r"n_embd=100 is not divisible by model.n_head=3"):
+        tiny(n_embd=100, n_head=3)
+    with pytest.raises(ConfigError, match=r"Unknown positional encoding 'rotary'.*learned"):
+        tiny(pos="rotary")
+    with pytest.raises(ConfigError, match=r"Unknown activation 'gleu'.*gelu.*Did you mean activation=gelu"):
+        tiny(activation="gleu")
+    with pytest.raises(ConfigError, match="norm.placement"):
+        tiny(norm_placement="middle")
+    with pytest.raises(ConfigError, match="did you mean 'n_layer'"):
+        GPTConfig.from_dict({"n_layers": 3})

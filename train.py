@@ -1,0 +1,18 @@
+"""Train a GPT: `python train.py model=small pos=sinusoidal activation=relu trainer.devices=1`.
+
+Every option is a Hydra override; `python train.py --help` lists the config groups and their choices.
+"""
+
+import hydra
+from omegaconf import DictConfig
+
+
+@hydra.main(config_path="conf", config_name="train", version_base="1.3")
+def main(cfg: DictConfig) -> float | None:
+    from gptlab.cli import run_task
+
+    return run_task(cfg)
+
+
+if __name__ == "__main__":
+    main()
