@@ -11,14 +11,15 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
-import torch
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from gptlab.builders import build_datamodule, build_model_config, build_tokenizer
 from gptlab.errors import ConfigError
 from gptlab.lit.module import GPTLitModule, check_optim
+from gptlab.parallel import ParallelOptions, build_strategy, choose_precision
 from gptlab.tracking.loggers import finish_wandb
 
 log = logging.getLogger("gptlab")
@@ -53,22 +54,6 @@ def check_trainer_options(trainer_cfg: dict[str, Any]) -> None:
                 + (f" Did you mean trainer.{close[0]}?" if close else "")
                 + " See https://lightning.ai/docs/pytorch/stable/common/trainer.html#trainer-flags."
             )
-
-
-def choose_precision(requested: Any) -> Any:
-    """fp32 on CPU (bf16 matrix products run far slower than fp32 on CPUs); bf16 mixed precision on GPUs
-    that have it, fp16 mixed on older ones."""
-    if requested not in (None, "auto"):
-        return requested
-    if torch.cuda.is_available():
-        return "bf16-mixed" if torch.cuda.is_bf16_supported() else "16-mixed"
-    return "32-true"
-
-
-def build_strategy(strategy_cfg: DictConfig) -> Any:
-    if "_target_" in strategy_cfg:
-        return instantiate(strategy_cfg)
-    return strategy_cfg.get("name", "auto")
 
 
 def build_loggers(cfg: DictConfig) -> list:
@@ -123,13 +108,21 @@ def run(cfg: DictConfig) -> dict[str, float]:
             "(the learning-rate schedule is defined over them)."
         )
     check_optim(OmegaConf.to_container(cfg.optim, resolve=True))
+    parallel = ParallelOptions.from_config(
+        {k: cfg[k] for k in ("compile", "activation_checkpointing") if cfg.get(k) is not None}
+    )
+    trainer_cfg["precision"] = choose_precision(trainer_cfg.get("precision"), trainer_cfg.get("accelerator"))
+    strategy = build_strategy(
+        OmegaConf.to_container(cfg.strategy, resolve=True),
+        trainer_cfg,
+        multirun=HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN,
+    )
     datamodule = build_datamodule(cfg)
     tokenizer = build_tokenizer(cfg)
     model_config = build_model_config(cfg, tokenizer)
     module = GPTLitModule(model=model_config.to_dict(), optim=OmegaConf.to_container(cfg.optim, resolve=True))
     module.tokenizer = tokenizer
-    trainer_cfg["precision"] = choose_precision(trainer_cfg.get("precision"))
-    strategy = build_strategy(cfg.strategy)
+    module.parallel = parallel
     loggers = build_loggers(cfg)
     callbacks = build_callbacks(cfg)
 

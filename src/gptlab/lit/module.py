@@ -61,11 +61,20 @@ class GPTLitModule(L.LightningModule):
         self.optim = check_optim(dict(optim or {}))
         self.model = GPT(self.model_config)
         self.tokenizer: tokenizers.Tokenizer | None = None  # set by the trainer task; saved in checkpoints
+        self.parallel: Any = None  # gptlab.parallel.ParallelOptions, set by the trainer task
         self._val_loss_sum = torch.zeros(())
         self._val_count = torch.zeros(())
 
     def forward(self, idx: Tensor, targets: Tensor | None = None):
         return self.model(idx, targets)
+
+    def configure_model(self) -> None:
+        # Sharding, activation checkpointing and compilation are applied from outside the model, per block.
+        from gptlab.parallel import ParallelOptions, parallelize
+
+        parallelize(
+            self.model, self.parallel or ParallelOptions(), self.trainer.strategy, self.trainer.precision
+        )
 
     # ---- training -------------------------------------------------------------------------------
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
