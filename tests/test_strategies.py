@@ -1,0 +1,416 @@
+"""Parallel strategies: every choice builds or is refused clearly; DDP, FSDP, two nodes and multiruns train
+on CPU processes (gloo); the SLURM launcher's job script and its preemption path."""
+
+from __future__ import annotations
+
+import csv
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import CONF, ROOT, TINY, run_train
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from omegaconf import OmegaConf
+
+from gptlab.errors import ConfigError
+from gptlab.model.config import GPTConfig
+from gptlab.model.gpt import GPT
+from gptlab.parallel import STRATEGIES, ParallelOptions, build_strategy, parallelize, strategy_choice
+from gptlab.tracking.wandb_files import find_runs, read_run
+
+STRATEGY_CHOICES = sorted(p.stem for p in (CONF / "strategy").glob("*.yaml"))
+CPU2 = ["trainer.accelerator=cpu", "trainer.devices=2"]
+QUIET = ["callbacks.sample_generation.max_new_tokens=0", "trainer.log_every_n_steps=1"]
+
+
+def metrics_csv(run_dir: Path) -> list[dict[str, str]]:
+    with open(run_dir / "csv" / "metrics.csv") as f:
+        return list(csv.DictReader(f))
+
+
+def column(rows: list[dict[str, str]], key: str) -> dict[int, float]:
+    return {int(r["step"]): float(r[key]) for r in rows if r.get(key)}
+
+
+# ---- config time ---------------------------------------------------------------------------------------
+def test_the_strategy_folder_and_the_registry_agree():
+    names = set()
+    for choice in STRATEGY_CHOICES:
+        names.add(OmegaConf.load(CONF / "strategy" / f"{choice}.yaml").name)
+    assert names == set(STRATEGIES.names())
+    for required in ("auto", "ddp", "ddp_spawn", "fsdp", "deepspeed_stage_1", "deepspeed_stage_2"):
+        assert required in STRATEGY_CHOICES
+    assert {"deepspeed_stage_3", "deepspeed_stage_2_offload", "deepspeed_stage_3_offload"} <= set(
+        STRATEGY_CHOICES
+    )
+
+
+@pytest.mark.parametrize("choice", STRATEGY_CHOICES)
+def test_every_strategy_composes_and_builds_or_is_refused_on_cpu(make_cfg, choice):
+    from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy
+
+    cfg = make_cfg(f"strategy={choice}", "trainer.accelerator=cpu", "trainer.devices=2")
+    trainer_cfg = OmegaConf.to_container(cfg.trainer, resolve=True)
+    strategy_cfg = OmegaConf.to_container(cfg.strategy, resolve=True)
+    if choice.startswith("deepspeed"):
+        with pytest.raises(ConfigError) as err:
+            build_strategy(strategy_cfg, trainer_cfg)
+        message = str(err.value)
+        assert f"strategy={choice} needs CUDA GPUs" in message
+        assert "strategy=fsdp" in message and "strategy=ddp" in message
+        return
+    strategy = build_strategy(strategy_cfg, trainer_cfg)
+    if choice == "auto":
+        assert strategy == "auto"
+    elif choice in ("ddp", "ddp_spawn"):
+        assert isinstance(strategy, DDPStrategy)
+        assert strategy._start_method == ("spawn" if choice == "ddp_spawn" else "popen")
+    elif choice == "fsdp":
+        assert isinstance(strategy, ModelParallelStrategy)
+        assert strategy.reshard_after_forward and not strategy.hybrid and not strategy.cpu_offload
+
+
+def test_bad_strategy_options_name_the_fix():
+    cpu = {"accelerator": "cpu", "devices": 2, "num_nodes": 1}
+    with pytest.raises(ConfigError, match=r"Unknown option\(s\) \['sharding'\] for strategy=fsdp. Known: \["):
+        build_strategy({"name": "fsdp", "sharding": "full"}, cpu)
+    with pytest.raises(ConfigError, match="strategy.hybrid=true .* trainer.num_nodes=1"):
+        build_strategy({"name": "fsdp", "hybrid": True}, cpu)
+    with pytest.raises(ConfigError, match="Unknown strategy 'fsdp2'.*Did you mean strategy=fsdp"):
+        strategy_choice({"name": "fsdp2"})
+    with pytest.raises(ConfigError, match="offload_parameters=true needs ZeRO stage 3"):
+        build_strategy({"name": "deepspeed", "stage": 2, "offload_parameters": True}, cpu)
+    with pytest.raises(ConfigError, match="compile='yes' must be true or false"):
+        ParallelOptions.from_config({"compile": "yes"})
+
+
+def test_deepspeed_on_cpu_is_refused_before_any_work(tmp_path):
+    proc = run_train(
+        [
+            *TINY,
+            "strategy=deepspeed_stage_2",
+            f"paths.root_dir={tmp_path}",
+            f"hydra.run.dir={tmp_path / 'r'}",
+        ],
+        cwd=tmp_path,
+        check=False,
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    assert "gptlab: error: strategy=deepspeed_stage_2 needs CUDA GPUs" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "outputs" / "cache").exists()  # no corpus was tokenized
+    assert not (tmp_path / "r" / "checkpoints").exists()
+
+
+def test_a_multirun_with_ddp_is_refused_and_points_to_ddp_spawn_and_slurm(tmp_path):
+    sweep = tmp_path / "sweep"
+    proc = run_train(
+        [
+            "-m",
+            *TINY,
+            "strategy=ddp",
+            *CPU2,
+            "seed=1,2",
+            f"paths.root_dir={tmp_path}",
+            f"hydra.sweep.dir={sweep}",
+        ],
+        cwd=tmp_path,
+        check=False,
+        timeout=120,
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert "every rank would run a sweep of its own" in out
+    assert "strategy=ddp_spawn" in out and "hydra/launcher=slurm" in out
+    assert not list(sweep.glob("*/checkpoints"))
+    assert "Initializing distributed" not in out  # no second process was started
+
+
+def test_activation_checkpointing_keeps_the_loss_the_gradients_and_the_parameter_names():
+    torch.manual_seed(0)
+    config = GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64)
+    plain, wrapped = GPT(config), GPT(config)
+    wrapped.load_state_dict(plain.state_dict())
+    parallelize(wrapped, ParallelOptions(activation_checkpointing=True))
+    assert list(wrapped.state_dict()) == list(plain.state_dict())
+    x = torch.randint(0, 64, (3, 16))
+    y = torch.randint(0, 64, (3, 16))
+    loss_plain = plain(x, y)[1]
+    loss_wrapped = wrapped(x, y)[1]
+    loss_plain.backward()
+    loss_wrapped.backward()
+    assert torch.equal(loss_plain, loss_wrapped)
+    for (name, a), (_, b) in zip(plain.named_parameters(), wrapped.named_parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=1e-6, msg=name)
+
+
+# ---- SLURM -----------------------------------------------------------------------------------------------
+def test_slurm_launcher_asks_for_one_task_per_device_and_lightnings_requeue_signal(tmp_path, monkeypatch):
+    import submitit
+    from hydra.utils import instantiate
+
+    # submitit's SLURM executor insists on finding `srun`; no SLURM here, so an empty stand-in is on PATH.
+    (tmp_path / "srun").write_text("#!/bin/sh\n")
+    (tmp_path / "srun").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(str(CONF), version_base="1.3"):
+        cfg = compose(
+            "train",
+            overrides=["hydra/launcher=slurm", "strategy=ddp", "trainer.devices=8", "trainer.num_nodes=4"],
+            return_hydra_config=True,
+        )
+    launcher = instantiate(cfg.hydra.launcher)
+    params = launcher.params
+    assert params["tasks_per_node"] == 8 and params["nodes"] == 4 and params["gpus_per_node"] == 8
+    # The sbatch script submitit would submit, from the parameters as the launcher passes them.
+    executor = submitit.AutoExecutor(cluster="slurm", folder=tmp_path / "jobs")
+    executor.update_parameters(
+        tasks_per_node=params["tasks_per_node"],
+        nodes=params["nodes"],
+        gpus_per_node=params["gpus_per_node"],
+        slurm_additional_parameters=dict(params["additional_parameters"]),
+        slurm_signal_delay_s=params["signal_delay_s"],
+    )
+    script = executor._executor._make_submission_file_text("python -m submitit.core._submit", "0")
+    assert "#SBATCH --ntasks-per-node=8" in script
+    assert "#SBATCH --nodes=4" in script
+    assert "#SBATCH --gpus-per-node=8" in script
+    assert "#SBATCH --signal=USR1@120" in script and "USR2" not in script
+
+
+@pytest.mark.slow
+def test_a_preempted_slurm_job_saves_requeues_and_resumes_in_the_same_run_directory(tmp_path):
+    # No SLURM controller here: the job's environment variables are set by hand and `scontrol` is a script
+    # that records its arguments. Lightning's own SIGUSR1 handler does the saving and the requeue call.
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    calls = tmp_path / "scontrol_calls.txt"
+    (bin_dir / "scontrol").write_text(f'#!/bin/sh\necho "$@" >> {calls}\n')
+    (bin_dir / "scontrol").chmod(0o755)
+    env = {
+        "PATH": f"{bin_dir}:{os.environ['PATH']}",
+        "SLURM_JOB_ID": "4242",
+        "SLURM_JOB_NAME": "gptlab",
+        "SLURM_NTASKS": "1",
+        "SLURM_PROCID": "0",
+        "SLURM_LOCALID": "0",
+        "SLURM_NODEID": "0",
+        "SLURM_NODELIST": "localhost",
+        "PYTHONUNBUFFERED": "1",
+    }
+    run_dir = tmp_path / "job_4242"
+    args = [
+        *TINY,
+        *QUIET,
+        "trainer.max_steps=400",
+        "trainer.val_check_interval=200",
+        "logger=csv",
+        f"paths.root_dir={tmp_path}",
+        f"hydra.run.dir={run_dir}",
+    ]
+    log = tmp_path / "first.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, str(ROOT / "train.py"), *args],
+            cwd=tmp_path,
+            env={**os.environ, **env},
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+        try:
+            deadline = time.time() + 120
+            while not re.search(r"\| *[1-9]\d*/400", log.read_text()):
+                assert proc.poll() is None and time.time() < deadline, log.read_text()[-3000:]
+                time.sleep(0.5)
+            proc.send_signal(signal.SIGUSR1)  # what SLURM sends before preempting the job
+            while not (run_dir / "hpc_ckpt_1.ckpt").is_file() or not calls.is_file():
+                assert proc.poll() is None and time.time() < deadline, log.read_text()[-3000:]
+                time.sleep(0.2)
+            time.sleep(1)  # the checkpoint file is complete once requeue was called
+        finally:
+            proc.kill()  # SLURM stops the requeued job
+            proc.wait()
+    assert calls.read_text().split() == ["requeue", "4242"]
+    saved_step = torch.load(run_dir / "hpc_ckpt_1.ckpt", map_location="cpu", weights_only=False)[
+        "global_step"
+    ]
+    assert 0 < saved_step < 400
+
+    # The requeued job runs the same command again: it finds the checkpoint in its run directory.
+    proc = run_train(args, cwd=tmp_path, env=env)
+    out = proc.stdout + proc.stderr
+    assert "Restored all states from the checkpoint" in out and "hpc_ckpt_1.ckpt" in out
+    last = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+    assert last["global_step"] == 400
+    steps = sorted(column(metrics_csv(run_dir), "train/loss"))
+    assert steps[-1] == 399 and min(steps) < saved_step <= max(steps)
+
+
+# ---- several processes -----------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_two_ddp_processes_give_the_loss_curve_of_one_process_with_the_same_global_batch(tmp_path):
+    # Same samples per step: DistributedSampler(seed) and the single process's shuffled loader draw the same
+    # permutation, rank r takes every other index of it, so the two half batches together are the single
+    # process's batch. Mean losses over equal halves average to the full batch's mean; no dropout. The
+    # validation loss after every step is reduced over every validation token of every rank.
+    common = [
+        *TINY,
+        *QUIET,
+        "trainer.max_steps=4",
+        "trainer.val_check_interval=1",
+        "trainer.limit_val_batches=2",
+        "logger=wandb",
+        f"paths.root_dir={tmp_path}",
+    ]
+    run_train([*common, "data.batch_size=8", f"hydra.run.dir={tmp_path / 'one'}"], cwd=tmp_path)
+    ddp_cwd = tmp_path / "ddp"
+    ddp_cwd.mkdir()
+    proc = run_train([*common, "data.batch_size=4", "strategy=ddp", *CPU2], cwd=ddp_cwd)
+    assert "MEMBER: 2/2" in proc.stdout + proc.stderr
+
+    # One run directory and one W&B run for the two processes.
+    run_dirs = [p for p in (ddp_cwd / "outputs" / "runs").glob("*/*") if p.is_dir()]
+    assert len(run_dirs) == 1, run_dirs
+    ddp_runs = find_runs(run_dirs[0] / "wandb")
+    assert len(ddp_runs) == 1
+
+    one = read_run(find_runs(tmp_path / "one" / "wandb")[0]).metric("val/loss")
+    two = read_run(ddp_runs[0]).metric("val/loss")
+    assert [s for s, _ in one] == [s for s, _ in two] and len(one) == 4
+    for (step, a), (_, b) in zip(one, two):
+        assert abs(a - b) < 1e-5, (step, a, b)
+    assert one[-1][1] < one[0][1]  # it trained
+
+    w_one = torch.load(tmp_path / "one" / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+    w_two = torch.load(run_dirs[0] / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+    for name, value in w_one["state_dict"].items():
+        torch.testing.assert_close(value, w_two["state_dict"][name], rtol=0, atol=1e-5, msg=name)
+
+
+@pytest.mark.slow
+def test_fsdp_on_two_processes_trains_checkpoints_shards_and_resumes(tmp_path):
+    common = [
+        *TINY,
+        *QUIET,
+        "strategy=fsdp",
+        *CPU2,
+        "trainer.val_check_interval=3",
+        "callbacks.model_checkpoint.save_top_k=-1",
+        "logger=csv",
+        f"paths.root_dir={tmp_path}",
+    ]
+    full = tmp_path / "full"
+    run_train([*common, "trainer.max_steps=6", f"hydra.run.dir={full}"], cwd=tmp_path)
+    middle = next((full / "checkpoints").glob("best-step000003-*.ckpt"))
+    # A distributed checkpoint: a directory with one shard file per rank.
+    assert middle.is_dir() and sorted(p.name for p in middle.glob("*.distcp")) == [
+        "__0_0.distcp",
+        "__1_0.distcp",
+    ]
+    assert (full / "checkpoints" / "last.ckpt").is_dir()
+
+    resumed = tmp_path / "resumed"
+    run_train(
+        [*common, "trainer.max_steps=6", f"ckpt_path={middle}", f"hydra.run.dir={resumed}"], cwd=tmp_path
+    )
+    full_loss = column(metrics_csv(full), "train/loss")
+    resumed_loss = column(metrics_csv(resumed), "train/loss")
+    assert sorted(resumed_loss) == [3, 4, 5]  # Lightning's 0-based steps after the third optimizer step
+    assert full_loss[5] < full_loss[0]
+    for step in (3, 4, 5):  # the same weights, optimizer state and data: the same losses
+        assert abs(resumed_loss[step] - full_loss[step]) < 1e-4, (step, resumed_loss, full_loss)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_two_nodes_on_one_machine_train_together_under_torchrun(tmp_path):
+    port = _free_port()
+    procs = []
+    for node in (0, 1):
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes=2",
+            "--nproc_per_node=1",
+            f"--node_rank={node}",
+            "--master_addr=127.0.0.1",
+            f"--master_port={port}",
+            str(ROOT / "train.py"),
+            *TINY,
+            *QUIET,
+            "trainer.max_steps=4",
+            "trainer.val_check_interval=4",
+            "strategy=ddp",
+            "trainer.accelerator=cpu",
+            "trainer.devices=1",
+            "trainer.num_nodes=2",
+            "logger=csv",
+            f"paths.root_dir={tmp_path}",
+            f"hydra.run.dir={tmp_path / f'node{node}'}",
+        ]
+        procs.append(
+            subprocess.Popen(
+                cmd,
+                cwd=tmp_path,
+                env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"},
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs[0][-3000:] + outs[1][-3000:]
+    assert "GLOBAL_RANK: 1, MEMBER: 2/2" in outs[1]
+    # Rank 0 (node 0) logs and saves; every step counted the tokens of both nodes.
+    rows = metrics_csv(tmp_path / "node0")
+    tokens = column(rows, "train/tokens")
+    assert tokens[3] == 4 * 2 * 4 * 32  # steps x nodes x batch x block_size
+    assert not (tmp_path / "node1" / "checkpoints").exists()
+    assert (
+        torch.load(tmp_path / "node0" / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] == 4
+    )
+
+
+@pytest.mark.slow
+def test_a_multirun_with_ddp_spawn_writes_one_run_directory_per_job(tmp_path):
+    sweep = tmp_path / "sweep"
+    proc = run_train(
+        [
+            "-m",
+            *TINY,
+            *QUIET,
+            "strategy=ddp_spawn",
+            *CPU2,
+            "trainer.max_steps=2",
+            "trainer.val_check_interval=2",
+            "logger=csv",
+            "seed=1,2",
+            f"paths.root_dir={tmp_path}",
+            f"hydra.sweep.dir={sweep}",
+        ],
+        cwd=tmp_path,
+    )
+    jobs = sorted(p.name for p in sweep.iterdir() if p.is_dir())
+    assert jobs == ["0", "1"], proc.stdout[-2000:]
+    for job, seed in (("0", 1), ("1", 2)):
+        assert OmegaConf.load(sweep / job / "config_resolved.yaml").seed == seed
+        assert (sweep / job / "checkpoints" / "last.ckpt").is_file()
+        assert (sweep / job / "csv" / "metrics.csv").is_file()
+    assert not (tmp_path / "multirun").exists() and not (tmp_path / "outputs" / "multirun").exists()
