@@ -260,10 +260,11 @@ def test_a_preempted_slurm_job_saves_requeues_and_resumes_in_the_same_run_direct
 # ---- several processes -----------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_two_ddp_processes_give_the_loss_curve_of_one_process_with_the_same_global_batch(tmp_path):
-    # Same samples per step: DistributedSampler(seed) and the single process's shuffled loader draw the same
-    # permutation, rank r takes every other index of it, so the two half batches together are the single
-    # process's batch. Mean losses over equal halves average to the full batch's mean; no dropout. The
-    # validation loss after every step is reduced over every validation token of every rank.
+    # Same samples per step: under a distributed strategy Lightning draws one permutation of the training
+    # windows (seeded by `seed`, the same in every rank) and rank r takes every other index of it, so the two
+    # half batches together are the batch a world of one process takes. (A plain single-device run shuffles
+    # with another permutation.) Mean losses over equal halves average to the full batch's mean; no dropout.
+    # The validation loss after every step is the mean over every validation token of every rank.
     common = [
         *TINY,
         *QUIET,
@@ -273,7 +274,8 @@ def test_two_ddp_processes_give_the_loss_curve_of_one_process_with_the_same_glob
         "logger=wandb",
         f"paths.root_dir={tmp_path}",
     ]
-    run_train([*common, "data.batch_size=8", f"hydra.run.dir={tmp_path / 'one'}"], cwd=tmp_path)
+    one_process = ["strategy=ddp", "trainer.accelerator=cpu", "trainer.devices=1", "data.batch_size=8"]
+    run_train([*common, *one_process, f"hydra.run.dir={tmp_path / 'one'}"], cwd=tmp_path)
     ddp_cwd = tmp_path / "ddp"
     ddp_cwd.mkdir()
     proc = run_train([*common, "data.batch_size=4", "strategy=ddp", *CPU2], cwd=ddp_cwd)
