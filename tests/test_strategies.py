@@ -335,7 +335,7 @@ def test_fsdp_on_two_processes_trains_checkpoints_shards_and_resumes(tmp_path):
     # The sharded weights and optimizer states came back: the loss goes on from where it was, far below the
     # untrained model's. (The batches after a resume are not the same: the sampler Lightning puts around
     # the loader under a distributed strategy does not restore its position.)
-    assert resumed_loss[3] < full_loss[0] - 0.5
+    assert resumed_loss[3] < full_loss[0] - 0.4
     assert abs(resumed_loss[5] - full_loss[5]) < 0.5
     assert (resumed / "checkpoints" / "last.ckpt").is_dir()
 
