@@ -192,7 +192,7 @@ def test_slurm_launcher_asks_for_one_task_per_device_and_lightnings_requeue_sign
 @pytest.mark.slow
 def test_a_preempted_slurm_job_saves_requeues_and_resumes_in_the_same_run_directory(tmp_path):
     # No SLURM controller here: the job's environment variables are set by hand and `scontrol` is a script
-    # that records its arguments. Lightning's own SIGUSR1 handler does the saving and the requeue call.
+    # that records its arguments.
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     calls = tmp_path / "scontrol_calls.txt"
@@ -210,11 +210,12 @@ def test_a_preempted_slurm_job_saves_requeues_and_resumes_in_the_same_run_direct
         "PYTHONUNBUFFERED": "1",
     }
     run_dir = tmp_path / "job_4242"
+    max_steps = 40
     args = [
         *TINY,
         *QUIET,
-        "trainer.max_steps=400",
-        "trainer.val_check_interval=200",
+        f"trainer.max_steps={max_steps}",
+        f"trainer.val_check_interval={max_steps}",
         "logger=csv",
         f"paths.root_dir={tmp_path}",
         f"hydra.run.dir={run_dir}",
@@ -230,31 +231,26 @@ def test_a_preempted_slurm_job_saves_requeues_and_resumes_in_the_same_run_direct
         )
         try:
             deadline = time.time() + 120
-            while not re.search(r"\| *[1-9]\d*/400", log.read_text()):
-                assert proc.poll() is None and time.time() < deadline, log.read_text()[-3000:]
-                time.sleep(0.5)
-            proc.send_signal(signal.SIGUSR1)  # what SLURM sends before preempting the job
-            while not (run_dir / "hpc_ckpt_1.ckpt").is_file() or not calls.is_file():
+            while not re.search(rf"\| *[1-9]\d*/{max_steps}", log.read_text()):
                 assert proc.poll() is None and time.time() < deadline, log.read_text()[-3000:]
                 time.sleep(0.2)
-            time.sleep(1)  # the checkpoint file is complete once requeue was called
+            proc.send_signal(signal.SIGUSR1)  # what SLURM sends before it preempts or times out the job
+            assert proc.wait(timeout=120) == 0, log.read_text()[-3000:]
         finally:
-            proc.kill()  # SLURM stops the requeued job
-            proc.wait()
+            proc.kill()
     assert calls.read_text().split() == ["requeue", "4242"]
     saved_step = torch.load(run_dir / "hpc_ckpt_1.ckpt", map_location="cpu", weights_only=False)[
         "global_step"
     ]
-    assert 0 < saved_step < 400
+    assert 0 < saved_step < max_steps
 
-    # The requeued job runs the same command again: it finds the checkpoint in its run directory.
+    # The requeued job runs the same command again and finds the checkpoint in its run directory.
     proc = run_train(args, cwd=tmp_path, env=env)
     out = proc.stdout + proc.stderr
     assert "Restored all states from the checkpoint" in out and "hpc_ckpt_1.ckpt" in out
     last = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
-    assert last["global_step"] == 400
-    steps = sorted(column(metrics_csv(run_dir), "train/loss"))
-    assert steps[-1] == 399 and min(steps) < saved_step <= max(steps)
+    assert last["global_step"] == max_steps
+    assert f"Trained {max_steps} steps" in proc.stdout
 
 
 # ---- several processes -----------------------------------------------------------------------------------

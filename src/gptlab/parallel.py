@@ -12,6 +12,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+import lightning as L
 import torch
 from torch import nn
 
@@ -367,3 +368,67 @@ def shard(model: nn.Module, strategy: Any, precision: Any = None) -> None:
     for block in model.transformer.h:
         fully_shard(block, reshard_after_forward=strategy.reshard_after_forward, **kwargs)
     fully_shard(model, reshard_after_forward=strategy.reshard_after_forward, **kwargs)
+
+
+# ---- SLURM preemption -------------------------------------------------------------------------------
+def slurm_job_id() -> str | None:
+    """The id `scontrol requeue` takes: <array job>_<task> for an array task (a Hydra sweep), else the job."""
+    array_job = os.environ.get("SLURM_ARRAY_JOB_ID")
+    if array_job is not None:
+        return f"{array_job}_{os.environ['SLURM_ARRAY_TASK_ID']}"
+    return os.environ.get("SLURM_JOB_ID")
+
+
+def slurm_requeue_parts() -> tuple[list[Any], list[Any]]:
+    """(Trainer plugins, callbacks) that make a SLURM job survive preemption and time limits, or two empty
+    lists outside SLURM. Lightning's own SIGUSR1 handler saves from inside the signal handler, in the middle
+    of a step (a resumed run then trains one step less), and in each rank at its own moment; here the signal
+    only sets a flag, and every rank saves together at the next step boundary."""
+    from lightning.fabric.plugins.environments import SLURMEnvironment
+
+    if not SLURMEnvironment.detect():
+        return [], []
+    return [SLURMEnvironment(auto_requeue=False)], [SlurmRequeue()]
+
+
+class SlurmRequeue(L.Callback):
+    """On SLURM's warning signal (`#SBATCH --signal=USR1@<seconds>`), save `<default_root_dir>/hpc_ckpt_<n>.ckpt`
+    at the next step boundary on every rank, requeue the job from rank 0 (`scontrol requeue`) and exit. The
+    requeued job runs the same command in the same run directory, and Lightning, finding `hpc_ckpt_*.ckpt`
+    there under SLURM, resumes from the newest one."""
+
+    def __init__(self, signum: int | None = None) -> None:
+        import signal
+
+        self.signum = signum if signum is not None else signal.SIGUSR1
+        self.received = False
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        import signal
+
+        signal.signal(self.signum, self._on_signal)
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        self.received = True
+
+    def on_train_batch_end(
+        self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        # Ranks may get the signal a step apart: agree (any rank) before a collective save.
+        if not trainer.strategy.reduce_boolean_decision(self.received, all=False):
+            return
+        import logging
+        import subprocess
+
+        log = logging.getLogger("gptlab")
+        path = trainer._checkpoint_connector.hpc_save_path(trainer.default_root_dir)
+        trainer.save_checkpoint(path)
+        if trainer.is_global_zero:
+            job = slurm_job_id()
+            log.info("SLURM signal: saved %s at step %d; requeueing job %s", path, trainer.global_step, job)
+            result = subprocess.call(["scontrol", "requeue", str(job)])
+            if result != 0:
+                log.warning("scontrol requeue %s failed with exit code %d", job, result)
+        # Stop here, as SLURM is about to: no end-of-run validation or checkpoint that the requeued job would
+        # find beside its own.
+        raise SystemExit(0)

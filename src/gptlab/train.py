@@ -19,7 +19,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from gptlab.builders import build_datamodule, build_model_config, build_tokenizer
 from gptlab.errors import ConfigError
 from gptlab.lit.module import GPTLitModule, check_optim
-from gptlab.parallel import ParallelOptions, build_strategy, choose_precision
+from gptlab.parallel import ParallelOptions, build_strategy, choose_precision, slurm_requeue_parts
 from gptlab.tracking.loggers import finish_wandb
 
 log = logging.getLogger("gptlab")
@@ -125,10 +125,18 @@ def run(cfg: DictConfig) -> dict[str, float]:
     module.parallel = parallel
     loggers = build_loggers(cfg)
     callbacks = build_callbacks(cfg)
+    plugins, slurm_callbacks = slurm_requeue_parts()
+    callbacks += slurm_callbacks
 
     failed = True
     try:
-        trainer = L.Trainer(**trainer_cfg, strategy=strategy, logger=loggers or False, callbacks=callbacks)
+        trainer = L.Trainer(
+            **trainer_cfg,
+            strategy=strategy,
+            logger=loggers or False,
+            callbacks=callbacks,
+            plugins=plugins or None,
+        )
         if trainer.is_global_zero:
             log.info("Run directory: %s", run_dir)
             log.info("\n%s", model_summary(module))
