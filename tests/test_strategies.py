@@ -418,3 +418,15 @@ def test_a_multirun_with_ddp_spawn_writes_one_run_directory_per_job(tmp_path):
         assert (sweep / job / "checkpoints" / "last.ckpt").is_file()
         assert (sweep / job / "csv" / "metrics.csv").is_file()
     assert not (tmp_path / "multirun").exists() and not (tmp_path / "outputs" / "multirun").exists()
+
+
+def test_precision_defaults_to_fp32_on_cpu_and_keeps_an_explicit_choice():
+    from gptlab.parallel import choose_precision
+
+    assert choose_precision(None, "cpu") == "32-true"
+    assert choose_precision("auto", "cpu") == "32-true"
+    assert choose_precision("bf16-mixed", "cpu") == "bf16-mixed"
+    if torch.cuda.is_available():
+        assert choose_precision(None, "auto") in ("bf16-mixed", "16-mixed")
+    else:
+        assert choose_precision(None, "auto") == "32-true"
