@@ -135,6 +135,26 @@ def test_a_multirun_with_ddp_is_refused_and_points_to_ddp_spawn_and_slurm(tmp_pa
     assert "Initializing distributed" not in out  # no second process was started
 
 
+def test_the_multirun_guard_refuses_only_what_would_start_a_second_sweep(monkeypatch):
+    from gptlab.parallel import check_launch
+
+    for name in ("SLURM_NTASKS", "SLURM_JOB_NAME", "LOCAL_RANK", "GROUP_RANK", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(name, raising=False)
+    two = {"accelerator": "cpu", "devices": 2, "num_nodes": 1}
+    for name in ("auto", "ddp", "fsdp"):
+        with pytest.raises(ConfigError, match="strategy=ddp_spawn"):
+            check_launch(strategy_choice({"name": name}), two, multirun=True)
+        check_launch(strategy_choice({"name": name}), two, multirun=False)
+        check_launch(strategy_choice({"name": name}), {**two, "devices": 1}, multirun=True)
+    with pytest.raises(ConfigError):  # two nodes of one device each are two processes too
+        check_launch(strategy_choice({"name": "ddp"}), {**two, "devices": 1, "num_nodes": 2}, multirun=True)
+    check_launch(strategy_choice({"name": "ddp_spawn"}), two, multirun=True)
+    # Under SLURM (hydra/launcher=slurm) srun has started every rank: each runs its own job only.
+    monkeypatch.setenv("SLURM_NTASKS", "2")
+    monkeypatch.setenv("SLURM_JOB_NAME", "gptlab")
+    check_launch(strategy_choice({"name": "ddp"}), two, multirun=True)
+
+
 def test_activation_checkpointing_keeps_the_loss_the_gradients_and_the_parameter_names():
     torch.manual_seed(0)
     config = GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64)

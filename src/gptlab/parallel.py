@@ -114,6 +114,7 @@ class AutoStrategy(StrategyChoice):
     """Lightning's choice: one device, or DDP when several are configured."""
 
     name = "auto"
+    relaunches_command = True  # with several devices Lightning picks DDP, started by re-running the command
 
     def build(self, trainer_cfg: dict[str, Any]) -> Any:
         return "auto"
