@@ -244,7 +244,7 @@ class DeepSpeed(StrategyChoice):
                 f"strategy.offload_parameters=true needs ZeRO stage 3 (strategy.stage={stage}): only stage 3 "
                 "shards the weights. Use strategy=deepspeed_stage_3_offload."
             )
-        if not uses_gpus(trainer_cfg):
+        if trainer_cfg.get("accelerator") == "cpu" or not torch.cuda.is_available():
             why = (
                 "trainer.accelerator=cpu"
                 if trainer_cfg.get("accelerator") == "cpu"
