@@ -84,6 +84,8 @@ def test_bad_strategy_options_name_the_fix():
         build_strategy({"name": "fsdp", "sharding": "full"}, cpu)
     with pytest.raises(ConfigError, match="strategy.hybrid=true .* trainer.num_nodes=1"):
         build_strategy({"name": "fsdp", "hybrid": True}, cpu)
+    with pytest.raises(ConfigError, match="cpu_offload=true .* no GPU.*Set strategy.cpu_offload=false"):
+        build_strategy({"name": "fsdp", "cpu_offload": True}, cpu)
     with pytest.raises(ConfigError, match="Unknown strategy 'fsdp2'.*Did you mean strategy=fsdp"):
         strategy_choice({"name": "fsdp2"})
     with pytest.raises(ConfigError, match="offload_parameters=true needs ZeRO stage 3"):

@@ -198,6 +198,13 @@ class FSDP(StrategyChoice):
     }
 
     def check(self, trainer_cfg: dict[str, Any]) -> None:
+        if self.options["cpu_offload"] and (
+            trainer_cfg.get("accelerator") == "cpu" or not torch.cuda.is_available()
+        ):
+            raise ConfigError(
+                "strategy.cpu_offload=true moves the shards between CPU memory and the GPUs, but this run has no "
+                "GPU (on CPUs the shards are in CPU memory already). Set strategy.cpu_offload=false."
+            )
         if self.options["hybrid"] and int(trainer_cfg.get("num_nodes", 1) or 1) < 2:
             raise ConfigError(
                 "strategy.hybrid=true shards within a node and replicates across nodes, but trainer.num_nodes="
