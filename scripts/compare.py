@@ -1,0 +1,37 @@
+"""Compare the runs of a sweep: `python scripts/compare.py outputs/multirun/<date>/<time>`.
+
+Writes comparison.md (a table sorted by final validation loss, mean ± std over seeds) and val_loss.png
+(validation-loss curves per choice, mean and spread over seeds) into the sweep directory, or --out, and
+prints the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from gptlab.errors import DataError
+from gptlab.tracking.compare import compare
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("sweep_dir", help="a multirun directory (or any folder holding run directories)")
+    parser.add_argument("--out", default=None, help="where to write comparison.md and val_loss.png")
+    args = parser.parse_args(argv)
+    try:
+        result = compare(args.sweep_dir, args.out)
+    except DataError as e:
+        print(f"compare: error: {e}", file=sys.stderr)
+        return 2
+    print(result.table)
+    for path, reason in result.skipped:
+        print(f"skipped {path}: {reason}", file=sys.stderr)
+    print(f"\nTable: {result.markdown_path}\nCurves: {result.plot_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
