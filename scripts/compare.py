@@ -11,7 +11,7 @@ import argparse
 import sys
 
 from gptlab.errors import DataError
-from gptlab.tracking.compare import compare
+from gptlab.tracking.compare import SOURCES, compare
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -20,9 +20,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("sweep_dir", help="a multirun directory (or any folder holding run directories)")
     parser.add_argument("--out", default=None, help="where to write comparison.md and val_loss.png")
+    parser.add_argument(
+        "--source",
+        choices=SOURCES,
+        default="auto",
+        help="read metrics from csv/metrics.csv, the W&B run files, or auto (CSV when present)",
+    )
     args = parser.parse_args(argv)
     try:
-        result = compare(args.sweep_dir, args.out)
+        result = compare(args.sweep_dir, args.out, args.source)
     except DataError as e:
         print(f"compare: error: {e}", file=sys.stderr)
         return 2

@@ -147,18 +147,27 @@ def read_length_eval(path: Path) -> dict[str, float | None]:
     return out
 
 
-def read_run_dir(run_dir: str | Path) -> RunRecord:
-    """Read one run directory; raises DataError when it holds no metrics."""
+SOURCES = ("auto", "csv", "wandb")
+
+
+def read_run_dir(run_dir: str | Path, source: str = "auto") -> RunRecord:
+    """Read one run directory; raises DataError when it holds no metrics.
+
+    ``source``: ``csv`` (``csv/metrics.csv``), ``wandb`` (the W&B run file), or ``auto`` (CSV when present)."""
+    if source not in SOURCES:
+        raise DataError(f"source={source!r} is not one of {SOURCES}")
     run_dir = Path(run_dir)
     overrides = OmegaConf.load(run_dir / ".hydra" / "overrides.yaml")
     pairs = dict(split_override(str(o)) for o in overrides)
-    csv_files = sorted(run_dir.glob("csv/**/metrics.csv"))
+    csv_files = sorted(run_dir.glob("csv/**/metrics.csv")) if source in ("auto", "csv") else []
+    wandb_files = find_runs(run_dir) if source in ("auto", "wandb") else []
     if csv_files:
         series, source = _series_from_csv(csv_files[0]), "csv"
-    elif find_runs(run_dir):
+    elif wandb_files:
         series, source = _series_from_wandb(run_dir), "wandb"
     else:
-        raise DataError(f"{run_dir} holds no metrics (neither csv/metrics.csv nor a W&B run file)")
+        wanted = {"auto": "neither csv/metrics.csv nor a W&B run file", "csv": "no csv/metrics.csv"}
+        raise DataError(f"{run_dir} holds no metrics ({wanted.get(source, 'no W&B run file')})")
     record = RunRecord(path=run_dir, overrides=pairs, source=source)
     record.val_loss = sorted(series.get("val/loss", []))
     ppl = sorted(series.get("val/ppl", []))
@@ -318,9 +327,11 @@ def plot_val_loss(rows: list[Row], path: Path, title: str = "") -> Path:
     return path
 
 
-def compare(sweep_dir: str | Path, out_dir: str | Path | None = None) -> Comparison:
+def compare(sweep_dir: str | Path, out_dir: str | Path | None = None, source: str = "auto") -> Comparison:
     """Read every run below ``sweep_dir``; write ``comparison.md`` and ``val_loss.png`` to ``out_dir``
-    (default: the sweep directory)."""
+    (default: the sweep directory). ``source``: where metrics are read from (see :func:`read_run_dir`)."""
+    if source not in SOURCES:
+        raise DataError(f"source={source!r} is not one of {SOURCES}: use --source csv, wandb or auto.")
     sweep_dir = Path(sweep_dir)
     run_dirs = find_run_dirs(sweep_dir)
     if not run_dirs:
@@ -331,7 +342,7 @@ def compare(sweep_dir: str | Path, out_dir: str | Path | None = None) -> Compari
     runs, skipped = [], []
     for run_dir in run_dirs:
         try:
-            runs.append(read_run_dir(run_dir))
+            runs.append(read_run_dir(run_dir, source))
         except DataError as e:
             skipped.append((run_dir, str(e)))
     if not runs:
