@@ -152,3 +152,26 @@ def test_optuna_search_finishes_and_reports_its_best_parameters(tmp_path):
     table = compare(sweep_dir)
     assert sorted(r.val_loss_mean for r in table.rows) == pytest.approx(values, rel=1e-5)
     assert result.best_value == pytest.approx(values[0], rel=1e-6)
+
+
+@pytest.mark.parametrize(
+    "choice,expected",
+    [("logger=[wandb,csv]", {"wandb", "csv"}), ("logger=all", {"wandb", "csv", "tensorboard"})],
+)
+def test_several_loggers_at_once(make_cfg, choice, expected):
+    cfg = make_cfg(choice)
+    assert set(cfg.logger) == expected
+
+
+@pytest.mark.parametrize(
+    "experiment,key", [("activation_sweep", "activation"), ("depth_sweep", "model.n_layer")]
+)
+def test_experiment_presets_sweep_their_choice_over_seeds(experiment, key):
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose("train", overrides=[f"experiment={experiment}"], return_hydra_config=True)
+    params = cfg.hydra.sweeper.params
+    assert set(params) == {key, "seed"} and params.seed == "0,1,2"
