@@ -11,15 +11,19 @@ import argparse
 import sys
 
 from gptlab.errors import DataError
-from gptlab.tracking.compare import SOURCES, compare
+from gptlab.tracking.compare import SOURCES, compare, compare_online
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("sweep_dir", help="a multirun directory (or any folder holding run directories)")
+    parser.add_argument(
+        "sweep_dir", nargs="?", help="a multirun directory (or any folder holding run directories)"
+    )
     parser.add_argument("--out", default=None, help="where to write comparison.md and val_loss.png")
+    parser.add_argument("--wandb", metavar="ENTITY/PROJECT", help="read the runs online, through the W&B API")
+    parser.add_argument("--group", help="with --wandb: the W&B group (the sweep) to compare")
     parser.add_argument(
         "--source",
         choices=SOURCES,
@@ -27,15 +31,20 @@ def main(argv: list[str] | None = None) -> int:
         help="read metrics from csv/metrics.csv, the W&B run files, or auto (CSV when present)",
     )
     args = parser.parse_args(argv)
+    if bool(args.wandb) == bool(args.sweep_dir) or bool(args.wandb) != bool(args.group):
+        parser.error("pass a sweep directory, or --wandb ENTITY/PROJECT --group GROUP (and --out)")
     try:
-        result = compare(args.sweep_dir, args.out, args.source)
+        if args.wandb:
+            result = compare_online(args.wandb, args.group, args.out or "comparison")
+        else:
+            result = compare(args.sweep_dir, args.out, args.source)
     except DataError as e:
         print(f"compare: error: {e}", file=sys.stderr)
         return 2
     print(result.table)
     for path, reason in result.skipped:
         print(f"skipped {path}: {reason}", file=sys.stderr)
-    print(f"\nTable: {result.markdown_path}\nCurves: {result.plot_path}")
+    print(f"\nTable: {result.markdown_path}\nCurves: {result.plot_path}", flush=True)
     return 0
 
 

@@ -51,10 +51,16 @@ def matmul_params(model: torch.nn.Module) -> int:
     return int(counts["non_embedding"] + (model.lm_head.weight.numel() if tied else 0))
 
 
-def gpu_peak_flops(device_name: str, precision: str) -> float | None:
-    """The datasheet peak of a known GPU for a Lightning precision string, in FLOP/s; None when unknown."""
+def tf32_enabled() -> bool:
+    """Whether fp32 matrix products may run on TF32 tensor cores."""
+    return torch.get_float32_matmul_precision() != "highest" or bool(torch.backends.cuda.matmul.allow_tf32)
+
+
+def gpu_peak_flops(device_name: str, precision: str, tf32: bool | None = None) -> float | None:
+    """The datasheet peak of a known GPU for a Lightning precision string, in FLOP/s; None when unknown.
+    ``tf32``: whether fp32 products use TF32 (None: as torch is set now)."""
     half = any(p in str(precision) for p in ("bf16", "16-mixed", "16-true"))
-    tf32 = torch.get_float32_matmul_precision() != "highest" or torch.backends.cuda.matmul.allow_tf32
+    tf32 = tf32_enabled() if tf32 is None else tf32
     for key, (half_tflops, tf32_tflops, fp32_tflops) in GPU_PEAK_TFLOPS:
         if key.lower() in device_name.lower():
             return 1e12 * (half_tflops if half else tf32_tflops if tf32 else fp32_tflops)

@@ -327,6 +327,29 @@ def plot_val_loss(rows: list[Row], path: Path, title: str = "") -> Path:
     return path
 
 
+def write_comparison(
+    runs: list[RunRecord],
+    out: Path,
+    title: str,
+    sweep_dir: Path | None = None,
+    skipped: list[tuple[Path, str]] | None = None,
+) -> Comparison:
+    """Group ``runs`` by choice and write ``comparison.md`` and ``val_loss.png`` into ``out``."""
+    skipped = skipped or []
+    keys = swept_keys(runs, sweep_dir)
+    rows = summarize(runs, keys)
+    table = markdown_table(rows, keys)
+    out.mkdir(parents=True, exist_ok=True)
+    plot_path = plot_val_loss(rows, out / "val_loss.png", title=f"Validation loss, {title}")
+    markdown_path = out / "comparison.md"
+    notes = "".join(f"\n- skipped {p}: {m}" for p, m in skipped)
+    markdown_path.write_text(
+        f"# {title}\n\n{len(runs)} runs, sorted by final validation loss (mean ± std over seeds)."
+        f"\n\n{table}\n\n![validation loss]({plot_path.name})\n{notes}\n"
+    )
+    return Comparison(rows, keys, table, markdown_path, plot_path, skipped)
+
+
 def compare(sweep_dir: str | Path, out_dir: str | Path | None = None, source: str = "auto") -> Comparison:
     """Read every run below ``sweep_dir``; write ``comparison.md`` and ``val_loss.png`` to ``out_dir``
     (default: the sweep directory). ``source``: where metrics are read from (see :func:`read_run_dir`)."""
@@ -347,16 +370,43 @@ def compare(sweep_dir: str | Path, out_dir: str | Path | None = None, source: st
             skipped.append((run_dir, str(e)))
     if not runs:
         raise DataError(f"No run below {sweep_dir} has metrics: " + "; ".join(m for _, m in skipped))
-    keys = swept_keys(runs, sweep_dir)
-    rows = summarize(runs, keys)
-    table = markdown_table(rows, keys)
-    out = Path(out_dir) if out_dir else sweep_dir
-    out.mkdir(parents=True, exist_ok=True)
-    plot_path = plot_val_loss(rows, out / "val_loss.png", title=f"Validation loss, {sweep_dir.name}")
-    markdown_path = out / "comparison.md"
-    notes = "".join(f"\n- skipped {p}: {m}" for p, m in skipped)
-    markdown_path.write_text(
-        f"# {sweep_dir}\n\n{len(runs)} runs, sorted by final validation loss (mean ± std over seeds)."
-        f"\n\n{table}\n\n![validation loss]({plot_path.name})\n{notes}\n"
+    return write_comparison(runs, Path(out_dir) if out_dir else sweep_dir, str(sweep_dir), sweep_dir, skipped)
+
+
+# ---- online runs ----------------------------------------------------------------------------------------
+HISTORY_KEYS = ("val/loss", "val/ppl", "train/tokens_per_second", "train/mfu")
+
+
+def record_from_api_run(run: Any) -> RunRecord:
+    """A run of the W&B public API (``wandb.Api().runs(...)``) as a RunRecord: its overrides from the
+    ``sweep`` config section that gptlab logs, its metrics from the run's history."""
+    overrides = (run.config.get("sweep") or {}).get("overrides") or []
+    series: dict[str, list[tuple[int, float]]] = {}
+    for key in HISTORY_KEYS:
+        for row in run.scan_history(keys=["trainer/global_step", key]):
+            value = _float(row.get(key))
+            if value is not None:
+                series.setdefault(key, []).append((int(row["trainer/global_step"]), value))
+    record = RunRecord(
+        path=Path(str(run.path if isinstance(run.path, str) else "/".join(run.path))),
+        overrides=dict(split_override(str(o)) for o in overrides),
+        source="wandb-api",
     )
-    return Comparison(rows, keys, table, markdown_path, plot_path, skipped)
+    record.val_loss = sorted(series.get("val/loss", []))
+    record.val_ppl = sorted(series["val/ppl"])[-1][1] if series.get("val/ppl") else None
+    record.tokens_per_second = _median([v for _, v in series.get("train/tokens_per_second", [])])
+    record.mfu = _median([v for _, v in series.get("train/mfu", [])])
+    record.parameters = _float(run.summary.get("parameters/total"))
+    return record
+
+
+def compare_online(project: str, group: str, out_dir: str | Path) -> Comparison:
+    """Compare the runs of one W&B group (``project`` as ``entity/project``) through the W&B API; needs the
+    network and a login."""
+    import wandb
+
+    api_runs = wandb.Api().runs(project, filters={"group": group})
+    runs = [r for r in map(record_from_api_run, api_runs) if r.val_loss]
+    if not runs:
+        raise DataError(f"No run of W&B group {group!r} in {project} logged val/loss.")
+    return write_comparison(runs, Path(out_dir), f"{project} {group}")
