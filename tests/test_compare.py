@@ -145,3 +145,38 @@ def test_names_groups_and_tags_come_from_the_overrides():
     single = identity(["pos=nope"])
     assert single.group is None and single.job_type == "train" and single.name == "pos=nope"
     assert is_sweep_value("range(1,4)") and is_sweep_value("a,b") and not is_sweep_value("0.5")
+
+
+class ApiRunStandIn:
+    """Stands in for wandb.apis.public.Run: the W&B API cannot be reached from the test machine. It has the
+    attributes the comparison reads (config, summary, path, scan_history with the API's filtering: only rows
+    holding every requested key)."""
+
+    def __init__(self, pos: str, seed: int, losses: list[float]) -> None:
+        self.config = {
+            "pos": {"name": pos},
+            "seed": seed,
+            "sweep": {"overrides": [f"pos={pos}", f"seed={seed}"]},
+        }
+        self.summary = {"parameters/total": 2_000_000}
+        self.path = ["me", "gptlab", f"{pos}{seed}"]
+        self.rows = [{"trainer/global_step": 10 * (i + 1) - 1, "val/loss": v} for i, v in enumerate(losses)]
+        self.rows.append({"trainer/global_step": 5, "train/tokens_per_second": 900.0})
+
+    def scan_history(self, keys: list[str]):
+        return [r for r in self.rows if all(k in r for k in keys)]
+
+
+def test_online_runs_group_like_local_ones(tmp_path):
+    from gptlab.tracking.compare import record_from_api_run, write_comparison
+
+    records = [
+        record_from_api_run(ApiRunStandIn("rope", 0, [3.0, 2.0])),
+        record_from_api_run(ApiRunStandIn("rope", 1, [3.1, 2.2])),
+        record_from_api_run(ApiRunStandIn("learned", 0, [3.2, 2.5])),
+    ]
+    result = write_comparison(records, tmp_path, "me/gptlab group")
+    assert [(r.choice["pos"], len(r.runs)) for r in result.rows] == [("rope", 2), ("learned", 1)]
+    assert result.rows[0].val_loss_mean == pytest.approx(2.1)
+    assert result.rows[0].tokens_per_second == 900.0 and result.rows[0].parameters == 2_000_000
+    assert records[0].val_loss == [(9, 3.0), (19, 2.0)]
