@@ -180,3 +180,21 @@ def test_online_runs_group_like_local_ones(tmp_path):
     assert result.rows[0].val_loss_mean == pytest.approx(2.1)
     assert result.rows[0].tokens_per_second == 900.0 and result.rows[0].parameters == 2_000_000
     assert records[0].val_loss == [(9, 3.0), (19, 2.0)]
+
+
+def test_identity_from_a_composed_config():
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from gptlab import CONFIG_DIR
+    from gptlab.tracking.naming import identity_from_hydra
+
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(str(CONFIG_DIR), version_base="1.3"):
+        cfg = compose(
+            "train", overrides=["pos=nope", "seed=3", "experiment=depth_sweep"], return_hydra_config=True
+        )
+    run = identity_from_hydra(cfg.hydra)
+    assert run.name == "pos=nope seed=3" and run.group == "depth_sweep" and run.job_type == "train"
+    assert run.tags == ["pos=nope", "seed=3", "experiment=depth_sweep"]
+    assert identity_from_hydra().name is None  # no Hydra job running: W&B picks a name

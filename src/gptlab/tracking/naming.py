@@ -142,16 +142,18 @@ def _display_dir(path: str) -> str:
         return str(p)
 
 
-def identity_from_hydra() -> RunIdentity:
-    """The identity of the current Hydra job; an empty identity outside Hydra (e.g. after ``compose``)."""
+def identity_from_hydra(hc: Any = None) -> RunIdentity:
+    """The identity of a Hydra job from its ``hydra`` config node: the current job's by default, or one
+    passed in (``compose(..., return_hydra_config=True).hydra``). Empty outside Hydra."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
-    if not HydraConfig.initialized():
-        return RunIdentity()
-    hc = HydraConfig.get()
+    if hc is None:
+        if not HydraConfig.initialized():
+            return RunIdentity()
+        hc = HydraConfig.get()
     overrides = list(hc.overrides.task)
-    multirun = hc.mode == RunMode.MULTIRUN
+    multirun = str(hc.get("mode")) in (str(RunMode.MULTIRUN), "MULTIRUN")
     choices = dict(hc.runtime.choices)
     experiment = choices.get("experiment")
     if not multirun:
