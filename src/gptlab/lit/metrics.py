@@ -142,11 +142,10 @@ class ModelFlopsUtilization(L.Callback):
         if self.peak_flops is None:
             self.peak_flops, source = device_peak_flops(pl_module.device, str(trainer.precision))
         if trainer.is_global_zero:
+            peak = self.peak_flops
+            rate = f"{peak / 1e12:.1f} TFLOP/s" if peak >= 1e12 else f"{peak / 1e9:.1f} GFLOP/s"
             log.info(
-                "MFU against %.1f TFLOP/s per device (%s); %.3g FLOPs per token",
-                self.peak_flops / 1e12,
-                source,
-                self.flops_per_token,
+                "MFU against %s per device (%s); %.3g FLOPs per token", rate, source, self.flops_per_token
             )
         facts = {
             "parameters/total": float(model.parameter_counts()["total"]),
