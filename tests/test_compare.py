@@ -144,7 +144,9 @@ def test_names_groups_and_tags_come_from_the_overrides():
     # a single run: no group, named by its choices
     single = identity(["pos=nope"])
     assert single.group is None and single.job_type == "train" and single.name == "pos=nope"
-    assert is_sweep_value("range(1,4)") and is_sweep_value("a,b") and not is_sweep_value("0.5")
+    assert is_sweep_value("range(1,4)") and is_sweep_value("a,b") and is_sweep_value("glob(*)")
+    assert not is_sweep_value("0.5") and not is_sweep_value("[0.9,0.95]") and not is_sweep_value("'a,b'")
+    assert swept_keys_of(["optim.betas=[0.9,0.95]", "seed=0,1"]) == ["seed"]
 
 
 class ApiRunStandIn:

@@ -18,8 +18,8 @@ from omegaconf import OmegaConf
 
 # Overrides that say where or how a run is recorded, not what is trained: left out of names and tags.
 SILENT_PREFIXES = ("hydra.", "hydra/", "paths.", "logger", "ckpt_path", "+ckpt_path")
-# Hydra's sweep syntax: a comma list, or one of its sweep functions.
-_SWEEP_VALUE = re.compile(r"(^|[^\\]),|^\s*(range|choice|interval|glob|tag)\(")
+# Hydra's sweep functions; the other sweep syntax is a comma outside brackets and quotes (`pos=rope,alibi`).
+_SWEEP_FUNCTION = re.compile(r"^\s*(range|choice|interval|glob|tag)\(")
 # W&B refuses tags longer than 64 characters.
 MAX_TAG_LENGTH = 64
 
@@ -58,8 +58,28 @@ def is_silent(key: str) -> bool:
 
 
 def is_sweep_value(value: str) -> bool:
-    """True when an override's value sweeps (``a,b``, ``range(...)``, ``choice(...)``, ``interval(...)``...)."""
-    return bool(_SWEEP_VALUE.search(str(value)))
+    """True when an override's value sweeps (``a,b``, ``range(...)``, ``choice(...)``, ``interval(...)``...);
+    a list (``[0.9,0.95]``) or a quoted string with a comma does not."""
+    value = str(value)
+    if _SWEEP_FUNCTION.match(value):
+        return True
+    depth, quote, escaped = 0, "", False
+    for ch in value:
+        if escaped:
+            escaped = False
+        elif ch == "\\":
+            escaped = True
+        elif quote:
+            quote = "" if ch == quote else quote
+        elif ch in "'\"":
+            quote = ch
+        elif ch in "[{(":
+            depth += 1
+        elif ch in "]})":
+            depth -= 1
+        elif ch == "," and depth == 0:
+            return True
+    return False
 
 
 def swept_keys_of(sweep_overrides: list[str], sweeper_params: dict[str, Any] | None = None) -> list[str]:
