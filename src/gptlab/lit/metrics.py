@@ -115,6 +115,8 @@ class GradientNorm(L.Callback):
         if not grads:
             return
         norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
+        if hasattr(norm, "full_tensor"):  # sharded (FSDP2) gradients give a DTensor: reduce it across ranks
+            norm = norm.full_tensor()
         pl_module.log("train/grad_norm", norm, on_step=True, on_epoch=False)
 
 
