@@ -83,9 +83,11 @@ def build_model_config(cfg: DictConfig, tokenizer: tokenizers.Tokenizer | None =
         values["norm_placement"] = norm.pop("placement")
     if "eps" in norm:
         values["norm_eps"] = norm.pop("eps")
+    if "bias" in norm:
+        values["norm_bias"] = norm.pop("bias")
     if norm:
         raise ConfigError(
-            f"Unknown norm option(s) {sorted(norm)}. Known: norm.name, norm.placement, norm.eps."
+            f"Unknown norm option(s) {sorted(norm)}. Known: norm.name, norm.placement, norm.eps, norm.bias."
         )
     return GPTConfig.from_dict(values)
 
