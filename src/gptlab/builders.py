@@ -66,6 +66,7 @@ def build_model_config(cfg: DictConfig, tokenizer: tokenizers.Tokenizer | None =
     pos = _plain(cfg.pos)
     norm = _plain(cfg.norm)
     values = dict(model)
+    values.pop("init_from", None)  # weights to start from, not part of the architecture
     if values.get("vocab_size") is None:
         tokenizer = tokenizer or build_tokenizer(cfg)
         values["vocab_size"] = tokenizer.vocab_size
@@ -93,7 +94,17 @@ def build_model_config(cfg: DictConfig, tokenizer: tokenizers.Tokenizer | None =
 
 
 def build_model(cfg: DictConfig, tokenizer: tokenizers.Tokenizer | None = None) -> GPT:
-    return GPT(build_model_config(cfg, tokenizer))
+    return load_initial_weights(cfg, GPT(build_model_config(cfg, tokenizer)))
+
+
+def load_initial_weights(cfg: DictConfig, model: GPT) -> GPT:
+    """Load ``model.init_from`` (a Hugging Face GPT-2 or Llama directory) into ``model``, when set."""
+    source = cfg.model.get("init_from")
+    if source:
+        from gptlab.model.hf import load_pretrained
+
+        load_pretrained(model, source)
+    return model
 
 
 def build_datamodule(cfg: DictConfig) -> GPTDataModule:

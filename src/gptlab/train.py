@@ -16,7 +16,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from gptlab.builders import build_datamodule, build_model_config, build_tokenizer
+from gptlab.builders import build_datamodule, build_model_config, build_tokenizer, load_initial_weights
 from gptlab.errors import ConfigError
 from gptlab.lit.module import GPTLitModule, check_optim
 from gptlab.tracking.loggers import finish_wandb
@@ -136,6 +136,7 @@ def run(cfg: DictConfig) -> dict[str, float]:
     model_config = build_model_config(cfg, tokenizer)
     module = GPTLitModule(model=model_config.to_dict(), optim=OmegaConf.to_container(cfg.optim, resolve=True))
     module.tokenizer = tokenizer
+    load_initial_weights(cfg, module.model)  # model.init_from: pretrained weights, checked against the config
     trainer_cfg["precision"] = choose_precision(trainer_cfg.get("precision"))
     strategy = build_strategy(cfg.strategy)
     loggers = build_loggers(cfg)
