@@ -10,7 +10,7 @@ head. "Embedding" counts the token table and any learned position table (a tied 
 
 Training FLOPs per token (Chowdhery et al. 2022, "PaLM", appendix B; the count behind nanoGPT's MFU):
 
-    6 N + 12 L h T,    N = non-embedding parameters + V h (the output head's matrix product),
+    6 N + 12 L h T,    N = the weights of every matrix product: the layers' matrices and the head's V h,
 
 i.e. 2 FLOPs per multiply-add, a backward pass twice the forward, and 2 matrix products of T x head_dim per
 head and token for the attention scores and their weighted sum (counted over the full context, as is usual;
@@ -195,14 +195,22 @@ def parameter_counts(config: GPTConfig) -> dict[str, int]:
 # ---- compute ----------------------------------------------------------------------------------------
 
 
+def matmul_parameters(config: GPTConfig) -> int:
+    """The weights that enter a matrix product per token: every layer's matrices and the output head (the
+    input embedding is a lookup; biases and norm gains cost no multiply-adds worth counting)."""
+    h = config.n_embd
+    qkv_width = (config.n_head + 2 * config.kv_heads) * config.head_dim
+    f = mlp_hidden_width(config)
+    f_in = f * (2 if activations.is_gated(config.activation) else 1)
+    per_layer = h * qkv_width + h * h + h * f_in + f * h
+    return config.n_layer * per_layer + config.vocab_size * h
+
+
 def flops_per_token(config: GPTConfig, context: int | None = None) -> dict[str, float]:
-    """Training (forward + backward) FLOPs per token, 6 N + 12 L h T (PaLM, appendix B), and its parts."""
+    """Training (forward + backward) FLOPs per token, 6 N + 12 L h T (PaLM, appendix B), and its parts;
+    N = ``matmul_parameters``."""
     T = context or config.block_size
-    counts = parameter_counts(config)
-    # The head's matrix product costs FLOPs whether or not its matrix is tied to the embedding.
-    head = config.vocab_size * config.n_embd
-    matmul_params = counts["non_embedding"] + (head if config.tie_weights else 0)
-    dense = 6 * matmul_params
+    dense = 6 * matmul_parameters(config)
     attention = 12 * config.n_layer * config.n_head * config.head_dim * T
     return {"training": float(dense + attention), "dense": float(dense), "attention": float(attention)}
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from gptlab.errors import ConfigError
@@ -52,8 +53,7 @@ class LayerNorm(nn.LayerNorm):
 @register("rmsnorm")
 class RMSNorm(nn.Module):
     """x / sqrt(mean(x^2) + eps) * gain: no centring and no bias (Zhang & Sennrich 2019, "Root Mean Square
-    Layer Normalization"). Computed in float32 and cast back before the gain, as Llama does, so that
-    half-precision runs normalise accurately."""
+    Layer Normalization"), as in T5, Gopher and Llama."""
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
@@ -61,9 +61,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(config.n_embd))
 
     def forward(self, x: Tensor) -> Tensor:
-        x32 = x.float()
-        normed = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + self.eps)
-        return self.weight * normed.to(x.dtype)
+        return F.rms_norm(x, (x.size(-1),), self.weight, self.eps)
 
     def reset_parameters(self) -> None:
         nn.init.ones_(self.weight)
