@@ -22,6 +22,7 @@ Mappings:
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -147,6 +148,11 @@ def check_compatible(config: GPTConfig, hf: dict[str, Any], source: str = "the c
             problems.append((override, getattr(config, key), wanted[key]))
     if config.norm_placement != "pre":
         problems.append(("norm.placement", config.norm_placement, "pre"))
+    if not math.isclose(config.norm_eps, wanted["norm_eps"]):
+        problems.append(("norm.eps", config.norm_eps, wanted["norm_eps"]))
+    for key, value in wanted["pos_options"].items():
+        if config.pos == wanted["pos"] and config.pos_options.get(key, value) != value:
+            problems.append((f"pos.{key}", config.pos_options[key], value))
     if config.pos == "learned" and config.block_size > wanted["block_size"]:
         problems.append(("model.block_size", config.block_size, wanted["block_size"]))
     if problems:
