@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 from hydra import compose, initialize_config_dir
+from hydra.errors import HydraException
 from omegaconf import OmegaConf
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -43,14 +44,18 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--context", type=int, help="tokens per sequence (default: model.block_size)")
     parser.add_argument("--strategy", help="ddp, fsdp, deepspeed_stage_2, zero3... (default: the config's)")
     parser.add_argument("--short", action="store_true", help="the short form printed at training start")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)
     return args, args.overrides
 
 
 def main(argv: list[str] | None = None) -> int:
     args, overrides = parse(sys.argv[1:] if argv is None else argv)
-    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
-        cfg = compose("train", overrides=overrides)
+    try:
+        with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
+            cfg = compose("train", overrides=overrides)
+    except HydraException as err:
+        print(f"Error: {err}", file=sys.stderr)
+        return 2
     try:
         config = build_model_config(cfg)
     except ConfigError as err:

@@ -352,7 +352,9 @@ def advise(
     if est.fits(device_memory):
         return None
     head = (
-        f"WARNING: this run needs about {est.total / GiB:,.1f} GiB per device under strategy={strategy} on "
+        f"WARNING: this run needs about {est.total / GiB:,.1f} GiB per device under strategy={strategy}"
+        + (f" ({est.strategy})" if est.strategy != strategy else "")
+        + " on "
         f"{n_devices} device(s), more than {FIT_FRACTION:.0%} of the {device_memory / GiB:,.0f} GiB it has."
     )
 
