@@ -16,6 +16,7 @@ import argparse
 import sys
 from pathlib import Path
 
+import torch
 from hydra import compose, initialize_config_dir
 from hydra.errors import HydraException
 from omegaconf import OmegaConf
@@ -43,6 +44,9 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     )
     parser.add_argument("--context", type=int, help="tokens per sequence (default: model.block_size)")
     parser.add_argument("--strategy", help="ddp, fsdp, deepspeed_stage_2, zero3... (default: the config's)")
+    parser.add_argument(
+        "--activation-checkpointing", action="store_true", help="recompute each block in the backward pass"
+    )
     parser.add_argument("--short", action="store_true", help="the short form printed at training start")
     args = parser.parse_intermixed_args(argv)
     return args, args.overrides
@@ -69,10 +73,10 @@ def main(argv: list[str] | None = None) -> int:
             trainer.get("num_nodes", 1)
         )
     precision = args.precision or trainer.get("precision")
-    if precision in (None, "auto"):
-        from gptlab.train import choose_precision
-
-        precision = choose_precision(None)
+    if precision in (None, "auto"):  # as a run would choose: fp32 on CPU, bf16 mixed on GPUs that have it
+        precision = "32-true"
+        if trainer.get("accelerator") != "cpu" and torch.cuda.is_available():
+            precision = "bf16-mixed" if torch.cuda.is_bf16_supported() else "16-mixed"
     precision = str(precision)
     strategy = args.strategy or card.strategy_name(OmegaConf.to_container(cfg.strategy, resolve=True))
     micro_batch = args.micro_batch or int(cfg.data.get("batch_size", 1))
@@ -91,6 +95,8 @@ def main(argv: list[str] | None = None) -> int:
             device_memory=memory,
             device_name=device,
             short=args.short,
+            activation_checkpointing=args.activation_checkpointing
+            or bool(cfg.get("activation_checkpointing")),
         )
     except ConfigError as err:
         print(f"Error: {err}", file=sys.stderr)

@@ -109,6 +109,7 @@ def model_summary(
         micro_batch=int(data.get("batch_size") or 1),
         context=data.get("block_size"),
         on_cpu=trainer is None or type(trainer.accelerator).__name__ == "CPUAccelerator",
+        activation_checkpointing=bool(cfg.get("activation_checkpointing")) if cfg else False,
     )
 
 

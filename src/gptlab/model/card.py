@@ -344,11 +344,13 @@ def advise(
     precision: str = "32-true",
     micro_batch: int = 1,
     context: int | None = None,
+    activation_checkpointing: bool = False,
 ) -> str | None:
     """None when the run fits its device; otherwise a warning naming the strategy (and, if needed, the number
     of devices, activation checkpointing or a smaller micro-batch) that would fit."""
-    kw = dict(precision=precision, micro_batch=micro_batch, context=context)
-    est = memory_per_device(config, strategy, n_devices, **kw)
+    est = memory_per_device(
+        config, strategy, n_devices, precision, micro_batch, context, activation_checkpointing
+    )
     if est.fits(device_memory):
         return None
     head = (
@@ -369,7 +371,7 @@ def advise(
                 return config_name, candidate
         return None
 
-    found = first_fit(n_devices, micro_batch, False)
+    found = first_fit(n_devices, micro_batch, activation_checkpointing)
     if found:
         name, fit = found
         return f"{head} strategy={name} would fit: {fit.describe()}."
@@ -413,6 +415,7 @@ def model_card(
     device_memory: float | None = None,
     device_name: str = "",
     short: bool = False,
+    activation_checkpointing: bool = False,
 ) -> str:
     """The card as text: the short form (printed at training start) or the full one with every strategy."""
     c = config
@@ -430,17 +433,20 @@ def model_card(
         f"Training FLOPs per token at context {T}: {human(flops['training'])} (6N + 12 L h T: dense "
         f"{human(flops['dense'])}, attention {human(flops['attention'])})",
     ]
-    est = memory_per_device(c, strategy, n_devices, precision, micro_batch, context)
+    est = memory_per_device(c, strategy, n_devices, precision, micro_batch, context, activation_checkpointing)
+    checkpointing = ", activation checkpointing" if activation_checkpointing else ""
     lines.append(
         f"Memory per device ({est.strategy}, {n_devices} device(s), {precision}, micro-batch {micro_batch} x "
-        f"{T}): {_gib(est.total)} = weights {_gib(est.weights)} + gradients {_gib(est.gradients)} + AdamW "
+        f"{T}{checkpointing}): {_gib(est.total)} = weights {_gib(est.weights)} + gradients {_gib(est.gradients)} + AdamW "
         f"{_gib(est.optimizer)} + activations {_gib(est.activations)}"
         + (f" + buffers {_gib(est.buffers)}" if est.buffers else "")
         + (f"; on the host {_gib(est.host)}" if est.host else "")
         + (f"; device: {device_name}" if device_name else "")
     )
     warning = (
-        advise(c, device_memory, strategy, n_devices, precision, micro_batch, context)
+        advise(
+            c, device_memory, strategy, n_devices, precision, micro_batch, context, activation_checkpointing
+        )
         if device_memory
         else None
     )
@@ -488,13 +494,23 @@ def startup_card(
     micro_batch: int = 1,
     context: int | None = None,
     on_cpu: bool = True,
+    activation_checkpointing: bool = False,
 ) -> str:
     """The short card for the start of a training run, sized against the memory of the device it runs on."""
     memory, device = device_memory_bytes("cpu" if on_cpu else "cuda")
     if precision not in BYTES:  # a precision plugin's own name: count it as fp32, the safe side
         precision = "32-true"
     return model_card(
-        config, strategy, n_devices, precision, micro_batch, context, memory, device, short=True
+        config,
+        strategy,
+        n_devices,
+        precision,
+        micro_batch,
+        context,
+        memory,
+        device,
+        short=True,
+        activation_checkpointing=activation_checkpointing,
     )
 
 
