@@ -3,7 +3,7 @@ a user takes: a directory written by ``save_pretrained`` and ``model.init_from=<
 
 import pytest
 import torch
-from conftest import TINY, run_train
+from conftest import TINY
 
 import gptlab
 from gptlab.errors import ConfigError
@@ -79,14 +79,16 @@ def test_a_mismatched_model_is_refused_with_the_overrides_that_fix_it(make_cfg, 
         gptlab.build_model(make_cfg(*GPT2_OVERRIDES, f"model.init_from={directory / 'missing'}"))
 
 
-def test_fine_tuning_from_gpt2_weights_through_the_cli(tmp_path, gpt2_dir):
-    """A run with model.init_from starts from the saved weights: at a vanishing learning rate its last
-    checkpoint still holds them."""
+def test_a_training_run_starts_from_the_saved_gpt2_weights(make_cfg, tmp_path, gpt2_dir):
+    """The training task with model.init_from: at a vanishing learning rate its last checkpoint still holds the
+    saved weights."""
+    from gptlab.train import run
+
     directory, reference = gpt2_dir
     run_dir = tmp_path / "run"
     args = [*TINY, *GPT2_OVERRIDES, "model.block_size=32", f"model.init_from={directory}"]
     args += ["trainer.max_steps=2", "optim.lr=1e-12", "optim.warmup_steps=0", "logger=csv"]
-    run_train([*args, f"paths.root_dir={tmp_path}", f"hydra.run.dir={run_dir}"], cwd=tmp_path)
+    run(make_cfg(*args, f"paths.output_dir={run_dir}"))
     state = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)[
         "state_dict"
     ]
