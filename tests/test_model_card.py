@@ -9,7 +9,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import gptlab
 from gptlab.errors import ConfigError
-from gptlab.model import card
+from gptlab.model import card, positional
 from gptlab.model.config import GPTConfig
 from gptlab.model.gpt import GPT
 
@@ -36,6 +36,15 @@ def test_analytic_counts_equal_a_meta_device_build(make_cfg, preset):
             built = GPT(config).parameter_counts()
         counted = card.parameter_counts(config)
         assert {k: counted[k] for k in built} == built, (preset, variant)
+
+
+@pytest.mark.parametrize("pos", positional.names())
+def test_counts_cover_every_positional_scheme(pos):
+    config = tiny(pos=pos, tie_weights=False)
+    with torch.device("meta"):
+        built = GPT(config).parameter_counts()
+    counted = card.parameter_counts(config)
+    assert {k: counted[k] for k in built} == built
 
 
 def test_gpt2_and_gpt3_presets_have_their_published_sizes(make_cfg):
