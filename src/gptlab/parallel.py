@@ -97,8 +97,9 @@ class StrategyChoice:
         values.pop("name", None)
         unknown = sorted(set(values) - set(cls.defaults))
         if unknown:
+            label = values.get("choice") or cls.name
             raise ConfigError(
-                f"Unknown option(s) {unknown} for strategy={cls.name}. Known: {sorted(cls.defaults) or 'none'}."
+                f"Unknown option(s) {unknown} for strategy={label}. Known: {sorted(cls.defaults) or 'none'}."
             )
         return cls({**cls.defaults, **values})
 
@@ -302,7 +303,7 @@ def check_launch(choice: StrategyChoice, trainer_cfg: dict[str, Any], multirun: 
     if world_size(trainer_cfg) <= 1:
         return
     raise ConfigError(
-        f"strategy={choice.name} with {world_size(trainer_cfg)} processes starts its ranks by re-running the "
+        f"strategy={choice.options.get('choice') or choice.name} with {world_size(trainer_cfg)} processes starts its ranks by re-running the "
         "command line, so inside a multirun (-m) every rank would run a sweep of its own. For a sweep on one "
         "machine use strategy=ddp_spawn; on a cluster use hydra/launcher=slurm (SLURM starts the ranks); "
         "or run the jobs one by one without -m."
