@@ -18,7 +18,9 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from gptlab.builders import build_datamodule, build_model_config, build_tokenizer
 from gptlab.errors import ConfigError
+from gptlab.lit.checkpointing import checkpoint_plugins, fault_tolerance_callbacks, fit
 from gptlab.lit.module import GPTLitModule, check_optim
+from gptlab.resume import ResumePlan, check_writable, plan_resume
 from gptlab.tracking.loggers import finish_wandb
 
 log = logging.getLogger("gptlab")
@@ -71,11 +73,15 @@ def build_strategy(strategy_cfg: DictConfig) -> Any:
     return strategy_cfg.get("name", "auto")
 
 
-def build_loggers(cfg: DictConfig) -> list:
+def build_loggers(cfg: DictConfig, resume: ResumePlan | None = None) -> list:
     loggers = []
     for _, node in (cfg.get("logger") or {}).items():
         if node is not None and "_target_" in node:
-            loggers.append(instantiate(node))
+            if resume and resume.wandb_run_id and node["_target_"].endswith("wandb_logger"):
+                # the resumed run continues the same W&B run
+                loggers.append(instantiate(node, id=resume.wandb_run_id, resume="allow"))
+            else:
+                loggers.append(instantiate(node))
     return loggers
 
 
@@ -109,7 +115,7 @@ def run(cfg: DictConfig) -> dict[str, float]:
     t0 = time.perf_counter()
     _route_lightning_logs()
     run_dir = run_dir_of(cfg)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    check_writable(run_dir)
     with open_dict(cfg):
         cfg.paths.output_dir = str(run_dir)
     L.seed_everything(cfg.seed, workers=True, verbose=False)
@@ -128,14 +134,21 @@ def run(cfg: DictConfig) -> dict[str, float]:
     model_config = build_model_config(cfg, tokenizer)
     module = GPTLitModule(model=model_config.to_dict(), optim=OmegaConf.to_container(cfg.optim, resolve=True))
     module.tokenizer = tokenizer
+    resume = plan_resume(cfg.get("resume"), run_dir, model_config)
     trainer_cfg["precision"] = choose_precision(trainer_cfg.get("precision"))
     strategy = build_strategy(cfg.strategy)
-    loggers = build_loggers(cfg)
-    callbacks = build_callbacks(cfg)
+    loggers = build_loggers(cfg, resume)
+    callbacks = build_callbacks(cfg) + fault_tolerance_callbacks()
 
     failed = True
     try:
-        trainer = L.Trainer(**trainer_cfg, strategy=strategy, logger=loggers or False, callbacks=callbacks)
+        trainer = L.Trainer(
+            **trainer_cfg,
+            strategy=strategy,
+            logger=loggers or False,
+            callbacks=callbacks,
+            plugins=checkpoint_plugins(strategy),
+        )
         if trainer.is_global_zero:
             log.info("Run directory: %s", run_dir)
             log.info("\n%s", model_summary(module))
@@ -152,7 +165,12 @@ def run(cfg: DictConfig) -> dict[str, float]:
             raise ConfigError("the token cache was made with another tokenizer: delete it and run again")
         log.info("Data ready after %.1f s", time.perf_counter() - t0)
 
-        trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
+        stopped = fit(trainer, module, datamodule, resume.ckpt_path if resume else None)
+        if stopped and trainer.is_global_zero:
+            log.info(
+                "Stopped by a signal at step %d; continue with the same command and resume=auto",
+                trainer.global_step,
+            )
         metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1}
         metrics["unigram_entropy"] = corpus.unigram_entropy
         metrics["wall_seconds"] = time.perf_counter() - t0

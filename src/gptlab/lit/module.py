@@ -14,6 +14,7 @@ from torch import Tensor
 
 from gptlab.data import tokenizers
 from gptlab.errors import ConfigError
+from gptlab.lit.checkpointing import check_finite_loss, collect_rng_states, restore_rng_states
 from gptlab.model.config import GPTConfig
 from gptlab.model.gpt import GPT
 
@@ -71,6 +72,7 @@ class GPTLitModule(L.LightningModule):
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
         x, y = batch
         _, loss = self.model(x, y)
+        check_finite_loss(loss, step=self.global_step + 1)
         self.log("train/loss", loss, prog_bar=True, on_step=True, on_epoch=False)
         self.log("lr", self.optimizers().param_groups[0]["lr"], on_step=True, on_epoch=False)
         return loss
@@ -124,7 +126,10 @@ class GPTLitModule(L.LightningModule):
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         if self.tokenizer is not None:
             checkpoint["tokenizer"] = self.tokenizer.spec()
+        checkpoint["rng_states"] = collect_rng_states()
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         if "tokenizer" in checkpoint:
             self.tokenizer = tokenizers.from_spec(checkpoint["tokenizer"])
+        if "rng_states" in checkpoint:
+            restore_rng_states(checkpoint["rng_states"])
