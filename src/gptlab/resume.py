@@ -112,7 +112,9 @@ def run_dir_of_checkpoint(path: Path) -> Path | None:
 def choose_run_dir(task_overrides: Any, search_root: str, default: str) -> str:
     """The ``gptlab_run_dir`` resolver behind ``hydra.run.dir``: the directory of the run that ``resume=``
     continues, else ``default`` (a new run directory)."""
-    overrides = [str(x) for x in (OmegaConf.to_container(task_overrides) if task_overrides else [])]
+    if OmegaConf.is_config(task_overrides):
+        task_overrides = OmegaConf.to_container(task_overrides)
+    overrides = [str(x) for x in task_overrides or []]
     value = resume_value(overrides)
     if value is None:
         return default

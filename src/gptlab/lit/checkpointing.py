@@ -171,11 +171,15 @@ class StopOnSignal(L.Callback):
             self._previous[signum] = signal.getsignal(signum)
             signal.signal(signum, self._handle)
 
-    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+    def restore_handlers(self) -> None:
+        """Put back the handlers found at setup. Lightning restores the handlers it found at fit start
+        (this callback's among them) in its own teardown, after this callback's: ``fit`` calls this again."""
         for signum, previous in self._previous.items():
             if signal.getsignal(signum) == self._handle:
                 signal.signal(signum, previous if previous is not None else signal.SIG_DFL)
-        self._previous.clear()
+
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self.restore_handlers()
 
     def _save(self, trainer: L.Trainer) -> None:
         for cb in trainer.checkpoint_callbacks:
@@ -259,8 +263,12 @@ def fit(trainer: L.Trainer, module: L.LightningModule, datamodule: Any, ckpt_pat
     training early (its checkpoint written), False when it ran to ``max_steps``."""
     from lightning.pytorch.utilities.exceptions import SIGTERMException
 
+    stoppers = [cb for cb in trainer.callbacks if isinstance(cb, StopOnSignal)]
     try:
         trainer.fit(module, datamodule=datamodule, ckpt_path=str(ckpt_path) if ckpt_path else None)
     except SIGTERMException:
         return True
-    return any(isinstance(cb, StopOnSignal) and cb.received is not None for cb in trainer.callbacks)
+    finally:
+        for cb in stoppers:
+            cb.restore_handlers()
+    return any(cb.received is not None for cb in stoppers)
