@@ -250,3 +250,48 @@ def check_writable(run_dir: Path) -> None:
             "with hydra.run.dir=<dir> (hydra.sweep.dir=<dir> for -m), run from a folder you can write to "
             "(runs go under ./outputs), or fix the folder's permissions."
         ) from e
+
+
+def unwritable_reason(path: Path) -> str | None:
+    """Why a directory could not be created and written at ``path``, judged from its nearest existing
+    ancestor; None when it can."""
+    path = Path(path).absolute()
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        return f"{existing} is a file, not a folder"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"{existing} is not writable (permission denied)"
+    return None
+
+
+try:
+    from hydra.experimental.callback import Callback as _HydraCallback
+except ImportError:  # pragma: no cover - hydra-core < 1.1
+    _HydraCallback = object
+
+
+class CheckRunDirectory(_HydraCallback):
+    """A Hydra callback: refuses an output directory that cannot be written before Hydra creates it, with
+    the fix, instead of a traceback from ``mkdir``."""
+
+    def _check(self, path: Any, key: str) -> None:
+        import sys
+
+        reason = unwritable_reason(Path(str(path)))
+        if reason:
+            print(
+                f"\ngptlab: error: the output directory {key}={path} cannot be created: {reason}. Choose a "
+                f"writable folder with {key}=<dir>, run from a folder you can write to (runs go under "
+                "./outputs), or fix the permissions.",
+                file=sys.stderr,
+                flush=True,
+            )
+            raise SystemExit(2)
+
+    def on_run_start(self, config: Any, **kwargs: Any) -> None:
+        self._check(config.hydra.run.dir, "hydra.run.dir")
+
+    def on_multirun_start(self, config: Any, **kwargs: Any) -> None:
+        self._check(config.hydra.sweep.dir, "hydra.sweep.dir")

@@ -20,6 +20,7 @@ from gptlab.builders import build_datamodule, build_model_config, build_tokenize
 from gptlab.errors import ConfigError
 from gptlab.lit.checkpointing import checkpoint_plugins, fault_tolerance_callbacks, fit
 from gptlab.lit.module import GPTLitModule, check_optim
+from gptlab.preflight import check_accelerator, check_seed, check_trainer_values
 from gptlab.resume import ResumePlan, check_writable, plan_resume
 from gptlab.tracking.loggers import finish_wandb
 
@@ -118,16 +119,14 @@ def run(cfg: DictConfig) -> dict[str, float]:
     check_writable(run_dir)
     with open_dict(cfg):
         cfg.paths.output_dir = str(run_dir)
+    check_seed(cfg.seed)
     L.seed_everything(cfg.seed, workers=True, verbose=False)
 
     # ---- build and check everything before any expensive work --------------------------------
     trainer_cfg = OmegaConf.to_container(cfg.trainer, resolve=True)
     check_trainer_options(trainer_cfg)
-    if not trainer_cfg.get("max_steps") or trainer_cfg["max_steps"] <= 0:
-        raise ConfigError(
-            f"trainer.max_steps={trainer_cfg.get('max_steps')}: set a positive number of optimizer steps "
-            "(the learning-rate schedule is defined over them)."
-        )
+    check_trainer_values(trainer_cfg)
+    check_accelerator(trainer_cfg)
     check_optim(OmegaConf.to_container(cfg.optim, resolve=True))
     datamodule = build_datamodule(cfg)
     tokenizer = build_tokenizer(cfg)
@@ -135,6 +134,13 @@ def run(cfg: DictConfig) -> dict[str, float]:
     module = GPTLitModule(model=model_config.to_dict(), optim=OmegaConf.to_container(cfg.optim, resolve=True))
     module.tokenizer = tokenizer
     resume = plan_resume(cfg.get("resume"), run_dir, model_config)
+    # The data is read and windowed before any logger or trainer starts, so a bad corpus costs seconds.
+    datamodule.prepare_data()
+    datamodule.setup("fit")
+    corpus = datamodule.corpus
+    if tokenizer.vocab_size != corpus.tokenizer.vocab_size:  # pragma: no cover - a stale cache
+        raise ConfigError("the token cache was made with another tokenizer: delete it and run again")
+    log.info("Data ready after %.1f s", time.perf_counter() - t0)
     trainer_cfg["precision"] = choose_precision(trainer_cfg.get("precision"))
     strategy = build_strategy(cfg.strategy)
     loggers = build_loggers(cfg, resume)
@@ -157,13 +163,6 @@ def run(cfg: DictConfig) -> dict[str, float]:
             lg.log_hyperparams(resolved)
         if trainer.is_global_zero:
             OmegaConf.save(cfg, run_dir / "config_resolved.yaml", resolve=True)
-
-        datamodule.prepare_data()
-        datamodule.setup("fit")
-        corpus = datamodule.corpus
-        if tokenizer.vocab_size != corpus.tokenizer.vocab_size:  # pragma: no cover - a stale cache
-            raise ConfigError("the token cache was made with another tokenizer: delete it and run again")
-        log.info("Data ready after %.1f s", time.perf_counter() - t0)
 
         stopped = fit(trainer, module, datamodule, resume.ckpt_path if resume else None)
         if stopped and trainer.is_global_zero:

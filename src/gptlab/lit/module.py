@@ -33,6 +33,12 @@ def check_optim(optim: dict[str, Any]) -> dict[str, Any]:
     if unknown:
         raise ConfigError(f"Unknown optim option(s) {unknown}. Known: {sorted(OPTIM_DEFAULTS)}.")
     merged = {**OPTIM_DEFAULTS, **optim}
+    for key in ("lr", "weight_decay", "eps", "warmup_steps", "min_lr_ratio"):
+        value = merged[key]
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(
+                f"optim.{key}={value!r} must be a number (e.g. optim.{key}={OPTIM_DEFAULTS[key]})."
+            )
     if not merged["lr"] > 0:
         raise ConfigError(f"optim.lr={merged['lr']} must be positive (e.g. optim.lr=3e-4).")
     if merged["warmup_steps"] < 0:
