@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import CONF, TINY, run_train
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
 from hydra.errors import ConfigCompositionException, MissingConfigException
 from omegaconf import OmegaConf
 
@@ -240,11 +242,16 @@ def test_deepspeed_on_a_cpu_machine_through_the_cli(tmp_path):
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    """A real checkpoint: two steps of the TINY model on a small text file."""
+    """A real checkpoint: two steps of the TINY model on a small text file, trained in this process."""
     root = tmp_path_factory.mktemp("trained")
     (root / "corpus.txt").write_text(TEXT)
     args = [*TINY, "trainer.max_steps=2", "logger=none", f"data.path={root / 'corpus.txt'}"]
-    run_train([*args, f"paths.root_dir={root}", f"hydra.run.dir={root / 'run'}"], cwd=root)
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(str(CONF), version_base="1.3"):
+        cfg = compose(
+            "train", overrides=[*args, f"paths.root_dir={root}", f"paths.output_dir={root / 'run'}"]
+        )
+    run(cfg)
     return root, args, root / "run" / "checkpoints" / "last.ckpt"
 
 
