@@ -40,6 +40,8 @@ def check_trainer_values(trainer_cfg: dict[str, Any]) -> None:
 def available_devices(accelerator: str) -> int:
     if accelerator in _CUDA_NAMES:
         return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if accelerator == "auto" and torch.cuda.is_available():  # auto picks the GPUs
+        return torch.cuda.device_count()
     if accelerator == "mps":
         return int(torch.backends.mps.is_available())
     return -1  # cpu, auto, tpu...: left to Lightning
