@@ -61,6 +61,7 @@ def check_accelerator(trainer_cfg: dict[str, Any]) -> None:
     devices = trainer_cfg.get("devices")
     if count > 0 and _is_int(devices) and devices > count:
         raise ConfigError(
-            f"trainer.devices={devices} but this machine has {count} {accelerator.upper()} device(s). "
+            f"trainer.devices={devices} but this machine has {count} "
+            f"{'GPU' if accelerator in (*_CUDA_NAMES, 'auto') else accelerator.upper()} device(s). "
             f"Use trainer.devices={count} (or -1 for all of them), or trainer.num_nodes to add machines."
         )
