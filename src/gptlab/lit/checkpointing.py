@@ -153,6 +153,7 @@ class StopOnSignal(L.Callback):
     def __init__(self) -> None:
         self.received: int | None = None
         self._previous: dict[int, Any] = {}
+        self._saved_at: int | None = None
 
     def signals(self) -> list[int]:
         return [signal.SIGTERM] + (
@@ -182,6 +183,9 @@ class StopOnSignal(L.Callback):
         self.restore_handlers()
 
     def _save(self, trainer: L.Trainer) -> None:
+        if self._saved_at == trainer.global_step:
+            return
+        self._saved_at = trainer.global_step
         for cb in trainer.checkpoint_callbacks:
             if isinstance(cb, PeriodicLastCheckpoint):
                 cb.save_now(trainer)
@@ -196,7 +200,8 @@ class StopOnSignal(L.Callback):
         log.warning("Received a stop signal, but no callbacks.last_checkpoint is configured: nothing saved.")
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
-        if self.received is not None:
+        # Every rank takes the same decision (saving is collective), whichever rank got the signal.
+        if trainer.strategy.reduce_boolean_decision(self.received is not None, all=False):
             self._save(trainer)
             trainer.should_stop = True
 
@@ -271,4 +276,4 @@ def fit(trainer: L.Trainer, module: L.LightningModule, datamodule: Any, ckpt_pat
     finally:
         for cb in stoppers:
             cb.restore_handlers()
-    return any(cb.received is not None for cb in stoppers)
+    return any(cb._saved_at is not None for cb in stoppers)
