@@ -143,6 +143,11 @@ def run(cfg: DictConfig) -> dict[str, float]:
     module = GPTLitModule(model=model_config.to_dict(), optim=OmegaConf.to_container(cfg.optim, resolve=True))
     module.tokenizer = tokenizer
     resume = plan_resume(cfg.get("resume"), run_dir, model_config)
+    if resume and resume.global_step >= trainer_cfg["max_steps"]:
+        log.info(
+            "The checkpoint is at step %d: trainer.max_steps is reached, nothing is left to train.",
+            resume.global_step,
+        )
     load_initial_weights(cfg, module.model)  # model.init_from: pretrained weights, checked against the config
     # The data is read and windowed before any logger or trainer starts, so a bad corpus costs seconds.
     datamodule.prepare_data()
