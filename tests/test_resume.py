@@ -285,3 +285,21 @@ def test_resume_auto_picks_the_newest_run_with_the_same_overrides(tmp_path):
     ckpt = old / "checkpoints" / "last.ckpt"
     assert choose_run_dir([f"resume={ckpt}"], str(outputs), default) == str(old)
     assert choose_run_dir([f"resume={old}"], str(outputs), default) == str(old)
+
+
+@pytest.mark.slow
+def test_sigterm_under_ddp_stops_every_rank_and_saves(tmp_path, cache_dir):
+    # Two CPU processes (DDP over gloo): the signal reaches rank 0, every rank stops at the same step.
+    args = [
+        *ARGS,
+        "logger=none",
+        f"paths.root_dir={cache_dir}",
+        "trainer.devices=2",
+        "trainer.accelerator=cpu",
+    ]
+    proc = start_and_stop_at(args, tmp_path, 4, signal.SIGTERM)
+    assert proc.returncode == 0, proc.output[-3000:]
+    stopped = int(re.search(r"Stopped by a signal at step (\d+)", proc.output).group(1))
+    (run_dir,) = run_dirs(tmp_path)
+    saved = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    assert saved["global_step"] == stopped < MAX_STEPS
