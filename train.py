@@ -6,6 +6,10 @@ Every option is a Hydra override; `python train.py --help` lists the config grou
 import hydra
 from omegaconf import DictConfig
 
+from gptlab.resume import register_resolvers
+
+register_resolvers()  # conf/hydra chooses the run directory through them (resume=auto)
+
 
 @hydra.main(config_path="conf", config_name="train", version_base="1.3")
 def main(cfg: DictConfig) -> float | None:

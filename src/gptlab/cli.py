@@ -9,6 +9,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from gptlab.errors import ConfigError, DataError
+from gptlab.lit.checkpointing import NonFiniteLossError
 
 
 def run_task(cfg: DictConfig) -> float | None:
@@ -22,5 +23,10 @@ def run_task(cfg: DictConfig) -> float | None:
             raise
         print(f"\ngptlab: error: {e}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
+    except NonFiniteLossError as e:
+        if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
+            raise
+        print(f"\ngptlab: training failed: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
     metric = cfg.get("optimized_metric")
     return metrics.get(metric) if metric else None

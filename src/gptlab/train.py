@@ -18,8 +18,11 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from gptlab.builders import build_datamodule, build_model_config, build_tokenizer, load_initial_weights
 from gptlab.errors import ConfigError
+from gptlab.lit.checkpointing import checkpoint_plugins, fault_tolerance_callbacks, fit
 from gptlab.lit.module import GPTLitModule, check_optim
 from gptlab.parallel import ParallelOptions, build_strategy, choose_precision, slurm_requeue_parts
+from gptlab.preflight import check_accelerator, check_seed, check_trainer_values
+from gptlab.resume import ResumePlan, check_writable, plan_resume
 from gptlab.tracking.loggers import finish_wandb
 
 log = logging.getLogger("gptlab")
@@ -56,11 +59,15 @@ def check_trainer_options(trainer_cfg: dict[str, Any]) -> None:
             )
 
 
-def build_loggers(cfg: DictConfig) -> list:
+def build_loggers(cfg: DictConfig, resume: ResumePlan | None = None) -> list:
     loggers = []
     for _, node in (cfg.get("logger") or {}).items():
         if node is not None and "_target_" in node:
-            loggers.append(instantiate(node))
+            if resume and resume.wandb_run_id and node["_target_"].endswith("wandb_logger"):
+                # the resumed run continues the same W&B run
+                loggers.append(instantiate(node, id=resume.wandb_run_id, resume="allow"))
+            else:
+                loggers.append(instantiate(node))
     return loggers
 
 
@@ -103,19 +110,17 @@ def run(cfg: DictConfig) -> dict[str, float]:
     t0 = time.perf_counter()
     _route_lightning_logs()
     run_dir = run_dir_of(cfg)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    check_writable(run_dir)
     with open_dict(cfg):
         cfg.paths.output_dir = str(run_dir)
+    check_seed(cfg.seed)
     L.seed_everything(cfg.seed, workers=True, verbose=False)
 
     # ---- build and check everything before any expensive work --------------------------------
     trainer_cfg = OmegaConf.to_container(cfg.trainer, resolve=True)
     check_trainer_options(trainer_cfg)
-    if not trainer_cfg.get("max_steps") or trainer_cfg["max_steps"] <= 0:
-        raise ConfigError(
-            f"trainer.max_steps={trainer_cfg.get('max_steps')}: set a positive number of optimizer steps "
-            "(the learning-rate schedule is defined over them)."
-        )
+    check_trainer_values(trainer_cfg)
+    check_accelerator(trainer_cfg)
     check_optim(OmegaConf.to_container(cfg.optim, resolve=True))
     parallel = ParallelOptions.from_config(
         {k: cfg[k] for k in ("compile", "activation_checkpointing") if cfg.get(k) is not None}
@@ -131,11 +136,24 @@ def run(cfg: DictConfig) -> dict[str, float]:
     model_config = build_model_config(cfg, tokenizer)
     module = GPTLitModule(model=model_config.to_dict(), optim=OmegaConf.to_container(cfg.optim, resolve=True))
     module.tokenizer = tokenizer
+    resume = plan_resume(cfg.get("resume"), run_dir, model_config)
+    if resume and resume.global_step >= trainer_cfg["max_steps"]:
+        log.info(
+            "The checkpoint is at step %d: trainer.max_steps is reached, nothing is left to train.",
+            resume.global_step,
+        )
     load_initial_weights(cfg, module.model)  # model.init_from: pretrained weights, checked against the config
     module.parallel = parallel
-    loggers = build_loggers(cfg)
-    callbacks = build_callbacks(cfg)
-    plugins, slurm_callbacks = slurm_requeue_parts()
+    # The data is read and windowed before any logger or trainer starts, so a bad corpus costs seconds.
+    datamodule.prepare_data()
+    datamodule.setup("fit")
+    corpus = datamodule.corpus
+    if tokenizer.vocab_size != corpus.tokenizer.vocab_size:  # pragma: no cover - a stale cache
+        raise ConfigError("the token cache was made with another tokenizer: delete it and run again")
+    log.info("Data ready after %.1f s", time.perf_counter() - t0)
+    loggers = build_loggers(cfg, resume)
+    callbacks = build_callbacks(cfg) + fault_tolerance_callbacks()
+    slurm_plugins, slurm_callbacks = slurm_requeue_parts()
     callbacks += slurm_callbacks
 
     failed = True
@@ -145,7 +163,7 @@ def run(cfg: DictConfig) -> dict[str, float]:
             strategy=strategy,
             logger=loggers or False,
             callbacks=callbacks,
-            plugins=plugins or None,
+            plugins=[*slurm_plugins, *checkpoint_plugins(strategy)] or None,
         )
         if trainer.is_global_zero:
             log.info("Run directory: %s", run_dir)
@@ -156,14 +174,12 @@ def run(cfg: DictConfig) -> dict[str, float]:
         if trainer.is_global_zero:
             OmegaConf.save(cfg, run_dir / "config_resolved.yaml", resolve=True)
 
-        datamodule.prepare_data()
-        datamodule.setup("fit")
-        corpus = datamodule.corpus
-        if tokenizer.vocab_size != corpus.tokenizer.vocab_size:  # pragma: no cover - a stale cache
-            raise ConfigError("the token cache was made with another tokenizer: delete it and run again")
-        log.info("Data ready after %.1f s", time.perf_counter() - t0)
-
-        trainer.fit(module, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
+        stopped = fit(trainer, module, datamodule, resume.ckpt_path if resume else None)
+        if stopped and trainer.is_global_zero:
+            log.info(
+                "Stopped by a signal at step %d; continue with the same command and resume=auto",
+                trainer.global_step,
+            )
         metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1}
         metrics["unigram_entropy"] = corpus.unigram_entropy
         metrics["wall_seconds"] = time.perf_counter() - t0

@@ -130,8 +130,14 @@ def resolve_files(path: str | list[str]) -> list[str]:
             )
         files.extend(matches)
     for f in files:
-        if not os.access(f, os.R_OK):
-            raise DataError(f"Data file {f!r} cannot be read (permission denied): fix its permissions.")
+        try:
+            with open(f, "rb") as handle:
+                handle.read(1)
+        except OSError as e:
+            raise DataError(
+                f"Data file {f!r} cannot be read ({e.strerror or e}): fix its permissions or the link, or remove "
+                "it from data.path."
+            ) from e
         if os.path.getsize(f) == 0:
             raise DataError(
                 f"Data file {f!r} is empty: give a file with text in it, or remove it from data.path."

@@ -14,6 +14,7 @@ from torch import Tensor
 
 from gptlab.data import tokenizers
 from gptlab.errors import ConfigError
+from gptlab.lit.checkpointing import check_finite_loss, collect_rng_states, restore_rng_states
 from gptlab.model.config import GPTConfig
 from gptlab.model.gpt import GPT
 
@@ -32,6 +33,12 @@ def check_optim(optim: dict[str, Any]) -> dict[str, Any]:
     if unknown:
         raise ConfigError(f"Unknown optim option(s) {unknown}. Known: {sorted(OPTIM_DEFAULTS)}.")
     merged = {**OPTIM_DEFAULTS, **optim}
+    for key in ("lr", "weight_decay", "eps", "warmup_steps", "min_lr_ratio"):
+        value = merged[key]
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(
+                f"optim.{key}={value!r} must be a number (e.g. optim.{key}={OPTIM_DEFAULTS[key]})."
+            )
     if not merged["lr"] > 0:
         raise ConfigError(f"optim.lr={merged['lr']} must be positive (e.g. optim.lr=3e-4).")
     if merged["warmup_steps"] < 0:
@@ -80,6 +87,7 @@ class GPTLitModule(L.LightningModule):
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
         x, y = batch
         _, loss = self.model(x, y)
+        check_finite_loss(loss, step=self.global_step + 1)
         self.log("train/loss", loss, prog_bar=True, on_step=True, on_epoch=False)
         self.log("lr", self.optimizers().param_groups[0]["lr"], on_step=True, on_epoch=False)
         return loss
@@ -133,7 +141,10 @@ class GPTLitModule(L.LightningModule):
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         if self.tokenizer is not None:
             checkpoint["tokenizer"] = self.tokenizer.spec()
+        checkpoint["rng_states"] = collect_rng_states()
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         if "tokenizer" in checkpoint:
             self.tokenizer = tokenizers.from_spec(checkpoint["tokenizer"])
+        if "rng_states" in checkpoint:
+            restore_rng_states(checkpoint["rng_states"])

@@ -1,0 +1,67 @@
+"""Checks of the trainer settings that Lightning would only reject after the run has started (or reject with
+a type error): the hardware asked for, and values of the wrong type."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from gptlab.errors import ConfigError
+
+_CUDA_NAMES = ("gpu", "cuda")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_seed(seed: Any) -> None:
+    if not _is_int(seed):
+        raise ConfigError(f"seed={seed!r} must be an integer (e.g. seed=1337).")
+
+
+def check_trainer_values(trainer_cfg: dict[str, Any]) -> None:
+    """``max_steps`` a positive integer, ``val_check_interval`` a positive integer (steps) or a fraction."""
+    max_steps = trainer_cfg.get("max_steps")
+    if not _is_int(max_steps) or max_steps <= 0:
+        raise ConfigError(
+            f"trainer.max_steps={max_steps!r}: set a positive integer number of optimizer steps, e.g. "
+            "trainer.max_steps=320 (the learning-rate schedule is defined over them)."
+        )
+    interval = trainer_cfg.get("val_check_interval")
+    if interval is not None and (isinstance(interval, (bool, str)) or not interval > 0):
+        raise ConfigError(
+            f"trainer.val_check_interval={interval!r} must be a positive integer (validate every that many "
+            "steps, e.g. trainer.val_check_interval=80) or a fraction of an epoch in (0, 1]."
+        )
+
+
+def available_devices(accelerator: str) -> int:
+    if accelerator in _CUDA_NAMES:
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if accelerator == "auto" and torch.cuda.is_available():  # auto picks the GPUs
+        return torch.cuda.device_count()
+    if accelerator == "mps":
+        return int(torch.backends.mps.is_available())
+    return -1  # cpu, auto, tpu...: left to Lightning
+
+
+def check_accelerator(trainer_cfg: dict[str, Any]) -> None:
+    """Refuse an accelerator this machine does not have, or more GPUs than it has."""
+    accelerator = str(trainer_cfg.get("accelerator") or "auto").lower()
+    count = available_devices(accelerator)
+    if count == 0:
+        found = "no CUDA GPU" if accelerator in _CUDA_NAMES else "no Apple MPS device"
+        raise ConfigError(
+            f"trainer.accelerator={accelerator} but this machine has {found} (torch {torch.__version__}). "
+            "Use trainer.accelerator=auto (or cpu) here, or run on a machine with that device and a torch "
+            "build for it."
+        )
+    devices = trainer_cfg.get("devices")
+    if count > 0 and _is_int(devices) and devices > count:
+        raise ConfigError(
+            f"trainer.devices={devices} but this machine has {count} "
+            f"{'GPU' if accelerator in (*_CUDA_NAMES, 'auto') else accelerator.upper()} device(s). "
+            f"Use trainer.devices={count} (or -1 for all of them), or trainer.num_nodes to add machines."
+        )

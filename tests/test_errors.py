@@ -1,0 +1,300 @@
+"""Bad input is refused before any expensive work, with the bad value, what is allowed, and the fix.
+
+One test per row of the README's "Bad input" table. Most go through `gptlab.train.run` in this process (the
+whole task up to the point of failure) and check that nothing was started: no W&B run, no checkpoint. A few
+go through `python train.py` to check the message a user reads and the exit status 2.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import CONF, TINY, run_train
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from hydra.errors import ConfigCompositionException, MissingConfigException
+from omegaconf import OmegaConf
+
+from gptlab.builders import build_datamodule, build_model_config, build_tokenizer
+from gptlab.errors import ConfigError, DataError
+from gptlab.resume import CheckpointError, plan_resume
+from gptlab.train import check_trainer_options, run
+
+TEXT = (Path(__import__("pydoc_data.topics").topics.__file__)).read_text()[:40_000]
+
+
+def run_in_process(make_cfg, out: Path, *overrides: str):
+    """`gptlab.train.run` with TINY and a W&B logger; returns the run directory for inspection."""
+    cfg = make_cfg(*TINY, "logger=wandb", f"paths.output_dir={out}", *overrides)
+    run(cfg)
+
+
+def nothing_started(out: Path) -> bool:
+    return not (out / "wandb").exists() and not (out / "checkpoints").exists()
+
+
+def choices(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
+
+
+# ---- the config itself ---------------------------------------------------------------------------------
+
+
+def test_unknown_group_choice_lists_the_choices(make_cfg):
+    with pytest.raises(MissingConfigException) as e:
+        make_cfg("pos=rotary")
+    message = str(e.value)
+    assert "Could not find 'pos/rotary'" in message
+    assert all(f"\t{c}\n" in message + "\n" for c in choices("pos")), message
+
+
+def test_override_typos_name_the_key_and_the_fix(make_cfg):
+    with pytest.raises(ConfigCompositionException) as e:
+        make_cfg("trainer.max_step=5")
+    assert "Key 'max_step' is not in struct" in str(e.value.__cause__) or "max_step" in str(e.value)
+    with pytest.raises(
+        ConfigError, match=r"trainer.max_epoch is not a Lightning Trainer argument.*max_epochs"
+    ):
+        check_trainer_options(OmegaConf.to_container(make_cfg("+trainer.max_epoch=3").trainer))
+    with pytest.raises(ConfigError, match=r"'n_layers' \(did you mean 'n_layer'\?\)"):
+        build_model_config(make_cfg("+model.n_layers=3"))
+    with pytest.raises(ConfigError, match=r"Unknown data option\(s\) \['batchsize'\].*batch_size"):
+        build_datamodule(make_cfg("+data.batchsize=4"))
+
+
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        ("model.n_layer=abc", r"model.n_layer='abc' must be a positive integer"),
+        (
+            "trainer.max_steps=abc",
+            r"trainer.max_steps='abc': set a positive integer number of optimizer steps",
+        ),
+        (
+            "trainer.val_check_interval=often",
+            r"trainer.val_check_interval='often' must be a positive integer",
+        ),
+        ("optim.lr=fast", r"optim.lr='fast' must be a number \(e.g. optim.lr=0.0003\)"),
+        ("data.batch_size=abc", r"data.batch_size='abc' must be a positive integer"),
+        ("seed=abc", r"seed='abc' must be an integer"),
+    ],
+)
+def test_values_of_the_wrong_type(make_cfg, tmp_path, override, message):
+    with pytest.raises(ConfigError, match=message):
+        run_in_process(make_cfg, tmp_path, override)
+    assert nothing_started(tmp_path)
+
+
+# ---- the model -------------------------------------------------------------------------------------------
+
+
+def test_n_embd_not_divisible_by_n_head(make_cfg):
+    with pytest.raises(
+        ConfigError, match=r"model.n_embd=128 is not divisible by model.n_head=3.*Choose n_head"
+    ):
+        build_model_config(make_cfg("model.n_head=3"))
+
+
+@pytest.mark.skipif(not (CONF / "pos" / "rope.yaml").exists(), reason="pos=rope is not in this checkout")
+def test_rope_refuses_an_odd_head_dimension(make_cfg):
+    # 36 / 4 = 9 dimensions per head: RoPE rotates pairs of dimensions.
+    with pytest.raises(ConfigError) as e:
+        build_model_config(make_cfg("pos=rope", "model.n_embd=36", "model.n_head=4"))
+    message = str(e.value)
+    assert "9" in message and ("even" in message or "odd" in message), message
+
+
+def test_n_head_not_divisible_by_n_kv_head(make_cfg):
+    with pytest.raises(
+        ConfigError, match=r"model.n_head=4 is not divisible by model.n_kv_head=3.*Use a divisor"
+    ):
+        build_model_config(make_cfg("model.n_kv_head=3"))
+
+
+def test_context_longer_than_the_learned_position_table(make_cfg, tmp_path):
+    with pytest.raises(ConfigError, match=r"data.block_size=64 is longer than the learned position table"):
+        run_in_process(make_cfg, tmp_path, "data.block_size=64")
+    assert nothing_started(tmp_path)
+
+
+def test_vocabulary_larger_than_the_models(make_cfg):
+    cfg = make_cfg("model.vocab_size=1000")
+    with pytest.raises(
+        ConfigError, match=r"tokenizer=gpt2 has 50257 ids but model.vocab_size=1000.*Set model"
+    ):
+        build_model_config(cfg, build_tokenizer(cfg))
+
+
+# ---- the data --------------------------------------------------------------------------------------------
+
+
+def _missing(tmp_path: Path) -> Path:
+    return tmp_path / "nothere.txt"
+
+
+def _empty(tmp_path: Path) -> Path:
+    (tmp_path / "empty.txt").write_text("")
+    return tmp_path / "empty.txt"
+
+
+def _latin1(tmp_path: Path) -> Path:
+    (tmp_path / "latin.txt").write_bytes("caf\xe9 cr\xe8me br\xfbl\xe9e ".encode("latin-1") * 200)
+    return tmp_path / "latin.txt"
+
+
+def _broken_link(tmp_path: Path) -> Path:
+    (tmp_path / "link.txt").symlink_to(tmp_path / "moved-away.txt")
+    return tmp_path / "link.txt"
+
+
+@pytest.mark.parametrize(
+    "make_file,message",
+    [
+        (_missing, r"data.path='.*nothere.txt' matches no file"),
+        (_empty, r"empty.txt' is empty"),
+        (_latin1, r"is not UTF-8 text.*Convert it"),
+        (_broken_link, r"link.txt' cannot be read \(No such file or directory\)"),
+    ],
+    ids=["missing", "empty", "not-utf8", "broken-link"],
+)
+def test_data_files_that_cannot_be_used(make_cfg, tmp_path, make_file, message):
+    path = make_file(tmp_path)
+    out = tmp_path / "run"
+    with pytest.raises(DataError, match=message):
+        run_in_process(make_cfg, out, f"data.path={path}")
+    assert nothing_started(out)
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root reads files whatever their permissions")
+def test_unreadable_data_file(make_cfg, tmp_path):
+    path = tmp_path / "secret.txt"
+    path.write_text(TEXT)
+    path.chmod(0)
+    with pytest.raises(DataError, match=r"secret.txt' cannot be read \(Permission denied\)"):
+        run_in_process(make_cfg, tmp_path / "run", f"data.path={path}")
+
+
+def test_corpus_shorter_than_one_window(make_cfg, tmp_path):
+    for i in range(4):
+        (tmp_path / f"{i}.txt").write_text(f"A short document, number {i}.")
+    out = tmp_path / "run"
+    with pytest.raises(DataError, match=r"fewer than one window of model.block_size \+ 1 = 33.*smaller"):
+        run_in_process(make_cfg, out, f"data.path={tmp_path / '*.txt'}")
+    assert nothing_started(out)
+
+
+def test_validation_split_without_a_window(make_cfg, tmp_path):
+    # One document: its last 0.1% (a few tokens) would be the validation split.
+    (tmp_path / "book.txt").write_text(TEXT)
+    out = tmp_path / "run"
+    with pytest.raises(
+        DataError, match=r"validation split .* fewer than one window of 33.*Raise data.val_fraction"
+    ):
+        run_in_process(make_cfg, out, f"data.path={tmp_path / 'book.txt'}", "data.val_fraction=0.001")
+    assert nothing_started(out)
+
+
+# ---- where it runs ----------------------------------------------------------------------------------------
+
+
+def test_output_directory_that_cannot_be_written(make_cfg, tmp_path):
+    (tmp_path / "a-file").write_text("not a folder")
+    with pytest.raises(ConfigError, match=r"a-file/run cannot be written.*hydra.run.dir=<dir>"):
+        run_in_process(make_cfg, tmp_path / "a-file" / "run")
+
+
+def test_output_directory_that_cannot_be_written_through_the_cli(tmp_path):
+    (tmp_path / "a-file").write_text("not a folder")
+    proc = run_train([*TINY, f"hydra.run.dir={tmp_path / 'a-file' / 'run'}"], cwd=tmp_path, check=False)
+    assert proc.returncode == 2
+    assert "gptlab: error: the output directory hydra.run.dir=" in proc.stderr
+    assert "a-file is a file, not a folder" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
+def test_gpu_accelerator_on_a_machine_without_one(make_cfg, tmp_path):
+    with pytest.raises(ConfigError, match=r"trainer.accelerator=gpu but this machine has no CUDA GPU.*auto"):
+        run_in_process(make_cfg, tmp_path, "trainer.accelerator=gpu")
+    assert nothing_started(tmp_path)
+
+
+DEEPSPEED = sorted(p.stem for p in (CONF / "strategy").glob("deepspeed*.yaml"))
+
+
+@pytest.mark.skipif(not DEEPSPEED or torch.cuda.is_available(), reason="no deepspeed strategy, or a GPU here")
+def test_deepspeed_on_a_cpu_machine_through_the_cli(tmp_path):
+    proc = run_train(
+        [*TINY, f"strategy={DEEPSPEED[0]}", f"paths.root_dir={tmp_path}", f"hydra.run.dir={tmp_path / 'r'}"],
+        cwd=tmp_path,
+        check=False,
+    )
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "gptlab: error:" in proc.stderr and "deepspeed" in proc.stderr.lower()
+    assert not (tmp_path / "r" / "checkpoints").exists()
+
+
+# ---- checkpoints ------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A real checkpoint: two steps of the TINY model on a small text file, trained in this process."""
+    root = tmp_path_factory.mktemp("trained")
+    (root / "corpus.txt").write_text(TEXT)
+    args = [*TINY, "trainer.max_steps=2", "logger=none", f"data.path={root / 'corpus.txt'}"]
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(str(CONF), version_base="1.3"):
+        cfg = compose(
+            "train", overrides=[*args, f"paths.root_dir={root}", f"paths.output_dir={root / 'run'}"]
+        )
+    run(cfg)
+    return root, args, root / "run" / "checkpoints" / "last.ckpt"
+
+
+def test_checkpoint_from_a_different_architecture_through_the_cli(trained):
+    root, args, ckpt = trained
+    before = ckpt.stat().st_mtime_ns
+    proc = run_train(
+        [*args, "model.n_embd=64", f"resume={ckpt}", f"paths.root_dir={root}"], cwd=root, check=False
+    )
+    assert proc.returncode == 2
+    err = proc.stderr
+    assert (
+        f"gptlab: error: Checkpoint {ckpt} is from a different model: n_embd: 32 in the checkpoint, 64 now"
+        in err
+    )
+    assert "model.n_embd=32" in err and "Traceback" not in err
+    assert ckpt.stat().st_mtime_ns == before  # nothing was trained or saved
+
+
+def test_checkpoint_differences_are_all_listed(trained, make_cfg):
+    root, args, ckpt = trained
+    cfg = make_cfg(*TINY, "model.n_layer=2", "pos=sinusoidal")
+    with pytest.raises(CheckpointError) as e:
+        plan_resume(str(ckpt), root, build_model_config(cfg))
+    message = str(e.value)
+    assert "n_layer: 1 in the checkpoint, 2 now" in message
+    assert "pos: 'learned' in the checkpoint, 'sinusoidal' now" in message
+
+
+@pytest.mark.parametrize("damage", ["truncated", "not-a-checkpoint", "missing"])
+def test_unreadable_checkpoint_names_the_file(trained, make_cfg, tmp_path, damage):
+    root, args, ckpt = trained
+    bad = tmp_path / "last.ckpt"
+    if damage == "truncated":
+        shutil.copy(ckpt, bad)
+        with open(bad, "r+b") as f:
+            f.truncate(bad.stat().st_size // 2)
+        message = rf"Checkpoint {bad} cannot be read .*truncated, corrupt"
+    elif damage == "not-a-checkpoint":
+        bad.write_text("hello")
+        message = rf"Checkpoint {bad} cannot be read"
+    else:
+        message = rf"resume={bad}: no such file or directory.*resume=auto"
+    model_config = build_model_config(make_cfg(*TINY), build_tokenizer(make_cfg(*TINY)))
+    with pytest.raises(CheckpointError, match=message):
+        plan_resume(str(bad), tmp_path, model_config)

@@ -1,0 +1,305 @@
+"""A killed run loses nothing: it continues where it stopped, in its own directory, bit for bit."""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import CONF, ROOT, TINY, run_train
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+
+from gptlab.lit.checkpointing import AtomicCheckpointIO, NonFiniteLossError
+from gptlab.resume import choose_run_dir
+from gptlab.tracking.wandb_files import find_runs, read_run
+from gptlab.train import run
+
+MAX_STEPS = 12
+# A tiny run that checkpoints every 2 steps and validates every 4; the loss must not reach its floor, so
+# that a wrong batch order or optimizer state after a resume would show in the weights.
+ARGS = [
+    *TINY,
+    f"trainer.max_steps={MAX_STEPS}",
+    "optim.warmup_steps=2",
+    "callbacks.last_checkpoint.every_n_train_steps=2",
+]
+
+
+def weights(ckpt: Path) -> dict[str, torch.Tensor]:
+    return torch.load(ckpt, map_location="cpu", weights_only=True)["state_dict"]
+
+
+def assert_bit_identical(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    different = [k for k in a if not torch.equal(a[k], b[k])]
+    assert not different, f"tensors that differ: {different}"
+
+
+def run_dirs(root: Path) -> list[Path]:
+    return sorted(p.parent for p in (root / "outputs").glob("runs/*/*/.hydra"))
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("shared")
+
+
+def compose_cfg(*overrides: str):
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(str(CONF), version_base="1.3"):
+        return compose("train", overrides=list(overrides))
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, cache_dir):
+    """The same run, never interrupted (in this process): its final weights."""
+    out = tmp_path_factory.mktemp("reference")
+    run(compose_cfg(*ARGS, "logger=none", f"paths.root_dir={cache_dir}", f"paths.output_dir={out}"))
+    return weights(out / "checkpoints" / "last.ckpt")
+
+
+def start_and_stop_at(args: list[str], cwd: Path, step: int, sig: int) -> subprocess.Popen:
+    """Start `python train.py <args>` and send ``sig`` once the progress bar has shown ``step`` steps done."""
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "train.py"), *args],
+        cwd=cwd,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    seen: list[str] = []
+
+    def watch() -> None:
+        buf = ""
+        sent = False
+        for chunk in iter(lambda: proc.stdout.read(1), ""):
+            buf += chunk
+            seen.append(chunk)
+            if not sent and re.search(rf"Training:[^\r\n]*\| {step}/{MAX_STEPS} ", buf[-400:]):
+                proc.send_signal(sig)
+                sent = True
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    proc.wait(timeout=300)
+    thread.join(timeout=10)
+    proc.output = "".join(seen)  # type: ignore[attr-defined]
+    return proc
+
+
+@pytest.mark.slow
+def test_sigkill_three_times_then_resume_ends_bit_identical(tmp_path, cache_dir, reference):
+    args = [*ARGS, "logger=none", f"paths.root_dir={cache_dir}", "resume=auto"]
+    rng = random.Random()
+    steps = sorted(rng.sample(range(2, MAX_STEPS), 3))
+    for step in steps:
+        proc = start_and_stop_at(args, tmp_path, step, signal.SIGKILL)
+        assert proc.returncode == -signal.SIGKILL, proc.output[-3000:]
+        (run_dir,) = run_dirs(tmp_path)  # every restart continued the same run directory
+        saved = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+        # at most every_n_train_steps=2 steps lost
+        assert step - 2 <= saved["global_step"] <= step + 1, (steps, saved["global_step"])
+    proc = run_train(args, cwd=tmp_path)
+    assert "Resuming from" in proc.stdout + proc.stderr
+    (run_dir,) = run_dirs(tmp_path)
+    final = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    assert final["global_step"] == MAX_STEPS
+    assert_bit_identical(final["state_dict"], reference), f"killed at steps {steps}"
+
+
+@pytest.mark.slow
+def test_sigterm_through_the_cli_exits_0_then_resume_auto_continues_the_same_run(
+    tmp_path, cache_dir, reference
+):
+    args = [*ARGS, "logger=wandb", f"paths.root_dir={cache_dir}", "resume=auto"]
+    step = random.Random().randrange(3, MAX_STEPS - 2)
+    proc = start_and_stop_at(args, tmp_path, step, signal.SIGTERM)
+    assert proc.returncode == 0, proc.output[-3000:]
+    stopped = int(re.search(r"Stopped by a signal at step (\d+)", proc.output).group(1))
+    assert step <= stopped <= step + 1
+    (run_dir,) = run_dirs(tmp_path)
+    saved = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    assert saved["global_step"] == stopped  # nothing lost, not even the steps since the periodic save
+
+    proc = run_train(args, cwd=tmp_path)
+    assert (
+        f"Resuming from {run_dir / 'checkpoints' / 'last.ckpt'} (step {stopped})" in proc.stdout + proc.stderr
+    )
+    assert run_dirs(tmp_path) == [run_dir]  # continued in its own directory, no new one
+    assert_bit_identical(weights(run_dir / "checkpoints" / "last.ckpt"), reference)
+
+    first, second = (read_run(p) for p in find_runs(run_dir / "wandb"))
+    assert first.run_id == second.run_id == saved["wandb_run_id"]
+    # the continued W&B run logs the steps after the stop, not from step 0 again
+    assert min(s for s, _ in second.metric("train/loss")) >= stopped - 1
+
+
+def signal_after_first_checkpoint(ckpt: Path, signum: int) -> None:
+    """Send ``signum`` to this process from a thread once ``ckpt`` exists (training is under way)."""
+
+    def wait_and_send() -> None:
+        deadline = time.monotonic() + 120
+        while not ckpt.exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        os.kill(os.getpid(), signum)
+
+    threading.Thread(target=wait_and_send, daemon=True).start()
+
+
+def test_sigterm_saves_the_current_step_and_resume_continues_bit_identical(tmp_path, cache_dir, reference):
+    out = tmp_path / "run"
+    ckpt = out / "checkpoints" / "last.ckpt"
+    overrides = [*ARGS, "logger=wandb", f"paths.root_dir={cache_dir}", f"paths.output_dir={out}"]
+    handler_before = signal.getsignal(signal.SIGTERM)
+    signal_after_first_checkpoint(ckpt, signal.SIGTERM)
+    run(compose_cfg(*overrides))
+    saved = torch.load(ckpt, map_location="cpu", weights_only=True)
+    stopped = saved["global_step"]
+    assert 2 <= stopped < MAX_STEPS  # stopped early, with the step it stopped at saved
+    assert signal.getsignal(signal.SIGTERM) == handler_before  # the handlers are gone after the run
+
+    run(compose_cfg(*overrides, "resume=auto"))
+    assert_bit_identical(weights(ckpt), reference)
+    first, second = (read_run(p) for p in find_runs(out / "wandb"))
+    assert first.run_id == second.run_id == saved["wandb_run_id"]
+    assert min(s for s, _ in second.metric("train/loss")) >= stopped - 1
+
+
+def test_sigusr1_saves_the_current_step_and_stops_cleanly(tmp_path, cache_dir):
+    out = tmp_path / "run"
+    ckpt = out / "checkpoints" / "last.ckpt"
+    signal_after_first_checkpoint(ckpt, signal.SIGUSR1)
+    metrics = run(compose_cfg(*ARGS, "logger=none", f"paths.root_dir={cache_dir}", f"paths.output_dir={out}"))
+    saved = torch.load(ckpt, map_location="cpu", weights_only=True)
+    assert 2 <= saved["global_step"] < MAX_STEPS  # stopped early, and the step it stopped at is saved
+    assert metrics["wall_seconds"] > 0
+    assert signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL  # the handler is gone after the run
+
+
+@pytest.mark.slow
+def test_resume_from_an_explicit_checkpoint_continues_in_its_run_directory(tmp_path, cache_dir, reference):
+    args = [*ARGS, "logger=none", f"paths.root_dir={cache_dir}"]
+    proc = start_and_stop_at(args, tmp_path, 7, signal.SIGKILL)
+    assert proc.returncode == -signal.SIGKILL
+    (run_dir,) = run_dirs(tmp_path)
+    kept = run_dir / "checkpoints" / "kept.ckpt"
+    os.replace(run_dir / "checkpoints" / "last.ckpt", kept)
+    step = torch.load(kept, map_location="cpu", weights_only=True)["global_step"]
+    assert 0 < step < MAX_STEPS
+
+    proc = run_train([*args, f"resume={kept}"], cwd=tmp_path)
+    assert f"Resuming from {kept} (step {step})" in proc.stdout + proc.stderr
+    assert run_dirs(tmp_path) == [run_dir]  # continued in the checkpoint's run directory
+    assert_bit_identical(weights(run_dir / "checkpoints" / "last.ckpt"), reference)
+
+
+WRITER = """
+import sys, torch
+from gptlab.lit.checkpointing import AtomicCheckpointIO
+AtomicCheckpointIO().save_checkpoint({"state_dict": {"w": torch.ones(48 * 2**20)}}, sys.argv[1])
+"""
+
+
+def test_a_kill_during_a_checkpoint_write_leaves_the_previous_checkpoint(tmp_path):
+    ckpt = tmp_path / "checkpoints" / "last.ckpt"
+    good = {"state_dict": {"w": torch.arange(10.0)}, "global_step": 4}
+    AtomicCheckpointIO().save_checkpoint(good, ckpt)
+
+    # A real process writing a 192 MB checkpoint over it, killed while the bytes are going to disk.
+    child = subprocess.Popen([sys.executable, "-c", WRITER, str(ckpt)])
+    deadline = time.monotonic() + 60
+    tmp_files: list[Path] = []
+    while time.monotonic() < deadline:
+        tmp_files = [p for p in ckpt.parent.glob(".last.ckpt.tmp-*") if p.stat().st_size > 0]
+        if tmp_files:
+            break
+        time.sleep(0.001)
+    assert tmp_files, "the child never started writing"
+    child.kill()
+    assert child.wait() == -signal.SIGKILL
+    assert tmp_files[0].exists() and tmp_files[0].stat().st_size < 192 * 2**20  # killed mid-write
+
+    loaded = torch.load(ckpt, map_location="cpu", weights_only=True)
+    assert loaded["global_step"] == 4 and torch.equal(loaded["state_dict"]["w"], good["state_dict"]["w"])
+    # the next save of the same checkpoint clears the half-written file
+    AtomicCheckpointIO().save_checkpoint({**good, "global_step": 6}, ckpt)
+    assert not list(ckpt.parent.glob(".last.ckpt.tmp-*"))
+    assert torch.load(ckpt, map_location="cpu", weights_only=True)["global_step"] == 6
+
+
+def test_non_finite_loss_stops_with_the_step_and_keeps_the_last_finite_checkpoint(tmp_path, cache_dir):
+    # A learning rate of 1e30 blows the weights up in one update: the second loss is NaN.
+    out = tmp_path / "run"
+    cfg = compose_cfg(
+        *ARGS,
+        "logger=none",
+        f"paths.root_dir={cache_dir}",
+        f"paths.output_dir={out}",
+        "optim.lr=1e30",
+        "optim.warmup_steps=0",
+        "callbacks.last_checkpoint.every_n_train_steps=1",
+    )
+    with pytest.raises(
+        NonFiniteLossError, match=r"The training loss is (nan|inf) at step 2\b.*Lower optim.lr"
+    ):
+        run(cfg)
+    saved = torch.load(out / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    assert saved["global_step"] == 1
+    assert all(torch.isfinite(t).all() for t in saved["state_dict"].values())
+
+
+def write_run(root: Path, name: str, overrides: list[str], with_checkpoint: bool = True) -> Path:
+    """A run directory as Hydra and train.py leave it: .hydra/overrides.yaml and checkpoints/last.ckpt."""
+    run_dir = root / name
+    (run_dir / ".hydra").mkdir(parents=True)
+    (run_dir / ".hydra" / "overrides.yaml").write_text("".join(f"- {o}\n" for o in overrides))
+    if with_checkpoint:
+        AtomicCheckpointIO().save_checkpoint({"global_step": 1}, run_dir / "checkpoints" / "last.ckpt")
+    return run_dir
+
+
+def test_resume_auto_picks_the_newest_run_with_the_same_overrides(tmp_path):
+    outputs = tmp_path / "outputs"
+    default = str(outputs / "runs" / "new")
+    old = write_run(outputs, "runs/d1/t1", ["pos=sinusoidal", "seed=1"])
+    time.sleep(0.02)
+    newer = write_run(outputs, "multirun/d1/t2/0", ["seed=1", "pos=sinusoidal", "resume=auto"])
+    write_run(outputs, "runs/d1/t3", ["pos=sinusoidal", "seed=2"])  # other overrides
+    write_run(outputs, "runs/d1/t4", ["pos=sinusoidal", "seed=1"], with_checkpoint=False)  # nothing saved
+    assert old != newer
+    assert choose_run_dir(["pos=sinusoidal", "seed=1", "resume=auto"], str(outputs), default) == str(newer)
+    # nothing to continue: a new run; no resume: always a new run
+    assert choose_run_dir(["seed=3", "resume=auto"], str(outputs), default) == default
+    assert choose_run_dir(["pos=sinusoidal", "seed=1"], str(outputs), default) == default
+    # an explicit checkpoint or run directory continues in its own run directory
+    ckpt = old / "checkpoints" / "last.ckpt"
+    assert choose_run_dir([f"resume={ckpt}"], str(outputs), default) == str(old)
+    assert choose_run_dir([f"resume={old}"], str(outputs), default) == str(old)
+
+
+@pytest.mark.slow
+def test_sigterm_under_ddp_stops_every_rank_and_saves(tmp_path, cache_dir):
+    # Two CPU processes (DDP over gloo): the signal reaches rank 0, every rank stops at the same step.
+    args = [
+        *ARGS,
+        "logger=none",
+        f"paths.root_dir={cache_dir}",
+        "trainer.devices=2",
+        "trainer.accelerator=cpu",
+    ]
+    proc = start_and_stop_at(args, tmp_path, 4, signal.SIGTERM)
+    assert proc.returncode == 0, proc.output[-3000:]
+    stopped = int(re.search(r"Stopped by a signal at step (\d+)", proc.output).group(1))
+    (run_dir,) = run_dirs(tmp_path)
+    saved = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    assert saved["global_step"] == stopped < MAX_STEPS
