@@ -31,9 +31,11 @@ def test_every_registered_scheme_has_a_yaml_and_cites_a_paper():
 
 def test_sinusoidal_table_equals_the_formula_also_past_block_size():
     d, base = 12, 500.0
-    model = GPT(tiny(pos="sinusoidal", n_embd=d, n_head=2, pos_options={"base": base}))
+    model = GPT(tiny(pos="sinusoidal", n_embd=d, n_head=2, pos_options={"base": base, "scale": 1.0}))
     x = torch.zeros(1, 40, d)
     pe = model.transformer.pos.embed(x, torch.arange(40))[0]  # 40 > block_size: computed, not looked up
+    default = GPT(tiny(pos="sinusoidal", n_embd=d, n_head=2, pos_options={"base": base})).transformer.pos
+    torch.testing.assert_close(default.embed(x, torch.arange(40))[0], pe / math.sqrt(d))  # the paper's ratio
     for p in (0, 1, 7, 15, 16, 39):
         for i in range(d // 2):
             angle = p / base ** (2 * i / d)

@@ -106,9 +106,14 @@ def sinusoidal_table(positions: Tensor, dim: int, base: float = 10000.0) -> Tens
 @register("sinusoidal")
 class SinusoidalPositionalEncoding(PositionalEncoding):
     """The fixed sine/cosine table added to the token embeddings (Vaswani et al. 2017, "Attention Is All
-    You Need", section 3.5). Defined for every position, so it also runs past ``block_size``."""
+    You Need", section 3.5). Defined for every position, so it also runs past ``block_size``.
 
-    options = {"base": 10000.0}
+    The paper multiplies the token embeddings by sqrt(n_embd) (section 3.4) before adding the table; here the
+    token embeddings keep GPT-2's scale, so the table is multiplied by ``scale`` = 1/sqrt(n_embd) by default,
+    which gives the paper's ratio of the two. Unscaled (``scale=1``), entries of size ~0.7 swamp embeddings
+    of size 0.02 at initialisation."""
+
+    options = {"base": 10000.0, "scale": None}
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__(config)
@@ -122,6 +127,15 @@ class SinusoidalPositionalEncoding(PositionalEncoding):
         base = config.pos_options.get("base", 10000.0)
         if not isinstance(base, (int, float)) or base <= 1:
             raise ConfigError(f"pos.base={base!r} must be a number greater than 1 (the paper uses 10000).")
+        scale = config.pos_options.get("scale")
+        if scale is not None and (not isinstance(scale, (int, float)) or scale <= 0):
+            raise ConfigError(
+                f"pos.scale={scale!r} must be a positive number, or null for 1/sqrt(n_embd) (the paper's ratio)."
+            )
+
+    @property
+    def multiplier(self) -> float:
+        return self.scale if self.scale is not None else self.config.n_embd**-0.5
 
     def embed(self, x: Tensor, positions: Tensor) -> Tensor:
         end = int(positions[-1]) + 1
@@ -129,7 +143,7 @@ class SinusoidalPositionalEncoding(PositionalEncoding):
             pe = self.table[positions]
         else:
             pe = sinusoidal_table(positions, self.config.n_embd, self.base).to(self.table.device)
-        return x + pe.to(x.dtype)
+        return x + (pe * self.multiplier).to(x.dtype)
 
 
 @register("nope")
