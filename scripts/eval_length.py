@@ -2,7 +2,7 @@
 
     python scripts/eval_length.py outputs/runs/<date>/<time>            # a run directory
     python scripts/eval_length.py path/to/last.ckpt --factors 1 2 4 16  # a checkpoint inside a run directory
-    python scripts/eval_length.py --sweep outputs/multirun/<date>/<time> --plot docs/pos_sweep.png
+    python scripts/eval_length.py --sweep outputs/multirun/pos_sweep --plot docs/pos_sweep.png
 
 Writes <run dir>/eval_length/{length.json, loss_vs_length.png, loss_by_position.png} and prints a table; a
 run that logged to W&B gets a W&B run in its group with the same figures. ``--sweep`` gathers the results of
@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None, help="output folder (default <run dir>/eval_length)")
     parser.add_argument("--no-wandb", action="store_true", help="do not log to W&B even if the run did")
     parser.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda when available)")
-    parser.add_argument("--sweep", default=None, help="a multirun directory to summarise instead")
+    parser.add_argument("--sweep", nargs="+", default=None, help="multirun directories to summarise instead")
     parser.add_argument("--plot", default=None, help="with --sweep: where to write the plot")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")

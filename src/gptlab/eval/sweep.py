@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 from collections import defaultdict
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -15,11 +16,13 @@ from gptlab.errors import ConfigError
 from gptlab.eval.length import RESULT_FILE, _pyplot, binned
 
 
-def collect(sweep_dir: str | Path) -> list[dict[str, Any]]:
-    """Every job's length result below ``sweep_dir``, with its seed (from config_resolved.yaml)."""
-    sweep_dir = Path(sweep_dir)
+def collect(sweep_dirs: str | Path | Sequence[str | Path]) -> list[dict[str, Any]]:
+    """Every job's length result below the sweep directories, with its seed (from config_resolved.yaml)."""
+    if isinstance(sweep_dirs, (str, Path)):
+        sweep_dirs = [sweep_dirs]
+    paths = sorted(p for d in sweep_dirs for p in Path(d).glob(f"**/eval_length/{RESULT_FILE}"))
     results = []
-    for path in sorted(sweep_dir.glob(f"**/eval_length/{RESULT_FILE}")):
+    for path in paths:
         result = json.loads(path.read_text())
         config = path.parent.parent / "config_resolved.yaml"
         if config.is_file():
@@ -30,7 +33,7 @@ def collect(sweep_dir: str | Path) -> list[dict[str, Any]]:
         results.append(result)
     if not results:
         raise ConfigError(
-            f"{sweep_dir} holds no */eval_length/{RESULT_FILE}: train the sweep with eval_length.enabled=true "
+            f"{', '.join(map(str, sweep_dirs))} hold(s) no */eval_length/{RESULT_FILE}: train the sweep with eval_length.enabled=true "
             "(experiment=pos_sweep does) or run scripts/eval_length.py on each run first."
         )
     return results
@@ -138,13 +141,15 @@ def plot_summary(summary: dict[str, Any], path: str | Path) -> Path:
     return path
 
 
-def summarize(sweep_dir: str | Path, plot: str | Path | None = None) -> str:
-    """The markdown table of a sweep's length results; also writes ``plot`` (PNG) and
-    ``<sweep_dir>/length_summary.json``."""
-    summary = aggregate(collect(sweep_dir))
+def summarize(sweep_dirs: str | Path | Sequence[str | Path], plot: str | Path | None = None) -> str:
+    """The markdown table of the length results of one or more sweeps; also writes ``plot`` (PNG) and
+    ``length_summary.json`` in the first sweep directory."""
+    if isinstance(sweep_dirs, (str, Path)):
+        sweep_dirs = [sweep_dirs]
+    summary = aggregate(collect(sweep_dirs))
     out = {k: v for k, v in summary.items() if k != "by_position"}
     out["table"] = {n: {str(f): c for f, c in row.items()} for n, row in summary["table"].items()}
-    (Path(sweep_dir) / "length_summary.json").write_text(json.dumps(out, indent=1))
+    (Path(sweep_dirs[0]) / "length_summary.json").write_text(json.dumps(out, indent=1))
     if plot is not None:
         plot_summary(summary, plot)
     return format_table(summary)
