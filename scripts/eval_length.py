@@ -51,10 +51,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"eval_length: error: {e}", file=sys.stderr)
         return 2
     print(length.format_table(result))
-    for name, entries in result["variants"].items():
-        for factor, entry in entries.items():
-            if "error" in entry:
-                print(f"{name} at {factor}x: {entry['error']}")
     print("Wrote " + ", ".join(str(p) for p in paths))
     if "wandb_run" in result:
         print(f"W&B: {result['wandb_run']}")
