@@ -187,6 +187,7 @@ def test_bad_evaluation_options_are_refused():
         ("learned", {"table", "similarity"}),
         ("sinusoidal", {"table", "similarity"}),
         ("rope", {"similarity"}),
+        ("xpos", {"similarity"}),
         ("alibi", {"bias"}),
         ("relative", {"bias"}),
         ("fire", {"bias"}),

@@ -23,7 +23,7 @@ def tiny(**kw) -> GPTConfig:
 
 def test_every_registered_scheme_has_a_yaml_and_cites_a_paper():
     assert set(POS_YAMLS) == set(positional.names())
-    assert {"learned", "sinusoidal", "rope", "alibi", "relative", "nope", "fire"} <= set(POS_YAMLS)
+    assert {"learned", "sinusoidal", "rope", "alibi", "relative", "nope", "fire", "xpos"} <= set(POS_YAMLS)
     for name in positional.names():
         doc = positional.get(name).__doc__
         assert doc and any(str(year) in doc for year in range(2017, 2025)), name
@@ -69,6 +69,22 @@ def test_rope_score_depends_only_on_the_distance(options):
             assert rope_score(pos, q, k, i + shift, j + shift) == pytest.approx(reference, rel=1e-9, abs=1e-9)
     # ...and it does depend on the distance
     assert rope_score(pos, q, k, 5, 2) != pytest.approx(rope_score(pos, q, k, 5, 3), abs=1e-6)
+
+
+def test_xpos_score_depends_only_on_the_distance_and_decays_with_it():
+    torch.manual_seed(0)
+    config = tiny(pos="xpos", pos_options={"scale_base": 8.0})
+    xpos = GPT(config).transformer.pos
+    rope = GPT(tiny(pos="rope")).transformer.pos
+    q = torch.randn(8, dtype=torch.float64)
+    for i, j in [(5, 2), (30, 1)]:
+        reference = rope_score(xpos, q, q, i, j)
+        assert rope_score(xpos, q, q, i + 40, j + 40) == pytest.approx(reference, rel=1e-9)
+    # each pair's contribution is RoPE's times zeta_i^(distance / scale_base) < 1
+    qi, _ = xpos.rotate(q.view(1, 1, 1, -1), q.view(1, 1, 1, -1), torch.tensor([12]))
+    ri, _ = rope.rotate(q.view(1, 1, 1, -1), q.view(1, 1, 1, -1), torch.tensor([12]))
+    zeta = (torch.arange(0, 8, 2, dtype=torch.float64) / 8 + 0.4) / 1.4
+    torch.testing.assert_close(qi.flatten(), ri.flatten() * torch.cat([zeta, zeta]) ** (12 / 8.0))
 
 
 def test_rope_rotates_only_its_fraction_and_keeps_norms():

@@ -80,7 +80,7 @@ def aggregate(results: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-SCHEME_ORDER = ["learned", "sinusoidal", "rope", "alibi", "relative", "fire", "nope"]
+SCHEME_ORDER = ["learned", "sinusoidal", "rope", "xpos", "alibi", "relative", "fire", "nope"]
 
 
 def _order(name: str) -> tuple[int, str]:

@@ -220,7 +220,7 @@ class RotaryPositionalEncoding(PositionalEncoding):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__(config)
         self.rotary_dim = rotary_dim(config)
-        self._cached: tuple[float, Tensor, float] | None = None
+        self._cached: tuple[tuple, Tensor, float] | None = None  # (options, inverse frequencies, mscale)
 
     @classmethod
     def check_config(cls, config: GPTConfig) -> None:
@@ -289,6 +289,41 @@ class RotaryPositionalEncoding(PositionalEncoding):
         r = self.rotary_dim
         q = torch.cat([rotate_half(q[..., :r], cos, sin), q[..., r:]], dim=-1)
         k = torch.cat([rotate_half(k[..., :r], cos, sin), k[..., r:]], dim=-1)
+        return q, k
+
+
+@register("xpos")
+class XPosPositionalEncoding(RotaryPositionalEncoding):
+    """RoPE with an exponential decay: pair i of a query at position n is scaled by zeta_i^(n/scale_base) and of
+    a key at m by zeta_i^(-m/scale_base), zeta_i = (2i/d + gamma) / (1 + gamma), so the score still depends on
+    n - m only and fades with distance, fastest for the fast-rotating pairs (Sun et al. 2022, "A
+    Length-Extrapolatable Transformer"). Positions are not re-centred, so keep n / scale_base moderate
+    (at 8 x 512 positions the key scale reaches about 2e4, fine in fp32)."""
+
+    options = {**RotaryPositionalEncoding.options, "scale_base": 512.0, "gamma": 0.4}
+
+    @classmethod
+    def check_config(cls, config: GPTConfig) -> None:
+        super().check_config(config)
+        opts = {**cls.options, **config.pos_options}
+        if not isinstance(opts["scale_base"], (int, float)) or opts["scale_base"] <= 0:
+            raise ConfigError(
+                f"pos.scale_base={opts['scale_base']!r} must be a positive number (the paper uses 512)."
+            )
+        if not isinstance(opts["gamma"], (int, float)) or opts["gamma"] <= 0:
+            raise ConfigError(f"pos.gamma={opts['gamma']!r} must be a positive number (the paper uses 0.4).")
+
+    def rotate(self, q: Tensor, k: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+        q, k = super().rotate(q, k, positions)
+        r = self.rotary_dim
+        zeta = (torch.arange(0, r, 2, dtype=torch.float64, device=q.device) / r + self.gamma) / (
+            1 + self.gamma
+        )
+        power = positions.to(torch.float64)[:, None] / self.scale_base  # (T, 1)
+        decay = zeta[None, :] ** power  # (T, r/2)
+        decay = torch.cat([decay, decay], dim=-1)  # rotate_half pairs dimension i with i + r/2
+        q = torch.cat([q[..., :r] * decay.to(q.dtype), q[..., r:]], dim=-1)
+        k = torch.cat([k[..., :r] / decay.to(k.dtype), k[..., r:]], dim=-1)
         return q, k
 
 
