@@ -112,15 +112,17 @@ def plot_summary(summary: dict[str, Any], path: str | Path) -> Path:
     plt = _pyplot()
     context = summary["train_context"][0]
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for name, row in summary["table"].items():
+    palette = plt.get_cmap("tab20").colors  # 20 colours: dark ones first, then their light pairs
+    palette = [palette[i] for i in [*range(0, 20, 2), *range(1, 20, 2)]]
+    for k, (name, row) in enumerate(summary["table"].items()):
         points = [(f * context, c["mean"], c["std"]) for f, c in row.items() if c["n"]]
         if not points:
             continue
         x, y, e = zip(*points)
-        style = "--" if "+" in name else "-"
-        left.errorbar(x, y, yerr=e, marker="o", linestyle=style, capsize=3, label=name)
+        style = dict(linestyle="--" if "+" in name else "-", color=palette[k % len(palette)])
+        left.errorbar(x, y, yerr=e, marker="o", capsize=3, label=name, **style)
         bx, by = binned(summary["by_position"][name], bins=48)
-        right.plot(bx, by, linestyle=style, label=name)
+        right.plot(bx, by, label=name, **style)
     for ax in (left, right):
         ax.set_xscale("log", base=2)
         ax.axvline(context, color="grey", linestyle=":")
