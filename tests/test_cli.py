@@ -118,3 +118,50 @@ def test_bad_input_fails_fast_with_the_fix(tmp_path, override, expected):
     assert proc.returncode != 0
     assert expected in proc.stdout + proc.stderr
     assert not (tmp_path / "r" / "checkpoints").exists()
+
+
+def test_generate_script_continues_a_prompt_from_a_run(trained):
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    from gptlab.checkpoints import load_model
+
+    root, run_dir, _ = trained
+    model, tok, info = load_model(run_dir)
+    assert info["path"].endswith(".ckpt") and "best-" in info["path"]
+    ids = torch.tensor([tok.encode("The")])
+    expected = tok.decode(model.generate(ids, 5)[0, 1:].tolist())
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "generate.py"),
+            f"ckpt={run_dir}",
+            "prompt=The",
+            "max_new_tokens=5",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    # greedy decoding: the script prints exactly the model's argmax continuation (cut at <|endoftext|>)
+    assert proc.stdout.splitlines()[0] == ("The" + expected.split("<|endoftext|>")[0]).splitlines()[0]
+    sampled = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "generate.py"),
+            f"ckpt={run_dir}",
+            "prompt=The",
+            "max_new_tokens=5",
+            "temperature=1.0",
+            "top_k=20",
+            "samples=2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    assert sampled.stdout.count("-" * 40) == 2

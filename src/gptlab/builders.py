@@ -66,6 +66,7 @@ def build_model_config(cfg: DictConfig, tokenizer: tokenizers.Tokenizer | None =
     pos = _plain(cfg.pos)
     norm = _plain(cfg.norm)
     values = dict(model)
+    values.pop("init_from", None)  # weights to start from, not part of the architecture
     if values.get("vocab_size") is None:
         tokenizer = tokenizer or build_tokenizer(cfg)
         values["vocab_size"] = tokenizer.vocab_size
@@ -83,15 +84,27 @@ def build_model_config(cfg: DictConfig, tokenizer: tokenizers.Tokenizer | None =
         values["norm_placement"] = norm.pop("placement")
     if "eps" in norm:
         values["norm_eps"] = norm.pop("eps")
+    if "bias" in norm:
+        values["norm_bias"] = norm.pop("bias")
     if norm:
         raise ConfigError(
-            f"Unknown norm option(s) {sorted(norm)}. Known: norm.name, norm.placement, norm.eps."
+            f"Unknown norm option(s) {sorted(norm)}. Known: norm.name, norm.placement, norm.eps, norm.bias."
         )
     return GPTConfig.from_dict(values)
 
 
 def build_model(cfg: DictConfig, tokenizer: tokenizers.Tokenizer | None = None) -> GPT:
-    return GPT(build_model_config(cfg, tokenizer))
+    return load_initial_weights(cfg, GPT(build_model_config(cfg, tokenizer)))
+
+
+def load_initial_weights(cfg: DictConfig, model: GPT) -> GPT:
+    """Load ``model.init_from`` (a Hugging Face GPT-2 or Llama directory) into ``model``, when set."""
+    source = cfg.model.get("init_from")
+    if source:
+        from gptlab.model.hf import load_pretrained
+
+        load_pretrained(model, source)
+    return model
 
 
 def build_datamodule(cfg: DictConfig) -> GPTDataModule:

@@ -16,7 +16,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from gptlab.builders import build_datamodule, build_model_config, build_tokenizer
+from gptlab.builders import build_datamodule, build_model_config, build_tokenizer, load_initial_weights
 from gptlab.errors import ConfigError
 from gptlab.lit.module import GPTLitModule, check_optim
 from gptlab.tracking.loggers import finish_wandb
@@ -92,15 +92,24 @@ def human(n: float) -> str:
     return str(int(n))
 
 
-def model_summary(module: GPTLitModule) -> str:
-    c = module.model_config
-    counts = module.model.parameter_counts()
-    return (
-        f"Model: {c.n_layer} layers x {c.n_head} heads x {c.n_embd} wide, context {c.block_size}, vocabulary "
-        f"{c.vocab_size}; pos={c.pos}, activation={c.activation}, norm={c.norm} ({c.norm_placement}), "
-        f"head {'tied to' if c.tie_weights else 'separate from'} the token embedding\n"
-        f"Parameters: total {counts['total']:,} ({human(counts['total'])}), embedding {counts['embedding']:,}, "
-        f"non-embedding {counts['non_embedding']:,}"
+def model_summary(
+    module: GPTLitModule, trainer: L.Trainer | None = None, cfg: DictConfig | None = None
+) -> str:
+    """The short model card (gptlab.model.card): parameters, FLOPs per token, memory per device, and a
+    warning when the run will not fit its device."""
+    from gptlab.model import card
+
+    strategy = card.strategy_name(OmegaConf.to_container(cfg.strategy, resolve=True)) if cfg else "auto"
+    data = cfg.data if cfg else {}
+    return card.startup_card(
+        module.model_config,
+        strategy=strategy,
+        n_devices=trainer.world_size if trainer else 1,
+        precision=str(trainer.precision) if trainer else "32-true",
+        micro_batch=int(data.get("batch_size") or 1),
+        context=data.get("block_size"),
+        on_cpu=trainer is None or type(trainer.accelerator).__name__ == "CPUAccelerator",
+        activation_checkpointing=bool(cfg.get("activation_checkpointing")) if cfg else False,
     )
 
 
@@ -128,6 +137,7 @@ def run(cfg: DictConfig) -> dict[str, float]:
     model_config = build_model_config(cfg, tokenizer)
     module = GPTLitModule(model=model_config.to_dict(), optim=OmegaConf.to_container(cfg.optim, resolve=True))
     module.tokenizer = tokenizer
+    load_initial_weights(cfg, module.model)  # model.init_from: pretrained weights, checked against the config
     trainer_cfg["precision"] = choose_precision(trainer_cfg.get("precision"))
     strategy = build_strategy(cfg.strategy)
     loggers = build_loggers(cfg)
@@ -138,7 +148,7 @@ def run(cfg: DictConfig) -> dict[str, float]:
         trainer = L.Trainer(**trainer_cfg, strategy=strategy, logger=loggers or False, callbacks=callbacks)
         if trainer.is_global_zero:
             log.info("Run directory: %s", run_dir)
-            log.info("\n%s", model_summary(module))
+            log.info("\n%s", model_summary(module, trainer, cfg))
         resolved = OmegaConf.to_container(cfg, resolve=True)
         for lg in loggers:
             lg.log_hyperparams(resolved)

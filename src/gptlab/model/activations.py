@@ -2,7 +2,8 @@
 
 A gated activation receives the first projection at twice the hidden width, splits it into a gate and a
 value, and returns ``f(gate) * value`` at the hidden width; it declares ``gated = True`` so that the MLP
-builds the wider projection.
+builds the wider projection. The split is [gate | value] along the last dimension: the first half of
+``c_fc``'s output rows is the gate (Llama's ``gate_proj``), the second half the value (``up_proj``).
 """
 
 from __future__ import annotations
@@ -35,12 +36,24 @@ class ReLU(nn.Module):
 
 @register("gelu")
 class GELU(nn.Module):
-    """x * Phi(x), the exact Gaussian error linear unit (Hendrycks & Gimpel 2016)."""
+    """x * Phi(x), the exact Gaussian error linear unit (Hendrycks & Gimpel 2016, "Gaussian Error Linear
+    Units (GELUs)")."""
 
     gated = False
 
     def forward(self, x: Tensor) -> Tensor:
         return F.gelu(x)
+
+
+@register("gelu_tanh")
+class GELUTanh(nn.Module):
+    """GELU through its tanh approximation, 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) (Hendrycks &
+    Gimpel 2016, section 2), the form GPT-2 was trained with (Hugging Face calls it ``gelu_new``)."""
+
+    gated = False
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.gelu(x, approximate="tanh")
 
 
 @register("sigmoid")
@@ -51,3 +64,63 @@ class Sigmoid(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return torch.sigmoid(x)
+
+
+@register("silu")
+class SiLU(nn.Module):
+    """x * sigmoid(x), the sigmoid-weighted linear unit (Elfwing et al. 2018; "Swish" with beta = 1 in
+    Ramachandran et al. 2017, "Searching for Activation Functions")."""
+
+    gated = False
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.silu(x)
+
+
+@register("relu2")
+class SquaredReLU(nn.Module):
+    """max(0, x)^2, squared ReLU (So et al. 2021, "Primer: Searching for Efficient Transformers for Language
+    Modeling")."""
+
+    gated = False
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.relu(x).square()
+
+
+class GatedLinearUnit(nn.Module):
+    """f(gate) * value over the two halves of the doubled projection (Dauphin et al. 2017 with f = sigmoid;
+    Shazeer 2020, "GLU Variants Improve Transformer", for the other choices of f). Subclasses set ``gate``."""
+
+    gated = True
+
+    def gate(self, x: Tensor) -> Tensor:
+        raise NotImplementedError
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, value = x.chunk(2, dim=-1)  # (..., 2 * hidden) -> 2 x (..., hidden)
+        return self.gate(gate) * value
+
+
+@register("swiglu")
+class SwiGLU(GatedLinearUnit):
+    """Swish(gate) * value (Shazeer 2020, "GLU Variants Improve Transformer", eq. 6), as in PaLM and Llama."""
+
+    def gate(self, x: Tensor) -> Tensor:
+        return F.silu(x)
+
+
+@register("geglu")
+class GeGLU(GatedLinearUnit):
+    """GELU(gate) * value (Shazeer 2020, "GLU Variants Improve Transformer", eq. 6), with the exact GELU."""
+
+    def gate(self, x: Tensor) -> Tensor:
+        return F.gelu(x)
+
+
+@register("reglu")
+class ReGLU(GatedLinearUnit):
+    """max(0, gate) * value (Shazeer 2020, "GLU Variants Improve Transformer", eq. 6)."""
+
+    def gate(self, x: Tensor) -> Tensor:
+        return F.relu(x)

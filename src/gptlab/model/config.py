@@ -32,6 +32,7 @@ class GPTConfig:
     norm: str = "layernorm"
     norm_placement: str = "pre"  # "pre" (GPT-2) or "post" (the original transformer)
     norm_eps: float = 1e-5
+    norm_bias: bool | None = None  # None: the norms have a bias when ``bias`` is on (and the norm has one)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -77,7 +78,7 @@ class GPTConfig:
 
         positional.get(self.pos).check_config(self)
         activations.get(self.activation)
-        norms.get(self.norm)
+        norms.get(self.norm).check_config(self)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

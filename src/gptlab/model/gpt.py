@@ -79,10 +79,6 @@ class CausalSelfAttention(nn.Module):
         if cache is not None:
             k, v = cache.update(self.layer, k, v)  # (B, n_kv_head, Tk, head_dim)
         Tk = k.size(2)
-        if self.n_kv_head != self.n_head:  # grouped-query attention: each K/V head serves a group of queries
-            group = self.n_head // self.n_kv_head
-            k = k.repeat_interleave(group, dim=1)
-            v = v.repeat_interleave(group, dim=1)
 
         k_positions = torch.arange(int(positions[-1]) + 1 - Tk, int(positions[-1]) + 1, device=x.device)
         bias = pos.bias(positions, k_positions)  # (n_head, T, Tk) or None
@@ -96,7 +92,15 @@ class CausalSelfAttention(nn.Module):
             mask = k_positions[None, :] <= positions[:, None]
         # softmax(q k^T / sqrt(head_dim) + bias) v
         y = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0, is_causal=is_causal
+            q,
+            k,
+            v,
+            attn_mask=mask,
+            dropout_p=self.dropout if self.training else 0.0,
+            is_causal=is_causal,
+            # Grouped-query attention (Ainslie et al. 2023): query head i reads K/V head i // (n_head /
+            # n_kv_head), without materialising repeated keys and values.
+            enable_gqa=self.n_kv_head != self.n_head,
         )  # (B, n_head, T, head_dim)
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.resid_dropout(self.c_proj(y))

@@ -1,4 +1,4 @@
-"""Experiment loggers: W&B (online when logged in, offline files otherwise) and CSV."""
+"""Experiment loggers: W&B (online when logged in, offline files otherwise), CSV and TensorBoard."""
 
 from __future__ import annotations
 
@@ -10,7 +10,9 @@ from typing import Any
 from urllib.parse import urlparse
 
 import lightning as L
-from lightning.pytorch.loggers import CSVLogger, Logger, WandbLogger
+from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger, WandbLogger
+
+from gptlab.tracking.naming import identity_from_hydra
 
 log = logging.getLogger(__name__)
 
@@ -57,8 +59,19 @@ def wandb_logger(
     **kwargs: Any,
 ) -> WandbLogger:
     """A Lightning WandbLogger whose files live in the run directory. Offline runs are written under
-    ``<save_dir>/wandb/offline-run-*`` and can be uploaded later with ``wandb sync <that folder>``."""
+    ``<save_dir>/wandb/offline-run-*`` and can be uploaded later with ``wandb sync <that folder>``.
+
+    ``name``, ``group`` and ``job_type`` left null are derived from the Hydra overrides (see
+    :mod:`gptlab.tracking.naming`): a sweep is one group, each run is named by what it varies, and every
+    chosen override (``pos=rope``, ``seed=1``) is a tag, added to ``tags``."""
     resolved = wandb_mode(mode)
+    ident = identity_from_hydra()
+    name = name or ident.name
+    group = group or ident.group
+    job_type = job_type or ident.job_type
+    tags = list(dict.fromkeys([*(tags or []), *ident.tags]))
+    # In the run's config, so the W&B UI can group runs that differ only by seed (sweep.group_key).
+    kwargs.setdefault("config", {"sweep": ident.as_config()})
     Path(save_dir).mkdir(parents=True, exist_ok=True)
     os.environ["WANDB_MODE"] = resolved  # respected by wandb.init in this process and its children
     os.environ.setdefault("WANDB_SILENT", "true")
@@ -85,6 +98,11 @@ def csv_logger(save_dir: str, name: str = "csv", version: str | int | None = "")
     return CSVLogger(save_dir=save_dir, name=name, version=version)
 
 
+def tensorboard_logger(save_dir: str, name: str = "tensorboard", version: str | int | None = "") -> Logger:
+    """TensorBoard event files in ``<save_dir>/<name>/`` (``tensorboard --logdir <save_dir>``)."""
+    return TensorBoardLogger(save_dir=save_dir, name=name, version=version, default_hp_metric=False)
+
+
 def log_text_samples(trainer: L.Trainer, columns: list[str], rows: list[list[Any]]) -> None:
     """Log generated samples with every logger that can hold text."""
     for logger in trainer.loggers:
@@ -97,6 +115,11 @@ def log_text_samples(trainer: L.Trainer, columns: list[str], rows: list[list[Any
                 if path.stat().st_size == 0:
                     f.write("\t".join(columns) + "\n")
                 f.write("\t".join(str(v).replace("\t", " ").replace("\n", "\\n") for v in rows[-1]) + "\n")
+        elif isinstance(logger, TensorBoardLogger):
+            row = " | ".join(str(v).replace("|", "\\|").replace("\n", " ") for v in rows[-1])
+            header = " | ".join(columns)
+            table = f"| {header} |\n|{'---|' * len(columns)}\n| {row} |"
+            logger.experiment.add_text("samples", table, global_step=trainer.global_step)
 
 
 def finish_wandb(loggers: list[Logger], failed: bool) -> None:

@@ -1,0 +1,253 @@
+"""Weights from Hugging Face ``transformers`` checkpoints: GPT-2 and Llama, read from a local directory.
+
+A directory written by ``save_pretrained`` holds ``config.json`` and ``model.safetensors`` (or
+``pytorch_model.bin``); nothing here needs ``transformers`` itself. ``load_pretrained(model, directory)``
+checks that the directory's architecture is the model's (and names the overrides that make it so), maps
+the tensor names and layouts, and loads every weight.
+
+Mappings:
+
+- GPT-2 (``GPT2LMHeadModel``): the same names as ours (``wte``, ``h.N.attn.c_attn``...), but GPT-2's
+  ``Conv1D`` stores its matrices as (in, out): they are transposed into ``nn.Linear``'s (out, in). The
+  position table ``wpe`` becomes ``transformer.pos.wpe``; a shorter ``model.block_size`` keeps its first rows.
+- Llama (``LlamaForCausalLM``): ``q_proj``, ``k_proj``, ``v_proj`` are stacked into ``c_attn`` as [q | k | v];
+  ``gate_proj`` and ``up_proj`` into ``c_fc`` as [gate | value], the order our gated activations split in;
+  ``o_proj`` and ``down_proj`` are the ``c_proj`` matrices; ``input_layernorm``/``post_attention_layernorm``
+  are ``ln_1``/``ln_2``. Rotary convention: Llama rotates the pairs (i, i + head_dim/2) of each head
+  ("rotate_half"), and so does ``pos=rope`` here (``positional.rotate_half``), so the q/k rows are copied as
+  they are. A rope that paired adjacent dimensions (2i, 2i+1) would need each head's rows permuted by
+  ``half_to_interleaved``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from gptlab.errors import ConfigError
+from gptlab.model.config import GPTConfig
+from gptlab.model.gpt import GPT, mlp_hidden_width
+
+SUPPORTED = ("gpt2", "llama")
+GPT2_ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu", "relu": "relu"}
+LLAMA_ACTIVATIONS = {"silu": "swiglu", "gelu": "geglu", "relu": "reglu"}
+
+
+def read_hf_config(directory: str | Path) -> dict[str, Any]:
+    path = Path(directory).expanduser()
+    if not (path / "config.json").is_file():
+        raise ConfigError(
+            f"init_from={directory}: no config.json there. Point it at a directory written by a Hugging Face "
+            "model's save_pretrained(...) (config.json plus model.safetensors or pytorch_model.bin)."
+        )
+    config = json.loads((path / "config.json").read_text())
+    if config.get("model_type") not in SUPPORTED:
+        raise ConfigError(
+            f"init_from={directory} holds a {config.get('model_type')!r} model; supported: "
+            f"{', '.join(SUPPORTED)}."
+        )
+    return config
+
+
+def read_hf_state_dict(directory: str | Path) -> dict[str, Tensor]:
+    path = Path(directory).expanduser()
+    if (path / "model.safetensors").is_file():
+        from safetensors.torch import load_file
+
+        return load_file(str(path / "model.safetensors"))
+    if (path / "pytorch_model.bin").is_file():
+        return torch.load(path / "pytorch_model.bin", map_location="cpu", weights_only=True)
+    sharded = sorted(path.glob("model-*-of-*.safetensors"))
+    if sharded:
+        from safetensors.torch import load_file
+
+        state: dict[str, Tensor] = {}
+        for shard in sharded:
+            state.update(load_file(str(shard)))
+        return state
+    raise ConfigError(
+        f"init_from={directory}: no model.safetensors or pytorch_model.bin there (save the model with "
+        "save_pretrained)."
+    )
+
+
+def model_options_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
+    """The GPTConfig values (plus ``pos``/``pos_options``) that reproduce a Hugging Face config."""
+    if hf["model_type"] == "gpt2":
+        act = hf.get("activation_function", "gelu_new")
+        if act not in GPT2_ACTIVATIONS:
+            raise ConfigError(f"GPT-2 activation_function={act!r} has no counterpart here.")
+        return {
+            "vocab_size": hf["vocab_size"],
+            "block_size": hf["n_positions"],
+            "n_layer": hf["n_layer"],
+            "n_head": hf["n_head"],
+            "n_embd": hf["n_embd"],
+            "bias": True,
+            "tie_weights": hf.get("tie_word_embeddings", True),
+            "mlp_ratio": (hf["n_inner"] / hf["n_embd"]) if hf.get("n_inner") else None,
+            "pos": "learned",
+            "pos_options": {},
+            "activation": GPT2_ACTIVATIONS[act],
+            "norm": "layernorm",
+            "norm_placement": "pre",
+            "norm_eps": hf.get("layer_norm_epsilon", 1e-5),
+            "norm_bias": None,
+        }
+    act = hf.get("hidden_act", "silu")
+    if act not in LLAMA_ACTIVATIONS:
+        raise ConfigError(f"Llama hidden_act={act!r} has no gated counterpart here.")
+    if hf.get("attention_bias") or hf.get("mlp_bias"):
+        raise ConfigError(
+            "Llama checkpoints with attention_bias or mlp_bias are not supported: bias is all or none."
+        )
+    n_head = hf["num_attention_heads"]
+    if hf.get("head_dim") not in (None, hf["hidden_size"] // n_head):
+        raise ConfigError(f"Llama head_dim={hf['head_dim']} differs from hidden_size / num_attention_heads.")
+    rope_theta = hf.get("rope_theta") or (hf.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+    return {
+        "vocab_size": hf["vocab_size"],
+        "block_size": hf.get("max_position_embeddings", 2048),
+        "n_layer": hf["num_hidden_layers"],
+        "n_head": n_head,
+        "n_embd": hf["hidden_size"],
+        "n_kv_head": hf.get("num_key_value_heads") or n_head,
+        "bias": False,
+        "tie_weights": hf.get("tie_word_embeddings", False),
+        "mlp_ratio": hf["intermediate_size"] / hf["hidden_size"],
+        "pos": "rope",
+        "pos_options": {"base": float(rope_theta)},
+        "activation": LLAMA_ACTIVATIONS[act],
+        "norm": "rmsnorm",
+        "norm_placement": "pre",
+        "norm_eps": hf.get("rms_norm_eps", 1e-6),
+        "norm_bias": None,
+    }
+
+
+def check_compatible(config: GPTConfig, hf: dict[str, Any], source: str = "the checkpoint") -> None:
+    """Raise a ConfigError listing every architecture value of ``config`` that differs from the checkpoint's,
+    with the overrides that fix them."""
+    wanted = model_options_from_hf(hf)
+    problems: list[tuple[str, Any, Any]] = []
+    for key in ("vocab_size", "n_layer", "n_head", "n_embd", "bias", "tie_weights"):
+        if getattr(config, key) != wanted[key]:
+            problems.append((f"model.{key}", getattr(config, key), wanted[key]))
+    if config.kv_heads != wanted.get("n_kv_head", config.n_head):
+        problems.append(("model.n_kv_head", config.kv_heads, wanted["n_kv_head"]))
+    want_width = round((wanted["mlp_ratio"] or 4) * wanted["n_embd"])
+    if mlp_hidden_width(config) != want_width:
+        problems.append(("model.mlp_ratio", config.mlp_ratio, wanted["mlp_ratio"]))
+    for key, override in (("pos", "pos"), ("activation", "activation"), ("norm", "norm")):
+        if getattr(config, key) != wanted[key]:
+            problems.append((override, getattr(config, key), wanted[key]))
+    if config.norm_placement != "pre":
+        problems.append(("norm.placement", config.norm_placement, "pre"))
+    if not math.isclose(config.norm_eps, wanted["norm_eps"]):
+        problems.append(("norm.eps", config.norm_eps, wanted["norm_eps"]))
+    for key, value in wanted["pos_options"].items():
+        if config.pos == wanted["pos"] and config.pos_options.get(key, value) != value:
+            problems.append((f"pos.{key}", config.pos_options[key], value))
+    if config.pos == "learned" and config.block_size > wanted["block_size"]:
+        problems.append(("model.block_size", config.block_size, wanted["block_size"]))
+    if problems:
+        found = "; ".join(f"{k}={ours!r} but the checkpoint has {theirs!r}" for k, ours, theirs in problems)
+        fix = " ".join(f"{k}={_override_value(v)}" for k, _, v in problems)
+        raise ConfigError(f"{source} does not match the model: {found}. Add the overrides: {fix}")
+
+
+def _override_value(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    return str(value)
+
+
+def half_to_interleaved(weight: Tensor, n_heads: int, head_dim: int) -> Tensor:
+    """Reorder each head's output rows from rotate-half pairs (i, i + d/2) to adjacent pairs (2i, 2i+1);
+    weight: (n_heads * head_dim, in)."""
+    w = weight.view(n_heads, 2, head_dim // 2, -1)  # (heads, half, d/2, in)
+    return w.transpose(1, 2).reshape(n_heads * head_dim, -1)
+
+
+def gpt2_to_gptlab(state: dict[str, Tensor], config: GPTConfig) -> dict[str, Tensor]:
+    """Rename and transpose a GPT2LMHeadModel state dict into this project's GPT."""
+    out: dict[str, Tensor] = {}
+    transposed = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+    for key, value in state.items():
+        name = key.removeprefix("transformer.") if key.startswith("transformer.") else key
+        if name.endswith((".attn.bias", ".attn.masked_bias")):  # causal-mask buffers of older versions
+            continue
+        if name == "wpe.weight":
+            out["transformer.pos.wpe.weight"] = value[: config.block_size]
+        elif name.startswith(("wte.", "h.", "ln_f.")):
+            out["transformer." + name] = value.t() if name.endswith(transposed) else value
+        elif name == "lm_head.weight":
+            out[name] = value
+    if config.tie_weights:
+        out.pop("lm_head.weight", None)
+    return out
+
+
+def llama_to_gptlab(state: dict[str, Tensor], config: GPTConfig) -> dict[str, Tensor]:
+    """Rename and stack a LlamaForCausalLM state dict into this project's GPT (see the module doc for the
+    rotary convention)."""
+    out: dict[str, Tensor] = {
+        "transformer.wte.weight": state["model.embed_tokens.weight"],
+        "transformer.ln_f.weight": state["model.norm.weight"],
+    }
+    if not config.tie_weights:
+        out["lm_head.weight"] = state.get("lm_head.weight", state["model.embed_tokens.weight"])
+    for i in range(config.n_layer):
+        src, dst = f"model.layers.{i}.", f"transformer.h.{i}."
+        attn = [state[f"{src}self_attn.{p}_proj.weight"] for p in ("q", "k", "v")]
+        out[dst + "attn.c_attn.weight"] = torch.cat(attn, dim=0)  # (n_head + 2 n_kv_head) * head_dim rows
+        out[dst + "attn.c_proj.weight"] = state[f"{src}self_attn.o_proj.weight"]
+        gate_value = [state[f"{src}mlp.gate_proj.weight"], state[f"{src}mlp.up_proj.weight"]]
+        out[dst + "mlp.c_fc.weight"] = torch.cat(gate_value, dim=0)  # [gate | value]
+        out[dst + "mlp.c_proj.weight"] = state[f"{src}mlp.down_proj.weight"]
+        out[dst + "ln_1.weight"] = state[f"{src}input_layernorm.weight"]
+        out[dst + "ln_2.weight"] = state[f"{src}post_attention_layernorm.weight"]
+    return out
+
+
+def config_from_pretrained(directory: str | Path, **overrides: Any) -> GPTConfig:
+    """The GPTConfig of a saved Hugging Face GPT-2 or Llama, with optional overrides (e.g. block_size)."""
+    values = model_options_from_hf(read_hf_config(directory))
+    values.update(overrides)
+    return GPTConfig.from_dict(values)
+
+
+def load_pretrained(model: GPT, directory: str | Path) -> GPT:
+    """Load a Hugging Face GPT-2 or Llama saved in ``directory`` into ``model`` (in place); every weight of
+    the model must be covered. Returns the model."""
+    hf = read_hf_config(directory)
+    check_compatible(model.config, hf, f"init_from={directory}")
+    state = read_hf_state_dict(directory)
+    mapped = (
+        gpt2_to_gptlab(state, model.config)
+        if hf["model_type"] == "gpt2"
+        else llama_to_gptlab(state, model.config)
+    )
+    ours = model.state_dict()
+    for key, value in mapped.items():
+        if key in ours and ours[key].shape != value.shape:
+            raise ConfigError(
+                f"init_from={directory}: {key} has shape {tuple(value.shape)} there and {tuple(ours[key].shape)} "
+                "in the model."
+            )
+    missing, unexpected = model.load_state_dict(mapped, strict=False)
+    # A tied head shares the embedding's tensor, so it is never missing in substance.
+    missing = [k for k in missing if not (k == "lm_head.weight" and model.config.tie_weights)]
+    if missing or unexpected:
+        raise ConfigError(
+            f"init_from={directory}: the checkpoint does not cover the model. Missing: {missing[:8]}; "
+            f"unexpected: {unexpected[:8]}."
+        )
+    return model

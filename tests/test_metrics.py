@@ -1,0 +1,87 @@
+"""Gradient norm and model FLOPs utilisation: the figures they are built from."""
+
+import csv
+import time
+
+import lightning as L
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from gptlab.lit.metrics import (
+    GradientNorm,
+    flops_per_token,
+    gpu_peak_flops,
+    matmul_params,
+    measure_matmul_peak,
+)
+from gptlab.lit.module import GPTLitModule
+from gptlab.model.config import GPTConfig
+from gptlab.model.gpt import GPT
+from gptlab.tracking.loggers import csv_logger
+
+
+def test_flops_per_token_of_gpt2_small():
+    with torch.device("meta"):
+        model = GPT(GPTConfig(vocab_size=50257, block_size=1024, n_layer=12, n_head=12, n_embd=768))
+    # every weight but the position table enters a matrix product (the tied head counts once, as the head)
+    n = 124_439_808 - 1024 * 768
+    assert matmul_params(model) == n
+    assert flops_per_token(n, 12, 1024, 768) == 6 * n + 12 * 12 * 1024 * 768
+    with torch.device("meta"):
+        untied = GPT(
+            GPTConfig(vocab_size=100, block_size=8, n_layer=1, n_head=2, n_embd=16, tie_weights=False)
+        )
+    counts = untied.parameter_counts()
+    assert matmul_params(untied) == counts["non_embedding"]  # the separate head is already counted there
+
+
+@pytest.mark.parametrize(
+    "name,precision,tf32,tflops",
+    [
+        ("NVIDIA H100 80GB HBM3", "bf16-mixed", False, 989.4),
+        ("NVIDIA H100 PCIe", "bf16-mixed", False, 756.0),
+        ("NVIDIA H200", "bf16-mixed", False, 989.4),
+        ("NVIDIA A100-SXM4-80GB", "16-mixed", False, 312.0),
+        ("NVIDIA A100-SXM4-80GB", "32-true", False, 19.5),
+        ("NVIDIA A100-SXM4-80GB", "32-true", True, 156.0),
+        ("Tesla V100-SXM2-16GB", "16-mixed", False, 125.0),
+    ],
+)
+def test_gpu_peaks_are_the_datasheet_dense_figures(name, precision, tf32, tflops):
+    assert gpu_peak_flops(name, precision, tf32) == pytest.approx(tflops * 1e12)
+    assert gpu_peak_flops("Some Future GPU", precision, tf32) is None
+
+
+def test_cpu_peak_is_measured_once_per_process():
+    peak = measure_matmul_peak("cpu")
+    assert 1e8 < peak < 1e14
+    t0 = time.perf_counter()
+    assert measure_matmul_peak("cpu") == peak
+    assert time.perf_counter() - t0 < 0.01
+
+
+def test_gradient_norm_is_taken_before_clipping(tmp_path):
+    torch.manual_seed(0)
+    config = dict(vocab_size=64, block_size=8, n_layer=1, n_head=2, n_embd=16)
+    module = GPTLitModule(model=config, optim={"lr": 1e-3, "warmup_steps": 0})
+    tokens = torch.randint(0, 64, (8, 9))
+    loader = DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=4)
+    clip = 1e-3
+    trainer = L.Trainer(
+        max_steps=4,
+        gradient_clip_val=clip,
+        callbacks=[GradientNorm()],
+        logger=csv_logger(str(tmp_path)),
+        log_every_n_steps=1,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        accelerator="cpu",
+    )
+    trainer.fit(module, train_dataloaders=loader)
+    with open(tmp_path / "csv" / "metrics.csv") as f:
+        norms = [float(r["train/grad_norm"]) for r in csv.DictReader(f) if r.get("train/grad_norm")]
+    assert len(norms) == 4
+    # an untrained model's gradient norm is far above the clipping threshold: the logged norm is the raw one
+    assert min(norms) > 100 * clip

@@ -1,0 +1,149 @@
+"""Numerical parity with Hugging Face reference models built from tiny random configs, through the same path
+a user takes: a directory written by ``save_pretrained`` and ``model.init_from=<dir>``."""
+
+import pytest
+import torch
+from conftest import TINY
+
+import gptlab
+from gptlab.errors import ConfigError
+from gptlab.model import hf, positional
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 50257  # the gpt2 tokenizer's, so the saved model trains through the CLI as is
+
+
+@pytest.fixture(scope="module")
+def gpt2_dir(tmp_path_factory):
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(
+        vocab_size=VOCAB,
+        n_positions=64,
+        n_embd=32,
+        n_layer=2,
+        n_head=4,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
+    model = transformers.GPT2LMHeadModel(config).eval()
+    directory = tmp_path_factory.mktemp("gpt2")
+    model.save_pretrained(directory)
+    return directory, model
+
+
+GPT2_OVERRIDES = [
+    "pos=learned",
+    "activation=gelu_tanh",
+    "norm=layernorm",
+    "model.n_layer=2",
+    "model.n_head=4",
+    "model.n_embd=32",
+    "model.block_size=64",
+    f"model.vocab_size={VOCAB}",
+]
+
+
+def test_gpt2_weights_give_gpt2s_logits(make_cfg, gpt2_dir):
+    directory, reference = gpt2_dir
+    model = gptlab.build_model(make_cfg(*GPT2_OVERRIDES, f"model.init_from={directory}")).eval()
+    idx = torch.randint(0, VOCAB, (2, 64))
+    with torch.no_grad():
+        expected = reference(idx).logits
+        logits, _ = model(idx)
+    torch.testing.assert_close(logits, expected, rtol=0, atol=1e-5)
+    # A shorter context keeps the first rows of the position table and the same logits on them.
+    short = gptlab.build_model(
+        make_cfg(*GPT2_OVERRIDES, "model.block_size=16", f"model.init_from={directory}")
+    )
+    with torch.no_grad():
+        torch.testing.assert_close(short.eval()(idx[:, :16])[0], expected[:, :16], rtol=0, atol=1e-5)
+
+
+def test_a_mismatched_model_is_refused_with_the_overrides_that_fix_it(make_cfg, gpt2_dir):
+    directory, _ = gpt2_dir
+    cfg = make_cfg(
+        "model=tiny", "activation=relu", f"model.vocab_size={VOCAB}", f"model.init_from={directory}"
+    )
+    with pytest.raises(ConfigError) as err:
+        gptlab.build_model(cfg)
+    message = str(err.value)
+    assert "activation='relu' but the checkpoint has 'gelu_tanh'" in message
+    assert (
+        "model.n_embd=32" in message
+        and "activation=gelu_tanh" in message
+        and "model.block_size=64" in message
+    )
+    with pytest.raises(ConfigError, match="no config.json"):
+        gptlab.build_model(make_cfg(*GPT2_OVERRIDES, f"model.init_from={directory / 'missing'}"))
+
+
+def test_a_training_run_starts_from_the_saved_gpt2_weights(make_cfg, tmp_path, gpt2_dir):
+    """The training task with model.init_from: at a vanishing learning rate its last checkpoint still holds the
+    saved weights."""
+    from gptlab.train import run
+
+    directory, reference = gpt2_dir
+    run_dir = tmp_path / "run"
+    args = [*TINY, *GPT2_OVERRIDES, "model.block_size=32", f"model.init_from={directory}"]
+    args += ["trainer.max_steps=2", "optim.lr=1e-12", "optim.warmup_steps=0", "logger=csv"]
+    run(make_cfg(*args, f"paths.output_dir={run_dir}"))
+    state = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)[
+        "state_dict"
+    ]
+    ref = reference.state_dict()
+    torch.testing.assert_close(state["model.transformer.wte.weight"], ref["transformer.wte.weight"])
+    torch.testing.assert_close(state["model.transformer.pos.wpe.weight"], ref["transformer.wpe.weight"][:32])
+    torch.testing.assert_close(
+        state["model.transformer.h.1.mlp.c_fc.weight"], ref["transformer.h.1.mlp.c_fc.weight"].t()
+    )
+
+
+@pytest.mark.skipif("rope" not in positional.names(), reason="needs the rope positional scheme")
+@pytest.mark.parametrize("tie,n_kv_head", [(False, 2), (True, 4)])
+def test_llama_weights_give_llamas_logits(make_cfg, tmp_path, tie, n_kv_head):
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=101,
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=n_kv_head,
+        max_position_embeddings=64,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=tie,
+    )
+    reference = transformers.LlamaForCausalLM(config).eval()
+    reference.save_pretrained(tmp_path)
+    overrides = [
+        "pos=rope",
+        "activation=swiglu",
+        "norm=rmsnorm",
+        "norm.eps=1e-5",
+        "model.bias=false",
+        f"model.tie_weights={str(tie).lower()}",
+        "model.n_layer=2",
+        "model.n_head=4",
+        f"model.n_kv_head={n_kv_head}",
+        "model.n_embd=64",
+        "model.mlp_ratio=2.5",
+        "model.block_size=64",
+        "model.vocab_size=101",
+        f"model.init_from={tmp_path}",
+    ]
+    model = gptlab.build_model(make_cfg(*overrides)).eval()
+    idx = torch.randint(0, 101, (2, 48))
+    with torch.no_grad():
+        torch.testing.assert_close(model(idx)[0], reference(idx).logits, rtol=0, atol=1e-5)
+    assert hf.config_from_pretrained(tmp_path).n_kv_head == n_kv_head
+
+
+def test_half_to_interleaved_pairs_each_dimension_with_its_rotary_partner():
+    head_dim, heads = 8, 2
+    rows = torch.arange(heads * head_dim, dtype=torch.float32)[:, None]  # row i holds the value i
+    out = hf.half_to_interleaved(rows, heads, head_dim).squeeze(1).tolist()
+    # rotate-half pairs (i, i + 4) of each head become adjacent rows (2i, 2i + 1)
+    assert out[:8] == [0, 4, 1, 5, 2, 6, 3, 7]
+    assert out[8:] == [8, 12, 9, 13, 10, 14, 11, 15]

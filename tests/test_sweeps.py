@@ -1,0 +1,173 @@
+"""`python train.py -m ...` from the grid to the answer: one run directory and one W&B run per job, named,
+grouped and tagged from the overrides, then a comparison; and an Optuna search."""
+
+import math
+import runpy
+import statistics
+
+import pytest
+from conftest import ROOT, TINY, run_train
+from omegaconf import OmegaConf
+
+from gptlab.tracking.compare import compare
+from gptlab.tracking.wandb_files import find_runs, read_run
+
+# A tiny character-level model: a 2x2 sweep trains in seconds per job.
+FAST = [*TINY, "tokenizer=char", "trainer.log_every_n_steps=2"]
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sweep")
+    sweep_dir = root / "multirun" / "grid"
+    proc = run_train(
+        ["-m", *FAST, "logger=all", f"paths.root_dir={root}", f"hydra.sweep.dir={sweep_dir}"]
+        + ["pos=learned,nope", "seed=0,1"],
+        cwd=root,
+    )
+    return root, sweep_dir, proc
+
+
+def test_multirun_leaves_one_run_directory_and_one_wandb_run_per_job(sweep):
+    root, sweep_dir, _ = sweep
+    jobs = sorted(p for p in sweep_dir.iterdir() if p.is_dir())
+    assert [p.name for p in jobs] == ["0", "1", "2", "3"]
+    runs = {}
+    for job in jobs:
+        files = find_runs(job / "wandb")
+        assert len(files) == 1, f"job {job.name}: {files}"
+        runs[job.name] = read_run(files[0])
+        assert (job / "checkpoints" / "last.ckpt").is_file()
+    assert len({r.run_id for r in runs.values()}) == 4  # four runs, not one reused run
+
+    expected = {"0": ("learned", 0), "1": ("learned", 1), "2": ("nope", 0), "3": ("nope", 1)}
+    for job, (pos, seed) in expected.items():
+        run = runs[job]
+        # one group per sweep (its directory, relative to where the sweep was started), a job type, a name
+        # from what the sweep varies, and a tag per override
+        assert run.group == "multirun/grid"
+        assert run.job_type == "sweep"
+        assert run.name == f"pos={pos} seed={seed}"
+        assert {f"pos={pos}", f"seed={seed}", "tokenizer=char"} <= set(run.tags)
+        assert not any(t.startswith(("paths.", "hydra.", "logger")) for t in run.tags)
+        # the resolved config, so the W&B UI groups by pos.name and averages over seed
+        assert run.config["pos"]["name"] == pos and run.config["seed"] == seed
+        assert run.config["sweep"]["group_key"] == f"pos={pos}"
+        assert run.config["sweep"]["job_num"] == int(job)
+        assert run.exit_code == 0
+
+        val = run.metric("val/loss")
+        assert [s for s, _ in val] == [3, 7]  # validation after steps 4 and 8
+        assert math.isclose(run.metric("val/ppl")[-1][1], math.exp(val[-1][1]), rel_tol=1e-4)
+        grad_norms = [v for _, v in run.metric("train/grad_norm")]
+        assert grad_norms and all(v > 0 and math.isfinite(v) for v in grad_norms)
+        mfu = [v for _, v in run.metric("train/mfu")]
+        assert mfu and all(0 < v < 1 for v in mfu)
+        assert run.metric("lr") and run.metric("train/tokens_per_second") and run.metric("train/loss")
+        assert run.summary["parameters/total"] == run.metric("parameters/total")[0][1] > 0
+        assert run.summary["samples/_type"] == "table-file"
+
+
+def test_every_logger_of_logger_all_holds_the_run(sweep):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    _, sweep_dir, _ = sweep
+    job = sweep_dir / "0"
+    events = EventAccumulator(str(job / "tensorboard")).Reload()
+    tb_val = [e.value for e in events.Scalars("val/loss")]
+    wandb_val = [v for _, v in read_run(find_runs(job / "wandb")[0]).metric("val/loss")]
+    assert tb_val == pytest.approx(wandb_val, rel=1e-6)
+    assert "train/mfu" in events.Tags()["scalars"] and "samples/text_summary" in events.Tags()["tensors"]
+    header = (job / "csv" / "metrics.csv").read_text().splitlines()[0].split(",")
+    assert {"val/loss", "train/grad_norm", "train/mfu", "parameters/total"} <= set(header)
+
+
+def test_compare_script_gives_one_row_per_choice_with_both_seeds(sweep, capsys):
+    root, sweep_dir, _ = sweep
+    # scripts/compare.py's main(), in this process: a second interpreter would only add start-up time
+    script = runpy.run_path(str(ROOT / "scripts" / "compare.py"))
+    assert script["main"]([str(sweep_dir), "--source", "wandb"]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
+    assert lines[0].startswith("| # | pos | seeds | val/loss | val/ppl | tokens/s | MFU | parameters |")
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in lines[1:]]
+    assert sorted(r[1] for r in rows) == ["learned", "nope"] and [r[2] for r in rows] == ["2", "2"]
+
+    # the figures are the mean and spread of the runs' own final validation losses, best first
+    final = {}
+    for job, pos in (("0", "learned"), ("1", "learned"), ("2", "nope"), ("3", "nope")):
+        final.setdefault(pos, []).append(read_run(find_runs(sweep_dir / job)[0]).metric("val/loss")[-1][1])
+    by_mean = sorted(final, key=lambda p: statistics.fmean(final[p]))
+    assert [r[1] for r in rows] == by_mean
+    for row in rows:
+        mean, std = (float(x) for x in row[3].split(" ± "))
+        assert mean == pytest.approx(statistics.fmean(final[row[1]]), abs=1e-4)
+        assert std == pytest.approx(statistics.stdev(final[row[1]]), abs=1e-4)
+
+    png = sweep_dir / "val_loss.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    assert "| learned |" in (sweep_dir / "comparison.md").read_text()
+    # CSV files and W&B files tell the same story
+    from_csv = compare(sweep_dir, root / "from_csv", source="csv")
+    assert [r.val_loss_mean for r in from_csv.rows] == pytest.approx(
+        [statistics.fmean(final[p]) for p in by_mean], rel=1e-6
+    )
+
+
+def test_optuna_search_finishes_and_reports_its_best_parameters(tmp_path):
+    import optuna
+
+    storage = f"sqlite:///{tmp_path / 'study.db'}"
+    sweep_dir = tmp_path / "search"
+    proc = run_train(
+        [
+            "-m",
+            "hparams_search=optuna",
+            *FAST,
+            "trainer.max_steps=2",
+            "trainer.val_check_interval=2",
+            "trainer.limit_val_batches=1",
+            "logger=csv",
+            "hydra.sweeper.n_trials=3",
+            "hydra.sweeper.sampler.n_startup_trials=2",
+            f"hydra.sweeper.storage={storage}",
+            f"paths.root_dir={tmp_path}",
+            f"hydra.sweep.dir={sweep_dir}",
+        ],
+        cwd=tmp_path,
+    )
+    assert "Best parameters" in proc.stdout + proc.stderr
+    result = OmegaConf.load(sweep_dir / "optimization_results.yaml")
+    best = result.best_params
+    assert set(best) == {"optim.lr", "optim.warmup_steps"}
+    assert 3e-4 <= best["optim.lr"] <= 2e-2 and 0 <= best["optim.warmup_steps"] <= 80
+    # the study persisted in its SQLite file (needs SQLAlchemy < 2 with optuna 2.x): three finished trials,
+    # each the final validation loss of one job
+    study = optuna.load_study(study_name="lr_warmup", storage=storage)
+    values = sorted(t.value for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE)
+    assert len(values) == 3
+    table = compare(sweep_dir)
+    assert sorted(r.val_loss_mean for r in table.rows) == pytest.approx(values, rel=1e-5)
+    assert result.best_value == pytest.approx(values[0], rel=1e-6)
+
+
+@pytest.mark.parametrize(
+    "choice,expected",
+    [("logger=[wandb,csv]", {"wandb", "csv"}), ("logger=all", {"wandb", "csv", "tensorboard"})],
+)
+def test_several_loggers_at_once(make_cfg, choice, expected):
+    cfg = make_cfg(choice)
+    assert set(cfg.logger) == expected
+
+
+@pytest.mark.parametrize(
+    "experiment,key", [("activation_sweep", "activation"), ("depth_sweep", "model.n_layer")]
+)
+def test_experiment_presets_sweep_their_choice_over_seeds(experiment, key):
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose("train", overrides=[f"experiment={experiment}"], return_hydra_config=True)
+    params = cfg.hydra.sweeper.params
+    assert set(params) == {key, "seed"} and params.seed == "0,1,2"
