@@ -2,10 +2,11 @@ import pytest
 import torch
 
 from gptlab.errors import ConfigError
+from gptlab.model import positional
 from gptlab.model.config import GPTConfig
 from gptlab.model.gpt import GPT, KVCache
 
-SCHEMES = ["learned", "sinusoidal", "nope"]
+SCHEMES = positional.names()  # every registered scheme
 
 
 def tiny(**kw) -> GPTConfig:

@@ -193,6 +193,13 @@ def run(cfg: DictConfig) -> dict[str, float]:
                         }
                     )
             _report(metrics, corpus.unigram_entropy, run_dir, trainer, loggers)
+            if (cfg.get("eval_length") or {}).get("enabled"):
+                from gptlab.eval.length import after_training, summary_metrics
+
+                result = after_training(
+                    module.model, corpus, datamodule.block_size, cfg.eval_length, run_dir, loggers
+                )
+                metrics.update(summary_metrics(result))
         failed = False
         return metrics
     finally:

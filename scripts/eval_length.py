@@ -1,0 +1,61 @@
+"""Validation loss and perplexity of a trained run at 1x, 2x, 4x and 8x its training context.
+
+    python scripts/eval_length.py outputs/runs/<date>/<time>            # a run directory
+    python scripts/eval_length.py path/to/last.ckpt --factors 1 2 4 16  # a checkpoint inside a run directory
+    python scripts/eval_length.py --sweep outputs/multirun/pos_sweep --plot docs/pos_sweep.png
+
+Writes <run dir>/eval_length/{length.json, loss_vs_length.png, loss_by_position.png} and prints a table; a
+run that logged to W&B gets a W&B run in its group with the same figures. ``--sweep`` gathers the results of
+a multirun trained with ``eval_length.enabled=true`` (experiment=pos_sweep) into one table and plot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from gptlab.errors import ConfigError
+from gptlab.eval import length, sweep
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("path", nargs="?", help="a run directory or a .ckpt file")
+    parser.add_argument("--factors", type=int, nargs="+", default=list(length.DEFAULT_FACTORS))
+    parser.add_argument("--max-tokens", type=int, default=None, help="validation tokens to use (default all)")
+    parser.add_argument("--batch-tokens", type=int, default=4096, help="tokens per forward pass")
+    parser.add_argument("--out", default=None, help="output folder (default <run dir>/eval_length)")
+    parser.add_argument("--no-wandb", action="store_true", help="do not log to W&B even if the run did")
+    parser.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda when available)")
+    parser.add_argument("--sweep", nargs="+", default=None, help="multirun directories to summarise instead")
+    parser.add_argument("--plot", default=None, help="with --sweep: where to write the plot")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        if args.sweep:
+            table = sweep.summarize(args.sweep, plot=args.plot)
+            print(table)
+            return 0
+        if not args.path:
+            parser.error("give a run directory or checkpoint (or --sweep DIR)")
+        options = length.LengthEvalOptions(
+            factors=args.factors, max_tokens=args.max_tokens, batch_tokens=args.batch_tokens
+        )
+        result, paths = length.evaluate_run(
+            args.path, options, out_dir=args.out, use_wandb=not args.no_wandb, device=args.device
+        )
+    except ConfigError as e:
+        print(f"eval_length: error: {e}", file=sys.stderr)
+        return 2
+    print(length.format_table(result))
+    print("Wrote " + ", ".join(str(p) for p in paths))
+    if "wandb_run" in result:
+        print(f"W&B: {result['wandb_run']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,396 @@
+"""Length extrapolation: validation loss and perplexity at 1x, 2x, 4x, 8x the training context, and the loss
+at each token position.
+
+A model trained on windows of ``T`` tokens is evaluated on non-overlapping validation windows of ``f * T``
+tokens. Schemes without a bounded table run at every length; ``learned`` is reported as unable to run past its
+table. A RoPE model is also evaluated with each context-scaling method (linear interpolation, NTK-aware, YaRN)
+set to the factor ``f``, since those exist exactly for this question.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from gptlab.errors import ConfigError
+from gptlab.model.gpt import GPT
+
+log = logging.getLogger(__name__)
+
+DEFAULT_FACTORS = (1, 2, 4, 8)
+ROPE_SCALINGS = ("linear", "ntk", "yarn")
+RESULT_FILE = "length.json"
+
+
+@dataclass
+class LengthEvalOptions:
+    """The ``eval_length`` config node."""
+
+    factors: Sequence[int] = DEFAULT_FACTORS
+    max_tokens: int | None = None  # validation tokens to use (None: all of them)
+    batch_tokens: int = 4096  # tokens per forward pass; the batch shrinks as the context grows
+    rope_scalings: Sequence[str] = ROPE_SCALINGS
+
+    def __post_init__(self) -> None:
+        factors = list(self.factors)
+        if not factors or any(not isinstance(f, int) or f < 1 for f in factors):
+            raise ConfigError(
+                f"eval_length.factors={factors!r} must be a non-empty list of positive integers "
+                "(multiples of the training context, e.g. [1, 2, 4, 8])."
+            )
+        self.factors = sorted(set(factors))
+        bad = [s for s in self.rope_scalings if s not in ROPE_SCALINGS]
+        if bad:
+            raise ConfigError(
+                f"eval_length.rope_scalings has {bad}; allowed: {list(ROPE_SCALINGS)} (or [] for none)."
+            )
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 2):
+            raise ConfigError(f"eval_length.max_tokens={self.max_tokens!r} must be an integer >= 2 or null.")
+        if not isinstance(self.batch_tokens, int) or self.batch_tokens < 1:
+            raise ConfigError(f"eval_length.batch_tokens={self.batch_tokens!r} must be a positive integer.")
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any] | None) -> LengthEvalOptions:
+        values = dict(values or {})
+        values.pop("enabled", None)
+        known = {"factors", "max_tokens", "batch_tokens", "rope_scalings"}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ConfigError(
+                f"Unknown eval_length option(s) {unknown}. Known: enabled, {', '.join(sorted(known))}."
+            )
+        return cls(**values)
+
+
+# ---- evaluation -----------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def loss_by_position(
+    model: GPT, tokens: np.ndarray, context: int, batch_tokens: int
+) -> tuple[np.ndarray, int]:
+    """Mean next-token loss at each of the ``context`` positions over non-overlapping windows of ``tokens``;
+    returns the (context,) losses and the number of windows."""
+    n_windows = (len(tokens) - 1) // context
+    if n_windows == 0:
+        raise ValueError(f"{len(tokens)} validation tokens hold no window of {context + 1}")
+    device = next(model.parameters()).device
+    batch = max(1, batch_tokens // context)
+    total = torch.zeros(context, dtype=torch.float64)
+    for start in range(0, n_windows, batch):
+        rows = range(start, min(n_windows, start + batch))
+        windows = np.stack([tokens[i * context : i * context + context + 1] for i in rows]).astype(np.int64)
+        windows = torch.from_numpy(windows).to(device)  # (B, context + 1)
+        logits, _ = model(windows[:, :-1])  # (B, context, vocab)
+        loss = F.cross_entropy(
+            logits.float().transpose(1, 2), windows[:, 1:], reduction="none"
+        )  # (B, context)
+        total += loss.double().sum(0).cpu()
+    return (total / n_windows).numpy(), n_windows
+
+
+def unsupported_reason(model: GPT, context: int) -> str | None:
+    """Why the model cannot run at ``context`` tokens, or None when it can."""
+    limit = model.transformer.pos.max_positions
+    if limit is not None and context > limit:
+        return (
+            f"pos={model.config.pos} has a table of {limit} positions and no vector for the positions past it, "
+            f"so it cannot run at {context} tokens"
+        )
+    return None
+
+
+def evaluate_lengths(
+    model: GPT, tokens: np.ndarray, train_context: int, options: LengthEvalOptions | None = None
+) -> dict[str, Any]:
+    """Loss, perplexity and loss by position at each factor of ``train_context``, for the model as trained
+    and, for RoPE, with each context-scaling method. ``tokens``: the flat validation token ids."""
+    options = options or LengthEvalOptions()
+    if options.max_tokens is not None:
+        tokens = tokens[: options.max_tokens]
+    was_training = model.training
+    model.eval()
+    pos = model.transformer.pos
+    variants: list[tuple[str, str | None]] = [(model.config.pos, None)]
+    if model.config.pos == "rope":
+        variants += [(f"rope+{s}", s) for s in options.rope_scalings]
+    result: dict[str, Any] = {
+        "pos": model.config.pos,
+        "pos_options": dict(model.config.pos_options),
+        "train_context": train_context,
+        "factors": list(options.factors),
+        "validation_tokens": int(len(tokens)),
+        "variants": {},
+    }
+    trained_scaling = (getattr(pos, "scaling", None), getattr(pos, "scale_factor", None))
+    try:
+        for name, scaling in variants:
+            entries: dict[str, Any] = {}
+            for factor in options.factors:
+                context = factor * train_context
+                if scaling is not None and factor == 1:
+                    continue  # scaling by 1 is the model as trained
+                entry: dict[str, Any] = {"context": context}
+                reason = unsupported_reason(model, context)
+                if reason is not None:
+                    entry["error"] = reason
+                    log.info("%s at %dx (%d tokens): not evaluated: %s", name, factor, context, reason)
+                elif len(tokens) - 1 < context:
+                    entry["error"] = (
+                        f"the validation split has {len(tokens)} tokens, fewer than {context + 1}"
+                    )
+                    log.info("%s at %dx: not evaluated: %s", name, factor, entry["error"])
+                else:
+                    if scaling is not None:
+                        pos.scaling = scaling
+                        pos.set_scale(float(factor))
+                    t0 = time.perf_counter()
+                    by_position, windows = loss_by_position(model, tokens, context, options.batch_tokens)
+                    loss = float(by_position.mean())
+                    entry.update(
+                        loss=loss,
+                        ppl=math.exp(loss),
+                        windows=windows,
+                        tokens=windows * context,
+                        seconds=time.perf_counter() - t0,
+                        loss_by_position=[round(float(v), 5) for v in by_position],
+                    )
+                    log.info(
+                        "%s at %dx (%d tokens): loss %.4f, perplexity %.2f",
+                        name,
+                        factor,
+                        context,
+                        loss,
+                        entry["ppl"],
+                    )
+                entries[str(factor)] = entry
+            result["variants"][name] = entries
+    finally:
+        if trained_scaling[0] is not None:
+            pos.scaling, pos.scale_factor = trained_scaling
+        model.train(was_training)
+    return result
+
+
+def summary_metrics(result: dict[str, Any]) -> dict[str, float]:
+    """Flat metrics, e.g. ``length/rope+yarn/loss@4x``; the scheme as trained is ``length/loss@4x``."""
+    out: dict[str, float] = {}
+    for name, entries in result["variants"].items():
+        prefix = "length/" if name == result["pos"] else f"length/{name}/"
+        for factor, entry in entries.items():
+            if "loss" in entry:
+                out[f"{prefix}loss@{factor}x"] = entry["loss"]
+                out[f"{prefix}ppl@{factor}x"] = entry["ppl"]
+    return out
+
+
+def format_table(result: dict[str, Any]) -> str:
+    factors = result["factors"]
+    head = "| variant | " + " | ".join(f"{f}x ({f * result['train_context']})" for f in factors) + " |"
+    lines = [head, "|---" * (len(factors) + 1) + "|"]
+    for name, entries in result["variants"].items():
+        cells = []
+        for f in factors:
+            entry = entries.get(str(f))
+            if entry is None:
+                cells.append("(as trained)")
+            elif "loss" in entry:
+                cells.append(f"{entry['loss']:.3f} (ppl {entry['ppl']:.1f})")
+            else:
+                cells.append("cannot run")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+# ---- outputs --------------------------------------------------------------------------------------
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_result(result: dict[str, Any], out_dir: Path) -> list[Path]:
+    """loss_vs_length.png (loss against the context, one line per variant) and loss_by_position.png (loss at
+    each position of the longest context each variant ran at, averaged in bins)."""
+    plt = _pyplot()
+    train_context = result["train_context"]
+    paths = []
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, entries in result["variants"].items():
+        points = sorted((e["context"], e["loss"]) for e in entries.values() if "loss" in e)
+        if name != result["pos"] and str(1) in result["variants"][result["pos"]]:
+            first = result["variants"][result["pos"]]["1"]
+            if "loss" in first:
+                points = [(first["context"], first["loss"]), *points]
+        if points:
+            ax.plot(*zip(*points), marker="o", label=name)
+    ax.set_xscale("log", base=2)
+    ax.axvline(train_context, color="grey", linestyle=":", label="training context")
+    ax.set_xlabel("evaluation context (tokens)")
+    ax.set_ylabel("validation loss (nats)")
+    ax.set_title(f"pos={result['pos']}: loss against context length")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    paths.append(out_dir / "loss_vs_length.png")
+    fig.savefig(paths[-1], dpi=100)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, entries in result["variants"].items():
+        runs = [e for e in entries.values() if "loss_by_position" in e]
+        if not runs:
+            continue
+        longest = max(runs, key=lambda e: e["context"])
+        x, y = binned(np.asarray(longest["loss_by_position"]))
+        ax.plot(x, y, label=f"{name} ({longest['context']} tokens)")
+    ax.axvline(train_context, color="grey", linestyle=":", label="training context")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("token position")
+    ax.set_ylabel("validation loss (nats)")
+    ax.set_title(f"pos={result['pos']}: loss by token position")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    paths.append(out_dir / "loss_by_position.png")
+    fig.savefig(paths[-1], dpi=100)
+    plt.close(fig)
+    return paths
+
+
+def binned(values: np.ndarray, bins: int = 64) -> tuple[np.ndarray, np.ndarray]:
+    """Average ``values`` (T,) over log-spaced position bins: readable curves at any T. Returns the bins'
+    mean positions (1-based) and mean values."""
+    edges = np.unique(np.geomspace(1, len(values) + 1, bins + 1).astype(int))
+    x = [(lo + hi - 1) / 2 for lo, hi in zip(edges[:-1], edges[1:])]
+    y = [values[lo - 1 : hi - 1].mean() for lo, hi in zip(edges[:-1], edges[1:])]
+    return np.asarray(x), np.asarray(y)
+
+
+def write_outputs(result: dict[str, Any], out_dir: str | Path) -> list[Path]:
+    """``length.json`` and the plots in ``out_dir``; returns their paths."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / RESULT_FILE
+    path.write_text(json.dumps(result, indent=1))
+    return [path, *plot_result(result, out_dir)]
+
+
+def log_to_wandb(result: dict[str, Any], images: Sequence[Path], run: Any) -> None:
+    """Log the summary metrics, a table and the plots to an open W&B run."""
+    import wandb
+
+    metrics = summary_metrics(result)
+    run.summary.update(metrics)
+    rows = [
+        [name, int(factor), entry["context"], entry.get("loss"), entry.get("ppl")]
+        for name, entries in result["variants"].items()
+        for factor, entry in entries.items()
+    ]
+    run.log(
+        {
+            "length/table": wandb.Table(columns=["variant", "factor", "context", "loss", "ppl"], data=rows),
+            **{f"length/{p.stem}": wandb.Image(str(p)) for p in images if p.suffix == ".png"},
+        }
+    )
+
+
+# ---- entry points ---------------------------------------------------------------------------------
+
+
+def evaluate_run(
+    path: str | Path,
+    options: LengthEvalOptions | None = None,
+    out_dir: str | Path | None = None,
+    use_wandb: bool = True,
+    device: str | None = None,
+) -> tuple[dict[str, Any], list[Path]]:
+    """Evaluate a run directory or checkpoint; writes JSON and plots to ``out_dir`` (default
+    ``<run dir>/eval_length``) and, when the run logged to W&B, a W&B run in the same group."""
+    from gptlab.eval.runs import load_run, validation_tokens
+
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    trained = load_run(path, device)
+    tokens = validation_tokens(trained)
+    result = evaluate_lengths(trained.model, tokens, trained.train_context, options)
+    result["checkpoint"] = str(trained.checkpoint)
+    out_dir = Path(out_dir) if out_dir else (trained.run_dir or trained.checkpoint.parent) / "eval_length"
+    paths = write_outputs(result, out_dir)
+    if use_wandb and trained.run_dir is not None:
+        wandb_run_dir = log_new_wandb_run(result, paths, trained.run_dir)
+        if wandb_run_dir is not None:
+            result["wandb_run"] = str(wandb_run_dir)
+            (out_dir / RESULT_FILE).write_text(json.dumps(result, indent=1))
+    return result, paths
+
+
+def log_new_wandb_run(result: dict[str, Any], paths: Sequence[Path], run_dir: Path) -> Path | None:
+    """When the training run logged to W&B, log the evaluation as a new W&B run in the same project and
+    group (the training run's id when it had no group), job type ``eval_length``. Returns its folder."""
+    from gptlab.tracking.loggers import wandb_mode
+    from gptlab.tracking.wandb_files import find_runs, read_run
+
+    files = find_runs(run_dir / "wandb")
+    if not files:
+        return None
+    import wandb
+
+    source = read_run(files[-1])
+    mode = wandb_mode("auto")
+    if mode == "disabled":
+        return None
+    run = wandb.init(
+        project=source.project or "gptlab",
+        group=source.group or source.run_id,
+        name=f"{source.name or source.run_id}-length",
+        job_type="eval_length",
+        dir=str(run_dir),
+        mode=mode,
+        config={
+            "source_run_id": source.run_id,
+            "pos": result["pos"],
+            "train_context": result["train_context"],
+        },
+        reinit="finish_previous",
+    )
+    try:
+        log_to_wandb(result, paths, run)
+        folder = Path(run.dir).parent
+    finally:
+        run.finish()
+    return folder
+
+
+def after_training(
+    model: GPT, prepared: Any, train_context: int, node: Any, run_dir: Path, loggers: Sequence[Any]
+) -> dict[str, Any]:
+    """The training task's hook (``eval_length.enabled=true``): evaluate the freshly trained model, write
+    ``<run dir>/eval_length/`` and log to the run's own W&B run when it has one. ``prepared``: the run's
+    ``PreparedCorpus``."""
+    from omegaconf import OmegaConf
+
+    if OmegaConf.is_config(node):
+        node = OmegaConf.to_container(node, resolve=True)
+    options = LengthEvalOptions.from_dict(node)
+    tokens = np.asarray(np.memmap(prepared.val_path, dtype=prepared.dtype, mode="r"))
+    result = evaluate_lengths(model, tokens, train_context, options)
+    paths = write_outputs(result, run_dir / "eval_length")
+    log.info("Length extrapolation (validation loss by context):\n%s", format_table(result))
+    for logger in loggers:
+        if logger.__class__.__name__ == "WandbLogger":
+            log_to_wandb(result, paths, logger.experiment)
+    return result

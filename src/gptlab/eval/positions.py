@@ -1,0 +1,115 @@
+"""Pictures of what a positional scheme adds: the position table as a heatmap, the position-to-position
+similarity it induces, and the attention bias per head.
+
+- ``learned``, ``sinusoidal``: the table (positions x dimensions) and the cosine similarity of its rows.
+- ``rope``: the similarity of one fixed vector rotated to each position (it depends on i - j only).
+- ``alibi``, ``relative``, ``fire``: the bias added to the score of query i on key j, one panel per head.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from gptlab.eval.length import _pyplot
+from gptlab.model import positional
+from gptlab.model.gpt import GPT
+
+
+@torch.no_grad()
+def position_table(model: GPT, n: int) -> Tensor | None:
+    """The (n, n_embd) vectors added to the token embeddings at positions 0..n-1, or None."""
+    pos = model.transformer.pos
+    if isinstance(pos, positional.LearnedPositionalEncoding):
+        return pos.wpe.weight.detach()[: min(n, pos.max_positions)].float().cpu()
+    if isinstance(pos, positional.SinusoidalPositionalEncoding):
+        return positional.sinusoidal_table(torch.arange(n), model.config.n_embd, pos.base).float()
+    return None
+
+
+@torch.no_grad()
+def position_similarity(model: GPT, n: int) -> Tensor | None:
+    """(n, n) cosine similarity between positions: of the table rows, or for rotary schemes of one all-ones
+    query rotated to each position (per head dimension), or None for schemes without either."""
+    table = position_table(model, n)
+    if table is None and isinstance(model.transformer.pos, positional.RotaryPositionalEncoding):
+        ones = torch.ones(1, 1, n, model.config.head_dim)
+        table, _ = model.transformer.pos.rotate(ones, ones, torch.arange(n))
+        table = table[0, 0].float().cpu()  # (n, head_dim)
+    if table is None:
+        return None
+    unit = table / table.norm(dim=-1, keepdim=True).clamp_min(1e-12)
+    return unit @ unit.T
+
+
+@torch.no_grad()
+def attention_bias(model: GPT, n: int) -> Tensor | None:
+    """(n_head, n, n) bias on the score of query i (rows) on key j (columns); the future is NaN."""
+    positions = torch.arange(n, device=next(model.parameters()).device)
+    bias = model.transformer.pos.bias(positions, positions)
+    if bias is None:
+        return None
+    bias = bias.detach().float().cpu()
+    future = positions[None, :].cpu() > positions[:, None].cpu()
+    return bias.masked_fill(future, float("nan"))
+
+
+def plot_scheme(
+    model: GPT, out_dir: str | Path, n: int | None = None, label: str | None = None
+) -> list[Path]:
+    """Every picture that applies to the model's scheme, as ``<label>_{table,similarity,bias}.png``."""
+    plt = _pyplot()
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    n = n or model.config.block_size
+    label = label or model.config.pos
+    written = []
+
+    table = position_table(model, n)
+    if table is not None:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        image = ax.imshow(table.T, aspect="auto", cmap="RdBu_r", interpolation="nearest")
+        ax.set_xlabel("position")
+        ax.set_ylabel("embedding dimension")
+        ax.set_title(f"pos={model.config.pos}: position vectors")
+        fig.colorbar(image, ax=ax)
+        written.append(_save(fig, out_dir / f"{label}_table.png", plt))
+
+    similarity = position_similarity(model, n)
+    if similarity is not None:
+        fig, ax = plt.subplots(figsize=(5, 4.2))
+        image = ax.imshow(similarity, cmap="viridis", vmin=-1, vmax=1, interpolation="nearest")
+        ax.set_xlabel("position j")
+        ax.set_ylabel("position i")
+        ax.set_title(f"pos={model.config.pos}: cosine similarity of positions")
+        fig.colorbar(image, ax=ax)
+        written.append(_save(fig, out_dir / f"{label}_similarity.png", plt))
+
+    bias = attention_bias(model, n)
+    if bias is not None:
+        heads = bias.size(0)
+        cols = min(4, heads)
+        rows = math.ceil(heads / cols)
+        fig, axes = plt.subplots(rows, cols, figsize=(3 * cols, 2.8 * rows), squeeze=False)
+        for h, ax in enumerate(axes.flat):
+            if h >= heads:
+                ax.axis("off")
+                continue
+            image = ax.imshow(bias[h], cmap="magma", interpolation="nearest")
+            ax.set_title(f"head {h}", fontsize=9)
+            ax.set_xlabel("key j", fontsize=8)
+            ax.set_ylabel("query i", fontsize=8)
+            fig.colorbar(image, ax=ax, fraction=0.046)
+        fig.suptitle(f"pos={model.config.pos}: attention bias per head")
+        written.append(_save(fig, out_dir / f"{label}_bias.png", plt))
+    return written
+
+
+def _save(fig, path: Path, plt) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=72)
+    plt.close(fig)
+    return path

@@ -1,0 +1,157 @@
+"""Gather the length evaluations of a multirun (one ``<job>/eval_length/length.json`` per job) into one table
+and one figure: mean and standard deviation over seeds for each scheme and context."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import defaultdict
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from gptlab.errors import ConfigError
+from gptlab.eval.length import RESULT_FILE, _pyplot, binned
+
+
+def collect(sweep_dirs: str | Path | Sequence[str | Path]) -> list[dict[str, Any]]:
+    """Every job's length result below the sweep directories, with its seed (from config_resolved.yaml)."""
+    if isinstance(sweep_dirs, (str, Path)):
+        sweep_dirs = [sweep_dirs]
+    paths = sorted(p for d in sweep_dirs for p in Path(d).glob(f"**/eval_length/{RESULT_FILE}"))
+    results = []
+    for path in paths:
+        result = json.loads(path.read_text())
+        config = path.parent.parent / "config_resolved.yaml"
+        if config.is_file():
+            from omegaconf import OmegaConf
+
+            result["seed"] = OmegaConf.load(config).get("seed")
+        result["job_dir"] = str(path.parent.parent)
+        results.append(result)
+    if not results:
+        raise ConfigError(
+            f"{', '.join(map(str, sweep_dirs))} hold(s) no */eval_length/{RESULT_FILE}: train the sweep with eval_length.enabled=true "
+            "(experiment=pos_sweep does) or run scripts/eval_length.py on each run first."
+        )
+    return results
+
+
+def aggregate(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """{variant: {factor: {"mean", "std", "n", "errors"}}}, plus the shared factors and training context."""
+    losses: dict[str, dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))
+    errors: dict[str, dict[int, str]] = defaultdict(dict)
+    curves: dict[str, list[np.ndarray]] = defaultdict(list)
+    factors: set[int] = set()
+    contexts = {r["train_context"] for r in results}
+    for r in results:
+        factors.update(r["factors"])
+        base = r["variants"][r["pos"]]
+        for name, entries in r["variants"].items():
+            merged = {**base, **entries}  # a scaled variant is the model as trained at 1x
+            for factor, entry in merged.items():
+                if "loss" in entry:
+                    losses[name][int(factor)].append(entry["loss"])
+                elif "error" in entry:
+                    errors[name][int(factor)] = entry["error"]
+            longest = max((e for e in merged.values() if "loss_by_position" in e), key=lambda e: e["context"])
+            curves[name].append(np.asarray(longest["loss_by_position"]))
+    table: dict[str, dict[int, dict[str, Any]]] = {}
+    for name in sorted(set(losses) | set(errors), key=_order):
+        table[name] = {}
+        for f in sorted(factors):
+            values = losses[name].get(f, [])
+            table[name][f] = {
+                "mean": float(np.mean(values)) if values else math.nan,
+                "std": float(np.std(values, ddof=1)) if len(values) > 1 else 0.0,
+                "n": len(values),
+                "error": errors[name].get(f),
+            }
+    lengths = {name: min(len(c) for c in cs) for name, cs in curves.items()}
+    by_position = {name: np.mean([c[: lengths[name]] for c in cs], axis=0) for name, cs in curves.items()}
+    return {
+        "table": table,
+        "factors": sorted(factors),
+        "train_context": sorted(contexts),
+        "by_position": by_position,
+        "runs": len(results),
+    }
+
+
+SCHEME_ORDER = ["learned", "sinusoidal", "rope", "xpos", "alibi", "relative", "fire", "nope"]
+
+
+def _order(name: str) -> tuple[int, str]:
+    base = name.split("+")[0]
+    return (SCHEME_ORDER.index(base) if base in SCHEME_ORDER else len(SCHEME_ORDER), name)
+
+
+def format_table(summary: dict[str, Any]) -> str:
+    (context, *others) = summary["train_context"]
+    factors = summary["factors"]
+    head = "| scheme | seeds | " + " | ".join(
+        f"{f}x ({f * context})" if not others else f"{f}x" for f in factors
+    )
+    lines = [head + " |", "|---|---:" + "|---:" * len(factors) + "|"]
+    for name, row in summary["table"].items():
+        seeds = max(c["n"] for c in row.values())
+        cells = []
+        for f in factors:
+            cell = row[f]
+            if cell["n"]:
+                cells.append(f"{cell['mean']:.3f} ± {cell['std']:.3f}")
+            else:
+                cells.append("cannot run" if cell["error"] else "")
+        lines.append(f"| {name} | {seeds} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot_summary(summary: dict[str, Any], path: str | Path) -> Path:
+    plt = _pyplot()
+    context = summary["train_context"][0]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    palette = plt.get_cmap("tab20").colors  # 20 colours: dark ones first, then their light pairs
+    palette = [palette[i] for i in [*range(0, 20, 2), *range(1, 20, 2)]]
+    for k, (name, row) in enumerate(summary["table"].items()):
+        points = [(f * context, c["mean"], c["std"]) for f, c in row.items() if c["n"]]
+        if not points:
+            continue
+        x, y, e = zip(*points)
+        style = dict(linestyle="--" if "+" in name else "-", color=palette[k % len(palette)])
+        left.errorbar(x, y, yerr=e, marker="o", capsize=3, label=name, **style)
+        bx, by = binned(summary["by_position"][name], bins=48)
+        right.plot(bx, by, label=name, **style)
+    for ax in (left, right):
+        ax.set_xscale("log", base=2)
+        ax.axvline(context, color="grey", linestyle=":")
+        ax.set_ylabel("validation loss (nats)")
+    left.set_xlabel("evaluation context (tokens); dotted: training context")
+    left.set_title(f"Loss against context, mean ± std over seeds ({summary['runs']} runs)")
+    right.set_xlabel("token position (longest context each scheme ran at)")
+    right.set_title("Loss by token position, mean over seeds")
+    left.legend(fontsize=7, ncol=2)
+    ylo = min(c["mean"] for row in summary["table"].values() for c in row.values() if c["n"])
+    left.set_ylim(bottom=ylo - 0.1, top=min(left.get_ylim()[1], ylo + 3))
+    right.set_ylim(bottom=ylo - 0.3, top=min(right.get_ylim()[1], ylo + 3))
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+    return path
+
+
+def summarize(sweep_dirs: str | Path | Sequence[str | Path], plot: str | Path | None = None) -> str:
+    """The markdown table of the length results of one or more sweeps; also writes ``plot`` (PNG) and
+    ``length_summary.json`` in the first sweep directory."""
+    if isinstance(sweep_dirs, (str, Path)):
+        sweep_dirs = [sweep_dirs]
+    summary = aggregate(collect(sweep_dirs))
+    out = {k: v for k, v in summary.items() if k != "by_position"}
+    out["table"] = {n: {str(f): c for f, c in row.items()} for n, row in summary["table"].items()}
+    (Path(sweep_dirs[0]) / "length_summary.json").write_text(json.dumps(out, indent=1))
+    if plot is not None:
+        plot_summary(summary, plot)
+    return format_table(summary)

@@ -1,0 +1,212 @@
+"""The length study: the evaluation after training, scripts/eval_length.py on a checkpoint, W&B logging, and
+the sweep summary."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from conftest import ROOT
+
+from gptlab.eval import length, sweep
+from gptlab.model.config import GPTConfig
+from gptlab.model.gpt import GPT
+from gptlab.tracking.wandb_files import find_runs, read_run
+
+TINY_RUN = [
+    "tokenizer=char",
+    "model.n_layer=1",
+    "model.n_head=2",
+    "model.n_embd=32",
+    "model.block_size=32",
+    "data.batch_size=8",
+    "trainer.max_steps=30",
+    "trainer.val_check_interval=30",
+    "trainer.limit_val_batches=4",  # 4 x 8 windows of 32 + 1 tokens: the first 1025 validation tokens
+    "eval_length.max_tokens=1025",
+    "optim.lr=1e-2",
+    "optim.warmup_steps=5",
+    "callbacks.sample_generation.max_new_tokens=2",
+    "logger.wandb.group=length_test",
+    "eval_length.enabled=true",
+    "eval_length.factors=[1,2,4]",
+]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A tiny RoPE model trained in-process (as the training task runs it), with the length hook on."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    from gptlab.train import run
+
+    root = tmp_path_factory.mktemp("length")
+    run_dir = root / "run"
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
+        cfg = compose(
+            "train",
+            overrides=[*TINY_RUN, "pos=rope", f"paths.root_dir={root}", f"paths.output_dir={run_dir}"],
+        )
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a 32-wide model: one thread is faster, and far faster on a busy machine
+    try:
+        metrics = run(cfg)
+    finally:
+        torch.set_num_threads(threads)
+    return root, run_dir, metrics
+
+
+def test_evaluation_after_training_matches_the_validation_loss_and_extends_it(trained):
+    _, run_dir, metrics = trained
+    result = json.loads((run_dir / "eval_length" / "length.json").read_text())
+    assert result["pos"] == "rope" and result["train_context"] == 32 and result["factors"] == [1, 2, 4]
+    # At 1x the evaluation sees exactly the validation windows the trainer saw.
+    assert result["variants"]["rope"]["1"]["windows"] == 32
+    assert result["variants"]["rope"]["1"]["loss"] == pytest.approx(metrics["val/loss"], abs=1e-4)
+    assert metrics["length/loss@1x"] == result["variants"]["rope"]["1"]["loss"]
+    assert set(result["variants"]) == {"rope", "rope+linear", "rope+ntk", "rope+yarn"}
+    for entries in result["variants"].values():
+        for factor, entry in entries.items():
+            assert entry["context"] == 32 * int(factor)
+            assert len(entry["loss_by_position"]) == entry["context"]
+            assert math.isfinite(entry["loss"]) and entry["ppl"] == pytest.approx(math.exp(entry["loss"]))
+            assert entry["loss"] == pytest.approx(np.mean(entry["loss_by_position"]), abs=1e-4)
+    assert result["variants"]["rope+yarn"]["4"]["loss"] != result["variants"]["rope"]["4"]["loss"]
+    for png in ("loss_vs_length.png", "loss_by_position.png"):
+        assert (run_dir / "eval_length" / png).read_bytes()[:4] == b"\x89PNG"
+
+
+def test_evaluation_is_logged_to_the_runs_wandb_run(trained):
+    _, run_dir, _ = trained
+    result = json.loads((run_dir / "eval_length" / "length.json").read_text())
+    (wandb_file,) = find_runs(run_dir / "wandb")
+    logged = read_run(wandb_file)
+    assert logged.summary["length/loss@2x"] == pytest.approx(result["variants"]["rope"]["2"]["loss"])
+    assert logged.summary["length/rope+yarn/loss@4x"] == pytest.approx(
+        result["variants"]["rope+yarn"]["4"]["loss"]
+    )
+    assert logged.summary["length/loss_by_position/_type"] == "image-file"
+
+
+def test_script_evaluates_a_checkpoint_and_logs_a_wandb_run_in_the_same_group(trained, tmp_path):
+    root, run_dir, _ = trained
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "eval_length.py"),
+            str(run_dir / "checkpoints" / "last.ckpt"),
+            "--factors",
+            "1",
+            "2",
+            "8",
+            "--max-tokens",
+            "3000",
+            "--out",
+            str(out),
+        ],
+        cwd=root,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},  # a tiny model: one thread is faster on a busy machine
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "| rope |" in proc.stdout and "8x (256)" in proc.stdout
+    result = json.loads((out / "length.json").read_text())
+    assert result["factors"] == [1, 2, 8] and result["validation_tokens"] == 3000
+    assert result["variants"]["rope"]["8"]["windows"] == (3000 - 1) // 256
+    assert (out / "loss_vs_length.png").is_file() and (out / "loss_by_position.png").is_file()
+    runs = [read_run(p) for p in find_runs(run_dir / "wandb")]
+    evals = [r for r in runs if r.job_type == "eval_length"]
+    assert len(evals) == 1
+    train_run = next(r for r in runs if r.job_type == "train")
+    assert evals[0].group == train_run.group == "length_test"
+    assert evals[0].summary["length/loss@8x"] == pytest.approx(result["variants"]["rope"]["8"]["loss"])
+
+
+def test_learned_positions_say_they_cannot_run_longer():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=20, block_size=16, n_layer=1, n_head=2, n_embd=16, pos="learned"))
+    tokens = np.random.default_rng(0).integers(0, 20, 500)
+    result = length.evaluate_lengths(model, tokens, 16, length.LengthEvalOptions(factors=[1, 2, 4]))
+    entries = result["variants"]["learned"]
+    assert math.isfinite(entries["1"]["loss"])
+    for factor in ("2", "4"):
+        assert "loss" not in entries[factor]
+        assert (
+            "table of 16 positions" in entries[factor]["error"] and "cannot run" in entries[factor]["error"]
+        )
+    assert "cannot run" in length.format_table(result)
+
+
+def test_sweep_summary_averages_seeds(trained, tmp_path):
+    _, run_dir, _ = trained
+    result = json.loads((run_dir / "eval_length" / "length.json").read_text())
+    for seed, shift in ((0, 0.0), (1, 0.2)):  # two jobs of one sweep, the second 0.2 nats worse
+        job = tmp_path / f"{seed}-rope-seed{seed}"
+        (job / "eval_length").mkdir(parents=True)
+        moved = json.loads(json.dumps(result))
+        for entries in moved["variants"].values():
+            for entry in entries.values():
+                entry["loss"] += shift
+                entry["loss_by_position"] = [v + shift for v in entry["loss_by_position"]]
+        (job / "eval_length" / "length.json").write_text(json.dumps(moved))
+        (job / "config_resolved.yaml").write_text(f"seed: {seed}\n")
+    table = sweep.summarize(tmp_path, plot=tmp_path / "sweep.png")
+    row = next(line for line in table.splitlines() if line.startswith("| rope |"))
+    mean = result["variants"]["rope"]["2"]["loss"] + 0.1
+    assert f"{mean:.3f} ± {np.std([0, 0.2], ddof=1):.3f}" in row and "| 2 |" in row
+    assert (tmp_path / "sweep.png").read_bytes()[:4] == b"\x89PNG"
+    summary = json.loads((tmp_path / "length_summary.json").read_text())
+    assert summary["table"]["rope+yarn"]["1"]["n"] == 2  # scaled variants share the 1x value
+
+
+def test_bad_evaluation_options_are_refused():
+    from gptlab.errors import ConfigError
+
+    with pytest.raises(
+        ConfigError, match=r"eval_length.factors=\[0, 2\] must be a non-empty list of positive"
+    ):
+        length.LengthEvalOptions(factors=[0, 2])
+    with pytest.raises(ConfigError, match=r"eval_length.rope_scalings has \['dynamic'\]"):
+        length.LengthEvalOptions(rope_scalings=["dynamic"])
+    with pytest.raises(ConfigError, match=r"Unknown eval_length option\(s\) \['factor'\]"):
+        length.LengthEvalOptions.from_dict({"enabled": True, "factor": [2]})
+
+
+@pytest.mark.parametrize(
+    "pos,pictures",
+    [
+        ("learned", {"table", "similarity"}),
+        ("sinusoidal", {"table", "similarity"}),
+        ("rope", {"similarity"}),
+        ("xpos", {"similarity"}),
+        ("alibi", {"bias"}),
+        ("relative", {"bias"}),
+        ("fire", {"bias"}),
+        ("nope", set()),
+    ],
+)
+def test_position_pictures(pos, pictures, tmp_path):
+    from gptlab.eval import positions
+
+    model = GPT(GPTConfig(vocab_size=5, block_size=24, n_layer=1, n_head=6, n_embd=24, pos=pos))
+    written = positions.plot_scheme(model, tmp_path)
+    assert {p.stem.split("_")[-1] for p in written} == pictures
+    assert all(p.read_bytes()[:4] == b"\x89PNG" for p in written)
+    similarity = positions.position_similarity(model, 24)
+    if similarity is not None:
+        torch.testing.assert_close(similarity.diagonal(), torch.ones(24))
+    if pos == "rope":  # rotary similarity depends on i - j only: constant along each diagonal
+        torch.testing.assert_close(similarity.diagonal(3)[1:], similarity.diagonal(3)[:-1].clone())
+    bias = positions.attention_bias(model, 24)
+    if bias is not None:
+        assert bias.shape == (6, 24, 24)
+        assert torch.isnan(bias[:, 0, 1:]).all() and not torch.isnan(bias[:, 5, :6]).any()
