@@ -303,3 +303,13 @@ def test_sigterm_under_ddp_stops_every_rank_and_saves(tmp_path, cache_dir):
     (run_dir,) = run_dirs(tmp_path)
     saved = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
     assert saved["global_step"] == stopped < MAX_STEPS
+    # Resumed, the run ends bit-identical to the same two-process run never interrupted: the distributed
+    # sampler's position is restored with the loader state.
+    run_train([*args, "resume=auto"], cwd=tmp_path)
+    ref_dir = tmp_path / "uninterrupted"
+    ref_dir.mkdir()
+    run_train(args, cwd=ref_dir)
+    (ref_run,) = run_dirs(ref_dir)
+    assert_bit_identical(
+        weights(run_dir / "checkpoints" / "last.ckpt"), weights(ref_run / "checkpoints" / "last.ckpt")
+    )

@@ -8,6 +8,7 @@ tiles the corpus, a smaller stride overlaps windows (more, correlated samples), 
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import lightning as L
 import numpy as np
@@ -107,19 +108,34 @@ class GPTDataModule(L.LightningDataModule):
         )
 
     def train_dataloader(self) -> DataLoader:
+        from lightning.pytorch.strategies import ParallelStrategy
         from torchdata.stateful_dataloader import StatefulDataLoader
+        from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
 
-        # A stateful loader: a resumed run continues from the same batch, not from the epoch's start.
-        generator = torch.Generator().manual_seed(self.seed)
+        # A stateful loader: a resumed run continues from the same batch, not from the epoch's start. Under a
+        # distributed strategy the sampler must be stateful too (Lightning's own DistributedSampler has no
+        # position to restore); each rank then takes every world_size-th sample of the same seeded permutation.
+        drop_last = len(self.train_set) >= self.batch_size
+        options: dict[str, Any] = {"shuffle": True, "generator": torch.Generator().manual_seed(self.seed)}
+        trainer = self.trainer
+        if trainer is not None and isinstance(trainer.strategy, ParallelStrategy):
+            sampler = StatefulDistributedSampler(
+                self.train_set,
+                num_replicas=trainer.world_size,
+                rank=trainer.global_rank,
+                shuffle=True,
+                seed=self.seed,
+                drop_last=drop_last,
+            )
+            options = {"sampler": sampler}
         return StatefulDataLoader(
             self.train_set,
             batch_size=self.batch_size,
-            shuffle=True,
-            drop_last=len(self.train_set) >= self.batch_size,
-            generator=generator,
+            drop_last=drop_last,
             num_workers=self.num_workers,
             pin_memory=torch.cuda.is_available(),
             persistent_workers=self.num_workers > 0,
+            **options,
         )
 
     def val_dataloader(self) -> DataLoader:
