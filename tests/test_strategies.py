@@ -345,14 +345,13 @@ def test_fsdp_on_two_processes_trains_checkpoints_shards_and_resumes(tmp_path):
 
     resumed = tmp_path / "resumed"
     proc = run_train(
-        [*common, "trainer.max_steps=6", f"ckpt_path={middle}", f"hydra.run.dir={resumed}"], cwd=tmp_path
+        [*common, "trainer.max_steps=6", f"resume={middle}", f"hydra.run.dir={resumed}"], cwd=tmp_path
     )
     assert "Restored all states from the checkpoint" in proc.stdout + proc.stderr
     resumed_loss = column(metrics_csv(resumed), "train/loss")
     assert sorted(resumed_loss) == [3, 4, 5]  # Lightning's 0-based steps after the third optimizer step
     # The sharded weights and optimizer states came back: the loss goes on from where it was, far below the
-    # untrained model's. (The batches after a resume are not the same: the sampler Lightning puts around
-    # the loader under a distributed strategy does not restore its position.)
+    # untrained model's.
     assert resumed_loss[3] < full_loss[0] - 0.4
     assert abs(resumed_loss[5] - full_loss[5]) < 0.5
     assert (resumed / "checkpoints" / "last.ckpt").is_dir()

@@ -172,6 +172,14 @@ class StopOnSignal(L.Callback):
             self._previous[signum] = signal.getsignal(signum)
             signal.signal(signum, self._handle)
 
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # Lightning's own SIGTERM handler (installed at fit start) broadcasts to the other ranks from inside
+        # the signal handler: a collective at an arbitrary point, which deadlocks when the signal lands inside
+        # another collective. This callback decides at the step boundary instead, so its handler takes over;
+        # handlers that were there before Lightning's are still called.
+        for signum in self.signals():
+            signal.signal(signum, self._handle)
+
     def restore_handlers(self) -> None:
         """Put back the handlers found at setup. Lightning restores the handlers it found at fit start
         (this callback's among them) in its own teardown, after this callback's: ``fit`` calls this again."""
