@@ -10,30 +10,39 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from gptlab.lit.metrics import (
     GradientNorm,
-    flops_per_token,
+    ModelFlopsUtilization,
     gpu_peak_flops,
-    matmul_params,
     measure_matmul_peak,
 )
 from gptlab.lit.module import GPTLitModule
-from gptlab.model.config import GPTConfig
-from gptlab.model.gpt import GPT
+from gptlab.model import card
 from gptlab.tracking.loggers import csv_logger
 
 
-def test_flops_per_token_of_gpt2_small():
-    with torch.device("meta"):
-        model = GPT(GPTConfig(vocab_size=50257, block_size=1024, n_layer=12, n_head=12, n_embd=768))
-    # every weight but the position table enters a matrix product (the tied head counts once, as the head)
-    n = 124_439_808 - 1024 * 768
-    assert matmul_params(model) == n
-    assert flops_per_token(n, 12, 1024, 768) == 6 * n + 12 * 12 * 1024 * 768
-    with torch.device("meta"):
-        untied = GPT(
-            GPTConfig(vocab_size=100, block_size=8, n_layer=1, n_head=2, n_embd=16, tie_weights=False)
-        )
-    counts = untied.parameter_counts()
-    assert matmul_params(untied) == counts["non_embedding"]  # the separate head is already counted there
+def test_mfu_counts_the_model_cards_flops_per_token(tmp_path):
+    config = dict(vocab_size=64, block_size=8, n_layer=1, n_head=2, n_embd=16)
+    module = GPTLitModule(model=config, optim={"lr": 1e-3, "warmup_steps": 0})
+    tokens = torch.randint(0, 64, (8, 9))
+    loader = DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=4)
+    mfu = ModelFlopsUtilization(window=2, peak_flops=1e11)
+    trainer = L.Trainer(
+        max_steps=3,
+        callbacks=[mfu],
+        logger=csv_logger(str(tmp_path)),
+        log_every_n_steps=1,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        accelerator="cpu",
+    )
+    trainer.fit(module, train_dataloaders=loader)
+    assert mfu.flops_per_token == card.flops_per_token(module.model_config)["training"]
+    with open(tmp_path / "csv" / "metrics.csv") as f:
+        rows = list(csv.DictReader(f))
+    rates = [float(r["train/mfu"]) for r in rows if r.get("train/mfu")]
+    achieved = [float(r["train/flops_per_second"]) for r in rows if r.get("train/flops_per_second")]
+    assert rates and all(0 < v < 1 for v in rates)
+    assert rates[-1] == pytest.approx(achieved[-1] / 1e11, rel=1e-4)
 
 
 @pytest.mark.parametrize(

@@ -35,22 +35,6 @@ GPU_PEAK_TFLOPS: list[tuple[str, tuple[float, float, float]]] = [
 _measured_peak: dict[tuple[str, str], float] = {}
 
 
-def flops_per_token(n_matmul_params: int, n_layer: int, block_size: int, n_embd: int) -> float:
-    """Training FLOPs per token, 6N + 12 L T d (PaLM appendix B; Chinchilla, Hoffmann et al. 2022, counts the
-    same): 6N for the forward and backward matrix products of N weights, 12 L T d for attention's QK^T and AV
-    at context T. N counts weights that enter a matrix product: the output head, but not a table lookup."""
-    return 6.0 * n_matmul_params + 12.0 * n_layer * block_size * n_embd
-
-
-def matmul_params(model: torch.nn.Module) -> int:
-    """Weights of a GPT that take part in matrix products: all but the token and position tables, plus the
-    output head (tied to the token table, it is a matrix product of its own)."""
-    counts = model.parameter_counts()
-    # An untied head is already among the non-embedding weights; a tied one is counted with the embedding.
-    tied = model.lm_head.weight is model.transformer.wte.weight
-    return int(counts["non_embedding"] + (model.lm_head.weight.numel() if tied else 0))
-
-
 def tf32_enabled() -> bool:
     """Whether fp32 matrix products may run on TF32 tensor cores."""
     return torch.get_float32_matmul_precision() != "highest" or bool(torch.backends.cuda.matmul.allow_tf32)
@@ -137,9 +121,11 @@ class ModelFlopsUtilization(L.Callback):
         self._seen = 0
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        model = pl_module.model
-        c = model.config
-        self.flops_per_token = flops_per_token(matmul_params(model), c.n_layer, c.block_size, c.n_embd)
+        from gptlab.model.card import flops_per_token
+
+        # 6N + 12 L T d at the context the run trains on (PaLM appendix B), from the model card.
+        context = getattr(trainer.datamodule, "block_size", None) if trainer.datamodule is not None else None
+        self.flops_per_token = flops_per_token(pl_module.model.config, context)["training"]
         source = "configured"
         if self.peak_flops is None:
             self.peak_flops, source = device_peak_flops(pl_module.device, str(trainer.precision))
@@ -150,7 +136,7 @@ class ModelFlopsUtilization(L.Callback):
                 "MFU against %s per device (%s); %.3g FLOPs per token", rate, source, self.flops_per_token
             )
         facts = {
-            "parameters/total": float(model.parameter_counts()["total"]),
+            "parameters/total": float(pl_module.model.parameter_counts()["total"]),
             "model/flops_per_token": self.flops_per_token,
             "model/peak_flops_per_device": float(self.peak_flops),
         }
