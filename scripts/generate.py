@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from omegaconf import OmegaConf
 
-from gptlab.checkpoints import load_model
+from gptlab.eval.runs import load_run
 
 
 @dataclass
@@ -37,9 +37,8 @@ def main(argv: list[str]) -> None:
         sys.exit(
             "usage: python scripts/generate.py ckpt=<run dir or .ckpt> prompt='...' [temperature=0.8 top_k=50]"
         )
-    model, tok, info = load_model(opts.ckpt, opts.which)
-    if tok is None:
-        sys.exit(f"{info['path']} holds no tokenizer; it was not written by gptlab's trainer.")
+    run = load_run(opts.ckpt, which=opts.which)
+    model, tok = run.model, run.tokenizer
     ids = tok.encode(opts.prompt) or [tok.eot_id]
     idx = torch.tensor([ids] * opts.samples)
     generator = torch.Generator().manual_seed(opts.seed)
@@ -52,7 +51,7 @@ def main(argv: list[str]) -> None:
         eot_id=tok.eot_id,
         generator=generator,
     )
-    print(f"# {info['path']} (step {info['global_step']})", file=sys.stderr)
+    print(f"# {run.checkpoint}", file=sys.stderr)
     for row in out.tolist():
         continuation = row[len(ids) :]
         if tok.eot_id in continuation:

@@ -126,11 +126,12 @@ def test_generate_script_continues_a_prompt_from_a_run(trained):
 
     from conftest import ROOT
 
-    from gptlab.checkpoints import load_model
+    from gptlab.eval.runs import load_run
 
     root, run_dir, _ = trained
-    model, tok, info = load_model(run_dir)
-    assert info["path"].endswith(".ckpt") and "best-" in info["path"]
+    best = load_run(run_dir, which="best")
+    assert best.checkpoint.name.startswith("best-") and best.run_dir == run_dir
+    model, tok = best.model, best.tokenizer
     ids = torch.tensor([tok.encode("The")])
     expected = tok.decode(model.generate(ids, 5)[0, 1:].tolist())
     proc = subprocess.run(

@@ -39,8 +39,10 @@ class TrainedRun:
         return int(data.get("block_size") or self.model.config.block_size)
 
 
-def find_checkpoint(path: str | Path) -> tuple[Path, Path | None]:
-    """(checkpoint, run directory or None) for a run directory or a ``.ckpt`` file."""
+def find_checkpoint(path: str | Path, which: str = "last") -> tuple[Path, Path | None]:
+    """(checkpoint, run directory or None) for a run directory or a ``.ckpt`` file. In a run directory,
+    ``which="last"`` takes ``checkpoints/last.ckpt`` and ``which="best"`` the best by val/loss (each falls
+    back to the other)."""
     path = Path(path)
     if path.is_file():
         for folder in (path.parent, path.parent.parent):
@@ -48,7 +50,9 @@ def find_checkpoint(path: str | Path) -> tuple[Path, Path | None]:
                 return path, folder
         return path, None
     if path.is_dir():
-        for candidate in [path / "checkpoints" / "last.ckpt", *sorted((path / "checkpoints").glob("*.ckpt"))]:
+        folder = path / "checkpoints"
+        last, best = [folder / "last.ckpt"], sorted(folder.glob("best-*.ckpt"))[::-1]
+        for candidate in [*(best + last if which == "best" else last + best), *sorted(folder.glob("*.ckpt"))]:
             if candidate.is_file():
                 return candidate, path if (path / CONFIG_FILE).is_file() else None
         raise ConfigError(
@@ -58,8 +62,9 @@ def find_checkpoint(path: str | Path) -> tuple[Path, Path | None]:
     raise ConfigError(f"{path} does not exist: pass a run directory or a .ckpt file.")
 
 
-def load_run(path: str | Path, device: str | torch.device = "cpu") -> TrainedRun:
-    checkpoint_path, run_dir = find_checkpoint(path)
+def load_run(path: str | Path, device: str | torch.device = "cpu", which: str = "last") -> TrainedRun:
+    """The model (in eval mode), its tokenizer and the run's config from a run directory or a checkpoint."""
+    checkpoint_path, run_dir = find_checkpoint(path, which)
     checkpoint = torch.load(checkpoint_path, map_location="cpu", weights_only=False)
     hparams = checkpoint.get("hyper_parameters") or {}
     if "model" not in hparams:
