@@ -31,7 +31,7 @@ log = logging.getLogger("gptlab")
 def _route_lightning_logs() -> None:
     """Lightning prints through its own console handler; Hydra already logs the root logger to the console
     and to the run's log file. Keep one copy of each line, in both places."""
-    for name in ("lightning.pytorch", "lightning.fabric"):
+    for name in ("lightning", "lightning.pytorch", "lightning.fabric"):
         logger = logging.getLogger(name)
         for handler in list(logger.handlers):
             if isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler):
