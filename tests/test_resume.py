@@ -314,3 +314,10 @@ def test_sigterm_under_ddp_stops_every_rank_and_saves(tmp_path, cache_dir):
     assert_bit_identical(
         weights(run_dir / "checkpoints" / "last.ckpt"), weights(ref_run / "checkpoints" / "last.ckpt")
     )
+
+
+def test_resuming_a_finished_run_reports_its_validation_loss(tmp_path, cache_dir):
+    common = [*ARGS, "logger=none", f"paths.root_dir={cache_dir}", f"paths.output_dir={tmp_path}"]
+    first = run(compose_cfg(*common))
+    again = run(compose_cfg(*common, f"resume={tmp_path}"))
+    assert again["val/loss"] == pytest.approx(first["val/loss"], abs=1e-6)

@@ -174,7 +174,12 @@ def run(cfg: DictConfig) -> dict[str, float]:
         if trainer.is_global_zero:
             OmegaConf.save(cfg, run_dir / "config_resolved.yaml", resolve=True)
 
-        stopped = fit(trainer, module, datamodule, resume.ckpt_path if resume else None)
+        finished = resume is not None and resume.global_step >= trainer_cfg["max_steps"]
+        if finished:  # nothing left to train: report the finished run's validation loss
+            trainer.validate(module, datamodule=datamodule, ckpt_path=str(resume.ckpt_path), verbose=False)
+            stopped = False
+        else:
+            stopped = fit(trainer, module, datamodule, resume.ckpt_path if resume else None)
         if stopped and trainer.is_global_zero:
             log.info(
                 "Stopped by a signal at step %d; continue with the same command and resume=auto",
@@ -213,7 +218,7 @@ def _report(
     lines = [
         f"Final validation loss {val:.4f} nats (perplexity {math.exp(val) if val == val else math.nan:.1f}); "
         f"unigram entropy of the corpus {entropy:.4f} nats"
-        + (f" ({entropy - val:+.3f} below it)" if val == val else ""),
+        + (f" ({abs(entropy - val):.3f} {'below' if val < entropy else 'above'} it)" if val == val else ""),
         f"Trained {trainer.global_step} steps in {metrics['wall_seconds']:.0f} s",
         f"Outputs: {run_dir}",
     ]
