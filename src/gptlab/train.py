@@ -77,13 +77,6 @@ def build_callbacks(cfg: DictConfig) -> list[L.Callback]:
     ]
 
 
-def human(n: float) -> str:
-    for unit, scale in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
-        if abs(n) >= scale:
-            return f"{n / scale:.2f}{unit}"
-    return str(int(n))
-
-
 def model_summary(
     module: GPTLitModule, trainer: L.Trainer | None = None, cfg: DictConfig | None = None
 ) -> str:

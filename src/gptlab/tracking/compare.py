@@ -234,12 +234,9 @@ def summarize(runs: list[RunRecord], keys: list[str]) -> list[Row]:
 
 # ---- output ---------------------------------------------------------------------------------------------
 def _human(n: float | None) -> str:
-    if n is None:
-        return "-"
-    for unit, scale in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
-        if abs(n) >= scale:
-            return f"{n / scale:.2f}{unit}"
-    return f"{n:.0f}"
+    from gptlab.model.card import human
+
+    return "-" if n is None else human(n)
 
 
 def _short(value: str) -> str:
