@@ -19,26 +19,35 @@ from gptlab.model import card
 from gptlab.tracking.loggers import csv_logger
 
 
-def test_mfu_counts_the_model_cards_flops_per_token(tmp_path):
+def fit_tiny(
+    tmp_path, callback: L.Callback, max_steps: int, **trainer_options
+) -> tuple[GPTLitModule, list[dict]]:
+    """Fit a tiny model on random tokens with ``callback``; returns the module and the CSV metric rows."""
+    torch.manual_seed(0)
     config = dict(vocab_size=64, block_size=8, n_layer=1, n_head=2, n_embd=16)
     module = GPTLitModule(model=config, optim={"lr": 1e-3, "warmup_steps": 0})
     tokens = torch.randint(0, 64, (8, 9))
     loader = DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=4)
-    mfu = ModelFlopsUtilization(window=2, peak_flops=1e11)
     trainer = L.Trainer(
-        max_steps=3,
-        callbacks=[mfu],
+        max_steps=max_steps,
+        callbacks=[callback],
         logger=csv_logger(str(tmp_path)),
         log_every_n_steps=1,
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
         accelerator="cpu",
+        **trainer_options,
     )
     trainer.fit(module, train_dataloaders=loader)
-    assert mfu.flops_per_token == card.flops_per_token(module.model_config)["training"]
     with open(tmp_path / "csv" / "metrics.csv") as f:
-        rows = list(csv.DictReader(f))
+        return module, list(csv.DictReader(f))
+
+
+def test_mfu_counts_the_model_cards_flops_per_token(tmp_path):
+    mfu = ModelFlopsUtilization(window=2, peak_flops=1e11)
+    module, rows = fit_tiny(tmp_path, mfu, max_steps=3)
+    assert mfu.flops_per_token == card.flops_per_token(module.model_config)["training"]
     rates = [float(r["train/mfu"]) for r in rows if r.get("train/mfu")]
     achieved = [float(r["train/flops_per_second"]) for r in rows if r.get("train/flops_per_second")]
     assert rates and all(0 < v < 1 for v in rates)
@@ -71,26 +80,9 @@ def test_cpu_peak_is_measured_once_per_process():
 
 
 def test_gradient_norm_is_taken_before_clipping(tmp_path):
-    torch.manual_seed(0)
-    config = dict(vocab_size=64, block_size=8, n_layer=1, n_head=2, n_embd=16)
-    module = GPTLitModule(model=config, optim={"lr": 1e-3, "warmup_steps": 0})
-    tokens = torch.randint(0, 64, (8, 9))
-    loader = DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=4)
     clip = 1e-3
-    trainer = L.Trainer(
-        max_steps=4,
-        gradient_clip_val=clip,
-        callbacks=[GradientNorm()],
-        logger=csv_logger(str(tmp_path)),
-        log_every_n_steps=1,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        accelerator="cpu",
-    )
-    trainer.fit(module, train_dataloaders=loader)
-    with open(tmp_path / "csv" / "metrics.csv") as f:
-        norms = [float(r["train/grad_norm"]) for r in csv.DictReader(f) if r.get("train/grad_norm")]
+    _, rows = fit_tiny(tmp_path, GradientNorm(), max_steps=4, gradient_clip_val=clip)
+    norms = [float(r["train/grad_norm"]) for r in rows if r.get("train/grad_norm")]
     assert len(norms) == 4
     # an untrained model's gradient norm is far above the clipping threshold: the logged norm is the raw one
     assert min(norms) > 100 * clip

@@ -77,7 +77,8 @@ class GPTDataModule(L.LightningDataModule):
         self.val_set: TokenWindows | None = None
 
     def prepare_data(self) -> None:
-        corpus.prepare(self.spec, self.tokenizer_name)  # builds the token cache once (local rank 0)
+        if self.corpus is None:  # builds the token cache once (local rank 0); a second call finds it set up
+            corpus.prepare(self.spec, self.tokenizer_name)
 
     def setup(self, stage: str | None = None) -> None:
         if self.train_set is not None:
