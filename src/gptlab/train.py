@@ -127,7 +127,11 @@ def run(cfg: DictConfig) -> dict[str, float]:
     datamodule = build_datamodule(cfg)
     tokenizer = build_tokenizer(cfg)
     model_config = build_model_config(cfg, tokenizer)
-    module = GPTLitModule(model=model_config.to_dict(), optim=OmegaConf.to_container(cfg.optim, resolve=True))
+    module = GPTLitModule(
+        model=model_config.to_dict(),
+        optim=OmegaConf.to_container(cfg.optim, resolve=True),
+        loss=OmegaConf.to_container(cfg.loss, resolve=True) if cfg.get("loss") else None,
+    )
     module.tokenizer = tokenizer
     resume = plan_resume(cfg.get("resume"), run_dir, model_config)
     if resume and resume.global_step >= trainer_cfg["max_steps"]:

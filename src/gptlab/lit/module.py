@@ -5,6 +5,7 @@ It receives only its own parts (the model's config, the optimizer's config), nev
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any
 
@@ -17,6 +18,9 @@ from gptlab.errors import ConfigError
 from gptlab.lit.checkpointing import check_finite_loss, collect_rng_states, restore_rng_states
 from gptlab.model.config import GPTConfig
 from gptlab.model.gpt import GPT
+from gptlab.model.head_loss import HeadLoss
+
+log = logging.getLogger(__name__)
 
 OPTIM_DEFAULTS: dict[str, Any] = {
     "lr": 3e-4,
@@ -59,14 +63,31 @@ def lr_factor(step: int, warmup_steps: int, max_steps: int, min_lr_ratio: float)
     return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
+def build_head_loss(loss: dict[str, Any] | None) -> HeadLoss:
+    """The ``loss`` config node (impl, chunk_rows) as a HeadLoss, with the error a user can act on."""
+    loss = dict(loss or {})
+    known = {"impl", "chunk_rows"}
+    unknown = sorted(set(loss) - known)
+    if unknown:
+        raise ConfigError(f"Unknown loss option(s) {unknown}. Known: {sorted(known)}.")
+    try:
+        return HeadLoss(**loss)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
 class GPTLitModule(L.LightningModule):
-    def __init__(self, model: dict[str, Any], optim: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self, model: dict[str, Any], optim: dict[str, Any] | None = None, loss: dict[str, Any] | None = None
+    ) -> None:
         super().__init__()
         # Plain dicts only, so a checkpoint rebuilds the module without this project's config system.
         self.save_hyperparameters(logger=False)
         self.model_config = GPTConfig.from_dict(dict(model))
         self.optim = check_optim(dict(optim or {}))
         self.model = GPT(self.model_config)
+        # How the output layer and loss are computed (model/head_loss.py); the same loss whichever is used.
+        self.head_loss = build_head_loss(loss)
         self.tokenizer: tokenizers.Tokenizer | None = None  # set by the trainer task; saved in checkpoints
         self.parallel: Any = None  # gptlab.parallel.ParallelOptions, set by the trainer task
         self._val_loss_sum = torch.zeros(())
@@ -74,6 +95,11 @@ class GPTLitModule(L.LightningModule):
 
     def forward(self, idx: Tensor, targets: Tensor | None = None):
         return self.model(idx, targets)
+
+    def on_fit_start(self) -> None:
+        impl = self.head_loss.resolve(self.device)  # a CUDA-only choice on another device fails here, early
+        if self.trainer.is_global_zero:
+            log.info("Output layer and loss: %s (loss.impl=%s)", impl, self.head_loss.impl)
 
     def configure_model(self) -> None:
         # Sharding, activation checkpointing and compilation are applied from outside the model, per block.
@@ -86,7 +112,7 @@ class GPTLitModule(L.LightningModule):
     # ---- training -------------------------------------------------------------------------------
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
         x, y = batch
-        _, loss = self.model(x, y)
+        _, loss = self.model(x, y, head_loss=self.head_loss)
         check_finite_loss(loss, step=self.global_step + 1)
         self.log("train/loss", loss, prog_bar=True, on_step=True, on_epoch=False)
         self.log("lr", self.optimizers().param_groups[0]["lr"], on_step=True, on_epoch=False)
@@ -99,7 +125,7 @@ class GPTLitModule(L.LightningModule):
 
     def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
         x, y = batch
-        _, loss = self.model(x, y)
+        _, loss = self.model(x, y, head_loss=self.head_loss)
         n = y.numel()
         self._val_loss_sum += loss.detach().double() * n
         self._val_count += n
