@@ -135,21 +135,29 @@ def plain_linear_cross_entropy(
     return F.cross_entropy(logits.flatten(0, -2).float(), targets.reshape(-1), ignore_index=ignore_index)
 
 
-def _liger(hidden: Tensor, weight: Tensor, targets: Tensor, bias: Tensor | None, ignore_index: int) -> Tensor:
-    from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+def _kernel_dtype(hidden: Tensor) -> torch.dtype:
+    """The CUDA kernels run outside autocast: give them the autocast dtype (bf16/fp16) when it is on."""
+    if torch.is_autocast_enabled(hidden.device.type):
+        return torch.get_autocast_dtype(hidden.device.type)
+    return hidden.dtype
 
-    hidden = hidden.reshape(-1, hidden.size(-1))
-    return liger_fused_linear_cross_entropy(
-        hidden, weight, targets.reshape(-1), bias=bias, ignore_index=ignore_index
-    )
+
+def _liger(hidden: Tensor, weight: Tensor, targets: Tensor, bias: Tensor | None, ignore_index: int) -> Tensor:
+    from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+
+    dtype = _kernel_dtype(hidden)
+    loss_fn = LigerFusedLinearCrossEntropyLoss(ignore_index=ignore_index, reduction="mean")
+    hidden = hidden.reshape(-1, hidden.size(-1)).to(dtype)
+    return loss_fn(weight.to(dtype), hidden, targets.reshape(-1), bias)
 
 
 def _cce(hidden: Tensor, weight: Tensor, targets: Tensor, bias: Tensor | None, ignore_index: int) -> Tensor:
     from cut_cross_entropy import linear_cross_entropy
 
-    # CCE takes the classifier in the embeddings' dtype (bf16/fp16 under mixed precision).
+    dtype = _kernel_dtype(hidden)
+    extra = {"bias": bias} if bias is not None else {}
     return linear_cross_entropy(
-        hidden, weight.to(hidden.dtype), targets, bias=bias, ignore_index=ignore_index, reduction="mean"
+        hidden.to(dtype), weight.to(dtype), targets, ignore_index=ignore_index, reduction="mean", **extra
     )
 
 
