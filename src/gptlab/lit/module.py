@@ -92,9 +92,28 @@ class GPTLitModule(L.LightningModule):
         self.parallel: Any = None  # gptlab.parallel.ParallelOptions, set by the trainer task
         self._val_loss_sum = torch.zeros(())
         self._val_count = torch.zeros(())
+        self._batch_shape: tuple[int, int] | None = None  # (B, T) of the last batch, for flops_per_batch
 
     def forward(self, idx: Tensor, targets: Tensor | None = None):
         return self.model(idx, targets)
+
+    # ---- FLOPs (Lightning's ThroughputMonitor reads flops_per_batch) -------------------------------
+    def flops_per_token(self, context: int | None = None) -> float:
+        """Training FLOPs per token at ``context`` (default: the last batch's, else the model's block size),
+        by the model card's count (6N + 12 L T d)."""
+        from gptlab.model.card import flops_per_token
+
+        context = context or (self._batch_shape[1] if self._batch_shape else None)
+        return flops_per_token(self.model_config, context)["training"]
+
+    @property
+    def flops_per_batch(self) -> int:
+        """FLOPs of the last batch on this device: training (forward + backward), or a third of that (the
+        forward alone) in evaluation."""
+        if self._batch_shape is None:
+            return 0
+        B, T = self._batch_shape
+        return int(self.flops_per_token(T) * B * T / (1 if self.training else 3))
 
     def on_fit_start(self) -> None:
         impl = self.head_loss.resolve(self.device)  # a CUDA-only choice on another device fails here, early
@@ -112,6 +131,7 @@ class GPTLitModule(L.LightningModule):
     # ---- training -------------------------------------------------------------------------------
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
         x, y = batch
+        self._batch_shape = tuple(x.shape)
         _, loss = self.model(x, y, head_loss=self.head_loss)
         check_finite_loss(loss, step=self.global_step + 1)
         self.log("train/loss", loss, prog_bar=True, on_step=True, on_epoch=False)
@@ -125,6 +145,7 @@ class GPTLitModule(L.LightningModule):
 
     def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
         x, y = batch
+        self._batch_shape = tuple(x.shape)
         _, loss = self.model(x, y, head_loss=self.head_loss)
         n = y.numel()
         self._val_loss_sum += loss.detach().double() * n
