@@ -99,12 +99,13 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
                 "differentiated: call linear_cross_entropy() with grad mode on."
             )
         h_dtype, w_dtype, b_dtype = ctx.dtypes
+        # Scaled in place: no second (V, C) buffer. A second backward through the same graph is refused by
+        # autograd's version check on the saved tensors.
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
         grads = [
-            (grad_hidden * grad_loss).to(h_dtype) if ctx.needs_input_grad[0] else None,
-            (grad_weight * grad_loss).to(w_dtype) if ctx.needs_input_grad[1] else None,
-            (grad_bias * grad_loss).to(b_dtype)
-            if grad_bias is not None and ctx.needs_input_grad[2]
-            else None,
+            grad_hidden.mul_(grad_loss).to(h_dtype) if need_h else None,
+            grad_weight.mul_(grad_loss).to(w_dtype) if need_w else None,
+            grad_bias.mul_(grad_loss).to(b_dtype) if grad_bias is not None and need_b else None,
         ]
         return (*grads, None, None, None, None)
 
