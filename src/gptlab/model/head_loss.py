@@ -26,9 +26,10 @@ from torch import Tensor
 
 IMPLEMENTATIONS = ("auto", "chunked", "plain", "liger", "cce")
 
-# Bytes of fp32 logits one chunk may hold: small enough that glibc serves the buffer from its heap rather
-# than a fresh mmap (its dynamic mmap threshold tops out at 32 MiB), so a step takes no page faults.
-CHUNK_BYTES = 16 * 2**20
+# Bytes of the one fp32 (rows, V) buffer a call uses: below glibc's largest dynamic mmap threshold (32 MiB), so
+# that after the first step it comes from the heap and a step takes no page faults; large enough that the
+# (V, C) weight gradient, accumulated once per chunk, is revisited only a few times (160 rows at V = 50,257).
+CHUNK_BYTES = 32 * 2**20
 
 
 def default_chunk_rows(vocab_size: int) -> int:
@@ -66,25 +67,31 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         b = bias.float() if bias is not None else None
         # 1 / count: the mean's scale, folded into each chunk's gradient
         inv_count = 1.0 / count.clamp_min(1).float()
+        # One (chunk_rows, V) buffer serves every chunk: logits, then log-probabilities, then the gradient,
+        # each written over the last (no allocation per chunk).
+        buffer = torch.empty(min(chunk_rows, N), weight.size(0), dtype=torch.float32, device=hidden.device)
         for start in range(0, N, chunk_rows):
             rows = slice(start, min(start + chunk_rows, N))
             h = hidden[rows].float()  # (n, C)
-            logits = h @ w.t() if b is None else torch.addmm(b, h, w.t())  # (n, V) fp32
-            log_probs = torch.log_softmax(logits, dim=-1)  # (n, V)
-            del logits
+            z = buffer[: h.size(0)]  # (n, V)
+            if b is None:
+                torch.mm(h, w.t(), out=z)
+            else:
+                torch.addmm(b, h, w.t(), out=z)
+            torch.log_softmax(z, dim=-1, out=z)  # each row is reduced before it is written: safe in place
             t = safe_targets[rows, None]  # (n, 1)
             # per-row weight of the mean: 1 / count on counted rows, 0 on ignored ones
             scale = valid[rows].float() * inv_count  # (n,)
-            loss_sum -= (log_probs.gather(1, t).squeeze(1) * valid[rows]).sum()
+            loss_sum -= (z.gather(1, t).squeeze(1) * valid[rows]).sum()
             if with_grad:
                 # d(loss)/d(logits) = (softmax - onehot(target)) * scale; the scale is applied to the
                 # (n, C) factors rather than to the (n, V) gradient.
-                grad_logits = log_probs.exp_()
-                grad_logits.scatter_add_(1, t, torch.full_like(t, -1.0, dtype=grad_logits.dtype))
-                grad_hidden[rows] = (grad_logits @ w).mul_(scale[:, None])  # (n, C)
-                grad_weight.addmm_(grad_logits.t(), h * scale[:, None])  # (V, C)
+                z.exp_()
+                z.scatter_add_(1, t, torch.full_like(t, -1.0, dtype=z.dtype))
+                torch.mm(z, w, out=grad_hidden[rows]).mul_(scale[:, None])  # (n, C)
+                grad_weight.addmm_(z.t(), h * scale[:, None])  # (V, C)
                 if grad_bias is not None:
-                    grad_bias.addmv_(grad_logits.t(), scale)
+                    grad_bias.addmv_(z.t(), scale)
         ctx.save_for_backward(grad_hidden, grad_weight, grad_bias)
         ctx.dtypes = (hidden.dtype, weight.dtype, bias.dtype if bias is not None else None)
         # 0 / 0 = nan when every target is ignored, as F.cross_entropy gives
