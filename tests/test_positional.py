@@ -13,7 +13,7 @@ from gptlab.model.config import GPTConfig
 from gptlab.model.gpt import GPT, KVCache
 
 POS_YAMLS = sorted(p.stem for p in (CONF / "pos").glob("*.yaml"))
-UNBOUNDED = [name for name in positional.names() if name != "learned"]
+UNBOUNDED = [name for name in positional.names() if positional.get(name).extrapolates]
 
 
 def tiny(**kw) -> GPTConfig:
@@ -189,21 +189,35 @@ def test_every_unbounded_scheme_runs_at_twice_the_training_context_with_cache_pa
     torch.testing.assert_close(torch.cat(pieces, dim=1), full, rtol=1e-4, atol=1e-5)
 
 
+ROTARY = [name for name in positional.names() if positional.get(name).is_rotary]
+
+
+@pytest.mark.parametrize("pos", ROTARY)
 @pytest.mark.parametrize("scaling", ["linear", "ntk", "yarn"])
-def test_scaled_rope_keeps_cache_parity_and_changes_the_output(scaling):
+def test_scaled_rotary_keeps_cache_parity_changes_the_output_and_restores_it(pos, scaling):
     torch.manual_seed(0)
-    model = GPT(tiny(pos="rope")).eval()
+    model = GPT(tiny(pos=pos)).eval()
+    scheme = model.transformer.pos
+    assert scaling in scheme.context_scalings
     idx = torch.randint(0, 61, (1, 40))
     plain, _ = model(idx)
-    model.transformer.pos.scaling = scaling
-    model.transformer.pos.set_scale(2.5)
-    scaled, _ = model(idx)
+    with scheme.scaled(2.5, scaling):
+        scaled, _ = model(idx)
+        cache = KVCache.empty(model.config.n_layer)
+        pieces = [model(idx[:, :30], cache=cache)[0]] + [
+            model(idx[:, t : t + 1], cache=cache)[0] for t in range(30, 40)
+        ]
     assert not torch.allclose(plain, scaled)
-    cache = KVCache.empty(model.config.n_layer)
-    pieces = [model(idx[:, :30], cache=cache)[0]] + [
-        model(idx[:, t : t + 1], cache=cache)[0] for t in range(30, 40)
-    ]
     torch.testing.assert_close(torch.cat(pieces, dim=1), scaled, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(model(idx)[0], plain)  # as trained again after the block
+
+
+def test_schemes_without_context_scaling_refuse_it_by_name():
+    scheme = GPT(tiny(pos="alibi")).transformer.pos
+    assert scheme.context_scalings == ()
+    with pytest.raises(ConfigError, match=r"pos=alibi has no context scaling 'yarn' \(it has: none\)"):
+        with scheme.scaled(2.0, "yarn"):
+            pass
 
 
 def test_learned_table_says_it_cannot_run_past_its_table():
@@ -218,9 +232,9 @@ def test_learned_table_says_it_cannot_run_past_its_table():
         (dict(n_embd=66, n_head=2), r"pos=rope needs an even head dimension .* = 33"),
         (
             dict(pos_options={"scaling": "dynamic"}),
-            r"pos.scaling='dynamic' is not one of none, linear, ntk, yarn",
+            r"pos.scaling='dynamic' must be one of 'none', 'linear', 'ntk', 'yarn'",
         ),
-        (dict(pos_options={"rotary_fraction": 0}), r"pos.rotary_fraction=0 must be in \(0, 1\]"),
+        (dict(pos_options={"rotary_fraction": 0}), r"pos.rotary_fraction=0(\.0)? must be in \(0, 1\]"),
         (dict(pos_options={"rotary_fraction": 0.1}), r"leaves no pair to rotate"),
         (dict(pos_options={"scale_factor": 0.5}), r"pos.scale_factor=0.5 must be a number >= 1"),
         (
@@ -231,18 +245,56 @@ def test_learned_table_says_it_cannot_run_past_its_table():
 )
 def test_bad_rope_options_are_refused_with_the_fix(kw, message):
     with pytest.raises(ConfigError, match=message):
-        tiny(pos="rope", **kw)
+        GPT(tiny(pos="rope", **kw))
 
 
 def test_bad_bias_scheme_options_are_refused():
     with pytest.raises(
         ConfigError, match=r"pos.max_distance=8 must be an integer larger than pos.num_buckets/2 = 16"
     ):
-        tiny(pos="relative", pos_options={"max_distance": 8})
+        GPT(tiny(pos="relative", pos_options={"max_distance": 8}))
     with pytest.raises(ConfigError, match=r"pos=alibi does not take option\(s\) pos.base. Its options: none"):
-        tiny(pos="alibi", pos_options={"base": 10})
+        GPT(tiny(pos="alibi", pos_options={"base": 10}))
     with pytest.raises(ConfigError, match=r"pos.hidden=0 must be a positive integer"):
-        tiny(pos="fire", pos_options={"hidden": 0})
+        GPT(tiny(pos="fire", pos_options={"hidden": 0}))
+
+
+@pytest.mark.parametrize(
+    "pos,options,message",
+    [
+        ("rope", {"base": "big"}, r"pos.base='big' must be a number \(got str\)"),
+        ("rope", {"base": True}, r"pos.base=True must be a number \(got bool\)"),
+        (
+            "rope",
+            {"scaling": "dynamic"},
+            r"pos.scaling='dynamic' must be one of 'none', 'linear', 'ntk', 'yarn'",
+        ),
+        ("relative", {"num_buckets": 32.5}, r"pos.num_buckets=32.5 must be an integer \(got float\)"),
+        ("fire", {"init_threshold": "x"}, r"pos.init_threshold='x' must be a number or null"),
+        ("rope", {"bas": 500.0}, r"pos=rope does not take option\(s\) pos.bas\..*Did you mean pos.base\?"),
+    ],
+)
+def test_every_option_is_type_checked_from_its_dataclass(pos, options, message):
+    """Types come from each scheme's Options dataclass: the message names the key, the type and the value."""
+    with pytest.raises(ConfigError, match=message):
+        positional.check(tiny(pos=pos, pos_options=options))
+
+
+def test_options_are_typed_dataclasses_with_the_yamls_defaults():
+    """Each scheme's YAML spells out the defaults of its Options dataclass (a key in one and not the other
+    would be a silent difference between `python train.py` and `GPT(GPTConfig(...))`)."""
+    import dataclasses
+
+    from omegaconf import OmegaConf
+
+    for name in positional.names():
+        node = OmegaConf.to_container(OmegaConf.load(CONF / "pos" / f"{name}.yaml"))
+        node.pop("name")
+        options = positional.REGISTRY.build_options(name, node)
+        assert dataclasses.is_dataclass(options), name
+        assert options == positional.get(name).Options(), name
+    rope = positional.REGISTRY.build_options("rope", {"base": 500})  # an int where a float is wanted
+    assert rope.base == 500.0 and isinstance(rope.base, float)
 
 
 def test_every_pos_yaml_trains_through_the_cli(tmp_path):
