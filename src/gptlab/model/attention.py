@@ -51,8 +51,10 @@ class KVCache:
         return k, v
 
 
-def flex_attention_available(device: torch.device) -> bool:
-    if device.type != "cuda":
+def flex_attention_available(device: torch.device, head_dim: int = 64) -> bool:
+    """FlexAttention trains on CUDA only (no CPU backward in torch 2.13); its Triton tiles want heads of at
+    least 16 dimensions."""
+    if device.type != "cuda" or head_dim < 16:
         return False
     try:
         import torch.nn.attention.flex_attention  # noqa: F401

@@ -14,9 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from gptlab.model import activations, norms, positional
+from gptlab.model import activations, attention, norms, positional
 from gptlab.model.attention import FROM_SCHEME, AttentionBias, CausalSelfAttention, KVCache
-from gptlab.model.attention import flex_attention_available as flex_attention_available
 from gptlab.model.config import GPTConfig
 
 __all__ = ["GPT", "MLP", "Block", "CausalSelfAttention", "KVCache", "check_config", "mlp_hidden_width"]
@@ -147,7 +146,7 @@ class GPT(nn.Module):
         x = self.transformer.drop(pos.embed(x, positions))
         # A positional bias depends on positions only: built once here, shared by every layer.
         k_positions = torch.arange(start + T, device=idx.device)
-        use_flex = cache is None and flex_attention_available(idx.device)
+        use_flex = cache is None and attention.flex_attention_available(idx.device, self.config.head_dim)
         use_flex = use_flex and not (
             self.training and self.config.dropout > 0
         )  # FlexAttention has no dropout
