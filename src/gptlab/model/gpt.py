@@ -146,10 +146,12 @@ class GPT(nn.Module):
         x = self.transformer.drop(pos.embed(x, positions))
         # A positional bias depends on positions only: built once here, shared by every layer.
         k_positions = torch.arange(start + T, device=idx.device)
-        use_flex = cache is None and attention.flex_attention_available(idx.device, self.config.head_dim)
-        use_flex = use_flex and not (
-            self.training and self.config.dropout > 0
-        )  # FlexAttention has no dropout
+        dropout = self.training and self.config.dropout > 0  # FlexAttention has no dropout
+        use_flex = (
+            cache is None
+            and not dropout
+            and attention.flex_attention_available(idx.device, self.config.head_dim)
+        )
         bias = AttentionBias.build(pos, positions, k_positions, use_flex)
         for block in self.transformer.h:
             x = block(x, pos, positions, cache, bias)
