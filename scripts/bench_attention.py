@@ -88,7 +88,17 @@ def main() -> None:
     parser.add_argument("--n-embd", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument(
+        "--clock",
+        choices=["wall", "cpu"],
+        default="wall",
+        help="cpu: this process's CPU time, steadier than wall time on a machine shared with other jobs",
+    )
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    clock = time.perf_counter if args.clock == "wall" or args.device != "cpu" else time.process_time
 
     device = torch.device(args.device)
     shape = dict(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd, block_size=args.context)
@@ -113,16 +123,17 @@ def main() -> None:
             with context():
                 if device.type == "cuda":
                     torch.cuda.synchronize()
-                start = time.perf_counter()
+                start = clock()
                 step()
                 if device.type == "cuda":
                     torch.cuda.synchronize()
-                times[name].append(time.perf_counter() - start)
+                times[name].append(clock() - start)
 
     medians = {name: statistics.median(t) for name, t in times.items()}
     print(
         f"device={device.type} threads={torch.get_num_threads()} T={args.context} batch={args.batch} "
-        f"n_layer={args.n_layer} n_head={args.n_head} n_embd={args.n_embd} repeats={args.repeats}"
+        f"n_layer={args.n_layer} n_head={args.n_head} n_embd={args.n_embd} repeats={args.repeats} "
+        f"clock={args.clock}"
     )
     print(f"{'stack training step':48s} {'median ms':>10s} {'vs fused causal':>16s}")
     for name, median in medians.items():
