@@ -163,9 +163,9 @@ class HeadBenchmark:
         return result
 
 
-def build_plain_optimizer(model: torch.nn.Module, optim: dict, max_steps: int):
+def build_plain_optimizer(model: torch.nn.Module, optim: dict, max_steps: int, mixed_precision: bool):
     """The optimizer and schedule of GPTLitModule.configure_optimizers, written out as a plain loop would."""
-    from gptlab.lit.module import lr_factor
+    from gptlab.lit.module import lr_factor, use_fused_adamw
 
     decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
@@ -173,7 +173,10 @@ def build_plain_optimizer(model: torch.nn.Module, optim: dict, max_steps: int):
         {"params": decay, "weight_decay": optim["weight_decay"]},
         {"params": no_decay, "weight_decay": 0.0},
     ]
-    opt = torch.optim.AdamW(groups, lr=optim["lr"], betas=optim["betas"], eps=optim["eps"])
+    fused = use_fused_adamw(model) and not mixed_precision
+    opt = torch.optim.AdamW(
+        groups, lr=optim["lr"], betas=optim["betas"], eps=optim["eps"], fused=fused or None
+    )
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: lr_factor(s, optim["warmup_steps"], max_steps, optim["min_lr_ratio"])
     )
@@ -218,7 +221,8 @@ def make_pairing_callback(args, plain_model, head_loss, optim, clip, autocast, m
         def on_train_start(self, trainer, pl_module):
             self.device = pl_module.device
             plain_model.to(self.device)
-            self.opt, self.sched = build_plain_optimizer(plain_model, optim, max_steps)
+            mixed = "mixed" in str(trainer.precision)
+            self.opt, self.sched = build_plain_optimizer(plain_model, optim, max_steps, mixed)
             self._start(self.device)
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
