@@ -26,7 +26,10 @@ def export_lee(path: Path) -> Path:
     from gensim.test.utils import datapath
 
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(datapath("lee_background.cor"), encoding="utf8") as src, open(path, "w", encoding="utf8") as out:
+    with (
+        open(datapath("lee_background.cor"), encoding="utf8") as src,
+        open(path, "w", encoding="utf8") as out,
+    ):
         for line in src:
             if line.strip():
                 out.write(json.dumps({"text": line.strip()}) + "\n")
@@ -34,8 +37,12 @@ def export_lee(path: Path) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("path", nargs="?", help="a word2vec or GPT run directory, an embeddings file or a .ckpt")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "path", nargs="?", help="a word2vec or GPT run directory, an embeddings file or a .ckpt"
+    )
     parser.add_argument("--against-gensim", action="store_true", help="train gensim with the run's settings")
     parser.add_argument("--top-words", type=int, default=100, help="most frequent words for the overlap")
     parser.add_argument("--workers", type=int, default=1, help="gensim worker threads")
@@ -78,7 +85,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"eval_embeddings: error: {e}", file=sys.stderr)
             return 2
         metrics_file = run_dir / "metrics.json"
-        ours_speed = json.loads(metrics_file.read_text()).get("train/words_per_second") if metrics_file.is_file() else None
+        ours_speed = (
+            json.loads(metrics_file.read_text()).get("train/words_per_second")
+            if metrics_file.is_file()
+            else None
+        )
         comparison = reference.compare(
             kv,
             tokenized_documents(spec, options),

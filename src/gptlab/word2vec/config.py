@@ -29,13 +29,16 @@ class Word2VecOptions:
     keep_punctuation: bool = False
     noise_power: float = 0.75
     checkpoint_every: int = 200
+    threads: int | None = None
     evaluate: bool = True
     plot_words: list[str] | None = None
     neighbour_words: list[str] | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
-            raise ConfigError(f"word2vec.mode={self.mode!r} is not one of {MODES} (e.g. word2vec.mode=skipgram).")
+            raise ConfigError(
+                f"word2vec.mode={self.mode!r} is not one of {MODES} (e.g. word2vec.mode=skipgram)."
+            )
         if self.optimizer not in OPTIMIZERS:
             raise ConfigError(
                 f"word2vec.optimizer={self.optimizer!r} is not one of {OPTIMIZERS} (e.g. word2vec.optimizer=sgd)."
@@ -58,9 +61,15 @@ class Word2VecOptions:
                 f"word2vec.lr={self.lr!r} and word2vec.lr_min={self.lr_min!r}: need 0 <= lr_min <= lr and lr > 0 "
                 "(word2vec's defaults: lr=0.025 for skip-gram, 0.05 for CBOW, lr_min=0.0001)."
             )
+        if self.threads is not None and (not isinstance(self.threads, int) or self.threads < 1):
+            raise ConfigError(
+                f"word2vec.threads={self.threads!r} must be a positive integer, or null for torch's default."
+            )
         steps = self.max_steps
         if steps is not None and (not isinstance(steps, int) or steps < 1):
-            raise ConfigError(f"word2vec.max_steps={steps!r} must be a positive integer, or null to train epochs.")
+            raise ConfigError(
+                f"word2vec.max_steps={steps!r} must be a positive integer, or null to train epochs."
+            )
         if steps is None and (not isinstance(self.epochs, int) or self.epochs < 1):
             raise ConfigError(
                 f"word2vec.epochs={self.epochs!r} must be a positive integer (or set word2vec.max_steps)."

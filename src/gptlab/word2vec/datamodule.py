@@ -33,7 +33,8 @@ def corpus_documents(spec: corpus.DataSpec) -> list[str]:
 def tokenized_documents(spec: corpus.DataSpec, options: Word2VecOptions) -> list[list[str]]:
     """The documents as lists of words, exactly as both this task and the gensim comparison see them."""
     return [
-        sampling.tokenize(text, options.lowercase, options.keep_punctuation) for text in corpus_documents(spec)
+        sampling.tokenize(text, options.lowercase, options.keep_punctuation)
+        for text in corpus_documents(spec)
     ]
 
 
@@ -47,6 +48,9 @@ class WordBatches(IterableDataset):
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, ...]]:
         epoch, index = self.data.locate(self.position())
+        options = self.data.options
+        if not options.max_steps and epoch >= options.epochs:
+            return  # resumed from the checkpoint of the last step: nothing is left
         plan = self.data.plan(epoch)
         for i in range(index, plan.n_batches):
             b = self.data.batch(plan, i)

@@ -136,7 +136,9 @@ def analogy_score(kv) -> dict[str, float]:
     }
 
 
-def nearest_neighbours(kv, words: list[str] | None = None, topn: int = 10) -> dict[str, list[tuple[str, float]]]:
+def nearest_neighbours(
+    kv, words: list[str] | None = None, topn: int = 10
+) -> dict[str, list[tuple[str, float]]]:
     """The ``topn`` words of highest cosine similarity to each word (cos(a, b) = a . b / (|a| |b|))."""
     chosen = [w for w in (words or NEIGHBOUR_WORDS) if w in kv.key_to_index]
     if not chosen:

@@ -61,7 +61,10 @@ class Word2VecLitModule(L.LightningModule):
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         if self.vocab_words is not None:
-            checkpoint["word2vec_vocab"] = {"words": list(self.vocab_words), "counts": list(self.vocab_counts)}
+            checkpoint["word2vec_vocab"] = {
+                "words": list(self.vocab_words),
+                "counts": list(self.vocab_counts),
+            }
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         vocab = checkpoint.get("word2vec_vocab")

@@ -23,7 +23,9 @@ log = logging.getLogger(__name__)
 def gensim_arguments(options: Word2VecOptions, seed: int, workers: int) -> dict[str, Any]:
     """Our options in gensim's names. gensim counts training in epochs, so max_steps has no counterpart."""
     if options.max_steps:
-        raise ValueError("the gensim comparison needs a run trained for word2vec.epochs, not word2vec.max_steps")
+        raise ValueError(
+            "the gensim comparison needs a run trained for word2vec.epochs, not word2vec.max_steps"
+        )
     return {
         "vector_size": options.dim,
         "window": options.window,
@@ -53,7 +55,9 @@ class GensimRun:
         return self.words / self.seconds if self.seconds > 0 else math.nan
 
 
-def train_gensim(documents: list[list[str]], options: Word2VecOptions, seed: int, workers: int = 1) -> GensimRun:
+def train_gensim(
+    documents: list[list[str]], options: Word2VecOptions, seed: int, workers: int = 1
+) -> GensimRun:
     from gensim.models import Word2Vec
 
     logging.getLogger("gensim").setLevel(logging.WARNING)
@@ -112,7 +116,10 @@ def format_comparison(result: dict[str, Any], label: str = "") -> str:
         ("  questions in vocabulary", "analogy/questions", "d"),
         ("vocabulary", "vocab_size", "d"),
     ]
-    lines = [f"gptlab word2vec vs gensim {label}".rstrip(), f"{'':28} {'gptlab':>10} {'gensim':>10} {'gensim s2':>10}"]
+    lines = [
+        f"gptlab word2vec vs gensim {label}".rstrip(),
+        f"{'':28} {'gptlab':>10} {'gensim':>10} {'gensim s2':>10}",
+    ]
     for title, key, fmt in rows:
         values = [result[k][key] for k in ("ours", "gensim", "gensim_seed2")]
         lines.append(f"{title:28} " + " ".join(f"{_fmt(v, fmt):>10}" for v in values))
@@ -141,9 +148,13 @@ def run_settings(run_dir: Path) -> tuple[Any, Word2VecOptions, int]:
 
     path = Path(run_dir) / "config_resolved.yaml"
     if not path.is_file():
-        raise FileNotFoundError(f"{run_dir} has no config_resolved.yaml: pass the directory of a task=word2vec run")
+        raise FileNotFoundError(
+            f"{run_dir} has no config_resolved.yaml: pass the directory of a task=word2vec run"
+        )
     cfg = OmegaConf.load(path)
     if cfg.get("task") != "word2vec":
-        raise ValueError(f"{run_dir} is a task={cfg.get('task')} run: --against-gensim needs a task=word2vec run")
+        raise ValueError(
+            f"{run_dir} is a task={cfg.get('task')} run: --against-gensim needs a task=word2vec run"
+        )
     options = Word2VecOptions.from_dict(OmegaConf.to_container(cfg.word2vec, resolve=True))
     return data_spec(cfg), options, int(cfg.seed)

@@ -187,4 +187,3 @@ def make_batch(
     words = corpus_words / plan.n_batches
     progress = (plan.epoch + index / plan.n_batches) / epochs if epochs > 0 else 0.0
     return Batch(inputs, targets, neg, words, min(progress, 1.0))
-

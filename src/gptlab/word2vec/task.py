@@ -11,13 +11,25 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
+import torch
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from gptlab.builders import data_spec
 from gptlab.errors import ConfigError
-from gptlab.lit.checkpointing import PeriodicLastCheckpoint, checkpoint_plugins, fault_tolerance_callbacks, fit
+from gptlab.lit.checkpointing import (
+    PeriodicLastCheckpoint,
+    checkpoint_plugins,
+    fault_tolerance_callbacks,
+    fit,
+)
 from gptlab.preflight import check_seed
-from gptlab.resume import CheckpointError, ResumePlan, check_writable, checkpoint_to_resume, load_checkpoint_file
+from gptlab.resume import (
+    CheckpointError,
+    ResumePlan,
+    check_writable,
+    checkpoint_to_resume,
+    load_checkpoint_file,
+)
 from gptlab.tracking.loggers import finish_wandb
 from gptlab.word2vec import evaluation
 from gptlab.word2vec.config import Word2VecOptions
@@ -80,6 +92,8 @@ def run(cfg: DictConfig) -> dict[str, float]:
     check_seed(cfg.seed)
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     options = Word2VecOptions.from_dict(OmegaConf.to_container(cfg.word2vec, resolve=True))
+    if options.threads:
+        torch.set_num_threads(options.threads)
     datamodule = Word2VecDataModule(data_spec(cfg), options, seed=int(cfg.seed))
     datamodule.setup("fit")
     vocab = datamodule.vocab
@@ -173,4 +187,3 @@ def check_task(cfg: DictConfig) -> str:
 
 
 __all__ = ["run", "check_task", "words_trained"]
-
