@@ -12,7 +12,6 @@ import logging
 from collections.abc import Callable, Iterator
 
 import lightning as L
-import numpy as np
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
