@@ -125,7 +125,7 @@ def run(cfg: DictConfig) -> dict[str, float]:
             log.info("Resuming from %s (step %d)", resume.ckpt_path, resume.global_step)
         t_fit = time.perf_counter()
         start_step = resume.global_step if resume else 0
-        fit(trainer, module, datamodule, resume.ckpt_path if resume else None)
+        stopped = fit(trainer, module, datamodule, resume.ckpt_path if resume else None)
         seconds = time.perf_counter() - t_fit
         words_done = words_trained(datamodule, start_step, trainer.global_step)
         metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1}
@@ -133,7 +133,14 @@ def run(cfg: DictConfig) -> dict[str, float]:
         metrics["train/steps"] = trainer.global_step
         vectors = module.model.vectors.detach().cpu().numpy()
         path = evaluation.write_embeddings(run_dir / evaluation.EMBEDDINGS_FILE, vocab.words, vectors)
-        if options.evaluate:
+        if stopped:
+            log.info(
+                "Stopped by a signal at step %d (checkpoint saved); continue with the same command and "
+                "resume=auto or resume=%s",
+                trainer.global_step,
+                run_dir,
+            )
+        elif options.evaluate:
             metrics.update(evaluate_run(path, run_dir, options, loggers, trainer.global_step))
         (run_dir / "metrics.json").write_text(json.dumps(metrics, indent=1))
         print(
