@@ -21,7 +21,8 @@ log = logging.getLogger(__name__)
 
 
 def gensim_arguments(options: Word2VecOptions, seed: int, workers: int) -> dict[str, Any]:
-    """Our options in gensim's names. gensim counts training in epochs, so max_steps has no counterpart."""
+    """Our options in gensim's names. gensim counts training in epochs, so max_steps has no counterpart. gensim's
+    learning rate is an SGD step: beside a ``sparse_adam`` run gensim keeps its own default (0.025 to 0.0001)."""
     if options.max_steps:
         raise ValueError(
             "the gensim comparison needs a run trained for word2vec.epochs, not word2vec.max_steps"
@@ -33,8 +34,8 @@ def gensim_arguments(options: Word2VecOptions, seed: int, workers: int) -> dict[
         "ns_exponent": options.noise_power,
         "min_count": options.min_count,
         "sample": options.sample,
-        "alpha": options.lr,
-        "min_alpha": options.lr_min,
+        "alpha": options.lr if options.optimizer == "sgd" else 0.025,
+        "min_alpha": options.lr_min if options.optimizer == "sgd" else 0.0001,
         "epochs": options.epochs,
         "sg": 1 if options.mode == "skipgram" else 0,
         "cbow_mean": 1,
