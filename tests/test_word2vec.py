@@ -282,7 +282,7 @@ def test_benchmarks_report_scores_and_coverage():
 
 def test_our_skipgram_agrees_with_gensim_about_as_well_as_gensim_agrees_with_itself(tmp_path, make_cfg):
     """On the embedded corpus with the same words and settings, the 10 nearest neighbours of the frequent words
-    overlap with gensim's at least half as much as two gensim seeds overlap with each other."""
+    overlap with gensim's at least 0.7 times as much as two gensim seeds overlap with each other."""
     from gptlab.word2vec.task import run
 
     cfg = make_cfg(
@@ -300,7 +300,7 @@ def test_our_skipgram_agrees_with_gensim_about_as_well_as_gensim_agrees_with_its
 
     result = reference.compare(ours, tokenized_documents(spec, options), options, seed, top_words=50)
     assert result["overlap/gensim_vs_gensim"] > 0.2
-    assert result["overlap/ours_vs_gensim"] >= 0.5 * result["overlap/gensim_vs_gensim"], result
+    assert result["overlap/ours_vs_gensim"] >= 0.7 * result["overlap/gensim_vs_gensim"], result
     assert result["ours"]["vocab_size"] == result["gensim"]["vocab_size"]
 
 
