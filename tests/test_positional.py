@@ -157,6 +157,9 @@ def test_relative_bias_is_learned_per_head_and_shared_by_layers():
     model = GPT(tiny(pos="relative", pos_options={"num_buckets": 8, "max_distance": 32}))
     table = model.transformer.pos.relative_attention_bias.weight
     assert table.shape == (8, 4)
+    q, k = torch.arange(20, 60), torch.arange(60)  # queries after cached keys, past max_distance
+    buckets = positional.t5_relative_buckets(k[None, :] - q[:, None], 8, 32)  # (40, 60)
+    torch.testing.assert_close(model.transformer.pos.bias(q, k), table[buckets].permute(2, 0, 1))
     _, loss = model(torch.randint(0, 61, (2, 16)), torch.randint(0, 61, (2, 16)))
     loss.backward()
     assert table.grad is not None and table.grad.abs().sum() > 0
@@ -175,6 +178,16 @@ def test_fire_inputs_are_normalised_to_the_unit_interval_at_any_length():
     assert float(normalised.min()) >= 0 and float(normalised.max()) <= 1
     bias = pos.bias(q, q)
     assert bias.shape == (4, 200, 200) and torch.isfinite(bias).all()
+    # the bias is the MLP of the normalised distance, also where every query is within the threshold L
+    # (there the scheme runs the MLP once per distance)
+    torch.testing.assert_close(bias, pos.mlp(normalised[..., None]).permute(2, 0, 1))
+    within = q[:16]  # threshold L = block_size = 16
+    torch.testing.assert_close(
+        pos.bias(within, within),
+        pos.mlp(
+            (torch.log1p(c * distance[:16, :16]) / torch.log1p(c * pos.log_threshold.exp()))[..., None]
+        ).permute(2, 0, 1),
+    )
 
 
 @pytest.mark.parametrize("pos", UNBOUNDED)
