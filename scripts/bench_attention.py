@@ -9,8 +9,11 @@ The stack is the token embedding, the scheme, the blocks and the final norm; the
 
 - ``<pos>``: the model as it runs (bias built once per forward; query blocks on CPU, FlexAttention on CUDA);
 - ``<pos> (bias per layer, one masked call)``: the route before either change, for comparison (CPU);
-- ``... flush denormals``: the same with ``torch.set_flush_denormal(True)``. ALiBi's large negative biases
-  make softmax produce subnormal floats, which x86 CPUs process very slowly.
+- ``... flush denormals``: the same with ``torch.set_flush_denormal(True)``, as ``python train.py`` runs.
+  ALiBi's large negative biases make softmax produce subnormal floats, which x86 CPUs process very slowly.
+
+On a machine shared with other jobs, ``--threads 1 --clock cpu`` (this process's CPU time) gives steadier
+ratios than wall time.
 """
 
 from __future__ import annotations
