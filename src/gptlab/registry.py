@@ -69,8 +69,8 @@ class Registry(Generic[T]):
         return getattr(self.get(name), "Options", NoOptions)
 
     def build_options(self, name: str, values: Mapping[str, Any] | None = None) -> Any:
-        """The typed options of variant ``name`` from a config node's plain values (``name`` itself and
-        keys whose value is None for a field without a None default are not accepted silently)."""
+        """The typed options of variant ``name`` from a config node's plain values (its ``name`` key, the
+        choice itself, is skipped)."""
         values = {k: v for k, v in (values or {}).items() if k != "name"}
         return build_options(self.options_type(name), values, f"{self.config_key}={name}", self.config_key)
 
