@@ -187,7 +187,7 @@ class CausalSelfAttention(nn.Module):
             y = _compiled_flex_attention()(
                 q, k, v, score_mod=bias.score_mod, block_mask=bias.block_mask, enable_gqa=gqa
             )
-        elif bias is not None:
+        elif bias is not None and bias.mask is not None:
             y = dense_bias_attention(q, k, v, bias.mask, dropout_p, gqa)
         elif Tk == T:
             y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, enable_gqa=gqa)

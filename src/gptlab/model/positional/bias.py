@@ -39,6 +39,8 @@ class ALiBiPositionalEncoding(PositionalEncoding):
     of query i on key j (Press et al. 2021, "Train Short, Test Long: Attention with Linear Biases Enables
     Input Length Extrapolation")."""
 
+    slopes: Tensor  # (n_head,) buffer
+
     def __init__(self, config: GPTConfig, options: object = None) -> None:
         super().__init__(config, options)
         self.register_buffer("slopes", alibi_slopes(config.n_head), persistent=False)  # (n_head,)
