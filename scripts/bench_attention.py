@@ -13,7 +13,8 @@ The stack is the token embedding, the scheme, the blocks and the final norm; the
   ALiBi's large negative biases make softmax produce subnormal floats, which x86 CPUs process very slowly.
 
 On a machine shared with other jobs, ``--threads 1 --clock cpu`` (this process's CPU time) gives steadier
-ratios than wall time.
+ratios than wall time. With more threads the CPU clock also counts the threads' spin-waiting, so use it
+with one thread only.
 """
 
 from __future__ import annotations
@@ -96,7 +97,7 @@ def main() -> None:
         "--clock",
         choices=["wall", "cpu"],
         default="wall",
-        help="cpu: this process's CPU time, steadier than wall time on a machine shared with other jobs",
+        help="cpu: this process's CPU time, steadier than wall time on a shared machine (with --threads 1)",
     )
     args = parser.parse_args()
     if args.threads:
