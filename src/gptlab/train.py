@@ -110,8 +110,8 @@ def run(cfg: DictConfig) -> dict[str, float]:
     check_seed(cfg.seed)
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     # Subnormal floats (a softmax over strongly biased scores: ALiBi at T=1024) are many times slower on x86
-    # CPUs; flushing them to zero changes nothing above 1.2e-38. ALiBi's step: 1.93x -> 1.34x the fused
-    # causal one (scripts/bench_attention.py).
+    # CPUs; flushing them to zero changes nothing above 1.2e-38. ALiBi's step on one thread: 1.93x -> 1.34x
+    # the fused causal one (scripts/bench_attention.py). Threads started later inherit the setting.
     torch.set_flush_denormal(True)
 
     # ---- build and check everything before any expensive work --------------------------------
