@@ -9,7 +9,7 @@
   - elsewhere (FlexAttention has no CPU backward in torch 2.13), SDPA with the bias as an additive float
     mask, in blocks of ``QUERY_BLOCK`` queries that each read only the keys up to their last query: the
     upper triangle is never computed. On a CPU at T=1024, with the bias built once, the stack's training step
-    was 1.25-1.4x faster than with one masked call per layer over the whole (T, T) square
+    was 1.2-1.5x faster than with one masked call per layer over the whole (T, T) square
     (``scripts/bench_attention.py`` times both).
 """
 
