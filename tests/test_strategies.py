@@ -76,6 +76,9 @@ def test_every_strategy_composes_and_builds_or_is_refused_on_cpu(make_cfg, choic
     elif choice == "fsdp":
         assert isinstance(strategy, ModelParallelStrategy)
         assert strategy.reshard_after_forward and not strategy.hybrid and not strategy.cpu_offload
+    # The checkpoint writer follows the choice: one atomic file from rank 0, or a directory per checkpoint.
+    choice = strategy_choice(strategy_cfg)
+    assert bool(choice.plugins()) != choice.writes_directory()
 
 
 def test_bad_strategy_options_name_the_fix():
@@ -90,6 +93,10 @@ def test_bad_strategy_options_name_the_fix():
         strategy_choice({"name": "fsdp2"})
     with pytest.raises(ConfigError, match="offload_parameters=true needs ZeRO stage 3"):
         build_strategy({"name": "deepspeed", "stage": 2, "offload_parameters": True}, cpu)
+    with pytest.raises(ConfigError, match=r"strategy.find_unused_parameters='no' for strategy=ddp must be"):
+        build_strategy({"name": "ddp", "find_unused_parameters": "no"}, cpu)
+    with pytest.raises(ConfigError, match=r"strategy.stage='2' for strategy=deepspeed"):
+        build_strategy({"name": "deepspeed", "stage": "2"}, cpu)
     with pytest.raises(ConfigError, match="compile='yes' must be true or false"):
         ParallelOptions.from_config({"compile": "yes"})
 
