@@ -20,10 +20,19 @@ from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import OmegaConf
 
+import gptlab.train
 from gptlab.errors import ConfigError
 from gptlab.model.config import GPTConfig
 from gptlab.model.gpt import GPT
-from gptlab.parallel import STRATEGIES, ParallelOptions, build_strategy, parallelize, strategy_choice
+from gptlab.parallel import (
+    STRATEGIES,
+    ParallelOptions,
+    build_strategy,
+    parallelize,
+    strategy_choice,
+    warn_if_cpu_oversubscribed,
+)
+from gptlab.parallel.hardware import cpu_cores
 from gptlab.tracking.wandb_files import find_runs, read_run
 
 STRATEGY_CHOICES = sorted(p.stem for p in (CONF / "strategy").glob("*.yaml"))
@@ -101,6 +110,7 @@ def test_bad_strategy_options_name_the_fix():
         ParallelOptions.from_config({"compile": "yes"})
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="tests the refusal on a machine without CUDA")
 def test_deepspeed_on_cpu_is_refused_before_any_work(tmp_path):
     proc = run_train(
         [
@@ -180,6 +190,43 @@ def test_activation_checkpointing_keeps_the_loss_the_gradients_and_the_parameter
     assert torch.equal(loss_plain, loss_wrapped)
     for (name, a), (_, b) in zip(plain.named_parameters(), wrapped.named_parameters()):
         torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=1e-6, msg=name)
+
+
+def test_more_cpu_processes_than_cores_warns_with_the_core_count(caplog):
+    cores = cpu_cores()
+    with caplog.at_level("WARNING", logger="gptlab"):
+        message = warn_if_cpu_oversubscribed({"accelerator": "cpu", "devices": 4 * cores})
+    assert f"trainer.devices={4 * cores} starts {4 * cores} training processes on the CPU" in caplog.text
+    assert f"this machine gives this run {cores} core(s)" in message
+    assert f"Use trainer.devices={cores} or fewer" in message
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="gptlab"):
+        assert warn_if_cpu_oversubscribed({"accelerator": "cpu", "devices": cores}) is None
+    assert not caplog.text
+
+
+def test_eval_length_with_sharded_weights_on_several_ranks_is_refused_at_start(make_cfg, tmp_path):
+    # The length study runs a forward pass on rank 0 alone; with FSDP each rank holds only its shards.
+    cfg = make_cfg(
+        *TINY,
+        "strategy=fsdp",
+        *CPU2,
+        "eval_length.enabled=true",
+        "logger=csv",
+        f"paths.output_dir={tmp_path}",
+    )
+    with pytest.raises(ConfigError) as err:
+        gptlab.train.run(cfg)
+    message = str(err.value)
+    assert "eval_length.enabled=true evaluates the trained model on rank 0 alone" in message
+    assert "strategy=fsdp shards the weights over the 2 processes" in message
+    assert "eval_length.enabled=false" in message and "scripts/eval_length.py" in message
+    assert not (tmp_path / "checkpoints").exists() and not (tmp_path / "csv").exists()
+    # Replicated weights (DDP) or one process: every rank holds the whole model, so it runs.
+    from gptlab.parallel import check_rank_zero_evaluation
+
+    check_rank_zero_evaluation(strategy_choice("ddp"), {"accelerator": "cpu", "devices": 2}, "eval_length")
+    check_rank_zero_evaluation(strategy_choice("fsdp"), {"accelerator": "cpu", "devices": 1}, "eval_length")
 
 
 # ---- SLURM -----------------------------------------------------------------------------------------------
@@ -458,3 +505,94 @@ def test_precision_defaults_to_fp32_on_cpu_and_keeps_an_explicit_choice():
         assert choose_precision(None, "auto") in ("bf16-mixed", "16-mixed")
     else:
         assert choose_precision(None, "auto") == "32-true"
+
+
+# ---- faults on one rank ----------------------------------------------------------------------------------
+FAULTS = ROOT / "tests" / "faults.py"
+
+
+def _checkpoint_step(path: Path) -> int:
+    """The optimizer step a last.ckpt holds (a file, or a sharded directory with its meta.pt)."""
+    meta = path / "meta.pt" if path.is_dir() else path
+    return torch.load(meta, map_location="cpu", weights_only=False)["global_step"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_a_nan_loss_on_one_rank_stops_every_rank_at_the_same_step(tmp_path, strategy):
+    common = [
+        *TINY,
+        *QUIET,
+        f"strategy={strategy}",
+        *CPU2,
+        "callbacks.last_checkpoint.every_n_train_steps=2",
+        "trainer.val_check_interval=6",
+        "logger=csv",
+        f"paths.root_dir={tmp_path}",
+    ]
+    run_dir = tmp_path / "run"
+    # Rank 1's third training forward pass (step 3) returns NaN; rank 0's loss stays finite.
+    proc = run_train(
+        [*common, "trainer.max_steps=6", f"hydra.run.dir={run_dir}"],
+        cwd=tmp_path,
+        script=FAULTS,
+        env={"GPTLAB_TEST_FAULT": "nan_loss:1:3"},
+        check=False,
+        timeout=300,  # a rank left waiting in a collective would hang until this
+    )
+    err = proc.stderr
+    assert proc.returncode == 1, err[-3000:]
+    # Both ranks stop at step 3 with the same message, naming the rank that saw the NaN.
+    message = "gptlab: training failed: The training loss is nan at step 3 on rank 1 of 2: training stopped"
+    assert err.count(message) == 2, err[-3000:]
+    assert "Lower optim.lr" in err
+    # The last checkpoint is the finite state of step 2, and a run resumes from it.
+    last = run_dir / "checkpoints" / "last.ckpt"
+    assert _checkpoint_step(last) == 2
+    resumed = tmp_path / "resumed"
+    proc = run_train(
+        [*common, "trainer.max_steps=4", f"resume={last}", f"hydra.run.dir={resumed}"], cwd=tmp_path
+    )
+    assert "Restored all states from the checkpoint" in proc.stdout + proc.stderr
+    assert "Trained 4 steps" in proc.stdout
+    assert _checkpoint_step(resumed / "checkpoints" / "last.ckpt") == 4
+
+
+@pytest.mark.slow
+def test_a_kill_during_a_sharded_save_keeps_the_previous_checkpoint_whole(tmp_path):
+    common = [
+        *TINY,
+        *QUIET,
+        "strategy=fsdp",
+        *CPU2,
+        "callbacks.last_checkpoint.every_n_train_steps=2",
+        "trainer.val_check_interval=6",
+        "logger=csv",
+        f"paths.root_dir={tmp_path}",
+        f"hydra.run.dir={tmp_path / 'run'}",
+    ]
+    checkpoints = tmp_path / "run" / "checkpoints"
+    # Both ranks are killed once their shards of the second last.ckpt (step 4) are on disk.
+    proc = run_train(
+        [*common, "trainer.max_steps=6"],
+        cwd=tmp_path,
+        script=FAULTS,
+        env={"GPTLAB_TEST_FAULT": "kill_in_save:2"},
+        check=False,
+        timeout=300,
+    )
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
+    last, staging = checkpoints / "last.ckpt", checkpoints / ".last.ckpt.tmp-dir"
+    # The killed save wrote its shards beside last.ckpt; last.ckpt is still step 2's, untouched since.
+    assert sorted(p.name for p in staging.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    assert _checkpoint_step(last) == 2
+    assert sorted(p.name for p in last.iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp", "meta.pt"]
+    newest_in_last = max(p.stat().st_mtime_ns for p in last.iterdir())
+    assert newest_in_last <= min(p.stat().st_mtime_ns for p in staging.iterdir())
+
+    # The same command resumes from it: steps 3 to 6 are trained, and the leftover is cleared.
+    proc = run_train([*common, "trainer.max_steps=6", f"resume={last}"], cwd=tmp_path)
+    assert "Restored all states from the checkpoint" in proc.stdout + proc.stderr
+    assert "Trained 6 steps" in proc.stdout
+    assert _checkpoint_step(last) == 6
+    assert not staging.exists() and not (checkpoints / ".last.ckpt.old").exists()
