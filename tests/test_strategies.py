@@ -596,3 +596,85 @@ def test_a_kill_during_a_sharded_save_keeps_the_previous_checkpoint_whole(tmp_pa
     assert "Trained 6 steps" in proc.stdout
     assert _checkpoint_step(last) == 6
     assert not staging.exists() and not (checkpoints / ".last.ckpt.old").exists()
+
+
+DEEPSPEED_GRAD_NORM = """
+import os, sys, torch
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1], RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+import deepspeed
+from gptlab.model.config import GPTConfig
+from gptlab.model.gpt import GPT
+from gptlab.parallel.lightning_strategies import AtomicDeepSpeedStrategy
+
+torch.manual_seed(0)
+config = GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=16, vocab_size=64)
+model, reference = GPT(config), GPT(config)
+reference.load_state_dict(model.state_dict())
+x, y = torch.randint(0, 64, (2, 16)), torch.randint(0, 64, (2, 16))
+deepspeed.init_distributed(dist_backend="gloo")
+ds_config = {
+    "train_micro_batch_size_per_gpu": 2,
+    "zero_optimization": {"stage": 2},
+    "gradient_clipping": 0.1,
+    "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
+}
+engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
+engine.backward(engine(x, y)[1])
+assert all(p.grad is None for p in engine.module.parameters())  # what the per-parameter norm would see
+engine.step()
+strategy = AtomicDeepSpeedStrategy(stage=2)
+strategy.model = engine
+reference(x, y)[1].backward()
+print(strategy.gradient_norm_after_step(), float(torch.nn.utils.get_total_norm([p.grad for p in reference.parameters()])))
+"""
+
+
+@pytest.mark.slow
+def test_the_deepspeed_strategy_reports_the_zero2_gradient_norm_before_clipping(tmp_path):
+    # Raw DeepSpeed runs ZeRO-2 on CPU (gloo), though Lightning's DeepSpeedStrategy does not.
+    pytest.importorskip("deepspeed")
+    script = tmp_path / "grad_norm.py"
+    script.write_text(DEEPSPEED_GRAD_NORM)
+    proc = subprocess.run(
+        [sys.executable, str(script), str(_free_port())],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    from_strategy, unclipped = map(float, proc.stdout.strip().splitlines()[-1].split())
+    assert unclipped > 0.1  # so clipping at 0.1 would change it
+    assert from_strategy == pytest.approx(unclipped, rel=1e-5)
+
+
+# ---- on a GPU (skipped without CUDA) ---------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.parametrize("choice", ["deepspeed_stage_2", "deepspeed_stage_3"])
+def test_deepspeed_on_a_gpu_logs_the_gradient_norm_and_resumes_from_its_directory(tmp_path, choice):
+    pytest.importorskip("deepspeed")
+    common = [
+        *TINY,
+        *QUIET,
+        f"strategy={choice}",
+        "trainer.accelerator=gpu",
+        "trainer.devices=1",
+        "callbacks.last_checkpoint.every_n_train_steps=2",
+        "logger=csv",
+        f"paths.root_dir={tmp_path}",
+    ]
+    first = tmp_path / "first"
+    run_train([*common, "trainer.max_steps=4", f"hydra.run.dir={first}"], cwd=tmp_path)
+    # ZeRO-2/3 keep gradients out of p.grad: the norm comes from the DeepSpeed engine, every step.
+    norms = column(metrics_csv(first), "train/grad_norm")
+    assert sorted(norms) == [0, 1, 2, 3] and all(0 < v < float("inf") for v in norms.values())
+    last = first / "checkpoints" / "last.ckpt"
+    assert last.is_dir() and not (first / "checkpoints" / ".last.ckpt.tmp-dir").exists()
+    proc = run_train(
+        [*common, "trainer.max_steps=6", f"resume={last}", f"hydra.run.dir={tmp_path / 'second'}"],
+        cwd=tmp_path,
+    )
+    assert "Restored all states from the checkpoint" in proc.stdout + proc.stderr
+    assert "Trained 6 steps" in proc.stdout
