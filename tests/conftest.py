@@ -69,6 +69,7 @@ def run_train(
     check: bool = True,
     script: Path = ROOT / "train.py",
     preexec_fn=None,
+    start_new_session: bool = False,
 ) -> subprocess.CompletedProcess:
     """Run `python train.py <args>` as a user would, in a subprocess (``script``: tests/faults.py to inject
     a fault)."""
@@ -76,6 +77,7 @@ def run_train(
     proc = subprocess.run(
         [sys.executable, str(script), *args],
         preexec_fn=preexec_fn,
+        start_new_session=start_new_session,
         cwd=cwd,
         env=full_env,
         capture_output=True,

@@ -4,6 +4,8 @@ one rank does to a distributed run. GPTLAB_TEST_FAULT chooses it (read here only
 - ``nan_loss:<rank>:<n>``: the n-th training forward pass on that rank returns a NaN loss.
 - ``kill_in_save:<n>``: every rank is SIGKILLed right after its shards of the n-th sharded ``last.ckpt`` are
   written, before the save completes.
+- ``kill_mid_swap:<n>``: at the n-th swap of a finished sharded ``last.ckpt`` into place, the whole run (its
+  process group: start it in a session of its own) is SIGKILLed between the two renames.
 
 Lightning starts ranks > 0 by re-running this command line, so the fault is in place in every rank.
 """
@@ -57,6 +59,26 @@ elif kind == "kill_in_save":
                 os.kill(os.getpid(), signal.SIGKILL)
 
     model_parallel._distributed_checkpoint_save = save
+elif kind == "kill_mid_swap":
+    from gptlab.lit.checkpointing import atomic
+
+    if rank == 0 and os.getpgid(0) != os.getpid():
+        raise SystemExit(
+            "kill_mid_swap kills its process group: start this script with start_new_session=True"
+        )
+    fault_swap = int(args[0])
+    original_swap_in = atomic.swap_in
+    swaps = 0
+
+    def swap_in(staging, target):
+        global swaps
+        swaps += target.name == "last.ckpt"
+        if swaps == fault_swap and target.name == "last.ckpt":
+            os.rename(target, target.parent / atomic.ASIDE.format(name=target.name))
+            os.killpg(0, signal.SIGKILL)
+        original_swap_in(staging, target)
+
+    atomic.swap_in = swap_in
 else:
     raise SystemExit(f"unknown GPTLAB_TEST_FAULT {kind!r}")
 

@@ -54,8 +54,6 @@ REPLICATED = Placement(gradient_buckets=True)
 
 def _check_type(value: Any, annotation: Any) -> bool:
     """Whether a YAML value fits a dataclass field's annotation (bool, int, float, str, X | None)."""
-    if isinstance(annotation, str):
-        annotation = eval(annotation, {}, {})  # `from __future__ import annotations` leaves strings
     origin = typing.get_origin(annotation)
     if origin in (typing.Union, types.UnionType):
         return any(_check_type(value, arg) for arg in typing.get_args(annotation))
@@ -72,13 +70,15 @@ def _check_type(value: Any, annotation: Any) -> bool:
 
 def typed_options(options_cls: type, values: dict[str, Any], where: str) -> Any:
     """``options_cls(**values)`` after checking each key and type, with errors that name the fix."""
-    fields = {f.name: f for f in dataclasses.fields(options_cls)}
-    unknown = sorted(set(values) - set(fields))
+    fields = {f.name for f in dataclasses.fields(options_cls)}
+    unknown = sorted(set(values) - fields)
     if unknown:
         raise ConfigError(f"Unknown option(s) {unknown} for {where}. Known: {sorted(fields) or 'none'}.")
+    hints = typing.get_type_hints(options_cls)  # the annotations as types, not strings
     for key, value in values.items():
-        if not _check_type(value, fields[key].type):
-            raise ConfigError(f"strategy.{key}={value!r} for {where} must be of type {fields[key].type}.")
+        if not _check_type(value, hints[key]):
+            shown = getattr(hints[key], "__name__", None) or str(hints[key])
+            raise ConfigError(f"strategy.{key}={value!r} for {where} must be of type {shown}.")
     return options_cls(**values)
 
 
