@@ -4,15 +4,11 @@ checkpoints are laid out, the hardware it needs, and how it builds. The choices 
 
 from __future__ import annotations
 
-import dataclasses
-import types
-import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
-from gptlab.errors import ConfigError
-from gptlab.registry import Registry
+from gptlab.registry import NoOptions, Registry, build_options
 
 STRATEGIES: Registry[type[StrategyChoice]] = Registry("strategy", "strategy")
 STRATEGY_CONFIGS = Path(__file__).resolve().parents[3] / "conf" / "strategy"
@@ -52,41 +48,6 @@ SINGLE_DEVICE = Placement()
 REPLICATED = Placement(gradient_buckets=True)
 
 
-def _check_type(value: Any, annotation: Any) -> bool:
-    """Whether a YAML value fits a dataclass field's annotation (bool, int, float, str, X | None)."""
-    origin = typing.get_origin(annotation)
-    if origin in (typing.Union, types.UnionType):
-        return any(_check_type(value, arg) for arg in typing.get_args(annotation))
-    if annotation is type(None):
-        return value is None
-    if annotation is bool:
-        return isinstance(value, bool)
-    if annotation is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if annotation is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    return isinstance(value, annotation)
-
-
-def typed_options(options_cls: type, values: dict[str, Any], where: str) -> Any:
-    """``options_cls(**values)`` after checking each key and type, with errors that name the fix."""
-    fields = {f.name for f in dataclasses.fields(options_cls)}
-    unknown = sorted(set(values) - fields)
-    if unknown:
-        raise ConfigError(f"Unknown option(s) {unknown} for {where}. Known: {sorted(fields) or 'none'}.")
-    hints = typing.get_type_hints(options_cls)  # the annotations as types, not strings
-    for key, value in values.items():
-        if not _check_type(value, hints[key]):
-            shown = getattr(hints[key], "__name__", None) or str(hints[key])
-            raise ConfigError(f"strategy.{key}={value!r} for {where} must be of type {shown}.")
-    return options_cls(**values)
-
-
-@dataclass(frozen=True)
-class NoOptions:
-    pass
-
-
 class StrategyChoice:
     """A `strategy=` choice: its options (the YAML's keys beside `name`), checked and typed."""
 
@@ -106,7 +67,7 @@ class StrategyChoice:
         values = dict(strategy_cfg)
         values.pop("name", None)
         label = values.pop("choice", None) or cls.name
-        return cls(typed_options(cls.Options, values, f"strategy={label}"), label)
+        return cls(build_options(cls.Options, values, f"strategy={label}", "strategy"), label)
 
     def placement(self, n_devices: int) -> Placement:
         """What each of ``n_devices`` devices holds."""
