@@ -15,7 +15,7 @@ from gptlab.lit.metrics import (
     measure_matmul_peak,
 )
 from gptlab.lit.module import GPTLitModule
-from gptlab.model import card
+from gptlab.model import counting
 from gptlab.tracking.loggers import csv_logger
 
 
@@ -47,7 +47,7 @@ def fit_tiny(
 def test_mfu_counts_the_model_cards_flops_per_token(tmp_path):
     mfu = ModelFlopsUtilization(window=2, peak_flops=1e11)
     module, rows = fit_tiny(tmp_path, mfu, max_steps=3)
-    assert mfu.flops_per_token == card.flops_per_token(module.model_config)["training"]
+    assert mfu.flops_per_token == counting.flops_per_token(module.model_config)["training"]
     rates = [float(r["train/mfu"]) for r in rows if r.get("train/mfu")]
     achieved = [float(r["train/flops_per_second"]) for r in rows if r.get("train/flops_per_second")]
     assert rates and all(0 < v < 1 for v in rates)

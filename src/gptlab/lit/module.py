@@ -87,7 +87,7 @@ class GPTLitModule(L.LightningModule):
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
         x, y = batch
         _, loss = self.model(x, y)
-        check_finite_loss(loss, step=self.global_step + 1)
+        check_finite_loss(loss, step=self.global_step + 1, strategy=self.trainer.strategy)
         self.log("train/loss", loss, prog_bar=True, on_step=True, on_epoch=False)
         self.log("lr", self.optimizers().param_groups[0]["lr"], on_step=True, on_epoch=False)
         return loss
