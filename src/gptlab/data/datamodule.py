@@ -168,7 +168,17 @@ class GPTDataModule(L.LightningDataModule):
         if self.spec.streaming:
             from gptlab.data.streaming import StreamingWindows
 
-            stream = StreamingWindows(self.spec, self.corpus.tokenizer, self.block_size + 1, rank, world_size)
+            trainer = self.trainer
+            steps = trainer.max_steps if trainer is not None else -1
+            if steps is None or steps < 1:
+                raise ConfigError(
+                    f"trainer.max_steps={steps}: a streaming run (data.streaming=true) has no epochs to count, "
+                    "it trains for a number of steps. Set trainer.max_steps, e.g. trainer.max_steps=100000."
+                )
+            windows = steps * trainer.accumulate_grad_batches * self.batch_size  # one "epoch" is the run
+            stream = StreamingWindows(
+                self.spec, self.corpus.tokenizer, self.block_size + 1, rank, world_size, length=windows
+            )
             return StatefulDataLoader(stream, drop_last=True, **common)
         # A stateful loader: a resumed run continues from the same batch, not from the epoch's start. Under a
         # distributed strategy the sampler must be stateful too (Lightning's own DistributedSampler has no

@@ -26,6 +26,7 @@ from torch.utils.data import IterableDataset
 
 from gptlab.data import tokenizers
 from gptlab.data.sources import DataSpec, load_stream, source_fingerprint
+from gptlab.errors import DataError
 
 log = logging.getLogger(__name__)
 
@@ -74,37 +75,64 @@ def validation_tokens(spec: DataSpec, tokenizer: tokenizers.Tokenizer) -> np.nda
 class StreamingWindows(IterableDataset):
     """Windows of ``window`` tokens (input and target shifted by one) cut from the documents of a stream,
     one after another, each starting at the last token of the one before (as ``TokenWindows`` with stride
-    ``window - 1``). Stateful: ``state_dict``/``load_state_dict`` resume at the same token."""
+    ``window - 1``). The stream is read again from its start when it ends (``epoch`` counts the passes),
+    so every rank yields windows until training stops. Stateful: ``state_dict``/``load_state_dict``
+    resume at the same token.
+
+    ``length``: the windows a run will take (its steps x batch size). Declaring it makes the loader sized,
+    which matters to Lightning: it reads one batch ahead of an unsized loader to find its end, so the
+    loader state it saves would be one batch ahead of the weights."""
 
     def __init__(
-        self, spec: DataSpec, tokenizer: tokenizers.Tokenizer, window: int, rank: int = 0, world_size: int = 1
+        self,
+        spec: DataSpec,
+        tokenizer: tokenizers.Tokenizer,
+        window: int,
+        rank: int = 0,
+        world_size: int = 1,
+        length: int | None = None,
     ) -> None:
-        self.spec, self.tokenizer, self.window = spec, tokenizer, window
+        self.spec, self.tokenizer, self.window, self.length = spec, tokenizer, window, length
         self.rank, self.world_size = rank, world_size
         self.stream = self._open()
         self._stream_state: dict | None = None  # the stream's state after the last document in the buffer
         self._buffer = np.zeros(0, dtype=np.int64)  # tokens read but not yet fully used by a window
         self._epoch = 0
 
+    def __len__(self) -> int:
+        if self.length is None:
+            raise TypeError("this stream was given no length")
+        return self.length
+
     def __iter__(self):
         spec, tok, window = self.spec, self.tokenizer, self.window
-        buffer = self._buffer
-        for example in self.stream:
-            text = example["text"]
-            if not _usable(text) or held_out(text, spec.split_seed, spec.val_fraction):
-                continue
-            buffer = np.concatenate([buffer, np.asarray(tok.encode(text) + [tok.eot_id], dtype=np.int64)])
-            self._stream_state = self.stream.state_dict()
-            while len(buffer) >= window:
-                chunk = torch.from_numpy(buffer[:window].copy())
-                buffer = buffer[window - 1 :]
+        while True:
+            yielded = False
+            buffer = self._buffer
+            for example in self.stream:
+                text = example["text"]
+                if not _usable(text) or held_out(text, spec.split_seed, spec.val_fraction):
+                    continue
+                ids = np.asarray(tok.encode(text) + [tok.eot_id], dtype=np.int64)
+                buffer = np.concatenate([buffer, ids])
+                self._stream_state = self.stream.state_dict()
+                while len(buffer) >= window:
+                    chunk = torch.from_numpy(buffer[:window].copy())
+                    buffer = buffer[window - 1 :]
+                    self._buffer = buffer
+                    yielded = True
+                    yield chunk[:-1], chunk[1:]  # input (window - 1,), target (window - 1,)
                 self._buffer = buffer
-                yield chunk[:-1], chunk[1:]  # input (window - 1,), target (window - 1,)
-            self._buffer = buffer
-        # the stream is exhausted: the next epoch reads it again from its start
-        self._epoch += 1
-        self._buffer, self._stream_state = np.zeros(0, dtype=np.int64), None
-        self.stream = self._open()  # a fresh stream: a loaded state must not apply to the next epoch
+            if not yielded and self._stream_state is None:
+                raise DataError(
+                    f"The stream of {spec.describe()} gives no training window of {window} tokens (rank "
+                    f"{self.rank} of {self.world_size}): use more text or a smaller model.block_size."
+                )
+            # the stream has ended: read it again from its start (a fresh stream, so that a state loaded on
+            # resume does not apply to the next pass)
+            self._epoch += 1
+            self._buffer, self._stream_state = np.zeros(0, dtype=np.int64), None
+            self.stream = self._open()
 
     def _open(self) -> Any:
         from datasets.distributed import split_dataset_by_node
