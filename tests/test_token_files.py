@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -117,12 +118,12 @@ def test_a_killed_preparation_leaves_no_cache_and_the_next_one_starts_clean(tmp_
         time.sleep(0.05)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    assert [p.name for p in cache.iterdir() if ".tmp-" not in p.name] == []  # no cache folder
+    assert [p.name for p in cache.iterdir() if p.is_dir() and ".tmp-" not in p.name] == []  # no cache folder
     assert len(list(cache.glob("*.tmp-*"))) == 1  # the dead one's work folder, with its shards
 
     prepared = corpus.prepare(DataSpec(path=str(tmp_path / "c.jsonl"), cache_dir=str(cache)), "gpt2")
     assert list(cache.glob("*.tmp-*")) == []  # removed: its writer is gone
-    (folder,) = list(cache.iterdir())
+    (folder,) = [p for p in cache.iterdir() if p.is_dir()]
     assert (folder / "meta.json").is_file()
     assert prepared.meta["splits"]["train"]["documents"] + prepared.meta["splits"]["val"]["documents"] == (
         60_000 - (60_000 // 17 + 1)
@@ -187,3 +188,41 @@ def test_train_py_trains_on_the_token_folder(tmp_path, layout):
     proc = run_train(args, cwd=tmp_path)
     assert f"{layout} token files in {tmp_path / 'd'}" in proc.stdout + proc.stderr
     assert "Trained 3 steps" in proc.stdout
+
+
+CONCURRENT = """
+import logging, sys
+logging.basicConfig(level=logging.INFO, format="%(message)s")
+from gptlab.data import corpus
+corpus.prepare(corpus.DataSpec(path=sys.argv[1], cache_dir=sys.argv[2]), "gpt2")
+"""
+
+
+def test_a_process_preparing_a_cache_another_one_prepares_waits_for_it(tmp_path):
+    import fcntl
+    import shutil
+
+    make_corpus(tmp_path / "c.jsonl", 500)
+    cache = tmp_path / "cache"
+    built = corpus.prepare(DataSpec(path=str(tmp_path / "c.jsonl"), cache_dir=str(cache)), "gpt2")
+    folder = Path(built.train.shards[0].path).parent
+    shutil.move(folder, tmp_path / "finished")
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    with open(cache / f"{folder.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # as the process that prepares it holds it
+        proc = subprocess.Popen(
+            [sys.executable, "-c", CONCURRENT, str(tmp_path / "c.jsonl"), str(cache)],
+            env=env,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        waited = False
+        for line in proc.stderr:
+            if "Another process is preparing" in line:
+                waited = True
+                break
+        assert waited, "the second process did not wait for the lock"
+        shutil.move(tmp_path / "finished", folder)  # the first process finishes: its cache appears
+    rest = proc.stderr.read()
+    assert proc.wait(timeout=120) == 0, rest
+    assert "Preparing" not in rest  # it used the cache the first one made

@@ -14,6 +14,7 @@ removes the dead one's temporary folder and starts again.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import logging
@@ -189,7 +190,17 @@ def prepare(spec: DataSpec, tokenizer: str | dict[str, Any]) -> PreparedCorpus:
     key = hashlib.sha256(json.dumps(key_material, sort_keys=True).encode()).hexdigest()[:16]
     cache = Path(spec.cache_dir) / f"{spec.source}-{node['name']}-{key}"
     if not (cache / "meta.json").is_file():
-        _build_cache(spec, node, cache, key_material)
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        # One preparation per cache: the ranks of a DDP run (and concurrent runs) wait for the first one.
+        # The kernel releases the lock of a killed process.
+        with open(cache.parent / f"{cache.name}.lock", "w") as lock:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                log.info("Another process is preparing %s: waiting for it", cache)
+                fcntl.flock(lock, fcntl.LOCK_EX)
+            if not (cache / "meta.json").is_file():
+                _build_cache(spec, node, cache, key_material)
     else:
         log.info("Token cache hit: %s", cache)
     meta = json.loads((cache / "meta.json").read_text())

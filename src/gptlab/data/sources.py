@@ -68,6 +68,11 @@ class DataSpec:
                 raise ConfigError(f"data.{key}={value!r} must be a positive integer (or null).")
         if not isinstance(self.streaming, bool):
             raise ConfigError(f"data.streaming={self.streaming!r} must be true or false.")
+        if self.streaming and self.max_tokens is not None:
+            raise ConfigError(
+                f"data.max_tokens={self.max_tokens} caps a prepared cache; a stream (data.streaming=true) is read "
+                "for as many tokens as trainer.max_steps takes. Drop one of the two."
+            )
 
     @property
     def source(self) -> str:
