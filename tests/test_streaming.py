@@ -84,7 +84,7 @@ def test_training_skips_the_held_out_documents_and_ranks_read_disjoint_parts(tmp
     assert np.array_equal(stream, expected[: len(stream)])  # windows tile the training documents in order
     val = validation_tokens(spec, tok)
     held = [d for d in docs if held_out(d, spec.split_seed, spec.val_fraction)]
-    assert np.array_equal(val, np.concatenate([tok.encode(d) + [tok.eot_id] for d in held]))
+    assert np.array_equal(val.array(), np.concatenate([tok.encode(d) + [tok.eot_id] for d in held]))
 
     parts = [StreamingWindows(spec, tok, window=33, rank=r, world_size=2) for r in (0, 1)]
     texts = [[tok.decode(x.tolist()) for x, _ in one_epoch(p)] for p in parts]

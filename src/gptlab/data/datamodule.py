@@ -17,7 +17,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from gptlab.data import corpus, tokenizers
-from gptlab.data.shards import ArrayTokens, TokenShards, unigram_entropy
+from gptlab.data.shards import TokenShards, token_counts, unigram_entropy
 from gptlab.errors import ConfigError, DataError
 
 log = logging.getLogger(__name__)
@@ -110,11 +110,9 @@ class GPTDataModule(L.LightningDataModule):
         meta = {
             "source": f"stream of {self.spec.describe()}",
             "splits": {"val": {"tokens": len(val)}},
-            "unigram_entropy_nats": unigram_entropy(np.bincount(val, minlength=tok.vocab_size)),
+            "unigram_entropy_nats": unigram_entropy(token_counts(val, tok.vocab_size)),
         }
-        return corpus.PreparedCorpus(
-            ArrayTokens(np.zeros(0, np.int64)), ArrayTokens(val), val.dtype, tok, meta
-        )
+        return corpus.PreparedCorpus(TokenShards([], val.dtype), val, val.dtype, tok, meta)
 
     def setup(self, stage: str | None = None) -> None:
         if self.val_set is not None:

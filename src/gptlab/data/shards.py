@@ -85,17 +85,6 @@ class TokenShards:
         return self.read(0, len(self)) if len(self) else np.zeros(0, dtype=self.dtype)
 
 
-class ArrayTokens(TokenShards):
-    """Tokens held in memory (the streaming validation set), with the same interface."""
-
-    def __init__(self, tokens: np.ndarray) -> None:
-        self.shards, self.dtype, self._tokens = [], tokens.dtype, tokens
-        self.starts = np.array([0, len(tokens)])
-
-    def _open(self) -> list[np.ndarray]:
-        return [self._tokens]
-
-
 def write_index(folder: Path, dtype: np.dtype, splits: dict[str, list[tuple[str, int]]]) -> None:
     index = {
         "dtype": np.dtype(dtype).name,

@@ -25,6 +25,7 @@ import torch
 from torch.utils.data import IterableDataset
 
 from gptlab.data import tokenizers
+from gptlab.data.shards import Shard, TokenShards
 from gptlab.data.sources import DataSpec, load_stream, source_fingerprint
 from gptlab.errors import DataError
 
@@ -40,9 +41,11 @@ def _usable(text: Any) -> bool:
     return isinstance(text, str) and bool(text.strip())
 
 
-def validation_tokens(spec: DataSpec, tokenizer: tokenizers.Tokenizer) -> np.ndarray:
+def validation_tokens(spec: DataSpec, tokenizer: tokenizers.Tokenizer) -> TokenShards:
     """The held-out documents' first ``spec.val_tokens`` tokens (``<|endoftext|>`` after each), read from
-    the start of the stream once and cached under ``spec.cache_dir``."""
+    the start of the stream once and cached under ``spec.cache_dir`` as a flat token file."""
+    from gptlab.data.corpus import token_dtype
+
     material = {
         "source": source_fingerprint(spec),
         "text_field": spec.text_field,
@@ -52,24 +55,24 @@ def validation_tokens(spec: DataSpec, tokenizer: tokenizers.Tokenizer) -> np.nda
         "tokenizer": tokenizer.fingerprint,
     }
     key = hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()[:16]
-    path = Path(spec.cache_dir) / f"stream-val-{tokenizer.name}-{key}.npy"
-    if path.is_file():
-        return np.load(path)
-    parts, n = [], 0
-    for example in load_stream(spec):
-        text = example["text"]
-        if _usable(text) and held_out(text, spec.split_seed, spec.val_fraction):
-            parts.append(np.asarray(tokenizer.encode(text) + [tokenizer.eot_id], dtype=np.int64))
-            n += len(parts[-1])
-            if n >= spec.val_tokens:
-                break
-    tokens = np.concatenate(parts)[: spec.val_tokens] if parts else np.zeros(0, dtype=np.int64)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".tmp-{os.getpid()}.npy")
-    np.save(tmp, tokens)
-    os.replace(tmp, path)
-    log.info("Streaming validation set: %d tokens of held-out documents -> %s", len(tokens), path)
-    return tokens
+    path = Path(spec.cache_dir) / f"stream-val-{tokenizer.name}-{key}.bin"
+    dtype = token_dtype(tokenizer.vocab_size)
+    if not path.is_file():
+        parts, n = [], 0
+        for example in load_stream(spec):
+            text = example["text"]
+            if _usable(text) and held_out(text, spec.split_seed, spec.val_fraction):
+                parts.append(np.asarray(tokenizer.encode(text) + [tokenizer.eot_id], dtype=dtype))
+                n += len(parts[-1])
+                if n >= spec.val_tokens:
+                    break
+        tokens = np.concatenate(parts)[: spec.val_tokens] if parts else np.zeros(0, dtype=dtype)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+        tokens.tofile(tmp)
+        os.replace(tmp, path)  # atomic: a killed run leaves no partial validation set
+        log.info("Streaming validation set: %d tokens of held-out documents -> %s", len(tokens), path)
+    return TokenShards([Shard(str(path), path.stat().st_size // dtype.itemsize)], dtype)
 
 
 class StreamingWindows(IterableDataset):
