@@ -10,7 +10,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import re
@@ -22,7 +21,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from gptlab.errors import ConfigError
-from gptlab.registry import Registry
+from gptlab.registry import NoOptions, Registry
 
 ENDOFTEXT = "<|endoftext|>"
 UNK = "<|unk|>"
@@ -30,11 +29,6 @@ UNK = "<|unk|>"
 # sha256 of GPT-2's files as tiktoken publishes them (tiktoken_ext/openai_public.py).
 GPT2_VOCAB_BPE_SHA256 = "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5"
 GPT2_ENCODER_JSON_SHA256 = "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2256dbf636783"
-
-
-@dataclass(frozen=True)
-class NoOptions:
-    """A tokenizer without options."""
 
 
 class Tokenizer:
@@ -168,7 +162,7 @@ class WordOptions:
     max_vocab: int | None = None
 
     def __post_init__(self) -> None:
-        if self.max_vocab is not None and (not isinstance(self.max_vocab, int) or self.max_vocab < 1):
+        if self.max_vocab is not None and self.max_vocab < 1:
             raise ConfigError(
                 f"tokenizer.max_vocab={self.max_vocab!r} must be a positive integer, or null for every word."
             )
@@ -268,15 +262,7 @@ class CharTokenizer(Tokenizer):
 
 def options_of(name: str, values: dict[str, Any] | None = None) -> Any:
     """The typed options of tokenizer ``name`` from its config node (``name`` itself excluded)."""
-    cls = TOKENIZERS.get(name)
-    values = {k: v for k, v in (values or {}).items() if k != "name"}
-    known = {f.name for f in dataclasses.fields(cls.Options)}
-    unknown = sorted(set(values) - known)
-    if unknown:
-        raise ConfigError(
-            f"Unknown option(s) {unknown} for tokenizer={name}. Known: {sorted(known) or 'none'}."
-        )
-    return cls.Options(**values)
+    return TOKENIZERS.build_options(name, values)
 
 
 def from_spec(spec: dict[str, Any]) -> Tokenizer:
