@@ -75,8 +75,8 @@ def test_several_processes_write_shards_that_read_as_the_single_process_tokens(t
     monkeypatch.setattr(corpus, "MIN_TASK_CHARS", 20_000)
     spec = DataSpec(path=str(tmp_path / "c.jsonl"), cache_dir=str(tmp_path / "b"), num_proc=2)
     many = corpus.prepare(spec, "gpt2")
-    assert len(one.train.shards) == 1 and len(many.train.shards) > 5
-    index = json.loads((tmp_path / "b" / os.listdir(tmp_path / "b")[0] / "index.json").read_text())
+    assert len(one.train.shards) == 1 and len(many.train.shards) > 2  # one per Arrow record batch here
+    index = json.loads((Path(many.train.shards[0].path).parent / "index.json").read_text())
     assert [s["tokens"] for s in index["splits"]["train"]] == [s.n_tokens for s in many.train.shards]
     assert np.array_equal(many.train.array(), one.train.array())
     assert np.array_equal(many.val.array(), one.val.array())

@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from gptlab.data import tokenizers
+from gptlab.data.arrow_batches import BatchPlace, iter_batches
 from gptlab.data.shards import (
     TokenShards,
     read_index,
@@ -45,7 +46,6 @@ from gptlab.errors import ConfigError, DataError
 log = logging.getLogger(__name__)
 
 CACHE_FORMAT = 2
-ARROW_BATCH_ROWS = 4096
 # Text per shard (one pool task): enough tasks for every process, shards a memmap-friendly size.
 MIN_TASK_CHARS = 1 << 20
 MAX_TASK_CHARS = 64 << 20
@@ -121,40 +121,26 @@ def token_dtype(vocab_size: int) -> np.dtype:
 # ---- reading the documents in batches ---------------------------------------------------------------
 
 
-def text_batches(ds: Any, field: str) -> Iterator[Any]:
-    """The text column as Arrow arrays of up to ``ARROW_BATCH_ROWS`` documents, in order. A dataset on disk
-    is read from its Arrow stream files with ordinary reads: iterating the memory map instead would leave
-    every page of the corpus resident in this process."""
-    import pyarrow as pa
-
-    files = [f["filename"] for f in ds.cache_files]
-    if files and getattr(ds, "_indices", None) is None:
-        for name in files:
-            with pa.OSFile(name) as source:
-                for batch in pa.ipc.open_stream(source):
-                    yield batch.column(field)
-    else:
-        for table in ds.with_format("arrow").iter(batch_size=ARROW_BATCH_ROWS):
-            yield table.column("text")
-
-
-def document_lengths(ds: Any, field: str) -> np.ndarray:
-    """Characters per document (0 for documents with only whitespace), from Arrow compute."""
+def scan(ds: Any, field: str) -> tuple[np.ndarray, list[BatchPlace] | None]:
+    """Characters per document (0 for documents with only whitespace), from Arrow compute, and the place
+    of every record batch on disk (None for a dataset in memory)."""
     import pyarrow.compute as pc
 
-    parts = []
-    for column in text_batches(ds, field):
+    parts, places = [], []
+    for column, place in iter_batches(ds, field):
         column = pc.fill_null(column, "")
         lengths = pc.utf8_length(column).to_numpy(zero_copy_only=False).astype(np.int64)
         blank = pc.equal(pc.utf8_length(pc.utf8_trim_whitespace(column)), 0).to_numpy(zero_copy_only=False)
         lengths[blank] = 0
         parts.append(lengths)
-    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+        places.append(place)
+    lengths = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+    return lengths, (places if places and places[0] is not None else None)
 
 
 def _documents(ds: Any, field: str, keep: np.ndarray) -> Iterator[str]:
     row = 0
-    for column in text_batches(ds, field):
+    for column, _ in iter_batches(ds, field):
         texts = column.to_pylist()
         for i, text in enumerate(texts):
             if keep[row + i]:
@@ -259,7 +245,7 @@ def _build_cache(spec: DataSpec, node: dict, cache: Path, key_material: dict) ->
     log.info("Preparing %s with tokenizer=%s -> %s", spec.describe(), node["name"], cache)
     ds = load_documents(spec)
     field = spec.text_field
-    lengths = document_lengths(ds, field)
+    lengths, places = scan(ds, field)
     keep = lengths > 0
     n_docs = int(keep.sum())
     if n_docs == 0:
@@ -288,10 +274,12 @@ def _build_cache(spec: DataSpec, node: dict, cache: Path, key_material: dict) ->
     tmp.mkdir()
     try:
         if single is not None:
-            jobs: Iterator[TokenizeJob] = iter([TokenizeJob(0, single, np.array([False, True]))])
+            jobs: Iterator[TokenizeJob] = iter(
+                [TokenizeJob(0, np.ones(2, dtype=bool), np.array([False, True]), texts=single)]
+            )
         else:
             task_chars = int(np.clip(total_chars // (num_proc * 8), MIN_TASK_CHARS, MAX_TASK_CHARS))
-            jobs = _jobs(ds, field, keep, is_val, task_chars)
+            jobs = _jobs(ds, field, lengths, places, is_val, task_chars)
         result = run_tokenize_jobs(
             jobs, tok, dtype, tmp, num_proc, n_docs, spec.max_tokens, desc=f"Tokenizing {spec.describe()}"
         )
@@ -329,24 +317,42 @@ def _build_cache(spec: DataSpec, node: dict, cache: Path, key_material: dict) ->
 
 
 def _jobs(
-    ds: Any, field: str, keep: np.ndarray, is_val: np.ndarray, task_chars: int
+    ds: Any,
+    field: str,
+    lengths: np.ndarray,
+    places: list[BatchPlace] | None,
+    is_val: np.ndarray,
+    task_chars: int,
 ) -> Iterator[TokenizeJob]:
-    """Runs of consecutive non-empty documents of about ``task_chars`` characters, in corpus order."""
+    """Runs of consecutive documents of about ``task_chars`` characters, in corpus order. A dataset on disk
+    is handed out as the places of its record batches (each process reads its own); one in memory (the
+    small embedded corpus) as texts."""
+    keep = lengths > 0
+    if places is not None:
+        task, start, row, chosen, chars = 0, 0, 0, [], 0
+        for place in places:
+            chosen.append(place)
+            chars += int(lengths[row : row + place.rows].sum())
+            row += place.rows
+            if chars >= task_chars:
+                yield TokenizeJob(task, keep[start:row], is_val[start:row], places=chosen, field=field)
+                task, start, chosen, chars = task + 1, row, [], 0
+        if chosen:
+            yield TokenizeJob(task, keep[start:row], is_val[start:row], places=chosen, field=field)
+        return
     texts: list[str] = []
     flags: list[bool] = []
-    chars, row, task = 0, 0, 0
-    for column in text_batches(ds, field):
-        for i, text in enumerate(column.to_pylist()):
-            if keep[row + i]:
-                texts.append(text)
-                flags.append(bool(is_val[row + i]))
-                chars += len(text)
-                if chars >= task_chars:
-                    yield TokenizeJob(task, texts, np.array(flags))
-                    texts, flags, chars, task = [], [], 0, task + 1
-        row += len(column)
+    chars, task = 0, 0
+    for i, text in enumerate(_documents(ds, field, np.ones(len(keep), dtype=bool))):
+        if keep[i]:
+            texts.append(text)
+            flags.append(bool(is_val[i]))
+            chars += len(text)
+            if chars >= task_chars:
+                yield TokenizeJob(task, np.ones(len(texts), dtype=bool), np.array(flags), texts=texts)
+                texts, flags, chars, task = [], [], 0, task + 1
     if texts:
-        yield TokenizeJob(task, texts, np.array(flags))
+        yield TokenizeJob(task, np.ones(len(texts), dtype=bool), np.array(flags), texts=texts)
 
 
 def num_windows(n_tokens: int, window: int, stride: int) -> int:

@@ -19,6 +19,8 @@ from typing import Any
 
 import numpy as np
 
+from gptlab.data.arrow_batches import BatchPlace, read_batch
+
 SUB_BATCH = 256  # documents per tiktoken call and per progress report
 
 _worker: dict[str, Any] = {}
@@ -26,9 +28,31 @@ _worker: dict[str, Any] = {}
 
 @dataclass
 class TokenizeJob:
+    """A run of consecutive documents: the texts themselves, or the places of their Arrow record batches.
+    ``keep`` and ``is_val`` have one flag per document (per row of the batches); blank ones are skipped."""
+
     task: int
-    texts: list[str]
-    is_val: np.ndarray  # (len(texts),) bool
+    keep: np.ndarray
+    is_val: np.ndarray
+    texts: list[str] | None = None
+    places: list[BatchPlace] | None = None
+    field: str = "text"
+
+    def pieces(self) -> Iterator[tuple[list[str], np.ndarray]]:
+        """(texts, is_val) of the kept documents, one record batch (or ``SUB_BATCH`` texts) at a time."""
+        if self.places is None:
+            texts = self.texts or []
+            for start in range(0, len(texts), SUB_BATCH):
+                stop = start + SUB_BATCH
+                keep = self.keep[start:stop]
+                yield [t for t, k in zip(texts[start:stop], keep) if k], self.is_val[start:stop][keep]
+            return
+        row = 0
+        for place in self.places:
+            keep = self.keep[row : row + place.rows]
+            texts = read_batch(place, self.field).to_pylist()
+            yield [t for t, k in zip(texts, keep) if k], self.is_val[row : row + place.rows][keep]
+            row += place.rows
 
 
 @dataclass
@@ -69,11 +93,11 @@ def tokenize_job(job: TokenizeJob) -> JobResult:
     counts = np.zeros(tok.vocab_size, dtype=np.int64)
     documents = {"train": 0, "val": 0}
     tokens = {"train": 0, "val": 0}
+    characters = 0
     files = {split: open(out_dir / f"{split}_{job.task:06d}.bin", "wb") for split in ("train", "val")}
     try:
-        for start in range(0, len(job.texts), SUB_BATCH):
-            texts = job.texts[start : start + SUB_BATCH]
-            flags = job.is_val[start : start + SUB_BATCH]
+        for texts, flags in _sub_batches(job.pieces()):
+            characters += sum(len(t) for t in texts)
             ids = tok.encode_batch(texts)
             n_batch = 0
             for split, want in (("train", False), ("val", True)):
@@ -95,7 +119,13 @@ def tokenize_job(job: TokenizeJob) -> JobResult:
     finally:
         for f in files.values():
             f.close()
-    return JobResult(job.task, documents, tokens, sum(len(t) for t in job.texts), counts)
+    return JobResult(job.task, documents, tokens, characters, counts)
+
+
+def _sub_batches(pieces: Iterator[tuple[list[str], np.ndarray]]) -> Iterator[tuple[list[str], np.ndarray]]:
+    for texts, flags in pieces:
+        for start in range(0, len(texts), SUB_BATCH):
+            yield texts[start : start + SUB_BATCH], flags[start : start + SUB_BATCH]
 
 
 def run_tokenize_jobs(
