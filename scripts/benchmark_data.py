@@ -10,7 +10,9 @@ Peak memory is given two ways: ``ru_maxrss`` of the child (the largest single pr
 pool workers included, as the kernel accounts it), and the largest sum of the resident memory of the child
 and its pool workers (PSS, so the pages the forked workers share are counted once), sampled every 0.1 s
 from /proc. MB/s: text bytes over the time ``prepare`` took in the child (reading the jsonl into Arrow,
-the length pass, tokenizing, writing); "wall" adds the interpreter's start and imports.
+the length pass, tokenizing, writing); "wall" adds the interpreter's start and imports. MB/CPU-s: text bytes
+over the CPU seconds the child and its workers spent in ``prepare``, which a busy machine does not
+change: times the cores, it is what an idle machine would reach.
 """
 
 from __future__ import annotations
@@ -33,12 +35,15 @@ import json, logging, resource, sys, time
 logging.basicConfig(level=logging.INFO, format="%(message)s")
 from gptlab.data import corpus
 spec = corpus.DataSpec(path=sys.argv[1], cache_dir=sys.argv[2], num_proc=int(sys.argv[3]) or None)
-t0 = time.perf_counter()
+def cpu():
+    return sum(u.ru_utime + u.ru_stime for u in map(resource.getrusage, (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)))
+t0, cpu0 = time.perf_counter(), cpu()
 prepared = corpus.prepare(spec, "gpt2")
 print(json.dumps({"seconds": time.perf_counter() - t0, "splits": prepared.meta["splits"],
                   "shards": len(prepared.train.shards),
                   "maxrss_kib": max(resource.getrusage(r).ru_maxrss
-                                    for r in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))}))
+                                    for r in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)),
+                  "cpu_s": cpu() - cpu0}))
 """
 
 
@@ -118,6 +123,7 @@ def run_case(size_gb: float, num_proc: int, workdir: Path) -> dict:
         "wall_s": wall,
         "prepare_s": result["seconds"],
         "mb_per_s": n_bytes / 1e6 / result["seconds"],
+        "mb_per_cpu_s": n_bytes / 1e6 / result["cpu_s"],
         "tokens": tokens,
         "shards": result["shards"],
         "maxrss_gib": result["maxrss_kib"] * 1024 / 2**30,  # KiB on Linux
@@ -140,12 +146,12 @@ def main() -> None:
         shutil.rmtree(workdir, ignore_errors=True)
     print(
         f"\n{'text GB':>8} {'tokens':>12} {'shards':>6} {'wall s':>7} {'prepare s':>9} {'MB/s':>6} "
-        f"{'maxrss GiB':>10} {'tree PSS GiB':>12}"
+        f"{'MB/CPU-s':>8} {'maxrss GiB':>10} {'tree PSS GiB':>12}"
     )
     for r in rows:
         print(
             f"{r['size_gb']:8.2f} {r['tokens']:12,d} {r['shards']:6d} {r['wall_s']:7.1f} {r['prepare_s']:9.1f} "
-            f"{r['mb_per_s']:6.2f} {r['maxrss_gib']:10.2f} {r['tree_peak_gib']:12.2f}"
+            f"{r['mb_per_s']:6.2f} {r['mb_per_cpu_s']:8.2f} {r['maxrss_gib']:10.2f} {r['tree_peak_gib']:12.2f}"
         )
     if len(rows) > 1:
         print(
