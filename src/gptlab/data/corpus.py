@@ -2,14 +2,16 @@
 
 Memory stays that of a small corpus whatever the corpus size: the documents stay in the Arrow files that
 ``datasets`` writes (read back batch by batch, never as a list of all texts); one pass of Arrow compute
-gives each document's length, from which a seeded split picks whole documents for validation; a second pass
-hands runs of consecutive documents to a process pool, and each process tokenizes its run and writes its
-own shard (flat uint16 ids while the vocabulary fits, else uint32, ``<|endoftext|>`` after every document).
+gives each document's length and the place of each record batch, from which a seeded split picks whole
+documents for validation; then a process pool gets runs of consecutive record batches (their places, not
+their texts), and each process reads, tokenizes and writes its run as its own shard (flat uint16 ids while
+the vocabulary fits, else uint32, ``<|endoftext|>`` after every document).
 An ``index.json`` lists the shards; the split's windows run across shard boundaries as in one file.
 
 A cache folder is keyed by a fingerprint of the corpus, the split and the tokenizer, built in a temporary
 folder and renamed into place at the end, so a killed preparation leaves no half cache: the next run
-removes the dead one's temporary folder and starts again.
+removes the dead one's temporary folder and starts again. A lock file lets one process prepare a cache
+while the others that need it wait.
 """
 
 from __future__ import annotations
