@@ -14,6 +14,7 @@ from conftest import CONF, TINY, run_train
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 
+from gptlab.data import corpus
 from gptlab.data.datamodule import GPTDataModule
 from gptlab.data.sources import DataSpec
 from gptlab.data.streaming import StreamingWindows, held_out, validation_tokens
@@ -115,11 +116,18 @@ def compose_cfg(*overrides):
         return compose("train", overrides=list(overrides))
 
 
-def test_a_streaming_run_stopped_and_resumed_ends_bit_identical_to_an_uninterrupted_one(tmp_path):
-    make_jsonl(tmp_path / "d.jsonl", n_docs=600)
+@pytest.mark.parametrize("source", ["stream", "sharded cache"])
+def test_a_run_stopped_and_resumed_ends_bit_identical_to_an_uninterrupted_one(tmp_path, monkeypatch, source):
+    make_jsonl(tmp_path / "d.jsonl", n_docs=2500)
     common = [*ARGS, f"data.path={tmp_path / 'd.jsonl'}", f"paths.root_dir={tmp_path}"]
+    if source == "sharded cache":  # one shard per Arrow record batch, written by two processes
+        monkeypatch.setattr(corpus, "MIN_TASK_CHARS", 1000)
+        common += ["data.streaming=false", "data.num_proc=2"]
     run(compose_cfg(*common, f"paths.output_dir={tmp_path / 'ref'}"))
     reference = torch.load(tmp_path / "ref" / "checkpoints" / "last.ckpt", weights_only=True)
+    if source == "sharded cache":
+        (index,) = tmp_path.glob("**/index.json")
+        assert len(json.loads(index.read_text())["splits"]["train"]) > 1
 
     out = tmp_path / "run"
     ckpt = out / "checkpoints" / "last.ckpt"
