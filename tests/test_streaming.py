@@ -164,3 +164,16 @@ def test_a_streaming_run_trains_under_two_ddp_processes(tmp_path):
     proc = run_train(args, cwd=tmp_path)
     assert "MEMBER: 2/2" in proc.stdout + proc.stderr
     assert "Trained 4 steps" in proc.stdout
+
+
+def test_validation_tokens_of_a_stream_and_of_a_cache(tmp_path):
+    docs = make_jsonl(tmp_path / "d.jsonl", n_docs=200)
+    tok = GPT2Tokenizer()
+    spec = DataSpec(path=str(tmp_path / "d.jsonl"), streaming=True, cache_dir=str(tmp_path / "c"))
+    val, got = corpus.validation_tokens(spec, "gpt2")
+    held = [d for d in docs if held_out(d, spec.split_seed, spec.val_fraction)]
+    assert got.name == "gpt2" and val.tolist() == [t for d in held for t in tok.encode(d) + [tok.eot_id]]
+    assert not any(p.is_dir() for p in (tmp_path / "c").iterdir())  # a stream prepares no cache
+    spec.streaming = False
+    val, _ = corpus.validation_tokens(spec, {"name": "gpt2"})
+    assert np.array_equal(val, corpus.prepare(spec, "gpt2").val.array())

@@ -357,6 +357,21 @@ def _jobs(
         yield TokenizeJob(task, np.ones(len(texts), dtype=bool), np.array(flags), texts=texts)
 
 
+def validation_tokens(
+    spec: DataSpec, tokenizer: str | dict[str, Any]
+) -> tuple[np.ndarray, tokenizers.Tokenizer]:
+    """The validation split of any corpus as one array, with its tokenizer: a prepared cache's, a token
+    folder's, or a stream's held-out documents (for evaluations after training)."""
+    if spec.streaming:
+        from gptlab.data.streaming import validation_tokens as stream_validation
+
+        node = _tokenizer_node(tokenizer)
+        tok = tokenizers.build(node["name"], options=tokenizers.options_of(node["name"], node["options"]))
+        return stream_validation(spec, tok).array(), tok
+    prepared = prepare(spec, tokenizer)
+    return prepared.val.array(), prepared.tokenizer
+
+
 def num_windows(n_tokens: int, window: int, stride: int) -> int:
     """How many windows of ``window`` tokens start every ``stride`` tokens within ``n_tokens``."""
     if n_tokens < window:
@@ -364,4 +379,12 @@ def num_windows(n_tokens: int, window: int, stride: int) -> int:
     return (n_tokens - window) // stride + 1
 
 
-__all__ = ["DataSpec", "PreparedCorpus", "prepare", "num_windows", "split_documents", "token_counts"]
+__all__ = [
+    "DataSpec",
+    "PreparedCorpus",
+    "prepare",
+    "validation_tokens",
+    "num_windows",
+    "split_documents",
+    "token_counts",
+]
