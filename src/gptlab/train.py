@@ -17,7 +17,7 @@ from hydra.types import RunMode
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from gptlab.builders import build_datamodule, build_model_config, build_tokenizer, load_initial_weights
+from gptlab.builders import build_datamodule, build_model_config, load_initial_weights
 from gptlab.errors import ConfigError
 from gptlab.lit.checkpointing import fault_tolerance_callbacks, fit, restore_interrupted_saves
 from gptlab.lit.module import GPTLitModule, check_optim
@@ -142,7 +142,12 @@ def run(cfg: DictConfig) -> dict[str, float]:
     if (cfg.get("eval_length") or {}).get("enabled"):
         check_rank_zero_evaluation(strategy_choice(strategy_cfg), trainer_cfg, "eval_length.enabled=true")
     datamodule = build_datamodule(cfg)
-    tokenizer = build_tokenizer(cfg)
+    # The data is read and windowed before any logger or trainer starts, so a bad corpus costs seconds. The
+    # tokenizer is a product of the corpus's preparation (a fitted vocabulary comes from its training split).
+    datamodule.prepare_data()
+    datamodule.setup("fit")
+    corpus = datamodule.corpus
+    tokenizer = corpus.tokenizer
     model_config = build_model_config(cfg, tokenizer)
     module = GPTLitModule(model=model_config.to_dict(), optim=OmegaConf.to_container(cfg.optim, resolve=True))
     module.tokenizer = tokenizer
@@ -155,12 +160,6 @@ def run(cfg: DictConfig) -> dict[str, float]:
         )
     load_initial_weights(cfg, module.model)  # model.init_from: pretrained weights, checked against the config
     module.parallel = parallel
-    # The data is read and windowed before any logger or trainer starts, so a bad corpus costs seconds.
-    datamodule.prepare_data()
-    datamodule.setup("fit")
-    corpus = datamodule.corpus
-    if tokenizer.vocab_size != corpus.tokenizer.vocab_size:  # pragma: no cover - a stale cache
-        raise ConfigError("the token cache was made with another tokenizer: delete it and run again")
     log.info("Data ready after %.1f s", time.perf_counter() - t0)
     loggers = build_loggers(cfg, resume)
     callbacks = build_callbacks(cfg) + fault_tolerance_callbacks()
