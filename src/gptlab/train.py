@@ -149,7 +149,11 @@ def run(cfg: DictConfig) -> dict[str, float]:
     corpus = datamodule.corpus
     tokenizer = corpus.tokenizer
     model_config = build_model_config(cfg, tokenizer)
-    module = GPTLitModule(model=model_config.to_dict(), optim=OmegaConf.to_container(cfg.optim, resolve=True))
+    module = GPTLitModule(
+        model=model_config.to_dict(),
+        optim=OmegaConf.to_container(cfg.optim, resolve=True),
+        loss=OmegaConf.to_container(cfg.loss, resolve=True) if cfg.get("loss") else None,
+    )
     module.tokenizer = tokenizer
     restore_interrupted_saves(run_dir / "checkpoints")  # a kill mid-swap of a sharded checkpoint
     resume = plan_resume(cfg.get("resume"), run_dir, model_config)
