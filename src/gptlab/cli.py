@@ -8,8 +8,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from gptlab.errors import ConfigError, DataError
-from gptlab.lit.checkpointing import NonFiniteLossError
+from gptlab.errors import ConfigError, DataError, NonFiniteLossError
 
 
 def run_task(cfg: DictConfig) -> float | None:
