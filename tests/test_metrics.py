@@ -10,7 +10,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from gptlab.lit.metrics import GradientNorm, TrainingThroughput, measure_matmul_peak
 from gptlab.lit.module import GPTLitModule
-from gptlab.model import card
+from gptlab.model import counting
 from gptlab.tracking.loggers import csv_logger
 
 
@@ -44,7 +44,7 @@ def test_throughput_logs_tokens_per_second_and_mfu_from_the_model_cards_flops(tm
     module, rows = fit_tiny(tmp_path, throughput, max_steps=4)
     rows = [r for r in rows if r.get("train/tokens_per_second")]
     assert len(rows) >= 3  # every logged step once the window (2 steps) is full
-    flops_per_token = card.flops_per_token(module.model_config, 8)["training"]
+    flops_per_token = counting.flops_per_token(module.model_config, 8)["training"]
     for r in rows:
         rate = float(r["train/tokens_per_second"])
         assert rate > 0

@@ -20,17 +20,13 @@ from typing import Any
 import yaml
 from omegaconf import OmegaConf
 
-from gptlab.errors import ConfigError
+from gptlab.errors import CheckpointError, ConfigError
 
 log = logging.getLogger(__name__)
 
 RESUME_KEYS = ("resume=", "+resume=", "++resume=")
 # Folders under outputs/ that never hold run directories.
 _SKIP_DIRS = {"cache", "wandb", "checkpoints", "csv", ".hydra", "__pycache__"}
-
-
-class CheckpointError(ConfigError):
-    """A checkpoint that cannot be read, or that belongs to a different model."""
 
 
 # ---- which run ---------------------------------------------------------------------------------------

@@ -72,18 +72,35 @@ def _batch_tokens(batch: Any) -> int:
 
 class GradientNorm(L.Callback):
     """Logs ``train/grad_norm``: the global L2 norm of all gradients before clipping (Lightning calls
-    ``on_before_optimizer_step`` after unscaling mixed-precision gradients and before clipping)."""
+    ``on_before_optimizer_step`` after unscaling mixed-precision gradients and before clipping).
+
+    Under DeepSpeed ZeRO-2/3 the gradients live in the engine's partitioned buffers and ``p.grad`` is empty:
+    the norm is then the one the strategy reports after the step (``gradient_norm_after_step``)."""
+
+    def __init__(self) -> None:
+        self._from_strategy = False
 
     def on_before_optimizer_step(
         self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
         grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
         if not grads:
+            self._from_strategy = hasattr(trainer.strategy, "gradient_norm_after_step")
             return
         norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
         if hasattr(norm, "full_tensor"):  # sharded (FSDP2) gradients give a DTensor: reduce it across ranks
             norm = norm.full_tensor()
         pl_module.log("train/grad_norm", norm, on_step=True, on_epoch=False)
+
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if not self._from_strategy:
+            return
+        self._from_strategy = False
+        norm = trainer.strategy.gradient_norm_after_step()
+        if norm is not None:
+            pl_module.log("train/grad_norm", float(norm), on_step=True, on_epoch=False)
 
 
 class TrainingThroughput(ThroughputMonitor):

@@ -116,7 +116,7 @@ class GPTLitModule(L.LightningModule):
     def flops_per_token(self, context: int | None = None) -> float:
         """Training FLOPs per token at ``context`` (default: the last batch's, else the model's block size),
         by the model card's count (6N + 12 L T d)."""
-        from gptlab.model.card import flops_per_token
+        from gptlab.model.counting import flops_per_token
 
         context = context or (self._batch_shape[1] if self._batch_shape else None)
         return flops_per_token(self.model_config, context)["training"]
@@ -148,7 +148,7 @@ class GPTLitModule(L.LightningModule):
         x, y = batch
         self._batch_shape = tuple(x.shape)
         _, loss = self.model(x, y, head_loss=self.head_loss)
-        check_finite_loss(loss, step=self.global_step + 1)
+        check_finite_loss(loss, step=self.global_step + 1, strategy=self.trainer.strategy)
         self.log("train/loss", loss, prog_bar=True, on_step=True, on_epoch=False)
         self.log("lr", self.optimizers().param_groups[0]["lr"], on_step=True, on_epoch=False)
         return loss

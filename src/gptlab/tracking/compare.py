@@ -234,7 +234,7 @@ def summarize(runs: list[RunRecord], keys: list[str]) -> list[Row]:
 
 # ---- output ---------------------------------------------------------------------------------------------
 def _human(n: float | None) -> str:
-    from gptlab.model.card import human
+    from gptlab.model.counting import human
 
     return "-" if n is None else human(n)
 
