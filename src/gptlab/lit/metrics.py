@@ -112,7 +112,7 @@ class TrainingThroughput(ThroughputMonitor):
     ``window``: steps in the rolling average; null: ``trainer.log_every_n_steps`` (the rate between two log
     lines; at least 2). ``peak_flops``: FLOP/s of one device; null: Lightning's datasheet figure for the
     device and precision, or a measured matrix-multiply rate where Lightning has none (CPUs).
-    The FLOPs of a batch come from the module's ``flops_per_batch`` (the model card's count).
+    The FLOPs of a batch come from the module's ``flops_per_batch`` (model/counting.py).
     Validation time is kept out of the training rate; validation throughput itself is not logged.
     """
 
