@@ -18,10 +18,10 @@ from gptlab.builders import data_spec
 from gptlab.errors import ConfigError
 from gptlab.lit.checkpointing import (
     PeriodicLastCheckpoint,
-    checkpoint_plugins,
     fault_tolerance_callbacks,
     fit,
 )
+from gptlab.parallel import strategy_choice
 from gptlab.preflight import check_seed
 from gptlab.resume import (
     CheckpointError,
@@ -114,7 +114,7 @@ def run(cfg: DictConfig) -> dict[str, float]:
             **trainer_options(cfg, options, run_dir),
             logger=loggers or False,
             callbacks=callbacks,
-            plugins=checkpoint_plugins("auto") or None,
+            plugins=strategy_choice("auto").plugins() or None,
         )
         resolved = OmegaConf.to_container(cfg, resolve=True)
         for lg in loggers:
