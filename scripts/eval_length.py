@@ -7,7 +7,8 @@
 Writes <run dir>/eval_length/{length.json, loss_vs_length.png, loss_by_position.png} and the passkey
 retrieval study's passkey.{json,md,png} (length x depth of the key; --no-passkey skips it), prints tables; a
 run that logged to W&B gets a W&B run in its group with the same figures. ``--sweep`` gathers the results of
-a multirun trained with ``eval_length.enabled=true`` (experiment=pos_sweep) into one table and plot.
+a multirun trained with ``eval_length.enabled=true`` (experiment=pos_sweep) into one table and plot, and the
+passkey results into a second table (also written to <first sweep dir>/passkey_summary.md).
 """
 
 from __future__ import annotations
@@ -15,9 +16,10 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from pathlib import Path
 
 from gptlab.errors import ConfigError
-from gptlab.eval import length, sweep
+from gptlab.eval import length, long_context, sweep
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -43,6 +45,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.sweep:
             table = sweep.summarize(args.sweep, plot=args.plot)
             print(table)
+            passkey_table = long_context.passkey_sweep_table(long_context.collect_passkey(args.sweep))
+            if passkey_table:
+                (Path(args.sweep[0]) / "passkey_summary.md").write_text(passkey_table + "\n")
+                print("\nPasskey retrieval (accuracy over depths and trials):\n" + passkey_table)
             return 0
         if not args.path:
             parser.error("give a run directory or checkpoint (or --sweep DIR)")

@@ -1,0 +1,136 @@
+"""One long-context report for a run or a sweep: perplexity at 1x-8x the training context (the length study's
+``eval_length/length.json``) and passkey retrieval accuracy at the same lengths (``eval_length/passkey.json``),
+read from run directories, averaged over seeds and drawn side by side."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from collections import defaultdict
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from gptlab.eval import passkey
+
+LENGTH_FILE = Path("eval_length") / "length.json"
+PASSKEY_FILE = Path("eval_length") / passkey.RESULT_FILE
+
+
+def factor_of(key: str) -> float:
+    """``"ppl@2x"`` / ``"passkey@2x"`` -> 2.0."""
+    return float(key.split("@", 1)[1][:-1])
+
+
+def read_length_study(run_dir: str | Path) -> dict[str, float | None]:
+    """{"ppl@1x": 8.2, "ppl@2x": None, ...} of the scheme as trained; None where it cannot run."""
+    path = Path(run_dir) / LENGTH_FILE
+    if not path.is_file():
+        return {}
+    data = json.loads(path.read_text())
+    entries = data.get("variants", {}).get(data.get("pos"), {})
+    return {f"ppl@{factor}x": entry.get("ppl") for factor, entry in entries.items()}
+
+
+def read_passkey(run_dir: str | Path) -> dict[str, float | None]:
+    """{"passkey@1x": None, "passkey@2x": 0.4, ...}: accuracy over the depth bins at each length; None where
+    no prompt could run (too short for the prompt, or past a bounded position table)."""
+    path = Path(run_dir) / PASSKEY_FILE
+    if not path.is_file():
+        return {}
+    data = json.loads(path.read_text())
+    return {
+        f"passkey@{factor}x": data.get("metrics", {}).get(f"passkey/acc@{factor}x")
+        for factor in data["factors"]
+    }
+
+
+def mean_or_none(values: Sequence[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return statistics.fmean(present) if present else None
+
+
+def plot_long_context(
+    series: dict[str, dict[str, float | None]], path: Path, train_context: int | None = None
+) -> Path:
+    """Two panels against the evaluation length (multiples of the training context): perplexity and passkey
+    accuracy, one line per label. ``series``: label -> {"ppl@2x": ..., "passkey@2x": ...}."""
+    from gptlab.eval.length import _pyplot
+
+    plt = _pyplot()
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for label, values in series.items():
+        for ax, prefix in ((left, "ppl@"), (right, "passkey@")):
+            points = sorted(
+                (factor_of(k), v) for k, v in values.items() if k.startswith(prefix) and v is not None
+            )
+            if points:
+                ax.plot(*zip(*points), marker="o", label=label)
+    unit = f" x {train_context} tokens" if train_context else ""
+    for ax, title, ylabel in (
+        (left, "Perplexity against context", "validation perplexity"),
+        (right, "Passkey retrieval against context", "accuracy (over depths)"),
+    ):
+        ax.set_xscale("log", base=2)
+        ax.axvline(1, color="grey", linestyle=":")
+        ax.set_xlabel(f"evaluation context (multiple of the training context{unit})")
+        ax.set_ylabel(ylabel)
+        ax.set_title(title)
+    right.set_ylim(-0.05, 1.05)
+    left.set_yscale("log")
+    left.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
+# ---- a sweep's passkey table ----------------------------------------------------------------------
+
+
+def collect_passkey(sweep_dirs: Sequence[str | Path]) -> list[dict[str, Any]]:
+    return [
+        json.loads(p.read_text())
+        for d in sweep_dirs
+        for p in sorted(Path(d).glob(f"**/{PASSKEY_FILE.as_posix()}"))
+    ]
+
+
+def passkey_sweep_table(results: list[dict[str, Any]]) -> str:
+    """Markdown: one row per scheme, one column per length: accuracy over depth bins and trials, mean ±
+    std over seeds, with the mean key log-probability per token; why a length could not run otherwise."""
+    by_scheme: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for r in results:
+        by_scheme[r["pos"]].append(r)
+    if not by_scheme:
+        return ""
+    factors = sorted({f for r in results for f in r["factors"]})
+    contexts = sorted({r["train_context"] for r in results})
+    trials = sorted({r["trials"] * len(r["depth_bins"]) for r in results})
+    head = "| scheme | seeds | " + " | ".join(
+        f"{f}x ({f * contexts[0]})" if len(contexts) == 1 else f"{f}x" for f in factors
+    )
+    lines = [head + " |", "|---|---:" + "|---:" * len(factors) + "|"]
+    from gptlab.eval.sweep import _order
+
+    for scheme in sorted(by_scheme, key=_order):
+        runs = by_scheme[scheme]
+        cells = []
+        for f in factors:
+            accs = [r["metrics"].get(f"passkey/acc@{f}x") for r in runs]
+            lps = [r["metrics"].get(f"passkey/key_logprob@{f}x") for r in runs]
+            accs_present = [a for a in accs if a is not None]
+            if accs_present:
+                std = f" ± {statistics.stdev(accs_present):.0%}" if len(accs_present) > 1 else ""
+                cells.append(f"{statistics.fmean(accs_present):.0%}{std} ({mean_or_none(lps):.2f})")
+            elif any("error" in r for r in runs):
+                cells.append("not run")
+            else:
+                errors = {c.get("error", "") for r in runs for c in r["cells"].get(str(f), {}).values()}
+                cells.append("cannot run" if any("table of" in e for e in errors) else "too short")
+        lines.append(f"| {scheme} | {len(runs)} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + (
+        f"\n\nCells: accuracy over {'/'.join(map(str, trials))} prompts per run (depth bins x trials), mean ± std "
+        "over seeds, and in brackets the mean log-probability per token of the true key."
+    )
