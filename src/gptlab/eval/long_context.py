@@ -5,6 +5,7 @@ read from run directories, averaged over seeds and drawn side by side."""
 from __future__ import annotations
 
 import json
+import math
 import statistics
 from collections import defaultdict
 from collections.abc import Sequence
@@ -45,6 +46,17 @@ def read_passkey(run_dir: str | Path) -> dict[str, float | None]:
     }
 
 
+def read_key_logprob(run_dir: str | Path) -> dict[str, float | None]:
+    """{"key_logprob@2x": -3.1, ...}: the true key's mean log-probability per token at each length."""
+    path = Path(run_dir) / PASSKEY_FILE
+    if not path.is_file():
+        return {}
+    data = json.loads(path.read_text())
+    return {
+        f"key_logprob@{f}x": data.get("metrics", {}).get(f"passkey/key_logprob@{f}x") for f in data["factors"]
+    }
+
+
 def mean_or_none(values: Sequence[float | None]) -> float | None:
     present = [v for v in values if v is not None]
     return statistics.fmean(present) if present else None
@@ -53,32 +65,42 @@ def mean_or_none(values: Sequence[float | None]) -> float | None:
 def plot_long_context(
     series: dict[str, dict[str, float | None]], path: Path, train_context: int | None = None
 ) -> Path:
-    """Two panels against the evaluation length (multiples of the training context): perplexity and passkey
-    accuracy, one line per label. ``series``: label -> {"ppl@2x": ..., "passkey@2x": ...}."""
+    """Panels against the evaluation length (multiples of the training context): perplexity, passkey accuracy
+    and, when given, the true key's log-probability per token; one line per label. ``series``: label ->
+    {"ppl@2x": ..., "passkey@2x": ..., "key_logprob@2x": ...}."""
     from gptlab.eval.length import _pyplot
 
     plt = _pyplot()
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    panels = [
+        ("ppl@", "Perplexity against context", "validation perplexity"),
+        ("passkey@", "Passkey retrieval", "accuracy (over depths)"),
+    ]
+    if any(k.startswith("key_logprob@") for values in series.values() for k in values):
+        panels.append(("key_logprob@", "Log-probability of the true key", "nats per key token"))
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 4.2))
+    factors = sorted({factor_of(k) for values in series.values() for k in values})
     for label, values in series.items():
-        for ax, prefix in ((left, "ppl@"), (right, "passkey@")):
+        for ax, (prefix, _, _) in zip(axes, panels):
             points = sorted(
                 (factor_of(k), v) for k, v in values.items() if k.startswith(prefix) and v is not None
             )
             if points:
                 ax.plot(*zip(*points), marker="o", label=label)
-    unit = f" x {train_context} tokens" if train_context else ""
-    for ax, title, ylabel in (
-        (left, "Perplexity against context", "validation perplexity"),
-        (right, "Passkey retrieval against context", "accuracy (over depths)"),
-    ):
+    unit = f" x {train_context}" if train_context else ""
+    for ax, (prefix, title, ylabel) in zip(axes, panels):
         ax.set_xscale("log", base=2)
+        ax.set_xticks(factors, [f"{f:g}x" for f in factors])
         ax.axvline(1, color="grey", linestyle=":")
-        ax.set_xlabel(f"evaluation context (multiple of the training context{unit})")
+        ax.set_xlabel(f"evaluation context (training context{unit})")
         ax.set_ylabel(ylabel)
         ax.set_title(title)
-    right.set_ylim(-0.05, 1.05)
-    left.set_yscale("log")
-    left.legend(fontsize=7, ncol=2)
+        if prefix == "passkey@":
+            ax.set_ylim(-0.05, 1.05)
+        if prefix == "key_logprob@":
+            ax.axhline(-math.log(10), color="grey", linestyle="--", label="uniform over digits")
+    axes[0].legend(fontsize=7, ncol=2)
+    if len(panels) == 3:
+        axes[2].legend(fontsize=7)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=90)
