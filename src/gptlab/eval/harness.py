@@ -119,6 +119,12 @@ class GptlabLM(TemplateLM):
             if not continuation:
                 out[i] = (0.0, True)
                 continue
+            if len(continuation) > self.max_length:
+                raise ValueError(
+                    f"A continuation of {len(continuation)} tokens cannot be scored in a window of "
+                    f"max_length={self.max_length} tokens: raise max_length (a scheme that extrapolates) or "
+                    "use a task with shorter continuations."
+                )
             whole = (list(context) + list(continuation))[-(self.max_length + 1) :]
             inputs.append((i, whole[:-1], whole[-len(continuation) :]))
         inputs.sort(key=lambda r: -len(r[1]))  # similar lengths share a batch: less padding
