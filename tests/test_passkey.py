@@ -93,6 +93,32 @@ def test_answers_are_the_models_greedy_continuation_and_the_key_logprob_its_own(
         )
 
 
+def test_context_scalings_run_on_the_same_prompts_and_leave_the_scheme_as_trained():
+    model = tiny_model("rope")
+    options = passkey.PasskeyOptions(depths=2, trials=2)
+    plain = passkey.evaluate_passkey(model, CHARS, 32, [1, 8], options)
+    result = passkey.evaluate_passkey(model, CHARS, 32, [1, 8], options, scalings=["ntk", "linear"])
+    assert set(result["scaled"]) == {"rope+ntk", "rope+linear"}
+
+    def timeless(cells):
+        return {
+            f: {b: {k: v for k, v in c.items() if k != "seconds"} for b, c in row.items()}
+            for f, row in cells.items()
+        }
+
+    # The scheme is as trained after each scaled pass.
+    after = passkey.evaluate_passkey(model, CHARS, 32, [1, 8], options)
+    assert timeless(result["cells"]) == timeless(plain["cells"]) == timeless(after["cells"])
+    scaled = result["scaled"]["rope+ntk"]
+    assert set(scaled["cells"]) == {"8"}  # at 1x a scaling is the model as trained
+    for b, cell in scaled["cells"]["8"].items():
+        assert [e["key"] for e in cell["examples"]] == [e["key"] for e in result["cells"]["8"][b]["examples"]]
+    assert scaled["metrics"]["passkey/rope+ntk/key_logprob@8x"] != result["metrics"]["passkey/key_logprob@8x"]
+    assert "| rope+ntk 8x (256) |" in passkey.format_table(result)
+    nope = passkey.evaluate_passkey(tiny_model("nope"), CHARS, 32, [8], options, scalings=["ntk"])
+    assert nope["scaled"] == {}
+
+
 def test_lengths_that_cannot_run_say_why_in_every_cell(tmp_path):
     learned = tiny_model("learned", block_size=128)
     result = passkey.evaluate_passkey(

@@ -334,7 +334,13 @@ def evaluate_run(
     paths = write_outputs(result, out_dir)
     if passkey_node is not None:
         study, more = passkey.run_study(
-            trained.model, trained.tokenizer, trained.train_context, result["factors"], passkey_node, out_dir
+            trained.model,
+            trained.tokenizer,
+            trained.train_context,
+            result["factors"],
+            passkey_node,
+            out_dir,
+            (options or LengthEvalOptions()).rope_scalings,
         )
         result["passkey"], paths = study, paths + more
     if use_wandb and trained.run_dir is not None:
@@ -404,8 +410,11 @@ def after_training(
         options.factors,
         (node or {}).get("passkey"),
         run_dir / "eval_length",
+        options.rope_scalings,
     )
     result["passkey"], paths = study, paths + more
+    if study is not None:
+        log.info("Passkey retrieval (correct / trials):\n%s", passkey.format_table(study))
     for logger in loggers:
         if logger.__class__.__name__ == "WandbLogger":
             log_to_wandb(result, paths, logger.experiment)

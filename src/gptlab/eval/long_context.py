@@ -119,13 +119,37 @@ def collect_passkey(sweep_dirs: Sequence[str | Path]) -> list[dict[str, Any]]:
     ]
 
 
+def _variants(result: dict[str, Any]) -> list[tuple[str, dict[str, Any], dict[str, float]]]:
+    """(name, cells, metrics as ``acc@2x``...) for the scheme as trained and each context scaling; a scaled
+    variant takes the as-trained values at lengths it skips (1x)."""
+
+    def strip(metrics: dict[str, float], prefix: str) -> dict[str, float]:
+        return {
+            k[len(prefix) :]: v
+            for k, v in metrics.items()
+            if k.startswith(prefix) and "/" not in k[len(prefix) :]
+        }
+
+    base = (result["pos"], result["cells"], strip(result["metrics"], "passkey/"))
+    out = [base]
+    for name, variant in result.get("scaled", {}).items():
+        metrics = {**base[2], **strip(variant["metrics"], f"passkey/{name}/")}
+        out.append((name, {**base[1], **variant["cells"]}, metrics))
+    return out
+
+
 def passkey_sweep_table(results: list[dict[str, Any]]) -> str:
-    """Markdown: one row per scheme, one column per length: accuracy over depth bins and trials, mean ±
-    std over seeds, with the mean key log-probability per token; why a length could not run otherwise."""
-    by_scheme: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    """Markdown: one row per scheme (and context scaling), one column per length: accuracy over depth bins
+    and trials, mean ± std over seeds, with the mean key log-probability per token; why a length could not
+    run otherwise."""
+    rows: dict[str, list[tuple[dict[str, Any], dict[str, float], bool]]] = defaultdict(list)
     for r in results:
-        by_scheme[r["pos"]].append(r)
-    if not by_scheme:
+        if "error" in r:
+            rows[r["pos"]].append(({}, {}, True))
+            continue
+        for name, cells, metrics in _variants(r):
+            rows[name].append((cells, metrics, False))
+    if not rows:
         return ""
     factors = sorted({f for r in results for f in r["factors"]})
     contexts = sorted({r["train_context"] for r in results})
@@ -136,23 +160,23 @@ def passkey_sweep_table(results: list[dict[str, Any]]) -> str:
     lines = [head + " |", "|---|---:" + "|---:" * len(factors) + "|"]
     from gptlab.eval.sweep import _order
 
-    for scheme in sorted(by_scheme, key=_order):
-        runs = by_scheme[scheme]
+    for name in sorted(rows, key=_order):
+        runs = rows[name]
         cells = []
         for f in factors:
-            accs = [r["metrics"].get(f"passkey/acc@{f}x") for r in runs]
-            lps = [r["metrics"].get(f"passkey/key_logprob@{f}x") for r in runs]
-            accs_present = [a for a in accs if a is not None]
-            if accs_present:
-                std = f" ± {statistics.stdev(accs_present):.0%}" if len(accs_present) > 1 else ""
-                cells.append(f"{statistics.fmean(accs_present):.0%}{std} ({mean_or_none(lps):.2f})")
-            elif any("error" in r for r in runs):
+            accs = [m[f"acc@{f}x"] for _, m, _ in runs if f"acc@{f}x" in m]
+            lps = [m.get(f"key_logprob@{f}x") for _, m, _ in runs if f"acc@{f}x" in m]
+            if accs:
+                std = f" ± {statistics.stdev(accs):.0%}" if len(accs) > 1 else ""
+                cells.append(f"{statistics.fmean(accs):.0%}{std} ({mean_or_none(lps):.2f})")
+            elif any(failed for _, _, failed in runs):
                 cells.append("not run")
             else:
-                errors = {c.get("error", "") for r in runs for c in r["cells"].get(str(f), {}).values()}
+                errors = {c.get("error", "") for c_, _, _ in runs for c in c_.get(str(f), {}).values()}
                 cells.append("cannot run" if any("table of" in e for e in errors) else "too short")
-        lines.append(f"| {scheme} | {len(runs)} | " + " | ".join(cells) + " |")
+        lines.append(f"| {name} | {len(runs)} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + (
         f"\n\nCells: accuracy over {'/'.join(map(str, trials))} prompts per run (depth bins x trials), mean ± std "
-        "over seeds, and in brackets the mean log-probability per token of the true key."
+        "over seeds, and in brackets the mean log-probability per token of the true key; `+ntk` etc.: the "
+        "RoPE runs with that context scaling set to the factor (at 1x, the runs as trained)."
     )

@@ -20,6 +20,7 @@ import math
 import re
 import time
 from collections.abc import Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -204,8 +205,11 @@ def evaluate_passkey(
     train_context: int,
     factors: Sequence[int],
     options: PasskeyOptions | None = None,
+    scalings: Sequence[str] = (),
 ) -> dict[str, Any]:
-    """The length x depth table of passkey accuracy at ``factors`` x ``train_context`` tokens."""
+    """The length x depth table of passkey accuracy at ``factors`` x ``train_context`` tokens, for the model
+    as trained and, under ``scaled``, with each of ``scalings`` the scheme has (e.g. RoPE's ``ntk``) set to
+    the factor, as the length study does."""
     options = options or PasskeyOptions()
     bins = depth_bins(options.depths)
     result: dict[str, Any] = {
@@ -219,59 +223,88 @@ def evaluate_passkey(
         "seed": options.seed,
         "cells": {},
         "metrics": {},
+        "scaled": {},
     }
     reason = encodability_error(tokenizer, options.key_digits)
     if reason is not None:
         result["error"] = reason
         log.warning("Passkey retrieval not run: %s", reason)
         return result
+    pos = model.transformer.pos
     was_training = model.training
     model.eval()
     try:
-        for factor in factors:
-            length = factor * train_context
-            row: dict[str, Any] = {}
-            for b, bin_ in enumerate(bins):
-                cell: dict[str, Any] = {"context": length}
-                reason = bounded_reason(model, length)
-                prompts = (
-                    build_prompts(
-                        tokenizer, length, bin_, options.trials, (options.seed, factor, b), options.key_digits
-                    )
-                    if reason is None
-                    else reason
+        result["cells"], result["metrics"] = _table(model, tokenizer, train_context, factors, options, None)
+        for method in [s for s in scalings if s in getattr(pos, "context_scalings", ())]:
+            name = f"{model.config.pos}+{method}"
+            cells, metrics = _table(model, tokenizer, train_context, factors, options, method)
+            metrics = {k.replace("passkey/", f"passkey/{name}/", 1): v for k, v in metrics.items()}
+            result["scaled"][name] = {"cells": cells, "metrics": metrics}
+            result["metrics"].update(metrics)
+    finally:
+        model.train(was_training)
+    return result
+
+
+def _table(
+    model: GPT,
+    tokenizer: Tokenizer,
+    train_context: int,
+    factors: Sequence[int],
+    options: PasskeyOptions,
+    scaling: str | None,
+) -> tuple[dict[str, Any], dict[str, float]]:
+    """(cells by factor and depth bin, metrics) for the model as trained (``scaling`` None) or with the
+    scheme's context scaling set to each factor (factor 1 is the model as trained, so it is skipped)."""
+    cells: dict[str, Any] = {}
+    metrics: dict[str, float] = {}
+    pos = model.transformer.pos
+    for factor in factors:
+        if scaling is not None and factor == 1:
+            continue
+        length = factor * train_context
+        row: dict[str, Any] = {}
+        for b, bin_ in enumerate(depth_bins(options.depths)):
+            cell: dict[str, Any] = {"context": length}
+            reason = bounded_reason(model, length)
+            prompts = (
+                build_prompts(
+                    tokenizer, length, bin_, options.trials, (options.seed, factor, b), options.key_digits
                 )
-                if isinstance(prompts, str):
-                    cell["error"] = prompts
-                else:
-                    t0 = time.perf_counter()
-                    batch = max(1, options.batch_tokens // length)
+                if reason is None
+                else reason
+            )
+            if isinstance(prompts, str):
+                cell["error"] = prompts
+            else:
+                t0 = time.perf_counter()
+                batch = max(1, options.batch_tokens // length)
+                with pos.scaled(float(factor), scaling) if scaling is not None else nullcontext():
                     scored = [
                         s
                         for i in range(0, len(prompts), batch)
                         for s in score_prompts(model, prompts[i : i + batch], tokenizer)
                     ]
-                    cell.update(
-                        accuracy=float(np.mean([s["correct"] for s in scored])),
-                        correct=int(sum(s["correct"] for s in scored)),
-                        key_logprob=float(np.mean([s["key_logprob"] for s in scored])),
-                        digit_accuracy=float(np.mean([s["digits_right"] for s in scored])),
-                        intro=all(p.intro for p in prompts),
-                        seconds=round(time.perf_counter() - t0, 3),
-                        examples=scored,
-                    )
-                row[bin_label(bin_)] = cell
-            result["cells"][str(factor)] = row
-            accs = [c["accuracy"] for c in row.values() if "accuracy" in c]
-            if accs:
-                result["metrics"][f"passkey/acc@{factor}x"] = float(np.mean(accs))
-                result["metrics"][f"passkey/key_logprob@{factor}x"] = float(
-                    np.mean([c["key_logprob"] for c in row.values() if "accuracy" in c])
+                cell.update(
+                    accuracy=float(np.mean([s["correct"] for s in scored])),
+                    correct=int(sum(s["correct"] for s in scored)),
+                    key_logprob=float(np.mean([s["key_logprob"] for s in scored])),
+                    digit_accuracy=float(np.mean([s["digits_right"] for s in scored])),
+                    intro=all(p.intro for p in prompts),
+                    seconds=round(time.perf_counter() - t0, 3),
+                    examples=scored,
                 )
-            log.info("passkey at %dx (%d tokens): %s", factor, length, format_row(row))
-    finally:
-        model.train(was_training)
-    return result
+            row[bin_label(bin_)] = cell
+        cells[str(factor)] = row
+        scored_cells = [c for c in row.values() if "accuracy" in c]
+        if scored_cells:
+            metrics[f"passkey/acc@{factor}x"] = float(np.mean([c["accuracy"] for c in scored_cells]))
+            metrics[f"passkey/key_logprob@{factor}x"] = float(
+                np.mean([c["key_logprob"] for c in scored_cells])
+            )
+        name = model.config.pos + (f"+{scaling}" if scaling else "")
+        log.info("passkey, %s at %dx (%d tokens): %s", name, factor, length, format_row(row))
+    return cells, metrics
 
 
 def format_cell(cell: dict[str, Any]) -> str:
@@ -295,15 +328,22 @@ def format_table(result: dict[str, Any]) -> str:
         "| length | " + " | ".join(f"depth {b}" for b in bins) + " | accuracy | key log-prob |",
         "|---" * (len(bins) + 3) + "|",
     ]
-    for factor in result["factors"]:
-        row = result["cells"][str(factor)]
-        acc = result["metrics"].get(f"passkey/acc@{factor}x")
-        lp = result["metrics"].get(f"passkey/key_logprob@{factor}x")
-        lines.append(
-            f"| {factor}x ({factor * result['train_context']}) | "
-            + " | ".join(format_cell(row[b]) for b in bins)
-            + f" | {'-' if acc is None else f'{acc:.0%}'} | {'-' if lp is None else f'{lp:.2f}'} |"
-        )
+    tables = [("", result["cells"], result["metrics"], "passkey/")]
+    tables += [
+        (f"{n} ", v["cells"], v["metrics"], f"passkey/{n}/") for n, v in result.get("scaled", {}).items()
+    ]
+    for name, cells, metrics, prefix in tables:
+        for factor in result["factors"]:
+            if str(factor) not in cells:
+                continue
+            row = cells[str(factor)]
+            acc = metrics.get(f"{prefix}acc@{factor}x")
+            lp = metrics.get(f"{prefix}key_logprob@{factor}x")
+            lines.append(
+                f"| {name}{factor}x ({factor * result['train_context']}) | "
+                + " | ".join(format_cell(row[b]) for b in bins)
+                + f" | {'-' if acc is None else f'{acc:.0%}'} | {'-' if lp is None else f'{lp:.2f}'} |"
+            )
     notes = sorted({c["error"] for row in result["cells"].values() for c in row.values() if "error" in c})
     return "\n".join(lines + [f"\n{n}" for n in notes])
 
@@ -372,13 +412,18 @@ def wandb_table(result: dict[str, Any]) -> Any:
 
 
 def run_study(
-    model: GPT, tokenizer: Tokenizer, train_context: int, factors: Sequence[int], node: Any, out_dir: Path
+    model: GPT,
+    tokenizer: Tokenizer,
+    train_context: int,
+    factors: Sequence[int],
+    node: Any,
+    out_dir: Path,
+    scalings: Sequence[str] = (),
 ) -> tuple[dict[str, Any] | None, list[Path]]:
-    """The length study's passkey part: ``node`` is ``eval_length.passkey`` (None or enabled=false: off)."""
+    """The length study's passkey part: ``node`` is ``eval_length.passkey`` (None or enabled=false: off);
+    ``scalings``: the length study's context scalings (those the scheme has are run too)."""
     options = PasskeyOptions.from_dict(node) if node is not None else PasskeyOptions()
     if not options.enabled:
         return None, []
-    result = evaluate_passkey(model, tokenizer, train_context, factors, options)
-    paths = write_outputs(result, out_dir)
-    log.info("Passkey retrieval (correct / trials):\n%s", format_table(result))
-    return result, paths
+    result = evaluate_passkey(model, tokenizer, train_context, factors, options, scalings)
+    return result, write_outputs(result, out_dir)
