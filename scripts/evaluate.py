@@ -21,7 +21,7 @@ import argparse
 import logging
 import sys
 
-from gptlab.errors import ConfigError
+from gptlab.errors import ConfigError, DataError
 
 OPTIONS = {
     "tasks": str,
@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
             use_wandb=not args.no_wandb,
             **options,
         )
-    except ConfigError as e:
+    except (ConfigError, DataError) as e:
         print(f"evaluate: error: {e}", file=sys.stderr)
         return 2
     from lm_eval.utils import make_table

@@ -33,7 +33,7 @@ from lm_eval import utils as lm_utils
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 
-from gptlab.errors import ConfigError
+from gptlab.errors import ConfigError, DataError
 from gptlab.model.gpt import GPT, KVCache, sample_next
 
 log = logging.getLogger(__name__)
@@ -293,19 +293,26 @@ def evaluate(
             f"Unknown harness task(s) {unknown}: see `lm-eval ls tasks`, or pass the folder of your task "
             "YAMLs with --include-path DIR."
         )
-    results = lm_eval.simple_evaluate(
-        model=lm,
-        tasks=list(tasks),
-        num_fewshot=num_fewshot,
-        limit=limit,
-        task_manager=manager,
-        log_samples=log_samples,
-        bootstrap_iters=bootstrap_iters,  # the harness's default; 0 skips the standard errors
-        random_seed=seed,
-        numpy_random_seed=seed,
-        torch_random_seed=seed,
-        fewshot_random_seed=seed,
-    )
+    try:
+        results = lm_eval.simple_evaluate(
+            model=lm,
+            tasks=list(tasks),
+            num_fewshot=num_fewshot,
+            limit=limit,
+            task_manager=manager,
+            log_samples=log_samples,
+            bootstrap_iters=bootstrap_iters,  # the harness's default; 0 skips the standard errors
+            random_seed=seed,
+            numpy_random_seed=seed,
+            torch_random_seed=seed,
+            fewshot_random_seed=seed,
+        )
+    except ConnectionError as e:
+        raise DataError(
+            f"A task's dataset is not on this machine and the Hugging Face hub cannot be reached ({e}). "
+            "Connect (and unset HF_DATASETS_OFFLINE/HF_HUB_OFFLINE), or evaluate tasks with local data files: "
+            "--include-path DIR with YAMLs that set dataset_path: json and dataset_kwargs.data_files."
+        ) from None
     run = lm.run
     out_dir = Path(out_dir) if out_dir else (run.run_dir or run.checkpoint.parent) / RESULT_DIR
     out_dir.mkdir(parents=True, exist_ok=True)
