@@ -12,6 +12,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from gptlab.eval import passkey
 
 LENGTH_FILE = Path("eval_length") / "length.json"
@@ -62,13 +64,44 @@ def mean_or_none(values: Sequence[float | None]) -> float | None:
     return statistics.fmean(present) if present else None
 
 
+def read_loss_by_position(run_dir: str | Path) -> list[float] | None:
+    """The loss at each position of the longest context the scheme as trained ran at."""
+    path = Path(run_dir) / LENGTH_FILE
+    if not path.is_file():
+        return None
+    data = json.loads(path.read_text())
+    runs = [e for e in data.get("variants", {}).get(data.get("pos"), {}).values() if "loss_by_position" in e]
+    return max(runs, key=lambda e: e["context"])["loss_by_position"] if runs else None
+
+
+def plot_rows(rows: Sequence[Any], path: Path) -> Path:
+    """The long-context figure of a comparison: for each row (a choice, its runs over seeds), perplexity,
+    passkey accuracy and the true key's log-probability against the evaluation length, and the loss by
+    position at the longest context; means over seeds."""
+    series, curves = {}, {}
+    for row in rows:
+        dirs = [r.path for r in row.runs]
+        logprob_keys = {k for d in dirs for k in read_key_logprob(d)}
+        series[row.label] = {
+            **row.length_ppl,
+            **row.passkey,
+            **{k: mean_or_none([read_key_logprob(d).get(k) for d in dirs]) for k in logprob_keys},
+        }
+        by_position = [c for c in (read_loss_by_position(d) for d in dirs) if c is not None]
+        shortest = min((len(c) for c in by_position), default=0)
+        if shortest:
+            curves[row.label] = [statistics.fmean(c[i] for c in by_position) for i in range(shortest)]
+    return plot_long_context(series, path, curves)
+
+
 def plot_long_context(
-    series: dict[str, dict[str, float | None]], path: Path, train_context: int | None = None
+    series: dict[str, dict[str, float | None]], path: Path, curves: dict[str, list[float]] | None = None
 ) -> Path:
     """Panels against the evaluation length (multiples of the training context): perplexity, passkey accuracy
-    and, when given, the true key's log-probability per token; one line per label. ``series``: label ->
-    {"ppl@2x": ..., "passkey@2x": ..., "key_logprob@2x": ...}."""
-    from gptlab.eval.length import _pyplot
+    and, when given, the true key's log-probability per token; then, when given, the loss by position. One
+    line per label. ``series``: label -> {"ppl@2x": ..., "passkey@2x": ..., "key_logprob@2x": ...};
+    ``curves``: label -> loss at each position."""
+    from gptlab.eval.length import _pyplot, binned
 
     plt = _pyplot()
     panels = [
@@ -77,7 +110,8 @@ def plot_long_context(
     ]
     if any(k.startswith("key_logprob@") for values in series.values() for k in values):
         panels.append(("key_logprob@", "Log-probability of the true key", "nats per key token"))
-    fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 4.2))
+    n = len(panels) + bool(curves)
+    fig, axes = plt.subplots(1, n, figsize=(4.8 * n, 4.2))
     factors = sorted({factor_of(k) for values in series.values() for k in values})
     for label, values in series.items():
         for ax, (prefix, _, _) in zip(axes, panels):
@@ -86,21 +120,28 @@ def plot_long_context(
             )
             if points:
                 ax.plot(*zip(*points), marker="o", label=label)
-    unit = f" x {train_context}" if train_context else ""
     for ax, (prefix, title, ylabel) in zip(axes, panels):
         ax.set_xscale("log", base=2)
         ax.set_xticks(factors, [f"{f:g}x" for f in factors])
         ax.axvline(1, color="grey", linestyle=":")
-        ax.set_xlabel(f"evaluation context (training context{unit})")
+        ax.set_xlabel("evaluation context (x training context)")
         ax.set_ylabel(ylabel)
         ax.set_title(title)
         if prefix == "passkey@":
             ax.set_ylim(-0.05, 1.05)
         if prefix == "key_logprob@":
-            ax.axhline(-math.log(10), color="grey", linestyle="--", label="uniform over digits")
+            ax.axhline(-math.log(10), color="grey", linestyle="--", label="uniform over 10 digits")
+            ax.legend(fontsize=7)
+    if curves:
+        ax = axes[-1]
+        for label, values in curves.items():
+            x, y = binned(np.asarray(values), bins=48)
+            ax.plot(x, y, label=f"{label} ({len(values)})")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("token position (longest context each ran at)")
+        ax.set_ylabel("validation loss (nats)")
+        ax.set_title("Loss by position")
     axes[0].legend(fontsize=7, ncol=2)
-    if len(panels) == 3:
-        axes[2].legend(fontsize=7)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=90)

@@ -356,19 +356,8 @@ def write_comparison(
     notes = "".join(f"\n- skipped {p}: {m}" for p, m in skipped)
     long_context_plot = ""
     if any(row.length_ppl or row.passkey for row in rows):
-        series = {
-            row.label: {
-                **row.length_ppl,
-                **row.passkey,
-                **{
-                    k: _mean([long_context.read_key_logprob(r.path).get(k) for r in row.runs])
-                    for k in long_context.read_key_logprob(row.runs[0].path)
-                },
-            }
-            for row in rows
-        }
-        path = long_context.plot_long_context(series, out / "long_context.png")
-        long_context_plot = f"\n\n![perplexity and passkey retrieval against context]({path.name})"
+        path = long_context.plot_rows(rows, out / "long_context.png")
+        long_context_plot = f"\n\n![perplexity, loss by position and passkey retrieval]({path.name})"
     markdown_path.write_text(
         f"# {title}\n\n{len(runs)} runs, sorted by final validation loss (mean ± std over seeds)."
         f"\n\n{table}\n\n![validation loss]({plot_path.name}){long_context_plot}\n{notes}\n"
