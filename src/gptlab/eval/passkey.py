@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import re
 import time
 from collections.abc import Sequence
@@ -348,47 +347,6 @@ def format_table(result: dict[str, Any]) -> str:
     return "\n".join(lines + [f"\n{n}" for n in notes])
 
 
-def plot_heatmap(result: dict[str, Any], path: Path) -> Path:
-    """Accuracy per (length, depth bin); cells that could not run are grey and say why in short."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    bins, factors = result["depth_bins"], result["factors"]
-    grid = np.full((len(factors), len(bins)), np.nan)
-    for i, f in enumerate(factors):
-        for j, b in enumerate(bins):
-            cell = result.get("cells", {}).get(str(f), {}).get(b, {})
-            grid[i, j] = cell.get("accuracy", np.nan)
-    fig, ax = plt.subplots(figsize=(1.2 * len(bins) + 2.5, 0.6 * len(factors) + 1.8))
-    cmap = matplotlib.colormaps["viridis"].with_extremes(bad="lightgrey")
-    image = ax.imshow(np.ma.masked_invalid(grid), cmap=cmap, vmin=0, vmax=1, aspect="auto")
-    for i, f in enumerate(factors):
-        for j, b in enumerate(bins):
-            cell = result.get("cells", {}).get(str(f), {}).get(b, {})
-            text = format_cell(cell) if cell else "-"
-            ax.text(
-                j,
-                i,
-                text,
-                ha="center",
-                va="center",
-                fontsize=8,
-                color="black" if math.isnan(grid[i, j]) or grid[i, j] > 0.5 else "white",
-            )
-    ax.set_xticks(range(len(bins)), [f"{b}" for b in bins])
-    ax.set_yticks(range(len(factors)), [f"{f}x ({f * result['train_context']})" for f in factors])
-    ax.set_xlabel("depth of the key in the filler")
-    ax.set_ylabel("prompt length (tokens)")
-    ax.set_title(f"pos={result['pos']}: passkey accuracy" + (" (not run)" if "error" in result else ""))
-    fig.colorbar(image, ax=ax, label="accuracy")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
-
-
 def write_outputs(result: dict[str, Any], out_dir: str | Path) -> list[Path]:
     """``passkey.json``, ``passkey.md`` and ``passkey.png`` in ``out_dir``."""
     out_dir = Path(out_dir)
@@ -397,6 +355,8 @@ def write_outputs(result: dict[str, Any], out_dir: str | Path) -> list[Path]:
     json_path.write_text(json.dumps(result, indent=1))
     md_path = out_dir / "passkey.md"
     md_path.write_text(format_table(result) + "\n")
+    from gptlab.eval.long_context import plot_heatmap
+
     return [json_path, md_path, plot_heatmap(result, out_dir / "passkey.png")]
 
 
