@@ -90,6 +90,9 @@ class GptlabLM(TemplateLM):
         self.max_gen_toks = int(max_gen_toks)
         self.generator = torch.Generator(device=self._device).manual_seed(int(seed))
         self.eot_text = self.tok.decode([self.tok.eot_id])
+        self.unknown_words = 0
+        if hasattr(self.tok, "unknown_chars"):
+            self.tok.unknown_chars = 0
 
     # ---- tokenization --------------------------------------------------------------------------
     @property
@@ -101,7 +104,18 @@ class GptlabLM(TemplateLM):
         return self.tok.name
 
     def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs: Any) -> list[int]:
-        return self.tok.encode(string)
+        ids = self.tok.encode(string)
+        unk = getattr(self.tok, "unk_id", None)
+        if unk is not None:
+            self.unknown_words += ids.count(unk)
+        return ids
+
+    def out_of_vocabulary(self) -> dict[str, int]:
+        """What the run's vocabulary could not represent in the task texts: characters a char vocabulary
+        dropped, words a word vocabulary mapped to <|unk|> (their scores are of a different text), counted
+        over every encoding the harness asks for (a context is encoded once alone and once with its
+        continuation)."""
+        return {"dropped_chars": getattr(self.tok, "unknown_chars", 0), "unk_words": self.unknown_words}
 
     def tok_decode(self, tokens: Sequence[int]) -> str:
         return self.tok.decode(tokens)
@@ -323,6 +337,7 @@ def evaluate(
         "lm_eval_version": lm_eval.__version__,
         "max_length": lm.max_length,
         "tokenizer": lm.tok.name,
+        "out_of_vocabulary": lm.out_of_vocabulary(),
         "metrics": flat_metrics(results),
         **{
             k: results[k]
@@ -330,6 +345,13 @@ def evaluate(
             if k in results
         },
     }
+    if any(record["out_of_vocabulary"].values()):
+        log.warning(
+            "The run's %s vocabulary could not represent parts of the task texts (%s): those scores are of "
+            "the text without them.",
+            lm.tok.name,
+            record["out_of_vocabulary"],
+        )
     for task, rows in samples.items():
         with open(out_dir / f"samples_{task}.jsonl", "w") as f:
             for row in rows:
