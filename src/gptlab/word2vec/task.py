@@ -17,11 +17,11 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from gptlab.builders import data_spec
 from gptlab.errors import ConfigError
 from gptlab.lit.checkpointing import (
+    AtomicCheckpointIO,
     PeriodicLastCheckpoint,
     fault_tolerance_callbacks,
     fit,
 )
-from gptlab.parallel import strategy_choice
 from gptlab.preflight import check_seed
 from gptlab.resume import (
     CheckpointError,
@@ -114,7 +114,7 @@ def run(cfg: DictConfig) -> dict[str, float]:
             **trainer_options(cfg, options, run_dir),
             logger=loggers or False,
             callbacks=callbacks,
-            plugins=strategy_choice("auto").plugins() or None,
+            plugins=[AtomicCheckpointIO()],  # one device, one file: written beside it, then renamed
         )
         resolved = OmegaConf.to_container(cfg, resolve=True)
         for lg in loggers:
