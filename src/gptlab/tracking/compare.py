@@ -20,6 +20,7 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from gptlab.errors import DataError
+from gptlab.eval import long_context
 from gptlab.tracking.naming import is_silent, split_override, sweep_overrides_from_dir, swept_keys_of
 from gptlab.tracking.wandb_files import find_runs, read_run
 
@@ -38,6 +39,7 @@ class RunRecord:
     mfu: float | None = None
     parameters: float | None = None
     length_ppl: dict[str, float | None] = field(default_factory=dict)  # "ppl@2x" -> perplexity (None: n/a)
+    passkey: dict[str, float | None] = field(default_factory=dict)  # "passkey@2x" -> accuracy (None: n/a)
     source: str = ""
 
     @property
@@ -58,6 +60,7 @@ class Row:
     mfu: float | None
     parameters: float | None
     length_ppl: dict[str, float | None]
+    passkey: dict[str, float | None] = field(default_factory=dict)
 
     @property
     def label(self) -> str:
@@ -178,6 +181,9 @@ def read_run_dir(run_dir: str | Path, source: str = "auto") -> RunRecord:
     record.parameters = params[-1][1] if params else None
     if (run_dir / "length_eval.json").is_file():
         record.length_ppl = read_length_eval(run_dir / "length_eval.json")
+    else:  # the length study of eval_length.enabled=true / scripts/eval_length.py
+        record.length_ppl = long_context.read_length_study(run_dir)
+    record.passkey = long_context.read_passkey(run_dir)
     if not record.val_loss:
         raise DataError(f"{run_dir} logged no val/loss (did it fail before its first validation?)")
     return record
@@ -227,6 +233,10 @@ def summarize(runs: list[RunRecord], keys: list[str]) -> list[Row]:
                 mfu=_mean([r.mfu for r in members]),
                 parameters=_mean([r.parameters for r in members]),
                 length_ppl={k: _mean([r.length_ppl.get(k) for r in members]) for k in length_keys},
+                passkey={
+                    k: _mean([r.passkey.get(k) for r in members])
+                    for k in sorted({k for r in members for k in r.passkey}, key=long_context.factor_of)
+                },
             )
         )
     return sorted(rows, key=lambda r: r.val_loss_mean)
@@ -247,8 +257,10 @@ def _short(value: str) -> str:
 
 def markdown_table(rows: list[Row], keys: list[str]) -> str:
     """A markdown table, best first: the choice, seeds, final val/loss (mean ± std over seeds), val/ppl,
-    tokens/s, MFU, parameters, and ``ppl@Nx`` columns where a length evaluation exists."""
+    tokens/s, MFU, parameters, ``ppl@Nx`` columns where a length evaluation exists and ``passkey@Nx``
+    (retrieval accuracy) where a passkey study exists."""
     length_cols = sorted({k for r in rows for k in r.length_ppl}, key=lambda s: float(s[4:-1]))
+    passkey_cols = sorted({k for r in rows for k in r.passkey}, key=long_context.factor_of)
     choice_cols = keys or ["runs"]
     header = [
         "#",
@@ -260,6 +272,7 @@ def markdown_table(rows: list[Row], keys: list[str]) -> str:
         "MFU",
         "parameters",
         *length_cols,
+        *passkey_cols,
     ]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for i, row in enumerate(rows, 1):
@@ -279,6 +292,7 @@ def markdown_table(rows: list[Row], keys: list[str]) -> str:
                 f"{row.length_ppl[c]:.2f}" if row.length_ppl.get(c) is not None else "n/a"
                 for c in length_cols
             ],
+            *[f"{row.passkey[c]:.0%}" if row.passkey.get(c) is not None else "n/a" for c in passkey_cols],
         ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -340,9 +354,13 @@ def write_comparison(
     plot_path = plot_val_loss(rows, out / "val_loss.png", title=f"Validation loss, {title}")
     markdown_path = out / "comparison.md"
     notes = "".join(f"\n- skipped {p}: {m}" for p, m in skipped)
+    long_context_plot = ""
+    if any(row.length_ppl or row.passkey for row in rows):
+        path = long_context.plot_rows(rows, out / "long_context.png")
+        long_context_plot = f"\n\n![perplexity, loss by position and passkey retrieval]({path.name})"
     markdown_path.write_text(
         f"# {title}\n\n{len(runs)} runs, sorted by final validation loss (mean ± std over seeds)."
-        f"\n\n{table}\n\n![validation loss]({plot_path.name})\n{notes}\n"
+        f"\n\n{table}\n\n![validation loss]({plot_path.name}){long_context_plot}\n{notes}\n"
     )
     return Comparison(rows, keys, table, markdown_path, plot_path, skipped)
 
