@@ -15,8 +15,9 @@ import argparse
 import logging
 import sys
 
-from gptlab.errors import ConfigError
-from gptlab.eval import length, sweep
+from gptlab.analysis import length as sweep
+from gptlab.errors import ConfigError, DataError
+from gptlab.eval import length
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -47,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
         result, paths = length.evaluate_run(
             args.path, options, out_dir=args.out, use_wandb=not args.no_wandb, device=args.device
         )
-    except ConfigError as e:
+    except (ConfigError, DataError) as e:
         print(f"eval_length: error: {e}", file=sys.stderr)
         return 2
     print(length.format_table(result))

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from omegaconf import OmegaConf
 
-from gptlab.eval.runs import load_run
+from gptlab.runs.trained import load_run
 
 
 @dataclass

@@ -19,10 +19,10 @@ import torch
 
 from gptlab.errors import ConfigError
 from gptlab.eval.positions import plot_scheme
-from gptlab.eval.runs import load_run
 from gptlab.model import positional
 from gptlab.model.config import GPTConfig
 from gptlab.model.gpt import GPT
+from gptlab.runs.trained import load_run
 
 
 def main(argv: list[str] | None = None) -> int:

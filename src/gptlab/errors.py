@@ -7,3 +7,7 @@ class ConfigError(ValueError):
 
 class DataError(ValueError):
     """A corpus or data file that cannot be used as given."""
+
+
+class CheckpointError(ConfigError):
+    """A checkpoint that cannot be read, that is not gptlab's, or that belongs to a different model."""

@@ -24,12 +24,13 @@ import torch.nn.functional as F
 
 from gptlab.errors import ConfigError
 from gptlab.model.gpt import GPT
+from gptlab.runs.layout import LENGTH_FILE
 
 log = logging.getLogger(__name__)
 
 DEFAULT_FACTORS = (1, 2, 4, 8)
 ROPE_SCALINGS = ("linear", "ntk", "yarn")
-RESULT_FILE = "length.json"
+RESULT_FILE = LENGTH_FILE  # <run dir>/eval_length/length.json (gptlab.runs.layout)
 
 
 @dataclass
@@ -321,7 +322,7 @@ def evaluate_run(
 ) -> tuple[dict[str, Any], list[Path]]:
     """Evaluate a run directory or checkpoint; writes JSON and plots to ``out_dir`` (default
     ``<run dir>/eval_length``) and, when the run logged to W&B, a W&B run in the same group."""
-    from gptlab.eval.runs import load_run, validation_tokens
+    from gptlab.runs.trained import load_run, validation_tokens
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     trained = load_run(path, device)
