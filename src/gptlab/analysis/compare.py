@@ -153,7 +153,7 @@ def read_sweep(sweep_dir: str | Path, source: str = "auto") -> tuple[list[RunRec
     run_dirs = find_run_dirs(sweep_dir)
     if not run_dirs:
         raise DataError(
-            f"No run directories below {sweep_dir} (none holds .hydra/overrides.yaml): pass the directory a "
+            f"No run directories below {sweep_dir} (none holds .hydra/overrides.yaml or config_resolved.yaml): pass the directory a "
             "multirun printed, e.g. outputs/multirun/<date>/<time>."
         )
     runs, skipped = [], []

@@ -52,6 +52,7 @@ class _MetadataUnpickler(pickle.Unpickler):
     """Admits the classes a DCP ``.metadata`` file is made of (torch.distributed.checkpoint's dataclasses,
     torch dtypes, sizes and memory formats, standard containers), nothing else."""
 
+    _PATHS = {"Path", "PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"}
     _BUILTINS = {"dict", "list", "tuple", "set", "frozenset", "int", "float", "str", "bytes", "bool", "slice"}
 
     def find_class(self, module: str, name: str) -> Any:
@@ -62,6 +63,12 @@ class _MetadataUnpickler(pickle.Unpickler):
         ):
             return super().find_class(module, name)
         if module == "builtins" and name in self._BUILTINS:
+            return super().find_class(module, name)
+        # the checkpoint's own path (StorageMeta.checkpoint_id), and the lookup of a tensor layout by name
+        if (module == "pathlib" and name in self._PATHS) or (module, name) == (
+            "torch.serialization",
+            "_get_layout",
+        ):
             return super().find_class(module, name)
         if module == "torch":
             value = getattr(torch, name, None)

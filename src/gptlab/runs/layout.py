@@ -214,8 +214,9 @@ def git_commit(where: Path | None = None) -> str:
 
 
 def find_run_dirs(root: str | Path, max_depth: int = 6) -> list[Path]:
-    """The run directories at or below ``root`` (those holding ``.hydra/overrides.yaml``), in job order
-    (``<sweep>/2`` before ``<sweep>/10``). Empty when ``root`` is not a directory."""
+    """The run directories at or below ``root`` (those holding ``.hydra/overrides.yaml`` or
+    ``config_resolved.yaml``), in job order (``<sweep>/2`` before ``<sweep>/10``). Empty when ``root`` is
+    not a directory."""
     root = Path(root)
     if not root.is_dir():
         return []
@@ -223,7 +224,7 @@ def find_run_dirs(root: str | Path, max_depth: int = 6) -> list[Path]:
     base = len(root.parts)
     for dirpath, dirnames, _ in os.walk(root):
         here = Path(dirpath)
-        if (here / OVERRIDES_FILE).is_file():
+        if Run.is_run_dir(here):
             found.append(here)
         if len(here.parts) - base >= max_depth:
             dirnames[:] = []
