@@ -240,11 +240,16 @@ def _write_result(run_dir: Path, metrics: dict[str, float], step: int, max_steps
 def _report(
     metrics: dict[str, float], entropy: float, run_dir: Path, trainer: L.Trainer, loggers: list, step: int
 ) -> None:
-    val = metrics.get("val/loss", math.nan)
+    val = metrics.get("val/loss")
+    if val is None:
+        first = "No validation (it is off: trainer.limit_val_batches=0)"
+    else:
+        first = (
+            f"Final validation loss {val:.4f} nats (perplexity {math.exp(val):.1f}); unigram entropy of the "
+            f"corpus {entropy:.4f} nats ({abs(entropy - val):.3f} {'below' if val < entropy else 'above'} it)"
+        )
     lines = [
-        f"Final validation loss {val:.4f} nats (perplexity {math.exp(val) if val == val else math.nan:.1f}); "
-        f"unigram entropy of the corpus {entropy:.4f} nats"
-        + (f" ({abs(entropy - val):.3f} {'below' if val < entropy else 'above'} it)" if val == val else ""),
+        first,
         f"Trained {step} steps in {metrics['wall_seconds']:.0f} s",
         f"Outputs: {run_dir}",
     ]
@@ -253,13 +258,15 @@ def _report(
         lines.append(
             f"  checkpoints: {ckpt.dirpath} (last.ckpt, best by val/loss: {Path(ckpt.best_model_path).name})"
         )
+    from lightning.pytorch.loggers import CSVLogger, WandbLogger
+
     for lg in loggers:
-        if lg.__class__.__name__ == "WandbLogger":
+        if isinstance(lg, WandbLogger):
             folder = Path(lg.experiment.dir).parent
             if lg.experiment.settings._offline:
                 lines.append(f"  W&B offline run: {folder}  (upload: wandb sync {folder})")
             else:
                 lines.append(f"  W&B run: {lg.experiment.url}")
-        elif lg.__class__.__name__ == "CSVLogger":
+        elif isinstance(lg, CSVLogger):
             lines.append(f"  metrics: {Path(lg.log_dir) / 'metrics.csv'}")
     print("\n".join(lines), flush=True)
