@@ -74,9 +74,13 @@ def _val_loss_in_name(path: Path) -> float:
 
 
 def _job_order(root: Path, path: Path) -> tuple:
-    """Numeric path parts in numeric order (job 10 after job 9)."""
-    parts = path.relative_to(root).parts
-    return tuple((0, int(p), "") if p.isdigit() else (1, 0, p) for p in parts)
+    """Path parts that start with a job number in numeric order (``10-rope-seed0`` after ``9-nope-seed2``)."""
+
+    def key(part: str) -> tuple:
+        number = re.match(r"\d+", part)
+        return (0, int(number.group()), part) if number else (1, 0, part)
+
+    return tuple(key(p) for p in path.relative_to(root).parts)
 
 
 @dataclass(frozen=True)
