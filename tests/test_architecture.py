@@ -95,7 +95,7 @@ def test_rmsnorm_is_zhang_and_sennrichs_and_layernorm_bias_is_optional():
     assert norms.build(tiny(bias=False, norm_bias=True)).bias is not None
     assert norms.build(tiny(norm_bias=False)).bias is None
     with pytest.raises(ConfigError, match="norm=rmsnorm has no bias"):
-        tiny(norm="rmsnorm", norm_bias=True)
+        GPT(tiny(norm="rmsnorm", norm_bias=True))
 
 
 @pytest.mark.parametrize("norm", NORM_YAMLS)
@@ -218,6 +218,6 @@ def test_bad_architecture_values_are_refused_with_the_fix():
     with pytest.raises(ConfigError, match=r"n_head=4 is not divisible by model.n_kv_head=3.*multi-query"):
         tiny(n_kv_head=3)
     with pytest.raises(ConfigError, match=r"Unknown norm 'rms'.*rmsnorm"):
-        tiny(norm="rms")
+        GPT(tiny(norm="rms"))
     with pytest.raises(ConfigError, match=r"Did you mean activation=swiglu"):
-        tiny(activation="swiglue")
+        GPT(tiny(activation="swiglue"))

@@ -68,3 +68,48 @@ def test_logger_factories_instantiate(make_cfg, tmp_path):
     cfg = make_cfg("logger=csv", f"paths.output_dir={tmp_path}")
     logger = instantiate(cfg.logger.csv)
     assert Path(logger.log_dir).parent == tmp_path / "csv" or Path(logger.log_dir) == tmp_path / "csv"
+
+
+def test_any_family_gets_typed_options_from_the_registry():
+    """The mechanism the variant families share: a registered class's Options dataclass, built and checked
+    from a config node by `Registry.build_options`."""
+    from dataclasses import dataclass
+    from typing import Literal
+
+    from gptlab.errors import ConfigError
+    from gptlab.registry import NoOptions, Registry
+
+    family = Registry("widget", "widget")
+
+    @family.register("plain")
+    class Plain:
+        """Takes no options."""
+
+    @family.register("tuned")
+    class Tuned:
+        @dataclass(frozen=True)
+        class Options:
+            size: int = 3
+            rate: float = 0.5
+            mode: Literal["fast", "exact"] = "fast"
+            limit: int | None = None
+
+    assert family.build_options("plain", {"name": "plain"}) == NoOptions()
+    assert family.build_options("tuned", {"name": "tuned", "rate": 1, "limit": 7}) == Tuned.Options(
+        3, 1.0, "fast", 7
+    )
+    assert family.names() == ["plain", "tuned"] and "tuned" in family
+    with pytest.raises(
+        ConfigError, match=r"widget=plain does not take option\(s\) widget.size. Its options: none"
+    ):
+        family.build_options("plain", {"size": 2})
+    with pytest.raises(ConfigError, match=r"widget.mode='slow' must be one of 'fast', 'exact' \(got str\)"):
+        family.build_options("tuned", {"mode": "slow"})
+    with pytest.raises(ConfigError, match=r"widget.limit='7' must be an integer or null \(got str\)"):
+        family.build_options("tuned", {"limit": "7"})
+    with pytest.raises(ConfigError, match=r"widget.size=True must be an integer \(got bool\)"):
+        family.build_options("tuned", {"size": True})
+    with pytest.raises(ConfigError, match=r"Did you mean widget.rate\?"):
+        family.build_options("tuned", {"rates": 1.0})
+    with pytest.raises(ConfigError, match=r"Unknown widget 'tune'.*Did you mean widget=tuned\?"):
+        family.build_options("tune", {})

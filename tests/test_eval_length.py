@@ -147,6 +147,21 @@ def test_learned_positions_say_they_cannot_run_longer():
     assert "cannot run" in length.format_table(result)
 
 
+@pytest.mark.parametrize("pos,scaled", [("xpos", True), ("alibi", False)])
+def test_every_scheme_with_context_scalings_gets_the_scaling_study(pos, scaled):
+    """The study asks the scheme for its context scalings (xPos has RoPE's), and leaves it as trained."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=20, block_size=16, n_layer=1, n_head=2, n_embd=32, pos=pos)).eval()
+    tokens = np.random.default_rng(0).integers(0, 20, 200)
+    before = model(torch.as_tensor(tokens[None, :40]))[0]
+    result = length.evaluate_lengths(model, tokens, 16, length.LengthEvalOptions(factors=[1, 2]))
+    expected = {pos} | ({f"{pos}+{s}" for s in ("linear", "ntk", "yarn")} if scaled else set())
+    assert set(result["variants"]) == expected
+    if scaled:  # a stretched scheme scores the same windows differently
+        assert result["variants"][f"{pos}+linear"]["2"]["loss"] != result["variants"][pos]["2"]["loss"]
+    torch.testing.assert_close(model(torch.as_tensor(tokens[None, :40]))[0], before)
+
+
 def test_sweep_summary_averages_seeds(trained, tmp_path):
     _, run_dir, _ = trained
     result = json.loads((run_dir / "eval_length" / "length.json").read_text())

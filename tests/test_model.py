@@ -104,10 +104,119 @@ def test_bad_model_configs_are_refused_with_the_fix():
     with pytest.raises(ConfigError, match=r"n_embd=100 is not divisible by model.n_head=3"):
         tiny(n_embd=100, n_head=3)
     with pytest.raises(ConfigError, match=r"Unknown positional encoding 'rotary'.*learned"):
-        tiny(pos="rotary")
+        GPT(tiny(pos="rotary"))
     with pytest.raises(ConfigError, match=r"Unknown activation 'gleu'.*gelu.*Did you mean activation=gelu"):
-        tiny(activation="gleu")
+        GPT(tiny(activation="gleu"))
     with pytest.raises(ConfigError, match="norm.placement"):
         tiny(norm_placement="middle")
     with pytest.raises(ConfigError, match="did you mean 'n_layer'"):
         GPTConfig.from_dict({"n_layers": 3})
+
+
+def test_importing_the_model_pulls_in_no_training_framework():
+    """`from gptlab.model import GPT` needs torch only: no Lightning, Hydra, OmegaConf or W&B."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from gptlab.model import GPT, GPTConfig; import gptlab.model.gpt; "
+        "GPT(GPTConfig(vocab_size=11, block_size=8, n_layer=1, n_head=2, n_embd=8, pos='alibi')); "
+        "loaded = [m for m in ('lightning', 'omegaconf', 'hydra', 'wandb') if m in sys.modules]; "
+        "assert not loaded, loaded"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def module_imports() -> dict[str, set[str]]:
+    """gptlab module -> the gptlab modules it imports at module level (not inside functions, not under
+    TYPE_CHECKING)."""
+    import ast
+    from pathlib import Path
+
+    import gptlab
+
+    root = Path(gptlab.__file__).parent
+    modules = {}
+    for path in root.rglob("*.py"):
+        parts = path.relative_to(root.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        modules[name] = path
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        edges = graph.setdefault(name, set())
+        for node in ast.parse(path.read_text()).body:  # module level only
+            if isinstance(node, ast.Import):
+                edges |= {a.name for a in node.names if a.name in modules}
+            elif isinstance(node, ast.ImportFrom) and node.module and node.module in modules:
+                subs = {f"{node.module}.{a.name}" for a in node.names} & set(modules)
+                edges |= subs or {node.module}
+                if len(subs) < len(node.names):
+                    edges.add(node.module)
+    return graph
+
+
+def test_no_import_circle_and_the_model_config_is_a_leaf():
+    import ast
+
+    import gptlab.model.config
+
+    tree = ast.parse(open(gptlab.model.config.__file__).read())
+    anywhere = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}  # also inside functions
+    assert {m for m in anywhere if m and m.startswith("gptlab")} == {"gptlab.errors"}
+    graph = module_imports()
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def visit(module: str, path: list[str]) -> None:
+        state[module] = 1
+        for dep in sorted(graph.get(module, ())):
+            if state.get(dep) == 1:
+                circle = path[path.index(dep) :] + [dep] if dep in path else [module, dep]
+                pytest.fail("import circle: " + " -> ".join(circle))
+            if dep not in state:
+                visit(dep, [*path, dep])
+        state[module] = 2
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module, [module])
+
+
+def test_a_checkpoints_model_config_from_before_typed_options_still_builds():
+    """Checkpoints store GPTConfig.to_dict() in hyper_parameters["model"]; one written before activations
+    had options (no activation_options key) builds the same model, its free-form pos_options typed."""
+    old = {
+        "vocab_size": 97,
+        "block_size": 32,
+        "n_layer": 2,
+        "n_head": 4,
+        "n_embd": 32,
+        "n_kv_head": None,
+        "dropout": 0.0,
+        "bias": True,
+        "tie_weights": True,
+        "mlp_ratio": None,
+        "init_std": 0.02,
+        "pos": "rope",
+        "pos_options": {"base": 500, "rotary_fraction": 0.5, "scaling": "none", "scale_factor": 1.0},
+        "activation": "swiglu",
+        "norm": "rmsnorm",
+        "norm_placement": "pre",
+        "norm_eps": 1e-6,
+        "norm_bias": None,
+    }
+    config = GPTConfig.from_dict(old)
+    assert config.activation_options == {}
+    model = GPT(config)
+    scheme = model.transformer.pos
+    assert scheme.options == positional.get("rope").Options(base=500.0, rotary_fraction=0.5)
+    assert scheme.rotary_dim == 4
+    state = {k: torch.randn_like(v) for k, v in model.state_dict().items()}
+    again = GPT(GPTConfig.from_dict(config.to_dict()))
+    again.load_state_dict(state)
+    model.load_state_dict(state)
+    idx = torch.randint(0, 97, (1, 12))
+    torch.testing.assert_close(again(idx)[0], model(idx)[0])
+    # ...and the YAML node shape (name plus options) is accepted as well
+    node = GPTConfig.from_dict({**old, "pos": {"name": "alibi"}, "pos_options": {}})
+    assert node.pos == "alibi" and node.pos_options == {}

@@ -2,6 +2,7 @@
 every YAML under conf/pos/ trains through the CLI."""
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ from gptlab.model.config import GPTConfig
 from gptlab.model.gpt import GPT, KVCache
 
 POS_YAMLS = sorted(p.stem for p in (CONF / "pos").glob("*.yaml"))
-UNBOUNDED = [name for name in positional.names() if name != "learned"]
+UNBOUNDED = [name for name in positional.names() if positional.get(name).extrapolates]
 
 
 def tiny(**kw) -> GPTConfig:
@@ -189,21 +190,35 @@ def test_every_unbounded_scheme_runs_at_twice_the_training_context_with_cache_pa
     torch.testing.assert_close(torch.cat(pieces, dim=1), full, rtol=1e-4, atol=1e-5)
 
 
+ROTARY = [name for name in positional.names() if positional.get(name).is_rotary]
+
+
+@pytest.mark.parametrize("pos", ROTARY)
 @pytest.mark.parametrize("scaling", ["linear", "ntk", "yarn"])
-def test_scaled_rope_keeps_cache_parity_and_changes_the_output(scaling):
+def test_scaled_rotary_keeps_cache_parity_changes_the_output_and_restores_it(pos, scaling):
     torch.manual_seed(0)
-    model = GPT(tiny(pos="rope")).eval()
+    model = GPT(tiny(pos=pos)).eval()
+    scheme = model.transformer.pos
+    assert scaling in scheme.context_scalings
     idx = torch.randint(0, 61, (1, 40))
     plain, _ = model(idx)
-    model.transformer.pos.scaling = scaling
-    model.transformer.pos.set_scale(2.5)
-    scaled, _ = model(idx)
+    with scheme.scaled(2.5, scaling):
+        scaled, _ = model(idx)
+        cache = KVCache.empty(model.config.n_layer)
+        pieces = [model(idx[:, :30], cache=cache)[0]] + [
+            model(idx[:, t : t + 1], cache=cache)[0] for t in range(30, 40)
+        ]
     assert not torch.allclose(plain, scaled)
-    cache = KVCache.empty(model.config.n_layer)
-    pieces = [model(idx[:, :30], cache=cache)[0]] + [
-        model(idx[:, t : t + 1], cache=cache)[0] for t in range(30, 40)
-    ]
     torch.testing.assert_close(torch.cat(pieces, dim=1), scaled, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(model(idx)[0], plain)  # as trained again after the block
+
+
+def test_schemes_without_context_scaling_refuse_it_by_name():
+    scheme = GPT(tiny(pos="alibi")).transformer.pos
+    assert scheme.context_scalings == ()
+    with pytest.raises(ConfigError, match=r"pos=alibi has no context scaling 'yarn' \(it has: none\)"):
+        with scheme.scaled(2.0, "yarn"):
+            pass
 
 
 def test_learned_table_says_it_cannot_run_past_its_table():
@@ -218,9 +233,9 @@ def test_learned_table_says_it_cannot_run_past_its_table():
         (dict(n_embd=66, n_head=2), r"pos=rope needs an even head dimension .* = 33"),
         (
             dict(pos_options={"scaling": "dynamic"}),
-            r"pos.scaling='dynamic' is not one of none, linear, ntk, yarn",
+            r"pos.scaling='dynamic' must be one of 'none', 'linear', 'ntk', 'yarn'",
         ),
-        (dict(pos_options={"rotary_fraction": 0}), r"pos.rotary_fraction=0 must be in \(0, 1\]"),
+        (dict(pos_options={"rotary_fraction": 0}), r"pos.rotary_fraction=0(\.0)? must be in \(0, 1\]"),
         (dict(pos_options={"rotary_fraction": 0.1}), r"leaves no pair to rotate"),
         (dict(pos_options={"scale_factor": 0.5}), r"pos.scale_factor=0.5 must be a number >= 1"),
         (
@@ -231,18 +246,56 @@ def test_learned_table_says_it_cannot_run_past_its_table():
 )
 def test_bad_rope_options_are_refused_with_the_fix(kw, message):
     with pytest.raises(ConfigError, match=message):
-        tiny(pos="rope", **kw)
+        GPT(tiny(pos="rope", **kw))
 
 
 def test_bad_bias_scheme_options_are_refused():
     with pytest.raises(
         ConfigError, match=r"pos.max_distance=8 must be an integer larger than pos.num_buckets/2 = 16"
     ):
-        tiny(pos="relative", pos_options={"max_distance": 8})
+        GPT(tiny(pos="relative", pos_options={"max_distance": 8}))
     with pytest.raises(ConfigError, match=r"pos=alibi does not take option\(s\) pos.base. Its options: none"):
-        tiny(pos="alibi", pos_options={"base": 10})
+        GPT(tiny(pos="alibi", pos_options={"base": 10}))
     with pytest.raises(ConfigError, match=r"pos.hidden=0 must be a positive integer"):
-        tiny(pos="fire", pos_options={"hidden": 0})
+        GPT(tiny(pos="fire", pos_options={"hidden": 0}))
+
+
+@pytest.mark.parametrize(
+    "pos,options,message",
+    [
+        ("rope", {"base": "big"}, r"pos.base='big' must be a number \(got str\)"),
+        ("rope", {"base": True}, r"pos.base=True must be a number \(got bool\)"),
+        (
+            "rope",
+            {"scaling": "dynamic"},
+            r"pos.scaling='dynamic' must be one of 'none', 'linear', 'ntk', 'yarn'",
+        ),
+        ("relative", {"num_buckets": 32.5}, r"pos.num_buckets=32.5 must be an integer \(got float\)"),
+        ("fire", {"init_threshold": "x"}, r"pos.init_threshold='x' must be a number or null"),
+        ("rope", {"bas": 500.0}, r"pos=rope does not take option\(s\) pos.bas\..*Did you mean pos.base\?"),
+    ],
+)
+def test_every_option_is_type_checked_from_its_dataclass(pos, options, message):
+    """Types come from each scheme's Options dataclass: the message names the key, the type and the value."""
+    with pytest.raises(ConfigError, match=message):
+        positional.check(tiny(pos=pos, pos_options=options))
+
+
+def test_options_are_typed_dataclasses_with_the_yamls_defaults():
+    """Each scheme's YAML spells out the defaults of its Options dataclass (a key in one and not the other
+    would be a silent difference between `python train.py` and `GPT(GPTConfig(...))`)."""
+    import dataclasses
+
+    from omegaconf import OmegaConf
+
+    for name in positional.names():
+        node = OmegaConf.to_container(OmegaConf.load(CONF / "pos" / f"{name}.yaml"))
+        node.pop("name")
+        options = positional.REGISTRY.build_options(name, node)
+        assert dataclasses.is_dataclass(options), name
+        assert options == positional.get(name).Options(), name
+    rope = positional.REGISTRY.build_options("rope", {"base": 500})  # an int where a float is wanted
+    assert rope.base == 500.0 and isinstance(rope.base, float)
 
 
 def test_every_pos_yaml_trains_through_the_cli(tmp_path):
@@ -278,3 +331,105 @@ def test_every_pos_yaml_trains_through_the_cli(tmp_path):
         header = rows[0].split(",")
         losses = [r.split(",")[header.index("val/loss")] for r in rows[1:]]
         assert any(v and math.isfinite(float(v)) for v in losses)
+
+
+BIASED = [
+    name
+    for name in positional.names()
+    if GPT(tiny(pos=name)).transformer.pos.bias(torch.arange(2), torch.arange(2)) is not None
+]
+
+
+@pytest.mark.parametrize("pos", BIASED)
+def test_the_bias_is_computed_once_per_forward_for_every_layer(pos, monkeypatch):
+    model = GPT(tiny(pos=pos, n_layer=3))
+    scheme = model.transformer.pos
+    calls = []
+    original = scheme.bias
+    monkeypatch.setattr(scheme, "bias", lambda q, k: calls.append(len(q)) or original(q, k))
+    _, loss = model(torch.randint(0, 61, (2, 16)), torch.randint(0, 61, (2, 16)))
+    loss.backward()
+    assert calls == [16]
+
+
+def attention_inputs(n_head: int, n_kv_head: int, T: int, Tk: int, device: str = "cpu"):
+    g = torch.Generator(device=device).manual_seed(0)
+    shape = lambda heads, n: (2, heads, n, 16)  # noqa: E731
+    return [
+        torch.randn(shape(h, n), generator=g, device=device)
+        for h, n in ((n_head, T), (n_kv_head, Tk), (n_kv_head, Tk))
+    ]
+
+
+@pytest.mark.parametrize("pos", BIASED)
+@torch.no_grad()
+def test_flex_attention_score_mods_equal_the_dense_bias_route(pos):
+    """FlexAttention's forward also runs (unfused) on CPU: each scheme's score_mod with the causal block
+    mask gives the dense SDPA route's output, also for queries after cached keys (Tk > T). A wrong sign in
+    ALiBi's -slope * (i - j) fails here."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from gptlab.model.attention import AttentionBias, causal_block_mask, dense_bias_attention
+
+    scheme = GPT(tiny(pos=pos, n_head=4, n_kv_head=2, n_embd=64, block_size=64)).transformer.pos
+    for T, Tk in ((40, 40), (24, 56)):
+        q_positions, k_positions = torch.arange(Tk - T, Tk), torch.arange(Tk)
+        q, k, v = attention_inputs(4, 2, T, Tk)
+        dense = AttentionBias.build(scheme, q_positions, k_positions, use_flex=False)
+        expected = dense_bias_attention(q, k, v, dense.mask, 0.0, gqa=True)
+        flex = AttentionBias.build(scheme, q_positions, k_positions, use_flex=True)
+        assert flex.block_mask is causal_block_mask(T, Tk, "cpu")  # built once per shape
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*without torch.compile")  # unfused on CPU: fine here
+            out = flex_attention(
+                q, k, v, score_mod=flex.score_mod, block_mask=flex.block_mask, enable_gqa=True
+            )
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_the_dense_route_in_query_blocks_equals_one_masked_call(monkeypatch):
+    """Queries in blocks, each over the keys up to its last query, are the same attention as one call over
+    the whole square (forward and gradients, the bias's included)."""
+    import torch.nn.functional as F
+
+    from gptlab.model import attention
+
+    monkeypatch.setattr(attention, "QUERY_BLOCK", 16)
+    scheme = GPT(tiny(pos="relative", block_size=64)).transformer.pos
+    positions = torch.arange(56)
+    q, k, v = (t.requires_grad_() for t in attention_inputs(4, 4, 56, 56))
+    mask = attention.AttentionBias.build(scheme, positions, positions, use_flex=False).mask
+    blocked = attention.dense_bias_attention(q, k, v, mask, 0.0, gqa=False)
+    params = [q, k, v, scheme.relative_attention_bias.weight]
+    grads = torch.autograd.grad(blocked.square().sum(), params, retain_graph=True)
+    whole = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    expected = torch.autograd.grad(whole.square().sum(), params)
+    torch.testing.assert_close(blocked, whole, rtol=1e-5, atol=1e-6)
+    for got, want in zip(grads, expected):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="FlexAttention trains on CUDA only")
+@pytest.mark.parametrize("pos", BIASED)
+def test_flex_attention_training_step_equals_the_sdpa_route_on_cuda(pos, monkeypatch):
+    """On CUDA the model trains bias schemes through compiled FlexAttention: its loss and every gradient
+    (the scheme's own parameters included) equal the dense SDPA route's."""
+    from gptlab.model import attention
+
+    torch.manual_seed(0)
+    config = tiny(pos=pos, n_head=4, n_kv_head=2, n_embd=128, block_size=256)
+    flex_model = GPT(config).cuda()
+    sdpa_model = GPT(config).cuda()
+    sdpa_model.load_state_dict(flex_model.state_dict())
+    idx = torch.randint(0, 61, (2, 256), device="cuda")
+    assert attention.flex_attention_available(idx.device, config.head_dim)
+    _, flex_loss = flex_model(idx, idx)
+    flex_loss.backward()
+    monkeypatch.setattr(attention, "flex_attention_available", lambda device, head_dim=64: False)
+    _, sdpa_loss = sdpa_model(idx, idx)
+    sdpa_loss.backward()
+    torch.testing.assert_close(flex_loss, sdpa_loss, rtol=1e-4, atol=1e-5)
+    sdpa_grads = dict(sdpa_model.named_parameters())
+    for name, p in flex_model.named_parameters():
+        torch.testing.assert_close(p.grad, sdpa_grads[name].grad, rtol=1e-3, atol=1e-5, msg=name)

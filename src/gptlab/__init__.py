@@ -1,16 +1,35 @@
-"""gptlab: controlled experiments on GPT-style decoder-only transformers."""
+"""gptlab: controlled experiments on GPT-style decoder-only transformers.
 
+The names below load on first use (PEP 562), so that ``import gptlab.model`` stays free of Lightning,
+Hydra and W&B: only the builders need the config system.
+"""
+
+from __future__ import annotations
+
+import importlib
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-from gptlab.builders import build_datamodule, build_model, build_model_config, build_tokenizer
 from gptlab.errors import ConfigError, DataError
-from gptlab.model.config import GPTConfig
-from gptlab.model.gpt import GPT
+
+if TYPE_CHECKING:
+    from gptlab.builders import build_datamodule, build_model, build_model_config, build_tokenizer
+    from gptlab.model.config import GPTConfig
+    from gptlab.model.gpt import GPT
 
 __version__ = "0.1.0"
 
 #: The Hydra config folder of a source checkout (an editable install).
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "conf"
+
+_EXPORTS = {
+    "GPT": "gptlab.model.gpt",
+    "GPTConfig": "gptlab.model.config",
+    "build_datamodule": "gptlab.builders",
+    "build_model": "gptlab.builders",
+    "build_model_config": "gptlab.builders",
+    "build_tokenizer": "gptlab.builders",
+}
 
 __all__ = [
     "CONFIG_DIR",
@@ -23,3 +42,9 @@ __all__ = [
     "build_model_config",
     "build_tokenizer",
 ]
+
+
+def __getattr__(name: str) -> Any:  # PEP 562: import on first use
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -18,8 +18,9 @@ from omegaconf import DictConfig, OmegaConf
 from gptlab.data import corpus, tokenizers
 from gptlab.data.datamodule import GPTDataModule
 from gptlab.errors import ConfigError
+from gptlab.model import positional
 from gptlab.model.config import GPTConfig
-from gptlab.model.gpt import GPT
+from gptlab.model.gpt import GPT, check_config
 
 # Keys of the data node that describe the corpus (the rest are loader settings).
 _SPEC_KEYS = {
@@ -61,14 +62,16 @@ def build_tokenizer(cfg: DictConfig) -> tokenizers.Tokenizer:
     return corpus.prepare(data_spec(cfg), name).tokenizer
 
 
-def build_model_config(cfg: DictConfig, tokenizer: tokenizers.Tokenizer | None = None) -> GPTConfig:
-    model = _plain(cfg.model)
-    pos = _plain(cfg.pos)
-    norm = _plain(cfg.norm)
-    values = dict(model)
+def model_config_from_nodes(
+    model: Any, pos: Any, activation: Any, norm: Any, tokenizer: tokenizers.Tokenizer | None = None
+) -> GPTConfig:
+    """The GPTConfig of the ``model``, ``pos``, ``activation`` and ``norm`` config nodes; ``tokenizer`` sizes
+    the vocabulary when ``model.vocab_size`` is null. Every variant name and option is checked here."""
+    values = dict(_plain(model))
     values.pop("init_from", None)  # weights to start from, not part of the architecture
     if values.get("vocab_size") is None:
-        tokenizer = tokenizer or build_tokenizer(cfg)
+        if tokenizer is None:
+            raise ConfigError("model.vocab_size=null takes the tokenizer's size, but no tokenizer was given.")
         values["vocab_size"] = tokenizer.vocab_size
     elif tokenizer is not None and tokenizer.vocab_size > values["vocab_size"]:
         raise ConfigError(
@@ -76,21 +79,28 @@ def build_model_config(cfg: DictConfig, tokenizer: tokenizers.Tokenizer | None =
             f"{values['vocab_size']}: the embedding table has no row for the larger ids. Set "
             f"model.vocab_size={tokenizer.vocab_size} or larger, or null to take the tokenizer's size."
         )
-    values["pos"] = pos.pop("name")
-    values["pos_options"] = pos
-    values["activation"] = _plain(cfg.activation)["name"]
+    norm = dict(_plain(norm))
+    values["pos"] = dict(_plain(pos))  # the node: name plus the scheme's options
+    values["activation"] = dict(_plain(activation))
     values["norm"] = norm.pop("name")
-    if "placement" in norm:
-        values["norm_placement"] = norm.pop("placement")
-    if "eps" in norm:
-        values["norm_eps"] = norm.pop("eps")
-    if "bias" in norm:
-        values["norm_bias"] = norm.pop("bias")
+    for key in ("placement", "eps", "bias"):
+        if key in norm:
+            values[f"norm_{key}"] = norm.pop(key)
     if norm:
         raise ConfigError(
             f"Unknown norm option(s) {sorted(norm)}. Known: norm.name, norm.placement, norm.eps, norm.bias."
         )
-    return GPTConfig.from_dict(values)
+    config = GPTConfig.from_dict(values)
+    check_config(config)
+    return config
+
+
+def build_model_config(cfg: DictConfig, tokenizer: tokenizers.Tokenizer | None = None) -> GPTConfig:
+    """``model_config_from_nodes`` for a whole composed config (it builds the tokenizer when the vocabulary
+    size comes from it)."""
+    if cfg.model.get("vocab_size") is None and tokenizer is None:
+        tokenizer = build_tokenizer(cfg)
+    return model_config_from_nodes(cfg.model, cfg.pos, cfg.activation, cfg.norm, tokenizer)
 
 
 def build_model(cfg: DictConfig, tokenizer: tokenizers.Tokenizer | None = None) -> GPT:
@@ -111,10 +121,10 @@ def build_datamodule(cfg: DictConfig) -> GPTDataModule:
     data = _plain(cfg.data)
     model_cfg = _plain(cfg.model)
     block_size = data.get("block_size") or model_cfg["block_size"]
-    if cfg.pos.name == "learned" and block_size > model_cfg["block_size"]:
+    if not positional.get(cfg.pos.name).extrapolates and block_size > model_cfg["block_size"]:
         raise ConfigError(
-            f"data.block_size={block_size} is longer than the learned position table "
-            f"(model.block_size={model_cfg['block_size']}). Set model.block_size={block_size}, shorten "
+            f"data.block_size={block_size} is longer than the learned position table of "
+            f"pos={cfg.pos.name} (model.block_size={model_cfg['block_size']}). Set model.block_size={block_size}, shorten "
             "data.block_size, or use a scheme without a table (pos=sinusoidal, pos=nope)."
         )
     return GPTDataModule(

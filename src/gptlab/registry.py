@@ -1,13 +1,35 @@
-"""Name -> class registries for the variant families (positional encodings, activations, norms)."""
+"""Name -> class registries for the variant families (positional encodings, activations, norms, strategies,
+tokenizers), and typed options for each variant.
+
+A registered class declares what its config node may hold as a dataclass named ``Options`` (no ``Options``:
+the variant takes no options besides ``name``). ``registry.build_options(name, values)`` turns the plain
+values of a config node into that dataclass: an unknown key, or a value of the wrong type, is a
+:class:`ConfigError` that names the key, the allowed keys or type, and the fix. Range checks that a type
+cannot express belong in the dataclass's ``__post_init__``.
+
+    @dataclass(frozen=True)
+    class Options:
+        base: float = 10000.0
+        scaling: Literal["none", "linear"] = "none"
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Generic, TypeVar
+import dataclasses
+import difflib
+import types
+import typing
+from collections.abc import Callable, Mapping
+from typing import Any, Generic, Literal, TypeVar, Union
 
 from gptlab.errors import ConfigError
 
 T = TypeVar("T")
+
+
+@dataclasses.dataclass(frozen=True)
+class NoOptions:
+    """The options of a variant that takes none."""
 
 
 class Registry(Generic[T]):
@@ -29,8 +51,6 @@ class Registry(Generic[T]):
         try:
             return self._entries[name]
         except KeyError:
-            import difflib
-
             close = difflib.get_close_matches(str(name), self.names(), n=1)
             hint = f" Did you mean {self.config_key}={close[0]}?" if close else ""
             raise ConfigError(
@@ -43,3 +63,83 @@ class Registry(Generic[T]):
 
     def __contains__(self, name: str) -> bool:
         return name in self._entries
+
+    def options_type(self, name: str) -> type:
+        """The ``Options`` dataclass of variant ``name`` (:class:`NoOptions` when it declares none)."""
+        return getattr(self.get(name), "Options", NoOptions)
+
+    def build_options(self, name: str, values: Mapping[str, Any] | None = None) -> Any:
+        """The typed options of variant ``name`` from a config node's plain values (``name`` itself and
+        keys whose value is None for a field without a None default are not accepted silently)."""
+        values = {k: v for k, v in (values or {}).items() if k != "name"}
+        return build_options(self.options_type(name), values, f"{self.config_key}={name}", self.config_key)
+
+
+def build_options(options_type: type, values: Mapping[str, Any], owner: str, prefix: str) -> Any:
+    """``options_type(**values)`` after checking every key and the type of every value; ``owner`` names the
+    choice in messages (``pos=rope``), ``prefix`` the config node (``pos``)."""
+    fields = {f.name: f for f in dataclasses.fields(options_type) if f.init}
+    unknown = sorted(set(values) - set(fields))
+    if unknown:
+        allowed = ", ".join(f"{prefix}.{k}" for k in fields) or "none"
+        hints = []
+        for key in unknown:
+            close = difflib.get_close_matches(key, list(fields), n=1)
+            hints.append(f" Did you mean {prefix}.{close[0]}?" if close else "")
+        raise ConfigError(
+            f"{owner} does not take option(s) {', '.join(prefix + '.' + k for k in unknown)}. "
+            f"Its options: {allowed}. Remove the key from the command line or the YAML, or choose a "
+            f"{prefix} that takes it.{''.join(hints)}"
+        )
+    hints = typing.get_type_hints(options_type)
+    converted = {key: check_type(value, hints[key], f"{prefix}.{key}") for key, value in values.items()}
+    return options_type(**converted)
+
+
+def check_type(value: Any, hint: Any, label: str) -> Any:
+    """``value`` converted to ``hint`` (an int where a float is wanted becomes a float), or a ConfigError.
+    Understands the types options use: bool, int, float, str, None, unions of them and Literal choices."""
+    ok, converted = _match(value, hint)
+    if ok:
+        return converted
+    raise ConfigError(f"{label}={value!r} must be {_describe(hint)} (got {type(value).__name__}).")
+
+
+def _match(value: Any, hint: Any) -> tuple[bool, Any]:
+    origin = typing.get_origin(hint)
+    if origin is Literal:
+        return value in typing.get_args(hint), value
+    if origin in (Union, types.UnionType):
+        for arg in typing.get_args(hint):
+            ok, converted = _match(value, arg)
+            if ok:
+                return True, converted
+        return False, value
+    if hint is Any:
+        return True, value
+    if hint is type(None):
+        return value is None, value
+    if hint is bool:
+        return isinstance(value, bool), value
+    if hint is float:
+        # YAML and the command line write 2 for 2.0; a bool is not a number here.
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        return ok, float(value) if ok else value
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool), value
+    if isinstance(hint, type):
+        return isinstance(value, hint), value
+    return True, value  # a type these options do not use: left to the dataclass
+
+
+def _describe(hint: Any) -> str:
+    origin = typing.get_origin(hint)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(hint))
+    if origin in (Union, types.UnionType):
+        return " or ".join(_describe(a) for a in typing.get_args(hint))
+    if hint is type(None):
+        return "null"
+    return {bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(
+        hint, getattr(hint, "__name__", str(hint))
+    )

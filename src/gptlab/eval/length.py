@@ -2,9 +2,9 @@
 at each token position.
 
 A model trained on windows of ``T`` tokens is evaluated on non-overlapping validation windows of ``f * T``
-tokens. Schemes without a bounded table run at every length; ``learned`` is reported as unable to run past its
-table. A RoPE model is also evaluated with each context-scaling method (linear interpolation, NTK-aware, YaRN)
-set to the factor ``f``, since those exist exactly for this question.
+tokens. Schemes without a bounded table run at every length; a scheme with a table (``learned``) is reported as
+unable to run past it. A scheme with context-scaling methods (RoPE and xPos: linear interpolation, NTK-aware,
+YaRN) is also evaluated with each of them set to the factor ``f``, since those exist exactly for this question.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import logging
 import math
 import time
 from collections.abc import Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,7 +30,7 @@ from gptlab.runs.layout import LENGTH_FILE
 log = logging.getLogger(__name__)
 
 DEFAULT_FACTORS = (1, 2, 4, 8)
-ROPE_SCALINGS = ("linear", "ntk", "yarn")
+ROPE_SCALINGS = ("linear", "ntk", "yarn")  # the context-scaling methods studied, where the scheme has them
 RESULT_FILE = LENGTH_FILE  # <run dir>/eval_length/length.json (gptlab.runs.layout)
 
 
@@ -115,7 +116,7 @@ def evaluate_lengths(
     model: GPT, tokens: np.ndarray, train_context: int, options: LengthEvalOptions | None = None
 ) -> dict[str, Any]:
     """Loss, perplexity and loss by position at each factor of ``train_context``, for the model as trained
-    and, for RoPE, with each context-scaling method. ``tokens``: the flat validation token ids."""
+    and with each context-scaling method its scheme has. ``tokens``: the flat validation token ids."""
     options = options or LengthEvalOptions()
     if options.max_tokens is not None:
         tokens = tokens[: options.max_tokens]
@@ -123,8 +124,7 @@ def evaluate_lengths(
     model.eval()
     pos = model.transformer.pos
     variants: list[tuple[str, str | None]] = [(model.config.pos, None)]
-    if model.config.pos == "rope":
-        variants += [(f"rope+{s}", s) for s in options.rope_scalings]
+    variants += [(f"{model.config.pos}+{s}", s) for s in options.rope_scalings if s in pos.context_scalings]
     result: dict[str, Any] = {
         "pos": model.config.pos,
         "pos_options": dict(model.config.pos_options),
@@ -133,7 +133,6 @@ def evaluate_lengths(
         "validation_tokens": int(len(tokens)),
         "variants": {},
     }
-    trained_scaling = (getattr(pos, "scaling", None), getattr(pos, "scale_factor", None))
     try:
         for name, scaling in variants:
             entries: dict[str, Any] = {}
@@ -152,11 +151,9 @@ def evaluate_lengths(
                     )
                     log.info("%s at %dx: not evaluated: %s", name, factor, entry["error"])
                 else:
-                    if scaling is not None:
-                        pos.scaling = scaling
-                        pos.set_scale(float(factor))
                     t0 = time.perf_counter()
-                    by_position, windows = loss_by_position(model, tokens, context, options.batch_tokens)
+                    with pos.scaled(float(factor), scaling) if scaling is not None else nullcontext():
+                        by_position, windows = loss_by_position(model, tokens, context, options.batch_tokens)
                     loss = float(by_position.mean())
                     entry.update(
                         loss=loss,
@@ -177,8 +174,6 @@ def evaluate_lengths(
                 entries[str(factor)] = entry
             result["variants"][name] = entries
     finally:
-        if trained_scaling[0] is not None:
-            pos.scaling, pos.scale_factor = trained_scaling
         model.train(was_training)
     return result
 

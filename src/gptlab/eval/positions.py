@@ -1,9 +1,12 @@
 """Pictures of what a positional scheme adds: the position table as a heatmap, the position-to-position
 similarity it induces, and the attention bias per head.
 
-- ``learned``, ``sinusoidal``: the table (positions x dimensions) and the cosine similarity of its rows.
-- ``rope``: the similarity of one fixed vector rotated to each position (it depends on i - j only).
-- ``alibi``, ``relative``, ``fire``: the bias added to the score of query i on key j, one panel per head.
+Each picture asks the scheme what it does, not which scheme it is:
+
+- a scheme that adds position vectors (learned, sinusoidal): the table (positions x dimensions) and the cosine
+  similarity of its rows;
+- a rotary scheme (rope, xpos): the similarity of one fixed vector rotated to each position;
+- a scheme with an attention bias (alibi, relative, fire): the bias on the score of query i on key j, per head.
 """
 
 from __future__ import annotations
@@ -15,19 +18,14 @@ import torch
 from torch import Tensor
 
 from gptlab.eval.length import _pyplot
-from gptlab.model import positional
 from gptlab.model.gpt import GPT
 
 
 @torch.no_grad()
 def position_table(model: GPT, n: int) -> Tensor | None:
     """The (n, n_embd) vectors added to the token embeddings at positions 0..n-1, or None."""
-    pos = model.transformer.pos
-    if isinstance(pos, positional.LearnedPositionalEncoding):
-        return pos.wpe.weight.detach()[: min(n, pos.max_positions)].float().cpu()
-    if isinstance(pos, positional.SinusoidalPositionalEncoding):
-        return positional.sinusoidal_table(torch.arange(n), model.config.n_embd, pos.base).float()
-    return None
+    table = model.transformer.pos.position_vectors(n)
+    return None if table is None else table.detach().float().cpu()
 
 
 @torch.no_grad()
@@ -35,7 +33,7 @@ def position_similarity(model: GPT, n: int) -> Tensor | None:
     """(n, n) cosine similarity between positions: of the table rows, or for rotary schemes of one all-ones
     query rotated to each position (per head dimension), or None for schemes without either."""
     table = position_table(model, n)
-    if table is None and isinstance(model.transformer.pos, positional.RotaryPositionalEncoding):
+    if table is None and model.transformer.pos.is_rotary:
         ones = torch.ones(1, 1, n, model.config.head_dim)
         table, _ = model.transformer.pos.rotate(ones, ones, torch.arange(n))
         table = table[0, 0].float().cpu()  # (n, head_dim)

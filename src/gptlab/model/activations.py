@@ -8,87 +8,101 @@ builds the wider projection. The split is [gate | value] along the last dimensio
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any, ClassVar
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from gptlab.registry import Registry
+from gptlab.registry import NoOptions, Registry
 
-REGISTRY: Registry[type[nn.Module]] = Registry("activation", "activation")
+if TYPE_CHECKING:
+    from gptlab.model.config import GPTConfig
+
+REGISTRY: Registry[type[Activation]] = Registry("activation", "activation")
 register = REGISTRY.register
 get = REGISTRY.get
 names = REGISTRY.names
 
 
 def is_gated(name: str) -> bool:
-    return bool(getattr(get(name), "gated", False))
+    return get(name).gated
+
+
+def check(config: GPTConfig) -> Any:
+    """The typed options of ``config``'s activation (``activation.*`` besides ``name``)."""
+    return REGISTRY.build_options(config.activation, config.activation_options)
+
+
+def build(config: GPTConfig) -> Activation:
+    return get(config.activation)(check(config))
+
+
+class Activation(nn.Module):
+    """Base class: ``Options`` are the ``activation.*`` keys the activation takes (none by default);
+    ``gated`` says whether it wants the doubled projection."""
+
+    Options: ClassVar[type] = NoOptions
+    gated: ClassVar[bool] = False
+
+    def __init__(self, options: Any = None) -> None:
+        super().__init__()
+        self.options = options if options is not None else self.Options()
 
 
 @register("relu")
-class ReLU(nn.Module):
+class ReLU(Activation):
     """max(0, x): the original transformer's FFN (Vaswani et al. 2017; Nair & Hinton 2010)."""
-
-    gated = False
 
     def forward(self, x: Tensor) -> Tensor:
         return F.relu(x)
 
 
 @register("gelu")
-class GELU(nn.Module):
+class GELU(Activation):
     """x * Phi(x), the exact Gaussian error linear unit (Hendrycks & Gimpel 2016, "Gaussian Error Linear
     Units (GELUs)")."""
-
-    gated = False
 
     def forward(self, x: Tensor) -> Tensor:
         return F.gelu(x)
 
 
 @register("gelu_tanh")
-class GELUTanh(nn.Module):
+class GELUTanh(Activation):
     """GELU through its tanh approximation, 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))) (Hendrycks &
     Gimpel 2016, section 2), the form GPT-2 was trained with (Hugging Face calls it ``gelu_new``)."""
-
-    gated = False
 
     def forward(self, x: Tensor) -> Tensor:
         return F.gelu(x, approximate="tanh")
 
 
 @register("sigmoid")
-class Sigmoid(nn.Module):
+class Sigmoid(Activation):
     """1 / (1 + e^-x): the classic squashing non-linearity, kept as a baseline (Rumelhart et al. 1986)."""
-
-    gated = False
 
     def forward(self, x: Tensor) -> Tensor:
         return torch.sigmoid(x)
 
 
 @register("silu")
-class SiLU(nn.Module):
+class SiLU(Activation):
     """x * sigmoid(x), the sigmoid-weighted linear unit (Elfwing et al. 2018; "Swish" with beta = 1 in
     Ramachandran et al. 2017, "Searching for Activation Functions")."""
-
-    gated = False
 
     def forward(self, x: Tensor) -> Tensor:
         return F.silu(x)
 
 
 @register("relu2")
-class SquaredReLU(nn.Module):
+class SquaredReLU(Activation):
     """max(0, x)^2, squared ReLU (So et al. 2021, "Primer: Searching for Efficient Transformers for Language
     Modeling")."""
-
-    gated = False
 
     def forward(self, x: Tensor) -> Tensor:
         return F.relu(x).square()
 
 
-class GatedLinearUnit(nn.Module):
+class GatedLinearUnit(Activation):
     """f(gate) * value over the two halves of the doubled projection (Dauphin et al. 2017 with f = sigmoid;
     Shazeer 2020, "GLU Variants Improve Transformer", for the other choices of f). Subclasses set ``gate``."""
 

@@ -1,7 +1,9 @@
 """The model's configuration: plain, serialisable values, validated on construction.
 
 Names, not classes, choose the variants (``pos="rope"``, ``activation="swiglu"``), so that a config can be
-saved in a checkpoint, logged to W&B and rebuilt anywhere.
+saved in a checkpoint, logged to W&B and rebuilt anywhere. This module imports no variant: each variant's
+registry turns the name and its plain options into a typed ``Options`` dataclass where the variant is built
+(``gptlab.model.gpt.check_config`` checks all of them at once, before any weight exists).
 """
 
 from __future__ import annotations
@@ -25,10 +27,12 @@ class GPTConfig:
     tie_weights: bool = True  # the output head reuses the token embedding matrix
     mlp_ratio: float | None = None  # None: 4 for plain activations, the gated default for gated ones
     init_std: float = 0.02
-    # Variant choices, each a name in its registry, with that variant's own options.
+    # Variant choices, each a name in its registry, with that variant's own options (plain values; the
+    # variant's Options dataclass says which keys and types it takes).
     pos: str = "learned"
     pos_options: dict[str, Any] = field(default_factory=dict)
     activation: str = "gelu"
+    activation_options: dict[str, Any] = field(default_factory=dict)
     norm: str = "layernorm"
     norm_placement: str = "pre"  # "pre" (GPT-2) or "post" (the original transformer)
     norm_eps: float = 1e-5
@@ -73,18 +77,27 @@ class GPTConfig:
             )
         if self.mlp_ratio is not None and self.mlp_ratio <= 0:
             raise ConfigError(f"model.mlp_ratio={self.mlp_ratio} must be positive (or null for the default).")
-        # The registries check the names and each variant checks its own options.
-        from gptlab.model import activations, norms, positional
-
-        positional.get(self.pos).check_config(self)
-        activations.get(self.activation)
-        norms.get(self.norm).check_config(self)
+        for key in ("pos", "activation", "norm"):
+            if not isinstance(getattr(self, key), str):
+                raise ConfigError(f"{key}={getattr(self, key)!r} must be the name of a {key} choice.")
+        for key in ("pos_options", "activation_options"):
+            if not isinstance(getattr(self, key), dict):
+                raise ConfigError(f"model {key}={getattr(self, key)!r} must be a mapping of option names.")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> GPTConfig:
+        """A config from ``to_dict``'s output, also as saved by earlier versions (checkpoints keep it). A
+        variant may also be given as its config node, e.g. ``pos={"name": "rope", "base": 500.0}``."""
+        values = dict(values)
+        for key in ("pos", "activation"):
+            node = values.get(key)
+            if isinstance(node, dict):  # the YAML node shape: name plus the variant's options
+                node = dict(node)
+                values[key] = node.pop("name")
+                values[f"{key}_options"] = {**values.get(f"{key}_options", {}), **node}
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(values) - known)
         if unknown:

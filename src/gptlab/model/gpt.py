@@ -9,14 +9,24 @@ token embedding matrix. GPT-2's parameter names (``wte``, ``h``, ``ln_f``, ``lm_
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from gptlab.model import activations, norms, positional
+from gptlab.model import activations, attention, norms, positional
+from gptlab.model.attention import FROM_SCHEME, AttentionBias, CausalSelfAttention, KVCache
 from gptlab.model.config import GPTConfig
+
+__all__ = ["GPT", "MLP", "Block", "CausalSelfAttention", "KVCache", "check_config", "mlp_hidden_width"]
+
+
+def check_config(config: GPTConfig) -> None:
+    """Raise a ConfigError for an unknown variant name or an option its variant does not take; the config
+    itself checks only its own values, so that it imports no variant."""
+    positional.check(config)
+    activations.check(config)
+    norms.check(config)
 
 
 def mlp_hidden_width(config: GPTConfig) -> int:
@@ -30,82 +40,6 @@ def mlp_hidden_width(config: GPTConfig) -> int:
     return 4 * config.n_embd
 
 
-@dataclass
-class KVCache:
-    """Keys and values of the tokens seen so far, one (k, v) pair per layer, for incremental decoding."""
-
-    layers: list[tuple[Tensor, Tensor] | None] = field(default_factory=list)
-    length: int = 0  # tokens already in the cache
-
-    @classmethod
-    def empty(cls, n_layer: int) -> KVCache:
-        return cls(layers=[None] * n_layer)
-
-    def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        past = self.layers[layer]
-        if past is not None:
-            k = torch.cat([past[0], k], dim=2)
-            v = torch.cat([past[1], v], dim=2)
-        self.layers[layer] = (k, v)
-        return k, v
-
-
-class CausalSelfAttention(nn.Module):
-    def __init__(self, config: GPTConfig, layer: int) -> None:
-        super().__init__()
-        self.layer = layer
-        self.n_head = config.n_head
-        self.n_kv_head = config.kv_heads
-        self.head_dim = config.head_dim
-        # Q, K and V projections in one matrix, laid out [q | k | v] as in GPT-2.
-        qkv_width = (self.n_head + 2 * self.n_kv_head) * self.head_dim
-        self.c_attn = nn.Linear(config.n_embd, qkv_width, bias=config.bias)
-        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
-        self.dropout = config.dropout
-        self.resid_dropout = nn.Dropout(config.dropout)
-
-    def forward(
-        self, x: Tensor, pos: positional.PositionalEncoding, positions: Tensor, cache: KVCache | None
-    ) -> Tensor:
-        B, T, C = x.shape
-        q, k, v = self.c_attn(x).split(
-            [self.n_head * self.head_dim, self.n_kv_head * self.head_dim, self.n_kv_head * self.head_dim],
-            dim=-1,
-        )
-        q = q.view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, n_head, T, head_dim)
-        k = k.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, n_kv_head, T, head_dim)
-        v = v.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, n_kv_head, T, head_dim)
-        q, k = pos.rotate(q, k, positions)
-        if cache is not None:
-            k, v = cache.update(self.layer, k, v)  # (B, n_kv_head, Tk, head_dim)
-        Tk = k.size(2)
-
-        k_positions = torch.arange(int(positions[-1]) + 1 - Tk, int(positions[-1]) + 1, device=x.device)
-        bias = pos.bias(positions, k_positions)  # (n_head, T, Tk) or None
-        is_causal, mask = False, None
-        if bias is not None:
-            future = k_positions[None, :] > positions[:, None]  # (T, Tk)
-            mask = bias.to(q.dtype).masked_fill(future, float("-inf"))
-        elif Tk == T:
-            is_causal = True  # the fused causal kernel
-        elif T > 1:  # a chunk of queries after cached keys: an explicit causal mask
-            mask = k_positions[None, :] <= positions[:, None]
-        # softmax(q k^T / sqrt(head_dim) + bias) v
-        y = F.scaled_dot_product_attention(
-            q,
-            k,
-            v,
-            attn_mask=mask,
-            dropout_p=self.dropout if self.training else 0.0,
-            is_causal=is_causal,
-            # Grouped-query attention (Ainslie et al. 2023): query head i reads K/V head i // (n_head /
-            # n_kv_head), without materialising repeated keys and values.
-            enable_gqa=self.n_kv_head != self.n_head,
-        )  # (B, n_head, T, head_dim)
-        y = y.transpose(1, 2).contiguous().view(B, T, C)
-        return self.resid_dropout(self.c_proj(y))
-
-
 class MLP(nn.Module):
     """The position-wise feed-forward network: expand, non-linearity, project back."""
 
@@ -114,7 +48,7 @@ class MLP(nn.Module):
         hidden = mlp_hidden_width(config)
         gated = activations.is_gated(config.activation)
         self.c_fc = nn.Linear(config.n_embd, hidden * (2 if gated else 1), bias=config.bias)
-        self.act = activations.get(config.activation)()
+        self.act = activations.build(config)
         self.c_proj = nn.Linear(hidden, config.n_embd, bias=config.bias)
         self.dropout = nn.Dropout(config.dropout)
 
@@ -135,13 +69,18 @@ class Block(nn.Module):
         self.mlp = MLP(config)
 
     def forward(
-        self, x: Tensor, pos: positional.PositionalEncoding, positions: Tensor, cache: KVCache | None = None
+        self,
+        x: Tensor,
+        pos: positional.PositionalEncoding,
+        positions: Tensor,
+        cache: KVCache | None = None,
+        bias: AttentionBias | None = FROM_SCHEME,
     ) -> Tensor:
         if self.pre_norm:
-            x = x + self.attn(self.ln_1(x), pos, positions, cache)
+            x = x + self.attn(self.ln_1(x), pos, positions, cache, bias)
             x = x + self.mlp(self.ln_2(x))
         else:
-            x = self.ln_1(x + self.attn(x, pos, positions, cache))
+            x = self.ln_1(x + self.attn(x, pos, positions, cache, bias))
             x = self.ln_2(x + self.mlp(x))
         return x
 
@@ -149,11 +88,12 @@ class Block(nn.Module):
 class GPT(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
+        check_config(config)
         self.config = config
         self.transformer = nn.ModuleDict(
             dict(
                 wte=nn.Embedding(config.vocab_size, config.n_embd),
-                pos=positional.get(config.pos)(config),
+                pos=positional.build(config),
                 drop=nn.Dropout(config.dropout),
                 h=nn.ModuleList([Block(config, i) for i in range(config.n_layer)]),
                 # Post-norm blocks already end in a norm; a final norm is a pre-norm necessity.
@@ -204,8 +144,17 @@ class GPT(nn.Module):
         pos = self.transformer.pos
         x = self.transformer.wte(idx)  # (B, T, n_embd)
         x = self.transformer.drop(pos.embed(x, positions))
+        # A positional bias depends on positions only: built once here, shared by every layer.
+        k_positions = torch.arange(start + T, device=idx.device)
+        dropout = self.training and self.config.dropout > 0  # FlexAttention has no dropout
+        use_flex = (
+            cache is None
+            and not dropout
+            and attention.flex_attention_available(idx.device, self.config.head_dim)
+        )
+        bias = AttentionBias.build(pos, positions, k_positions, use_flex)
         for block in self.transformer.h:
-            x = block(x, pos, positions, cache)
+            x = block(x, pos, positions, cache, bias)
         x = self.transformer.ln_f(x)
         if cache is not None:
             cache.length += T

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,10 +32,10 @@ import torch
 from torch import Tensor
 
 from gptlab.errors import ConfigError
+from gptlab.model import positional
 from gptlab.model.config import GPTConfig
 from gptlab.model.gpt import GPT, mlp_hidden_width
 
-SUPPORTED = ("gpt2", "llama")
 GPT2_ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu", "relu": "relu"}
 LLAMA_ACTIVATIONS = {"silu": "swiglu", "gelu": "geglu", "relu": "reglu"}
 
@@ -46,10 +48,10 @@ def read_hf_config(directory: str | Path) -> dict[str, Any]:
             "model's save_pretrained(...) (config.json plus model.safetensors or pytorch_model.bin)."
         )
     config = json.loads((path / "config.json").read_text())
-    if config.get("model_type") not in SUPPORTED:
+    if config.get("model_type") not in FORMATS:
         raise ConfigError(
             f"init_from={directory} holds a {config.get('model_type')!r} model; supported: "
-            f"{', '.join(SUPPORTED)}."
+            f"{', '.join(FORMATS)}."
         )
     return config
 
@@ -78,27 +80,33 @@ def read_hf_state_dict(directory: str | Path) -> dict[str, Tensor]:
 
 def model_options_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
     """The GPTConfig values (plus ``pos``/``pos_options``) that reproduce a Hugging Face config."""
-    if hf["model_type"] == "gpt2":
-        act = hf.get("activation_function", "gelu_new")
-        if act not in GPT2_ACTIVATIONS:
-            raise ConfigError(f"GPT-2 activation_function={act!r} has no counterpart here.")
-        return {
-            "vocab_size": hf["vocab_size"],
-            "block_size": hf["n_positions"],
-            "n_layer": hf["n_layer"],
-            "n_head": hf["n_head"],
-            "n_embd": hf["n_embd"],
-            "bias": True,
-            "tie_weights": hf.get("tie_word_embeddings", True),
-            "mlp_ratio": (hf["n_inner"] / hf["n_embd"]) if hf.get("n_inner") else None,
-            "pos": "learned",
-            "pos_options": {},
-            "activation": GPT2_ACTIVATIONS[act],
-            "norm": "layernorm",
-            "norm_placement": "pre",
-            "norm_eps": hf.get("layer_norm_epsilon", 1e-5),
-            "norm_bias": None,
-        }
+    return FORMATS[hf["model_type"]].options(hf)
+
+
+def gpt2_options(hf: dict[str, Any]) -> dict[str, Any]:
+    act = hf.get("activation_function", "gelu_new")
+    if act not in GPT2_ACTIVATIONS:
+        raise ConfigError(f"GPT-2 activation_function={act!r} has no counterpart here.")
+    return {
+        "vocab_size": hf["vocab_size"],
+        "block_size": hf["n_positions"],
+        "n_layer": hf["n_layer"],
+        "n_head": hf["n_head"],
+        "n_embd": hf["n_embd"],
+        "bias": True,
+        "tie_weights": hf.get("tie_word_embeddings", True),
+        "mlp_ratio": (hf["n_inner"] / hf["n_embd"]) if hf.get("n_inner") else None,
+        "pos": "learned",
+        "pos_options": {},
+        "activation": GPT2_ACTIVATIONS[act],
+        "norm": "layernorm",
+        "norm_placement": "pre",
+        "norm_eps": hf.get("layer_norm_epsilon", 1e-5),
+        "norm_bias": None,
+    }
+
+
+def llama_options(hf: dict[str, Any]) -> dict[str, Any]:
     act = hf.get("hidden_act", "silu")
     if act not in LLAMA_ACTIVATIONS:
         raise ConfigError(f"Llama hidden_act={act!r} has no gated counterpart here.")
@@ -153,7 +161,7 @@ def check_compatible(config: GPTConfig, hf: dict[str, Any], source: str = "the c
     for key, value in wanted["pos_options"].items():
         if config.pos == wanted["pos"] and config.pos_options.get(key, value) != value:
             problems.append((f"pos.{key}", config.pos_options[key], value))
-    if config.pos == "learned" and config.block_size > wanted["block_size"]:
+    if not positional.get(config.pos).extrapolates and config.block_size > wanted["block_size"]:
         problems.append(("model.block_size", config.block_size, wanted["block_size"]))
     if problems:
         found = "; ".join(f"{k}={ours!r} but the checkpoint has {theirs!r}" for k, ours, theirs in problems)
@@ -217,6 +225,21 @@ def llama_to_gptlab(state: dict[str, Tensor], config: GPTConfig) -> dict[str, Te
     return out
 
 
+@dataclass(frozen=True)
+class HFFormat:
+    """How one Hugging Face ``model_type`` maps onto this project's GPT."""
+
+    options: Callable[[dict[str, Any]], dict[str, Any]]  # its config.json -> GPTConfig values
+    to_gptlab: Callable[[dict[str, Tensor], GPTConfig], dict[str, Tensor]]  # its state dict -> ours
+
+
+FORMATS: dict[str, HFFormat] = {
+    "gpt2": HFFormat(gpt2_options, gpt2_to_gptlab),
+    "llama": HFFormat(llama_options, llama_to_gptlab),
+}
+SUPPORTED = tuple(FORMATS)
+
+
 def config_from_pretrained(directory: str | Path, **overrides: Any) -> GPTConfig:
     """The GPTConfig of a saved Hugging Face GPT-2 or Llama, with optional overrides (e.g. block_size)."""
     values = model_options_from_hf(read_hf_config(directory))
@@ -230,11 +253,7 @@ def load_pretrained(model: GPT, directory: str | Path) -> GPT:
     hf = read_hf_config(directory)
     check_compatible(model.config, hf, f"init_from={directory}")
     state = read_hf_state_dict(directory)
-    mapped = (
-        gpt2_to_gptlab(state, model.config)
-        if hf["model_type"] == "gpt2"
-        else llama_to_gptlab(state, model.config)
-    )
+    mapped = FORMATS[hf["model_type"]].to_gptlab(state, model.config)
     ours = model.state_dict()
     for key, value in mapped.items():
         if key in ours and ours[key].shape != value.shape:

@@ -1,12 +1,15 @@
 """Normalisation layers for Add & Norm, registered by name (``norm=...``).
 
-Each class also states how many parameters it holds for a config (``parameter_count``), so that the model
-card can count a model without building it.
+A norm's options (``norm.eps``, ``norm.bias``) are its ``Options`` dataclass, built from the model config's
+``norm_eps``/``norm_bias``; ``norm.placement`` (pre or post) is the block's, not the norm's. Each class also
+states how many parameters it holds for a config (``parameter_count``), so that the model card can count a
+model without building it.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -24,7 +27,23 @@ get = REGISTRY.get
 names = REGISTRY.names
 
 
+@dataclass(frozen=True)
+class NormOptions:
+    eps: float = 1e-5
+    bias: bool | None = None  # None: follow model.bias
+
+    def __post_init__(self) -> None:
+        if self.eps <= 0:
+            raise ConfigError(f"norm.eps={self.eps!r} must be positive (1e-5 is usual).")
+
+
+def check(config: GPTConfig) -> Any:
+    """The typed options of ``config``'s norm; raises a ConfigError for an unknown norm or option."""
+    return REGISTRY.build_options(config.norm, {"eps": config.norm_eps, "bias": config.norm_bias})
+
+
 def build(config: GPTConfig) -> nn.Module:
+    check(config)
     return get(config.norm)(config)
 
 
@@ -38,6 +57,8 @@ class LayerNorm(nn.LayerNorm):
     """(x - mean) / sqrt(var + eps) * gain (+ bias) over the feature dimension (Ba et al. 2016, "Layer
     Normalization"). The bias follows ``model.bias`` unless ``norm.bias`` says otherwise."""
 
+    Options = NormOptions
+
     def __init__(self, config: GPTConfig) -> None:
         super().__init__(config.n_embd, eps=config.norm_eps, bias=has_bias(config))
 
@@ -45,15 +66,21 @@ class LayerNorm(nn.LayerNorm):
     def parameter_count(config: GPTConfig) -> int:
         return config.n_embd * (2 if has_bias(config) else 1)
 
-    @classmethod
-    def check_config(cls, config: GPTConfig) -> None:
-        pass
-
 
 @register("rmsnorm")
 class RMSNorm(nn.Module):
     """x / sqrt(mean(x^2) + eps) * gain: no centring and no bias (Zhang & Sennrich 2019, "Root Mean Square
     Layer Normalization"), as in T5, Gopher and Llama."""
+
+    @dataclass(frozen=True)
+    class Options(NormOptions):
+        def __post_init__(self) -> None:
+            super().__post_init__()
+            if self.bias:
+                raise ConfigError(
+                    "norm=rmsnorm has no bias (it neither centres nor shifts), but norm.bias=true was given. "
+                    "Drop norm.bias, or use norm=layernorm norm.bias=true for a norm with a bias."
+                )
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
@@ -69,11 +96,3 @@ class RMSNorm(nn.Module):
     @staticmethod
     def parameter_count(config: GPTConfig) -> int:
         return config.n_embd
-
-    @classmethod
-    def check_config(cls, config: GPTConfig) -> None:
-        if config.norm_bias:
-            raise ConfigError(
-                "norm=rmsnorm has no bias (it neither centres nor shifts), but norm.bias=true was given. "
-                "Drop norm.bias, or use norm=layernorm norm.bias=true for a norm with a bias."
-            )
