@@ -161,3 +161,38 @@ def test_a_directory_that_is_not_a_checkpoint_is_named(tmp_path):
         load_checkpoint(tmp_path / "half")
     with pytest.raises(CheckpointError, match="holds no checkpoint .*outputs/runs"):
         load_run(tmp_path)
+
+
+@pytest.mark.slow
+def test_a_checkpoint_sharded_by_fsdp_on_two_processes_gives_the_runs_validation_loss(tmp_path):
+    """strategy=fsdp on two CPU processes writes last.ckpt as a directory with one shard per rank; the length
+    script reads it in one process, and its loss at 1x on the windows validation used (2 ranks x 2 batches x
+    4 windows of 32 + 1 characters, the first 513) is the run's own final val/loss."""
+    from conftest import run_train
+
+    run_dir = tmp_path / "fsdp"
+    run_train(
+        [
+            *TINY,
+            "tokenizer=char",
+            "strategy=fsdp",
+            "trainer.accelerator=cpu",
+            "trainer.devices=2",
+            "trainer.max_steps=4",
+            "logger=csv",
+            "callbacks.sample_generation.max_new_tokens=0",
+            f"paths.root_dir={tmp_path}",
+            f"hydra.run.dir={run_dir}",
+        ],
+        cwd=tmp_path,
+        env={"OMP_NUM_THREADS": "1"},
+    )
+    last = run_dir / "checkpoints" / "last.ckpt"
+    assert checkpoint_kind(last) == "dcp" and len(list(last.glob("*.distcp"))) == 2
+    val = Run(run_dir).result()["metrics"]["val/loss"]
+    proc = script("eval_length.py", str(last), "--factors", "1", "--max-tokens", "513", "--no-wandb")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = Run(run_dir).length_result()
+    assert result["checkpoint"] == str(last)
+    assert result["variants"]["learned"]["1"]["windows"] == 16
+    assert result["variants"]["learned"]["1"]["loss"] == pytest.approx(val, abs=1e-4)

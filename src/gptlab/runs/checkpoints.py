@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import io
 import pickle
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -126,7 +127,9 @@ def _load_dcp(path: Path, weights: bool) -> dict[str, Any]:
             f"Distributed checkpoint {path} holds no state_dict tensors: not written by gptlab."
         )
     try:
-        dcp.load({"state_dict": state}, storage_reader=reader, no_dist=True)
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+            warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
+            dcp.load({"state_dict": state}, storage_reader=reader, no_dist=True)
     except Exception as e:
         raise CheckpointError(f"Distributed checkpoint {path} cannot be read ({_first_line(e)}).") from e
     checkpoint["state_dict"] = state
