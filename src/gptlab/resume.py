@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hydra.experimental.callback import Callback as HydraCallback
 from omegaconf import OmegaConf
 
 from gptlab.errors import CheckpointError, ConfigError
@@ -207,13 +208,7 @@ def unwritable_reason(path: Path) -> str | None:
     return None
 
 
-try:
-    from hydra.experimental.callback import Callback as _HydraCallback
-except ImportError:  # pragma: no cover - hydra-core < 1.1
-    _HydraCallback = object
-
-
-class CheckRunDirectory(_HydraCallback):
+class CheckRunDirectory(HydraCallback):
     """A Hydra callback: refuses an output directory that cannot be written before Hydra creates it, with
     the fix, instead of a traceback from ``mkdir``."""
 

@@ -115,8 +115,8 @@ def plot_summary(summary: dict[str, Any], path: str | Path) -> Path:
 
     context = summary["train_context"][0]
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
-    palette = plt.get_cmap("tab20").colors  # 20 colours: dark ones first, then their light pairs
-    palette = [palette[i] for i in [*range(0, 20, 2), *range(1, 20, 2)]]
+    tab20 = plt.get_cmap("tab20")  # 20 colours: dark ones first, then their light pairs
+    palette = [tab20(i) for i in [*range(0, 20, 2), *range(1, 20, 2)]]
     for k, (name, row) in enumerate(summary["table"].items()):
         points = [(f * context, c["mean"], c["std"]) for f, c in row.items() if c["n"]]
         if not points:

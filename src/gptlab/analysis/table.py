@@ -45,10 +45,9 @@ class Row:
 
 
 def _human(n: float) -> str:
-    for div, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
-        if abs(n) >= div:
-            return f"{n / div:.2f}{suffix}"
-    return f"{n:.0f}"
+    from gptlab.model.card import human  # the one number formatter (1.62M)
+
+    return human(n)
 
 
 @dataclass(frozen=True)
