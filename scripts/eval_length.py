@@ -2,6 +2,7 @@
 
     python scripts/eval_length.py outputs/runs/<date>/<time>            # a run directory
     python scripts/eval_length.py path/to/last.ckpt --factors 1 2 4 16  # a checkpoint inside a run directory
+                                                                        # (a file or a sharded directory)
     python scripts/eval_length.py --sweep outputs/multirun/pos_sweep --plot docs/pos_sweep.png
 
 Writes <run dir>/eval_length/{length.json, loss_vs_length.png, loss_by_position.png} and prints a table; a
@@ -24,7 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("path", nargs="?", help="a run directory or a .ckpt file")
+    parser.add_argument("path", nargs="?", help="a run directory or a checkpoint (file or sharded directory)")
     parser.add_argument("--factors", type=int, nargs="+", default=list(length.DEFAULT_FACTORS))
     parser.add_argument("--max-tokens", type=int, default=None, help="validation tokens to use (default all)")
     parser.add_argument("--batch-tokens", type=int, default=4096, help="tokens per forward pass")

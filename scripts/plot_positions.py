@@ -29,7 +29,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("runs", nargs="*", help="run directories or .ckpt files")
+    parser.add_argument(
+        "runs", nargs="*", help="run directories or checkpoints (files or sharded directories)"
+    )
     parser.add_argument(
         "--pos", nargs="+", default=[], help=f"untrained schemes: {', '.join(positional.names())}"
     )

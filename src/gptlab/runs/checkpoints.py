@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import io
 import pickle
+import re
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -26,14 +28,19 @@ _WRAPPER_PREFIXES = ("_forward_module.", "module.")
 
 
 def _first_line(e: BaseException) -> str:
+    blocked = re.search(r"Unsupported global: GLOBAL (\S+)", str(e))
+    if blocked:  # torch's message is a page long; the class it refused is what matters
+        return f"it holds a {blocked.group(1)}"
     return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
 
 
-def _torch_load(path: Path) -> dict[str, Any]:
+def _torch_load(path: Path, allowed: Sequence[Any] = ()) -> dict[str, Any]:
+    """``torch.load`` with tensors and plain values only, plus the classes ``allowed`` (plain data holders)."""
     import torch
 
     try:
-        data = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+        with torch.serialization.safe_globals(list(allowed)):
+            data = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
     except Exception as e:
         size = path.stat().st_size if path.exists() else 0
         raise CheckpointError(
@@ -139,28 +146,54 @@ def _load_dcp(path: Path, weights: bool) -> dict[str, Any]:
 # ---- DeepSpeed checkpoint directories -------------------------------------------------------------------
 
 
+def _deepspeed_state_classes() -> list[Any]:
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+
+    classes: list[Any] = [LossScaler, DynamicLossScaler]
+    try:
+        from deepspeed.runtime.zero.config import ZeroStageEnum
+        from deepspeed.utils.tensor_fragment import fragment_address
+
+        classes += [ZeroStageEnum, fragment_address]
+    except ImportError:  # pragma: no cover - older DeepSpeed
+        pass
+    return classes
+
+
 def _load_deepspeed(path: Path, weights: bool) -> dict[str, Any]:
     tag_file = path / "latest"
     tag = tag_file.read_text().strip() if tag_file.is_file() else None
-    folder = path / tag if tag else next(p.parent for p in path.glob("*/mp_rank_*_model_states.pt"))
-    states = sorted(folder.glob("mp_rank_*_model_states.pt"))
+    folder = path / tag if tag else next(p.parent for p in path.glob("*/*mp_rank_*_model_states.pt"))
+    # ZeRO-3 names the model states per data-parallel rank (zero_pp_rank_0_mp_rank_00_...): rank 0's first
+    states = sorted(
+        folder.glob("*mp_rank_*_model_states.pt"),
+        key=lambda p: (not p.name.startswith(("mp_", "zero_pp_rank_0_")), p.name),
+    )
     if not states:
-        raise CheckpointError(f"DeepSpeed checkpoint {path} has no {folder.name}/mp_rank_*_model_states.pt.")
+        raise CheckpointError(f"DeepSpeed checkpoint {path} has no {folder.name}/*mp_rank_*_model_states.pt.")
     # Lightning keeps its own part of the checkpoint (step, hyperparameters, ...) as DeepSpeed's client state.
     checkpoint = _torch_load(states[0])
     if not weights:
         return checkpoint
-    # DeepSpeed's consolidation unpickles without restriction: every file is first read with weights_only.
-    for file in sorted(folder.glob("*.pt")):
-        _torch_load(file)
+    import contextlib
+    import sys
+
     try:
-        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+        with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed logs to stdout, from its import on
+            from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
     except ImportError as e:
         raise CheckpointError(
             f"{path} is a DeepSpeed checkpoint; reading it needs the deepspeed package: "
             "pip install -e '.[deepspeed]'."
         ) from e
-    checkpoint["state_dict"] = get_fp32_state_dict_from_zero_checkpoint(str(path), tag=tag)
+    # DeepSpeed's consolidation unpickles without restriction: every file is first read with weights_only,
+    # admitting DeepSpeed's own plain state classes (its loss scalers, the ZeRO stage enum, the addresses of
+    # parameter fragments in the flat partitions).
+    allowed = _deepspeed_state_classes()
+    for file in sorted(folder.glob("*.pt")):
+        _torch_load(file, allowed)
+    with contextlib.redirect_stdout(sys.stderr):
+        checkpoint["state_dict"] = get_fp32_state_dict_from_zero_checkpoint(str(path), tag=tag)
     return checkpoint
 
 

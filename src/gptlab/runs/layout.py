@@ -62,7 +62,7 @@ def checkpoint_kind(path: Path) -> str | None:
         return None
     if (path / DCP_METADATA_FILE).is_file():
         return DCP
-    if (path / "latest").is_file() or any(path.glob("*/mp_rank_*_model_states.pt")):
+    if (path / "latest").is_file() or any(path.glob("*/*mp_rank_*_model_states.pt")):
         return DEEPSPEED
     return None
 
