@@ -9,8 +9,12 @@ The stack is the token embedding, the scheme, the blocks and the final norm; the
 
 - ``<pos>``: the model as it runs (bias built once per forward; query blocks on CPU, FlexAttention on CUDA);
 - ``<pos> (bias per layer, one masked call)``: the route before either change, for comparison (CPU);
-- ``... flush denormals``: the same with ``torch.set_flush_denormal(True)``. ALiBi's large negative biases
-  make softmax produce subnormal floats, which x86 CPUs process very slowly.
+- ``... flush denormals``: the same with ``torch.set_flush_denormal(True)``, as ``python train.py`` runs.
+  ALiBi's large negative biases make softmax produce subnormal floats, which x86 CPUs process very slowly.
+
+On a machine shared with other jobs, ``--threads 1 --clock cpu`` (this process's CPU time) gives steadier
+ratios than wall time. With more threads the CPU clock also counts the threads' spin-waiting, so use it
+with one thread only.
 """
 
 from __future__ import annotations
@@ -93,7 +97,7 @@ def main() -> None:
         "--clock",
         choices=["wall", "cpu"],
         default="wall",
-        help="cpu: this process's CPU time, steadier than wall time on a machine shared with other jobs",
+        help="cpu: this process's CPU time, steadier than wall time on a shared machine (with --threads 1)",
     )
     args = parser.parse_args()
     if args.threads:

@@ -16,7 +16,6 @@ import argparse
 import sys
 from pathlib import Path
 
-import torch
 from hydra import compose, initialize_config_dir
 from hydra.errors import HydraException
 from omegaconf import OmegaConf
@@ -26,7 +25,7 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from gptlab.builders import build_model_config  # noqa: E402
 from gptlab.errors import ConfigError  # noqa: E402
-from gptlab.model import card  # noqa: E402
+from gptlab.parallel import card, choose_precision, planner  # noqa: E402
 
 
 def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -43,7 +42,9 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         "--micro-batch", type=int, help="sequences per device per step (default: data.batch_size)"
     )
     parser.add_argument("--context", type=int, help="tokens per sequence (default: model.block_size)")
-    parser.add_argument("--strategy", help="ddp, fsdp, deepspeed_stage_2, zero3... (default: the config's)")
+    parser.add_argument(
+        "--strategy", help="a strategy= choice: ddp, fsdp, deepspeed_stage_3... (default: the config's)"
+    )
     parser.add_argument(
         "--activation-checkpointing", action="store_true", help="recompute each block in the backward pass"
     )
@@ -72,18 +73,14 @@ def main(argv: list[str] | None = None) -> int:
         devices = (per_node if isinstance(per_node, int) and per_node > 0 else 1) * int(
             trainer.get("num_nodes", 1)
         )
-    precision = args.precision or trainer.get("precision")
-    if precision in (None, "auto"):  # as a run would choose: fp32 on CPU, bf16 mixed on GPUs that have it
-        precision = "32-true"
-        if trainer.get("accelerator") != "cpu" and torch.cuda.is_available():
-            precision = "bf16-mixed" if torch.cuda.is_bf16_supported() else "16-mixed"
-    precision = str(precision)
-    strategy = args.strategy or card.strategy_name(OmegaConf.to_container(cfg.strategy, resolve=True))
+    # As a run would choose: fp32 on CPU, bf16 mixed on GPUs that have it.
+    precision = str(choose_precision(args.precision or trainer.get("precision"), trainer.get("accelerator")))
+    strategy = args.strategy or OmegaConf.to_container(cfg.strategy, resolve=True)
     micro_batch = args.micro_batch or int(cfg.data.get("batch_size", 1))
     if args.device_memory:
-        memory, device = args.device_memory * card.GiB, f"{args.device_memory:g} GiB per device (given)"
+        memory, device = args.device_memory * planner.GiB, f"{args.device_memory:g} GiB per device (given)"
     else:
-        memory, device = card.device_memory_bytes(trainer.get("accelerator"))
+        memory, device = planner.device_memory_bytes(trainer.get("accelerator"))
     try:
         text = card.model_card(
             config,

@@ -21,6 +21,16 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
 
+def pytest_collection_modifyitems(config, items) -> None:
+    """Tests marked ``gpu`` are skipped, with the reason, on a machine without a CUDA device."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (marker gpu); none is visible here")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
 @pytest.fixture
 def cache_root(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("root")
@@ -52,12 +62,22 @@ TINY = [
 
 
 def run_train(
-    args: list[str], cwd: Path, timeout: int = 600, env: dict | None = None, check: bool = True
+    args: list[str],
+    cwd: Path,
+    timeout: int = 600,
+    env: dict | None = None,
+    check: bool = True,
+    script: Path = ROOT / "train.py",
+    preexec_fn=None,
+    start_new_session: bool = False,
 ) -> subprocess.CompletedProcess:
-    """Run `python train.py <args>` as a user would, in a subprocess."""
+    """Run `python train.py <args>` as a user would, in a subprocess (``script``: tests/faults.py to inject
+    a fault)."""
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "train.py"), *args],
+        [sys.executable, str(script), *args],
+        preexec_fn=preexec_fn,
+        start_new_session=start_new_session,
         cwd=cwd,
         env=full_env,
         capture_output=True,

@@ -7,6 +7,7 @@ import torch
 from gptlab.data import corpus
 from gptlab.data.corpus import DataSpec, num_windows
 from gptlab.data.datamodule import GPTDataModule, TokenWindows
+from gptlab.data.shards import Shard, TokenShards
 from gptlab.errors import ConfigError, DataError
 
 
@@ -21,7 +22,8 @@ def write_tokens(path, n):
 )
 def test_windows_follow_the_stride_arithmetic(tmp_path, n, block, stride):
     tokens = write_tokens(tmp_path / "t.bin", n)
-    ds = TokenWindows(tmp_path / "t.bin", np.uint16, block_size=block, stride=stride)
+    one_file = TokenShards([Shard(str(tmp_path / "t.bin"), n)], np.uint16)
+    ds = TokenWindows(one_file, block_size=block, stride=stride)
     window = block + 1
     expected = 0 if n < window else (n - window) // stride + 1
     assert len(ds) == expected == num_windows(n, window, stride)
@@ -62,8 +64,7 @@ def test_local_files_txt_jsonl_parquet_are_tokenized_and_cached(tmp_path):
     }.items():
         spec.cache_dir = str(tmp_path / "cache")
         prepared = corpus.prepare(spec, "gpt2")
-        train = np.fromfile(prepared.train_path, dtype=prepared.dtype)
-        val = np.fromfile(prepared.val_path, dtype=prepared.dtype)
+        train, val = prepared.train.array(), prepared.val.array()
         meta = prepared.meta
         assert meta["splits"]["train"]["documents"] + meta["splits"]["val"]["documents"] == len(docs)
         # every document ends with <|endoftext|>
@@ -81,7 +82,7 @@ def test_token_cache_is_reused(tmp_path, monkeypatch):
     monkeypatch.setattr(corpus, "_build_cache", lambda *a, **k: calls.append(a))
     second = corpus.prepare(spec, "gpt2")
     assert calls == []  # no rebuild
-    assert second.train_path == first.train_path
+    assert second.train.shards == first.train.shards
     assert first.meta["splits"]["train"]["tokens"] > 100_000  # the embedded corpus is real text
     assert 5.0 < first.unigram_entropy < 6.5
 
@@ -102,7 +103,7 @@ def test_single_document_is_split_at_its_tail(tmp_path):
     prepared = corpus.prepare(
         DataSpec(path=str(tmp_path / "book.txt"), cache_dir=str(tmp_path / "c")), "char"
     )
-    val = prepared.tokenizer.decode(np.fromfile(prepared.val_path, dtype=prepared.dtype)[:-1].tolist())
+    val = prepared.tokenizer.decode(prepared.val.array()[:-1].tolist())
     assert text.endswith(val.strip())
 
 
@@ -112,7 +113,7 @@ def test_word_tokenizer_vocabulary_comes_from_the_training_split(tmp_path):
         (tmp_path / f"{i}.txt").write_text(d)
     prepared = corpus.prepare(DataSpec(path=str(tmp_path / "*.txt"), cache_dir=str(tmp_path / "c")), "word")
     tok = prepared.tokenizer
-    val = np.fromfile(prepared.val_path, dtype=prepared.dtype)
+    val = prepared.val.array()
     assert tok.unk_id in val.tolist()  # validation words unseen in training are unknown
     assert "shared" in tok.vocab
 

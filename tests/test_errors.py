@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -169,13 +170,62 @@ def test_data_files_that_cannot_be_used(make_cfg, tmp_path, make_file, message):
     assert nothing_started(out)
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root reads files whatever their permissions")
-def test_unreadable_data_file(make_cfg, tmp_path):
-    path = tmp_path / "secret.txt"
-    path.write_text(TEXT)
-    path.chmod(0)
-    with pytest.raises(DataError, match=r"secret.txt' cannot be read \(Permission denied\)"):
-        run_in_process(make_cfg, tmp_path / "run", f"data.path={path}")
+def obey_file_permissions() -> None:
+    """``preexec_fn`` for a child that must meet file permissions even when the tests run as root: it drops
+    CAP_DAC_OVERRIDE and CAP_DAC_READ_SEARCH from the bounding set, so the program it runs has neither (the
+    kernel then checks permission bits for it as for any user)."""
+    if os.geteuid() != 0:
+        return
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    pr_capbset_drop, cap_dac_override, cap_dac_read_search = 24, 1, 2
+    for cap in (cap_dac_override, cap_dac_read_search):
+        if libc.prctl(pr_capbset_drop, cap, 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP)")
+
+
+def permissions_apply(tmp_path: Path) -> bool:
+    probe = tmp_path / "probe"
+    probe.write_text("x")
+    probe.chmod(0)
+    try:
+        proc = subprocess.run(["cat", str(probe)], capture_output=True, preexec_fn=obey_file_permissions)
+    except subprocess.SubprocessError:  # no CAP_SETPCAP to drop capabilities with
+        return False
+    finally:
+        probe.unlink()
+    return proc.returncode != 0
+
+
+@pytest.mark.parametrize("what", ["data file", "output directory"])
+def test_permission_denied_through_the_cli(tmp_path, what):
+    if not permissions_apply(tmp_path):
+        pytest.skip("cannot make file permissions apply to a child process here")
+    if what == "data file":
+        path = tmp_path / "secret.txt"
+        path.write_text(TEXT)
+        path.chmod(0)
+        args = [f"data.path={path}", f"hydra.run.dir={tmp_path / 'run'}"]
+        expected = (
+            f"gptlab: error: Data file '{path}' cannot be read (Permission denied): fix its permissions"
+        )
+    else:
+        (tmp_path / "locked").mkdir(mode=0o500)
+        args = [f"hydra.run.dir={tmp_path / 'locked' / 'run'}"]
+        expected = (
+            f"gptlab: error: the output directory hydra.run.dir={tmp_path / 'locked' / 'run'} cannot be "
+            f"created: {tmp_path / 'locked'} is not writable (permission denied). Choose a writable folder"
+        )
+    proc = run_train(
+        [*TINY, f"paths.root_dir={tmp_path}", *args],
+        cwd=tmp_path,
+        check=False,
+        preexec_fn=obey_file_permissions,
+    )
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert expected in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "run" / "checkpoints").exists() and not (tmp_path / "run" / "wandb").exists()
 
 
 def test_corpus_shorter_than_one_window(make_cfg, tmp_path):

@@ -1,5 +1,6 @@
 """The model card: parameter counts against built models, FLOPs against torch's FLOP counter, activation
-memory against the tensors autograd really keeps, and the memory arithmetic of each strategy."""
+memory against the tensors autograd really keeps, and the memory arithmetic of each strategy, read from the
+same strategy choices that training builds."""
 
 import pytest
 import torch
@@ -9,9 +10,10 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import gptlab
 from gptlab.errors import ConfigError
-from gptlab.model import card, positional
+from gptlab.model import counting, positional
 from gptlab.model.config import GPTConfig
 from gptlab.model.gpt import GPT
+from gptlab.parallel import planner, strategy_choice
 
 GiB = 1024**3
 PRESETS = sorted(p.stem for p in (CONF / "model").glob("*.yaml"))
@@ -34,7 +36,7 @@ def test_analytic_counts_equal_a_meta_device_build(make_cfg, preset):
         config = gptlab.build_model_config(make_cfg(f"model={preset}", *variant, "model.vocab_size=50257"))
         with torch.device("meta"):
             built = GPT(config).parameter_counts()
-        counted = card.parameter_counts(config)
+        counted = counting.parameter_counts(config)
         assert {k: counted[k] for k in built} == built, (preset, variant)
 
 
@@ -43,13 +45,13 @@ def test_counts_cover_every_positional_scheme(pos):
     config = tiny(pos=pos, tie_weights=False)
     with torch.device("meta"):
         built = GPT(config).parameter_counts()
-    counted = card.parameter_counts(config)
+    counted = counting.parameter_counts(config)
     assert {k: counted[k] for k in built} == built
 
 
 def test_gpt2_and_gpt3_presets_have_their_published_sizes(make_cfg):
     def total(preset: str) -> int:
-        return card.parameter_counts(gptlab.build_model_config(make_cfg(f"model={preset}")))["total"]
+        return counting.parameter_counts(gptlab.build_model_config(make_cfg(f"model={preset}")))["total"]
 
     # GPT-2's four checkpoints, exactly (the sizes of the released weights).
     assert total("gpt2") == 124_439_808
@@ -84,7 +86,7 @@ def test_flops_per_token_equal_torchs_flop_counter(kw):
     with counter, sdpa_kernel(SDPBackend.MATH):
         _, loss = model(idx, idx)
         loss.backward()
-    assert card.flops_per_token(config, T)["training"] == counter.get_total_flops() / (B * T)
+    assert counting.flops_per_token(config, T)["training"] == counter.get_total_flops() / (B * T)
 
 
 def saved_activation_bytes(model: GPT, idx: torch.Tensor) -> int:
@@ -108,64 +110,71 @@ def test_activation_estimate_matches_what_autograd_keeps(kw):
     config = tiny(**kw)
     B, T = 4, 32
     measured = saved_activation_bytes(GPT(config), torch.randint(0, 97, (B, T)))
-    estimate = card.memory_per_device(config, "single", 1, "32-true", micro_batch=B, context=T).activations
+    estimate = planner.memory_per_device(config, "auto", 1, "32-true", micro_batch=B, context=T).activations
     assert abs(estimate / measured - 1) < 0.12, (estimate, measured)
 
 
 def test_activations_of_gpt2_in_16_bits_are_korthikantis_34_sbh():
     config = GPTConfig(vocab_size=50257, block_size=1024, n_layer=12, n_head=12, n_embd=768, dropout=0.1)
-    per_token = card.activation_bytes_per_token(config, 2)
+    per_token = planner.activation_bytes_per_token(config, 2)
     outside = 2 * 2 * 768 + 2 * 50257 + 4 * 50257
     assert per_token - outside == 12 * 34 * 768
 
 
 def test_strategies_shard_what_zero_says():
     config = tiny()
-    n = card.parameter_counts(config)["total"]
-    single = card.memory_per_device(config, "single", 1, "32-true")
+    n = counting.parameter_counts(config)["total"]
+    single = planner.memory_per_device(config, "auto", 1, "32-true")
     assert (single.weights, single.gradients, single.optimizer) == (4 * n, 4 * n, 8 * n)
-    ddp = card.memory_per_device(config, "ddp", 8, "32-true")
+    ddp = planner.memory_per_device(config, "ddp", 8, "32-true")
     assert ddp.total > single.total  # every replica whole, plus the gradient buckets
-    z1 = card.memory_per_device(config, "deepspeed_stage_1", 8, "bf16-mixed")
-    z2 = card.memory_per_device(config, "deepspeed_stage_2", 8, "bf16-mixed")
-    z3 = card.memory_per_device(config, "deepspeed_stage_3", 8, "bf16-mixed")
+    z1 = planner.memory_per_device(config, "deepspeed_stage_1", 8, "bf16-mixed")
+    z2 = planner.memory_per_device(config, "deepspeed_stage_2", 8, "bf16-mixed")
+    z3 = planner.memory_per_device(config, "deepspeed_stage_3", 8, "bf16-mixed")
     # ZeRO (Rajbhandari et al. 2020), mixed precision: 2 + 2 + 12 bytes per parameter, sharded stage by stage.
     assert (z1.weights, z1.gradients, z1.optimizer) == (2 * n, 2 * n, 12 * n / 8)
     assert (z2.weights, z2.gradients, z2.optimizer) == (2 * n, 2 * n / 8, 12 * n / 8)
     assert (z3.weights, z3.gradients, z3.optimizer) == (2 * n / 8, 2 * n / 8, 12 * n / 8)
-    fsdp = card.memory_per_device(config, "fsdp", 8, "bf16-mixed")
+    fsdp = planner.memory_per_device(config, "fsdp", 8, "bf16-mixed")
     assert fsdp.weights == 4 * n / 8 and fsdp.optimizer == 8 * n / 8
-    offload = card.memory_per_device(config, "deepspeed_stage_3_offload", 8, "bf16-mixed")
+    offload = planner.memory_per_device(config, "deepspeed_stage_3_offload", 8, "bf16-mixed")
     assert offload.optimizer == 0 and offload.weights == 0 and offload.host == pytest.approx(14 * n / 8)
     # Activations grow with the micro-batch and are never sharded by data parallelism.
-    assert card.memory_per_device(config, "fsdp", 8, micro_batch=4).activations == 4 * single.activations
+    assert planner.memory_per_device(config, "fsdp", 8, micro_batch=4).activations == 4 * single.activations
     with pytest.raises(ConfigError, match="Unknown strategy 'zero4'"):
-        card.memory_per_device(config, "zero4")
+        planner.memory_per_device(config, "zero4")
 
 
-def test_strategy_names_from_strategy_configs():
-    assert card.strategy_name({"name": "deepspeed", "stage": 3, "offload_optimizer": True}) == (
-        "deepspeed_stage_3_offload"
-    )
-    assert card.strategy_name({"name": "deepspeed", "choice": "deepspeed_stage_1", "stage": 1}) == (
-        "deepspeed_stage_1"
-    )
-    assert card.resolve_strategy("auto", 1).name == "single"
-    assert card.resolve_strategy("auto", 4).name == "ddp"
-    assert card.resolve_strategy("DDPStrategy", 4).name == "ddp"
+def test_the_planner_reads_each_strategy_choice_that_training_builds():
+    # Every conf/strategy choice, by its YAML name or as the config node training receives.
+    for name in planner.strategy_choices():
+        assert planner.memory_per_device(tiny(), name, 4).strategy == name
+    node = {"name": "deepspeed", "stage": 3, "offload_optimizer": True, "offload_parameters": True}
+    assert planner.memory_per_device(tiny(), node, 4).strategy == "deepspeed_stage_3_offload"
+    # auto: the single device's placement on one device, DDP's on several.
+    assert not strategy_choice("auto").placement(1).distributed
+    assert strategy_choice("auto").placement(4) == strategy_choice("ddp").placement(4)
+    # An option changes what each device holds: FSDP's cpu_offload moves the shards to the host.
+    offloaded = planner.memory_per_device(tiny(), {"name": "fsdp", "cpu_offload": True}, 8)
+    assert offloaded.weights == offloaded.gradients == offloaded.optimizer == 0 and offloaded.host > 0
+    # The table lists each distinct placement once, named as a user types it.
+    names = [name for name, _ in planner.distinct_choices(8)]
+    assert names[0] == "ddp" and "auto" not in names and "ddp_spawn" not in names
+    assert {"fsdp", "deepspeed_stage_1", "deepspeed_stage_3_offload"} <= set(names)
+    assert [name for name, _ in planner.distinct_choices(1)][0] == "auto"
 
 
 def test_a_run_that_does_not_fit_names_the_strategy_that_would(make_cfg):
     gpt2_xl = gptlab.build_model_config(make_cfg("model=gpt2-xl"))
     # 1.56B parameters x 16 bytes of training state = 23 GiB: not on one 16 GiB device, nor replicated on 8.
-    assert card.advise(gpt2_xl, 80 * GiB, "single", 1, "bf16-mixed", micro_batch=1) is None
-    warning = card.advise(gpt2_xl, 16 * GiB, "ddp", 8, "bf16-mixed", micro_batch=1)
+    assert planner.advise(gpt2_xl, 80 * GiB, "auto", 1, "bf16-mixed", micro_batch=1) is None
+    warning = planner.advise(gpt2_xl, 16 * GiB, "ddp", 8, "bf16-mixed", micro_batch=1)
     assert warning.startswith("WARNING") and "strategy=deepspeed_stage_1 would fit" in warning
-    fit = card.memory_per_device(gpt2_xl, "deepspeed_stage_1", 8, "bf16-mixed", micro_batch=1)
+    fit = planner.memory_per_device(gpt2_xl, "deepspeed_stage_1", 8, "bf16-mixed", micro_batch=1)
     assert fit.fits(16 * GiB)
     # GPT-3 on one GPU: the warning says how many devices a sharded run needs.
     gpt3 = gptlab.build_model_config(make_cfg("model=gpt3"))
-    warning = card.advise(gpt3, 80 * GiB, "single", 1, "bf16-mixed", micro_batch=1)
+    warning = planner.advise(gpt3, 80 * GiB, "auto", 1, "bf16-mixed", micro_batch=1)
     assert "devices" in warning and "strategy=" in warning
 
 
@@ -183,7 +192,7 @@ def test_model_card_script_reports_gpt3(capsys):
     out = capsys.readouterr().out
     assert "Parameters: total 174,604,259,328 (174.60B)" in out
     assert "Training FLOPs per token at context 2048" in out
-    assert "zero3" in out and "fsdp" in out and "activation checkpointing" in out
+    assert "deepspeed_stage_3 " in out and "fsdp " in out and "activation checkpointing" in out
     assert "strategy=fsdp with activation checkpointing would fit" in out
     GlobalHydra.instance().clear()
     assert script.main(["model=tiny", "model.n_head=3"]) == 2

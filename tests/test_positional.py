@@ -2,7 +2,6 @@
 every YAML under conf/pos/ trains through the CLI."""
 
 import math
-import warnings
 
 import pytest
 import torch
@@ -157,6 +156,9 @@ def test_relative_bias_is_learned_per_head_and_shared_by_layers():
     model = GPT(tiny(pos="relative", pos_options={"num_buckets": 8, "max_distance": 32}))
     table = model.transformer.pos.relative_attention_bias.weight
     assert table.shape == (8, 4)
+    q, k = torch.arange(20, 60), torch.arange(60)  # queries after cached keys, past max_distance
+    buckets = positional.t5_relative_buckets(k[None, :] - q[:, None], 8, 32)  # (40, 60)
+    torch.testing.assert_close(model.transformer.pos.bias(q, k), table[buckets].permute(2, 0, 1))
     _, loss = model(torch.randint(0, 61, (2, 16)), torch.randint(0, 61, (2, 16)))
     loss.backward()
     assert table.grad is not None and table.grad.abs().sum() > 0
@@ -175,6 +177,16 @@ def test_fire_inputs_are_normalised_to_the_unit_interval_at_any_length():
     assert float(normalised.min()) >= 0 and float(normalised.max()) <= 1
     bias = pos.bias(q, q)
     assert bias.shape == (4, 200, 200) and torch.isfinite(bias).all()
+    # the bias is the MLP of the normalised distance, also where every query is within the threshold L
+    # (there the scheme runs the MLP once per distance)
+    torch.testing.assert_close(bias, pos.mlp(normalised[..., None]).permute(2, 0, 1))
+    within = q[:16]  # threshold L = block_size = 16
+    torch.testing.assert_close(
+        pos.bias(within, within),
+        pos.mlp(
+            (torch.log1p(c * distance[:16, :16]) / torch.log1p(c * pos.log_threshold.exp()))[..., None]
+        ).permute(2, 0, 1),
+    )
 
 
 @pytest.mark.parametrize("pos", UNBOUNDED)
@@ -331,105 +343,3 @@ def test_every_pos_yaml_trains_through_the_cli(tmp_path):
         header = rows[0].split(",")
         losses = [r.split(",")[header.index("val/loss")] for r in rows[1:]]
         assert any(v and math.isfinite(float(v)) for v in losses)
-
-
-BIASED = [
-    name
-    for name in positional.names()
-    if GPT(tiny(pos=name)).transformer.pos.bias(torch.arange(2), torch.arange(2)) is not None
-]
-
-
-@pytest.mark.parametrize("pos", BIASED)
-def test_the_bias_is_computed_once_per_forward_for_every_layer(pos, monkeypatch):
-    model = GPT(tiny(pos=pos, n_layer=3))
-    scheme = model.transformer.pos
-    calls = []
-    original = scheme.bias
-    monkeypatch.setattr(scheme, "bias", lambda q, k: calls.append(len(q)) or original(q, k))
-    _, loss = model(torch.randint(0, 61, (2, 16)), torch.randint(0, 61, (2, 16)))
-    loss.backward()
-    assert calls == [16]
-
-
-def attention_inputs(n_head: int, n_kv_head: int, T: int, Tk: int, device: str = "cpu"):
-    g = torch.Generator(device=device).manual_seed(0)
-    shape = lambda heads, n: (2, heads, n, 16)  # noqa: E731
-    return [
-        torch.randn(shape(h, n), generator=g, device=device)
-        for h, n in ((n_head, T), (n_kv_head, Tk), (n_kv_head, Tk))
-    ]
-
-
-@pytest.mark.parametrize("pos", BIASED)
-@torch.no_grad()
-def test_flex_attention_score_mods_equal_the_dense_bias_route(pos):
-    """FlexAttention's forward also runs (unfused) on CPU: each scheme's score_mod with the causal block
-    mask gives the dense SDPA route's output, also for queries after cached keys (Tk > T). A wrong sign in
-    ALiBi's -slope * (i - j) fails here."""
-    from torch.nn.attention.flex_attention import flex_attention
-
-    from gptlab.model.attention import AttentionBias, causal_block_mask, dense_bias_attention
-
-    scheme = GPT(tiny(pos=pos, n_head=4, n_kv_head=2, n_embd=64, block_size=64)).transformer.pos
-    for T, Tk in ((40, 40), (24, 56)):
-        q_positions, k_positions = torch.arange(Tk - T, Tk), torch.arange(Tk)
-        q, k, v = attention_inputs(4, 2, T, Tk)
-        dense = AttentionBias.build(scheme, q_positions, k_positions, use_flex=False)
-        expected = dense_bias_attention(q, k, v, dense.mask, 0.0, gqa=True)
-        flex = AttentionBias.build(scheme, q_positions, k_positions, use_flex=True)
-        assert flex.block_mask is causal_block_mask(T, Tk, "cpu")  # built once per shape
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*without torch.compile")  # unfused on CPU: fine here
-            out = flex_attention(
-                q, k, v, score_mod=flex.score_mod, block_mask=flex.block_mask, enable_gqa=True
-            )
-        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
-
-
-def test_the_dense_route_in_query_blocks_equals_one_masked_call(monkeypatch):
-    """Queries in blocks, each over the keys up to its last query, are the same attention as one call over
-    the whole square (forward and gradients, the bias's included)."""
-    import torch.nn.functional as F
-
-    from gptlab.model import attention
-
-    monkeypatch.setattr(attention, "QUERY_BLOCK", 16)
-    scheme = GPT(tiny(pos="relative", block_size=64)).transformer.pos
-    positions = torch.arange(56)
-    q, k, v = (t.requires_grad_() for t in attention_inputs(4, 4, 56, 56))
-    mask = attention.AttentionBias.build(scheme, positions, positions, use_flex=False).mask
-    blocked = attention.dense_bias_attention(q, k, v, mask, 0.0, gqa=False)
-    params = [q, k, v, scheme.relative_attention_bias.weight]
-    grads = torch.autograd.grad(blocked.square().sum(), params, retain_graph=True)
-    whole = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-    expected = torch.autograd.grad(whole.square().sum(), params)
-    torch.testing.assert_close(blocked, whole, rtol=1e-5, atol=1e-6)
-    for got, want in zip(grads, expected):
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="FlexAttention trains on CUDA only")
-@pytest.mark.parametrize("pos", BIASED)
-def test_flex_attention_training_step_equals_the_sdpa_route_on_cuda(pos, monkeypatch):
-    """On CUDA the model trains bias schemes through compiled FlexAttention: its loss and every gradient
-    (the scheme's own parameters included) equal the dense SDPA route's."""
-    from gptlab.model import attention
-
-    torch.manual_seed(0)
-    config = tiny(pos=pos, n_head=4, n_kv_head=2, n_embd=128, block_size=256)
-    flex_model = GPT(config).cuda()
-    sdpa_model = GPT(config).cuda()
-    sdpa_model.load_state_dict(flex_model.state_dict())
-    idx = torch.randint(0, 61, (2, 256), device="cuda")
-    assert attention.flex_attention_available(idx.device, config.head_dim)
-    _, flex_loss = flex_model(idx, idx)
-    flex_loss.backward()
-    monkeypatch.setattr(attention, "flex_attention_available", lambda device, head_dim=64: False)
-    _, sdpa_loss = sdpa_model(idx, idx)
-    sdpa_loss.backward()
-    torch.testing.assert_close(flex_loss, sdpa_loss, rtol=1e-4, atol=1e-5)
-    sdpa_grads = dict(sdpa_model.named_parameters())
-    for name, p in flex_model.named_parameters():
-        torch.testing.assert_close(p.grad, sdpa_grads[name].grad, rtol=1e-3, atol=1e-5, msg=name)

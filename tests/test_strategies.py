@@ -20,10 +20,19 @@ from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import OmegaConf
 
+import gptlab.train
 from gptlab.errors import ConfigError
 from gptlab.model.config import GPTConfig
 from gptlab.model.gpt import GPT
-from gptlab.parallel import STRATEGIES, ParallelOptions, build_strategy, parallelize, strategy_choice
+from gptlab.parallel import (
+    STRATEGIES,
+    ParallelOptions,
+    build_strategy,
+    parallelize,
+    strategy_choice,
+    warn_if_cpu_oversubscribed,
+)
+from gptlab.parallel.hardware import cpu_cores
 from gptlab.tracking.wandb_files import find_runs, read_run
 
 STRATEGY_CHOICES = sorted(p.stem for p in (CONF / "strategy").glob("*.yaml"))
@@ -76,11 +85,17 @@ def test_every_strategy_composes_and_builds_or_is_refused_on_cpu(make_cfg, choic
     elif choice == "fsdp":
         assert isinstance(strategy, ModelParallelStrategy)
         assert strategy.reshard_after_forward and not strategy.hybrid and not strategy.cpu_offload
+    # The checkpoint writer follows the choice: one atomic file from rank 0, or a directory per checkpoint.
+    choice = strategy_choice(strategy_cfg)
+    assert bool(choice.plugins()) != choice.writes_directory()
 
 
 def test_bad_strategy_options_name_the_fix():
     cpu = {"accelerator": "cpu", "devices": 2, "num_nodes": 1}
-    with pytest.raises(ConfigError, match=r"Unknown option\(s\) \['sharding'\] for strategy=fsdp. Known: \["):
+    with pytest.raises(
+        ConfigError,
+        match=r"strategy=fsdp does not take option\(s\) strategy.sharding. Its options: strategy.reshard_after",
+    ):
         build_strategy({"name": "fsdp", "sharding": "full"}, cpu)
     with pytest.raises(ConfigError, match="strategy.hybrid=true .* trainer.num_nodes=1"):
         build_strategy({"name": "fsdp", "hybrid": True}, cpu)
@@ -90,10 +105,15 @@ def test_bad_strategy_options_name_the_fix():
         strategy_choice({"name": "fsdp2"})
     with pytest.raises(ConfigError, match="offload_parameters=true needs ZeRO stage 3"):
         build_strategy({"name": "deepspeed", "stage": 2, "offload_parameters": True}, cpu)
+    with pytest.raises(ConfigError, match=r"strategy.find_unused_parameters='no' must be true or false"):
+        build_strategy({"name": "ddp", "find_unused_parameters": "no"}, cpu)
+    with pytest.raises(ConfigError, match=r"strategy.stage='2' must be an integer"):
+        build_strategy({"name": "deepspeed", "stage": "2"}, cpu)
     with pytest.raises(ConfigError, match="compile='yes' must be true or false"):
         ParallelOptions.from_config({"compile": "yes"})
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="tests the refusal on a machine without CUDA")
 def test_deepspeed_on_cpu_is_refused_before_any_work(tmp_path):
     proc = run_train(
         [
@@ -173,6 +193,43 @@ def test_activation_checkpointing_keeps_the_loss_the_gradients_and_the_parameter
     assert torch.equal(loss_plain, loss_wrapped)
     for (name, a), (_, b) in zip(plain.named_parameters(), wrapped.named_parameters()):
         torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=1e-6, msg=name)
+
+
+def test_more_cpu_processes_than_cores_warns_with_the_core_count(caplog):
+    cores = cpu_cores()
+    with caplog.at_level("WARNING", logger="gptlab"):
+        message = warn_if_cpu_oversubscribed({"accelerator": "cpu", "devices": 4 * cores})
+    assert f"trainer.devices={4 * cores} starts {4 * cores} training processes on the CPU" in caplog.text
+    assert f"this machine gives this run {cores} core(s)" in message
+    assert f"Use trainer.devices={cores} or fewer" in message
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="gptlab"):
+        assert warn_if_cpu_oversubscribed({"accelerator": "cpu", "devices": cores}) is None
+    assert not caplog.text
+
+
+def test_eval_length_with_sharded_weights_on_several_ranks_is_refused_at_start(make_cfg, tmp_path):
+    # The length study runs a forward pass on rank 0 alone; with FSDP each rank holds only its shards.
+    cfg = make_cfg(
+        *TINY,
+        "strategy=fsdp",
+        *CPU2,
+        "eval_length.enabled=true",
+        "logger=csv",
+        f"paths.output_dir={tmp_path}",
+    )
+    with pytest.raises(ConfigError) as err:
+        gptlab.train.run(cfg)
+    message = str(err.value)
+    assert "eval_length.enabled=true evaluates the trained model on rank 0 alone" in message
+    assert "strategy=fsdp shards the weights over the 2 processes" in message
+    assert "eval_length.enabled=false" in message and "scripts/eval_length.py" in message
+    assert not (tmp_path / "checkpoints").exists() and not (tmp_path / "csv").exists()
+    # Replicated weights (DDP) or one process: every rank holds the whole model, so it runs.
+    from gptlab.parallel import check_rank_zero_evaluation
+
+    check_rank_zero_evaluation(strategy_choice("ddp"), {"accelerator": "cpu", "devices": 2}, "eval_length")
+    check_rank_zero_evaluation(strategy_choice("fsdp"), {"accelerator": "cpu", "devices": 1}, "eval_length")
 
 
 # ---- SLURM -----------------------------------------------------------------------------------------------

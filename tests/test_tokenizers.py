@@ -64,5 +64,20 @@ def test_tokenizers_rebuild_from_their_spec():
 
 
 def test_unknown_tokenizer_names_the_choices():
-    with pytest.raises(ValueError, match="gpt2, word, char"):
+    with pytest.raises(ValueError, match="char, gpt2, word"):
         tokenizers.build("bpe")
+
+
+def test_word_max_vocab_keeps_the_most_frequent_words_and_options_are_typed():
+    from gptlab.errors import ConfigError
+
+    tok = WordTokenizer.from_texts(["b b b a a c d", "b a e"], max_vocab=2)
+    assert tok.vocab == ["a", "b", UNK, ENDOFTEXT]
+    assert tok.encode("a b c") == [0, 1, tok.unk_id]
+    assert tokenizers.options_of("word", {"name": "word", "max_vocab": 2}).max_vocab == 2
+    with pytest.raises(ConfigError, match=r"tokenizer.max_vocab=0"):
+        tokenizers.options_of("word", {"max_vocab": 0})
+    with pytest.raises(ConfigError, match=r"Did you mean tokenizer.max_vocab"):
+        tokenizers.options_of("word", {"max_vocb": 2})
+    with pytest.raises(ConfigError, match=r"tokenizer=gpt2 does not take"):
+        tokenizers.options_of("gpt2", {"max_vocab": 2})

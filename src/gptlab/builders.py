@@ -35,6 +35,9 @@ _SPEC_KEYS = {
     "split_seed",
     "num_proc",
     "cache_dir",
+    "max_tokens",
+    "streaming",
+    "val_tokens",
 }
 _LOADER_KEYS = {"batch_size", "block_size", "stride", "val_stride", "num_workers"}
 
@@ -43,23 +46,33 @@ def _plain(node: Any) -> Any:
     return OmegaConf.to_container(node, resolve=True) if isinstance(node, DictConfig) else node
 
 
-def data_spec(cfg: DictConfig) -> corpus.DataSpec:
-    data = _plain(cfg.data)
+def data_spec(data: Any) -> corpus.DataSpec:
+    """The corpus spec from the ``data`` node (the whole config is accepted too)."""
+    if isinstance(data, DictConfig) and "data" in data and "model" in data:
+        data = data.data
+    data = _plain(data)
     unknown = sorted(set(data) - _SPEC_KEYS - _LOADER_KEYS)
     if unknown:
         raise ConfigError(f"Unknown data option(s) {unknown}. Known: {sorted(_SPEC_KEYS | _LOADER_KEYS)}.")
     return corpus.DataSpec(**{k: v for k, v in data.items() if k in _SPEC_KEYS})
 
 
-def build_tokenizer(cfg: DictConfig) -> tokenizers.Tokenizer:
-    """The configured tokenizer. ``word`` and ``char`` build their vocabulary from the training split of the
-    configured corpus (prepared and cached on first use)."""
-    name = cfg.tokenizer.name
-    if name == "gpt2":
-        return tokenizers.GPT2Tokenizer()
-    if name not in tokenizers.TOKENIZERS:
-        tokenizers.build(name)  # raises the error that lists the choices
-    return corpus.prepare(data_spec(cfg), name).tokenizer
+def build_tokenizer(node: Any, data: Any = None) -> tokenizers.Tokenizer:
+    """The tokenizer of the ``tokenizer`` node (or of the whole config). One with a fixed vocabulary is
+    built at once; one that learns its vocabulary (``fitted``) is a product of preparing the corpus of the
+    ``data`` node, taken from the token cache. A training run takes it from its datamodule instead."""
+    if isinstance(node, DictConfig) and "tokenizer" in node:
+        node, data = node.tokenizer, node.get("data") if data is None else data
+    values = _plain(node)
+    cls = tokenizers.TOKENIZERS.get(values["name"])
+    options = tokenizers.options_of(values["name"], values)
+    if not cls.fitted:
+        return cls.create(options)
+    if data is None:
+        raise ConfigError(
+            f"tokenizer={values['name']} learns its vocabulary from a corpus: pass the data node."
+        )
+    return corpus.prepare(data_spec(data), values).tokenizer
 
 
 def model_config_from_nodes(
@@ -128,8 +141,8 @@ def build_datamodule(cfg: DictConfig) -> GPTDataModule:
             "data.block_size, or use a scheme without a table (pos=sinusoidal, pos=nope)."
         )
     return GPTDataModule(
-        spec=data_spec(cfg),
-        tokenizer=cfg.tokenizer.name,
+        spec=data_spec(cfg.data),
+        tokenizer=_plain(cfg.tokenizer),
         block_size=block_size,
         batch_size=data.get("batch_size", 8),
         stride=data.get("stride"),

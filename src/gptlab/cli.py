@@ -8,14 +8,17 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from gptlab.errors import ConfigError, DataError
-from gptlab.lit.checkpointing import NonFiniteLossError
+from gptlab.errors import ConfigError, DataError, NonFiniteLossError
 
 
 def run_task(cfg: DictConfig) -> float | None:
-    from gptlab.train import run
-
     try:
+        if cfg.get("task", "gpt") == "gpt":
+            from gptlab.train import run
+        else:  # task=word2vec (any other value is refused with the choices)
+            from gptlab.word2vec.task import check_task, run
+
+            check_task(cfg)
         metrics = run(cfg)
     except (ConfigError, DataError) as e:
         multirun = HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN

@@ -1,4 +1,8 @@
-"""Errors that gptlab raises for bad input: each names the bad value, what is allowed, and the fix."""
+"""Every exception gptlab raises on purpose. Each message names the bad value, what is allowed, and the fix.
+
+``ConfigError`` and its kinds end `python train.py` with exit status 2 and the message alone (no traceback);
+``NonFiniteLossError`` ends it with status 1, as a run that started and then failed.
+"""
 
 
 class ConfigError(ValueError):
@@ -11,3 +15,15 @@ class DataError(ValueError):
 
 class CheckpointError(ConfigError):
     """A checkpoint that cannot be read, that is not gptlab's, or that belongs to a different model."""
+
+
+class WandbFileError(ValueError):
+    """A W&B run file (``run-*.wandb``) that cannot be read: not one, truncated, or corrupt."""
+
+
+class NonFiniteLossError(RuntimeError):
+    """The training loss became NaN or infinite on some rank; every rank stops at the same step, before the
+    bad state is stepped or saved."""
+
+
+__all__ = ["CheckpointError", "ConfigError", "DataError", "NonFiniteLossError", "WandbFileError"]

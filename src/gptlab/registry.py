@@ -69,8 +69,8 @@ class Registry(Generic[T]):
         return getattr(self.get(name), "Options", NoOptions)
 
     def build_options(self, name: str, values: Mapping[str, Any] | None = None) -> Any:
-        """The typed options of variant ``name`` from a config node's plain values (``name`` itself and
-        keys whose value is None for a field without a None default are not accepted silently)."""
+        """The typed options of variant ``name`` from a config node's plain values (its ``name`` key, the
+        choice itself, is skipped)."""
         values = {k: v for k, v in (values or {}).items() if k != "name"}
         return build_options(self.options_type(name), values, f"{self.config_key}={name}", self.config_key)
 
@@ -82,17 +82,17 @@ def build_options(options_type: type, values: Mapping[str, Any], owner: str, pre
     unknown = sorted(set(values) - set(fields))
     if unknown:
         allowed = ", ".join(f"{prefix}.{k}" for k in fields) or "none"
-        hints = []
+        suggestions = []
         for key in unknown:
             close = difflib.get_close_matches(key, list(fields), n=1)
-            hints.append(f" Did you mean {prefix}.{close[0]}?" if close else "")
+            suggestions.append(f" Did you mean {prefix}.{close[0]}?" if close else "")
         raise ConfigError(
             f"{owner} does not take option(s) {', '.join(prefix + '.' + k for k in unknown)}. "
             f"Its options: {allowed}. Remove the key from the command line or the YAML, or choose a "
-            f"{prefix} that takes it.{''.join(hints)}"
+            f"{prefix} that takes it.{''.join(suggestions)}"
         )
-    hints = typing.get_type_hints(options_type)
-    converted = {key: check_type(value, hints[key], f"{prefix}.{key}") for key, value in values.items()}
+    types_ = typing.get_type_hints(options_type)
+    converted = {key: check_type(value, types_[key], f"{prefix}.{key}") for key, value in values.items()}
     return options_type(**converted)
 
 

@@ -11,16 +11,25 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
+import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from gptlab.builders import build_datamodule, build_model_config, build_tokenizer, load_initial_weights
+from gptlab.builders import build_datamodule, build_model_config, load_initial_weights
 from gptlab.errors import ConfigError
-from gptlab.lit.checkpointing import checkpoint_plugins, fault_tolerance_callbacks, fit
+from gptlab.lit.checkpointing import fault_tolerance_callbacks, fit, restore_interrupted_saves
 from gptlab.lit.module import GPTLitModule, check_optim
-from gptlab.parallel import ParallelOptions, build_strategy, choose_precision, slurm_requeue_parts
+from gptlab.parallel import (
+    ParallelOptions,
+    build_strategy,
+    check_rank_zero_evaluation,
+    choose_precision,
+    strategy_choice,
+    warn_if_cpu_oversubscribed,
+)
+from gptlab.parallel.slurm import slurm_plugins
 from gptlab.preflight import check_accelerator, check_seed, check_trainer_values
 from gptlab.resume import ResumePlan, check_writable, plan_resume
 from gptlab.tracking.loggers import finish_wandb
@@ -80,11 +89,11 @@ def build_callbacks(cfg: DictConfig) -> list[L.Callback]:
 def model_summary(
     module: GPTLitModule, trainer: L.Trainer | None = None, cfg: DictConfig | None = None
 ) -> str:
-    """The short model card (gptlab.model.card): parameters, FLOPs per token, memory per device, and a
+    """The short model card (gptlab.parallel.card): parameters, FLOPs per token, memory per device, and a
     warning when the run will not fit its device."""
-    from gptlab.model import card
+    from gptlab.parallel import card
 
-    strategy = card.strategy_name(OmegaConf.to_container(cfg.strategy, resolve=True)) if cfg else "auto"
+    strategy = OmegaConf.to_container(cfg.strategy, resolve=True) if cfg else "auto"
     data = cfg.data if cfg else {}
     return card.startup_card(
         module.model_config,
@@ -108,6 +117,10 @@ def run(cfg: DictConfig) -> dict[str, float]:
         cfg.paths.output_dir = str(run_dir)
     check_seed(cfg.seed)
     L.seed_everything(cfg.seed, workers=True, verbose=False)
+    # Subnormal floats (a softmax over strongly biased scores: ALiBi at T=1024) are many times slower on x86
+    # CPUs; flushing them to zero changes nothing above 1.2e-38. ALiBi's step on one thread: 1.93x -> 1.34x
+    # the fused causal one (scripts/bench_attention.py). Threads started later inherit the setting.
+    torch.set_flush_denormal(True)
 
     # ---- build and check everything before any expensive work --------------------------------
     trainer_cfg = OmegaConf.to_container(cfg.trainer, resolve=True)
@@ -119,16 +132,30 @@ def run(cfg: DictConfig) -> dict[str, float]:
         {k: cfg[k] for k in ("compile", "activation_checkpointing") if cfg.get(k) is not None}
     )
     trainer_cfg["precision"] = choose_precision(trainer_cfg.get("precision"), trainer_cfg.get("accelerator"))
+    warn_if_cpu_oversubscribed(trainer_cfg)
+    strategy_cfg = OmegaConf.to_container(cfg.strategy, resolve=True)
     strategy = build_strategy(
-        OmegaConf.to_container(cfg.strategy, resolve=True),
+        strategy_cfg,
         trainer_cfg,
         multirun=HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN,
     )
+    if (cfg.get("eval_length") or {}).get("enabled"):
+        check_rank_zero_evaluation(strategy_choice(strategy_cfg), trainer_cfg, "eval_length.enabled=true")
     datamodule = build_datamodule(cfg)
-    tokenizer = build_tokenizer(cfg)
+    # The data is read and windowed before any logger or trainer starts, so a bad corpus costs seconds. The
+    # tokenizer is a product of the corpus's preparation (a fitted vocabulary comes from its training split).
+    datamodule.prepare_data()
+    datamodule.setup("fit")
+    corpus = datamodule.corpus
+    tokenizer = corpus.tokenizer
     model_config = build_model_config(cfg, tokenizer)
-    module = GPTLitModule(model=model_config.to_dict(), optim=OmegaConf.to_container(cfg.optim, resolve=True))
+    module = GPTLitModule(
+        model=model_config.to_dict(),
+        optim=OmegaConf.to_container(cfg.optim, resolve=True),
+        loss=OmegaConf.to_container(cfg.loss, resolve=True) if cfg.get("loss") else None,
+    )
     module.tokenizer = tokenizer
+    restore_interrupted_saves(run_dir / "checkpoints")  # a kill mid-swap of a sharded checkpoint
     resume = plan_resume(cfg.get("resume"), run_dir, model_config)
     if resume and resume.global_step >= trainer_cfg["max_steps"]:
         log.info(
@@ -137,17 +164,9 @@ def run(cfg: DictConfig) -> dict[str, float]:
         )
     load_initial_weights(cfg, module.model)  # model.init_from: pretrained weights, checked against the config
     module.parallel = parallel
-    # The data is read and windowed before any logger or trainer starts, so a bad corpus costs seconds.
-    datamodule.prepare_data()
-    datamodule.setup("fit")
-    corpus = datamodule.corpus
-    if tokenizer.vocab_size != corpus.tokenizer.vocab_size:  # pragma: no cover - a stale cache
-        raise ConfigError("the token cache was made with another tokenizer: delete it and run again")
     log.info("Data ready after %.1f s", time.perf_counter() - t0)
     loggers = build_loggers(cfg, resume)
     callbacks = build_callbacks(cfg) + fault_tolerance_callbacks() + [ValidateAtLastStep()]
-    slurm_plugins, slurm_callbacks = slurm_requeue_parts()
-    callbacks += slurm_callbacks
 
     failed = True
     try:
@@ -156,7 +175,7 @@ def run(cfg: DictConfig) -> dict[str, float]:
             strategy=strategy,
             logger=loggers or False,
             callbacks=callbacks,
-            plugins=[*slurm_plugins, *checkpoint_plugins(strategy)] or None,
+            plugins=[*slurm_plugins(), *strategy_choice(strategy_cfg).plugins()] or None,
         )
         if trainer.is_global_zero:
             log.info("Run directory: %s", run_dir)

@@ -122,6 +122,11 @@ def write_comparison(
         table,
         f"![validation loss]({plot_path.name})",
     ]
+    if any(row.length_ppl or row.passkey for row in rows):
+        from gptlab.eval import long_context
+
+        figure = long_context.plot_rows(rows, out / "long_context.png")
+        parts.append(f"![perplexity, loss by position and passkey retrieval]({figure.name})")
     length_table = length_plot = None
     if sweep_dir is not None and any(r.outputs.get("length") for r in runs):
         length_plot = out / "loss_vs_context.png"

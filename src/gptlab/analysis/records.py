@@ -59,8 +59,18 @@ def length_perplexities(run: Run) -> dict[str, float | None]:
     return out
 
 
+def passkey_accuracy(run: Run) -> dict[str, float | None]:
+    """``passkey@1x``, ... (retrieval accuracy over depths) from ``eval_length/passkey.json``."""
+    from gptlab.eval import long_context
+
+    return long_context.read_passkey(run.path)
+
+
 # The evaluation outputs that become columns, in this order.
-OUTPUTS: list[OutputColumns] = [OutputColumns("length", length_perplexities, order=_factor_of)]
+OUTPUTS: list[OutputColumns] = [
+    OutputColumns("length", length_perplexities, order=_factor_of),
+    OutputColumns("passkey", passkey_accuracy, order=_factor_of),
+]
 
 
 @dataclass

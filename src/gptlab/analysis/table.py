@@ -36,6 +36,14 @@ class Row:
     significance: str = ""  # against the reference row: "worse, p=0.003", "cannot tell (1 seed)", ...
 
     @property
+    def length_ppl(self) -> dict[str, float | None]:
+        return self.outputs.get("length", {})
+
+    @property
+    def passkey(self) -> dict[str, float | None]:
+        return self.outputs.get("passkey", {})
+
+    @property
     def label(self) -> str:
         return " ".join(f"{k}={v}" for k, v in self.choice.items()) or "all runs"
 
@@ -45,7 +53,7 @@ class Row:
 
 
 def _human(n: float) -> str:
-    from gptlab.model.card import human  # the one number formatter (1.62M)
+    from gptlab.model.counting import human  # the one number formatter (1.62M)
 
     return human(n)
 

@@ -1,23 +1,29 @@
-"""Corpora: load documents -> split train/val by document -> tokenize -> flat token files, cached.
+"""Corpus preparation: documents -> train/val split by document -> tokens in sharded files, cached.
 
-Every source goes through Hugging Face ``datasets``: the embedded default corpus (the Python reference
-text of the standard library's ``pydoc_data.topics``, real English prose that needs no network), local
-files (txt, jsonl/json, parquet, csv, a file, a glob or a folder) and hub datasets by name.
+Memory stays that of a small corpus whatever the corpus size: the documents stay in the Arrow files that
+``datasets`` writes (read back batch by batch, never as a list of all texts); one pass of Arrow compute
+gives each document's length and the place of each record batch, from which a seeded split picks whole
+documents for validation; then a process pool gets runs of consecutive record batches (their places, not
+their texts), and each process reads, tokenizes and writes its run as its own shard (flat uint16 ids while
+the vocabulary fits, else uint32, ``<|endoftext|>`` after every document).
+An ``index.json`` lists the shards; the split's windows run across shard boundaries as in one file.
 
-The token files are flat arrays (uint16 while the vocabulary fits, else uint32) with ``<|endoftext|>``
-after every document, written once per (corpus, split, tokenizer) fingerprint under the cache folder, so a
-second run with the same data starts at once.
+A cache folder is keyed by a fingerprint of the corpus, the split and the tokenizer, built in a temporary
+folder and renamed into place at the end, so a killed preparation leaves no half cache: the next run
+removes the dead one's temporary folder and starts again. A lock file lets one process prepare a cache
+while the others that need it wait.
 """
 
 from __future__ import annotations
 
-import glob
+import fcntl
 import hashlib
 import json
 import logging
 import os
 import shutil
-import tempfile
+import socket
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,70 +32,33 @@ from typing import Any
 import numpy as np
 
 from gptlab.data import tokenizers
+from gptlab.data.arrow_batches import BatchPlace, iter_batches
+from gptlab.data.shards import (
+    TokenShards,
+    read_index,
+    token_counts,
+    token_folder,
+    unigram_entropy,
+    write_index,
+)
+from gptlab.data.sources import DataSpec, load_documents, source_fingerprint
+from gptlab.data.tokenize_pool import TokenizeJob, run_tokenize_jobs
 from gptlab.errors import ConfigError, DataError
 
 log = logging.getLogger(__name__)
 
-CACHE_FORMAT = 1
-BUILTIN_CORPORA = ("pydoc_topics",)
-FILE_BUILDERS = {
-    ".txt": "text",
-    ".text": "text",
-    ".md": "text",
-    ".jsonl": "json",
-    ".json": "json",
-    ".parquet": "parquet",
-    ".csv": "csv",
-}
-
-
-@dataclass
-class DataSpec:
-    """Where the documents come from and how they are split. Exactly one source: ``name`` (a hub dataset),
-    ``path`` (local files), or neither (the embedded corpus ``builtin``)."""
-
-    builtin: str = "pydoc_topics"
-    path: str | list[str] | None = None
-    name: str | None = None
-    config_name: str | None = None
-    split: str = "train"
-    revision: str | None = None
-    text_field: str = "text"
-    val_fraction: float = 0.1
-    split_seed: int = 1234
-    num_proc: int | None = None  # processes for tokenisation; None: chosen from the corpus size
-    cache_dir: str = "outputs/cache/tokens"
-
-    def __post_init__(self) -> None:
-        if self.path is not None and self.name is not None:
-            raise ConfigError(
-                f"data.path={self.path!r} and data.name={self.name!r} are both set: choose one source "
-                "(data.path for local files, data.name for a Hugging Face hub dataset)."
-            )
-        if not 0.0 < self.val_fraction < 1.0:
-            raise ConfigError(f"data.val_fraction={self.val_fraction} must be between 0 and 1 (e.g. 0.1).")
-        if self.path is None and self.name is None and self.builtin not in BUILTIN_CORPORA:
-            raise ConfigError(
-                f"data.builtin={self.builtin!r} is not an embedded corpus. Choose one of {list(BUILTIN_CORPORA)}, "
-                "or set data.path=<file or glob> or data.name=<hub dataset>."
-            )
-
-    @property
-    def source(self) -> str:
-        return "hub" if self.name else "files" if self.path else "builtin"
-
-    def describe(self) -> str:
-        if self.name:
-            return f"hub dataset {self.name!r}" + (f" ({self.config_name})" if self.config_name else "")
-        if self.path:
-            return f"local files {self.path!r}"
-        return f"embedded corpus {self.builtin!r}"
+CACHE_FORMAT = 2
+# Text per shard (one pool task): enough tasks for every process, shards a memmap-friendly size.
+MIN_TASK_CHARS = 1 << 20
+MAX_TASK_CHARS = 64 << 20
 
 
 @dataclass
 class PreparedCorpus:
-    train_path: Path
-    val_path: Path
+    """A corpus's tokens, split, ready for windows: ``train`` and ``val`` read as one sequence each."""
+
+    train: TokenShards
+    val: TokenShards
     dtype: np.dtype
     tokenizer: tokenizers.Tokenizer
     meta: dict[str, Any]
@@ -98,138 +67,42 @@ class PreparedCorpus:
     def unigram_entropy(self) -> float:
         return float(self.meta["unigram_entropy_nats"])
 
+    @property
+    def val_path(self) -> Path:
+        return self._single_file(self.val, "val")
 
-# ---- loading ---------------------------------------------------------------------------------------
+    @property
+    def train_path(self) -> Path:
+        return self._single_file(self.train, "train")
 
-
-def builtin_documents(name: str) -> list[str]:
-    if name == "pydoc_topics":
-        from pydoc_data import topics
-
-        return [topics.topics[key] for key in sorted(topics.topics)]
-    raise ConfigError(f"Unknown embedded corpus {name!r}; choose one of {list(BUILTIN_CORPORA)}.")
-
-
-def resolve_files(path: str | list[str]) -> list[str]:
-    patterns = [path] if isinstance(path, str) else list(path)
-    files: list[str] = []
-    for pattern in patterns:
-        pattern = os.path.expanduser(str(pattern))
-        if os.path.isdir(pattern):
-            matches = sorted(
-                f
-                for f in glob.glob(os.path.join(pattern, "**", "*"), recursive=True)
-                if os.path.isfile(f) and Path(f).suffix.lower() in FILE_BUILDERS
+    @staticmethod
+    def _single_file(tokens: TokenShards, split: str) -> Path:
+        if len(tokens.shards) != 1 or tokens.shards[0].offset:
+            raise DataError(
+                f"The {split} split is {len(tokens.shards)} shard(s) with headers, not one flat file: read it "
+                f"with PreparedCorpus.{split}.read(start, stop) or .array()."
             )
-        else:
-            matches = sorted(glob.glob(pattern, recursive=True))
-        if not matches:
-            raise DataError(
-                f"data.path={pattern!r} matches no file. Check the path (relative paths are taken from "
-                f"{os.getcwd()}), or give a glob such as data.path='corpus/*.txt'."
-            )
-        files.extend(matches)
-    for f in files:
-        try:
-            with open(f, "rb") as handle:
-                handle.read(1)
-        except OSError as e:
-            raise DataError(
-                f"Data file {f!r} cannot be read ({e.strerror or e}): fix its permissions or the link, or remove "
-                "it from data.path."
-            ) from e
-        if os.path.getsize(f) == 0:
-            raise DataError(
-                f"Data file {f!r} is empty: give a file with text in it, or remove it from data.path."
-            )
-    suffixes = {Path(f).suffix.lower() for f in files}
-    unknown = suffixes - set(FILE_BUILDERS)
-    if unknown:
-        raise DataError(
-            f"data.path={path!r} includes files of type {sorted(unknown)}; supported: {sorted(FILE_BUILDERS)}."
-        )
-    builders = {FILE_BUILDERS[s] for s in suffixes}
-    if len(builders) > 1:
-        raise DataError(
-            f"data.path={path!r} mixes file formats {sorted(builders)}: give files of one format."
-        )
-    return files
-
-
-def load_documents(spec: DataSpec):
-    """The corpus as a ``datasets.Dataset`` with one document per row in a ``text`` column."""
-    import datasets
-
-    if spec.source == "builtin":
-        ds = datasets.Dataset.from_dict({"text": builtin_documents(spec.builtin)})
-    elif spec.source == "files":
-        files = resolve_files(spec.path)
-        builder = FILE_BUILDERS[Path(files[0]).suffix.lower()]
-        kwargs: dict[str, Any] = {"sample_by": "document"} if builder == "text" else {}
-        try:
-            ds = datasets.load_dataset(builder, data_files=files, split="train", **kwargs)
-        except UnicodeDecodeError as e:
-            raise DataError(
-                f"A file in data.path={spec.path!r} is not UTF-8 text ({e.reason} at byte {e.start}). "
-                "Convert it, e.g. `iconv -f latin1 -t utf-8 in.txt > out.txt`."
-            ) from e
-        except Exception as e:  # datasets wraps decoding errors of its builders
-            if isinstance(e.__cause__, UnicodeDecodeError) or "utf-8" in str(e).lower():
-                raise DataError(
-                    f"A file in data.path={spec.path!r} is not UTF-8 text: {e}. Convert it to UTF-8."
-                ) from e
-            raise DataError(f"Could not read data.path={spec.path!r} as {builder}: {e}") from e
-    else:
-        try:
-            ds = datasets.load_dataset(spec.name, spec.config_name, split=spec.split, revision=spec.revision)
-        except Exception as e:
-            offline = os.environ.get("HF_HUB_OFFLINE") or os.environ.get("HF_DATASETS_OFFLINE")
-            raise DataError(
-                f"Could not load the Hugging Face hub dataset data.name={spec.name!r}"
-                + (f" (config {spec.config_name!r})" if spec.config_name else "")
-                + f": {type(e).__name__}: {e}. The hub needs network access"
-                + (" and HF_HUB_OFFLINE is set" if offline else "")
-                + "; on a machine without it, download the data elsewhere and train on local files with "
-                "data.path=<file, glob or folder> (txt, jsonl, parquet or csv), or use the embedded corpus "
-                "(leave data.name unset)."
-            ) from e
-    if spec.text_field not in ds.column_names:
-        raise DataError(
-            f"The corpus {spec.describe()} has no column {spec.text_field!r} (columns: {ds.column_names}). "
-            f"Set data.text_field to the column that holds the text."
-        )
-    if spec.text_field != "text":
-        ds = (
-            ds.rename_column(spec.text_field, "text")
-            if "text" not in ds.column_names
-            else ds.map(lambda b: {"text": b[spec.text_field]}, batched=True)
-        )
-    ds = ds.select_columns(["text"]).filter(
-        lambda b: [bool(t and t.strip()) for t in b["text"]], batched=True
-    )
-    if len(ds) == 0:
-        raise DataError(f"The corpus {spec.describe()} holds no text: every document is empty.")
-    return ds
+        return Path(tokens.shards[0].path)
 
 
 # ---- split ------------------------------------------------------------------------------------------
 
 
-def split_documents(lengths: list[int], val_fraction: float, seed: int) -> np.ndarray:
+def split_documents(lengths: Any, val_fraction: float, seed: int) -> np.ndarray:
     """A deterministic document-level split: a seeded permutation of the documents, taken into validation
-    until it holds ``val_fraction`` of the characters. Returns a boolean ``is_val`` per document. The split
-    depends on the corpus alone, so every tokenizer and model sees the same validation text."""
+    until it holds ``val_fraction`` of the characters (at least one document stays in training). Returns a
+    boolean ``is_val`` per document. The split depends on the corpus alone, so every tokenizer and model
+    sees the same validation text."""
     lengths_arr = np.asarray(lengths, dtype=np.int64)
-    is_val = np.zeros(len(lengths_arr), dtype=bool)
-    if len(lengths_arr) < 2:
+    n = len(lengths_arr)
+    is_val = np.zeros(n, dtype=bool)
+    if n < 2:
         return is_val  # one document: split_single_document cuts its tail instead
-    target = val_fraction * lengths_arr.sum()
-    taken = 0
-    for i in np.random.default_rng(seed).permutation(len(lengths_arr)):
-        if taken >= target or is_val.sum() == len(lengths_arr) - 1:
-            break
-        is_val[i] = True
-        taken += lengths_arr[i]
+    order = np.random.default_rng(seed).permutation(n)
+    taken = np.cumsum(lengths_arr[order])
+    # the first k documents of the permutation, k the smallest count whose characters reach the target
+    k = int(np.searchsorted(taken, val_fraction * taken[-1], side="left")) + 1
+    is_val[order[: min(k, n - 1)]] = True
     return is_val
 
 
@@ -243,149 +116,260 @@ def split_single_document(text: str, val_fraction: float) -> tuple[str, str]:
     return text[:cut], text[cut:]
 
 
-# ---- tokenize and cache -----------------------------------------------------------------------------
-
-
-def source_fingerprint(spec: DataSpec) -> dict[str, Any]:
-    if spec.source == "builtin":
-        digest = hashlib.sha256("\x00".join(builtin_documents(spec.builtin)).encode()).hexdigest()
-        return {"builtin": spec.builtin, "sha256": digest}
-    if spec.source == "files":
-        return {"files": [(f, os.path.getsize(f), os.stat(f).st_mtime_ns) for f in resolve_files(spec.path)]}
-    return {"hub": spec.name, "config": spec.config_name, "split": spec.split, "revision": spec.revision}
-
-
 def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16) if vocab_size <= np.iinfo(np.uint16).max + 1 else np.dtype(np.uint32)
 
 
-def _write_tokens(ds, path: Path, dtype: np.dtype, eot_id: int) -> int:
-    total = int(sum(ds["n_tokens"])) + len(ds)
-    out = np.memmap(path, dtype=dtype, mode="w+", shape=(max(total, 1),))
-    offset = 0
-    for batch in ds.iter(batch_size=1024):
-        for ids in batch["ids"]:
-            out[offset : offset + len(ids)] = ids
-            offset += len(ids)
-            out[offset] = eot_id
-            offset += 1
-    out.flush()
-    del out
-    return total
+# ---- reading the documents in batches ---------------------------------------------------------------
 
 
-def _iter_tokens(path: Path, dtype: np.dtype) -> Iterator[np.ndarray]:
-    arr = np.memmap(path, dtype=dtype, mode="r")
-    for start in range(0, len(arr), 1 << 22):
-        yield np.asarray(arr[start : start + (1 << 22)])
+def scan(ds: Any, field: str) -> tuple[np.ndarray, list[BatchPlace] | None]:
+    """Characters per document (0 for documents with only whitespace), from Arrow compute, and the place
+    of every record batch on disk (None for a dataset in memory)."""
+    import pyarrow.compute as pc
+
+    parts, places = [], []
+    for column, place in iter_batches(ds, field):
+        column = pc.fill_null(column, "")
+        lengths = pc.utf8_length(column).to_numpy(zero_copy_only=False).astype(np.int64)
+        blank = pc.equal(pc.utf8_length(pc.utf8_trim_whitespace(column)), 0).to_numpy(zero_copy_only=False)
+        lengths[blank] = 0
+        parts.append(lengths)
+        places.append(place)
+    lengths = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+    return lengths, (places if places and places[0] is not None else None)
 
 
-def unigram_entropy(paths: list[Path], dtype: np.dtype, vocab_size: int) -> float:
-    """The entropy, in nats, of the corpus's token frequencies: the loss of a model that ignores context."""
-    counts = np.zeros(vocab_size, dtype=np.int64)
-    for path in paths:
-        for chunk in _iter_tokens(path, dtype):
-            counts += np.bincount(chunk, minlength=vocab_size)[:vocab_size]
-    p = counts[counts > 0] / counts.sum()
-    return float(-(p * np.log(p)).sum())
+def _documents(ds: Any, field: str, keep: np.ndarray) -> Iterator[str]:
+    row = 0
+    for column, _ in iter_batches(ds, field):
+        texts = column.to_pylist()
+        for i, text in enumerate(texts):
+            if keep[row + i]:
+                yield text
+        row += len(texts)
 
 
-def prepare(spec: DataSpec, tokenizer_name: str) -> PreparedCorpus:
-    """Return the tokenized corpus, building and caching it on the first call for this fingerprint."""
+# ---- the cache --------------------------------------------------------------------------------------
+
+
+def _tokenizer_node(tokenizer: str | dict[str, Any]) -> dict[str, Any]:
+    node = {"name": tokenizer} if isinstance(tokenizer, str) else dict(tokenizer)
+    options = tokenizers.options_of(node["name"], node)
+    return {"name": node["name"], "options": {k: v for k, v in vars(options).items()}}
+
+
+def prepare(spec: DataSpec, tokenizer: str | dict[str, Any]) -> PreparedCorpus:
+    """The tokenized corpus, building and caching it on the first call for this fingerprint. ``tokenizer``:
+    a name or a ``conf/tokenizer`` node (its name and options)."""
+    node = _tokenizer_node(tokenizer)
+    folder = token_folder(spec.path)
+    if folder is not None:
+        return _token_files(spec, node, *folder)
     key_material = {
         "format": CACHE_FORMAT,
         "source": source_fingerprint(spec),
         "text_field": spec.text_field,
         "val_fraction": spec.val_fraction,
         "split_seed": spec.split_seed,
-        "tokenizer": tokenizer_name,
+        "tokenizer": node,
+        "max_tokens": spec.max_tokens,
     }
     key = hashlib.sha256(json.dumps(key_material, sort_keys=True).encode()).hexdigest()[:16]
-    cache = Path(spec.cache_dir) / f"{spec.source}-{tokenizer_name}-{key}"
-    meta_path = cache / "meta.json"
-    if meta_path.is_file():
-        meta = json.loads(meta_path.read_text())
-        tok = tokenizers.from_spec(meta["tokenizer_spec"])
-        log.info("Token cache hit: %s", cache)
-        return PreparedCorpus(cache / "train.bin", cache / "val.bin", np.dtype(meta["dtype"]), tok, meta)
-    return _build_cache(spec, tokenizer_name, cache, key_material)
-
-
-def _build_cache(spec: DataSpec, tokenizer_name: str, cache: Path, key_material: dict) -> PreparedCorpus:
-    import datasets
-
-    log.info("Preparing %s with tokenizer=%s -> %s", spec.describe(), tokenizer_name, cache)
-    ds = load_documents(spec)
-    lengths = [len(t) for t in ds["text"]]
-    if len(ds) == 1:
-        train_text, val_text = split_single_document(ds[0]["text"], spec.val_fraction)
-        train_ds = datasets.Dataset.from_dict({"text": [train_text]})
-        val_ds = datasets.Dataset.from_dict({"text": [val_text]})
-        log.info("One document: its last %.0f%% is the validation split.", 100 * spec.val_fraction)
+    cache = Path(spec.cache_dir) / f"{spec.source}-{node['name']}-{key}"
+    if not (cache / "meta.json").is_file():
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        # One preparation per cache: the ranks of a DDP run (and concurrent runs) wait for the first one.
+        # The kernel releases the lock of a killed process.
+        with open(cache.parent / f"{cache.name}.lock", "w") as lock:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                log.info("Another process is preparing %s: waiting for it", cache)
+                fcntl.flock(lock, fcntl.LOCK_EX)
+            if not (cache / "meta.json").is_file():
+                _build_cache(spec, node, cache, key_material)
     else:
-        is_val = split_documents(lengths, spec.val_fraction, spec.split_seed)
-        train_ds = ds.select(np.flatnonzero(~is_val).tolist())
-        val_ds = ds.select(np.flatnonzero(is_val).tolist())
-    # word and char tokenizers take their vocabulary from the training split only.
-    tok = tokenizers.build(tokenizer_name, train_ds["text"] if tokenizer_name != "gpt2" else None)
+        log.info("Token cache hit: %s", cache)
+    meta = json.loads((cache / "meta.json").read_text())
+    splits = read_index(cache)
+    return PreparedCorpus(
+        splits["train"],
+        splits["val"],
+        splits["train"].dtype,
+        tokenizers.from_spec(meta["tokenizer_spec"]),
+        meta,
+    )
+
+
+def _token_files(spec: DataSpec, node: dict, layout: str, splits: dict[str, TokenShards]) -> PreparedCorpus:
+    """nanoGPT's or llm.c's token files, used as they are."""
+    cls = tokenizers.TOKENIZERS.get(node["name"])
+    if cls.fitted:
+        raise ConfigError(
+            f"data.path={spec.path!r} holds {layout} token files (GPT-2 ids), but tokenizer={node['name']} "
+            "learns its vocabulary from text: train on them with tokenizer=gpt2."
+        )
+    tok = tokenizers.build(node["name"], options=tokenizers.options_of(node["name"], node["options"]))
+    val = splits["val"].array()
+    if len(val) and int(val.max()) >= tok.vocab_size:
+        raise DataError(
+            f"{splits['val'].shards[0].path} holds token id {int(val.max())}, beyond the {tok.vocab_size} ids of "
+            f"tokenizer={tok.name}: these files were made with another tokenizer."
+        )
+    meta = {
+        "source": f"{layout} token files in {spec.path}",
+        "tokenizer_spec": tok.spec(),
+        "splits": {k: {"tokens": len(v), "shards": len(v.shards)} for k, v in splits.items()},
+        # the validation split alone: a pass over billions of training tokens at every start costs minutes
+        "unigram_entropy_nats": unigram_entropy(np.bincount(val, minlength=tok.vocab_size)),
+    }
+    log.info("%s: %d train / %d val tokens, used as they are", meta["source"], len(splits["train"]), len(val))
+    return PreparedCorpus(splits["train"], splits["val"], np.dtype(np.uint16), tok, meta)
+
+
+def _remove_stale(cache: Path) -> None:
+    """Temporary folders of preparations on this host whose process is gone (killed, or the machine
+    rebooted)."""
+    host = socket.gethostname()
+    for tmp in cache.parent.glob(f"{cache.name}.tmp-{host}-*"):
+        try:
+            os.kill(int(tmp.name.rsplit("-", 1)[1]), 0)
+        except ProcessLookupError:
+            log.info("Removing %s, left by a preparation that did not finish", tmp)
+            shutil.rmtree(tmp, ignore_errors=True)
+        except (ValueError, PermissionError):
+            pass
+
+
+def _build_cache(spec: DataSpec, node: dict, cache: Path, key_material: dict) -> None:
+    t0 = time.perf_counter()
+    log.info("Preparing %s with tokenizer=%s -> %s", spec.describe(), node["name"], cache)
+    ds = load_documents(spec)
+    field = spec.text_field
+    lengths, places = scan(ds, field)
+    keep = lengths > 0
+    n_docs = int(keep.sum())
+    if n_docs == 0:
+        raise DataError(f"The corpus {spec.describe()} holds no text: every document is empty.")
+    cls = tokenizers.TOKENIZERS.get(node["name"])
+    options = tokenizers.options_of(node["name"], node["options"])
+    single: list[str] | None = None
+    is_val = np.zeros(len(lengths), dtype=bool)
+    if n_docs == 1:
+        single = list(split_single_document(next(_documents(ds, field, keep)), spec.val_fraction))
+        log.info("One document: its last %.0f%% is the validation split.", 100 * spec.val_fraction)
+        training_texts: Any = single[:1]
+    else:
+        is_val[keep] = split_documents(lengths[keep], spec.val_fraction, spec.split_seed)
+        training_texts = _documents(ds, field, keep & ~is_val)
+    # a fitted vocabulary (word, char) comes from the training split alone
+    tok = cls.fit(training_texts, options) if cls.fitted else cls.create(options)
     dtype = token_dtype(tok.vocab_size)
-
-    num_proc = spec.num_proc
-    if num_proc is None:
-        num_proc = min(os.cpu_count() or 1, 8) if sum(lengths) > 50_000_000 else None
-
-    def encode(batch: dict[str, list[str]]) -> dict[str, list]:
-        ids = tok.encode_batch(batch["text"])
-        return {"ids": ids, "n_tokens": [len(x) for x in ids]}
+    total_chars = int(lengths.sum())
+    num_proc = spec.num_proc or (min(os.cpu_count() or 1, 8) if total_chars > 50_000_000 else 1)
 
     cache.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=cache.name + ".tmp-", dir=cache.parent))
+    _remove_stale(cache)
+    tmp = cache.parent / f"{cache.name}.tmp-{socket.gethostname()}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
     try:
-        counts = {}
-        for split, part in (("train", train_ds), ("val", val_ds)):
-            encoded = part.map(
-                encode,
-                batched=True,
-                batch_size=256,
-                remove_columns=["text"],
-                num_proc=num_proc,
-                desc=f"Tokenizing {split}",
+        if single is not None:
+            jobs: Iterator[TokenizeJob] = iter(
+                [TokenizeJob(0, np.ones(2, dtype=bool), np.array([False, True]), texts=single)]
             )
-            counts[split] = {
-                "documents": len(part),
-                "tokens": _write_tokens(encoded, tmp / f"{split}.bin", dtype, tok.eot_id),
-            }
+        else:
+            task_chars = int(np.clip(total_chars // (num_proc * 8), MIN_TASK_CHARS, MAX_TASK_CHARS))
+            jobs = _jobs(ds, field, lengths, places, is_val, task_chars)
+        result = run_tokenize_jobs(
+            jobs, tok, dtype, tmp, num_proc, n_docs, spec.max_tokens, desc=f"Tokenizing {spec.describe()}"
+        )
+        write_index(tmp, dtype, {"train": result.train_shards, "val": [("val.bin", result.val_tokens)]})
         meta = {
             "source": spec.describe(),
             "key": key_material,
             "tokenizer_spec": tok.spec(),
             "vocab_size": tok.vocab_size,
             "dtype": dtype.name,
-            "splits": counts,
-            "unigram_entropy_nats": unigram_entropy(
-                [tmp / "train.bin", tmp / "val.bin"], dtype, tok.vocab_size
-            ),
+            "splits": result.splits,
+            "unigram_entropy_nats": unigram_entropy(result.counts),
+            "characters": result.characters,
+            "seconds": round(time.perf_counter() - t0, 1),
         }
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
         try:
-            os.replace(tmp, cache)  # atomic: a crash leaves no half-written cache behind
+            os.replace(tmp, cache)  # atomic: the cache appears whole or not at all
         except OSError:  # another process finished the same cache first
             shutil.rmtree(tmp, ignore_errors=True)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    meta = json.loads((cache / "meta.json").read_text())
     log.info(
-        "Corpus: %d train / %d val documents, %d / %d tokens, unigram entropy %.3f nats",
+        "Corpus: %d train / %d val documents, %d / %d tokens in %d shard(s), %.1f MB/s of text, unigram "
+        "entropy %.3f nats",
         meta["splits"]["train"]["documents"],
         meta["splits"]["val"]["documents"],
         meta["splits"]["train"]["tokens"],
         meta["splits"]["val"]["tokens"],
+        len(result.train_shards),
+        meta["characters"] / 1e6 / max(meta["seconds"], 1e-9),
         meta["unigram_entropy_nats"],
     )
-    return PreparedCorpus(
-        cache / "train.bin", cache / "val.bin", dtype, tokenizers.from_spec(meta["tokenizer_spec"]), meta
-    )
+
+
+def _jobs(
+    ds: Any,
+    field: str,
+    lengths: np.ndarray,
+    places: list[BatchPlace] | None,
+    is_val: np.ndarray,
+    task_chars: int,
+) -> Iterator[TokenizeJob]:
+    """Runs of consecutive documents of about ``task_chars`` characters, in corpus order. A dataset on disk
+    is handed out as the places of its record batches (each process reads its own); one in memory (the
+    small embedded corpus) as texts."""
+    keep = lengths > 0
+    if places is not None:
+        task, start, row, chosen, chars = 0, 0, 0, [], 0
+        for place in places:
+            chosen.append(place)
+            chars += int(lengths[row : row + place.rows].sum())
+            row += place.rows
+            if chars >= task_chars:
+                yield TokenizeJob(task, keep[start:row], is_val[start:row], places=chosen, field=field)
+                task, start, chosen, chars = task + 1, row, [], 0
+        if chosen:
+            yield TokenizeJob(task, keep[start:row], is_val[start:row], places=chosen, field=field)
+        return
+    texts: list[str] = []
+    flags: list[bool] = []
+    chars, task = 0, 0
+    for i, text in enumerate(_documents(ds, field, np.ones(len(keep), dtype=bool))):
+        if keep[i]:
+            texts.append(text)
+            flags.append(bool(is_val[i]))
+            chars += len(text)
+            if chars >= task_chars:
+                yield TokenizeJob(task, np.ones(len(texts), dtype=bool), np.array(flags), texts=texts)
+                texts, flags, chars, task = [], [], 0, task + 1
+    if texts:
+        yield TokenizeJob(task, np.ones(len(texts), dtype=bool), np.array(flags), texts=texts)
+
+
+def validation_tokens(
+    spec: DataSpec, tokenizer: str | dict[str, Any]
+) -> tuple[np.ndarray, tokenizers.Tokenizer]:
+    """The validation split of any corpus as one array, with its tokenizer: a prepared cache's, a token
+    folder's, or a stream's held-out documents (for evaluations after training)."""
+    if spec.streaming:
+        from gptlab.data.streaming import validation_tokens as stream_validation
+
+        node = _tokenizer_node(tokenizer)
+        tok = tokenizers.build(node["name"], options=tokenizers.options_of(node["name"], node["options"]))
+        return stream_validation(spec, tok).array(), tok
+    prepared = prepare(spec, tokenizer)
+    return prepared.val.array(), prepared.tokenizer
 
 
 def num_windows(n_tokens: int, window: int, stride: int) -> int:
@@ -395,4 +379,12 @@ def num_windows(n_tokens: int, window: int, stride: int) -> int:
     return (n_tokens - window) // stride + 1
 
 
-__all__ = ["DataSpec", "PreparedCorpus", "prepare", "num_windows", "split_documents"]
+__all__ = [
+    "DataSpec",
+    "PreparedCorpus",
+    "prepare",
+    "validation_tokens",
+    "num_windows",
+    "split_documents",
+    "token_counts",
+]

@@ -1,8 +1,9 @@
-"""The LightningDataModule: sliding windows over the flat token files.
+"""The LightningDataModule: windows over a prepared corpus's token shards, or over a stream.
 
 A window is ``block_size + 1`` consecutive tokens; the input is its first ``block_size`` tokens and the
 target the same window shifted by one. Windows start every ``stride`` tokens: ``stride == block_size``
 tiles the corpus, a smaller stride overlaps windows (more, correlated samples), a larger one skips text.
+With ``data.streaming=true`` the training windows tile the stream as it is read (stride ``block_size``).
 """
 
 from __future__ import annotations
@@ -15,31 +16,30 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from gptlab.data import corpus
+from gptlab.data import corpus, tokenizers
+from gptlab.data.shards import TokenShards, token_counts, unigram_entropy
 from gptlab.errors import ConfigError, DataError
 
 log = logging.getLogger(__name__)
 
 
 class TokenWindows(Dataset):
-    """Windows of ``block_size + 1`` tokens from a flat token file, starting every ``stride`` tokens."""
+    """Windows of ``block_size + 1`` tokens from one split's shards, starting every ``stride`` tokens; a
+    window may span two shards."""
 
-    def __init__(self, path, dtype: np.dtype, block_size: int, stride: int) -> None:
-        self.path, self.dtype = str(path), np.dtype(dtype)
+    def __init__(self, tokens: TokenShards, block_size: int, stride: int) -> None:
+        self.tokens = tokens
         self.block_size, self.stride = block_size, stride
-        self.n_tokens = len(np.memmap(self.path, dtype=self.dtype, mode="r"))
-        self._tokens: np.ndarray | None = None  # opened lazily, once per worker process
+        self.n_tokens = len(tokens)
 
     def __len__(self) -> int:
         return corpus.num_windows(self.n_tokens, self.block_size + 1, self.stride)
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._tokens is None:
-            self._tokens = np.memmap(self.path, dtype=self.dtype, mode="r")
         if not 0 <= i < len(self):
             raise IndexError(i)
         start = i * self.stride
-        window = torch.from_numpy(self._tokens[start : start + self.block_size + 1].astype(np.int64))
+        window = torch.from_numpy(self.tokens.read(start, start + self.block_size + 1).astype(np.int64))
         return window[:-1], window[1:]  # input (block_size,), target (block_size,)
 
 
@@ -47,7 +47,7 @@ class GPTDataModule(L.LightningDataModule):
     def __init__(
         self,
         spec: corpus.DataSpec,
-        tokenizer: str,
+        tokenizer: str | dict[str, Any],
         block_size: int,
         batch_size: int,
         stride: int | None = None,
@@ -64,8 +64,14 @@ class GPTDataModule(L.LightningDataModule):
                 raise ConfigError(
                     f"{name}={value!r} must be a positive integer, or null for model.block_size."
                 )
+        if spec.streaming and stride not in (None, block_size):
+            raise ConfigError(
+                f"data.stride={stride} with data.streaming=true: a stream is read once, its windows tile it "
+                "(stride = block_size). Leave data.stride null, or prepare a cache (data.streaming=false)."
+            )
         self.spec = spec
-        self.tokenizer_name = tokenizer
+        self.tokenizer_node = {"name": tokenizer} if isinstance(tokenizer, str) else dict(tokenizer)
+        tokenizers.options_of(self.tokenizer_node["name"], self.tokenizer_node)  # checked at config time
         self.block_size = block_size
         self.batch_size = batch_size
         self.stride = stride or block_size
@@ -76,68 +82,118 @@ class GPTDataModule(L.LightningDataModule):
         self.train_set: TokenWindows | None = None
         self.val_set: TokenWindows | None = None
 
+    @property
+    def tokenizer(self) -> tokenizers.Tokenizer:
+        """The corpus's tokenizer (a product of preparation: a fitted vocabulary comes from the corpus)."""
+        if self.corpus is None:
+            self.setup("fit")
+        return self.corpus.tokenizer
+
     def prepare_data(self) -> None:
         if self.corpus is None:  # builds the token cache once (local rank 0); a second call finds it set up
-            corpus.prepare(self.spec, self.tokenizer_name)
+            self._prepare()
+
+    def _prepare(self) -> corpus.PreparedCorpus:
+        if not self.spec.streaming:
+            return corpus.prepare(self.spec, self.tokenizer_node)
+        from gptlab.data.streaming import validation_tokens
+
+        name = self.tokenizer_node["name"]
+        cls = tokenizers.TOKENIZERS.get(name)
+        if cls.fitted:
+            raise ConfigError(
+                f"tokenizer={name} learns its vocabulary from the whole training split, which a stream never "
+                "holds: stream with a fixed vocabulary (tokenizer=gpt2), or prepare a cache (data.streaming=false)."
+            )
+        tok = cls.create(tokenizers.options_of(name, self.tokenizer_node))
+        val = validation_tokens(self.spec, tok)
+        meta = {
+            "source": f"stream of {self.spec.describe()}",
+            "splits": {"val": {"tokens": len(val)}},
+            "unigram_entropy_nats": unigram_entropy(token_counts(val, tok.vocab_size)),
+        }
+        return corpus.PreparedCorpus(TokenShards([], val.dtype), val, val.dtype, tok, meta)
 
     def setup(self, stage: str | None = None) -> None:
-        if self.train_set is not None:
+        if self.val_set is not None:
             return
-        self.corpus = corpus.prepare(self.spec, self.tokenizer_name)
-        self.train_set = TokenWindows(self.corpus.train_path, self.corpus.dtype, self.block_size, self.stride)
-        self.val_set = TokenWindows(self.corpus.val_path, self.corpus.dtype, self.block_size, self.val_stride)
+        self.corpus = self._prepare()
         window = self.block_size + 1
-        if len(self.train_set) == 0:
-            raise DataError(
-                f"The training split of {self.spec.describe()} has {self.train_set.n_tokens} tokens, fewer than "
-                f"one window of model.block_size + 1 = {window}. Use more text or a smaller model.block_size "
-                f"(at most {max(1, self.train_set.n_tokens - 1)})."
-            )
+        self.val_set = TokenWindows(self.corpus.val, self.block_size, self.val_stride)
+        if not self.spec.streaming:
+            self.train_set = TokenWindows(self.corpus.train, self.block_size, self.stride)
+            if len(self.train_set) == 0:
+                raise DataError(
+                    f"The training split of {self.spec.describe()} has {self.train_set.n_tokens} tokens, fewer "
+                    f"than one window of model.block_size + 1 = {window}. Use more text or a smaller "
+                    f"model.block_size (at most {max(1, self.train_set.n_tokens - 1)})."
+                )
         if len(self.val_set) == 0:
             raise DataError(
                 f"The validation split of {self.spec.describe()} has {self.val_set.n_tokens} tokens, fewer than "
-                f"one window of {window}. Raise data.val_fraction (now {self.spec.val_fraction}), use more "
-                f"text, or lower model.block_size (at most {max(1, self.val_set.n_tokens - 1)})."
+                f"one window of {window}. Raise data.val_fraction (now {self.spec.val_fraction})"
+                + (f" or data.val_tokens (now {self.spec.val_tokens})" if self.spec.streaming else "")
+                + f", use more text, or lower model.block_size (at most {max(1, self.val_set.n_tokens - 1)})."
             )
         log.info(
-            "Windows of %d tokens: %d train (stride %d), %d validation (stride %d)",
+            "Windows of %d tokens: %s train (stride %d), %d validation (stride %d)",
             window,
-            len(self.train_set),
+            "streamed" if self.train_set is None else len(self.train_set),
             self.stride,
             len(self.val_set),
             self.val_stride,
         )
 
-    def train_dataloader(self) -> DataLoader:
+    def _rank(self) -> tuple[int, int, bool]:
         from lightning.pytorch.strategies import ParallelStrategy
+
+        trainer = self.trainer
+        if trainer is not None and isinstance(trainer.strategy, ParallelStrategy):
+            return trainer.global_rank, trainer.world_size, True
+        return 0, 1, False
+
+    def train_dataloader(self) -> DataLoader:
         from torchdata.stateful_dataloader import StatefulDataLoader
         from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
 
+        rank, world_size, distributed = self._rank()
+        common: dict[str, Any] = {
+            "batch_size": self.batch_size,
+            "num_workers": self.num_workers,
+            "pin_memory": torch.cuda.is_available(),
+            "persistent_workers": self.num_workers > 0,
+        }
+        if self.spec.streaming:
+            from gptlab.data.streaming import StreamingWindows
+
+            trainer = self.trainer
+            steps = trainer.max_steps if trainer is not None else -1
+            if steps is None or steps < 1:
+                raise ConfigError(
+                    f"trainer.max_steps={steps}: a streaming run (data.streaming=true) has no epochs to count, "
+                    "it trains for a number of steps. Set trainer.max_steps, e.g. trainer.max_steps=100000."
+                )
+            windows = steps * trainer.accumulate_grad_batches * self.batch_size  # one "epoch" is the run
+            stream = StreamingWindows(
+                self.spec, self.corpus.tokenizer, self.block_size + 1, rank, world_size, length=windows
+            )
+            return StatefulDataLoader(stream, drop_last=True, **common)
         # A stateful loader: a resumed run continues from the same batch, not from the epoch's start. Under a
         # distributed strategy the sampler must be stateful too (Lightning's own DistributedSampler has no
         # position to restore); each rank then takes every world_size-th sample of the same seeded permutation.
         drop_last = len(self.train_set) >= self.batch_size
         options: dict[str, Any] = {"shuffle": True, "generator": torch.Generator().manual_seed(self.seed)}
-        trainer = self.trainer
-        if trainer is not None and isinstance(trainer.strategy, ParallelStrategy):
+        if distributed:
             sampler = StatefulDistributedSampler(
                 self.train_set,
-                num_replicas=trainer.world_size,
-                rank=trainer.global_rank,
+                num_replicas=world_size,
+                rank=rank,
                 shuffle=True,
                 seed=self.seed,
                 drop_last=drop_last,
             )
             options = {"sampler": sampler}
-        return StatefulDataLoader(
-            self.train_set,
-            batch_size=self.batch_size,
-            drop_last=drop_last,
-            num_workers=self.num_workers,
-            pin_memory=torch.cuda.is_available(),
-            persistent_workers=self.num_workers > 0,
-            **options,
-        )
+        return StatefulDataLoader(self.train_set, drop_last=drop_last, **common, **options)
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(

@@ -13,12 +13,15 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+from collections import Counter
 from collections.abc import Iterable
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from gptlab.errors import ConfigError
+from gptlab.registry import NoOptions, Registry
 
 ENDOFTEXT = "<|endoftext|>"
 UNK = "<|unk|>"
@@ -29,11 +32,25 @@ GPT2_ENCODER_JSON_SHA256 = "196139668be63f3b5d6574427317ae82f612a97c5d1cdaf36ed2
 
 
 class Tokenizer:
-    """The interface every tokenizer offers."""
+    """The interface every tokenizer offers. ``Options`` is the typed dataclass of its ``conf/tokenizer``
+    options; ``fitted`` says whether its vocabulary is learned from the training split of the corpus (then
+    it is built by ``fit`` during corpus preparation), else it is fixed and built by ``create``."""
 
     name: str
     vocab_size: int
     eot_id: int
+    Options: ClassVar[type] = NoOptions
+    fitted: ClassVar[bool] = False
+
+    @classmethod
+    def create(cls, options: Any) -> Tokenizer:
+        """A tokenizer with a fixed vocabulary."""
+        raise NotImplementedError
+
+    @classmethod
+    def fit(cls, texts: Iterable[str], options: Any) -> Tokenizer:
+        """A tokenizer whose vocabulary comes from ``texts`` (the training split, streamed)."""
+        raise NotImplementedError
 
     def encode(self, text: str) -> list[int]:
         raise NotImplementedError
@@ -45,8 +62,13 @@ class Tokenizer:
         raise NotImplementedError
 
     def spec(self) -> dict[str, Any]:
-        """Everything needed to rebuild this tokenizer (saved in checkpoints)."""
+        """Everything needed to rebuild this tokenizer (saved in checkpoints and token caches)."""
         raise NotImplementedError
+
+    @classmethod
+    def restore(cls, spec: dict[str, Any]) -> Tokenizer:
+        """The inverse of ``spec``."""
+        return cls.create(options_of(cls.name, spec.get("options")))
 
     @property
     def fingerprint(self) -> str:
@@ -92,6 +114,10 @@ def _gpt2_encoding():
     )
 
 
+TOKENIZERS: Registry[type[Tokenizer]] = Registry("tokenizer", "tokenizer")
+
+
+@TOKENIZERS.register("gpt2")
 class GPT2Tokenizer(Tokenizer):
     """GPT-2's byte-level BPE through tiktoken: 50,257 ids, ``<|endoftext|>`` = 50256.
 
@@ -105,6 +131,10 @@ class GPT2Tokenizer(Tokenizer):
         self.vocab_size = self.encoding.n_vocab
         self.eot_id = self.encoding.eot_token
 
+    @classmethod
+    def create(cls, options: Any) -> GPT2Tokenizer:
+        return cls()
+
     def encode(self, text: str) -> list[int]:
         return self.encoding.encode_ordinary(text)
 
@@ -115,7 +145,7 @@ class GPT2Tokenizer(Tokenizer):
         return self.encoding.decode(list(ids))
 
     def spec(self) -> dict[str, Any]:
-        return {"name": "gpt2"}
+        return {"name": self.name}
 
 
 # Split on whitespace and on punctuation, keeping the punctuation as tokens: , . : ; ? _ ! " ( ) ' --
@@ -126,12 +156,27 @@ def word_split(text: str) -> list[str]:
     return [t for t in (s.strip() for s in WORD_SPLIT.split(text)) if t]
 
 
+@dataclass(frozen=True)
+class WordOptions:
+    # keep only the most frequent words (ties by first sorted order); null: every word of the training text
+    max_vocab: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_vocab is not None and self.max_vocab < 1:
+            raise ConfigError(
+                f"tokenizer.max_vocab={self.max_vocab!r} must be a positive integer, or null for every word."
+            )
+
+
+@TOKENIZERS.register("word")
 class WordTokenizer(Tokenizer):
-    """A word-level vocabulary: the sorted unique tokens of the training text, ids from 0, then ``<|unk|>``
-    and ``<|endoftext|>``. Words outside the vocabulary become ``<|unk|>``. Decoding joins tokens with
-    spaces and removes the space before punctuation."""
+    """A word-level vocabulary: the sorted unique tokens of the training text (the ``max_vocab`` most
+    frequent when set), ids from 0, then ``<|unk|>`` and ``<|endoftext|>``. Words outside the vocabulary
+    become ``<|unk|>``. Decoding joins tokens with spaces and removes the space before punctuation."""
 
     name = "word"
+    Options = WordOptions
+    fitted = True
 
     def __init__(self, vocab: list[str]) -> None:
         self.vocab = list(vocab)
@@ -143,12 +188,20 @@ class WordTokenizer(Tokenizer):
         self.unk_id = self.ids[UNK]
 
     @classmethod
-    def from_texts(cls, texts: Iterable[str]) -> WordTokenizer:
-        words: set[str] = set()
+    def from_texts(cls, texts: Iterable[str], max_vocab: int | None = None) -> WordTokenizer:
+        counts: Counter[str] = Counter()
         for text in texts:
-            words.update(word_split(text))
-        words -= {UNK, ENDOFTEXT}
-        return cls(sorted(words) + [UNK, ENDOFTEXT])
+            counts.update(word_split(text))
+        for special in (UNK, ENDOFTEXT):
+            counts.pop(special, None)
+        words = sorted(counts)
+        if max_vocab is not None and len(words) > max_vocab:
+            words = sorted(sorted(words, key=lambda w: -counts[w])[:max_vocab])
+        return cls(words + [UNK, ENDOFTEXT])
+
+    @classmethod
+    def fit(cls, texts: Iterable[str], options: Any) -> WordTokenizer:
+        return cls.from_texts(texts, options.max_vocab)
 
     def encode(self, text: str) -> list[int]:
         return [self.ids.get(t, self.unk_id) for t in word_split(text)]
@@ -158,14 +211,20 @@ class WordTokenizer(Tokenizer):
         return re.sub(r'\s+([,.:;?!"()\'])', r"\1", text)
 
     def spec(self) -> dict[str, Any]:
-        return {"name": "word", "vocab": self.vocab}
+        return {"name": self.name, "vocab": self.vocab}
+
+    @classmethod
+    def restore(cls, spec: dict[str, Any]) -> WordTokenizer:
+        return cls(spec["vocab"])
 
 
+@TOKENIZERS.register("char")
 class CharTokenizer(Tokenizer):
     """One id per character of the training text (sorted), then ``<|endoftext|>``; unseen characters are
     dropped with a count kept in ``unknown_chars``."""
 
     name = "char"
+    fitted = True
 
     def __init__(self, chars: list[str]) -> None:
         self.chars = list(chars)
@@ -181,6 +240,10 @@ class CharTokenizer(Tokenizer):
             chars.update(text)
         return cls(sorted(chars))
 
+    @classmethod
+    def fit(cls, texts: Iterable[str], options: Any) -> CharTokenizer:
+        return cls.from_texts(texts)
+
     def encode(self, text: str) -> list[int]:
         ids = [self.ids[c] for c in text if c in self.ids]
         self.unknown_chars += len(text) - len(ids)
@@ -190,32 +253,29 @@ class CharTokenizer(Tokenizer):
         return "".join(self.chars[i] if i < len(self.chars) else ENDOFTEXT for i in ids)
 
     def spec(self) -> dict[str, Any]:
-        return {"name": "char", "chars": self.chars}
+        return {"name": self.name, "chars": self.chars}
+
+    @classmethod
+    def restore(cls, spec: dict[str, Any]) -> CharTokenizer:
+        return cls(spec["chars"])
 
 
-TOKENIZERS = {"gpt2": GPT2Tokenizer, "word": WordTokenizer, "char": CharTokenizer}
+def options_of(name: str, values: dict[str, Any] | None = None) -> Any:
+    """The typed options of tokenizer ``name`` from its config node (``name`` itself excluded)."""
+    return TOKENIZERS.build_options(name, values)
 
 
 def from_spec(spec: dict[str, Any]) -> Tokenizer:
     """Rebuild a tokenizer from ``Tokenizer.spec()`` (as saved in a checkpoint)."""
-    name = spec.get("name")
-    if name == "gpt2":
-        return GPT2Tokenizer()
-    if name == "word":
-        return WordTokenizer(spec["vocab"])
-    if name == "char":
-        return CharTokenizer(spec["chars"])
-    raise ConfigError(f"Unknown tokenizer {name!r}. Choose one of: {', '.join(TOKENIZERS)} (tokenizer=gpt2).")
+    return TOKENIZERS.get(str(spec.get("name"))).restore(spec)
 
 
-def build(name: str, training_texts: Iterable[str] | None = None) -> Tokenizer:
-    """Build the named tokenizer; ``word`` and ``char`` take their vocabulary from ``training_texts``."""
-    if name not in TOKENIZERS:
-        raise ConfigError(
-            f"Unknown tokenizer {name!r}. Choose one of: {', '.join(TOKENIZERS)} (for example tokenizer=gpt2)."
-        )
-    if name == "gpt2":
-        return GPT2Tokenizer()
+def build(name: str, training_texts: Iterable[str] | None = None, options: Any = None) -> Tokenizer:
+    """Build tokenizer ``name``; one whose vocabulary is ``fitted`` takes it from ``training_texts``."""
+    cls = TOKENIZERS.get(name)
+    options = options if options is not None else cls.Options()
+    if not cls.fitted:
+        return cls.create(options)
     if training_texts is None:
         raise ValueError(f"tokenizer={name} builds its vocabulary from the training texts: pass them")
-    return TOKENIZERS[name].from_texts(training_texts)
+    return cls.fit(training_texts, options)

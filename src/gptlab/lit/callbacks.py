@@ -1,10 +1,8 @@
-"""Callbacks: throughput and sample generations."""
+"""Callbacks: sample generations and the progress bar (throughput and MFU: lit/metrics.py)."""
 
 from __future__ import annotations
 
 import logging
-import time
-from collections import deque
 from typing import Any
 
 import lightning as L
@@ -12,40 +10,6 @@ import torch
 from lightning.pytorch.callbacks import TQDMProgressBar
 
 log = logging.getLogger(__name__)
-
-
-class TokensPerSecond(L.Callback):
-    """Logs ``train/tokens_per_second`` (all ranks together, averaged over the last ``window`` steps, data
-    loading and optimizer included) and ``train/tokens`` (tokens trained on so far)."""
-
-    def __init__(self, window: int = 20) -> None:
-        self.window = window
-        self._times: deque[float] = deque(maxlen=window + 1)
-        self._tokens: deque[int] = deque(maxlen=window + 1)
-        self.tokens_seen = 0
-
-    def on_train_batch_end(
-        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx
-    ) -> None:
-        x = batch[0]
-        self.tokens_seen += x.numel() * trainer.world_size
-        self._times.append(time.perf_counter())
-        self._tokens.append(self.tokens_seen)
-        pl_module.log("train/tokens", float(self.tokens_seen), on_step=True, on_epoch=False)
-        if len(self._times) >= 2:
-            rate = (self._tokens[-1] - self._tokens[0]) / max(self._times[-1] - self._times[0], 1e-9)
-            pl_module.log("train/tokens_per_second", rate, prog_bar=True, on_step=True, on_epoch=False)
-
-    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        # Validation time is not training throughput: restart the window afterwards.
-        self._times.clear()
-        self._tokens.clear()
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"tokens_seen": self.tokens_seen}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.tokens_seen = int(state_dict.get("tokens_seen", 0))
 
 
 class SampleGeneration(L.Callback):
@@ -119,12 +83,13 @@ class StepProgressBar(TQDMProgressBar):
         pass
 
     def get_metrics(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, Any]:
+        from gptlab.lit.metrics import TrainingThroughput
+
         items = super().get_metrics(trainer, pl_module)
         items.pop("v_num", None)
-        short = {"train/loss": "loss", "train/tokens_per_second": "tok/s", "val/loss": "val_loss"}
-        out = {}
-        for key, value in items.items():
-            if key == "train/tokens_per_second":
-                value = f"{float(value):,.0f}"
-            out[short.get(key, key)] = value
+        short = {"train/loss": "loss", "val/loss": "val_loss"}
+        out = {short.get(key, key): value for key, value in items.items()}
+        for callback in trainer.callbacks:
+            if isinstance(callback, TrainingThroughput) and callback.tokens_per_second is not None:
+                out["tok/s"] = f"{callback.tokens_per_second:,.0f}"
         return out

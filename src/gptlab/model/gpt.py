@@ -17,6 +17,7 @@ from torch import Tensor, nn
 from gptlab.model import activations, attention, norms, positional
 from gptlab.model.attention import FROM_SCHEME, AttentionBias, CausalSelfAttention, KVCache
 from gptlab.model.config import GPTConfig
+from gptlab.model.head_loss import HeadLoss
 
 __all__ = ["GPT", "MLP", "Block", "CausalSelfAttention", "KVCache", "check_config", "mlp_hidden_width"]
 
@@ -134,10 +135,16 @@ class GPT(nn.Module):
 
     # ---- forward --------------------------------------------------------------------------------
     def forward(
-        self, idx: Tensor, targets: Tensor | None = None, cache: KVCache | None = None
-    ) -> tuple[Tensor, Tensor | None]:
+        self,
+        idx: Tensor,
+        targets: Tensor | None = None,
+        cache: KVCache | None = None,
+        head_loss: HeadLoss | None = None,
+    ) -> tuple[Tensor | None, Tensor | None]:
         """idx: (B, T) token ids; targets: (B, T) next-token ids (-1 is ignored).
-        Returns logits (B, T, vocab_size) and the mean cross-entropy (or None without targets)."""
+        Returns logits (B, T, vocab_size) and the mean cross-entropy (or None without targets). With
+        ``head_loss`` and targets, the output layer and loss are computed together (model/head_loss.py) and
+        the logits, never held whole, are None."""
         B, T = idx.shape
         start = cache.length if cache is not None else 0
         positions = torch.arange(start, start + T, device=idx.device)  # (T,)
@@ -158,6 +165,8 @@ class GPT(nn.Module):
         x = self.transformer.ln_f(x)
         if cache is not None:
             cache.length += T
+        if targets is not None and head_loss is not None:
+            return None, head_loss(x, self.lm_head.weight, targets, self.lm_head.bias)
         logits = self.lm_head(x)  # (B, T, vocab_size)
         loss = None
         if targets is not None:

@@ -18,15 +18,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gptlab.errors import WandbFileError
+
 BLOCK_SIZE = 32 * 1024
 HEADER_SIZE = 7
 FULL, FIRST, MIDDLE, LAST = 1, 2, 3, 4
 FILE_IDENT = b":W&B"
 FILE_MAGIC = 0xBEE1
-
-
-class WandbFileError(ValueError):
-    pass
 
 
 def iter_payloads(path: str | os.PathLike) -> Iterator[bytes]:

@@ -68,6 +68,8 @@ class SinusoidalPositionalEncoding(PositionalEncoding):
                     f"pos.scale={self.scale!r} must be positive, or null for 1/sqrt(n_embd) (the paper's ratio)."
                 )
 
+    table: Tensor  # (block_size, n_embd) buffer
+
     def __init__(self, config: GPTConfig, options: Options | None = None) -> None:
         super().__init__(config, options)
         positions = torch.arange(config.block_size)

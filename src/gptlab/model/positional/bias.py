@@ -39,6 +39,8 @@ class ALiBiPositionalEncoding(PositionalEncoding):
     of query i on key j (Press et al. 2021, "Train Short, Test Long: Attention with Linear Biases Enables
     Input Length Extrapolation")."""
 
+    slopes: Tensor  # (n_head,) buffer
+
     def __init__(self, config: GPTConfig, options: object = None) -> None:
         super().__init__(config, options)
         self.register_buffer("slopes", alibi_slopes(config.n_head), persistent=False)  # (n_head,)
@@ -97,9 +99,12 @@ class T5RelativePositionalEncoding(PositionalEncoding):
 
     def bias(self, q_positions: Tensor, k_positions: Tensor) -> Tensor:
         o = self.options
-        relative = k_positions[None, :] - q_positions[:, None]  # (Tq, Tk)
-        buckets = t5_relative_buckets(relative, o.num_buckets, o.max_distance)
-        return self.relative_attention_bias(buckets).permute(2, 0, 1)  # (n_head, Tq, Tk)
+        # The bias is a function of the distance alone: look it up once per distance 0..Tk-1, then spread it
+        # over the (Tq, Tk) pairs (keys in the future get distance 0; they are masked anyway).
+        d = torch.arange(len(k_positions), device=k_positions.device)  # (Tk,)
+        per_distance = self.relative_attention_bias(t5_relative_buckets(-d, o.num_buckets, o.max_distance))
+        distance = (q_positions[:, None] - k_positions[None, :]).clamp_min(0)  # (Tq, Tk)
+        return per_distance.T[:, distance]  # (n_head, Tq, Tk)
 
 
 @register("fire")
@@ -134,8 +139,18 @@ class FIREPositionalEncoding(PositionalEncoding):
 
     def bias(self, q_positions: Tensor, k_positions: Tensor) -> Tensor:
         dtype = self.log_c.dtype
-        c = self.log_c.exp()
-        distance = (q_positions[:, None] - k_positions[None, :]).clamp_min(0).to(dtype)  # (Tq, Tk)
-        scale = torch.maximum(q_positions.to(dtype), self.log_threshold.exp())  # (Tq,)
-        normalised = torch.log1p(c * distance) / torch.log1p(c * scale)[:, None]  # (Tq, Tk) in [0, 1]
+        c, threshold = self.log_c.exp(), self.log_threshold.exp()
+        distance = (q_positions[:, None] - k_positions[None, :]).clamp_min(0)  # (Tq, Tk)
+        if bool(q_positions[-1] <= threshold):
+            # Every query is within the threshold, so every row is normalised by psi(L) and the bias is a
+            # function of the distance alone: the MLP runs on the Tk distances, not on Tq * Tk pairs.
+            d = torch.arange(len(k_positions), device=distance.device, dtype=dtype)  # (Tk,) distances
+            per_distance = self.mlp(
+                (torch.log1p(c * d) / torch.log1p(c * threshold))[:, None]
+            )  # (Tk, n_head)
+            return per_distance.T[:, distance]  # (n_head, Tq, Tk)
+        scale = torch.maximum(q_positions.to(dtype), threshold)  # (Tq,)
+        normalised = (
+            torch.log1p(c * distance.to(dtype)) / torch.log1p(c * scale)[:, None]
+        )  # (Tq, Tk) in [0, 1]
         return self.mlp(normalised[..., None]).permute(2, 0, 1)  # (n_head, Tq, Tk)

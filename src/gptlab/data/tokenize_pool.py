@@ -1,0 +1,257 @@
+"""Tokenization in several processes, each writing its own shard.
+
+``multiprocessing`` rather than ``datasets.Dataset.map(num_proc=...)``: ``map`` would store every
+document's ids as an Arrow list column (int64, four times the uint16 shards) in its own cache before they
+could be written out, doubling the disk traffic of the largest step; here each process writes its shard
+directly. At most ``num_proc + 1`` runs of documents are in flight, which bounds the memory.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from gptlab.data.arrow_batches import BatchPlace, read_batch
+
+SUB_BATCH = 256  # documents per tiktoken call and per progress report
+
+_worker: dict[str, Any] = {}
+
+
+@dataclass
+class TokenizeJob:
+    """A run of consecutive documents: the texts themselves, or the places of their Arrow record batches.
+    ``keep`` and ``is_val`` have one flag per document (per row of the batches); blank ones are skipped."""
+
+    task: int
+    keep: np.ndarray
+    is_val: np.ndarray
+    texts: list[str] | None = None
+    places: list[BatchPlace] | None = None
+    field: str = "text"
+
+    def pieces(self) -> Iterator[tuple[list[str], np.ndarray]]:
+        """(texts, is_val) of the kept documents, one record batch (or ``SUB_BATCH`` texts) at a time."""
+        if self.places is None:
+            texts = self.texts or []
+            for start in range(0, len(texts), SUB_BATCH):
+                stop = start + SUB_BATCH
+                keep = self.keep[start:stop]
+                yield [t for t, k in zip(texts[start:stop], keep) if k], self.is_val[start:stop][keep]
+            return
+        row = 0
+        for place in self.places:
+            keep = self.keep[row : row + place.rows]
+            texts = read_batch(place, self.field).to_pylist()
+            yield [t for t, k in zip(texts, keep) if k], self.is_val[row : row + place.rows][keep]
+            row += place.rows
+
+
+@dataclass
+class JobResult:
+    task: int
+    documents: dict[str, int]
+    tokens: dict[str, int]
+    characters: int
+    counts: np.ndarray  # (vocab_size,) token frequencies
+
+
+@dataclass
+class TokenizeResult:
+    train_shards: list[tuple[str, int]]  # (file name, tokens) in corpus order
+    val_tokens: int
+    splits: dict[str, dict[str, int]]
+    counts: np.ndarray
+    characters: int
+    seconds: float = 0.0
+    dropped_tasks: list[int] = field(default_factory=list)
+
+
+def _init(tokenizer: Any, dtype: np.dtype, out_dir: Path, progress: Any) -> None:
+    _worker.update(tokenizer=tokenizer, dtype=np.dtype(dtype), out_dir=Path(out_dir), progress=progress)
+
+
+def _report(docs: int, tokens: int) -> None:
+    progress = _worker["progress"]
+    if callable(progress):
+        progress(docs, tokens)
+    elif progress is not None:
+        progress.put((docs, tokens))
+
+
+def tokenize_job(job: TokenizeJob) -> JobResult:
+    """Tokenize one run of documents into ``train_<task>.bin`` and ``val_<task>.bin``."""
+    tok, dtype, out_dir = _worker["tokenizer"], _worker["dtype"], _worker["out_dir"]
+    counts = np.zeros(tok.vocab_size, dtype=np.int64)
+    documents = {"train": 0, "val": 0}
+    tokens = {"train": 0, "val": 0}
+    characters = 0
+    files = {split: open(out_dir / f"{split}_{job.task:06d}.bin", "wb") for split in ("train", "val")}
+    try:
+        for texts, flags in _sub_batches(job.pieces()):
+            characters += sum(len(t) for t in texts)
+            ids = tok.encode_batch(texts)
+            n_batch = 0
+            for split, want in (("train", False), ("val", True)):
+                docs = [x for x, v in zip(ids, flags) if v == want]
+                if not docs:
+                    continue
+                flat = np.empty(sum(len(x) + 1 for x in docs), dtype=dtype)
+                offset = 0
+                for x in docs:  # the document's ids, then <|endoftext|>
+                    flat[offset : offset + len(x)] = x
+                    flat[offset + len(x)] = tok.eot_id
+                    offset += len(x) + 1
+                files[split].write(flat.tobytes())
+                counts += np.bincount(flat, minlength=tok.vocab_size)[: tok.vocab_size]
+                documents[split] += len(docs)
+                tokens[split] += len(flat)
+                n_batch += len(flat)
+            _report(len(texts), n_batch)
+    finally:
+        for f in files.values():
+            f.close()
+    return JobResult(job.task, documents, tokens, characters, counts)
+
+
+def _sub_batches(pieces: Iterator[tuple[list[str], np.ndarray]]) -> Iterator[tuple[list[str], np.ndarray]]:
+    for texts, flags in pieces:
+        for start in range(0, len(texts), SUB_BATCH):
+            yield texts[start : start + SUB_BATCH], flags[start : start + SUB_BATCH]
+
+
+def run_tokenize_jobs(
+    jobs: Iterator[TokenizeJob],
+    tokenizer: Any,
+    dtype: np.dtype,
+    out_dir: Path,
+    num_proc: int,
+    n_docs: int,
+    max_tokens: int | None,
+    desc: str,
+) -> TokenizeResult:
+    """Run the jobs (in order of ``task``) with a progress bar; stop reading once ``max_tokens`` training
+    tokens are written. Leaves ``train_<task>.bin`` shards and one ``val.bin`` in ``out_dir``."""
+    from tqdm.auto import tqdm
+
+    t0 = time.perf_counter()
+    bar = tqdm(total=n_docs, desc=desc, unit="doc", dynamic_ncols=True, mininterval=1.0, smoothing=0.1)
+    n_tokens = 0
+
+    def advance(docs: int, tokens: int) -> None:
+        nonlocal n_tokens
+        n_tokens += tokens
+        bar.update(docs)
+        elapsed = time.perf_counter() - t0
+        bar.set_postfix_str(f"{n_tokens / max(elapsed, 1e-9) / 1e6:.2f}M tok/s", refresh=False)
+
+    results: list[JobResult] = []
+
+    def enough() -> bool:
+        return max_tokens is not None and sum(r.tokens["train"] for r in results) >= max_tokens
+
+    try:
+        if num_proc <= 1:
+            _init(tokenizer, dtype, out_dir, advance)
+            for job in jobs:
+                results.append(tokenize_job(job))
+                if enough():
+                    break
+        else:
+            results = _run_pool(jobs, tokenizer, dtype, out_dir, num_proc, advance, enough, results)
+    finally:
+        bar.close()
+        _worker.clear()
+    return _assemble(results, out_dir, np.dtype(dtype).itemsize, max_tokens, time.perf_counter() - t0)
+
+
+def _run_pool(
+    jobs: Iterator[TokenizeJob],
+    tokenizer: Any,
+    dtype: np.dtype,
+    out_dir: Path,
+    num_proc: int,
+    advance: Callable[[int, int], None],
+    enough: Callable[[], bool],
+    results: list[JobResult],
+) -> list[JobResult]:
+    # fork: the workers inherit the tokenizer instead of unpickling it; elsewhere the default method.
+    ctx = mp.get_context("fork" if "fork" in mp.get_all_start_methods() else None)
+    progress = ctx.Queue()
+
+    def drain(wait: float) -> None:
+        try:
+            advance(*progress.get(timeout=wait))
+            while True:
+                advance(*progress.get_nowait())
+        except queue.Empty:
+            pass
+
+    with ctx.Pool(num_proc, initializer=_init, initargs=(tokenizer, dtype, out_dir, progress)) as pool:
+        pending: list[Any] = []
+        for job in jobs:
+            pending.append(pool.apply_async(tokenize_job, (job,)))
+            while len(pending) > num_proc:  # bounded in flight: the oldest finishes first
+                while not pending[0].ready():
+                    drain(0.2)
+                results.append(pending.pop(0).get())
+            if enough():
+                break
+        for res in pending:
+            while not res.ready():
+                drain(0.2)
+            results.append(res.get())
+        drain(0.0)
+    return results
+
+
+def _assemble(
+    results: list[JobResult], out_dir: Path, itemsize: int, max_tokens: int | None, seconds: float
+) -> TokenizeResult:
+    """Order the shards, cut them at ``max_tokens`` training tokens, and join the validation pieces into
+    one ``val.bin`` (the validation split is small and is read whole by evaluations)."""
+    results.sort(key=lambda r: r.task)
+    kept, train_total = [], 0
+    for r in results:
+        if max_tokens is not None and train_total >= max_tokens:
+            for split in ("train", "val"):
+                os.remove(out_dir / f"{split}_{r.task:06d}.bin")
+            continue
+        kept.append(r)
+        if max_tokens is not None and train_total + r.tokens["train"] > max_tokens:
+            r.tokens["train"] = max_tokens - train_total
+            os.truncate(out_dir / f"train_{r.task:06d}.bin", r.tokens["train"] * itemsize)
+        train_total += r.tokens["train"]
+    with open(out_dir / "val.bin", "wb") as val:
+        for r in kept:
+            piece = out_dir / f"val_{r.task:06d}.bin"
+            with open(piece, "rb") as src:
+                while chunk := src.read(1 << 24):
+                    val.write(chunk)
+            os.remove(piece)
+    train_shards = []
+    for r in kept:
+        name = f"train_{r.task:06d}.bin"
+        if r.tokens["train"]:
+            train_shards.append((name, r.tokens["train"]))
+        else:
+            os.remove(out_dir / name)
+    splits = {
+        split: {
+            "documents": sum(r.documents[split] for r in kept),
+            "tokens": sum(r.tokens[split] for r in kept),
+        }
+        for split in ("train", "val")
+    }
+    counts = sum((r.counts for r in kept), np.zeros_like(kept[0].counts))
+    return TokenizeResult(
+        train_shards, splits["val"]["tokens"], splits, counts, sum(r.characters for r in kept), seconds
+    )

@@ -1,0 +1,139 @@
+"""Checkpoints written so that a kill at any moment leaves the previous one whole.
+
+A single file is written beside its target and renamed over it (``os.replace``, atomic on POSIX). A
+directory (a sharded FSDP or DeepSpeed checkpoint) is written whole beside its target, then swapped in by
+two renames: the old directory aside, the new one into place. A kill between those two renames leaves the
+old directory under its aside name; `restore_interrupted_saves` puts it back before a run resumes.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.pytorch.plugins.io import TorchCheckpointIO
+
+log = logging.getLogger(__name__)
+
+STAGING = ".{name}.tmp-dir"  # a directory being written
+ASIDE = ".{name}.old"  # the previous directory, during the swap
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a rename inside ``path`` durable (POSIX: the directory entry lives in the directory's inode)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # pragma: no cover - platforms without directory file descriptors
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """Writes each checkpoint to a temporary file in the target's folder, fsyncs it, then renames it over the
+    target with ``os.replace``: a process killed mid-write leaves the previous checkpoint intact (and at
+    worst a stray ``.<name>.tmp-*`` file, which the next save of that name removes)."""
+
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None
+    ) -> None:
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__} takes no storage_options (got {storage_options!r}).")
+        target = Path(path)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        for stale in target.parent.glob(f".{target.name}.tmp-*"):
+            if stale.is_file():
+                stale.unlink(missing_ok=True)
+        fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.tmp-", dir=target.parent)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                torch.save(checkpoint, f)
+                f.flush()
+                os.fsync(f.fileno())
+            if target.is_dir():  # a sharded checkpoint of the same name from an earlier run
+                shutil.rmtree(target)
+            os.replace(tmp_name, target)
+        except BaseException:
+            Path(tmp_name).unlink(missing_ok=True)
+            raise
+        fsync_dir(target.parent)
+
+
+def _fsync_tree(root: Path) -> None:
+    for path in root.rglob("*"):
+        if path.is_file():
+            with open(path, "rb") as f:
+                os.fsync(f.fileno())
+    fsync_dir(root)
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif path.exists() or path.is_symlink():
+        path.unlink()
+
+
+def swap_in(staging: Path, target: Path) -> None:
+    """Move the finished ``staging`` directory to ``target``, replacing what is there."""
+    aside = target.parent / ASIDE.format(name=target.name)
+    if aside.exists():
+        _remove(aside)
+    if target.exists():
+        os.rename(target, aside)
+    os.rename(staging, target)
+    fsync_dir(target.parent)
+    if aside.exists():
+        _remove(aside)
+
+
+def save_directory_atomically(strategy: Any, target: Path, write: Callable[[Path], None]) -> None:
+    """Run the collective ``write(staging)`` on every rank of ``strategy``, then (rank 0) swap the staging
+    directory in for ``target``. Barriers keep every rank's shards inside the staging directory before the
+    swap, and every rank out of the save until the swap is done."""
+    staging = target.parent / STAGING.format(name=target.name)
+    if strategy.is_global_zero:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if staging.exists():  # left by a save that was killed
+            _remove(staging)
+    strategy.barrier("gptlab_atomic_save_start")
+    write(staging)
+    strategy.barrier("gptlab_atomic_save_written")
+    if strategy.is_global_zero:
+        _fsync_tree(staging)
+        swap_in(staging, target)
+    strategy.barrier("gptlab_atomic_save_done")
+
+
+def restore_interrupted_saves(checkpoint_dir: Path) -> list[Path]:
+    """Undo what a kill during a directory swap or a save left in ``checkpoint_dir``: a checkpoint set
+    aside and not replaced is put back; unfinished staging directories are removed. Returns the
+    checkpoints put back."""
+    restored: list[Path] = []
+    if not checkpoint_dir.is_dir():
+        return restored
+    for aside in checkpoint_dir.glob(".*.old"):
+        target = checkpoint_dir / aside.name[1 : -len(".old")]
+        try:
+            if target.exists():
+                _remove(aside)  # the swap finished; only the cleanup was lost
+            else:
+                os.rename(aside, target)
+                restored.append(target)
+                log.warning("A save was interrupted mid-swap: restored the previous %s", target)
+        except FileNotFoundError:  # another rank got there first
+            continue
+    for staging in checkpoint_dir.glob(".*.tmp-dir"):
+        try:
+            _remove(staging)
+        except FileNotFoundError:
+            continue
+    return restored

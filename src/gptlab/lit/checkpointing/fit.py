@@ -1,0 +1,40 @@
+"""The callbacks every training run carries for surviving kills, and ``fit`` around them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning as L
+
+from gptlab.lit.checkpointing.signals import StopOnSignal
+
+
+class RunIdentity(L.Callback):
+    """Records the W&B run id in each checkpoint, so a resumed run continues the same W&B run."""
+
+    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
+        from lightning.pytorch.loggers import WandbLogger
+
+        for lg in trainer.loggers:
+            if isinstance(lg, WandbLogger) and lg.version:
+                checkpoint["wandb_run_id"] = str(lg.version)
+
+
+def fault_tolerance_callbacks() -> list[L.Callback]:
+    return [StopOnSignal(), RunIdentity()]
+
+
+def fit(trainer: L.Trainer, module: L.LightningModule, datamodule: Any, ckpt_path: Any | None) -> bool:
+    """``trainer.fit``, continuing from ``ckpt_path`` when given. Returns True when a stop signal ended
+    training early (its checkpoint written), False when it ran to ``max_steps``."""
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+    stoppers = [cb for cb in trainer.callbacks if isinstance(cb, StopOnSignal)]
+    try:
+        trainer.fit(module, datamodule=datamodule, ckpt_path=str(ckpt_path) if ckpt_path else None)
+    except SIGTERMException:
+        return True
+    finally:
+        for cb in stoppers:
+            cb.restore_handlers()
+    return any(cb.stopped for cb in stoppers)

@@ -1,0 +1,130 @@
+"""One way to stop on a signal: the handler only sets a flag; at the next step boundary every rank learns
+whether any rank got a signal, and all of them save together and stop.
+
+- SIGTERM (a kill, a cluster's stop) and SIGUSR1 outside SLURM: save ``last.ckpt`` and end with status 0;
+  the same command with ``resume=auto`` continues.
+- SIGUSR1 under SLURM (its warning before preemption or the time limit, `#SBATCH --signal=USR1@<s>`): save
+  ``<default_root_dir>/hpc_ckpt_<n>.ckpt``, requeue the job from rank 0 (`scontrol requeue`) and exit; the
+  requeued job runs the same command in the same run directory, and Lightning resumes from that file.
+
+Saving from inside a signal handler (Lightning's own way) happens in the middle of a step and in each rank at
+its own moment, a collective at an arbitrary point that deadlocks when the signal lands inside another one.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+from typing import Any
+
+import lightning as L
+
+from gptlab.lit.checkpointing.periodic import PeriodicLastCheckpoint
+from gptlab.parallel import slurm
+
+log = logging.getLogger(__name__)
+
+
+class StopOnSignal(L.Callback):
+    """Stops training cleanly on SIGTERM and SIGUSR1 (see the module doc for what each does).
+
+    A signal that arrives during validation is handled when Lightning interrupts the loop (its own SIGTERM
+    exception), with a save at that point."""
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+        self._previous: dict[int, Any] = {}
+        self._saved_at: int | None = None
+
+    @staticmethod
+    def signals() -> list[int]:
+        return [signal.SIGTERM] + ([signal.SIGUSR1] if hasattr(signal, "SIGUSR1") else [])
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.received = signum
+        previous = self._previous.get(signum)
+        if callable(previous):
+            previous(signum, frame)
+
+    def _install(self) -> None:
+        for signum in self.signals():
+            signal.signal(signum, self._handle)
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        for signum in self.signals():
+            self._previous[signum] = signal.getsignal(signum)
+        self._install()
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # Lightning installs its own SIGTERM handler at fit start (it broadcasts from inside the handler);
+        # this one takes over again. Handlers that were there before Lightning's are still called.
+        self._install()
+
+    def restore_handlers(self) -> None:
+        """Put back the handlers found at setup. Lightning restores the handlers it found at fit start
+        (this callback's among them) in its own teardown, after this callback's: ``fit`` calls this again."""
+        for signum, previous in self._previous.items():
+            if signal.getsignal(signum) == self._handle:
+                signal.signal(signum, previous if previous is not None else signal.SIG_DFL)
+
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self.restore_handlers()
+
+    @property
+    def stopped(self) -> bool:
+        return self._saved_at is not None
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        # Ranks may get the signal a step apart: every rank learns whether any rank got one (saving is
+        # collective), then which kind, so all of them take the same branch.
+        if not trainer.strategy.reduce_boolean_decision(self.received is not None, all=False):
+            return
+        requeue = slurm.under_slurm() and trainer.strategy.reduce_boolean_decision(
+            self.received == getattr(signal, "SIGUSR1", None), all=False
+        )
+        if requeue:
+            self._save_and_requeue(trainer)
+        self._save_last(trainer)
+        trainer.should_stop = True
+
+    def on_exception(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException
+    ) -> None:
+        from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+        if isinstance(exception, SIGTERMException) and self.received is not None:
+            self._save_last(trainer)
+
+    def _name(self) -> str:
+        return signal.Signals(self.received).name if self.received else "a signal"
+
+    def _save_last(self, trainer: L.Trainer) -> None:
+        if self._saved_at == trainer.global_step:
+            return
+        self._saved_at = trainer.global_step
+        for cb in trainer.checkpoint_callbacks:
+            if isinstance(cb, PeriodicLastCheckpoint):
+                cb.save_now(trainer)
+                log.info(
+                    "Received %s: saved %s at step %d; continue with resume=auto",
+                    self._name(),
+                    cb.last_model_path,
+                    trainer.global_step,
+                )
+                return
+        log.warning("Received a stop signal, but no callbacks.last_checkpoint is configured: nothing saved.")
+
+    def _save_and_requeue(self, trainer: L.Trainer) -> None:
+        path = trainer._checkpoint_connector.hpc_save_path(trainer.default_root_dir)
+        trainer.save_checkpoint(path)
+        if trainer.is_global_zero:
+            log.info(
+                "SLURM signal: saved %s at step %d; requeueing job %s",
+                path,
+                trainer.global_step,
+                slurm.slurm_job_id(),
+            )
+            slurm.requeue_job()
+        # Stop here, as SLURM is about to: no end-of-run validation or checkpoint that the requeued job would
+        # find beside its own.
+        raise SystemExit(0)

@@ -1,0 +1,95 @@
+"""What a model is, counted from its config alone: parameters and training FLOPs per token.
+
+Pure arithmetic on a :class:`GPTConfig` (no weights), so it answers for a 175B model on a laptop. The formulas,
+with h = n_embd, V = vocab_size, L = n_layer, T = context, f = MLP hidden width:
+
+Parameters. Per layer: attention h (n_head + 2 n_kv_head) head_dim for Q, K, V plus h^2 for the output
+projection; MLP h f (x2 for gated activations) plus f h; two norms; biases where ``bias`` is on. Plus the token
+embedding V h, the positional scheme's own parameters, a final norm (pre-norm), and V h again for an untied
+head. "Embedding" counts the token table and any learned position table (a tied head is counted there once).
+
+Training FLOPs per token (Chowdhery et al. 2022, "PaLM", appendix B; the count behind nanoGPT's MFU):
+
+    6 N + 12 L h T,    N = the weights of every matrix product: the layers' matrices and the head's V h,
+
+i.e. 2 FLOPs per multiply-add, a backward pass twice the forward, and 2 matrix products of T x head_dim per
+head and token for the attention scores and their weighted sum (counted over the full context, as is usual;
+a causal kernel skips about half of that term). Kaplan et al. 2020 keep only 6 N (non-embedding).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from gptlab.model import activations, norms, positional
+from gptlab.model.config import GPTConfig
+from gptlab.model.gpt import mlp_hidden_width
+
+# ---- parameters -------------------------------------------------------------------------------------
+
+
+def positional_parameters(config: GPTConfig) -> int:
+    """The positional scheme's own parameters (a learned table, relative-position buckets...), counted from
+    the scheme built on the meta device: no memory, whatever its size."""
+    with torch.device("meta"):
+        scheme = positional.get(config.pos)(config)
+    return sum(p.numel() for p in scheme.parameters())
+
+
+def parameter_counts(config: GPTConfig) -> dict[str, int]:
+    """total, embedding, non_embedding, and per_layer parameters, from the config alone."""
+    h, V, bias = config.n_embd, config.vocab_size, int(config.bias)
+    qkv_width = (config.n_head + 2 * config.kv_heads) * config.head_dim
+    attention = h * qkv_width + qkv_width * bias + h * h + h * bias
+    f = mlp_hidden_width(config)
+    f_in = f * (2 if activations.is_gated(config.activation) else 1)
+    mlp = h * f_in + f_in * bias + f * h + h * bias
+    norm = norms.get(config.norm).parameter_count(config)
+    per_layer = attention + mlp + 2 * norm
+    embedding = V * h + positional_parameters(config)
+    final_norm = norm if config.norm_placement == "pre" else 0
+    head = 0 if config.tie_weights else V * h
+    total = embedding + config.n_layer * per_layer + final_norm + head
+    return {
+        "total": total,
+        "embedding": embedding,
+        "non_embedding": total - embedding,
+        "per_layer": per_layer,
+    }
+
+
+# ---- compute ----------------------------------------------------------------------------------------
+
+
+def matmul_parameters(config: GPTConfig) -> int:
+    """The weights that enter a matrix product per token: every layer's matrices and the output head (the
+    input embedding is a lookup; biases and norm gains cost no multiply-adds worth counting)."""
+    h = config.n_embd
+    qkv_width = (config.n_head + 2 * config.kv_heads) * config.head_dim
+    f = mlp_hidden_width(config)
+    f_in = f * (2 if activations.is_gated(config.activation) else 1)
+    per_layer = h * qkv_width + h * h + h * f_in + f * h
+    return config.n_layer * per_layer + config.vocab_size * h
+
+
+def flops_per_token(config: GPTConfig, context: int | None = None) -> dict[str, float]:
+    """Training (forward + backward) FLOPs per token, 6 N + 12 L h T (PaLM, appendix B), and its parts;
+    N = ``matmul_parameters``."""
+    T = context or config.block_size
+    dense = 6 * matmul_parameters(config)
+    attention = 12 * config.n_layer * config.n_head * config.head_dim * T
+    return {"training": float(dense + attention), "dense": float(dense), "attention": float(attention)}
+
+
+# ---- printing ---------------------------------------------------------------------------------------
+
+
+def human(n: float) -> str:
+    """A count with an SI suffix: 1.23B, 45.00M, 6.00k."""
+    for unit, scale in (("E", 1e18), ("P", 1e15), ("T", 1e12), ("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f}{unit}"
+    return f"{n:.0f}"
+
+
+__all__ = ["flops_per_token", "human", "matmul_parameters", "parameter_counts", "positional_parameters"]

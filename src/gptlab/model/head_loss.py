@@ -1,0 +1,226 @@
+"""The output layer and its cross-entropy in one step, without holding the (B*T, vocab) logits.
+
+With the GPT-2 vocabulary the logits of a batch dwarf everything else the model holds: at B*T = 8,192 they
+are 1.6 GB in fp32, and again for their gradient. Three ways to the same loss and gradients:
+
+- ``plain``: ``lm_head(x)`` then ``F.cross_entropy``, the whole logits in memory.
+- ``chunked`` (any device, pure torch): :class:`ChunkedLinearCrossEntropy` takes ``chunk_rows`` rows of
+  B*T at a time, computes their logits, log-sum-exp and loss, and, when a backward pass will follow, their
+  softmax gradient at once, so that nothing of a chunk outlives it. This is the trick of Liger-Kernel's
+  fused linear cross-entropy (Hsu et al. 2024, arXiv:2410.10989) written in plain torch: computing the
+  gradient in the forward pass saves the second (H @ W^T) product that a recompute in the backward would
+  cost. The backward only scales the stored gradients by the incoming one.
+- On CUDA, the field's kernels: ``liger`` (Liger-Kernel's fused linear cross-entropy) and ``cce`` (Cut
+  Cross-Entropy, Wijmans et al. 2024, arXiv:2411.09009), when installed (``pip install gptlab[gpu]``).
+
+``auto`` picks ``cce``, then ``liger`` on CUDA when installed, else ``chunked``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+IMPLEMENTATIONS = ("auto", "chunked", "plain", "liger", "cce")
+
+# Bytes of the one fp32 (rows, V) buffer a call uses: below glibc's largest dynamic mmap threshold (32 MiB), so
+# that after the first step it comes from the heap and a step takes no page faults; large enough that the
+# (V, C) weight gradient, accumulated once per chunk, is revisited only a few times (160 rows at V = 50,257).
+CHUNK_BYTES = 32 * 2**20
+
+
+def default_chunk_rows(vocab_size: int) -> int:
+    """Rows per chunk for a vocabulary: as many as fit ``CHUNK_BYTES`` of fp32 logits, a multiple of 8."""
+    return max(8, CHUNK_BYTES // (4 * vocab_size) // 8 * 8)
+
+
+class ChunkedLinearCrossEntropy(torch.autograd.Function):
+    """mean over non-ignored rows of cross_entropy(hidden @ weight^T + bias, targets), chunk by chunk.
+
+    hidden (N, C), weight (V, C), bias (V,) or None, targets (N,). Logits and log-sum-exp are taken in
+    fp32, and the gradients are accumulated in fp32, whatever the input dtype.
+    """
+
+    @staticmethod
+    def forward(
+        ctx,
+        hidden: Tensor,
+        weight: Tensor,
+        bias: Tensor | None,
+        targets: Tensor,
+        ignore_index: int,
+        chunk_rows: int,
+        with_grad: bool,
+    ) -> Tensor:
+        N = hidden.size(0)
+        valid = targets != ignore_index  # (N,)
+        count = valid.sum()
+        safe_targets = torch.where(valid, targets, 0)
+        loss_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        grad_hidden = torch.empty_like(hidden, dtype=torch.float32) if with_grad else None
+        grad_weight = torch.zeros_like(weight, dtype=torch.float32) if with_grad else None
+        grad_bias = torch.zeros_like(bias, dtype=torch.float32) if with_grad and bias is not None else None
+        w = weight.float()
+        b = bias.float() if bias is not None else None
+        # 1 / count: the mean's scale, folded into each chunk's gradient
+        inv_count = 1.0 / count.clamp_min(1).float()
+        # One (chunk_rows, V) buffer serves every chunk: logits, then log-probabilities, then the gradient,
+        # each written over the last (no allocation per chunk).
+        buffer = torch.empty(min(chunk_rows, N), weight.size(0), dtype=torch.float32, device=hidden.device)
+        for start in range(0, N, chunk_rows):
+            rows = slice(start, min(start + chunk_rows, N))
+            h = hidden[rows].float()  # (n, C)
+            z = buffer[: h.size(0)]  # (n, V)
+            if b is None:
+                torch.mm(h, w.t(), out=z)
+            else:
+                torch.addmm(b, h, w.t(), out=z)
+            torch.log_softmax(z, dim=-1, out=z)  # each row is reduced before it is written: safe in place
+            t = safe_targets[rows, None]  # (n, 1)
+            # per-row weight of the mean: 1 / count on counted rows, 0 on ignored ones
+            scale = valid[rows].float() * inv_count  # (n,)
+            loss_sum -= (z.gather(1, t).squeeze(1) * valid[rows]).sum()
+            if with_grad:
+                # d(loss)/d(logits) = (softmax - onehot(target)) * scale; the scale is applied to the
+                # (n, C) factors rather than to the (n, V) gradient.
+                z.exp_()
+                z.scatter_add_(1, t, torch.full_like(t, -1.0, dtype=z.dtype))
+                torch.mm(z, w, out=grad_hidden[rows]).mul_(scale[:, None])  # (n, C)
+                grad_weight.addmm_(z.t(), h * scale[:, None])  # (V, C)
+                if grad_bias is not None:
+                    grad_bias.addmv_(z.t(), scale)
+        ctx.save_for_backward(grad_hidden, grad_weight, grad_bias)
+        ctx.dtypes = (hidden.dtype, weight.dtype, bias.dtype if bias is not None else None)
+        # 0 / 0 = nan when every target is ignored, as F.cross_entropy gives
+        return loss_sum / count.float()
+
+    @staticmethod
+    def backward(ctx, grad_loss: Tensor):
+        grad_hidden, grad_weight, grad_bias = ctx.saved_tensors
+        if grad_hidden is None:
+            raise RuntimeError(
+                "ChunkedLinearCrossEntropy was called without gradients (with_grad=False) and then "
+                "differentiated: call linear_cross_entropy() with grad mode on."
+            )
+        h_dtype, w_dtype, b_dtype = ctx.dtypes
+        # Scaled in place: no second (V, C) buffer. A second backward through the same graph is refused by
+        # autograd's version check on the saved tensors.
+        need_h, need_w, need_b = ctx.needs_input_grad[:3]
+        grads = [
+            grad_hidden.mul_(grad_loss).to(h_dtype) if need_h else None,
+            grad_weight.mul_(grad_loss).to(w_dtype) if need_w else None,
+            grad_bias.mul_(grad_loss).to(b_dtype) if grad_bias is not None and need_b else None,
+        ]
+        return (*grads, None, None, None, None)
+
+
+def chunked_linear_cross_entropy(
+    hidden: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    bias: Tensor | None = None,
+    ignore_index: int = -1,
+    chunk_rows: int | None = None,
+) -> Tensor:
+    """The mean cross-entropy of ``hidden @ weight^T (+ bias)`` against ``targets``, ``chunk_rows`` rows at
+    a time. hidden (..., C), targets (...): leading dimensions are flattened."""
+    hidden = hidden.reshape(-1, hidden.size(-1))
+    targets = targets.reshape(-1)
+    rows = chunk_rows or default_chunk_rows(weight.size(0))
+    with_grad = torch.is_grad_enabled() and (
+        hidden.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
+    )
+    return ChunkedLinearCrossEntropy.apply(hidden, weight, bias, targets, ignore_index, rows, with_grad)
+
+
+def plain_linear_cross_entropy(
+    hidden: Tensor, weight: Tensor, targets: Tensor, bias: Tensor | None = None, ignore_index: int = -1
+) -> Tensor:
+    logits = F.linear(hidden, weight, bias)  # (..., V)
+    return F.cross_entropy(logits.flatten(0, -2).float(), targets.reshape(-1), ignore_index=ignore_index)
+
+
+def _kernel_dtype(hidden: Tensor) -> torch.dtype:
+    """The CUDA kernels run outside autocast: give them the autocast dtype (bf16/fp16) when it is on."""
+    if torch.is_autocast_enabled(hidden.device.type):
+        return torch.get_autocast_dtype(hidden.device.type)
+    return hidden.dtype
+
+
+def _liger(hidden: Tensor, weight: Tensor, targets: Tensor, bias: Tensor | None, ignore_index: int) -> Tensor:
+    from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+
+    dtype = _kernel_dtype(hidden)
+    loss_fn = LigerFusedLinearCrossEntropyLoss(ignore_index=ignore_index, reduction="mean")
+    hidden = hidden.reshape(-1, hidden.size(-1)).to(dtype)
+    return loss_fn(weight.to(dtype), hidden, targets.reshape(-1), bias)
+
+
+def _cce(hidden: Tensor, weight: Tensor, targets: Tensor, bias: Tensor | None, ignore_index: int) -> Tensor:
+    from cut_cross_entropy import linear_cross_entropy
+
+    dtype = _kernel_dtype(hidden)
+    extra = {"bias": bias} if bias is not None else {}
+    return linear_cross_entropy(
+        hidden.to(dtype), weight.to(dtype), targets, ignore_index=ignore_index, reduction="mean", **extra
+    )
+
+
+def available(impl: str, device: torch.device | str) -> bool:
+    """Whether ``impl`` can run on ``device`` here (the CUDA kernels need CUDA and their package)."""
+    if impl in ("chunked", "plain", "auto"):
+        return True
+    if torch.device(device).type != "cuda":
+        return False
+    module = {"liger": "liger_kernel", "cce": "cut_cross_entropy"}[impl]
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
+
+
+@dataclass(frozen=True)
+class HeadLoss:
+    """How the model computes its output layer and loss in training and validation (not an architecture
+    choice: every option gives the same loss and gradients). ``impl``: one of ``IMPLEMENTATIONS``;
+    ``chunk_rows``: rows of B*T per chunk for ``chunked`` (null: ``default_chunk_rows``)."""
+
+    impl: str = "auto"
+    chunk_rows: int | None = None
+    ignore_index: int = -1
+
+    def __post_init__(self) -> None:
+        if self.impl not in IMPLEMENTATIONS:
+            raise ValueError(
+                f"loss.impl={self.impl!r} is not one of {list(IMPLEMENTATIONS)}; e.g. loss.impl=chunked."
+            )
+        if self.chunk_rows is not None and (isinstance(self.chunk_rows, bool) or int(self.chunk_rows) < 1):
+            raise ValueError(f"loss.chunk_rows={self.chunk_rows!r} must be a positive integer or null.")
+
+    def resolve(self, device: torch.device | str) -> str:
+        """The implementation used on ``device``: ``auto`` made concrete; a CUDA kernel asked for where it
+        cannot run raises an error that says what to install or choose instead."""
+        if self.impl == "auto":
+            for impl in ("cce", "liger"):
+                if available(impl, device):
+                    return impl
+            return "chunked"
+        if not available(self.impl, device):
+            package = {"liger": "liger-kernel", "cce": "cut-cross-entropy"}[self.impl]
+            raise RuntimeError(
+                f"loss.impl={self.impl} needs a CUDA device and the {package} package (pip install "
+                f"'gptlab[gpu]'); this run is on {device}. Use loss.impl=chunked or loss.impl=auto."
+            )
+        return self.impl
+
+    def __call__(self, hidden: Tensor, weight: Tensor, targets: Tensor, bias: Tensor | None = None) -> Tensor:
+        impl = self.resolve(hidden.device)
+        if impl == "plain":
+            return plain_linear_cross_entropy(hidden, weight, targets, bias, self.ignore_index)
+        if impl == "chunked":
+            return chunked_linear_cross_entropy(
+                hidden, weight, targets, bias, self.ignore_index, self.chunk_rows
+            )
+        return (_liger if impl == "liger" else _cce)(hidden, weight, targets, bias, self.ignore_index)

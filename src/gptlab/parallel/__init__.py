@@ -1,0 +1,43 @@
+"""Running one model on many devices, applied from outside the model.
+
+- `hardware`: precision by device, processes per node, the CPU-core check.
+- `base`, `strategies`: the `strategy=` choices (typed options, what each device holds, checkpoint layout,
+  hardware checks) and building Lightning's strategy from one; `lightning_strategies`: the Lightning
+  subclasses they build (atomic sharded checkpoints, DeepSpeed's gradient norm).
+- `transforms`: activation checkpointing, `torch.compile` and FSDP2 sharding of each block, in each rank.
+- `planner`, `card`: memory per device and the model card, from the same choices.
+- `slurm`: the job to requeue after SLURM's warning signal.
+"""
+
+from gptlab.parallel.base import STRATEGIES, Placement, StrategyChoice
+from gptlab.parallel.hardware import (
+    choose_precision,
+    devices_per_node,
+    warn_if_cpu_oversubscribed,
+    world_size,
+)
+from gptlab.parallel.strategies import (
+    build_strategy,
+    check_launch,
+    check_rank_zero_evaluation,
+    strategy_choice,
+    strategy_choices,
+)
+from gptlab.parallel.transforms import ParallelOptions, parallelize
+
+__all__ = [
+    "STRATEGIES",
+    "ParallelOptions",
+    "Placement",
+    "StrategyChoice",
+    "build_strategy",
+    "check_launch",
+    "check_rank_zero_evaluation",
+    "choose_precision",
+    "devices_per_node",
+    "parallelize",
+    "strategy_choice",
+    "strategy_choices",
+    "warn_if_cpu_oversubscribed",
+    "world_size",
+]

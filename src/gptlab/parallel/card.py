@@ -1,0 +1,135 @@
+"""The model card: what a model is (parameters, FLOPs per token) and what training it takes (memory per
+device under each `strategy=` choice, and whether the run fits its devices). Printed at the start of every
+training run (short form) and by `scripts/model_card.py` (full form)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gptlab.model.config import GPTConfig
+from gptlab.model.counting import flops_per_token, human, parameter_counts
+from gptlab.model.gpt import mlp_hidden_width
+from gptlab.parallel.planner import (
+    BYTES,
+    GiB,
+    MemoryEstimate,
+    advise,
+    device_memory_bytes,
+    distinct_choices,
+    memory_per_device,
+)
+from gptlab.parallel.strategies import StrategyChoice
+
+
+def model_card(
+    config: GPTConfig,
+    strategy: str | dict[str, Any] | StrategyChoice | None = "auto",
+    n_devices: int = 1,
+    precision: str = "32-true",
+    micro_batch: int = 1,
+    context: int | None = None,
+    device_memory: float | None = None,
+    device_name: str = "",
+    short: bool = False,
+    activation_checkpointing: bool = False,
+) -> str:
+    """The card as text: the short form (printed at training start) or the full one with every strategy."""
+    c = config
+    counts = parameter_counts(c)
+    flops = flops_per_token(c, context)
+    T = context or c.block_size
+    gqa = f", {c.kv_heads} key/value heads" if c.kv_heads != c.n_head else ""
+    lines = [
+        f"Model: {c.n_layer} layers x {c.n_head} heads{gqa} x {c.n_embd} wide, MLP {mlp_hidden_width(c)} wide, "
+        f"context {c.block_size}, vocabulary {c.vocab_size}; pos={c.pos}, activation={c.activation}, "
+        f"norm={c.norm} ({c.norm_placement}), bias {'on' if c.bias else 'off'}, head "
+        f"{'tied to' if c.tie_weights else 'separate from'} the token embedding",
+        f"Parameters: total {counts['total']:,} ({human(counts['total'])}), embedding {counts['embedding']:,}, "
+        f"non-embedding {counts['non_embedding']:,}",
+        f"Training FLOPs per token at context {T}: {human(flops['training'])} (6N + 12 L h T: dense "
+        f"{human(flops['dense'])}, attention {human(flops['attention'])})",
+    ]
+    est = memory_per_device(c, strategy, n_devices, precision, micro_batch, context, activation_checkpointing)
+    checkpointing = ", activation checkpointing" if activation_checkpointing else ""
+    lines.append(
+        f"Memory per device ({est.strategy}, {n_devices} device(s), {precision}, micro-batch {micro_batch} x "
+        f"{T}{checkpointing}): {_gib(est.total)} = weights {_gib(est.weights)} + gradients {_gib(est.gradients)} + AdamW "
+        f"{_gib(est.optimizer)} + activations {_gib(est.activations)}"
+        + (f" + buffers {_gib(est.buffers)}" if est.buffers else "")
+        + (f"; on the host {_gib(est.host)}" if est.host else "")
+        + (f"; device: {device_name}" if device_name else "")
+    )
+    warning = (
+        advise(
+            c, device_memory, strategy, n_devices, precision, micro_batch, context, activation_checkpointing
+        )
+        if device_memory
+        else None
+    )
+    if short:
+        return "\n".join(lines + ([warning] if warning else []))
+
+    lines.append(
+        f"Compute-optimal training tokens (about 20 per parameter, Hoffmann et al. 2022): "
+        f"{human(20 * counts['total'])}, {20 * counts['total'] * flops['training']:.2e} FLOPs"
+    )
+    lines.append("")
+    header = f"{'strategy':<26} {'weights':>10} {'grads':>10} {'AdamW':>10} {'activ.':>10} {'buffers':>10} {'total':>10}"
+    for checkpointing in (False, True):
+        lines.append(
+            f"Memory per device over {n_devices} device(s), {precision}, micro-batch {micro_batch} x {T}"
+            + (", activation checkpointing" if checkpointing else "")
+            + " (GiB):"
+        )
+        lines.append(header)
+        for name, _ in distinct_choices(n_devices):
+            e = memory_per_device(c, name, n_devices, precision, micro_batch, context, checkpointing)
+            fit = ""
+            if device_memory:
+                fit = "  fits" if e.fits(device_memory) else "  too big"
+            lines.append(
+                f"{name:<26} {e.weights / GiB:>10,.2f} {e.gradients / GiB:>10,.2f} {e.optimizer / GiB:>10,.2f} "
+                f"{e.activations / GiB:>10,.2f} {e.buffers / GiB:>10,.2f} {e.total / GiB:>10,.2f}{fit}"
+            )
+        lines.append("")
+    if device_memory:
+        lines.append(f"Device: {device_name or f'{device_memory / GiB:,.0f} GiB'}")
+        lines.append(
+            warning or f"strategy={est.strategy} fits: {_gib(est.total)} of {_gib(device_memory)} per device."
+        )
+    return "\n".join(lines)
+
+
+def startup_card(
+    config: GPTConfig,
+    strategy: str | dict[str, Any] | StrategyChoice | None = "auto",
+    n_devices: int = 1,
+    precision: str = "32-true",
+    micro_batch: int = 1,
+    context: int | None = None,
+    on_cpu: bool = True,
+    activation_checkpointing: bool = False,
+) -> str:
+    """The short card for the start of a training run, sized against the memory of the device it runs on."""
+    memory, device = device_memory_bytes("cpu" if on_cpu else "cuda")
+    if precision not in BYTES:  # a precision plugin's own name: count it as fp32, the safe side
+        precision = "32-true"
+    return model_card(
+        config,
+        strategy,
+        n_devices,
+        precision,
+        micro_batch,
+        context,
+        memory,
+        device,
+        short=True,
+        activation_checkpointing=activation_checkpointing,
+    )
+
+
+def _gib(n: float) -> str:
+    return f"{n / GiB:,.2f} GiB" if n >= 0.01 * GiB else f"{n / 2**20:,.1f} MiB"
+
+
+__all__ = ["MemoryEstimate", "model_card", "startup_card"]

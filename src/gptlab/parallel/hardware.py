@@ -1,0 +1,97 @@
+"""What the machine has and how many processes a trainer config starts on it."""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import torch
+
+log = logging.getLogger("gptlab")
+
+
+def choose_precision(requested: Any, accelerator: str | None = "auto") -> Any:
+    """fp32 on CPU (bf16 matrix products run far slower than fp32 on CPUs); bf16 mixed precision on GPUs
+    that have it, fp16 mixed on older ones."""
+    if requested not in (None, "auto"):
+        return requested
+    if accelerator != "cpu" and torch.cuda.is_available():
+        return "bf16-mixed" if torch.cuda.is_bf16_supported() else "16-mixed"
+    return "32-true"
+
+
+def uses_gpus(trainer_cfg: dict[str, Any]) -> bool:
+    accelerator = trainer_cfg.get("accelerator", "auto")
+    return accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available())
+
+
+def cpu_cores() -> int:
+    """The CPU cores this process may run on (its affinity mask, as under a job scheduler or `taskset`)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - platforms without affinity masks
+        return os.cpu_count() or 1
+
+
+def devices_per_node(trainer_cfg: dict[str, Any]) -> int:
+    """How many processes Lightning starts on each node for `trainer.devices` (an int, a list of ids, a
+    comma-separated string, -1 or "auto")."""
+    devices = trainer_cfg.get("devices", "auto")
+    gpus = uses_gpus(trainer_cfg)
+    if isinstance(devices, str):
+        text = devices.strip()
+        if text == "auto":
+            return torch.cuda.device_count() if gpus else 1
+        if "," in text:
+            return len([d for d in text.split(",") if d.strip()])
+        devices = int(text)
+    if isinstance(devices, (list, tuple)):
+        return len(devices)
+    if devices == -1:
+        return torch.cuda.device_count() if gpus else (os.cpu_count() or 1)
+    return int(devices)
+
+
+def world_size(trainer_cfg: dict[str, Any]) -> int:
+    return devices_per_node(trainer_cfg) * int(trainer_cfg.get("num_nodes", 1) or 1)
+
+
+def warn_if_cpu_oversubscribed(trainer_cfg: dict[str, Any]) -> str | None:
+    """Warn (and return the warning) when CPU training starts more processes on this node than it has
+    cores: each process then gets a fraction of a core and the run is slower than with fewer processes.
+    Allowed, since a DDP or FSDP run on CPUs is also how multi-device code is tried out."""
+    if uses_gpus(trainer_cfg):
+        return None
+    try:
+        processes = devices_per_node(trainer_cfg)
+    except (TypeError, ValueError):  # a malformed value: Lightning names it
+        return None
+    cores = cpu_cores()
+    if processes <= cores:
+        return None
+    message = (
+        f"trainer.devices={trainer_cfg.get('devices')} starts {processes} training processes on the CPU, but "
+        f"this machine gives this run {cores} core(s): each process gets a fraction of a core, and the run "
+        f"is slower than with trainer.devices={cores}. Use trainer.devices={cores} or fewer (or a GPU machine)."
+    )
+    log.warning(message)
+    return message
+
+
+def launched_externally() -> bool:
+    """True when SLURM (srun), torchrun or MPI started this process as one rank of many: Lightning then
+    starts no processes of its own."""
+    from lightning.fabric.plugins.environments import (
+        LSFEnvironment,
+        MPIEnvironment,
+        SLURMEnvironment,
+        TorchElasticEnvironment,
+    )
+
+    return (
+        TorchElasticEnvironment.detect()
+        or SLURMEnvironment.detect()
+        or LSFEnvironment.detect()
+        or MPIEnvironment.detect()
+    )

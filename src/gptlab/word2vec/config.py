@@ -1,0 +1,93 @@
+"""The options of ``task=word2vec`` (the ``word2vec:`` node of the config), checked before any work."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+from gptlab.errors import ConfigError
+
+MODES = ("cbow", "skipgram")
+OPTIMIZERS = ("sgd", "sparse_adam")
+
+
+@dataclass
+class Word2VecOptions:
+    mode: str = "skipgram"
+    dim: int = 100
+    window: int = 5
+    negatives: int = 5
+    min_count: int = 5
+    sample: float = 1e-3
+    lr: float = 0.025
+    lr_min: float = 0.0001
+    optimizer: str = "sgd"
+    epochs: int = 5
+    max_steps: int | None = None
+    batch_size: int = 256
+    lowercase: bool = True
+    keep_punctuation: bool = False
+    noise_power: float = 0.75
+    checkpoint_every: int = 200
+    threads: int | None = None
+    evaluate: bool = True
+    plot_words: list[str] | None = None
+    neighbour_words: list[str] | None = None
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ConfigError(
+                f"word2vec.mode={self.mode!r} is not one of {MODES} (e.g. word2vec.mode=skipgram)."
+            )
+        if self.optimizer not in OPTIMIZERS:
+            raise ConfigError(
+                f"word2vec.optimizer={self.optimizer!r} is not one of {OPTIMIZERS} (e.g. word2vec.optimizer=sgd)."
+            )
+        for name in ("dim", "window", "min_count", "batch_size", "checkpoint_every"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"word2vec.{name}={value!r} must be a positive integer.")
+        if not isinstance(self.negatives, int) or self.negatives < 1:
+            raise ConfigError(
+                f"word2vec.negatives={self.negatives!r} must be a positive integer (5-20 for small corpora, "
+                "2-5 for large ones, as Mikolov et al. 2013 suggest)."
+            )
+        if not self.sample >= 0:
+            raise ConfigError(
+                f"word2vec.sample={self.sample!r} must be >= 0 (1e-3 to 1e-5 subsamples frequent words; 0: off)."
+            )
+        if not (self.lr > 0 and 0 <= self.lr_min <= self.lr):
+            raise ConfigError(
+                f"word2vec.lr={self.lr!r} and word2vec.lr_min={self.lr_min!r}: need 0 <= lr_min <= lr and lr > 0 "
+                "(word2vec's defaults: lr=0.025 for skip-gram, 0.05 for CBOW, lr_min=0.0001)."
+            )
+        if self.threads is not None and (not isinstance(self.threads, int) or self.threads < 1):
+            raise ConfigError(
+                f"word2vec.threads={self.threads!r} must be a positive integer, or null for torch's default."
+            )
+        steps = self.max_steps
+        if steps is not None and (not isinstance(steps, int) or steps < 1):
+            raise ConfigError(
+                f"word2vec.max_steps={steps!r} must be a positive integer, or null to train epochs."
+            )
+        if steps is None and (not isinstance(self.epochs, int) or self.epochs < 1):
+            raise ConfigError(
+                f"word2vec.epochs={self.epochs!r} must be a positive integer (or set word2vec.max_steps)."
+            )
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> Word2VecOptions:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            import difflib
+
+            hints = [difflib.get_close_matches(k, sorted(known), n=1) for k in unknown]
+            hint = "; ".join(f"{k} -> {h[0]}?" for k, h in zip(unknown, hints) if h)
+            raise ConfigError(
+                f"Unknown word2vec option(s) {unknown}{' (' + hint + ')' if hint else ''}. Known: {sorted(known)}."
+            )
+        return cls(**values)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)

@@ -1,0 +1,94 @@
+"""`python tests/faults.py <overrides>`: train.py with one fault injected, for the tests of what a fault on
+one rank does to a distributed run. GPTLAB_TEST_FAULT chooses it (read here only, never by gptlab):
+
+- ``nan_loss:<rank>:<n>``: the n-th training forward pass on that rank returns a NaN loss.
+- ``kill_in_save:<n>``: every rank is SIGKILLed right after its shards of the n-th sharded ``last.ckpt`` are
+  written, before the save completes.
+- ``kill_mid_swap:<n>``: at the n-th swap of a finished sharded ``last.ckpt`` into place, the whole run (its
+  process group: start it in a session of its own) is SIGKILLed between the two renames.
+
+Lightning starts ranks > 0 by re-running this command line, so the fault is in place in every rank.
+"""
+
+import os
+import signal
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+import hydra  # noqa: E402
+
+from gptlab.resume import register_resolvers  # noqa: E402
+
+register_resolvers()
+kind, *args = os.environ["GPTLAB_TEST_FAULT"].split(":")
+rank = int(os.environ.get("LOCAL_RANK", "0")) + int(os.environ.get("NODE_RANK", "0"))
+
+if kind == "nan_loss":
+    from gptlab.model.gpt import GPT
+
+    fault_rank, fault_call = int(args[0]), int(args[1])
+    original_forward = GPT.forward
+    calls = 0
+
+    def forward(self, idx, targets=None, *args, **kwargs):
+        global calls
+        logits, loss = original_forward(self, idx, targets, *args, **kwargs)
+        if self.training and loss is not None and rank == fault_rank:
+            calls += 1
+            if calls == fault_call:
+                loss = loss * float("nan")
+        return logits, loss
+
+    GPT.forward = forward
+elif kind == "kill_in_save":
+    import lightning.pytorch.strategies.model_parallel as model_parallel
+
+    fault_save = int(args[0])
+    original_save = model_parallel._distributed_checkpoint_save
+    saves = 0
+
+    def save(state, path):
+        global saves
+        original_save(state, path)
+        if "last.ckpt" in str(path):
+            saves += 1
+            if saves == fault_save:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    model_parallel._distributed_checkpoint_save = save
+elif kind == "kill_mid_swap":
+    from gptlab.lit.checkpointing import atomic
+
+    if rank == 0 and os.getpgid(0) != os.getpid():
+        raise SystemExit(
+            "kill_mid_swap kills its process group: start this script with start_new_session=True"
+        )
+    fault_swap = int(args[0])
+    original_swap_in = atomic.swap_in
+    swaps = 0
+
+    def swap_in(staging, target):
+        global swaps
+        swaps += target.name == "last.ckpt"
+        if swaps == fault_swap and target.name == "last.ckpt":
+            os.rename(target, target.parent / atomic.ASIDE.format(name=target.name))
+            os.killpg(0, signal.SIGKILL)
+        original_swap_in(staging, target)
+
+    atomic.swap_in = swap_in
+else:
+    raise SystemExit(f"unknown GPTLAB_TEST_FAULT {kind!r}")
+
+
+@hydra.main(config_path=str(ROOT / "conf"), config_name="train", version_base="1.3")
+def main(cfg):
+    from gptlab.cli import run_task
+
+    return run_task(cfg)
+
+
+if __name__ == "__main__":
+    main()

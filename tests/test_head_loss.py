@@ -1,0 +1,184 @@
+"""The output layer and loss computed together: the same loss and gradients as the plain path, with any
+chunk size, ignored targets, a bias, and through the whole model with a tied or untied head."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from gptlab.errors import ConfigError
+from gptlab.lit.module import GPTLitModule, build_head_loss
+from gptlab.model.config import GPTConfig
+from gptlab.model.gpt import GPT
+from gptlab.model.head_loss import (
+    HeadLoss,
+    chunked_linear_cross_entropy,
+    default_chunk_rows,
+)
+
+TOL = dict(rtol=1e-5, atol=1e-5)
+
+
+def problem(n=37, c=16, v=101, bias=False, ignore_every=5, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(n, c, generator=g, requires_grad=True)
+    weight = torch.randn(v, c, generator=g).mul_(0.5).requires_grad_()
+    b = torch.randn(v, generator=g, requires_grad=True) if bias else None
+    targets = torch.randint(0, v, (n,), generator=g)
+    if ignore_every:
+        targets[::ignore_every] = -1
+    return hidden, weight, b, targets
+
+
+def reference(hidden, weight, bias, targets):
+    """The plain path: the whole logits, then F.cross_entropy."""
+    logits = F.linear(hidden, weight, bias)
+    return F.cross_entropy(logits, targets, ignore_index=-1)
+
+
+@pytest.mark.parametrize("chunk_rows", [1, 7, 16, 37, 100])
+@pytest.mark.parametrize("bias", [False, True])
+def test_loss_and_gradients_equal_the_plain_path(chunk_rows, bias):
+    hidden, weight, b, targets = problem(bias=bias)
+    inputs = [hidden, weight] + ([b] if bias else [])
+    expected = reference(hidden, weight, b, targets)
+    expected_grads = torch.autograd.grad(expected, inputs)
+    loss = chunked_linear_cross_entropy(hidden, weight, targets, b, ignore_index=-1, chunk_rows=chunk_rows)
+    grads = torch.autograd.grad(loss, inputs)
+    torch.testing.assert_close(loss, expected, **TOL)
+    for got, want in zip(grads, expected_grads):
+        torch.testing.assert_close(got, want, **TOL)
+
+
+def test_the_mean_counts_only_targets_that_are_not_ignored():
+    hidden, weight, _, targets = problem(ignore_every=2)
+    keep = targets != -1
+    loss = chunked_linear_cross_entropy(hidden, weight, targets, chunk_rows=4)
+    per_row = F.cross_entropy(hidden[keep] @ weight.t(), targets[keep], reduction="none")
+    torch.testing.assert_close(loss, per_row.mean(), **TOL)
+    hidden.grad = None
+    loss.backward()
+    assert torch.all(hidden.grad[~keep] == 0)  # an ignored position sends no gradient to its hidden state
+
+
+def test_an_upstream_gradient_scales_the_result():
+    # Gradient accumulation divides the loss by the number of micro-batches before the backward.
+    hidden, weight, _, targets = problem()
+    (reference(hidden, weight, None, targets) * 0.25).backward()
+    want = hidden.grad.clone(), weight.grad.clone()
+    hidden.grad = weight.grad = None
+    (chunked_linear_cross_entropy(hidden, weight, targets, chunk_rows=8) * 0.25).backward()
+    torch.testing.assert_close(hidden.grad, want[0], **TOL)
+    torch.testing.assert_close(weight.grad, want[1], **TOL)
+
+
+def test_without_grad_mode_only_the_loss_is_computed():
+    hidden, weight, _, targets = problem()
+    with torch.no_grad():
+        loss = chunked_linear_cross_entropy(hidden, weight, targets, chunk_rows=8)
+    assert not loss.requires_grad
+    torch.testing.assert_close(loss, reference(hidden, weight, None, targets).detach(), **TOL)
+
+
+@pytest.mark.parametrize("tie_weights", [True, False])
+@pytest.mark.parametrize("bias", [True, False])
+def test_the_whole_model_trains_the_same_with_the_chunked_head(tie_weights, bias):
+    config = GPTConfig(
+        vocab_size=97, block_size=16, n_layer=2, n_head=2, n_embd=32, tie_weights=tie_weights, bias=bias
+    )
+    torch.manual_seed(0)
+    model = GPT(config)
+    idx = torch.randint(0, 97, (3, 16))
+    targets = torch.randint(0, 97, (3, 16))
+    targets[0, :5] = -1  # e.g. padding
+    _, expected = model(idx, targets)
+    expected.backward()
+    want = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    logits, loss = model(idx, targets, head_loss=HeadLoss("chunked", chunk_rows=7))
+    loss.backward()
+    assert logits is None  # the logits are never made whole
+    torch.testing.assert_close(loss, expected, **TOL)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, want[name], **TOL, msg=lambda m, name=name: f"{name}: {m}")
+    # generation still has logits: without targets the head runs as usual
+    logits, loss = model(idx, head_loss=HeadLoss("chunked"))
+    assert logits.shape == (3, 16, 97) and loss is None
+
+
+def test_the_default_chunk_buffer_stays_below_glibcs_mmap_threshold():
+    rows = default_chunk_rows(50257)
+    assert rows % 8 == 0 and rows * 50257 * 4 <= 32 * 2**20 < (rows + 8) * 50257 * 4
+    assert default_chunk_rows(10**9) == 8  # a huge vocabulary still takes a few rows at a time
+
+
+def test_auto_takes_the_chunked_path_on_cpu_and_cuda_kernels_are_refused_there():
+    assert HeadLoss("auto").resolve("cpu") == "chunked"
+    assert HeadLoss("plain").resolve("cpu") == "plain"
+    for impl, package in (("liger", "liger-kernel"), ("cce", "cut-cross-entropy")):
+        with pytest.raises(RuntimeError, match=f"loss.impl={impl} needs a CUDA device and the {package}"):
+            HeadLoss(impl).resolve("cpu")
+
+
+@pytest.mark.parametrize(
+    "loss,expected",
+    [
+        (
+            {"impl": "fused"},
+            r"loss.impl='fused' is not one of \['auto', 'chunked', 'plain', 'liger', 'cce'\]",
+        ),
+        ({"chunk_rows": 0}, "loss.chunk_rows=0 must be a positive integer"),
+        ({"chunk": 64}, r"Unknown loss option\(s\) \['chunk'\]. Known: \['chunk_rows', 'impl'\]"),
+    ],
+)
+def test_bad_loss_options_are_refused_with_the_fix(loss, expected):
+    with pytest.raises(ConfigError, match=expected):
+        build_head_loss(loss)
+
+
+def test_the_lightning_module_uses_the_configured_head():
+    config = dict(vocab_size=64, block_size=8, n_layer=1, n_head=2, n_embd=16)
+    torch.manual_seed(0)
+    chunked = GPTLitModule(model=config, loss={"impl": "chunked", "chunk_rows": 3})
+    plain = GPTLitModule(model=config, loss={"impl": "plain"})
+    plain.load_state_dict(chunked.state_dict())
+    x, y = torch.randint(0, 64, (2, 8)), torch.randint(0, 64, (2, 8))
+    a = chunked.model(x, y, head_loss=chunked.head_loss)
+    b = plain.model(x, y, head_loss=plain.head_loss)
+    assert chunked.head_loss.resolve("cpu") == "chunked" and plain.head_loss.resolve("cpu") == "plain"
+    torch.testing.assert_close(a[1], b[1], **TOL)
+    assert GPTLitModule(model=config).head_loss == HeadLoss("auto")  # checkpoints from before the option
+
+
+# ---- CUDA kernels: run where a GPU and the optional packages are installed --------------------------
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("impl,package", [("liger", "liger_kernel"), ("cce", "cut_cross_entropy")])
+def test_cuda_kernels_equal_the_plain_path(impl, package):
+    pytest.importorskip(package)
+    hidden, weight, _, targets = problem(n=512, c=64, v=5003)
+    hidden, weight, targets = (t.detach().cuda() for t in (hidden, weight, targets))
+    hidden.requires_grad_()
+    weight.requires_grad_()
+    expected = reference(hidden, weight, None, targets)
+    want = torch.autograd.grad(expected, [hidden, weight])
+    loss = HeadLoss(impl)(hidden, weight, targets)
+    got = torch.autograd.grad(loss, [hidden, weight])
+    # the kernels accumulate in fp32 but may use TF32 products on the way
+    torch.testing.assert_close(loss, expected, rtol=1e-3, atol=1e-3)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-3, atol=1e-4)
+
+
+@pytest.mark.gpu
+@cuda
+def test_chunked_path_runs_on_cuda():
+    hidden, weight, _, targets = problem(n=300, c=32, v=1001)
+    hidden, weight, targets = (
+        t.detach().cuda().requires_grad_(t.is_floating_point()) for t in (hidden, weight, targets)
+    )
+    expected = reference(hidden, weight, None, targets)
+    loss = HeadLoss("chunked", chunk_rows=64)(hidden, weight, targets)
+    torch.testing.assert_close(loss, expected, rtol=1e-4, atol=1e-4)
