@@ -88,7 +88,7 @@ def validation_tokens(trained: TrainedRun) -> np.ndarray:
             f"{trained.checkpoint} has no {CONFIG_FILE} in a run directory around it, so its corpus is unknown: "
             "pass the run directory that `python train.py` wrote."
         )
-    spec = data_spec(OmegaConf.create({"data": data}))
+    spec = data_spec(OmegaConf.create(data))
     prepared = corpus.prepare(spec, trained.tokenizer.name)
     if prepared.tokenizer.spec() != trained.tokenizer.spec():
         raise CheckpointError(
