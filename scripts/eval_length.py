@@ -2,6 +2,7 @@
 
     python scripts/eval_length.py outputs/runs/<date>/<time>            # a run directory
     python scripts/eval_length.py path/to/last.ckpt --factors 1 2 4 16  # a checkpoint inside a run directory
+                                                                        # (a file or a sharded directory)
     python scripts/eval_length.py --sweep outputs/multirun/pos_sweep --plot docs/pos_sweep.png
 
 Writes <run dir>/eval_length/{length.json, loss_vs_length.png, loss_by_position.png} and the passkey
@@ -18,15 +19,16 @@ import logging
 import sys
 from pathlib import Path
 
-from gptlab.errors import ConfigError
-from gptlab.eval import length, long_context, sweep
+from gptlab.analysis import length as sweep
+from gptlab.errors import ConfigError, DataError
+from gptlab.eval import length, long_context
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("path", nargs="?", help="a run directory or a .ckpt file")
+    parser.add_argument("path", nargs="?", help="a run directory or a checkpoint (file or sharded directory)")
     parser.add_argument("--factors", type=int, nargs="+", default=list(length.DEFAULT_FACTORS))
     parser.add_argument("--max-tokens", type=int, default=None, help="validation tokens to use (default all)")
     parser.add_argument("--batch-tokens", type=int, default=4096, help="tokens per forward pass")
@@ -70,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
             device=args.device,
             passkey_node=passkey_node,
         )
-    except ConfigError as e:
+    except (ConfigError, DataError) as e:
         print(f"eval_length: error: {e}", file=sys.stderr)
         return 2
     print(length.format_table(result))

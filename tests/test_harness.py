@@ -16,7 +16,7 @@ from conftest import ROOT
 pytest.importorskip("lm_eval")
 
 from gptlab.eval import harness  # noqa: E402
-from gptlab.eval.runs import load_run  # noqa: E402
+from gptlab.runs.trained import load_run  # noqa: E402
 from gptlab.tracking.wandb_files import find_runs, read_run  # noqa: E402
 
 CONTEXT = 32

@@ -201,7 +201,7 @@ def test_the_length_study_after_training_runs_passkey_and_logs_it(tmp_path):
     }
     ppl = long_context.read_length_study(run_dir)
     assert ppl["ppl@1x"] == pytest.approx(math.exp(train_run.summary["length/loss@1x"]))
-    from gptlab.tracking.compare import compare
+    from gptlab.analysis.compare import compare
 
     comparison = compare(tmp_path / "outputs" / "runs", tmp_path / "cmp")
     header = comparison.table.splitlines()[0]

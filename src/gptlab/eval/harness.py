@@ -43,7 +43,7 @@ RESULT_DIR = "eval_harness"
 
 def load_trained_run(path: str | Path, device: str, which: str = "last") -> Any:
     """The one place that turns a run directory or checkpoint into (model, tokenizer, context)."""
-    from gptlab.eval.runs import load_run
+    from gptlab.runs.trained import load_run
 
     return load_run(path, device, which)
 

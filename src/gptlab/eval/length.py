@@ -26,12 +26,13 @@ import torch.nn.functional as F
 from gptlab.errors import ConfigError
 from gptlab.eval import passkey
 from gptlab.model.gpt import GPT
+from gptlab.runs.layout import LENGTH_FILE
 
 log = logging.getLogger(__name__)
 
 DEFAULT_FACTORS = (1, 2, 4, 8)
 ROPE_SCALINGS = ("linear", "ntk", "yarn")  # the context-scaling methods studied, where the scheme has them
-RESULT_FILE = "length.json"
+RESULT_FILE = LENGTH_FILE  # <run dir>/eval_length/length.json (gptlab.runs.layout)
 
 
 @dataclass
@@ -323,7 +324,7 @@ def evaluate_run(
     """Evaluate a run directory or checkpoint; writes JSON and plots to ``out_dir`` (default
     ``<run dir>/eval_length``) and, when the run logged to W&B, a W&B run in the same group.
     ``passkey_node``: options of the passkey study (gptlab.eval.passkey); None skips it."""
-    from gptlab.eval.runs import load_run, validation_tokens
+    from gptlab.runs.trained import load_run, validation_tokens
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     trained = load_run(path, device)

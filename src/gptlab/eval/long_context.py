@@ -240,9 +240,7 @@ def passkey_sweep_table(results: list[dict[str, Any]]) -> str:
         f"{f}x ({f * contexts[0]})" if len(contexts) == 1 else f"{f}x" for f in factors
     )
     lines = [head + " |", "|---|---:" + "|---:" * len(factors) + "|"]
-    from gptlab.eval.sweep import _order
-
-    for name in sorted(rows, key=_order):
+    for name in sorted(rows):
         runs = rows[name]
         cells = []
         for f in factors:
