@@ -12,6 +12,7 @@ from urllib.parse import urlparse
 import lightning as L
 from lightning.fabric.loggers.logger import rank_zero_experiment
 from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger, WandbLogger
+from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 
 from gptlab.runs.naming import identity_from_hydra
 
@@ -94,6 +95,17 @@ def wandb_logger(
     )
 
 
+class ContinuedCSVWriter(ExperimentWriter):
+    """Lightning's CSV writer, continuing an existing ``metrics.csv`` (its columns read from the header)
+    instead of deleting it. A module-level class, so that ``ddp_spawn`` can pickle the logger."""
+
+    def _check_log_dir_exists(self) -> None:
+        path = Path(self.metrics_file_path)
+        if path.is_file():
+            header = path.read_text().partition("\n")[0].strip()
+            self.metrics_keys = sorted(k for k in header.split(",") if k)
+
+
 class ContinuedCSVLogger(CSVLogger):
     """Lightning's CSVLogger deletes an existing ``metrics.csv`` when it starts; a resumed run continues the
     file instead, so it holds the whole curve (rows logged again after a resume repeat their step)."""
@@ -102,17 +114,8 @@ class ContinuedCSVLogger(CSVLogger):
     @rank_zero_experiment
     def experiment(self) -> Any:
         if self._experiment is None:
-            from lightning.pytorch.loggers.csv_logs import ExperimentWriter
-
-            class ContinuedWriter(ExperimentWriter):
-                def _check_log_dir_exists(self) -> None:
-                    path = Path(self.metrics_file_path)
-                    if path.is_file():
-                        header = path.read_text().partition("\n")[0].strip()
-                        self.metrics_keys = sorted(k for k in header.split(",") if k)
-
             self._fs.makedirs(self.root_dir, exist_ok=True)
-            self._experiment = ContinuedWriter(log_dir=self.log_dir)
+            self._experiment = ContinuedCSVWriter(log_dir=self.log_dir)
         return self._experiment
 
 

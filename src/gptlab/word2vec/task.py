@@ -15,7 +15,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from gptlab.builders import data_spec
-from gptlab.errors import ConfigError
+from gptlab.errors import CheckpointError, ConfigError
 from gptlab.lit.checkpointing import (
     AtomicCheckpointIO,
     PeriodicLastCheckpoint,
@@ -23,13 +23,8 @@ from gptlab.lit.checkpointing import (
     fit,
 )
 from gptlab.preflight import check_seed
-from gptlab.resume import (
-    CheckpointError,
-    ResumePlan,
-    check_writable,
-    checkpoint_to_resume,
-    load_checkpoint_file,
-)
+from gptlab.resume import ResumePlan, check_writable, checkpoint_to_resume
+from gptlab.runs.checkpoints import load_checkpoint
 from gptlab.tracking.loggers import finish_wandb
 from gptlab.word2vec import evaluation
 from gptlab.word2vec.config import Word2VecOptions
@@ -41,7 +36,7 @@ log = logging.getLogger("gptlab")
 
 def check_resume(path: Path, options: Word2VecOptions, words: list[str]) -> ResumePlan:
     """The checkpoint must be a word2vec checkpoint of the same shape, trained on the same vocabulary."""
-    checkpoint = load_checkpoint_file(path)
+    checkpoint = load_checkpoint(path)
     saved = (checkpoint.get("hyper_parameters") or {}).get("word2vec")
     vocab = checkpoint.get("word2vec_vocab")
     if saved is None or vocab is None:
