@@ -59,10 +59,10 @@ class GPTDataModule(L.LightningDataModule):
         for name, value in (("data.batch_size", batch_size), ("model.block_size", block_size)):
             if not isinstance(value, int) or value <= 0:
                 raise ConfigError(f"{name}={value!r} must be a positive integer.")
-        for name, value in (("data.stride", stride), ("data.val_stride", val_stride)):
-            if value is not None and (not isinstance(value, int) or value <= 0):
+        for name, optional in (("data.stride", stride), ("data.val_stride", val_stride)):
+            if optional is not None and (not isinstance(optional, int) or optional <= 0):
                 raise ConfigError(
-                    f"{name}={value!r} must be a positive integer, or null for model.block_size."
+                    f"{name}={optional!r} must be a positive integer, or null for model.block_size."
                 )
         if spec.streaming and stride not in (None, block_size):
             raise ConfigError(
@@ -87,6 +87,7 @@ class GPTDataModule(L.LightningDataModule):
         """The corpus's tokenizer (a product of preparation: a fitted vocabulary comes from the corpus)."""
         if self.corpus is None:
             self.setup("fit")
+        assert self.corpus is not None
         return self.corpus.tokenizer
 
     def prepare_data(self) -> None:
@@ -173,6 +174,7 @@ class GPTDataModule(L.LightningDataModule):
                     f"trainer.max_steps={steps}: a streaming run (data.streaming=true) has no epochs to count, "
                     "it trains for a number of steps. Set trainer.max_steps, e.g. trainer.max_steps=100000."
                 )
+            assert trainer is not None and self.corpus is not None  # steps >= 1 came from a trainer
             windows = steps * trainer.accumulate_grad_batches * self.batch_size  # one "epoch" is the run
             stream = StreamingWindows(
                 self.spec, self.corpus.tokenizer, self.block_size + 1, rank, world_size, length=windows
@@ -181,6 +183,7 @@ class GPTDataModule(L.LightningDataModule):
         # A stateful loader: a resumed run continues from the same batch, not from the epoch's start. Under a
         # distributed strategy the sampler must be stateful too (Lightning's own DistributedSampler has no
         # position to restore); each rank then takes every world_size-th sample of the same seeded permutation.
+        assert self.train_set is not None, "setup('fit') builds the training windows"
         drop_last = len(self.train_set) >= self.batch_size
         options: dict[str, Any] = {"shuffle": True, "generator": torch.Generator().manual_seed(self.seed)}
         if distributed:
@@ -196,6 +199,7 @@ class GPTDataModule(L.LightningDataModule):
         return StatefulDataLoader(self.train_set, drop_last=drop_last, **common, **options)
 
     def val_dataloader(self) -> DataLoader:
+        assert self.val_set is not None, "setup('fit') builds the validation windows"
         return DataLoader(
             self.val_set,
             batch_size=self.batch_size,
