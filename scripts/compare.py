@@ -1,17 +1,24 @@
 """Compare the runs of a sweep: `python scripts/compare.py outputs/multirun/<date>/<time>`.
 
-Writes comparison.md (a table sorted by final validation loss, mean ± std over seeds) and val_loss.png
-(validation-loss curves per choice, mean and spread over seeds) into the sweep directory, or --out, and
-prints the table.
+Writes comparison.md (the choices sorted by final validation loss: mean ± std over seeds, whether each differs
+from the best or --baseline beyond seed noise by Welch's t-test, throughput, perplexity at longer contexts;
+the length study's table when the runs hold one; the commit and the commands), val_loss.png and
+loss_vs_context.png into the sweep directory, or --out, and prints the tables. --readme FILE also replaces the
+block between `<!-- comparison: NAME -->` and `<!-- /comparison: NAME -->` in FILE (NAME: the sweep
+directory's name), so one command regenerates a README's table from one sweep directory.
 """
 
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
+from pathlib import Path
 
+from gptlab.analysis.compare import compare, compare_online, update_readme
+from gptlab.analysis.records import SOURCES
+from gptlab.analysis.stats import DEFAULT_ALPHA
 from gptlab.errors import DataError
-from gptlab.tracking.compare import SOURCES, compare, compare_online
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -21,7 +28,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "sweep_dir", nargs="?", help="a multirun directory (or any folder holding run directories)"
     )
-    parser.add_argument("--out", default=None, help="where to write comparison.md and val_loss.png")
+    parser.add_argument("--out", default=None, help="where to write comparison.md and the figures")
+    parser.add_argument(
+        "--baseline", default=None, help="the choice each row is tested against, e.g. pos=learned"
+    )
+    parser.add_argument("--alpha", type=float, default=DEFAULT_ALPHA, help="significance level (0.05)")
+    parser.add_argument("--readme", default=None, help="a markdown file whose comparison block to replace")
+    parser.add_argument(
+        "--name", default=None, help="with --readme: the block's name (default: sweep dir name)"
+    )
     parser.add_argument("--wandb", metavar="ENTITY/PROJECT", help="read the runs online, through the W&B API")
     parser.add_argument("--group", help="with --wandb: the W&B group (the sweep) to compare")
     parser.add_argument(
@@ -33,18 +48,29 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if bool(args.wandb) == bool(args.sweep_dir) or bool(args.wandb) != bool(args.group):
         parser.error("pass a sweep directory, or --wandb ENTITY/PROJECT --group GROUP (and --out)")
+    command = "python scripts/compare.py " + " ".join(
+        shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv)
+    )
     try:
         if args.wandb:
-            result = compare_online(args.wandb, args.group, args.out or "comparison")
+            result = compare_online(
+                args.wandb, args.group, args.out or "comparison", args.baseline, args.alpha
+            )
         else:
-            result = compare(args.sweep_dir, args.out, args.source)
+            result = compare(args.sweep_dir, args.out, args.source, args.baseline, args.alpha, command)
+        if args.readme:
+            update_readme(args.readme, args.name or Path(args.sweep_dir or args.group).name, result)
     except DataError as e:
         print(f"compare: error: {e}", file=sys.stderr)
         return 2
     print(result.table)
+    if result.length_table:
+        print(f"\n{result.length_table}")
     for path, reason in result.skipped:
         print(f"skipped {path}: {reason}", file=sys.stderr)
     print(f"\nTable: {result.markdown_path}\nCurves: {result.plot_path}", flush=True)
+    if args.readme:
+        print(f"Updated {args.readme}")
     return 0
 
 

@@ -2,11 +2,14 @@
 
     python scripts/eval_length.py outputs/runs/<date>/<time>            # a run directory
     python scripts/eval_length.py path/to/last.ckpt --factors 1 2 4 16  # a checkpoint inside a run directory
+                                                                        # (a file or a sharded directory)
     python scripts/eval_length.py --sweep outputs/multirun/pos_sweep --plot docs/pos_sweep.png
 
-Writes <run dir>/eval_length/{length.json, loss_vs_length.png, loss_by_position.png} and prints a table; a
+Writes <run dir>/eval_length/{length.json, loss_vs_length.png, loss_by_position.png} and the passkey
+retrieval study's passkey.{json,md,png} (length x depth of the key; --no-passkey skips it), prints tables; a
 run that logged to W&B gets a W&B run in its group with the same figures. ``--sweep`` gathers the results of
-a multirun trained with ``eval_length.enabled=true`` (experiment=pos_sweep) into one table and plot.
+a multirun trained with ``eval_length.enabled=true`` (experiment=pos_sweep) into one table and plot, and the
+passkey results into a second table (also written to <first sweep dir>/passkey_summary.md).
 """
 
 from __future__ import annotations
@@ -14,22 +17,28 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from pathlib import Path
 
-from gptlab.errors import ConfigError
-from gptlab.eval import length, sweep
+from gptlab.analysis import length as sweep
+from gptlab.errors import ConfigError, DataError
+from gptlab.eval import length, long_context
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("path", nargs="?", help="a run directory or a .ckpt file")
+    parser.add_argument("path", nargs="?", help="a run directory or a checkpoint (file or sharded directory)")
     parser.add_argument("--factors", type=int, nargs="+", default=list(length.DEFAULT_FACTORS))
     parser.add_argument("--max-tokens", type=int, default=None, help="validation tokens to use (default all)")
     parser.add_argument("--batch-tokens", type=int, default=4096, help="tokens per forward pass")
     parser.add_argument("--out", default=None, help="output folder (default <run dir>/eval_length)")
     parser.add_argument("--no-wandb", action="store_true", help="do not log to W&B even if the run did")
     parser.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda when available)")
+    parser.add_argument("--no-passkey", action="store_true", help="skip the passkey retrieval study")
+    parser.add_argument("--passkey-depths", type=int, default=4, help="depth bins of the passkey study")
+    parser.add_argument("--passkey-trials", type=int, default=5, help="passkey prompts per length and depth")
+    parser.add_argument("--passkey-seed", type=int, default=0)
     parser.add_argument("--sweep", nargs="+", default=None, help="multirun directories to summarise instead")
     parser.add_argument("--plot", default=None, help="with --sweep: where to write the plot")
     args = parser.parse_args(argv)
@@ -38,19 +47,39 @@ def main(argv: list[str] | None = None) -> int:
         if args.sweep:
             table = sweep.summarize(args.sweep, plot=args.plot)
             print(table)
+            passkey_table = long_context.passkey_sweep_table(long_context.collect_passkey(args.sweep))
+            if passkey_table:
+                (Path(args.sweep[0]) / "passkey_summary.md").write_text(passkey_table + "\n")
+                print("\nPasskey retrieval (accuracy over depths and trials):\n" + passkey_table)
             return 0
         if not args.path:
             parser.error("give a run directory or checkpoint (or --sweep DIR)")
         options = length.LengthEvalOptions(
             factors=args.factors, max_tokens=args.max_tokens, batch_tokens=args.batch_tokens
         )
+        passkey_node = None
+        if not args.no_passkey:
+            passkey_node = {
+                "depths": args.passkey_depths,
+                "trials": args.passkey_trials,
+                "seed": args.passkey_seed,
+            }
         result, paths = length.evaluate_run(
-            args.path, options, out_dir=args.out, use_wandb=not args.no_wandb, device=args.device
+            args.path,
+            options,
+            out_dir=args.out,
+            use_wandb=not args.no_wandb,
+            device=args.device,
+            passkey_node=passkey_node,
         )
-    except ConfigError as e:
+    except (ConfigError, DataError) as e:
         print(f"eval_length: error: {e}", file=sys.stderr)
         return 2
     print(length.format_table(result))
+    if result.get("passkey"):
+        from gptlab.eval.passkey import format_table
+
+        print("\nPasskey retrieval (correct / trials):\n" + format_table(result["passkey"]))
     print("Wrote " + ", ".join(str(p) for p in paths))
     if "wandb_run" in result:
         print(f"W&B: {result['wandb_run']}")

@@ -3,7 +3,8 @@
     python scripts/generate.py ckpt=outputs/runs/<date>/<time> prompt="The sky is"
     python scripts/generate.py ckpt=... prompt="def" temperature=0.8 top_k=50 top_p=0.95 samples=3
 
-`ckpt` is a run directory (its best checkpoint) or a .ckpt file. temperature=0 (the default) is greedy decoding;
+`ckpt` is a run directory (its best checkpoint; which=last for the last) or a checkpoint: a .ckpt file or a
+sharded checkpoint directory (strategy=fsdp, DeepSpeed), read with tensors only. temperature=0 (the default) is greedy decoding;
 otherwise tokens are sampled, restricted to the top_k most likely and/or the top_p nucleus.
 """
 
@@ -15,7 +16,8 @@ from dataclasses import dataclass
 import torch
 from omegaconf import OmegaConf
 
-from gptlab.eval.runs import load_run
+from gptlab.errors import ConfigError
+from gptlab.runs.trained import load_run
 
 
 @dataclass
@@ -37,7 +39,10 @@ def main(argv: list[str]) -> None:
         sys.exit(
             "usage: python scripts/generate.py ckpt=<run dir or .ckpt> prompt='...' [temperature=0.8 top_k=50]"
         )
-    run = load_run(opts.ckpt, which=opts.which)
+    try:
+        run = load_run(opts.ckpt, which=opts.which)
+    except ConfigError as e:
+        sys.exit(f"generate: error: {e}")
     model, tok = run.model, run.tokenizer
     ids = tok.encode(opts.prompt) or [tok.eot_id]
     idx = torch.tensor([ids] * opts.samples)

@@ -19,17 +19,19 @@ import torch
 
 from gptlab.errors import ConfigError
 from gptlab.eval.positions import plot_scheme
-from gptlab.eval.runs import load_run
 from gptlab.model import positional
 from gptlab.model.config import GPTConfig
 from gptlab.model.gpt import GPT
+from gptlab.runs.trained import load_run
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("runs", nargs="*", help="run directories or .ckpt files")
+    parser.add_argument(
+        "runs", nargs="*", help="run directories or checkpoints (files or sharded directories)"
+    )
     parser.add_argument(
         "--pos", nargs="+", default=[], help=f"untrained schemes: {', '.join(positional.names())}"
     )

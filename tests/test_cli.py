@@ -126,7 +126,7 @@ def test_generate_script_continues_a_prompt_from_a_run(trained):
 
     from conftest import ROOT
 
-    from gptlab.eval.runs import load_run
+    from gptlab.runs.trained import load_run
 
     root, run_dir, _ = trained
     best = load_run(run_dir, which="best")

@@ -1,104 +1,170 @@
-"""The comparison of a sweep's runs, on run directories laid out as a Hydra multirun leaves them (overrides in
-.hydra/, metrics written by Lightning's CSVLogger, length evaluations as length_eval.json), with metric values
-chosen so that every figure of the table is known."""
+"""The comparison of a sweep, on a small real sweep: `python train.py -m pos=learned,rope seed=0,1` with the
+length study on, then `scripts/compare.py` over its directory. Every figure of the table is checked against
+what the runs themselves wrote (their W&B files and eval_length/length.json)."""
 
-import json
 import math
+import runpy
 import statistics
-from pathlib import Path
+import subprocess
+import sys
 
 import pytest
-from omegaconf import OmegaConf
+from conftest import ROOT, TINY, run_train
+from scipy import stats
 
+from gptlab.analysis.compare import compare, write_comparison
+from gptlab.analysis.records import read_run_dir
+from gptlab.analysis.stats import verdict, welch
 from gptlab.errors import DataError
-from gptlab.tracking.compare import compare, read_length_eval
-from gptlab.tracking.loggers import csv_logger
-from gptlab.tracking.naming import identity, is_sweep_value, swept_keys_of
+from gptlab.runs import Run, find_run_dirs
+from gptlab.runs.naming import identity, is_sweep_value, swept_keys_of
+from gptlab.tracking.wandb_files import find_runs, read_run
 
-# (pos, seed) -> final validation loss
-FINAL = {("learned", 0): 3.0, ("learned", 1): 3.2, ("rope", 0): 2.5, ("rope", 1): 2.7, ("nope", 0): 3.9}
-
-
-def make_run(
-    job_dir: Path, pos: str, seed: int, final: float, length: dict | None = None, root: str = "/a"
-) -> None:
-    (job_dir / ".hydra").mkdir(parents=True)
-    overrides = [f"pos={pos}", f"seed={seed}", "model.n_layer=2", f"paths.root_dir={root}"]
-    OmegaConf.save(OmegaConf.create(overrides), job_dir / ".hydra" / "overrides.yaml")
-    logger = csv_logger(str(job_dir))
-    logger.log_metrics({"parameters/total": 1_500_000.0}, step=0)
-    for step in range(10):
-        logger.log_metrics(
-            {"train/loss": 5.0 - step * 0.1, "train/tokens_per_second": 1000.0 + step, "train/mfu": 0.25},
-            step=step,
-        )
-    for step, loss in ((4, final + 1.0), (9, final)):
-        logger.log_metrics({"val/loss": loss, "val/ppl": math.exp(loss)}, step=step)
-    logger.save()
-    if length is not None:
-        (job_dir / "length_eval.json").write_text(json.dumps(length))
+# 7 steps, validation every 4: the final validation at step 7 comes from the end-of-run check.
+SWEEP = [
+    *TINY,
+    "tokenizer=char",
+    "trainer.max_steps=7",
+    "eval_length.enabled=true",
+    "eval_length.factors=[1,2]",
+    "eval_length.max_tokens=512",
+    "logger=[csv,wandb]",
+    "pos=learned,rope",
+    "seed=0,1",
+]
 
 
-def length_eval(ppl1: float, ppl2: float, ppl4: float | None) -> dict:
-    results = [
-        {"factor": 1, "context": 64, "loss": math.log(ppl1), "ppl": ppl1},
-        {"factor": 2, "context": 128, "loss": math.log(ppl2), "ppl": ppl2},
-    ]
-    if ppl4 is None:
-        results.append({"factor": 4, "context": 256, "loss": None, "ppl": None, "note": "table too short"})
-    else:
-        results.append({"factor": 4, "context": 256, "loss": math.log(ppl4), "ppl": ppl4})
-    return {"train_context": 64, "results": results}
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory):
+    root = tmp_path_factory.mktemp("compare")
+    sweep_dir = root / "multirun" / "tiny_pos"
+    run_train(["-m", *SWEEP, f"paths.root_dir={root}", f"hydra.sweep.dir={sweep_dir}"], cwd=root)
+    return root, sweep_dir
 
 
-@pytest.fixture
-def sweep_dir(tmp_path):
-    lengths = {
-        ("learned", 0): length_eval(20.0, 30.0, None),
-        ("learned", 1): length_eval(22.0, 34.0, None),
-        ("rope", 0): length_eval(12.0, 14.0, 40.0),
-        ("rope", 1): length_eval(13.0, 16.0, 50.0),
-    }
-    for num, ((pos, seed), final) in enumerate(FINAL.items()):
-        # paths.root_dir differs between runs but says nothing about the model: it must not split the rows
-        make_run(tmp_path / str(num), pos, seed, final, lengths.get((pos, seed)), root=f"/r{num}")
-    return tmp_path
+def final_losses(sweep_dir) -> dict[str, list[float]]:
+    """pos -> the final val/loss of each of its runs, from the runs' W&B files."""
+    out: dict[str, list[float]] = {}
+    for run_dir in find_run_dirs(sweep_dir):
+        run = read_run(find_runs(run_dir)[0])
+        out.setdefault(run.config["pos"]["name"], []).append(run.metric("val/loss")[-1][1])
+    return out
 
 
-def test_table_rows_are_choices_sorted_by_mean_final_loss(sweep_dir):
-    result = compare(sweep_dir)
-    assert result.keys == ["pos"]
-    assert [r.choice["pos"] for r in result.rows] == ["rope", "learned", "nope"]
-    assert [len(r.runs) for r in result.rows] == [2, 2, 1]
-    rope, learned, nope = result.rows
-    assert rope.val_loss_mean == pytest.approx(2.6)
-    assert rope.val_loss_std == pytest.approx(statistics.stdev([2.5, 2.7]))
-    assert nope.val_loss_std is None
-    assert rope.val_ppl == pytest.approx((math.exp(2.5) + math.exp(2.7)) / 2)
-    assert rope.parameters == 1_500_000 and rope.mfu == pytest.approx(0.25)
-    assert rope.tokens_per_second == pytest.approx(1004.5)  # the median over the run
-    assert [s for s, _ in rope.runs[0].val_loss] == [4, 9]
+def table_rows(text: str) -> list[list[str]]:
+    lines = [line for line in text.splitlines() if line.startswith("| ")]
+    return [[c.strip() for c in line.strip("|").split("|")] for line in lines]
 
-    lines = result.table.splitlines()
-    assert lines[0] == (
-        "| # | pos | seeds | val/loss | val/ppl | tokens/s | MFU | parameters | ppl@1x | ppl@2x | ppl@4x |"
+
+def test_every_run_ends_with_a_validation_at_its_last_step(sweep):
+    _, sweep_dir = sweep
+    for run_dir in find_run_dirs(sweep_dir):
+        wandb_run = read_run(find_runs(run_dir)[0])
+        # validations after steps 4 and 7 (Lightning logs them at 0-based steps 3 and 6)
+        assert [s for s, _ in wandb_run.metric("val/loss")] == [3, 6]
+        result = Run(run_dir).result()
+        assert result["global_step"] == 7 and result["finished"]
+        assert result["metrics"]["val/loss"] == pytest.approx(wandb_run.metric("val/loss")[-1][1], rel=1e-6)
+        assert wandb_run.summary["val/loss"] == pytest.approx(result["metrics"]["val/loss"], rel=1e-6)
+
+
+def test_table_has_a_row_per_choice_with_spread_seeds_and_significance(sweep, capsys):
+    root, sweep_dir = sweep
+    script = runpy.run_path(str(ROOT / "scripts" / "compare.py"))
+    assert script["main"]([str(sweep_dir), "--source", "wandb"]) == 0
+    printed = capsys.readouterr().out
+    header, *rows = table_rows(printed.split("\n\n")[0])
+    assert header[:5] == ["#", "pos", "seeds", "val/loss", "vs best"]
+    assert header[9:11] == ["ppl@1x", "ppl@2x"]  # then the passkey study's columns, which it also ran
+
+    finals = final_losses(sweep_dir)
+    by_mean = sorted(finals, key=lambda p: statistics.fmean(finals[p]))
+    assert [r[1] for r in rows] == by_mean and [r[2] for r in rows] == ["2", "2"]
+    best, other = by_mean
+    for row in rows:
+        mean, std = (float(x) for x in row[3].split(" ± "))
+        assert mean == pytest.approx(statistics.fmean(finals[row[1]]), abs=1e-4)
+        assert std == pytest.approx(statistics.stdev(finals[row[1]]), abs=1e-4)
+    assert rows[0][4] == "reference"
+    # the second row's verdict is Welch's test of the two sets of final losses
+    p = stats.ttest_ind(finals[other], finals[best], equal_var=False).pvalue
+    assert rows[1][4].endswith(f"p={'<0.001' if p < 0.001 else f'{p:.2g}' if p < 0.1 else f'{p:.2f}'}")
+    assert rows[1][4].startswith("worse" if p < 0.05 else "within noise")
+
+
+def test_length_columns_come_from_the_length_study_of_each_run(sweep):
+    _, sweep_dir = sweep
+    result = compare(sweep_dir, sweep_dir / "report")
+    for row in result.rows:
+        pos = row.choice["pos"]
+        studies = [Run(r.path).length_result() for r in row.runs]
+        assert all(s is not None and s["pos"] == pos for s in studies)
+        ppl1 = statistics.fmean(s["variants"][pos]["1"]["ppl"] for s in studies)
+        assert row.outputs["length"]["ppl@1x"] == pytest.approx(ppl1)
+        if pos == "learned":  # a 32-position table cannot run at 64 tokens
+            assert row.outputs["length"]["ppl@2x"] is None
+            assert "error" in studies[0]["variants"]["learned"]["2"]
+        else:
+            ppl2 = statistics.fmean(s["variants"][pos]["2"]["ppl"] for s in studies)
+            assert row.outputs["length"]["ppl@2x"] == pytest.approx(ppl2)
+    header, *rows = table_rows(result.table)
+    cells = {r[1]: dict(zip(header, r)) for r in rows}
+    assert cells["learned"]["ppl@2x"] == "n/a" and float(cells["rope"]["ppl@2x"]) > 1
+    # the length study's own table, with every rope scaling, is in comparison.md with its figure
+    text = result.markdown_path.read_text()
+    assert "| rope+ntk | 2 |" in text and "cannot run" in text
+    assert result.length_plot.stat().st_size > 10_000 and result.plot_path.stat().st_size > 10_000
+
+
+def test_baseline_and_single_seed_rows(sweep):
+    _, sweep_dir = sweep
+    records = [read_run_dir(p) for p in find_run_dirs(sweep_dir)]
+    result = compare(sweep_dir, sweep_dir / "vs_learned", baseline="pos=learned")
+    assert "| vs pos=learned |" in result.table
+    assert {r.choice["pos"]: r.significance for r in result.rows}["learned"] == "reference"
+    # one seed of rope left: its row cannot tell
+    one_rope = [r for r in records if not (r.overrides["pos"] == "rope" and r.overrides["seed"] == "1")]
+    single = write_comparison(one_rope, sweep_dir / "single", "single", sweep_dir, baseline="pos=learned")
+    assert {r.choice["pos"]: r.significance for r in single.rows}["rope"] == "cannot tell (1 seed)"
+    with pytest.raises(DataError, match="--baseline 'pos=alibi' matches 0 of the choices"):
+        compare(sweep_dir, sweep_dir / "x", baseline="pos=alibi")
+
+
+def test_one_command_regenerates_the_readme_block_with_commit_and_commands(sweep, tmp_path):
+    _, sweep_dir = sweep
+    readme = tmp_path / "README.md"
+    readme.write_text(
+        "intro\n\n<!-- comparison: tiny_pos -->\nold table\n<!-- /comparison: tiny_pos -->\n\nend\n"
     )
-    assert lines[2].startswith("| 1 | rope | 2 | 2.6000 ± 0.1414 |")
-    assert lines[2].endswith("| 1,004 | 25.0% | 1.50M | 12.50 | 15.00 | 45.00 |")
-    assert lines[3].endswith("| 21.00 | 32.00 | n/a |")  # learned cannot run at 4x
-    assert lines[4].startswith("| 3 | nope | 1 | 3.9000 |") and lines[4].endswith("| n/a | n/a | n/a |")
-    assert result.table in result.markdown_path.read_text()
-    assert result.plot_path.stat().st_size > 10_000
-
-
-def test_runs_without_metrics_are_skipped_with_the_reason(sweep_dir):
-    broken = sweep_dir / "9"
-    (broken / ".hydra").mkdir(parents=True)
-    OmegaConf.save(OmegaConf.create(["pos=alibi", "seed=0"]), broken / ".hydra" / "overrides.yaml")
-    result = compare(sweep_dir, out_dir=sweep_dir / "report")
-    assert [p.name for p, _ in result.skipped] == ["9"]
-    assert "holds no metrics" in result.skipped[0][1]
-    assert "alibi" not in result.table and (sweep_dir / "report" / "val_loss.png").is_file()
+    out = tmp_path / "docs" / "tiny_pos"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "compare.py"),
+            str(sweep_dir),
+            "--out",
+            str(out),
+            "--readme",
+            str(readme),
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=300,
+    )
+    assert "Updated" in proc.stdout
+    text = readme.read_text()
+    assert text.startswith("intro\n") and text.endswith("\nend\n") and "old table" not in text
+    assert "](docs/tiny_pos/val_loss.png)" in text and "](docs/tiny_pos/loss_vs_context.png)" in text
+    commit = subprocess.run(
+        ["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True
+    ).stdout
+    assert f"at commit {commit.strip()}" in text
+    # the commands: the sweep's, from its multirun.yaml, and this one
+    assert "Trained with `python train.py -m" in text and "pos=learned,rope" in text
+    assert f"Compared with `python scripts/compare.py {sweep_dir} --out {out} --readme {readme}`" in text
+    tables = [line for line in (out / "comparison.md").read_text().splitlines() if line.startswith("|")]
+    assert len(tables) > 8 and all(line in text for line in tables)
 
 
 def test_a_folder_without_runs_is_refused_with_the_fix(tmp_path):
@@ -110,17 +176,21 @@ def test_a_folder_without_runs_is_refused_with_the_fix(tmp_path):
         compare(tmp_path, source="tensorboard")
 
 
-def test_length_eval_columns_follow_the_factors(tmp_path):
-    data = length_eval(8.0, 9.5, None)
-    data["results"].append({"factor": 8, "context": 512, "loss": 3.0})  # ppl left out: from the loss
-    path = tmp_path / "length_eval.json"
-    path.write_text(json.dumps(data))
-    assert read_length_eval(path) == {
-        "ppl@1x": 8.0,
-        "ppl@2x": 9.5,
-        "ppl@4x": None,
-        "ppl@8x": pytest.approx(math.exp(3.0)),
-    }
+def test_welch_matches_the_textbook_sleep_data():
+    # Student's sleep data (Cushny & Peebles), as in R's `t.test(extra ~ group, data = sleep)`:
+    # t = -1.8608, df = 17.776, p-value = 0.07939.
+    drug1 = [0.7, -1.6, -0.2, -1.2, -0.1, 3.4, 3.7, 0.8, 0.0, 2.0]
+    drug2 = [1.9, 0.8, 1.1, 0.1, -0.1, 4.4, 5.5, 1.6, 4.6, 3.4]
+    test = welch(drug1, drug2)
+    assert test.t == pytest.approx(-1.8608, abs=1e-4)
+    assert test.df == pytest.approx(17.776, abs=1e-3)
+    assert test.p == pytest.approx(0.07939, abs=1e-5)
+    assert verdict(drug2, drug1) == "within noise, p=0.079"
+    assert verdict([2.0, 2.1, 2.05], [1.0, 1.1, 1.05]).startswith("worse, p=")
+    assert verdict([1.0, 1.1, 1.05], [2.0, 2.1, 2.05]).startswith("better, p=")
+    assert verdict([1.0], [2.0, 2.1]) == "cannot tell (1 seed)"
+    assert welch([1.0, 1.0], [2.0, 2.0]).p == 0.0 and welch([1.0, 1.0], [1.0, 1.0]).p == 1.0
+    assert math.isfinite(welch([1.0, 1.0], [2.0, 2.1]).p)
 
 
 def test_names_groups_and_tags_come_from_the_overrides():
@@ -132,7 +202,6 @@ def test_names_groups_and_tags_come_from_the_overrides():
     assert run.group == "outputs/multirun/d/t" and run.job_type == "sweep"
     assert run.tags == ["pos=rope", "activation=swiglu", "seed=1", "optim.lr=0.0012345678"]
     assert run.group_key == "pos=rope"
-    # an experiment names its group; a search names runs by the searched values, short
     named = identity(["experiment=pos_sweep", *overrides], multirun=True, experiment="pos_sweep")
     assert named.group == "pos_sweep" and "lr=0.00123" in named.name
     searched = identity(overrides, multirun=True, swept_keys=["optim.lr"], searching=True)
@@ -141,7 +210,6 @@ def test_names_groups_and_tags_come_from_the_overrides():
         and searched.job_type == "search"
         and searched.group_key == searched.tags[-1]
     )
-    # a single run: no group, named by its choices
     single = identity(["pos=nope"])
     assert single.group is None and single.job_type == "train" and single.name == "pos=nope"
     assert is_sweep_value("range(1,4)") and is_sweep_value("a,b") and is_sweep_value("glob(*)")
@@ -170,7 +238,7 @@ class ApiRunStandIn:
 
 
 def test_online_runs_group_like_local_ones(tmp_path):
-    from gptlab.tracking.compare import record_from_api_run, write_comparison
+    from gptlab.analysis.records import record_from_api_run
 
     records = [
         record_from_api_run(ApiRunStandIn("rope", 0, [3.0, 2.0])),
@@ -181,6 +249,7 @@ def test_online_runs_group_like_local_ones(tmp_path):
     assert [(r.choice["pos"], len(r.runs)) for r in result.rows] == [("rope", 2), ("learned", 1)]
     assert result.rows[0].val_loss_mean == pytest.approx(2.1)
     assert result.rows[0].tokens_per_second == 900.0 and result.rows[0].parameters == 2_000_000
+    assert result.rows[1].significance == "cannot tell (1 seed)"
     assert records[0].val_loss == [(9, 3.0), (19, 2.0)]
 
 
@@ -189,7 +258,7 @@ def test_identity_from_a_composed_config():
     from hydra.core.global_hydra import GlobalHydra
 
     from gptlab import CONFIG_DIR
-    from gptlab.tracking.naming import identity_from_hydra
+    from gptlab.runs.naming import identity_from_hydra
 
     GlobalHydra.instance().clear()
     with initialize_config_dir(str(CONFIG_DIR), version_base="1.3"):

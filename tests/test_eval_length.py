@@ -12,7 +12,8 @@ import pytest
 import torch
 from conftest import ROOT
 
-from gptlab.eval import length, sweep
+from gptlab.analysis import length as sweep
+from gptlab.eval import length
 from gptlab.model.config import GPTConfig
 from gptlab.model.gpt import GPT
 from gptlab.tracking.wandb_files import find_runs, read_run

@@ -27,7 +27,7 @@ def fit_tiny(
         max_steps=max_steps,
         callbacks=[callback],
         logger=csv_logger(str(tmp_path)),
-        log_every_n_steps=1,
+        log_every_n_steps=trainer_options.pop("log_every_n_steps", 1),
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
@@ -79,3 +79,10 @@ def test_gradient_norm_is_taken_before_clipping(tmp_path):
     assert len(norms) == 4
     # an untrained model's gradient norm is far above the clipping threshold: the logged norm is the raw one
     assert min(norms) > 100 * clip
+
+
+def test_gradient_norm_is_computed_on_the_steps_that_are_logged(tmp_path):
+    # the norm is a full pass over the gradients: steps whose metrics reach no logger skip it
+    _, rows = fit_tiny(tmp_path, GradientNorm(), max_steps=6, gradient_clip_val=1.0, log_every_n_steps=2)
+    logged = [r["step"] for r in rows if r.get("train/loss")]
+    assert [r["step"] for r in rows if r.get("train/grad_norm")] == logged == ["1", "3", "5"]

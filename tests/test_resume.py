@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import re
@@ -18,6 +19,7 @@ from conftest import CONF, ROOT, TINY, run_train
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 
+from gptlab.errors import CheckpointError
 from gptlab.lit.checkpointing import AtomicCheckpointIO, NonFiniteLossError
 from gptlab.resume import choose_run_dir
 from gptlab.tracking.wandb_files import find_runs, read_run
@@ -316,8 +318,77 @@ def test_sigterm_under_ddp_stops_every_rank_and_saves(tmp_path, cache_dir):
     )
 
 
-def test_resuming_a_finished_run_reports_its_validation_loss(tmp_path, cache_dir):
-    common = [*ARGS, "logger=none", f"paths.root_dir={cache_dir}", f"paths.output_dir={tmp_path}"]
+def test_resuming_a_finished_run_reports_its_validation_loss_and_trains_nothing(tmp_path, cache_dir, capsys):
+    common = [*ARGS, "logger=csv", f"paths.root_dir={cache_dir}", f"paths.output_dir={tmp_path}"]
     first = run(compose_cfg(*common))
+    ckpt = tmp_path / "checkpoints" / "last.ckpt"
+    saved, metrics_csv = ckpt.read_bytes(), (tmp_path / "csv" / "metrics.csv").read_text()
+    capsys.readouterr()
     again = run(compose_cfg(*common, f"resume={tmp_path}"))
     assert again["val/loss"] == pytest.approx(first["val/loss"], abs=1e-6)
+    out = capsys.readouterr().out
+    assert f"Final validation loss {first['val/loss']:.4f}" in out and f"Trained {MAX_STEPS} steps" in out
+    # nothing trained, saved or logged again
+    assert ckpt.read_bytes() == saved
+    assert (tmp_path / "csv" / "metrics.csv").read_text() == metrics_csv
+    assert "train/loss" not in again
+
+
+def csv_rows(path: Path) -> list[dict[str, str]]:
+    import csv
+
+    with path.open(newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def test_a_run_ends_with_a_validation_at_its_last_step(tmp_path, cache_dir, capsys):
+    # `python train.py trainer.max_steps=3` with validation every 4 steps: without the end-of-run validation,
+    # no validation at all
+    out = tmp_path / "run"
+    overrides = [*TINY, "trainer.max_steps=3", "logger=[csv,wandb]", f"paths.root_dir={cache_dir}"]
+    proc = run_train([*overrides, f"hydra.run.dir={out}"], cwd=tmp_path)
+    result = json.loads((out / "result.json").read_text())
+    val = result["metrics"]["val/loss"]
+    assert result["global_step"] == 3 and result["finished"]
+    assert f"Final validation loss {val:.4f} nats" in proc.stdout and "Trained 3 steps" in proc.stdout
+
+    rows = [r for r in csv_rows(out / "csv" / "metrics.csv") if r.get("val/loss")]
+    assert [int(r["step"]) for r in rows] == [2]  # Lightning's 0-based step of the third optimizer step
+    assert float(rows[-1]["val/loss"]) == pytest.approx(val, rel=1e-6)
+    (wandb_file,) = find_runs(out / "wandb")
+    wandb_run = read_run(wandb_file)
+    assert wandb_run.metric("val/loss") == [(2, pytest.approx(val, rel=1e-6))]
+    assert wandb_run.summary["val/loss"] == pytest.approx(val, rel=1e-6)
+    best = torch.load(next((out / "checkpoints").glob("best-*.ckpt")), map_location="cpu", weights_only=True)
+    assert best["global_step"] == 3  # the best checkpoint is the validated last state
+
+    overrides[overrides.index("logger=[csv,wandb]")] = "logger=csv"
+    # the task's return value carries the same number as the log (in-process, as a sweeper calls it)
+    metrics = run(compose_cfg(*overrides, f"paths.output_dir={tmp_path / 'three'}"))
+    rows = [r for r in csv_rows(tmp_path / "three" / "csv" / "metrics.csv") if r.get("val/loss")]
+    assert [int(r["step"]) for r in rows] == [2] and float(rows[0]["val/loss"]) == pytest.approx(
+        metrics["val/loss"]
+    )
+    # a last step that is a validation step validates once; with validation off there is none
+    metrics = run(compose_cfg(*overrides, "trainer.max_steps=4", f"paths.output_dir={tmp_path / 'four'}"))
+    steps = [int(r["step"]) for r in csv_rows(tmp_path / "four" / "csv" / "metrics.csv") if r.get("val/loss")]
+    assert steps == [3]
+    off = run(compose_cfg(*overrides, "trainer.limit_val_batches=0", f"paths.output_dir={tmp_path / 'off'}"))
+    assert "val/loss" not in off and "No validation (it is off" in capsys.readouterr().out
+
+
+def test_a_checkpoint_holding_python_objects_is_refused_by_name(tmp_path, cache_dir):
+    """Checkpoints of earlier versions hold the same tensors and plain values and resume (the tests above use
+    the format unchanged); one holding other Python objects, such as numpy's RNG state object, is refused
+    before training, with the file named."""
+    import numpy as np
+
+    out = tmp_path / "run"
+    common = [*ARGS, "trainer.max_steps=4", "logger=none", f"paths.root_dir={cache_dir}"]
+    run(compose_cfg(*common, f"paths.output_dir={out}"))
+    ckpt = out / "checkpoints" / "last.ckpt"
+    checkpoint = torch.load(ckpt, map_location="cpu", weights_only=True)
+    old = tmp_path / "old.ckpt"
+    torch.save({**checkpoint, "numpy_rng": np.random.get_state()}, old)
+    with pytest.raises(CheckpointError, match=rf"Checkpoint {old} cannot be read .*beyond tensors"):
+        run(compose_cfg(*common, "trainer.max_steps=6", f"paths.output_dir={out}", f"resume={old}"))

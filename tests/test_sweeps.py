@@ -9,7 +9,7 @@ import pytest
 from conftest import ROOT, TINY, run_train
 from omegaconf import OmegaConf
 
-from gptlab.tracking.compare import compare
+from gptlab.analysis.compare import compare
 from gptlab.tracking.wandb_files import find_runs, read_run
 
 # A tiny character-level model: a 2x2 sweep trains in seconds per job.
@@ -88,7 +88,9 @@ def test_compare_script_gives_one_row_per_choice_with_both_seeds(sweep, capsys):
     script = runpy.run_path(str(ROOT / "scripts" / "compare.py"))
     assert script["main"]([str(sweep_dir), "--source", "wandb"]) == 0
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
-    assert lines[0].startswith("| # | pos | seeds | val/loss | val/ppl | tokens/s | MFU | parameters |")
+    assert lines[0].startswith(
+        "| # | pos | seeds | val/loss | vs best | val/ppl | tokens/s | MFU | parameters |"
+    )
     rows = [[c.strip() for c in line.strip("|").split("|")] for line in lines[1:]]
     assert sorted(r[1] for r in rows) == ["learned", "nope"] and [r[2] for r in rows] == ["2", "2"]
 

@@ -14,7 +14,7 @@ class DataError(ValueError):
 
 
 class CheckpointError(ConfigError):
-    """A checkpoint that cannot be read, or that belongs to a different model."""
+    """A checkpoint that cannot be read, that is not gptlab's, or that belongs to a different model."""
 
 
 class WandbFileError(ValueError):

@@ -17,16 +17,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
+from hydra.experimental.callback import Callback as HydraCallback
 from omegaconf import OmegaConf
 
 from gptlab.errors import CheckpointError, ConfigError
+from gptlab.runs.checkpoints import load_checkpoint, model_config_dict
+from gptlab.runs.layout import Run, checkpoint_kind, find_run_dirs, run_of_path
 
 log = logging.getLogger(__name__)
 
 RESUME_KEYS = ("resume=", "+resume=", "++resume=")
-# Folders under outputs/ that never hold run directories.
-_SKIP_DIRS = {"cache", "wandb", "checkpoints", "csv", ".hydra", "__pycache__"}
+
+__all__ = ["CheckpointError", "ResumePlan", "choose_run_dir", "plan_resume", "register_resolvers"]
 
 
 # ---- which run ---------------------------------------------------------------------------------------
@@ -46,63 +48,21 @@ def comparable(overrides: list[str]) -> list[str]:
     return sorted(item for item in overrides if not item.startswith(RESUME_KEYS))
 
 
-def resume_checkpoint_in(run_dir: Path) -> Path | None:
-    """The checkpoint a run continues from: the newest of ``checkpoints/last.ckpt`` (periodic and on
-    SIGTERM/SIGUSR1) and Lightning's SLURM ``hpc_ckpt_*.ckpt`` in the run directory."""
-    candidates = [run_dir / "checkpoints" / "last.ckpt", *run_dir.glob("hpc_ckpt_*.ckpt")]
-    found = [p for p in candidates if p.exists()]
-    return max(found, key=lambda p: p.stat().st_mtime) if found else None
-
-
-def run_dirs_under(root: Path, max_depth: int = 5) -> list[Path]:
-    """Directories under ``root`` that Hydra ran a job in (they hold ``.hydra/overrides.yaml``)."""
-    runs = []
-    root = Path(root)
-    if not root.is_dir():
-        return runs
-    base_depth = len(root.parts)
-    for dirpath, dirnames, _ in os.walk(root):
-        here = Path(dirpath)
-        if (here / ".hydra" / "overrides.yaml").is_file():
-            runs.append(here)
-        if len(here.parts) - base_depth >= max_depth:
-            dirnames[:] = []
-        else:
-            dirnames[:] = [d for d in dirnames if d not in _SKIP_DIRS]
-    return runs
-
-
-def read_overrides(run_dir: Path) -> list[str] | None:
-    try:
-        data = yaml.safe_load((run_dir / ".hydra" / "overrides.yaml").read_text())
-    except (OSError, yaml.YAMLError):
-        return None
-    return [str(x) for x in data] if isinstance(data, list) else [] if data is None else None
-
-
 def find_run_to_continue(overrides: list[str], root: Path) -> Path | None:
     """The newest run under ``root`` started with the same overrides (``resume=`` aside) that holds a
     checkpoint to continue from, or None."""
     wanted = comparable(overrides)
     best: tuple[float, Path] | None = None
-    for run_dir in run_dirs_under(root):
-        ckpt = resume_checkpoint_in(run_dir)
-        if ckpt is None or read_overrides(run_dir) is None:
-            continue
-        if comparable(read_overrides(run_dir)) != wanted:
+    for path in find_run_dirs(root, max_depth=5):
+        run = Run(path)
+        ckpt = run.resume_checkpoint()
+        saved = run.overrides()
+        if ckpt is None or saved is None or comparable(saved) != wanted:
             continue
         mtime = ckpt.stat().st_mtime
         if best is None or mtime > best[0]:
-            best = (mtime, run_dir)
+            best = (mtime, path)
     return best[1] if best else None
-
-
-def run_dir_of_checkpoint(path: Path) -> Path | None:
-    """The Hydra run directory a checkpoint or run directory belongs to, if it is one."""
-    for candidate in (path, path.parent, path.parent.parent):
-        if (candidate / ".hydra").is_dir():
-            return candidate
-    return None
 
 
 def choose_run_dir(task_overrides: Any, search_root: str, default: str) -> str:
@@ -117,8 +77,8 @@ def choose_run_dir(task_overrides: Any, search_root: str, default: str) -> str:
     if value == "auto":
         found = find_run_to_continue(overrides, Path(search_root))
         return str(found) if found is not None else default
-    found = run_dir_of_checkpoint(Path(value).expanduser())
-    return str(found) if found is not None else default
+    run = run_of_path(Path(value).expanduser())
+    return str(run.path) if run is not None else default
 
 
 def register_resolvers() -> None:
@@ -137,21 +97,21 @@ class ResumePlan:
 
 
 def checkpoint_to_resume(resume: Any, run_dir: Path) -> Path | None:
-    """The checkpoint that ``resume`` (null, ``auto``, a run directory or a checkpoint file) selects."""
+    """The checkpoint that ``resume`` (null, ``auto``, a run directory or a checkpoint) selects."""
     if resume in (None, False, "", "null", "none", "None"):
         return None
     if resume == "auto":
-        ckpt = resume_checkpoint_in(run_dir)
+        ckpt = Run(run_dir).resume_checkpoint()
         if ckpt is None:
             log.info("resume=auto: no earlier run with these overrides has a checkpoint; starting a new run.")
         return ckpt
     path = Path(str(resume)).expanduser()
-    if path.is_dir() and not (path / ".metadata").exists():  # a run directory, not a sharded checkpoint
-        ckpt = resume_checkpoint_in(path)
+    if path.is_dir() and checkpoint_kind(path) is None:  # a run directory, not a sharded checkpoint
+        ckpt = Run(path).resume_checkpoint()
         if ckpt is None:
             raise CheckpointError(
                 f"resume={resume}: the directory holds no checkpoints/last.ckpt to continue from. Give a "
-                "checkpoint file (resume=<run>/checkpoints/<name>.ckpt), another run directory, or resume=auto."
+                "checkpoint (resume=<run>/checkpoints/<name>.ckpt), another run directory, or resume=auto."
             )
         return ckpt
     if not path.exists():
@@ -160,21 +120,6 @@ def checkpoint_to_resume(resume: Any, run_dir: Path) -> Path | None:
             "(outputs/runs/<date>/<time>), or resume=auto to continue the newest run with these overrides."
         )
     return path
-
-
-def load_checkpoint_file(path: Path) -> dict[str, Any]:
-    """Load a checkpoint on the CPU (memory-mapped, tensors only), with an error that names the file."""
-    import torch
-
-    try:
-        return torch.load(path, map_location="cpu", mmap=True, weights_only=True)
-    except Exception as e:
-        size = path.stat().st_size if path.exists() else 0
-        raise CheckpointError(
-            f"Checkpoint {path} cannot be read ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}; "
-            f"{size:,} bytes): it is truncated, corrupt, or not a PyTorch checkpoint. Resume from another "
-            f"checkpoint (resume=<path>), or delete it and start again."
-        ) from e
 
 
 def architecture_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
@@ -187,30 +132,31 @@ def architecture_differences(saved: dict[str, Any], current: dict[str, Any]) -> 
 
 
 def inspect_checkpoint(path: Path, model_config: Any) -> ResumePlan:
-    """Check that ``path`` is a readable gptlab checkpoint of the same model as ``model_config`` (a
-    GPTConfig); returns what the resumed run needs from it."""
-    if path.is_dir():  # a sharded (distributed checkpoint) directory: its strategy reads and checks it
-        return ResumePlan(path, -1, None)
-    checkpoint = load_checkpoint_file(path)
-    hparams = checkpoint.get("hyper_parameters") or {}
-    if "state_dict" not in checkpoint or "model" not in hparams:
+    """Check that ``path`` (a file or a sharded directory) is a readable gptlab checkpoint of the same model
+    as ``model_config`` (a GPTConfig); returns what the resumed run needs from it. Checkpoints written by
+    earlier versions of gptlab hold the same keys and pass; one from elsewhere is refused here, by name."""
+    checkpoint = load_checkpoint(path, weights=False)
+    if checkpoint_kind(path) == "file" and "state_dict" not in checkpoint:
         raise CheckpointError(
-            f"Checkpoint {path} is not a gptlab training checkpoint (it has no "
-            f"{'state_dict' if 'state_dict' not in checkpoint else 'hyper_parameters.model'}; keys: "
+            f"Checkpoint {path} is not a gptlab training checkpoint (it has no state_dict; keys: "
             f"{sorted(checkpoint)[:8]}). Resume from a checkpoint that train.py wrote."
         )
     from gptlab.model.config import GPTConfig
 
     try:
-        saved = GPTConfig.from_dict(dict(hparams["model"])).to_dict()
+        saved = GPTConfig.from_dict(model_config_dict(checkpoint, path)).to_dict()
+    except CheckpointError:
+        raise
     except ConfigError as e:
         raise CheckpointError(f"Checkpoint {path} holds a model config this version cannot build: {e}") from e
-    diffs = architecture_differences(saved, model_config.to_dict())
+    current = model_config.to_dict()
+    diffs = architecture_differences(saved, current)
     if diffs:
-        fixes = " ".join(
-            f"model.{k}={saved[k]}" if k in ("n_layer", "n_head", "n_embd", "block_size", "n_kv_head") else ""
-            for k in sorted(k for k in saved if saved[k] != model_config.to_dict().get(k))
-        ).split()
+        fixes = [
+            f"model.{k}={saved[k]}"
+            for k in sorted(k for k in saved if saved[k] != current.get(k))
+            if k in ("n_layer", "n_head", "n_embd", "block_size", "n_kv_head")
+        ]
         raise CheckpointError(
             f"Checkpoint {path} is from a different model: {'; '.join(diffs)}. Resume with the settings it was "
             f"trained with{' (' + ' '.join(fixes) + ')' if fixes else ''}, or start a new run without resume=."
@@ -262,13 +208,7 @@ def unwritable_reason(path: Path) -> str | None:
     return None
 
 
-try:
-    from hydra.experimental.callback import Callback as _HydraCallback
-except ImportError:  # pragma: no cover - hydra-core < 1.1
-    _HydraCallback = object
-
-
-class CheckRunDirectory(_HydraCallback):
+class CheckRunDirectory(HydraCallback):
     """A Hydra callback: refuses an output directory that cannot be written before Hydra creates it, with
     the fix, instead of a traceback from ``mkdir``."""
 

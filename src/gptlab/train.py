@@ -170,7 +170,7 @@ def run(cfg: DictConfig) -> dict[str, float]:
     module.parallel = parallel
     log.info("Data ready after %.1f s", time.perf_counter() - t0)
     loggers = build_loggers(cfg, resume)
-    callbacks = build_callbacks(cfg) + fault_tolerance_callbacks()
+    callbacks = build_callbacks(cfg) + fault_tolerance_callbacks() + [ValidateAtLastStep()]
 
     failed = True
     try:
@@ -192,7 +192,10 @@ def run(cfg: DictConfig) -> dict[str, float]:
 
         finished = resume is not None and resume.global_step >= trainer_cfg["max_steps"]
         if finished:  # nothing left to train: report the finished run's validation loss
+            # Not logged: the run's curves already end with this validation at its last step.
+            trainer.loggers = []
             trainer.validate(module, datamodule=datamodule, ckpt_path=str(resume.ckpt_path), verbose=False)
+            trainer.loggers = loggers
             stopped = False
         else:
             stopped = fit(trainer, module, datamodule, resume.ckpt_path if resume else None)
@@ -211,9 +214,12 @@ def run(cfg: DictConfig) -> dict[str, float]:
                         {
                             "unigram_entropy": corpus.unigram_entropy,
                             "parameters/total": module.model.parameter_counts()["total"],
+                            # the final validation, also when a finished run is resumed and logs nothing
+                            **{k: metrics[k] for k in ("val/loss", "val/ppl") if k in metrics},
                         }
                     )
-            _report(metrics, corpus.unigram_entropy, run_dir, trainer, loggers)
+            step = resume.global_step if finished else trainer.global_step
+            _report(metrics, corpus.unigram_entropy, run_dir, trainer, loggers, step)
             if (cfg.get("eval_length") or {}).get("enabled"):
                 from gptlab.eval.length import after_training, summary_metrics
 
@@ -221,21 +227,53 @@ def run(cfg: DictConfig) -> dict[str, float]:
                     module.model, corpus, datamodule.block_size, cfg.eval_length, run_dir, loggers
                 )
                 metrics.update(summary_metrics(result))
+            _write_result(run_dir, metrics, step, trainer_cfg["max_steps"], stopped)
         failed = False
         return metrics
     finally:
         finish_wandb(loggers, failed)
 
 
+class ValidateAtLastStep(L.Callback):
+    """Ends training with a validation at its last step, also when ``trainer.max_steps`` is not a multiple
+    of ``trainer.val_check_interval``: the final line, the logged metrics and the returned ``val/loss`` then
+    describe the weights that are saved. Lightning validates in the step where ``trainer.should_stop`` is
+    set (as for early stopping); a run whose last step is a validation step validates once."""
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        if 0 < trainer.max_steps <= trainer.global_step:
+            trainer.should_stop = True
+
+
+def _write_result(run_dir: Path, metrics: dict[str, float], step: int, max_steps: int, stopped: bool) -> None:
+    """``<run dir>/result.json``: what the run reported, its last step and the commit it ran at."""
+    from gptlab.runs.layout import Run, git_commit
+
+    Run(run_dir).write_result(
+        {
+            "metrics": {k: v for k, v in metrics.items() if math.isfinite(v)},
+            "global_step": step,
+            "finished": step >= max_steps > 0,
+            "stopped_by_signal": bool(stopped),
+            "git_commit": git_commit(),
+        }
+    )
+
+
 def _report(
-    metrics: dict[str, float], entropy: float, run_dir: Path, trainer: L.Trainer, loggers: list
+    metrics: dict[str, float], entropy: float, run_dir: Path, trainer: L.Trainer, loggers: list, step: int
 ) -> None:
-    val = metrics.get("val/loss", math.nan)
+    val = metrics.get("val/loss")
+    if val is None:
+        first = "No validation (it is off: trainer.limit_val_batches=0)"
+    else:
+        first = (
+            f"Final validation loss {val:.4f} nats (perplexity {math.exp(val):.1f}); unigram entropy of the "
+            f"corpus {entropy:.4f} nats ({abs(entropy - val):.3f} {'below' if val < entropy else 'above'} it)"
+        )
     lines = [
-        f"Final validation loss {val:.4f} nats (perplexity {math.exp(val) if val == val else math.nan:.1f}); "
-        f"unigram entropy of the corpus {entropy:.4f} nats"
-        + (f" ({abs(entropy - val):.3f} {'below' if val < entropy else 'above'} it)" if val == val else ""),
-        f"Trained {trainer.global_step} steps in {metrics['wall_seconds']:.0f} s",
+        first,
+        f"Trained {step} steps in {metrics['wall_seconds']:.0f} s",
         f"Outputs: {run_dir}",
     ]
     ckpt = trainer.checkpoint_callback
@@ -243,13 +281,15 @@ def _report(
         lines.append(
             f"  checkpoints: {ckpt.dirpath} (last.ckpt, best by val/loss: {Path(ckpt.best_model_path).name})"
         )
+    from lightning.pytorch.loggers import CSVLogger, WandbLogger
+
     for lg in loggers:
-        if lg.__class__.__name__ == "WandbLogger":
+        if isinstance(lg, WandbLogger):
             folder = Path(lg.experiment.dir).parent
             if lg.experiment.settings._offline:
                 lines.append(f"  W&B offline run: {folder}  (upload: wandb sync {folder})")
             else:
                 lines.append(f"  W&B run: {lg.experiment.url}")
-        elif lg.__class__.__name__ == "CSVLogger":
+        elif isinstance(lg, CSVLogger):
             lines.append(f"  metrics: {Path(lg.log_dir) / 'metrics.csv'}")
     print("\n".join(lines), flush=True)

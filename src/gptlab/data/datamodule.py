@@ -169,21 +169,21 @@ class GPTDataModule(L.LightningDataModule):
 
             trainer = self.trainer
             steps = trainer.max_steps if trainer is not None else -1
-            if steps is None or steps < 1:
+            if trainer is None or steps is None or steps < 1:
                 raise ConfigError(
                     f"trainer.max_steps={steps}: a streaming run (data.streaming=true) has no epochs to count, "
                     "it trains for a number of steps. Set trainer.max_steps, e.g. trainer.max_steps=100000."
                 )
-            assert trainer is not None and self.corpus is not None  # steps >= 1 came from a trainer
+            assert trainer is not None  # steps >= 1 came from a trainer
             windows = steps * trainer.accumulate_grad_batches * self.batch_size  # one "epoch" is the run
             stream = StreamingWindows(
-                self.spec, self.corpus.tokenizer, self.block_size + 1, rank, world_size, length=windows
+                self.spec, self.tokenizer, self.block_size + 1, rank, world_size, length=windows
             )
             return StatefulDataLoader(stream, drop_last=True, **common)
         # A stateful loader: a resumed run continues from the same batch, not from the epoch's start. Under a
         # distributed strategy the sampler must be stateful too (Lightning's own DistributedSampler has no
         # position to restore); each rank then takes every world_size-th sample of the same seeded permutation.
-        assert self.train_set is not None, "setup('fit') builds the training windows"
+        assert self.train_set is not None, "setup() builds the training windows"
         drop_last = len(self.train_set) >= self.batch_size
         options: dict[str, Any] = {"shuffle": True, "generator": torch.Generator().manual_seed(self.seed)}
         if distributed:
@@ -199,7 +199,7 @@ class GPTDataModule(L.LightningDataModule):
         return StatefulDataLoader(self.train_set, drop_last=drop_last, **common, **options)
 
     def val_dataloader(self) -> DataLoader:
-        assert self.val_set is not None, "setup('fit') builds the validation windows"
+        assert self.val_set is not None, "setup() builds the validation windows"
         return DataLoader(
             self.val_set,
             batch_size=self.batch_size,

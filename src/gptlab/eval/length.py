@@ -24,13 +24,15 @@ import torch
 import torch.nn.functional as F
 
 from gptlab.errors import ConfigError
+from gptlab.eval import passkey
 from gptlab.model.gpt import GPT
+from gptlab.runs.layout import LENGTH_FILE
 
 log = logging.getLogger(__name__)
 
 DEFAULT_FACTORS = (1, 2, 4, 8)
 ROPE_SCALINGS = ("linear", "ntk", "yarn")  # the context-scaling methods studied, where the scheme has them
-RESULT_FILE = "length.json"
+RESULT_FILE = LENGTH_FILE  # <run dir>/eval_length/length.json (gptlab.runs.layout)
 
 
 @dataclass
@@ -64,6 +66,7 @@ class LengthEvalOptions:
     def from_dict(cls, values: dict[str, Any] | None) -> LengthEvalOptions:
         values = dict(values or {})
         values.pop("enabled", None)
+        values.pop("passkey", None)  # the passkey study's own node (gptlab.eval.passkey)
         known = {"factors", "max_tokens", "batch_tokens", "rope_scalings"}
         unknown = sorted(set(values) - known)
         if unknown:
@@ -186,6 +189,7 @@ def summary_metrics(result: dict[str, Any]) -> dict[str, float]:
             if "loss" in entry:
                 out[f"{prefix}loss@{factor}x"] = entry["loss"]
                 out[f"{prefix}ppl@{factor}x"] = entry["ppl"]
+    out.update((result.get("passkey") or {}).get("metrics", {}))
     return out
 
 
@@ -296,10 +300,12 @@ def log_to_wandb(result: dict[str, Any], images: Sequence[Path], run: Any) -> No
         for name, entries in result["variants"].items()
         for factor, entry in entries.items()
     ]
+    extra = {"passkey/table": passkey.wandb_table(result["passkey"])} if result.get("passkey") else {}
     run.log(
         {
             "length/table": wandb.Table(columns=["variant", "factor", "context", "loss", "ppl"], data=rows),
             **{f"length/{p.stem}": wandb.Image(str(p)) for p in images if p.suffix == ".png"},
+            **extra,
         }
     )
 
@@ -313,10 +319,12 @@ def evaluate_run(
     out_dir: str | Path | None = None,
     use_wandb: bool = True,
     device: str | None = None,
+    passkey_node: dict[str, Any] | None = None,
 ) -> tuple[dict[str, Any], list[Path]]:
     """Evaluate a run directory or checkpoint; writes JSON and plots to ``out_dir`` (default
-    ``<run dir>/eval_length``) and, when the run logged to W&B, a W&B run in the same group."""
-    from gptlab.eval.runs import load_run, validation_tokens
+    ``<run dir>/eval_length``) and, when the run logged to W&B, a W&B run in the same group.
+    ``passkey_node``: options of the passkey study (gptlab.eval.passkey); None skips it."""
+    from gptlab.runs.trained import load_run, validation_tokens
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     trained = load_run(path, device)
@@ -325,6 +333,17 @@ def evaluate_run(
     result["checkpoint"] = str(trained.checkpoint)
     out_dir = Path(out_dir) if out_dir else (trained.run_dir or trained.checkpoint.parent) / "eval_length"
     paths = write_outputs(result, out_dir)
+    if passkey_node is not None:
+        study, more = passkey.run_study(
+            trained.model,
+            trained.tokenizer,
+            trained.train_context,
+            result["factors"],
+            passkey_node,
+            out_dir,
+            (options or LengthEvalOptions()).rope_scalings,
+        )
+        result["passkey"], paths = study, paths + more
     if use_wandb and trained.run_dir is not None:
         wandb_run_dir = log_new_wandb_run(result, paths, trained.run_dir)
         if wandb_run_dir is not None:
@@ -385,6 +404,18 @@ def after_training(
     result = evaluate_lengths(model, tokens, train_context, options)
     paths = write_outputs(result, run_dir / "eval_length")
     log.info("Length extrapolation (validation loss by context):\n%s", format_table(result))
+    study, more = passkey.run_study(
+        model,
+        prepared.tokenizer,
+        train_context,
+        options.factors,
+        (node or {}).get("passkey"),
+        run_dir / "eval_length",
+        options.rope_scalings,
+    )
+    result["passkey"], paths = study, paths + more
+    if study is not None:
+        log.info("Passkey retrieval (correct / trials):\n%s", passkey.format_table(study))
     for logger in loggers:
         if logger.__class__.__name__ == "WandbLogger":
             log_to_wandb(result, paths, logger.experiment)

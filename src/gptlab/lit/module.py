@@ -115,7 +115,7 @@ class GPTLitModule(L.LightningModule):
     # ---- FLOPs (Lightning's ThroughputMonitor reads flops_per_batch) -------------------------------
     def flops_per_token(self, context: int | None = None) -> float:
         """Training FLOPs per token at ``context`` (default: the last batch's, else the model's block size),
-        by the model card's count (6N + 12 L T d)."""
+        by the model's count in model/counting.py (6N + 12 L T d)."""
         from gptlab.model.counting import flops_per_token
 
         context = context or (self._batch_shape[1] if self._batch_shape else None)

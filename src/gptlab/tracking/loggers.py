@@ -10,9 +10,10 @@ from typing import Any, Literal, cast
 from urllib.parse import urlparse
 
 import lightning as L
+from lightning.fabric.loggers.logger import rank_zero_experiment
 from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger, WandbLogger
 
-from gptlab.tracking.naming import identity_from_hydra
+from gptlab.runs.naming import identity_from_hydra
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +63,7 @@ def wandb_logger(
     ``<save_dir>/wandb/offline-run-*`` and can be uploaded later with ``wandb sync <that folder>``.
 
     ``name``, ``group`` and ``job_type`` left null are derived from the Hydra overrides (see
-    :mod:`gptlab.tracking.naming`): a sweep is one group, each run is named by what it varies, and every
+    :mod:`gptlab.runs.naming`): a sweep is one group, each run is named by what it varies, and every
     chosen override (``pos=rope``, ``seed=1``) is a tag, added to ``tags``."""
     resolved = wandb_mode(mode)
     ident = identity_from_hydra()
@@ -93,9 +94,31 @@ def wandb_logger(
     )
 
 
+class ContinuedCSVLogger(CSVLogger):
+    """Lightning's CSVLogger deletes an existing ``metrics.csv`` when it starts; a resumed run continues the
+    file instead, so it holds the whole curve (rows logged again after a resume repeat their step)."""
+
+    @property
+    @rank_zero_experiment
+    def experiment(self) -> Any:
+        if self._experiment is None:
+            from lightning.pytorch.loggers.csv_logs import ExperimentWriter
+
+            class ContinuedWriter(ExperimentWriter):
+                def _check_log_dir_exists(self) -> None:
+                    path = Path(self.metrics_file_path)
+                    if path.is_file():
+                        header = path.read_text().partition("\n")[0].strip()
+                        self.metrics_keys = sorted(k for k in header.split(",") if k)
+
+            self._fs.makedirs(self.root_dir, exist_ok=True)
+            self._experiment = ContinuedWriter(log_dir=self.log_dir)
+        return self._experiment
+
+
 def csv_logger(save_dir: str, name: str = "csv", version: str | int | None = "") -> CSVLogger:
     """Metrics as ``<save_dir>/<name>/metrics.csv``: needs nothing, read by scripts/compare.py."""
-    return CSVLogger(save_dir=save_dir, name=name, version=version)
+    return ContinuedCSVLogger(save_dir=save_dir, name=name, version=version)
 
 
 def tensorboard_logger(save_dir: str, name: str = "tensorboard", version: str | int | None = "") -> Logger:

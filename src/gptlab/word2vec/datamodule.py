@@ -15,21 +15,21 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-from gptlab.data import corpus
+from gptlab.data.sources import DataSpec, load_documents
 from gptlab.word2vec import sampling
 from gptlab.word2vec.config import Word2VecOptions
 
 log = logging.getLogger(__name__)
 
 
-def corpus_documents(spec: corpus.DataSpec) -> list[str]:
+def corpus_documents(spec: DataSpec) -> list[str]:
     """Every document's text of the configured corpus (``data=``, ``data.path=``, the embedded default): the one
     place the word2vec task reads the project's corpora. Word2vec trains on all of it: it has no held-out
     loss, and gensim, which it is compared with, trains on all of it too."""
-    return list(corpus.load_documents(spec)["text"])
+    return [text for text in load_documents(spec)["text"] if text and text.strip()]
 
 
-def tokenized_documents(spec: corpus.DataSpec, options: Word2VecOptions) -> list[list[str]]:
+def tokenized_documents(spec: DataSpec, options: Word2VecOptions) -> list[list[str]]:
     """The documents as lists of words, exactly as both this task and the gensim comparison see them."""
     return [
         sampling.tokenize(text, options.lowercase, options.keep_punctuation)
@@ -63,7 +63,7 @@ class WordBatches(IterableDataset):
 
 
 class Word2VecDataModule(L.LightningDataModule):
-    def __init__(self, spec: corpus.DataSpec, options: Word2VecOptions, seed: int = 0) -> None:
+    def __init__(self, spec: DataSpec, options: Word2VecOptions, seed: int = 0) -> None:
         super().__init__()
         self.spec = spec
         self.options = options

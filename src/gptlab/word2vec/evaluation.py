@@ -65,7 +65,7 @@ def gpt_word_vectors(path: str | Path):
     """The token embeddings (``wte``) of a GPT run for the tokens that are whole words: GPT-2 byte-pair tokens
     that are a space followed by letters only (" king" -> "king"), or the word tokenizer's alphabetic tokens.
     Lower-cased words keep their first (lowest-id, for GPT-2 the most often merged) spelling."""
-    from gptlab.eval.runs import load_run
+    from gptlab.runs.trained import load_run
 
     run = load_run(path)
     table = run.model.transformer.wte.weight.detach().float().cpu().numpy()

@@ -17,8 +17,8 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from gptlab.builders import data_spec
 from gptlab.errors import ConfigError
 from gptlab.lit.checkpointing import (
+    AtomicCheckpointIO,
     PeriodicLastCheckpoint,
-    checkpoint_plugins,
     fault_tolerance_callbacks,
     fit,
 )
@@ -117,7 +117,7 @@ def run(cfg: DictConfig) -> dict[str, float]:
             **trainer_options(cfg, options, run_dir),
             logger=loggers or False,
             callbacks=callbacks,
-            plugins=checkpoint_plugins("auto") or None,
+            plugins=[AtomicCheckpointIO()],  # one device, one file: written beside it, then renamed
         )
         resolved = OmegaConf.to_container(cfg, resolve=True)
         for lg in loggers:

@@ -179,7 +179,8 @@ def identity_from_hydra(hc: Any = None) -> RunIdentity:
     if not multirun:
         return identity(overrides, experiment=experiment)
     sweep_dir = str(hc.sweep.dir)
-    params = OmegaConf.to_container(hc.sweeper.params, resolve=False) if hc.sweeper.get("params") else {}
+    raw = OmegaConf.to_container(hc.sweeper.params, resolve=False) if hc.sweeper.get("params") else {}
+    params: dict[str, Any] = {str(k): v for k, v in raw.items()} if isinstance(raw, dict) else {}
     sweep_overrides = sweep_overrides_from_dir(sweep_dir)
     swept = swept_keys_of(sweep_overrides, params)
     # Any sweeper but Hydra's grid sweeper searches (Optuna, Nevergrad, Ax): it writes no multirun.yaml and

@@ -1,5 +1,7 @@
-"""Gather the length evaluations of a multirun (one ``<job>/eval_length/length.json`` per job) into one table
-and one figure: mean and standard deviation over seeds for each scheme and context."""
+"""The length evaluations of a sweep (one ``<job>/eval_length/length.json`` per run) in one table and one
+figure: the mean and standard deviation over seeds of the validation loss for each scheme (and each context
+scaling) at each multiple of the training context. Rows are ordered by the metric: the mean loss at the
+training context, then the name."""
 
 from __future__ import annotations
 
@@ -12,29 +14,26 @@ from typing import Any
 
 import numpy as np
 
-from gptlab.errors import ConfigError
-from gptlab.eval.length import RESULT_FILE, _pyplot, binned
+from gptlab.errors import DataError
+from gptlab.runs.layout import EVAL_LENGTH_DIR, LENGTH_FILE, Run, find_run_dirs
 
 
 def collect(sweep_dirs: str | Path | Sequence[str | Path]) -> list[dict[str, Any]]:
-    """Every job's length result below the sweep directories, with its seed (from config_resolved.yaml)."""
+    """Every run's length result below the sweep directories, with its seed and run directory."""
     if isinstance(sweep_dirs, (str, Path)):
         sweep_dirs = [sweep_dirs]
-    paths = sorted(p for d in sweep_dirs for p in Path(d).glob(f"**/eval_length/{RESULT_FILE}"))
     results = []
-    for path in paths:
-        result = json.loads(path.read_text())
-        config = path.parent.parent / "config_resolved.yaml"
-        if config.is_file():
-            from omegaconf import OmegaConf
-
-            result["seed"] = OmegaConf.load(config).get("seed")
-        result["job_dir"] = str(path.parent.parent)
-        results.append(result)
+    for path in (p for d in sweep_dirs for p in find_run_dirs(d)):
+        run = Run(path)
+        result = run.length_result()
+        if result is not None:
+            result["seed"] = run.config().get("seed")
+            result["job_dir"] = str(run.path)
+            results.append(result)
     if not results:
-        raise ConfigError(
-            f"{', '.join(map(str, sweep_dirs))} hold(s) no */eval_length/{RESULT_FILE}: train the sweep with eval_length.enabled=true "
-            "(experiment=pos_sweep does) or run scripts/eval_length.py on each run first."
+        raise DataError(
+            f"{', '.join(map(str, sweep_dirs))} hold(s) no <run>/{EVAL_LENGTH_DIR}/{LENGTH_FILE}: train the sweep "
+            "with eval_length.enabled=true (experiment=pos_sweep does) or run scripts/eval_length.py on each run."
         )
     return results
 
@@ -59,7 +58,13 @@ def aggregate(results: list[dict[str, Any]]) -> dict[str, Any]:
             longest = max((e for e in merged.values() if "loss_by_position" in e), key=lambda e: e["context"])
             curves[name].append(np.asarray(longest["loss_by_position"]))
     table: dict[str, dict[int, dict[str, Any]]] = {}
-    for name in sorted(set(losses) | set(errors), key=_order):
+    first = min(factors)
+
+    def by_metric(name: str) -> tuple[float, str]:
+        values = losses[name].get(first, [])
+        return (float(np.mean(values)) if values else math.inf, name)
+
+    for name in sorted(set(losses) | set(errors), key=by_metric):
         table[name] = {}
         for f in sorted(factors):
             values = losses[name].get(f, [])
@@ -78,14 +83,6 @@ def aggregate(results: list[dict[str, Any]]) -> dict[str, Any]:
         "by_position": by_position,
         "runs": len(results),
     }
-
-
-SCHEME_ORDER = ["learned", "sinusoidal", "rope", "xpos", "alibi", "relative", "fire", "nope"]
-
-
-def _order(name: str) -> tuple[int, str]:
-    base = name.split("+")[0]
-    return (SCHEME_ORDER.index(base) if base in SCHEME_ORDER else len(SCHEME_ORDER), name)
 
 
 def format_table(summary: dict[str, Any]) -> str:
@@ -109,11 +106,17 @@ def format_table(summary: dict[str, Any]) -> str:
 
 
 def plot_summary(summary: dict[str, Any], path: str | Path) -> Path:
-    plt = _pyplot()
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from gptlab.eval.length import binned
+
     context = summary["train_context"][0]
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
-    palette = plt.get_cmap("tab20").colors  # 20 colours: dark ones first, then their light pairs
-    palette = [palette[i] for i in [*range(0, 20, 2), *range(1, 20, 2)]]
+    tab20 = plt.get_cmap("tab20")  # 20 colours: dark ones first, then their light pairs
+    palette = [tab20(i) for i in [*range(0, 20, 2), *range(1, 20, 2)]]
     for k, (name, row) in enumerate(summary["table"].items()):
         points = [(f * context, c["mean"], c["std"]) for f, c in row.items() if c["n"]]
         if not points:
@@ -143,15 +146,21 @@ def plot_summary(summary: dict[str, Any], path: str | Path) -> Path:
     return path
 
 
-def summarize(sweep_dirs: str | Path | Sequence[str | Path], plot: str | Path | None = None) -> str:
+def summarize(
+    sweep_dirs: str | Path | Sequence[str | Path],
+    plot: str | Path | None = None,
+    out_dir: str | Path | None = None,
+) -> str:
     """The markdown table of the length results of one or more sweeps; also writes ``plot`` (PNG) and
-    ``length_summary.json`` in the first sweep directory."""
+    ``length_summary.json`` in ``out_dir`` (default: the first sweep directory)."""
     if isinstance(sweep_dirs, (str, Path)):
         sweep_dirs = [sweep_dirs]
     summary = aggregate(collect(sweep_dirs))
     out = {k: v for k, v in summary.items() if k != "by_position"}
     out["table"] = {n: {str(f): c for f, c in row.items()} for n, row in summary["table"].items()}
-    (Path(sweep_dirs[0]) / "length_summary.json").write_text(json.dumps(out, indent=1))
+    folder = Path(out_dir or sweep_dirs[0])
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "length_summary.json").write_text(json.dumps(out, indent=1))
     if plot is not None:
         plot_summary(summary, plot)
     return format_table(summary)

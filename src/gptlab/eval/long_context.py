@@ -1,0 +1,262 @@
+"""One long-context report for a run or a sweep: perplexity at 1x-8x the training context (the length study's
+``eval_length/length.json``) and passkey retrieval accuracy at the same lengths (``eval_length/passkey.json``),
+read from run directories, averaged over seeds and drawn side by side; and the passkey heatmap of one run."""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from collections import defaultdict
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from gptlab.eval import passkey
+
+LENGTH_FILE = Path("eval_length") / "length.json"
+PASSKEY_FILE = Path("eval_length") / passkey.RESULT_FILE
+
+
+def factor_of(key: str) -> float:
+    """``"ppl@2x"`` / ``"passkey@2x"`` -> 2.0."""
+    return float(key.split("@", 1)[1][:-1])
+
+
+def read_length_study(run_dir: str | Path) -> dict[str, float | None]:
+    """{"ppl@1x": 8.2, "ppl@2x": None, ...} of the scheme as trained; None where it cannot run."""
+    path = Path(run_dir) / LENGTH_FILE
+    if not path.is_file():
+        return {}
+    data = json.loads(path.read_text())
+    entries = data.get("variants", {}).get(data.get("pos"), {})
+    return {f"ppl@{factor}x": entry.get("ppl") for factor, entry in entries.items()}
+
+
+def read_passkey(run_dir: str | Path) -> dict[str, float | None]:
+    """{"passkey@1x": None, "passkey@2x": 0.4, ...}: accuracy over the depth bins at each length; None where
+    no prompt could run (too short for the prompt, or past a bounded position table)."""
+    path = Path(run_dir) / PASSKEY_FILE
+    if not path.is_file():
+        return {}
+    data = json.loads(path.read_text())
+    return {
+        f"passkey@{factor}x": data.get("metrics", {}).get(f"passkey/acc@{factor}x")
+        for factor in data["factors"]
+    }
+
+
+def read_key_logprob(run_dir: str | Path) -> dict[str, float | None]:
+    """{"key_logprob@2x": -3.1, ...}: the true key's mean log-probability per token at each length."""
+    path = Path(run_dir) / PASSKEY_FILE
+    if not path.is_file():
+        return {}
+    data = json.loads(path.read_text())
+    return {
+        f"key_logprob@{f}x": data.get("metrics", {}).get(f"passkey/key_logprob@{f}x") for f in data["factors"]
+    }
+
+
+def mean_or_none(values: Sequence[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return statistics.fmean(present) if present else None
+
+
+def read_loss_by_position(run_dir: str | Path) -> list[float] | None:
+    """The loss at each position of the longest context the scheme as trained ran at."""
+    path = Path(run_dir) / LENGTH_FILE
+    if not path.is_file():
+        return None
+    data = json.loads(path.read_text())
+    runs = [e for e in data.get("variants", {}).get(data.get("pos"), {}).values() if "loss_by_position" in e]
+    return max(runs, key=lambda e: e["context"])["loss_by_position"] if runs else None
+
+
+def plot_rows(rows: Sequence[Any], path: Path) -> Path:
+    """The long-context figure of a comparison: for each row (a choice, its runs over seeds), perplexity,
+    passkey accuracy and the true key's log-probability against the evaluation length, and the loss by
+    position at the longest context; means over seeds."""
+    series, curves = {}, {}
+    for row in rows:
+        dirs = [r.path for r in row.runs]
+        logprob_keys = {k for d in dirs for k in read_key_logprob(d)}
+        series[row.label] = {
+            **row.length_ppl,
+            **row.passkey,
+            **{k: mean_or_none([read_key_logprob(d).get(k) for d in dirs]) for k in logprob_keys},
+        }
+        by_position = [c for c in (read_loss_by_position(d) for d in dirs) if c is not None]
+        shortest = min((len(c) for c in by_position), default=0)
+        if shortest:
+            curves[row.label] = [statistics.fmean(c[i] for c in by_position) for i in range(shortest)]
+    return plot_long_context(series, path, curves)
+
+
+def plot_long_context(
+    series: dict[str, dict[str, float | None]], path: Path, curves: dict[str, list[float]] | None = None
+) -> Path:
+    """Panels against the evaluation length (multiples of the training context): perplexity, passkey accuracy
+    and, when given, the true key's log-probability per token; then, when given, the loss by position. One
+    line per label. ``series``: label -> {"ppl@2x": ..., "passkey@2x": ..., "key_logprob@2x": ...};
+    ``curves``: label -> loss at each position."""
+    from gptlab.eval.length import _pyplot, binned
+
+    plt = _pyplot()
+    panels = [
+        ("ppl@", "Perplexity against context", "validation perplexity"),
+        ("passkey@", "Passkey retrieval", "accuracy (over depths)"),
+    ]
+    if any(k.startswith("key_logprob@") for values in series.values() for k in values):
+        panels.append(("key_logprob@", "Log-probability of the true key", "nats per key token"))
+    n = len(panels) + bool(curves)
+    fig, axes = plt.subplots(1, n, figsize=(4.8 * n, 4.2))
+    factors = sorted({factor_of(k) for values in series.values() for k in values})
+    for label, values in series.items():
+        for ax, (prefix, _, _) in zip(axes, panels):
+            points = sorted(
+                (factor_of(k), v) for k, v in values.items() if k.startswith(prefix) and v is not None
+            )
+            if points:
+                ax.plot(*zip(*points), marker="o", label=label)
+    for ax, (prefix, title, ylabel) in zip(axes, panels):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(factors, [f"{f:g}x" for f in factors])
+        ax.axvline(1, color="grey", linestyle=":")
+        ax.set_xlabel("evaluation context (x training context)")
+        ax.set_ylabel(ylabel)
+        ax.set_title(title)
+        if prefix == "passkey@":
+            ax.set_ylim(-0.05, 1.05)
+        if prefix == "key_logprob@":
+            ax.axhline(-math.log(10), color="grey", linestyle="--", label="uniform over 10 digits")
+            ax.legend(fontsize=7)
+    if curves:
+        ax = axes[-1]
+        for label, values in curves.items():
+            x, y = binned(np.asarray(values), bins=48)
+            ax.plot(x, y, label=f"{label} ({len(values)})")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("token position (longest context each ran at)")
+        ax.set_ylabel("validation loss (nats)")
+        ax.set_title("Loss by position")
+    axes[0].legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
+def plot_heatmap(result: dict[str, Any], path: Path) -> Path:
+    """Accuracy per (length, depth bin); cells that could not run are grey and say why in short."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    bins, factors = result["depth_bins"], result["factors"]
+    grid = np.full((len(factors), len(bins)), np.nan)
+    for i, f in enumerate(factors):
+        for j, b in enumerate(bins):
+            cell = result.get("cells", {}).get(str(f), {}).get(b, {})
+            grid[i, j] = cell.get("accuracy", np.nan)
+    fig, ax = plt.subplots(figsize=(1.2 * len(bins) + 2.5, 0.6 * len(factors) + 1.8))
+    cmap = matplotlib.colormaps["viridis"].with_extremes(bad="lightgrey")
+    image = ax.imshow(np.ma.masked_invalid(grid), cmap=cmap, vmin=0, vmax=1, aspect="auto")
+    for i, f in enumerate(factors):
+        for j, b in enumerate(bins):
+            cell = result.get("cells", {}).get(str(f), {}).get(b, {})
+            text = passkey.format_cell(cell) if cell else "-"
+            ax.text(
+                j,
+                i,
+                text,
+                ha="center",
+                va="center",
+                fontsize=8,
+                color="black" if math.isnan(grid[i, j]) or grid[i, j] > 0.5 else "white",
+            )
+    ax.set_xticks(range(len(bins)), [f"{b}" for b in bins])
+    ax.set_yticks(range(len(factors)), [f"{f}x ({f * result['train_context']})" for f in factors])
+    ax.set_xlabel("depth of the key in the filler")
+    ax.set_ylabel("prompt length (tokens)")
+    ax.set_title(f"pos={result['pos']}: passkey accuracy" + (" (not run)" if "error" in result else ""))
+    fig.colorbar(image, ax=ax, label="accuracy")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+# ---- a sweep's passkey table ----------------------------------------------------------------------
+
+
+def collect_passkey(sweep_dirs: Sequence[str | Path]) -> list[dict[str, Any]]:
+    return [
+        json.loads(p.read_text())
+        for d in sweep_dirs
+        for p in sorted(Path(d).glob(f"**/{PASSKEY_FILE.as_posix()}"))
+    ]
+
+
+def _variants(result: dict[str, Any]) -> list[tuple[str, dict[str, Any], dict[str, float]]]:
+    """(name, cells, metrics as ``acc@2x``...) for the scheme as trained and each context scaling; a scaled
+    variant takes the as-trained values at lengths it skips (1x)."""
+
+    def strip(metrics: dict[str, float], prefix: str) -> dict[str, float]:
+        return {
+            k[len(prefix) :]: v
+            for k, v in metrics.items()
+            if k.startswith(prefix) and "/" not in k[len(prefix) :]
+        }
+
+    base = (result["pos"], result["cells"], strip(result["metrics"], "passkey/"))
+    out = [base]
+    for name, variant in result.get("scaled", {}).items():
+        metrics = {**base[2], **strip(variant["metrics"], f"passkey/{name}/")}
+        out.append((name, {**base[1], **variant["cells"]}, metrics))
+    return out
+
+
+def passkey_sweep_table(results: list[dict[str, Any]]) -> str:
+    """Markdown: one row per scheme (and context scaling), one column per length: accuracy over depth bins
+    and trials, mean ± std over seeds, with the mean key log-probability per token; why a length could not
+    run otherwise."""
+    rows: dict[str, list[tuple[dict[str, Any], dict[str, float], bool]]] = defaultdict(list)
+    for r in results:
+        if "error" in r:
+            rows[r["pos"]].append(({}, {}, True))
+            continue
+        for name, cells, metrics in _variants(r):
+            rows[name].append((cells, metrics, False))
+    if not rows:
+        return ""
+    factors = sorted({f for r in results for f in r["factors"]})
+    contexts = sorted({r["train_context"] for r in results})
+    trials = sorted({r["trials"] * len(r["depth_bins"]) for r in results})
+    head = "| scheme | seeds | " + " | ".join(
+        f"{f}x ({f * contexts[0]})" if len(contexts) == 1 else f"{f}x" for f in factors
+    )
+    lines = [head + " |", "|---|---:" + "|---:" * len(factors) + "|"]
+    for name in sorted(rows):
+        runs = rows[name]
+        cells = []
+        for f in factors:
+            accs = [m[f"acc@{f}x"] for _, m, _ in runs if f"acc@{f}x" in m]
+            lps = [m.get(f"key_logprob@{f}x") for _, m, _ in runs if f"acc@{f}x" in m]
+            if accs:
+                std = f" ± {statistics.stdev(accs):.0%}" if len(accs) > 1 else ""
+                cells.append(f"{statistics.fmean(accs):.0%}{std} ({mean_or_none(lps):.2f})")
+            elif any(failed for _, _, failed in runs):
+                cells.append("not run")
+            else:
+                errors = {c.get("error", "") for c_, _, _ in runs for c in c_.get(str(f), {}).values()}
+                cells.append("cannot run" if any("table of" in e for e in errors) else "too short")
+        lines.append(f"| {name} | {len(runs)} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + (
+        f"\n\nCells: accuracy over {'/'.join(map(str, trials))} prompts per run (depth bins x trials), mean ± std "
+        "over seeds, and in brackets the mean log-probability per token of the true key; `+ntk` etc.: the "
+        "RoPE runs with that context scaling set to the factor (at 1x, the runs as trained)."
+    )

@@ -1,0 +1,39 @@
+"""A run: the directory one ``python train.py`` job writes, and everything that reads it back.
+
+- :mod:`gptlab.runs.layout`: the names of the files and folders in a run directory, finding run directories,
+  and locating a run's last, best and preemption checkpoints (single files and sharded directories).
+- :mod:`gptlab.runs.checkpoints`: the one loader of checkpoints of every kind, tensors only.
+- :mod:`gptlab.runs.trained`: a trained model, its tokenizer and its validation tokens, rebuilt from a run.
+- :mod:`gptlab.runs.naming`: a run's identity (name, group, tags) from the Hydra overrides that made it.
+
+Resuming (:mod:`gptlab.resume`), the analysis of sweeps (:mod:`gptlab.analysis`) and the scripts read runs
+only through this package. Importing it costs no torch: the loaders import it when called.
+"""
+
+from gptlab.runs.layout import (
+    BEST_GLOB,
+    CHECKPOINT_DIR,
+    CONFIG_FILE,
+    EVAL_LENGTH_DIR,
+    HPC_GLOB,
+    LAST_CHECKPOINT,
+    LENGTH_FILE,
+    RESULT_FILE,
+    Run,
+    find_run_dirs,
+    run_of_path,
+)
+
+__all__ = [
+    "BEST_GLOB",
+    "CHECKPOINT_DIR",
+    "CONFIG_FILE",
+    "EVAL_LENGTH_DIR",
+    "HPC_GLOB",
+    "LAST_CHECKPOINT",
+    "LENGTH_FILE",
+    "RESULT_FILE",
+    "Run",
+    "find_run_dirs",
+    "run_of_path",
+]

@@ -1,0 +1,251 @@
+"""The one loader of gptlab checkpoints, for every kind a strategy writes, reading tensors and plain values only.
+
+``torch.load(weights_only=False)`` unpickles arbitrary objects, so a checkpoint from elsewhere could run code.
+Everything here reads with ``weights_only=True``. A distributed checkpoint keeps its index (``.metadata``) as a
+plain pickle, which ``torch.distributed.checkpoint``'s reader unpickles unrestricted; it is read here through
+a reader whose unpickler admits only the checkpoint format's own classes.
+
+The result is always shaped like a single-file Lightning checkpoint: ``global_step``, ``hyper_parameters``,
+``tokenizer``, ``wandb_run_id``, ... and, when the weights are asked for, ``state_dict`` with the
+LightningModule's parameter names (``model.transformer.h.0...``).
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import re
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from gptlab.errors import CheckpointError
+from gptlab.runs.layout import DCP, DEEPSPEED, FILE, SHARDED_META_FILE, checkpoint_kind
+
+# Prefixes a strategy's wrapper adds to the LightningModule's parameter names.
+_WRAPPER_PREFIXES = ("_forward_module.", "module.")
+
+
+def _first_line(e: BaseException) -> str:
+    blocked = re.search(r"Unsupported global: GLOBAL (\S+)", str(e))
+    if blocked:  # torch's message is a page long; the class it refused is what matters
+        return f"it holds a {blocked.group(1)}"
+    return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+
+
+def _torch_load(path: Path, allowed: Sequence[Any] = ()) -> dict[str, Any]:
+    """``torch.load`` with tensors and plain values only, plus the classes ``allowed`` (plain data holders)."""
+    import torch
+
+    try:
+        with torch.serialization.safe_globals(list(allowed)):
+            data = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    except Exception as e:
+        size = path.stat().st_size if path.exists() else 0
+        raise CheckpointError(
+            f"Checkpoint {path} cannot be read ({_first_line(e)}; {size:,} bytes): it is truncated, corrupt, "
+            "not a PyTorch checkpoint, or holds Python objects beyond tensors and plain values (refused: "
+            "loading them could run code). Use another checkpoint, or delete it and start again."
+        ) from e
+    if not isinstance(data, dict):
+        raise CheckpointError(f"Checkpoint {path} holds a {type(data).__name__}, not a checkpoint dict.")
+    return data
+
+
+# ---- distributed checkpoint directories (strategy=fsdp) -------------------------------------------------
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Admits the classes a DCP ``.metadata`` file is made of (torch.distributed.checkpoint's dataclasses,
+    torch dtypes, sizes and memory formats, standard containers), nothing else."""
+
+    _PATHS = {"Path", "PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"}
+    _BUILTINS = {"dict", "list", "tuple", "set", "frozenset", "int", "float", "str", "bytes", "bool", "slice"}
+
+    def find_class(self, module: str, name: str) -> Any:
+        import torch
+
+        if module.startswith("torch.distributed.checkpoint.") or (
+            module == "collections" and name == "OrderedDict"
+        ):
+            return super().find_class(module, name)
+        if module == "builtins" and name in self._BUILTINS:
+            return super().find_class(module, name)
+        # the checkpoint's own path (StorageMeta.checkpoint_id), and the lookup of a tensor layout by name
+        if (module == "pathlib" and name in self._PATHS) or (module, name) == (
+            "torch.serialization",
+            "_get_layout",
+        ):
+            return super().find_class(module, name)
+        if module == "torch":
+            value = getattr(torch, name, None)
+            if name == "Size" or isinstance(value, (torch.dtype, torch.memory_format)):
+                return value
+        raise CheckpointError(
+            f"The distributed checkpoint's .metadata refers to {module}.{name}, which a checkpoint index "
+            "never holds: refused (unpickling it could run code)."
+        )
+
+
+def _dcp_reader(path: Path) -> Any:
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class SafeFileSystemReader(FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            raw = (Path(self.path) / ".metadata").read_bytes()
+            metadata = _MetadataUnpickler(io.BytesIO(raw)).load()
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return SafeFileSystemReader(str(path))
+
+
+def _load_dcp(path: Path, weights: bool) -> dict[str, Any]:
+    meta_file = path / SHARDED_META_FILE
+    checkpoint = _torch_load(meta_file) if meta_file.is_file() else {}
+    if not weights:
+        return checkpoint
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    reader = _dcp_reader(path)
+    try:
+        index = reader.read_metadata()
+    except CheckpointError:
+        raise
+    except Exception as e:
+        raise CheckpointError(
+            f"Distributed checkpoint {path} has an unreadable .metadata ({_first_line(e)})."
+        ) from e
+    prefix = "state_dict."
+    # Only the model's tensors: the optimizer's shards ("optimizer_0.*") are never read.
+    state = {
+        key[len(prefix) :]: torch.empty(item.size, dtype=item.properties.dtype)
+        for key, item in index.state_dict_metadata.items()
+        if key.startswith(prefix) and isinstance(item, TensorStorageMetadata)
+    }
+    if not state:
+        raise CheckpointError(
+            f"Distributed checkpoint {path} holds no state_dict tensors: not written by gptlab."
+        )
+    try:
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+            warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
+            dcp.load({"state_dict": state}, storage_reader=reader, no_dist=True)
+    except Exception as e:
+        raise CheckpointError(f"Distributed checkpoint {path} cannot be read ({_first_line(e)}).") from e
+    checkpoint["state_dict"] = state
+    return checkpoint
+
+
+# ---- DeepSpeed checkpoint directories -------------------------------------------------------------------
+
+
+def _deepspeed_state_classes() -> list[Any]:
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+
+    classes: list[Any] = [LossScaler, DynamicLossScaler]
+    try:
+        from deepspeed.runtime.zero.config import ZeroStageEnum
+        from deepspeed.utils.tensor_fragment import fragment_address
+
+        classes += [ZeroStageEnum, fragment_address]
+    except ImportError:  # pragma: no cover - older DeepSpeed
+        pass
+    return classes
+
+
+def _load_deepspeed(path: Path, weights: bool) -> dict[str, Any]:
+    tag_file = path / "latest"
+    tag = tag_file.read_text().strip() if tag_file.is_file() else None
+    folder = path / tag if tag else next(p.parent for p in path.glob("*/*mp_rank_*_model_states.pt"))
+    # ZeRO-3 names the model states per data-parallel rank (zero_pp_rank_0_mp_rank_00_...): rank 0's first
+    states = sorted(
+        folder.glob("*mp_rank_*_model_states.pt"),
+        key=lambda p: (not p.name.startswith(("mp_", "zero_pp_rank_0_")), p.name),
+    )
+    if not states:
+        raise CheckpointError(f"DeepSpeed checkpoint {path} has no {folder.name}/*mp_rank_*_model_states.pt.")
+    # Lightning keeps its own part of the checkpoint (step, hyperparameters, ...) as DeepSpeed's client state.
+    checkpoint = _torch_load(states[0])
+    if not weights:
+        return checkpoint
+    import contextlib
+    import sys
+
+    try:
+        with contextlib.redirect_stdout(sys.stderr):  # DeepSpeed logs to stdout, from its import on
+            from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+    except ImportError as e:
+        raise CheckpointError(
+            f"{path} is a DeepSpeed checkpoint; reading it needs the deepspeed package: "
+            "pip install -e '.[deepspeed]'."
+        ) from e
+    # DeepSpeed's consolidation unpickles without restriction: every file is first read with weights_only,
+    # admitting DeepSpeed's own plain state classes (its loss scalers, the ZeRO stage enum, the addresses of
+    # parameter fragments in the flat partitions).
+    allowed = _deepspeed_state_classes()
+    for file in sorted(folder.glob("*.pt")):
+        _torch_load(file, allowed)
+    with contextlib.redirect_stdout(sys.stderr):
+        checkpoint["state_dict"] = get_fp32_state_dict_from_zero_checkpoint(str(path), tag=tag)
+    return checkpoint
+
+
+# ---- the loader -----------------------------------------------------------------------------------------
+
+
+def load_checkpoint(path: str | Path, weights: bool = True) -> dict[str, Any]:
+    """Read a checkpoint of any kind on the CPU: a single file, a distributed checkpoint directory, or a
+    DeepSpeed directory. ``weights=False`` skips the model's tensors of a sharded checkpoint (what resuming
+    checks needs only the step and the hyperparameters)."""
+    path = Path(path)
+    kind = checkpoint_kind(path)
+    if kind == FILE:
+        checkpoint = _torch_load(path)
+    elif kind == DCP:
+        checkpoint = _load_dcp(path, weights)
+    elif kind == DEEPSPEED:
+        checkpoint = _load_deepspeed(path, weights)
+    elif path.is_dir():
+        raise CheckpointError(
+            f"{path} is a directory but not a checkpoint (no .metadata of a distributed checkpoint, no DeepSpeed "
+            "'latest'): it may be a save that was interrupted. Use another checkpoint."
+        )
+    else:
+        raise CheckpointError(f"Checkpoint {path} does not exist.")
+    if "state_dict" in checkpoint:
+        checkpoint["state_dict"] = {_strip_wrappers(k): v for k, v in checkpoint["state_dict"].items()}
+    return checkpoint
+
+
+def _strip_wrappers(key: str) -> str:
+    for prefix in _WRAPPER_PREFIXES:
+        key = key.removeprefix(prefix)
+    return key
+
+
+def model_weights(checkpoint: dict[str, Any], path: Path | str = "") -> dict[str, Any]:
+    """The GPT's own weights (``transformer.wte.weight``, ...) from a loaded checkpoint."""
+    state = checkpoint.get("state_dict")
+    if not state:
+        raise CheckpointError(
+            f"Checkpoint {path} holds no state_dict: it was not written by gptlab's training."
+        )
+    return {k.removeprefix("model."): v for k, v in state.items() if k.startswith("model.")}
+
+
+def model_config_dict(checkpoint: dict[str, Any], path: Path | str = "") -> dict[str, Any]:
+    """The model's config as saved with the checkpoint (``hyper_parameters["model"]``)."""
+    hparams = checkpoint.get("hyper_parameters") or {}
+    if "model" not in hparams:
+        raise CheckpointError(
+            f"Checkpoint {path} has no hyper_parameters['model'] (keys: {sorted(checkpoint)[:8]}): it was not "
+            "written by gptlab's training. Use a checkpoint that train.py wrote."
+        )
+    return dict(hparams["model"])

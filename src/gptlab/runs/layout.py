@@ -1,0 +1,246 @@
+"""The layout of a run directory, as ``python train.py`` writes it, and where to find things in it.
+
+::
+
+    <run dir>/                        outputs/runs/<date>/<time>, or <sweep dir>/<job> in a multirun
+      .hydra/overrides.yaml           the command's overrides (Hydra); what makes a directory a run
+      config_resolved.yaml            the whole config, resolved
+      result.json                     written when the run ends: its final metrics, last step, git commit
+      checkpoints/last.ckpt           periodic and final; a file, or a directory for sharded strategies
+      checkpoints/best-step*-val*.ckpt  best by val/loss
+      hpc_ckpt_<n>.ckpt               SLURM's preemption checkpoints
+      eval_length/length.json         the length study (scripts/eval_length.py, eval_length.enabled=true)
+      csv/, wandb/, tensorboard/      the loggers' files
+
+A checkpoint is one of three kinds: a single ``torch.save`` file; a directory in PyTorch's distributed
+checkpoint format (``.metadata``, one ``__<rank>_0.distcp`` per rank, and Lightning's ``meta.pt``), written by
+``strategy=fsdp``; or a DeepSpeed checkpoint directory (``latest`` and ``<tag>/mp_rank_*_model_states.pt``).
+Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+HYDRA_DIR = ".hydra"
+OVERRIDES_FILE = f"{HYDRA_DIR}/overrides.yaml"
+CONFIG_FILE = "config_resolved.yaml"
+RESULT_FILE = "result.json"
+CHECKPOINT_DIR = "checkpoints"
+LAST_CHECKPOINT = "last.ckpt"
+BEST_PREFIX = "best-"
+BEST_GLOB = f"{BEST_PREFIX}*.ckpt"
+HPC_GLOB = "hpc_ckpt_*.ckpt"  # Lightning's SLURM requeue checkpoints, in the run directory itself
+EVAL_LENGTH_DIR = "eval_length"
+LENGTH_FILE = "length.json"
+# Lightning's name for the non-tensor part of a sharded checkpoint directory (step, loops, hyperparameters).
+SHARDED_META_FILE = "meta.pt"
+DCP_METADATA_FILE = ".metadata"
+
+# Folders that never hold run directories.
+SKIP_DIRS = frozenset({"cache", "wandb", "checkpoints", "csv", "tensorboard", HYDRA_DIR, "__pycache__"})
+
+FILE, DCP, DEEPSPEED = "file", "dcp", "deepspeed"
+
+
+def checkpoint_kind(path: Path) -> str | None:
+    """``"file"``, ``"dcp"`` (a distributed checkpoint directory), ``"deepspeed"``, or None when ``path``
+    is none of them (missing, or a directory that is not a complete checkpoint)."""
+    path = Path(path)
+    if path.is_file():
+        return FILE
+    if not path.is_dir():
+        return None
+    if (path / DCP_METADATA_FILE).is_file():
+        return DCP
+    if (path / "latest").is_file() or any(path.glob("*/*mp_rank_*_model_states.pt")):
+        return DEEPSPEED
+    return None
+
+
+def _val_loss_in_name(path: Path) -> float:
+    """``best-step000080-val5.432.ckpt`` -> 5.432 (inf when the name holds none)."""
+    match = re.search(r"val(-?\d+(?:\.\d+)?)", path.name)
+    return float(match.group(1)) if match else float("inf")
+
+
+def _job_order(root: Path, path: Path) -> tuple:
+    """Path parts that start with a job number in numeric order (``10-rope-seed0`` after ``9-nope-seed2``)."""
+
+    def key(part: str) -> tuple:
+        number = re.match(r"\d+", part)
+        return (0, int(number.group()), part) if number else (1, 0, part)
+
+    return tuple(key(p) for p in path.relative_to(root).parts)
+
+
+@dataclass(frozen=True)
+class Run:
+    """One run directory."""
+
+    path: Path
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "path", Path(self.path))
+
+    # ---- files ----------------------------------------------------------------------------------
+    @property
+    def overrides_file(self) -> Path:
+        return self.path / OVERRIDES_FILE
+
+    @property
+    def config_file(self) -> Path:
+        return self.path / CONFIG_FILE
+
+    @property
+    def result_file(self) -> Path:
+        return self.path / RESULT_FILE
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return self.path / CHECKPOINT_DIR
+
+    @property
+    def eval_length_dir(self) -> Path:
+        return self.path / EVAL_LENGTH_DIR
+
+    @staticmethod
+    def is_run_dir(path: Path) -> bool:
+        path = Path(path)
+        return (path / OVERRIDES_FILE).is_file() or (path / CONFIG_FILE).is_file()
+
+    # ---- what it was -----------------------------------------------------------------------------
+    def overrides(self) -> list[str] | None:
+        """The command-line overrides the run was started with; None when the file is missing or unreadable."""
+        try:
+            data = yaml.safe_load(self.overrides_file.read_text())
+        except (OSError, yaml.YAMLError):
+            return None
+        if data is None:
+            return []
+        return [str(x) for x in data] if isinstance(data, list) else None
+
+    def choices(self) -> dict[str, str]:
+        """The overrides as ``{key: value}`` (``+trainer.x=1`` -> ``trainer.x``)."""
+        from gptlab.runs.naming import split_override
+
+        return dict(split_override(o) for o in self.overrides() or [])
+
+    def config(self) -> dict[str, Any]:
+        """The resolved config (``config_resolved.yaml``); {} when the run has none."""
+        if not self.config_file.is_file():
+            return {}
+        data = yaml.safe_load(self.config_file.read_text())
+        return data if isinstance(data, dict) else {}
+
+    def result(self) -> dict[str, Any] | None:
+        """What the run reported when it ended (``result.json``), or None (still running, or killed)."""
+        return _read_json(self.result_file)
+
+    def write_result(self, result: dict[str, Any]) -> Path:
+        """Write ``result.json`` whole or not at all (a temporary file renamed over it)."""
+        self.path.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{RESULT_FILE}.", dir=self.path)
+        with os.fdopen(fd, "w") as f:
+            json.dump(result, f, indent=1, sort_keys=True)
+        os.replace(tmp, self.result_file)
+        return self.result_file
+
+    def length_result(self) -> dict[str, Any] | None:
+        """The length study's output (``eval_length/length.json``), or None."""
+        return _read_json(self.eval_length_dir / LENGTH_FILE)
+
+    # ---- checkpoints -----------------------------------------------------------------------------
+    def last_checkpoint(self) -> Path | None:
+        path = self.checkpoint_dir / LAST_CHECKPOINT
+        return path if checkpoint_kind(path) else None
+
+    def best_checkpoints(self) -> list[Path]:
+        """``best-*.ckpt``, best (lowest val/loss in the name) first."""
+        found = [p for p in self.checkpoint_dir.glob(BEST_GLOB) if checkpoint_kind(p)]
+        return sorted(found, key=lambda p: (_val_loss_in_name(p), -p.stat().st_mtime))
+
+    def preemption_checkpoints(self) -> list[Path]:
+        """SLURM's ``hpc_ckpt_<n>.ckpt``, newest first."""
+        found = [p for p in self.path.glob(HPC_GLOB) if checkpoint_kind(p)]
+        return sorted(found, key=lambda p: p.stat().st_mtime, reverse=True)
+
+    def resume_checkpoint(self) -> Path | None:
+        """The checkpoint a resumed run continues from: the newest of ``last.ckpt`` and the preemption
+        checkpoints."""
+        candidates = [p for p in (self.last_checkpoint(), *self.preemption_checkpoints()) if p is not None]
+        return max(candidates, key=lambda p: p.stat().st_mtime) if candidates else None
+
+    def checkpoint(self, which: str = "last") -> Path | None:
+        """``which="last"``: last.ckpt, else the best; ``"best"``: the best, else last.ckpt; then any
+        other checkpoint in ``checkpoints/``. None when the run holds none."""
+        if which not in ("last", "best"):
+            raise ValueError(f"which={which!r}: use 'last' or 'best'")
+        last, best = [self.last_checkpoint()], self.best_checkpoints()
+        ordered = [*best, *last] if which == "best" else [*last, *best]
+        others = sorted(p for p in self.checkpoint_dir.glob("*.ckpt") if checkpoint_kind(p))
+        return next((p for p in [*ordered, *others] if p is not None), None)
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def git_commit(where: Path | None = None) -> str:
+    """The commit of the git checkout ``where`` (default: the one gptlab is imported from), with ``+dirty``
+    when tracked files have uncommitted changes; ``unknown`` outside a checkout."""
+    where = where or Path(__file__).resolve().parent
+
+    def git(*args: str) -> str:
+        return subprocess.run(
+            ["git", "-C", str(where), *args], capture_output=True, text=True, check=True, timeout=30
+        ).stdout.strip()
+
+    try:
+        head = git("rev-parse", "HEAD")
+        dirty = git("status", "--porcelain", "--untracked-files=no")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return head + ("+dirty" if dirty else "")
+
+
+def find_run_dirs(root: str | Path, max_depth: int = 6) -> list[Path]:
+    """The run directories at or below ``root`` (those holding ``.hydra/overrides.yaml`` or
+    ``config_resolved.yaml``), in job order (``<sweep>/2`` before ``<sweep>/10``). Empty when ``root`` is
+    not a directory."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = []
+    base = len(root.parts)
+    for dirpath, dirnames, _ in os.walk(root):
+        here = Path(dirpath)
+        if Run.is_run_dir(here):
+            found.append(here)
+        if len(here.parts) - base >= max_depth:
+            dirnames[:] = []
+        else:
+            dirnames[:] = [d for d in dirnames if d not in SKIP_DIRS]
+    return sorted(found, key=lambda p: _job_order(root, p))
+
+
+def run_of_path(path: str | Path) -> Run | None:
+    """The run a run directory or a checkpoint (file or sharded directory) belongs to, if any."""
+    path = Path(path)
+    for candidate in (path, path.parent, path.parent.parent):
+        if Run.is_run_dir(candidate) or (candidate / HYDRA_DIR).is_dir():
+            return Run(candidate)
+    return None

@@ -1,0 +1,98 @@
+"""A trained model, its tokenizer and its validation tokens, rebuilt from a run directory or a checkpoint.
+
+A checkpoint holds the model's config (``hyper_parameters["model"]``), its weights and the tokenizer's spec;
+the run directory holds ``config_resolved.yaml``, whose ``data`` node names the corpus and split.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from gptlab.data import corpus, tokenizers
+from gptlab.errors import CheckpointError
+from gptlab.model.config import GPTConfig
+from gptlab.model.gpt import GPT
+from gptlab.runs.checkpoints import load_checkpoint, model_config_dict, model_weights
+from gptlab.runs.layout import CONFIG_FILE, Run, checkpoint_kind, run_of_path
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainedRun:
+    model: GPT
+    tokenizer: tokenizers.Tokenizer
+    checkpoint: Path
+    run: Run | None
+    config: dict[str, Any]  # the run's resolved config ({} when the checkpoint has no run directory)
+
+    @property
+    def run_dir(self) -> Path | None:
+        return self.run.path if self.run else None
+
+    @property
+    def train_context(self) -> int:
+        """The window length the model was trained on (data.block_size, else model.block_size)."""
+        data = self.config.get("data") or {}
+        return int(data.get("block_size") or self.model.config.block_size)
+
+
+def find_checkpoint(path: str | Path, which: str = "last") -> tuple[Path, Run | None]:
+    """(checkpoint, its run or None) for a run directory or a checkpoint (file or sharded directory). In a
+    run directory ``which="last"`` takes ``checkpoints/last.ckpt`` and ``which="best"`` the best by
+    val/loss, each falling back to the other."""
+    path = Path(path)
+    if checkpoint_kind(path):
+        run = run_of_path(path)
+        return path, run if run and run.path != path else None
+    if path.is_dir():
+        run = Run(path)
+        found = run.checkpoint(which)
+        if found is None:
+            raise CheckpointError(
+                f"{path} holds no checkpoint (checkpoints/last.ckpt or best-*.ckpt): pass a run directory written "
+                "by `python train.py` (outputs/runs/<date>/<time>) or a checkpoint."
+            )
+        return found, run if Run.is_run_dir(path) else None
+    raise CheckpointError(f"{path} does not exist: pass a run directory or a checkpoint.")
+
+
+def load_run(path: str | Path, device: str | torch.device = "cpu", which: str = "last") -> TrainedRun:
+    """The model (in eval mode), its tokenizer and the run's config from a run directory or a checkpoint."""
+    checkpoint_path, run = find_checkpoint(path, which)
+    checkpoint = load_checkpoint(checkpoint_path)
+    model = GPT(GPTConfig.from_dict(model_config_dict(checkpoint, checkpoint_path)))
+    model.load_state_dict(model_weights(checkpoint, checkpoint_path))
+    model.to(device).eval()
+    if "tokenizer" not in checkpoint:
+        raise CheckpointError(f"{checkpoint_path} holds no tokenizer spec; cannot rebuild its tokenizer.")
+    tokenizer = tokenizers.from_spec(checkpoint["tokenizer"])
+    return TrainedRun(model, tokenizer, checkpoint_path, run, run.config() if run else {})
+
+
+def validation_tokens(trained: TrainedRun) -> np.ndarray:
+    """The run's validation split as a flat array of token ids (from the token cache, rebuilt if missing)."""
+    from omegaconf import OmegaConf
+
+    from gptlab.builders import data_spec
+
+    data = trained.config.get("data")
+    if not data:
+        raise CheckpointError(
+            f"{trained.checkpoint} has no {CONFIG_FILE} in a run directory around it, so its corpus is unknown: "
+            "pass the run directory that `python train.py` wrote."
+        )
+    spec = data_spec(OmegaConf.create(data))
+    prepared = corpus.prepare(spec, trained.tokenizer.name)
+    if prepared.tokenizer.spec() != trained.tokenizer.spec():
+        raise CheckpointError(
+            f"The corpus {spec.describe()} now tokenizes differently from when {trained.checkpoint} was trained "
+            "(another vocabulary): evaluate on the corpus the model was trained on."
+        )
+    return np.asarray(np.memmap(prepared.val_path, dtype=prepared.dtype, mode="r"))
