@@ -3,7 +3,7 @@ a type error): the hardware asked for, and values of the wrong type."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 
@@ -12,7 +12,7 @@ from gptlab.errors import ConfigError
 _CUDA_NAMES = ("gpu", "cuda")
 
 
-def _is_int(value: Any) -> bool:
+def _is_int(value: Any) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 

@@ -8,7 +8,7 @@ import logging
 import math
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import lightning as L
 import torch
@@ -93,7 +93,7 @@ def model_summary(
     warning when the run will not fit its device."""
     from gptlab.parallel import card
 
-    strategy = OmegaConf.to_container(cfg.strategy, resolve=True) if cfg else "auto"
+    strategy = cast(dict[str, Any], OmegaConf.to_container(cfg.strategy, resolve=True)) if cfg else "auto"
     data = cfg.data if cfg else {}
     return card.startup_card(
         module.model_config,
@@ -123,17 +123,18 @@ def run(cfg: DictConfig) -> dict[str, float]:
     torch.set_flush_denormal(True)
 
     # ---- build and check everything before any expensive work --------------------------------
-    trainer_cfg = OmegaConf.to_container(cfg.trainer, resolve=True)
+    trainer_cfg = cast(dict[str, Any], OmegaConf.to_container(cfg.trainer, resolve=True))
     check_trainer_options(trainer_cfg)
     check_trainer_values(trainer_cfg)
     check_accelerator(trainer_cfg)
-    check_optim(OmegaConf.to_container(cfg.optim, resolve=True))
+    optim_cfg = cast(dict[str, Any], OmegaConf.to_container(cfg.optim, resolve=True))
+    check_optim(optim_cfg)
     parallel = ParallelOptions.from_config(
         {k: cfg[k] for k in ("compile", "activation_checkpointing") if cfg.get(k) is not None}
     )
     trainer_cfg["precision"] = choose_precision(trainer_cfg.get("precision"), trainer_cfg.get("accelerator"))
     warn_if_cpu_oversubscribed(trainer_cfg)
-    strategy_cfg = OmegaConf.to_container(cfg.strategy, resolve=True)
+    strategy_cfg = cast(dict[str, Any], OmegaConf.to_container(cfg.strategy, resolve=True))
     strategy = build_strategy(
         strategy_cfg,
         trainer_cfg,
@@ -147,12 +148,15 @@ def run(cfg: DictConfig) -> dict[str, float]:
     datamodule.prepare_data()
     datamodule.setup("fit")
     corpus = datamodule.corpus
+    assert corpus is not None  # setup("fit") prepared it
     tokenizer = corpus.tokenizer
     model_config = build_model_config(cfg, tokenizer)
     module = GPTLitModule(
         model=model_config.to_dict(),
-        optim=OmegaConf.to_container(cfg.optim, resolve=True),
-        loss=OmegaConf.to_container(cfg.loss, resolve=True) if cfg.get("loss") else None,
+        optim=cast(dict[str, Any], OmegaConf.to_container(cfg.optim, resolve=True)),
+        loss=cast(dict[str, Any], OmegaConf.to_container(cfg.loss, resolve=True))
+        if cfg.get("loss")
+        else None,
     )
     module.tokenizer = tokenizer
     restore_interrupted_saves(run_dir / "checkpoints")  # a kill mid-swap of a sharded checkpoint

@@ -27,7 +27,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -128,7 +128,8 @@ def scan(ds: Any, field: str) -> tuple[np.ndarray, list[BatchPlace] | None]:
     of every record batch on disk (None for a dataset in memory)."""
     import pyarrow.compute as pc
 
-    parts, places = [], []
+    parts: list[np.ndarray] = []
+    places: list[BatchPlace | None] = []
     for column, place in iter_batches(ds, field):
         column = pc.fill_null(column, "")
         lengths = pc.utf8_length(column).to_numpy(zero_copy_only=False).astype(np.int64)
@@ -137,7 +138,8 @@ def scan(ds: Any, field: str) -> tuple[np.ndarray, list[BatchPlace] | None]:
         parts.append(lengths)
         places.append(place)
     lengths = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
-    return lengths, (places if places and places[0] is not None else None)
+    # iter_batches gives every batch a place, or none at all
+    return lengths, (cast(list[BatchPlace], places) if places and places[0] is not None else None)
 
 
 def _documents(ds: Any, field: str, keep: np.ndarray) -> Iterator[str]:

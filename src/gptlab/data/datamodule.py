@@ -174,6 +174,7 @@ class GPTDataModule(L.LightningDataModule):
                     f"trainer.max_steps={steps}: a streaming run (data.streaming=true) has no epochs to count, "
                     "it trains for a number of steps. Set trainer.max_steps, e.g. trainer.max_steps=100000."
                 )
+            assert trainer is not None  # steps >= 1 came from a trainer
             windows = steps * trainer.accumulate_grad_batches * self.batch_size  # one "epoch" is the run
             stream = StreamingWindows(
                 self.spec, self.tokenizer, self.block_size + 1, rank, world_size, length=windows

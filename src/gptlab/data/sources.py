@@ -167,6 +167,7 @@ def _load(spec: DataSpec, streaming: bool):
             )
         except Exception as e:
             raise _hub_error(spec, e) from e
+    assert spec.path is not None  # source == "files"
     files = resolve_files(spec.path)
     builder = FILE_BUILDERS[Path(files[0]).suffix.lower()]
     kwargs: dict[str, Any] = {"sample_by": "document"} if builder == "text" else {}
@@ -213,5 +214,6 @@ def source_fingerprint(spec: DataSpec) -> dict[str, Any]:
         digest = hashlib.sha256("\x00".join(builtin_documents(spec.builtin)).encode()).hexdigest()
         return {"builtin": spec.builtin, "sha256": digest}
     if spec.source == "files":
+        assert spec.path is not None
         return {"files": [(f, os.path.getsize(f), os.stat(f).st_mtime_ns) for f in resolve_files(spec.path)]}
     return {"hub": spec.name, "config": spec.config_name, "split": spec.split, "revision": spec.revision}

@@ -93,8 +93,8 @@ def loss_by_position(
     total = torch.zeros(context, dtype=torch.float64)
     for start in range(0, n_windows, batch):
         rows = range(start, min(n_windows, start + batch))
-        windows = np.stack([tokens[i * context : i * context + context + 1] for i in rows]).astype(np.int64)
-        windows = torch.from_numpy(windows).to(device)  # (B, context + 1)
+        rows_np = np.stack([tokens[i * context : i * context + context + 1] for i in rows]).astype(np.int64)
+        windows = torch.from_numpy(rows_np).to(device)  # (B, context + 1)
         logits, _ = model(windows[:, :-1])  # (B, context, vocab)
         loss = F.cross_entropy(
             logits.float().transpose(1, 2), windows[:, 1:], reduction="none"

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import TQDMProgressBar
+
+if TYPE_CHECKING:
+    from gptlab.lit.module import GPTLitModule
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +41,7 @@ class SampleGeneration(L.Callback):
         ids = tokenizer.encode(self.prompt) or [tokenizer.eot_id]
         idx = torch.tensor([ids], device=pl_module.device)
         generator = torch.Generator(device=pl_module.device).manual_seed(trainer.global_step)
-        out = pl_module.model.generate(
+        out = cast("GPTLitModule", pl_module).model.generate(
             idx,
             self.max_new_tokens,
             temperature=self.temperature,
@@ -89,7 +92,7 @@ class StepProgressBar(TQDMProgressBar):
         items.pop("v_num", None)
         short = {"train/loss": "loss", "val/loss": "val_loss"}
         out = {short.get(key, key): value for key, value in items.items()}
-        for callback in trainer.callbacks:
+        for callback in trainer.callbacks:  # type: ignore[attr-defined]  # set by Lightning's callback connector, undeclared
             if isinstance(callback, TrainingThroughput) and callback.tokens_per_second is not None:
                 out["tok/s"] = f"{callback.tokens_per_second:,.0f}"
         return out

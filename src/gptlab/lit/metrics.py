@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import lightning as L
 import torch
@@ -19,6 +19,9 @@ from lightning.fabric.utilities.throughput import get_available_flops
 from lightning.pytorch.callbacks import ThroughputMonitor
 from lightning.pytorch.callbacks.throughput_monitor import _plugin_to_compute_dtype
 from lightning.pytorch.trainer.states import RunningStage
+
+if TYPE_CHECKING:
+    from gptlab.lit.module import GPTLitModule
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +105,7 @@ class GradientNorm(L.Callback):
         if not self._from_strategy:
             return
         self._from_strategy = False
-        norm = trainer.strategy.gradient_norm_after_step()
+        norm = getattr(trainer.strategy, "gradient_norm_after_step")()  # noqa: B009 - checked with hasattr above
         if norm is not None:
             pl_module.log("train/grad_norm", float(norm), on_step=True, on_epoch=False)
 
@@ -128,14 +131,14 @@ class TrainingThroughput(ThroughputMonitor):
         self.tokens_per_second: float | None = None  # the last logged rate, for the progress bar
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        self.kwargs["window_size"] = max(2, self.window or trainer.log_every_n_steps)
+        self.kwargs["window_size"] = max(2, self.window or trainer.log_every_n_steps)  # type: ignore[attr-defined]  # set by Lightning's logger connector, undeclared
         super().setup(trainer, pl_module, stage)
         dtype = _plugin_to_compute_dtype(trainer.precision_plugin)
         if self.peak_flops:
             peak, source = float(self.peak_flops), "configured"
         else:
             peak, source = device_peak_flops(trainer.strategy.root_device, dtype)
-        self.available_flops = peak
+        self.available_flops = peak  # type: ignore[assignment]  # Lightning declares int | None; a FLOP rate is a float
         for throughput in self._throughputs.values():
             throughput.available_flops = peak
         self._source = source
@@ -145,12 +148,14 @@ class TrainingThroughput(ThroughputMonitor):
         if not trainer.is_global_zero:
             return
         peak = self.available_flops
+        assert peak is not None  # set in setup
         rate = f"{peak / 1e12:.1f} TFLOP/s" if peak >= 1e12 else f"{peak / 1e9:.1f} GFLOP/s"
-        datamodule = trainer.datamodule
-        flops_per_token = pl_module.flops_per_token(getattr(datamodule, "block_size", None))
+        datamodule = trainer.datamodule  # type: ignore[attr-defined]  # set by Lightning's data connector, undeclared
+        module = cast("GPTLitModule", pl_module)
+        flops_per_token = module.flops_per_token(getattr(datamodule, "block_size", None))
         log.info("MFU against %s per device (%s); %.3g FLOPs per token", rate, self._source, flops_per_token)
         facts = {
-            "parameters/total": float(pl_module.model.parameter_counts()["total"]),
+            "parameters/total": float(module.model.parameter_counts()["total"]),
             "model/flops_per_token": flops_per_token,
             "model/peak_flops_per_device": float(peak),
         }
@@ -181,7 +186,7 @@ class TrainingThroughput(ThroughputMonitor):
             logged["train/tokens_per_second"] = self.tokens_per_second
         if "device/mfu" in metrics:  # the mean over devices equals any one device's share of its own peak
             logged["train/mfu"] = metrics["device/mfu"]
-        trainer._logger_connector.log_metrics(logged, step=iter_num)
+        trainer._logger_connector.log_metrics(logged, step=iter_num)  # type: ignore[arg-type]  # typed for tensors; numbers are logged as they are
 
     def state_dict(self) -> dict[str, Any]:
         return {"tokens_seen": self.tokens_seen}

@@ -107,7 +107,7 @@ class GPTLitModule(L.LightningModule):
         self.parallel: Any = None  # gptlab.parallel.ParallelOptions, set by the trainer task
         self._val_loss_sum = torch.zeros(())
         self._val_count = torch.zeros(())
-        self._batch_shape: tuple[int, int] | None = None  # (B, T) of the last batch, for flops_per_batch
+        self._batch_shape: tuple[int, ...] | None = None  # (B, T) of the last batch, for flops_per_batch
 
     def forward(self, idx: Tensor, targets: Tensor | None = None):
         return self.model(idx, targets)
@@ -150,7 +150,9 @@ class GPTLitModule(L.LightningModule):
         _, loss = self.model(x, y, head_loss=self.head_loss)
         check_finite_loss(loss, step=self.global_step + 1, strategy=self.trainer.strategy)
         self.log("train/loss", loss, prog_bar=True, on_step=True, on_epoch=False)
-        self.log("lr", self.optimizers().param_groups[0]["lr"], on_step=True, on_epoch=False)
+        optimizer = self.optimizers()
+        assert not isinstance(optimizer, list)  # configure_optimizers returns one optimizer
+        self.log("lr", optimizer.param_groups[0]["lr"], on_step=True, on_epoch=False)
         return loss
 
     # ---- validation -----------------------------------------------------------------------------

@@ -19,6 +19,8 @@ a causal kernel skips about half of that term). Kaplan et al. 2020 keep only 6 N
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from gptlab.model import activations, norms, positional
@@ -44,7 +46,8 @@ def parameter_counts(config: GPTConfig) -> dict[str, int]:
     f = mlp_hidden_width(config)
     f_in = f * (2 if activations.is_gated(config.activation) else 1)
     mlp = h * f_in + f_in * bias + f * h + h * bias
-    norm = norms.get(config.norm).parameter_count(config)
+    norm_class: Any = norms.get(config.norm)  # every registered norm has a static parameter_count
+    norm = norm_class.parameter_count(config)
     per_layer = attention + mlp + 2 * norm
     embedding = V * h + positional_parameters(config)
     final_norm = norm if config.norm_placement == "pre" else 0

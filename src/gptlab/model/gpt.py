@@ -86,12 +86,23 @@ class Block(nn.Module):
         return x
 
 
+class Trunk(nn.ModuleDict):
+    """The layers between token ids and the output layer, typed by name (the keys of GPT-2's checkpoints:
+    transformer.wte, transformer.h.0, ...)."""
+
+    wte: nn.Embedding
+    pos: positional.PositionalEncoding
+    drop: nn.Dropout
+    h: nn.ModuleList
+    ln_f: nn.Module
+
+
 class GPT(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         check_config(config)
         self.config = config
-        self.transformer = nn.ModuleDict(
+        self.transformer = Trunk(
             dict(
                 wte=nn.Embedding(config.vocab_size, config.n_embd),
                 pos=positional.build(config),

@@ -84,6 +84,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
             scale = valid[rows].float() * inv_count  # (n,)
             loss_sum -= (z.gather(1, t).squeeze(1) * valid[rows]).sum()
             if with_grad:
+                assert grad_hidden is not None and grad_weight is not None
                 # d(loss)/d(logits) = (softmax - onehot(target)) * scale; the scale is applied to the
                 # (n, C) factors rather than to the (n, V) gradient.
                 z.exp_()

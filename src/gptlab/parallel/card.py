@@ -75,15 +75,15 @@ def model_card(
     )
     lines.append("")
     header = f"{'strategy':<26} {'weights':>10} {'grads':>10} {'AdamW':>10} {'activ.':>10} {'buffers':>10} {'total':>10}"
-    for checkpointing in (False, True):
+    for with_checkpointing in (False, True):
         lines.append(
             f"Memory per device over {n_devices} device(s), {precision}, micro-batch {micro_batch} x {T}"
-            + (", activation checkpointing" if checkpointing else "")
+            + (", activation checkpointing" if with_checkpointing else "")
             + " (GiB):"
         )
         lines.append(header)
         for name, _ in distinct_choices(n_devices):
-            e = memory_per_device(c, name, n_devices, precision, micro_batch, context, checkpointing)
+            e = memory_per_device(c, name, n_devices, precision, micro_batch, context, with_checkpointing)
             fit = ""
             if device_memory:
                 fit = "  fits" if e.fits(device_memory) else "  too big"

@@ -9,7 +9,7 @@ This is the one strategy vocabulary of the project: the trainer builds from it, 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import torch
 
@@ -56,7 +56,7 @@ class DDP(StrategyChoice):
     name = "ddp"
     Options = DDPOptions
     relaunches_command = True
-    start_method: ClassVar[str] = "popen"
+    start_method: ClassVar[Literal["popen", "spawn", "fork", "forkserver"]] = "popen"
 
     def placement(self, n_devices: int) -> Placement:
         return REPLICATED

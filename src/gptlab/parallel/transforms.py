@@ -4,12 +4,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import nn
 
 from gptlab.errors import ConfigError
+
+if TYPE_CHECKING:
+    from gptlab.model.gpt import GPT
 
 
 @dataclass
@@ -32,9 +34,7 @@ class ParallelOptions:
         return cls(**values)
 
 
-def parallelize(
-    model: nn.Module, options: ParallelOptions, strategy: Any = None, precision: Any = None
-) -> None:
+def parallelize(model: GPT, options: ParallelOptions, strategy: Any = None, precision: Any = None) -> None:
     """Apply, in place and in this order, activation checkpointing, `torch.compile` and FSDP2 sharding to
     every transformer block of ``model`` (``model.transformer.h``), then shard the rest of the model.
     Parameter names stay those of the plain model, so checkpoints load into an unwrapped GPT."""
@@ -54,10 +54,10 @@ def parallelize(
 
         if isinstance(strategy, FullyShardedStrategy):
             shard(model, strategy, precision)
-    model._gptlab_parallelized = True
+    model._gptlab_parallelized = True  # type: ignore[assignment]  # nn.Module.__setattr__ is typed for tensors and modules only
 
 
-def shard(model: nn.Module, strategy: Any, precision: Any = None) -> None:
+def shard(model: GPT, strategy: Any, precision: Any = None) -> None:
     """FSDP2 over the data-parallel ranks of ``strategy`` (a `FullyShardedStrategy`): each block is one
     unit; the root unit holds the embedding, the final norm and the (tied) head."""
     from torch.distributed.device_mesh import init_device_mesh

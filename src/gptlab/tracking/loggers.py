@@ -6,7 +6,7 @@ import logging
 import netrc
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, cast
 from urllib.parse import urlparse
 
 import lightning as L
@@ -31,7 +31,7 @@ def wandb_logged_in() -> bool:
         return False
 
 
-def wandb_mode(mode: str | None) -> str:
+def wandb_mode(mode: str | None) -> Literal["online", "offline", "disabled"]:
     """``online``, ``offline`` or ``disabled``: the configured mode, else WANDB_MODE, else online exactly when
     the user is logged in."""
     allowed = ("online", "offline", "disabled")
@@ -44,7 +44,7 @@ def wandb_mode(mode: str | None) -> str:
         from gptlab.errors import ConfigError
 
         raise ConfigError(f"logger.wandb.mode={mode!r} is not one of {allowed} (or auto / null).")
-    return mode
+    return cast(Literal["online", "offline", "disabled"], mode)
 
 
 def wandb_logger(

@@ -88,10 +88,10 @@ class WandbRun:
 
     def metric(self, key: str) -> list[tuple[int, float]]:
         """(step, value) pairs of one metric, in logged order; the step is Lightning's global step."""
-        out = []
+        out: list[tuple[int, float]] = []
         for row in self.history:
             if key in row:
-                step = row.get("trainer/global_step", row.get("_step", len(out)))
+                step: Any = row.get("trainer/global_step", row.get("_step", len(out)))
                 out.append((int(step), row[key]))
         return out
 
@@ -108,7 +108,7 @@ def read_run(path: str | os.PathLike) -> WandbRun:
         path = files[0]
     run = WandbRun(path=path)
     for payload in iter_payloads(path):
-        record = pb.Record()
+        record = pb.Record()  # type: ignore[attr-defined]  # generated protobuf module without stubs
         record.ParseFromString(payload)
         kind = record.WhichOneof("record_type")
         if kind == "run":

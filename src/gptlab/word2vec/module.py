@@ -42,7 +42,9 @@ class Word2VecLitModule(L.LightningModule):
     def training_step(self, batch: tuple[torch.Tensor, ...], batch_idx: int) -> torch.Tensor:
         inputs, targets, negatives, words, progress = batch
         lr = self.learning_rate(float(progress))
-        for group in self.optimizers().optimizer.param_groups:
+        optimizer = self.optimizers()
+        assert not isinstance(optimizer, list)  # configure_optimizers returns one optimizer
+        for group in optimizer.optimizer.param_groups:
             group["lr"] = lr
         losses = self.model(inputs, targets, negatives)  # (N,)
         n = max(len(losses), 1)
@@ -61,6 +63,7 @@ class Word2VecLitModule(L.LightningModule):
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         if self.vocab_words is not None:
+            assert self.vocab_counts is not None  # set together with vocab_words
             checkpoint["word2vec_vocab"] = {
                 "words": list(self.vocab_words),
                 "counts": list(self.vocab_counts),

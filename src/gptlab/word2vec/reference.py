@@ -12,7 +12,7 @@ import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from gptlab.word2vec import evaluation
 from gptlab.word2vec.config import Word2VecOptions
@@ -143,7 +143,7 @@ def _fmt(value: float, fmt: str) -> str:
 
 def run_settings(run_dir: Path) -> tuple[Any, Word2VecOptions, int]:
     """(data spec, word2vec options, seed) of a ``task=word2vec`` run directory."""
-    from omegaconf import OmegaConf
+    from omegaconf import DictConfig, OmegaConf
 
     from gptlab.builders import data_spec
 
@@ -153,9 +153,12 @@ def run_settings(run_dir: Path) -> tuple[Any, Word2VecOptions, int]:
             f"{run_dir} has no config_resolved.yaml: pass the directory of a task=word2vec run"
         )
     cfg = OmegaConf.load(path)
+    assert isinstance(cfg, DictConfig)  # a run's saved config is a mapping
     if cfg.get("task") != "word2vec":
         raise ValueError(
             f"{run_dir} is a task={cfg.get('task')} run: --against-gensim needs a task=word2vec run"
         )
-    options = Word2VecOptions.from_dict(OmegaConf.to_container(cfg.word2vec, resolve=True))
+    options = Word2VecOptions.from_dict(
+        cast(dict[str, Any], OmegaConf.to_container(cfg.word2vec, resolve=True))
+    )
     return data_spec(cfg), options, int(cfg.seed)

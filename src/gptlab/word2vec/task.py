@@ -8,7 +8,7 @@ import logging
 import math
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import lightning as L
 import torch
@@ -86,12 +86,15 @@ def run(cfg: DictConfig) -> dict[str, float]:
         cfg.paths.output_dir = str(run_dir)
     check_seed(cfg.seed)
     L.seed_everything(cfg.seed, workers=True, verbose=False)
-    options = Word2VecOptions.from_dict(OmegaConf.to_container(cfg.word2vec, resolve=True))
+    options = Word2VecOptions.from_dict(
+        cast(dict[str, Any], OmegaConf.to_container(cfg.word2vec, resolve=True))
+    )
     if options.threads:
         torch.set_num_threads(options.threads)
     datamodule = Word2VecDataModule(data_spec(cfg), options, seed=int(cfg.seed))
     datamodule.setup("fit")
     vocab = datamodule.vocab
+    assert vocab is not None  # setup("fit") builds it
     ckpt = checkpoint_to_resume(cfg.get("resume"), run_dir)
     resume = check_resume(ckpt, options, vocab.words) if ckpt else None
     module = Word2VecLitModule(options.to_dict(), len(vocab))

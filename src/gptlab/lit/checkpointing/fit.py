@@ -29,7 +29,7 @@ def fit(trainer: L.Trainer, module: L.LightningModule, datamodule: Any, ckpt_pat
     training early (its checkpoint written), False when it ran to ``max_steps``."""
     from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-    stoppers = [cb for cb in trainer.callbacks if isinstance(cb, StopOnSignal)]
+    stoppers = [cb for cb in trainer.callbacks if isinstance(cb, StopOnSignal)]  # type: ignore[attr-defined]  # set by Lightning's callback connector, undeclared
     try:
         trainer.fit(module, datamodule=datamodule, ckpt_path=str(ckpt_path) if ckpt_path else None)
     except SIGTERMException:

@@ -14,7 +14,9 @@ def collect_rng_states() -> dict[str, Any]:
     """Every RNG state training draws from, as tensors and plain Python values (numpy's state object would
     make the checkpoint unreadable with ``torch.load(weights_only=True)``)."""
     version, mt_state, gauss = random.getstate()
-    np_name, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
+    np_state = np.random.get_state()
+    assert isinstance(np_state, tuple)  # the legacy (default) form
+    np_name, np_keys, np_pos, np_has_gauss, np_gauss = np_state
     states: dict[str, Any] = {
         "torch": torch.get_rng_state(),
         "python": [version, list(mt_state), gauss],

@@ -37,7 +37,7 @@ class StopOnSignal(L.Callback):
         self._saved_at: int | None = None
 
     @staticmethod
-    def signals() -> list[int]:
+    def signals() -> list[signal.Signals]:
         return [signal.SIGTERM] + ([signal.SIGUSR1] if hasattr(signal, "SIGUSR1") else [])
 
     def _handle(self, signum: int, frame: Any) -> None:
