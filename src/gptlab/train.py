@@ -15,6 +15,9 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from hydra.utils import instantiate
+from lightning.pytorch.accelerators import CPUAccelerator
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger, WandbLogger
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from gptlab.builders import build_datamodule, build_model_config, load_initial_weights
@@ -102,7 +105,7 @@ def model_summary(
         precision=str(trainer.precision) if trainer else "32-true",
         micro_batch=int(data.get("batch_size") or 1),
         context=data.get("block_size"),
-        on_cpu=trainer is None or type(trainer.accelerator).__name__ == "CPUAccelerator",
+        on_cpu=trainer is None or isinstance(trainer.accelerator, CPUAccelerator),
         activation_checkpointing=bool(cfg.get("activation_checkpointing")) if cfg else False,
     )
 
@@ -191,7 +194,9 @@ def run(cfg: DictConfig) -> dict[str, float]:
             OmegaConf.save(cfg, run_dir / "config_resolved.yaml", resolve=True)
 
         finished = resume is not None and resume.global_step >= trainer_cfg["max_steps"]
-        if finished:  # nothing left to train: report the finished run's validation loss
+        if (
+            resume is not None and finished
+        ):  # nothing left to train: report the finished run's validation loss
             # Not logged: the run's curves already end with this validation at its last step.
             trainer.loggers = []
             trainer.validate(module, datamodule=datamodule, ckpt_path=str(resume.ckpt_path), verbose=False)
@@ -209,16 +214,15 @@ def run(cfg: DictConfig) -> dict[str, float]:
         metrics["wall_seconds"] = time.perf_counter() - t0
         if trainer.is_global_zero:
             for lg in loggers:
-                if hasattr(lg, "experiment") and lg.__class__.__name__ == "WandbLogger":
-                    lg.experiment.summary.update(
-                        {
-                            "unigram_entropy": corpus.unigram_entropy,
-                            "parameters/total": module.model.parameter_counts()["total"],
-                            # the final validation, also when a finished run is resumed and logs nothing
-                            **{k: metrics[k] for k in ("val/loss", "val/ppl") if k in metrics},
-                        }
-                    )
-            step = resume.global_step if finished else trainer.global_step
+                if isinstance(lg, WandbLogger):
+                    summary: dict[str, float] = {
+                        "unigram_entropy": corpus.unigram_entropy,
+                        "parameters/total": module.model.parameter_counts()["total"],
+                        # the final validation, also when a finished run is resumed and logs nothing
+                        **{k: metrics[k] for k in ("val/loss", "val/ppl") if k in metrics},
+                    }
+                    lg.experiment.summary.update(summary)
+            step = resume.global_step if resume is not None and finished else trainer.global_step
             _report(metrics, corpus.unigram_entropy, run_dir, trainer, loggers, step)
             if (cfg.get("eval_length") or {}).get("enabled"):
                 from gptlab.eval.length import after_training, summary_metrics
@@ -277,11 +281,10 @@ def _report(
         f"Outputs: {run_dir}",
     ]
     ckpt = trainer.checkpoint_callback
-    if ckpt is not None and ckpt.dirpath:
+    if isinstance(ckpt, ModelCheckpoint) and ckpt.dirpath:
         lines.append(
             f"  checkpoints: {ckpt.dirpath} (last.ckpt, best by val/loss: {Path(ckpt.best_model_path).name})"
         )
-    from lightning.pytorch.loggers import CSVLogger, WandbLogger
 
     for lg in loggers:
         if isinstance(lg, WandbLogger):

@@ -416,7 +416,9 @@ def after_training(
     result["passkey"], paths = study, paths + more
     if study is not None:
         log.info("Passkey retrieval (correct / trials):\n%s", passkey.format_table(study))
+    from lightning.pytorch.loggers import WandbLogger  # the study itself needs no Lightning
+
     for logger in loggers:
-        if logger.__class__.__name__ == "WandbLogger":
+        if isinstance(logger, WandbLogger):
             log_to_wandb(result, paths, logger.experiment)
     return result

@@ -134,9 +134,9 @@ def plot_long_context(
             ax.legend(fontsize=7)
     if curves:
         ax = axes[-1]
-        for label, values in curves.items():
-            x, y = binned(np.asarray(values), bins=48)
-            ax.plot(x, y, label=f"{label} ({len(values)})")
+        for label, losses in curves.items():
+            x, y = binned(np.asarray(losses), bins=48)
+            ax.plot(x, y, label=f"{label} ({len(losses)})")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("token position (longest context each ran at)")
         ax.set_ylabel("validation loss (nats)")
@@ -242,19 +242,19 @@ def passkey_sweep_table(results: list[dict[str, Any]]) -> str:
     lines = [head + " |", "|---|---:" + "|---:" * len(factors) + "|"]
     for name in sorted(rows):
         runs = rows[name]
-        cells = []
+        row_cells: list[str] = []
         for f in factors:
             accs = [m[f"acc@{f}x"] for _, m, _ in runs if f"acc@{f}x" in m]
             lps = [m.get(f"key_logprob@{f}x") for _, m, _ in runs if f"acc@{f}x" in m]
             if accs:
                 std = f" ± {statistics.stdev(accs):.0%}" if len(accs) > 1 else ""
-                cells.append(f"{statistics.fmean(accs):.0%}{std} ({mean_or_none(lps):.2f})")
+                row_cells.append(f"{statistics.fmean(accs):.0%}{std} ({mean_or_none(lps):.2f})")
             elif any(failed for _, _, failed in runs):
-                cells.append("not run")
+                row_cells.append("not run")
             else:
                 errors = {c.get("error", "") for c_, _, _ in runs for c in c_.get(str(f), {}).values()}
-                cells.append("cannot run" if any("table of" in e for e in errors) else "too short")
-        lines.append(f"| {name} | {len(runs)} | " + " | ".join(cells) + " |")
+                row_cells.append("cannot run" if any("table of" in e for e in errors) else "too short")
+        lines.append(f"| {name} | {len(runs)} | " + " | ".join(row_cells) + " |")
     return "\n".join(lines) + (
         f"\n\nCells: accuracy over {'/'.join(map(str, trials))} prompts per run (depth bins x trials), mean ± std "
         "over seeds, and in brackets the mean log-probability per token of the true key; `+ntk` etc.: the "

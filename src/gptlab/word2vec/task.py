@@ -12,6 +12,7 @@ from typing import Any, cast
 
 import lightning as L
 import torch
+from lightning.pytorch.loggers import WandbLogger
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from gptlab.builders import data_spec
@@ -175,7 +176,7 @@ def evaluate_run(
     finite = {k: v for k, v in scores.items() if not (isinstance(v, float) and math.isnan(v))}
     for lg in loggers:
         lg.log_metrics(finite, step=step)
-        if lg.__class__.__name__ == "WandbLogger":
+        if isinstance(lg, WandbLogger):
             lg.experiment.summary.update(finite)
             if plot is not None:
                 import wandb
