@@ -20,7 +20,7 @@ from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 
 from gptlab.errors import CheckpointError
-from gptlab.lit.checkpointing import AtomicCheckpointIO, NonFiniteLossError
+from gptlab.lit.checkpointing import AtomicCheckpointIO, NonFiniteLossError, restore_interrupted_saves
 from gptlab.resume import choose_run_dir
 from gptlab.tracking.wandb_files import find_runs, read_run
 from gptlab.train import run
@@ -288,6 +288,20 @@ def test_resume_auto_picks_the_newest_run_with_the_same_overrides(tmp_path):
     ckpt = old / "checkpoints" / "last.ckpt"
     assert choose_run_dir([f"resume={ckpt}"], str(outputs), default) == str(old)
     assert choose_run_dir([f"resume={old}"], str(outputs), default) == str(old)
+
+
+def test_resume_auto_finds_a_run_whose_sharded_checkpoint_a_kill_left_set_aside(tmp_path):
+    # A kill between the two renames of a sharded save leaves checkpoints/.last.ckpt.old and no last.ckpt:
+    # the run is still the one to continue, and restoring puts its checkpoint back.
+    outputs = tmp_path / "outputs"
+    default = str(outputs / "runs" / "new")
+    run_dir = write_run(outputs, "runs/d1/t1", ["strategy=fsdp", "seed=1"], with_checkpoint=False)
+    aside = run_dir / "checkpoints" / ".last.ckpt.old"
+    aside.mkdir(parents=True)
+    (aside / "meta.pt").write_bytes(b"shard metadata")
+    assert choose_run_dir(["strategy=fsdp", "seed=1", "resume=auto"], str(outputs), default) == str(run_dir)
+    assert restore_interrupted_saves(run_dir / "checkpoints") == [run_dir / "checkpoints" / "last.ckpt"]
+    assert (run_dir / "checkpoints" / "last.ckpt" / "meta.pt").read_bytes() == b"shard metadata"
 
 
 @pytest.mark.slow

@@ -183,11 +183,15 @@ def test_a_wrong_magic_number_or_a_learned_vocabulary_is_refused(tmp_path):
 
 @pytest.mark.parametrize("layout", ["nanoGPT", "llm.c"])
 def test_train_py_trains_on_the_token_folder(tmp_path, layout):
-    (nanogpt_folder if layout == "nanoGPT" else llmc_folder)(tmp_path / "d")
+    _, val = (nanogpt_folder if layout == "nanoGPT" else llmc_folder)(tmp_path / "d")
     args = [*TINY, "trainer.max_steps=3", "logger=none", f"data.path={tmp_path / 'd'}", "tokenizer=gpt2"]
-    proc = run_train(args, cwd=tmp_path)
+    # the length study after training reads the same validation tokens (llm.c's shards carry a header)
+    args += ["eval_length.enabled=true", "eval_length.factors=[1,2]", "eval_length.passkey.enabled=false"]
+    proc = run_train([*args, f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path)
     assert f"{layout} token files in {tmp_path / 'd'}" in proc.stdout + proc.stderr
     assert "Trained 3 steps" in proc.stdout
+    study = json.loads((tmp_path / "run" / "eval_length" / "length.json").read_text())
+    assert study["validation_tokens"] == len(val)
 
 
 CONCURRENT = """

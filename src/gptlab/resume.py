@@ -55,7 +55,8 @@ def find_run_to_continue(overrides: list[str], root: Path) -> Path | None:
     best: tuple[float, Path] | None = None
     for path in find_run_dirs(root, max_depth=5):
         run = Run(path)
-        ckpt = run.resume_checkpoint()
+        # A checkpoint set aside by a kill mid-swap counts: train.run puts it back before it resumes.
+        ckpt = run.resume_checkpoint() or next(iter(run.set_aside_checkpoints()), None)
         saved = run.overrides()
         if ckpt is None or saved is None or comparable(saved) != wanted:
             continue

@@ -110,16 +110,23 @@ def model_summary(
     )
 
 
-def run(cfg: DictConfig) -> dict[str, float]:
-    """Train one model as configured; returns the final metrics (``val/loss``, ``val/ppl``, ...)."""
-    t0 = time.perf_counter()
-    _route_lightning_logs()
+def start_run(cfg: DictConfig) -> Path:
+    """What every task does first: the run directory (checked writable, recorded as ``paths.output_dir``),
+    the seed checked and set everywhere. Returns the run directory."""
     run_dir = run_dir_of(cfg)
     check_writable(run_dir)
     with open_dict(cfg):
         cfg.paths.output_dir = str(run_dir)
     check_seed(cfg.seed)
     L.seed_everything(cfg.seed, workers=True, verbose=False)
+    return run_dir
+
+
+def run(cfg: DictConfig) -> dict[str, float]:
+    """Train one model as configured; returns the final metrics (``val/loss``, ``val/ppl``, ...)."""
+    t0 = time.perf_counter()
+    _route_lightning_logs()
+    run_dir = start_run(cfg)
     # Subnormal floats (a softmax over strongly biased scores: ALiBi at T=1024) are many times slower on x86
     # CPUs; flushing them to zero changes nothing above 1.2e-38. ALiBi's step on one thread: 1.93x -> 1.34x
     # the fused causal one (scripts/bench_attention.py). Threads started later inherit the setting.

@@ -41,6 +41,9 @@ class Tokenizer:
     eot_id: int
     Options: ClassVar[type] = NoOptions
     fitted: ClassVar[bool] = False
+    # Whether a word inside running text is one token with a leading space (byte-level BPE: " king"), so
+    # that the word itself is the token's text without that space.
+    words_after_space: ClassVar[bool] = False
 
     @classmethod
     def create(cls, options: Any) -> Tokenizer:
@@ -125,6 +128,7 @@ class GPT2Tokenizer(Tokenizer):
     corpus pipeline puts the separator id between documents."""
 
     name = "gpt2"
+    words_after_space = True
 
     def __init__(self) -> None:
         self.encoding = _gpt2_encoding()

@@ -400,7 +400,7 @@ def after_training(
     if OmegaConf.is_config(node):
         node = OmegaConf.to_container(node, resolve=True)
     options = LengthEvalOptions.from_dict(node)
-    tokens = np.asarray(np.memmap(prepared.val_path, dtype=prepared.dtype, mode="r"))
+    tokens = prepared.val.array()  # one flat file, header-carrying shards or a stream's held-out tokens
     result = evaluate_lengths(model, tokens, train_context, options)
     paths = write_outputs(result, run_dir / "eval_length")
     log.info("Length extrapolation (validation loss by context):\n%s", format_table(result))

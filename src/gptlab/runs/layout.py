@@ -180,6 +180,11 @@ class Run:
         candidates = [p for p in (self.last_checkpoint(), *self.preemption_checkpoints()) if p is not None]
         return max(candidates, key=lambda p: p.stat().st_mtime) if candidates else None
 
+    def set_aside_checkpoints(self) -> list[Path]:
+        """Sharded checkpoints that a kill between the two renames of a save left set aside
+        (``checkpoints/.<name>.old``); a resumed run puts them back before it loads."""
+        return sorted(self.checkpoint_dir.glob(".*.old"))
+
     def checkpoint(self, which: str = "last") -> Path | None:
         """``which="last"``: last.ckpt, else the best; ``"best"``: the best, else last.ckpt; then any
         other checkpoint in ``checkpoints/``. None when the run holds none."""

@@ -77,7 +77,8 @@ def load_run(path: str | Path, device: str | torch.device = "cpu", which: str = 
 
 
 def validation_tokens(trained: TrainedRun) -> np.ndarray:
-    """The run's validation split as a flat array of token ids (from the token cache, rebuilt if missing)."""
+    """The run's validation split as a flat array of token ids: from its token cache (rebuilt if missing), its
+    token folder (nanoGPT's or llm.c's files) or its stream's held-out documents."""
     from omegaconf import OmegaConf
 
     from gptlab.builders import data_spec
@@ -89,10 +90,10 @@ def validation_tokens(trained: TrainedRun) -> np.ndarray:
             "pass the run directory that `python train.py` wrote."
         )
     spec = data_spec(OmegaConf.create(data))
-    prepared = corpus.prepare(spec, trained.tokenizer.name)
-    if prepared.tokenizer.spec() != trained.tokenizer.spec():
+    tokens, tokenizer = corpus.validation_tokens(spec, trained.tokenizer.name)
+    if tokenizer.spec() != trained.tokenizer.spec():
         raise CheckpointError(
             f"The corpus {spec.describe()} now tokenizes differently from when {trained.checkpoint} was trained "
             "(another vocabulary): evaluate on the corpus the model was trained on."
         )
-    return np.asarray(np.memmap(prepared.val_path, dtype=prepared.dtype, mode="r"))
+    return tokens

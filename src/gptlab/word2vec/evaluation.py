@@ -77,7 +77,7 @@ def gpt_word_vectors(path: str | Path):
         if i == tok.eot_id:
             continue
         text = tok.decode([i])
-        if tok.name == "gpt2":
+        if tok.words_after_space:
             if not (text.startswith(" ") and text[1:].isalpha() and text[1:].isascii()):
                 continue
             text = text[1:]

@@ -13,7 +13,7 @@ from typing import Any, cast
 import lightning as L
 import torch
 from lightning.pytorch.loggers import WandbLogger
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, OmegaConf
 
 from gptlab.builders import data_spec
 from gptlab.errors import CheckpointError, ConfigError
@@ -23,8 +23,7 @@ from gptlab.lit.checkpointing import (
     fault_tolerance_callbacks,
     fit,
 )
-from gptlab.preflight import check_seed
-from gptlab.resume import ResumePlan, check_writable, checkpoint_to_resume
+from gptlab.resume import ResumePlan, checkpoint_to_resume
 from gptlab.runs.checkpoints import load_checkpoint
 from gptlab.tracking.loggers import finish_wandb
 from gptlab.word2vec import evaluation
@@ -78,15 +77,10 @@ def trainer_options(cfg: DictConfig, options: Word2VecOptions, run_dir: Path) ->
 
 def run(cfg: DictConfig) -> dict[str, float]:
     """Train word2vec as configured; returns the final metrics (loss, words/s, benchmark scores)."""
-    from gptlab.train import build_loggers, run_dir_of
+    from gptlab.train import build_loggers, start_run
 
     t0 = time.perf_counter()
-    run_dir = run_dir_of(cfg)
-    check_writable(run_dir)
-    with open_dict(cfg):
-        cfg.paths.output_dir = str(run_dir)
-    check_seed(cfg.seed)
-    L.seed_everything(cfg.seed, workers=True, verbose=False)
+    run_dir = start_run(cfg)
     options = Word2VecOptions.from_dict(
         cast(dict[str, Any], OmegaConf.to_container(cfg.word2vec, resolve=True))
     )
