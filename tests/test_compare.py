@@ -3,6 +3,7 @@ length study on, then `scripts/compare.py` over its directory. Every figure of t
 what the runs themselves wrote (their W&B files and eval_length/length.json)."""
 
 import math
+import re
 import runpy
 import statistics
 import subprocess
@@ -156,6 +157,8 @@ def test_one_command_regenerates_the_readme_block_with_commit_and_commands(sweep
     text = readme.read_text()
     assert text.startswith("intro\n") and text.endswith("\nend\n") and "old table" not in text
     assert "](docs/tiny_pos/val_loss.png)" in text and "](docs/tiny_pos/loss_vs_context.png)" in text
+    links = re.findall(r"!\[[^]]*\]\(([^)]+)\)", text)
+    assert "docs/tiny_pos/long_context.png" in links and all((tmp_path / link).is_file() for link in links)
     commit = subprocess.run(
         ["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True
     ).stdout
@@ -186,8 +189,9 @@ def test_welch_matches_the_textbook_sleep_data():
     assert test.df == pytest.approx(17.776, abs=1e-3)
     assert test.p == pytest.approx(0.07939, abs=1e-5)
     assert verdict(drug2, drug1) == "within noise, p=0.079"
-    assert verdict([2.0, 2.1, 2.05], [1.0, 1.1, 1.05]).startswith("worse, p=")
-    assert verdict([1.0, 1.1, 1.05], [2.0, 2.1, 2.05]).startswith("better, p=")
+    assert verdict([2.0, 2.1, 2.05], [1.0, 1.1, 1.05]).startswith("worse, p")
+    assert verdict([1.0, 1.1, 1.05], [2.0, 2.1, 2.05]).startswith("better, p")
+    assert verdict([3.0, 3.01, 3.02], [1.0, 1.01, 1.02]) == "worse, p<0.001"
     assert verdict([1.0], [2.0, 2.1]) == "cannot tell (1 seed)"
     assert welch([1.0, 1.0], [2.0, 2.0]).p == 0.0 and welch([1.0, 1.0], [1.0, 1.0]).p == 1.0
     assert math.isfinite(welch([1.0, 1.0], [2.0, 2.1]).p)

@@ -38,6 +38,7 @@ class Comparison:
     length_table: str | None = None
     length_plot: Path | None = None
     body: str = ""  # the tables, figures and provenance as markdown (comparison.md without its title)
+    figures: tuple[Path, ...] = ()  # every figure the body links to (by file name, beside comparison.md)
 
 
 def plot_val_loss(rows: list[Row], path: Path, title: str = "") -> Path:
@@ -81,8 +82,24 @@ def sweep_command(sweep_dir: Path) -> str | None:
         return None
     cfg = OmegaConf.load(path)
     task = list(OmegaConf.select(cfg, "hydra.overrides.task", default=[]) or [])
-    hydra = [o for o in OmegaConf.select(cfg, "hydra.overrides.hydra", default=[]) or [] if "sweep.dir" in o]
-    return "python train.py -m " + " ".join(shlex.quote(str(o)) for o in [*task, *hydra])
+    hydra = [
+        _relative_dir(str(o))
+        for o in OmegaConf.select(cfg, "hydra.overrides.hydra", default=[]) or []
+        if "sweep.dir" in str(o) or "launcher" in str(o)
+    ]
+    return "python train.py -m " + " ".join(shlex.quote(o) for o in [*map(str, task), *hydra])
+
+
+def _relative_dir(override: str) -> str:
+    """``hydra.sweep.dir=/abs/cwd/outputs/x`` as ``hydra.sweep.dir=outputs/x`` when it lies below the current
+    directory, so that the recorded command runs from any checkout."""
+    key, sep, value = override.partition("=")
+    if sep and key.endswith("sweep.dir") and os.path.isabs(value):
+        try:
+            return f"{key}={Path(value).relative_to(Path.cwd())}"
+        except ValueError:
+            pass
+    return override
 
 
 def _provenance(runs: list[RunRecord], sweep_dir: Path | None, command: str | None) -> str:
@@ -127,6 +144,8 @@ def write_comparison(
 
         figure = long_context.plot_rows(rows, out / "long_context.png")
         parts.append(f"![perplexity, loss by position and passkey retrieval]({figure.name})")
+    else:
+        figure = None
     length_table = length_plot = None
     if sweep_dir is not None and any(r.outputs.get("length") for r in runs):
         length_plot = out / "loss_vs_context.png"
@@ -142,7 +161,10 @@ def write_comparison(
     body = "\n\n".join(p for p in parts if p) + "\n"
     markdown_path = out / "comparison.md"
     markdown_path.write_text(f"# {title}\n\n{body}")
-    return Comparison(rows, keys, table, markdown_path, plot_path, skipped, length_table, length_plot, body)
+    figures = tuple(p for p in (plot_path, figure, length_plot) if p is not None)
+    return Comparison(
+        rows, keys, table, markdown_path, plot_path, skipped, length_table, length_plot, body, figures
+    )
 
 
 def read_sweep(sweep_dir: str | Path, source: str = "auto") -> tuple[list[RunRecord], list[tuple[Path, str]]]:
@@ -213,7 +235,7 @@ def update_readme(readme: str | Path, name: str, comparison: Comparison) -> Path
             f"{readme} has no block to replace: put the lines {begin} and {end} where the table goes."
         )
     body = comparison.body
-    for figure in filter(None, (comparison.plot_path, comparison.length_plot)):
+    for figure in comparison.figures:
         link = Path(os.path.relpath(figure.resolve(), readme.resolve().parent)).as_posix()
         body = body.replace(f"]({figure.name})", f"]({link})")
     pattern = re.compile(re.escape(begin) + r".*?" + re.escape(end), re.S)

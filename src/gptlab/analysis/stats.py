@@ -54,9 +54,9 @@ def verdict(a: Sequence[float], reference: Sequence[float], alpha: float = DEFAU
         return f"cannot tell ({fewest} seed{'s' if fewest != 1 else ''})"
     test = welch(a, reference)
     if test.p < alpha:
-        return f"{'worse' if test.difference > 0 else 'better'}, p={_p(test.p)}"
-    return f"within noise, p={_p(test.p)}"
+        return f"{'worse' if test.difference > 0 else 'better'}, {_p(test.p)}"
+    return f"within noise, {_p(test.p)}"
 
 
 def _p(p: float) -> str:
-    return "<0.001" if p < 0.001 else f"{p:.2g}" if p < 0.1 else f"{p:.2f}"
+    return "p<0.001" if p < 0.001 else f"p={p:.2g}" if p < 0.1 else f"p={p:.2f}"
