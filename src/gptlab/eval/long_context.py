@@ -113,13 +113,15 @@ def plot_long_context(
     n = len(panels) + bool(curves)
     fig, axes = plt.subplots(1, n, figsize=(4.8 * n, 4.2))
     factors = sorted({factor_of(k) for values in series.values() for k in values})
+    # one colour per label in every panel, also where a label has no points (a learned table past its context)
+    colors = {label: f"C{i % 10}" for i, label in enumerate([*series, *(curves or {})])}
     for label, values in series.items():
         for ax, (prefix, _, _) in zip(axes, panels):
             points = sorted(
                 (factor_of(k), v) for k, v in values.items() if k.startswith(prefix) and v is not None
             )
             if points:
-                ax.plot(*zip(*points), marker="o", label=label)
+                ax.plot(*zip(*points), marker="o", label=label, color=colors[label])
     for ax, (prefix, title, ylabel) in zip(axes, panels):
         ax.set_xscale("log", base=2)
         ax.set_xticks(factors, [f"{f:g}x" for f in factors])
@@ -136,7 +138,7 @@ def plot_long_context(
         ax = axes[-1]
         for label, losses in curves.items():
             x, y = binned(np.asarray(losses), bins=48)
-            ax.plot(x, y, label=f"{label} ({len(losses)})")
+            ax.plot(x, y, label=f"{label} ({len(losses)})", color=colors[label])
         ax.set_xscale("log", base=2)
         ax.set_xlabel("token position (longest context each ran at)")
         ax.set_ylabel("validation loss (nats)")
