@@ -114,7 +114,7 @@ def plot_long_context(
     fig, axes = plt.subplots(1, n, figsize=(4.8 * n, 4.2))
     factors = sorted({factor_of(k) for values in series.values() for k in values})
     # one colour per label in every panel, also where a label has no points (a learned table past its context)
-    colors = {label: f"C{i % 10}" for i, label in enumerate([*series, *(curves or {})])}
+    colors = {label: f"C{i % 10}" for i, label in enumerate(dict.fromkeys([*series, *(curves or {})]))}
     for label, values in series.items():
         for ax, (prefix, _, _) in zip(axes, panels):
             points = sorted(
