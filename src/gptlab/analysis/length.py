@@ -111,7 +111,7 @@ def plot_summary(summary: dict[str, Any], path: str | Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from gptlab.eval.length import binned
+    from gptlab.eval.plots import binned
 
     context = summary["train_context"][0]
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))

@@ -37,6 +37,7 @@ from gptlab.data.shards import (
     TokenShards,
     read_index,
     token_counts,
+    token_dtype,
     token_folder,
     unigram_entropy,
     write_index,
@@ -114,10 +115,6 @@ def split_single_document(text: str, val_fraction: float) -> tuple[str, str]:
         boundary = text.rfind(" ", 0, cut)
     cut = boundary if boundary > 0 else cut
     return text[:cut], text[cut:]
-
-
-def token_dtype(vocab_size: int) -> np.dtype:
-    return np.dtype(np.uint16) if vocab_size <= np.iinfo(np.uint16).max + 1 else np.dtype(np.uint32)
 
 
 # ---- reading the documents in batches ---------------------------------------------------------------

@@ -23,6 +23,12 @@ import numpy as np
 
 from gptlab.errors import DataError
 
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """The smallest unsigned dtype that holds every id: uint16 up to 65,536 ids (GPT-2's 50,257), else uint32."""
+    return np.dtype(np.uint16) if vocab_size <= np.iinfo(np.uint16).max + 1 else np.dtype(np.uint32)
+
+
 INDEX = "index.json"
 LLMC_MAGIC = 20240520
 LLMC_VERSION = 1

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from gptlab.errors import ConfigError
-from gptlab.eval import passkey
+from gptlab.eval import passkey, plots
 from gptlab.model.gpt import GPT
 from gptlab.runs.layout import LENGTH_FILE
 
@@ -214,79 +214,13 @@ def format_table(result: dict[str, Any]) -> str:
 # ---- outputs --------------------------------------------------------------------------------------
 
 
-def _pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def plot_result(result: dict[str, Any], out_dir: Path) -> list[Path]:
-    """loss_vs_length.png (loss against the context, one line per variant) and loss_by_position.png (loss at
-    each position of the longest context each variant ran at, averaged in bins)."""
-    plt = _pyplot()
-    train_context = result["train_context"]
-    paths = []
-
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for name, entries in result["variants"].items():
-        points = sorted((e["context"], e["loss"]) for e in entries.values() if "loss" in e)
-        if name != result["pos"] and str(1) in result["variants"][result["pos"]]:
-            first = result["variants"][result["pos"]]["1"]
-            if "loss" in first:
-                points = [(first["context"], first["loss"]), *points]
-        if points:
-            ax.plot(*zip(*points), marker="o", label=name)
-    ax.set_xscale("log", base=2)
-    ax.axvline(train_context, color="grey", linestyle=":", label="training context")
-    ax.set_xlabel("evaluation context (tokens)")
-    ax.set_ylabel("validation loss (nats)")
-    ax.set_title(f"pos={result['pos']}: loss against context length")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    paths.append(out_dir / "loss_vs_length.png")
-    fig.savefig(paths[-1], dpi=100)
-    plt.close(fig)
-
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for name, entries in result["variants"].items():
-        runs = [e for e in entries.values() if "loss_by_position" in e]
-        if not runs:
-            continue
-        longest = max(runs, key=lambda e: e["context"])
-        x, y = binned(np.asarray(longest["loss_by_position"]))
-        ax.plot(x, y, label=f"{name} ({longest['context']} tokens)")
-    ax.axvline(train_context, color="grey", linestyle=":", label="training context")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("token position")
-    ax.set_ylabel("validation loss (nats)")
-    ax.set_title(f"pos={result['pos']}: loss by token position")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    paths.append(out_dir / "loss_by_position.png")
-    fig.savefig(paths[-1], dpi=100)
-    plt.close(fig)
-    return paths
-
-
-def binned(values: np.ndarray, bins: int = 64) -> tuple[np.ndarray, np.ndarray]:
-    """Average ``values`` (T,) over log-spaced position bins: readable curves at any T. Returns the bins'
-    mean positions (1-based) and mean values."""
-    edges = np.unique(np.geomspace(1, len(values) + 1, bins + 1).astype(int))
-    x = [(lo + hi - 1) / 2 for lo, hi in zip(edges[:-1], edges[1:])]
-    y = [values[lo - 1 : hi - 1].mean() for lo, hi in zip(edges[:-1], edges[1:])]
-    return np.asarray(x), np.asarray(y)
-
-
 def write_outputs(result: dict[str, Any], out_dir: str | Path) -> list[Path]:
     """``length.json`` and the plots in ``out_dir``; returns their paths."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / RESULT_FILE
     path.write_text(json.dumps(result, indent=1))
-    return [path, *plot_result(result, out_dir)]
+    return [path, *plots.plot_length_result(result, out_dir)]
 
 
 def log_to_wandb(result: dict[str, Any], images: Sequence[Path], run: Any) -> None:

@@ -101,9 +101,9 @@ def plot_long_context(
     and, when given, the true key's log-probability per token; then, when given, the loss by position. One
     line per label. ``series``: label -> {"ppl@2x": ..., "passkey@2x": ..., "key_logprob@2x": ...};
     ``curves``: label -> loss at each position."""
-    from gptlab.eval.length import _pyplot, binned
+    from gptlab.eval.plots import binned, pyplot
 
-    plt = _pyplot()
+    plt = pyplot()
     panels = [
         ("ppl@", "Perplexity against context", "validation perplexity"),
         ("passkey@", "Passkey retrieval", "accuracy (over depths)"),
@@ -147,47 +147,6 @@ def plot_long_context(
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=90)
-    plt.close(fig)
-    return path
-
-
-def plot_heatmap(result: dict[str, Any], path: Path) -> Path:
-    """Accuracy per (length, depth bin); cells that could not run are grey and say why in short."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    bins, factors = result["depth_bins"], result["factors"]
-    grid = np.full((len(factors), len(bins)), np.nan)
-    for i, f in enumerate(factors):
-        for j, b in enumerate(bins):
-            cell = result.get("cells", {}).get(str(f), {}).get(b, {})
-            grid[i, j] = cell.get("accuracy", np.nan)
-    fig, ax = plt.subplots(figsize=(1.2 * len(bins) + 2.5, 0.6 * len(factors) + 1.8))
-    cmap = matplotlib.colormaps["viridis"].with_extremes(bad="lightgrey")
-    image = ax.imshow(np.ma.masked_invalid(grid), cmap=cmap, vmin=0, vmax=1, aspect="auto")
-    for i, f in enumerate(factors):
-        for j, b in enumerate(bins):
-            cell = result.get("cells", {}).get(str(f), {}).get(b, {})
-            text = passkey.format_cell(cell) if cell else "-"
-            ax.text(
-                j,
-                i,
-                text,
-                ha="center",
-                va="center",
-                fontsize=8,
-                color="black" if math.isnan(grid[i, j]) or grid[i, j] > 0.5 else "white",
-            )
-    ax.set_xticks(range(len(bins)), [f"{b}" for b in bins])
-    ax.set_yticks(range(len(factors)), [f"{f}x ({f * result['train_context']})" for f in factors])
-    ax.set_xlabel("depth of the key in the filler")
-    ax.set_ylabel("prompt length (tokens)")
-    ax.set_title(f"pos={result['pos']}: passkey accuracy" + (" (not run)" if "error" in result else ""))
-    fig.colorbar(image, ax=ax, label="accuracy")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
 

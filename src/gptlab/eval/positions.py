@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from gptlab.eval.length import _pyplot
+from gptlab.eval.plots import pyplot
 from gptlab.model.gpt import GPT
 
 
@@ -59,7 +59,7 @@ def plot_scheme(
     model: GPT, out_dir: str | Path, n: int | None = None, label: str | None = None
 ) -> list[Path]:
     """Every picture that applies to the model's scheme, as ``<label>_{table,similarity,bias}.png``."""
-    plt = _pyplot()
+    plt = pyplot()
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     n = n or model.config.block_size
