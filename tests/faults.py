@@ -60,7 +60,7 @@ elif kind == "kill_in_save":
 
     model_parallel._distributed_checkpoint_save = save
 elif kind == "kill_mid_swap":
-    from gptlab.lit.checkpointing import atomic
+    from gptlab.parallel import checkpoint_io as atomic
 
     if rank == 0 and os.getpgid(0) != os.getpid():
         raise SystemExit(

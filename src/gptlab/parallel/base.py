@@ -87,6 +87,6 @@ class StrategyChoice:
         """Trainer plugins this strategy's checkpoints need: an atomic single-file writer where rank 0
         writes one file; none for checkpoint directories, which the built strategy writes atomically itself
         (`gptlab.parallel.lightning_strategies`)."""
-        from gptlab.lit.checkpointing.atomic import AtomicCheckpointIO
+        from gptlab.parallel.checkpoint_io import AtomicCheckpointIO
 
         return [] if self.writes_directory() else [AtomicCheckpointIO()]

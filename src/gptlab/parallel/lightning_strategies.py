@@ -9,7 +9,7 @@ from typing import Any
 
 from lightning.pytorch.strategies import DeepSpeedStrategy, ModelParallelStrategy
 
-from gptlab.lit.checkpointing.atomic import AtomicCheckpointIO, save_directory_atomically
+from gptlab.parallel.checkpoint_io import AtomicCheckpointIO, save_directory_atomically
 
 
 class FullyShardedStrategy(ModelParallelStrategy):

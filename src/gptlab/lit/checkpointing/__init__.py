@@ -1,7 +1,8 @@
 """Checkpoints that survive kills.
 
 - `guard`: a non-finite loss on any rank stops every rank at the same step; no non-finite state is saved.
-- `atomic`: files and sharded directories written beside their target, then renamed into place.
+- atomic writes (``gptlab.parallel.checkpoint_io``, the strategies' checkpoint I/O): files and sharded
+  directories written beside their target, then renamed into place; re-exported here.
 - `periodic`: ``checkpoints/last.ckpt`` every N steps and at the end.
 - `signals`: SIGTERM and SLURM's SIGUSR1 handled the same way, at a step boundary on every rank.
 - `rng`: the RNG states saved with each checkpoint.
@@ -9,12 +10,12 @@
 """
 
 from gptlab.errors import NonFiniteLossError
-from gptlab.lit.checkpointing.atomic import AtomicCheckpointIO, restore_interrupted_saves
 from gptlab.lit.checkpointing.fit import RunIdentity, fault_tolerance_callbacks, fit
 from gptlab.lit.checkpointing.guard import check_finite_loss, state_is_finite
 from gptlab.lit.checkpointing.periodic import PeriodicLastCheckpoint
 from gptlab.lit.checkpointing.rng import collect_rng_states, restore_rng_states
 from gptlab.lit.checkpointing.signals import StopOnSignal
+from gptlab.parallel.checkpoint_io import AtomicCheckpointIO, restore_interrupted_saves
 
 __all__ = [
     "AtomicCheckpointIO",

@@ -4,6 +4,7 @@ A single file is written beside its target and renamed over it (``os.replace``, 
 directory (a sharded FSDP or DeepSpeed checkpoint) is written whole beside its target, then swapped in by
 two renames: the old directory aside, the new one into place. A kill between those two renames leaves the
 old directory under its aside name; `restore_interrupted_saves` puts it back before a run resumes.
+The strategies install it as their checkpoint I/O plugin (``parallel.lightning_strategies``).
 """
 
 from __future__ import annotations
