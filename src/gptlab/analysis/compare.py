@@ -44,12 +44,9 @@ class Comparison:
 def plot_val_loss(rows: list[Row], path: Path, title: str = "") -> Path:
     """Validation loss against step, one line per choice: the mean over seeds at the steps every seed
     logged, and a band of ± one standard deviation."""
-    import matplotlib
+    from gptlab.eval.plots import pyplot, save_figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7.5, 4.5), dpi=120)
+    fig, ax = pyplot().subplots(figsize=(7.5, 4.5), dpi=120)
     for row in rows:
         curves = [dict(r.val_loss) for r in row.runs]
         steps = sorted(set.intersection(*(set(c) for c in curves)))
@@ -67,11 +64,7 @@ def plot_val_loss(rows: list[Row], path: Path, title: str = "") -> Path:
     ax.set_title(title or "Validation loss: mean ± std over seeds")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 # ---- provenance -----------------------------------------------------------------------------------------

@@ -106,12 +106,9 @@ def format_table(summary: dict[str, Any]) -> str:
 
 
 def plot_summary(summary: dict[str, Any], path: str | Path) -> Path:
-    import matplotlib
+    from gptlab.eval.plots import binned, pyplot, save_figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from gptlab.eval.plots import binned
+    plt = pyplot()
 
     context = summary["train_context"][0]
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
@@ -138,12 +135,7 @@ def plot_summary(summary: dict[str, Any], path: str | Path) -> Path:
     ylo = min(c["mean"] for row in summary["table"].values() for c in row.values() if c["n"])
     left.set_ylim(bottom=ylo - 0.1, top=min(left.get_ylim()[1], ylo + 3))
     right.set_ylim(bottom=ylo - 0.3, top=min(right.get_ylim()[1], ylo + 3))
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=80)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, dpi=80)
 
 
 def summarize(

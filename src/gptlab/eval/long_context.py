@@ -101,7 +101,7 @@ def plot_long_context(
     and, when given, the true key's log-probability per token; then, when given, the loss by position. One
     line per label. ``series``: label -> {"ppl@2x": ..., "passkey@2x": ..., "key_logprob@2x": ...};
     ``curves``: label -> loss at each position."""
-    from gptlab.eval.plots import binned, pyplot
+    from gptlab.eval.plots import binned, pyplot, save_figure
 
     plt = pyplot()
     panels = [
@@ -144,11 +144,7 @@ def plot_long_context(
         ax.set_ylabel("validation loss (nats)")
         ax.set_title("Loss by position")
     axes[0].legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, dpi=90)
 
 
 # ---- a sweep's passkey table ----------------------------------------------------------------------

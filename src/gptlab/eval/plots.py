@@ -20,6 +20,18 @@ def pyplot() -> Any:
     return plt
 
 
+def save_figure(fig: Any, path: str | Path, dpi: float | str = "figure") -> Path:
+    """Lay ``fig`` out, write it to ``path`` (making its folder) and close it; returns the path."""
+    import matplotlib.pyplot as plt
+
+    path = Path(path)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
+    return path
+
+
 def plot_length_result(result: dict[str, Any], out_dir: Path) -> list[Path]:
     """loss_vs_length.png (loss against the context, one line per variant) and loss_by_position.png (loss at
     each position of the longest context each variant ran at, averaged in bins)."""
@@ -42,10 +54,7 @@ def plot_length_result(result: dict[str, Any], out_dir: Path) -> list[Path]:
     ax.set_ylabel("validation loss (nats)")
     ax.set_title(f"pos={result['pos']}: loss against context length")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    paths.append(out_dir / "loss_vs_length.png")
-    fig.savefig(paths[-1], dpi=100)
-    plt.close(fig)
+    paths.append(save_figure(fig, out_dir / "loss_vs_length.png", dpi=100))
 
     fig, ax = plt.subplots(figsize=(6, 4))
     for name, entries in result["variants"].items():
@@ -61,10 +70,7 @@ def plot_length_result(result: dict[str, Any], out_dir: Path) -> list[Path]:
     ax.set_ylabel("validation loss (nats)")
     ax.set_title(f"pos={result['pos']}: loss by token position")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    paths.append(out_dir / "loss_by_position.png")
-    fig.savefig(paths[-1], dpi=100)
-    plt.close(fig)
+    paths.append(save_figure(fig, out_dir / "loss_by_position.png", dpi=100))
     return paths
 
 
@@ -114,7 +120,4 @@ def plot_passkey_heatmap(
     ax.set_ylabel("prompt length (tokens)")
     ax.set_title(f"pos={result['pos']}: passkey accuracy" + (" (not run)" if "error" in result else ""))
     fig.colorbar(image, ax=ax, label="accuracy")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, dpi=100)

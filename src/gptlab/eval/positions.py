@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from gptlab.eval.plots import pyplot
+from gptlab.eval.plots import pyplot, save_figure
 from gptlab.model.gpt import GPT
 
 
@@ -74,7 +74,7 @@ def plot_scheme(
         ax.set_ylabel("embedding dimension")
         ax.set_title(f"pos={model.config.pos}: position vectors")
         fig.colorbar(image, ax=ax)
-        written.append(_save(fig, out_dir / f"{label}_table.png", plt))
+        written.append(save_figure(fig, out_dir / f"{label}_table.png", dpi=72))
 
     similarity = position_similarity(model, n)
     if similarity is not None:
@@ -84,7 +84,7 @@ def plot_scheme(
         ax.set_ylabel("position i")
         ax.set_title(f"pos={model.config.pos}: cosine similarity of positions")
         fig.colorbar(image, ax=ax)
-        written.append(_save(fig, out_dir / f"{label}_similarity.png", plt))
+        written.append(save_figure(fig, out_dir / f"{label}_similarity.png", dpi=72))
 
     bias = attention_bias(model, n)
     if bias is not None:
@@ -102,12 +102,5 @@ def plot_scheme(
             ax.set_ylabel("query i", fontsize=8)
             fig.colorbar(image, ax=ax, fraction=0.046)
         fig.suptitle(f"pos={model.config.pos}: attention bias per head")
-        written.append(_save(fig, out_dir / f"{label}_bias.png", plt))
+        written.append(save_figure(fig, out_dir / f"{label}_bias.png", dpi=72))
     return written
-
-
-def _save(fig, path: Path, plt) -> Path:
-    fig.tight_layout()
-    fig.savefig(path, dpi=72)
-    plt.close(fig)
-    return path

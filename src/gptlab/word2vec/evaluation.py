@@ -192,11 +192,9 @@ def neighbour_overlap(kv_a, kv_b, words: list[str], topn: int = 10) -> float:
 
 def pca_plot(kv, path: Path, words: list[str] | None = None, title: str = "") -> Path | None:
     """The chosen words' vectors projected on their first two principal components, as a labelled PNG."""
-    import matplotlib
+    from gptlab.eval.plots import pyplot, save_figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     chosen = [w for w in (words or PLOT_WORDS) if w in kv.key_to_index]
     if len(chosen) < 3:
         chosen = frequent_words(kv, 30)
@@ -215,12 +213,7 @@ def pca_plot(kv, path: Path, words: list[str] | None = None, title: str = "") ->
     ax.set_title(f"{title} PCA of {len(chosen)} words ({100 * explained:.0f}% of variance)".strip())
     ax.set_xlabel("PC 1")
     ax.set_ylabel("PC 2")
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, dpi=110)
 
 
 def evaluate(kv, neighbour_words: list[str] | None = None) -> dict[str, Any]:
