@@ -1,8 +1,9 @@
 """Compare the runs of a sweep: `python scripts/compare.py outputs/multirun/<date>/<time>`.
 
-Writes comparison.md (the choices sorted by final validation loss: mean ± std over seeds, whether each differs
-from the best or --baseline beyond seed noise by Welch's t-test, throughput, perplexity at longer contexts;
-the length study's table when the runs hold one; the commit and the commands), val_loss.png and
+Writes comparison.md (the conditions sorted by final validation loss: mean ± std over seeds, the difference to
+the best or --baseline with its 95% interval and Welch's t-test, Holm-adjusted over the table, throughput,
+perplexity at longer contexts; unfinished runs listed apart with their step; the length study's table when
+the runs hold one; the commit and the commands), val_loss.png and
 loss_vs_context.png into the sweep directory, or --out, and prints the tables. --readme FILE also replaces the
 block between `<!-- comparison: NAME -->` and `<!-- /comparison: NAME -->` in FILE (NAME: the sweep
 directory's name), so one command regenerates a README's table from one sweep directory.
@@ -33,6 +34,18 @@ def main(argv: list[str] | None = None) -> int:
         "--baseline", default=None, help="the choice each row is tested against, e.g. pos=learned"
     )
     parser.add_argument("--alpha", type=float, default=DEFAULT_ALPHA, help="significance level (0.05)")
+    parser.add_argument(
+        "--ignore",
+        action="append",
+        default=[],
+        metavar="KEY",
+        help="a key that does not define a condition (runs differing in it pool as seeds); repeatable",
+    )
+    parser.add_argument(
+        "--include-unfinished",
+        action="store_true",
+        help="rank killed, stopped or running runs too, at the step they reached (marked in the table)",
+    )
     parser.add_argument("--readme", default=None, help="a markdown file whose comparison block to replace")
     parser.add_argument(
         "--name", default=None, help="with --readme: the block's name (default: sweep dir name)"
@@ -57,15 +70,30 @@ def main(argv: list[str] | None = None) -> int:
                 args.wandb, args.group, args.out or "comparison", args.baseline, args.alpha
             )
         else:
-            result = compare(args.sweep_dir, args.out, args.source, args.baseline, args.alpha, command)
+            result = compare(
+                args.sweep_dir,
+                args.out,
+                args.source,
+                args.baseline,
+                args.alpha,
+                command,
+                args.ignore,
+                args.include_unfinished,
+            )
         if args.readme:
             update_readme(args.readme, args.name or Path(args.sweep_dir or args.group).name, result)
     except DataError as e:
         print(f"compare: error: {e}", file=sys.stderr)
         return 2
     print(result.table)
+    if result.unfinished:
+        print(f"\nUnfinished ({'ranked above' if args.include_unfinished else 'not ranked'}):")
+        for run in result.unfinished:
+            print(f"  {run.path}: {run.describe_status()}")
     if result.length_table:
         print(f"\n{result.length_table}")
+    for path, note in result.notes:
+        print(f"read {path}: {note}", file=sys.stderr)
     for path, reason in result.skipped:
         print(f"skipped {path}: {reason}", file=sys.stderr)
     print(f"\nTable: {result.markdown_path}\nCurves: {result.plot_path}", flush=True)

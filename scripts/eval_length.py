@@ -20,8 +20,10 @@ import sys
 from pathlib import Path
 
 from gptlab.analysis import length as sweep
+from gptlab.analysis.table import condition_labels
 from gptlab.errors import ConfigError, DataError
 from gptlab.eval import length, long_context
+from gptlab.runs import find_run_dirs
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -47,7 +49,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.sweep:
             table = sweep.summarize(args.sweep, plot=args.plot)
             print(table)
-            passkey_table = long_context.passkey_sweep_table(long_context.collect_passkey(args.sweep))
+            _, conditions = condition_labels([p for d in args.sweep for p in find_run_dirs(d)])
+            passkey_table = long_context.passkey_sweep_table(
+                long_context.collect_passkey(args.sweep, conditions)
+            )
             if passkey_table:
                 (Path(args.sweep[0]) / "passkey_summary.md").write_text(passkey_table + "\n")
                 print("\nPasskey retrieval (accuracy over depths and trials):\n" + passkey_table)

@@ -1,5 +1,6 @@
-"""The comparison of a sweep, on a small real sweep: `python train.py -m pos=learned,rope seed=0,1` with the
-length study on, then `scripts/compare.py` over its directory. Every figure of the table is checked against
+"""The comparison of a sweep, on a small real sweep: `python train.py -m pos=learned,rope
+activation=gelu,swiglu seed=0,1` with the length study on, then `scripts/compare.py` over its directory. A
+condition is a (pos, activation) pair, with two seeds each. Every figure of the table is checked against
 what the runs themselves wrote (their W&B files and eval_length/length.json)."""
 
 import math
@@ -15,7 +16,7 @@ from scipy import stats
 
 from gptlab.analysis.compare import compare, write_comparison
 from gptlab.analysis.records import read_run_dir
-from gptlab.analysis.stats import verdict, welch
+from gptlab.analysis.stats import contrasts, difference_interval, holm, verdict, welch
 from gptlab.errors import DataError
 from gptlab.runs import Run, find_run_dirs
 from gptlab.runs.naming import identity, is_sweep_value, swept_keys_of
@@ -31,6 +32,7 @@ SWEEP = [
     "eval_length.max_tokens=512",
     "logger=[csv,wandb]",
     "pos=learned,rope",
+    "activation=gelu,swiglu",
     "seed=0,1",
 ]
 
@@ -43,18 +45,23 @@ def sweep(tmp_path_factory):
     return root, sweep_dir
 
 
-def final_losses(sweep_dir) -> dict[str, list[float]]:
-    """pos -> the final val/loss of each of its runs, from the runs' W&B files."""
-    out: dict[str, list[float]] = {}
+def final_losses(sweep_dir) -> dict[tuple[str, str], list[float]]:
+    """(pos, activation) -> the final val/loss of each of its runs, from the runs' W&B files."""
+    out: dict[tuple[str, str], list[float]] = {}
     for run_dir in find_run_dirs(sweep_dir):
         run = read_run(find_runs(run_dir)[0])
-        out.setdefault(run.config["pos"]["name"], []).append(run.metric("val/loss")[-1][1])
+        condition = (run.config["pos"]["name"], run.config["activation"]["name"])
+        out.setdefault(condition, []).append(run.metric("val/loss")[-1][1])
     return out
 
 
 def table_rows(text: str) -> list[list[str]]:
     lines = [line for line in text.splitlines() if line.startswith("| ")]
     return [[c.strip() for c in line.strip("|").split("|")] for line in lines]
+
+
+def p_cell(p: float) -> str:
+    return "p<0.001" if p < 0.001 else f"p={p:.2g}" if p < 0.1 else f"p={p:.2f}"
 
 
 def test_every_run_ends_with_a_validation_at_its_last_step(sweep):
@@ -67,39 +74,61 @@ def test_every_run_ends_with_a_validation_at_its_last_step(sweep):
         assert result["global_step"] == 7 and result["finished"]
         assert result["metrics"]["val/loss"] == pytest.approx(wandb_run.metric("val/loss")[-1][1], rel=1e-6)
         assert wandb_run.summary["val/loss"] == pytest.approx(result["metrics"]["val/loss"], rel=1e-6)
+        # which run it is: run.json's id, in result.json with the W&B run's
+        assert result["run_id"] == Run(run_dir).info().run_id and result["wandb_run_id"] == wandb_run.run_id
 
 
-def test_table_has_a_row_per_choice_with_spread_seeds_and_significance(sweep, capsys):
+def test_a_row_per_condition_with_intervals_and_holm_adjusted_tests(sweep, capsys):
     root, sweep_dir = sweep
     script = runpy.run_path(str(ROOT / "scripts" / "compare.py"))
     assert script["main"]([str(sweep_dir), "--source", "wandb"]) == 0
     printed = capsys.readouterr().out
     header, *rows = table_rows(printed.split("\n\n")[0])
-    assert header[:5] == ["#", "pos", "seeds", "val/loss", "vs best"]
-    assert header[9:11] == ["ppl@1x", "ppl@2x"]  # then the passkey study's columns, which it also ran
+    assert header[:7] == [
+        "#",
+        "pos",
+        "activation",
+        "seeds",
+        "val/loss",
+        "Δ vs best (95% CI)",
+        "vs best (Holm)",
+    ]
+    assert header[11:13] == ["ppl@1x", "ppl@2x"]  # then the passkey study's columns, which it also ran
 
     finals = final_losses(sweep_dir)
-    by_mean = sorted(finals, key=lambda p: statistics.fmean(finals[p]))
-    assert [r[1] for r in rows] == by_mean and [r[2] for r in rows] == ["2", "2"]
-    best, other = by_mean
+    by_mean = sorted(finals, key=lambda c: statistics.fmean(finals[c]))
+    assert [tuple(r[1:3]) for r in rows] == by_mean and [r[3] for r in rows] == ["2"] * 4
     for row in rows:
-        mean, std = (float(x) for x in row[3].split(" ± "))
-        assert mean == pytest.approx(statistics.fmean(finals[row[1]]), abs=1e-4)
-        assert std == pytest.approx(statistics.stdev(finals[row[1]]), abs=1e-4)
-    assert rows[0][4] == "reference"
-    # the second row's verdict is Welch's test of the two sets of final losses
-    p = stats.ttest_ind(finals[other], finals[best], equal_var=False).pvalue
-    assert rows[1][4].endswith(f"p={'<0.001' if p < 0.001 else f'{p:.2g}' if p < 0.1 else f'{p:.2f}'}")
-    assert rows[1][4].startswith("worse" if p < 0.05 else "within noise")
+        mean, std = (float(x) for x in row[4].split(" ± "))
+        assert mean == pytest.approx(statistics.fmean(finals[tuple(row[1:3])]), abs=1e-4)
+        assert std == pytest.approx(statistics.stdev(finals[tuple(row[1:3])]), abs=1e-4)
+    assert rows[0][5] == "-" and rows[0][6] == "reference"
+    # each other row: Welch's test against the best, p-values Holm-adjusted over the three tests, and the
+    # difference of means with scipy's 95% Welch interval
+    best = finals[by_mean[0]]
+    tests = [stats.ttest_ind(finals[c], best, equal_var=False) for c in by_mean[1:]]
+    raw = [t.pvalue for t in tests]
+    order = sorted(range(3), key=lambda i: raw[i])
+    adjusted, running = [0.0] * 3, 0.0
+    for rank, i in enumerate(order):
+        running = max(running, min(1.0, (3 - rank) * raw[i]))
+        adjusted[i] = running
+    for row, test, p in zip(rows[1:], tests, adjusted):
+        assert row[6] == f"{'worse' if p < 0.05 else 'within noise'}, {p_cell(p)}"
+        low, high = test.confidence_interval(0.95)
+        difference = statistics.fmean(finals[tuple(row[1:3])]) - statistics.fmean(best)
+        assert row[5] == f"{difference:+.4f} [{low:+.4f}, {high:+.4f}]"
+    text = (sweep_dir / "comparison.md").read_text()
+    assert "A condition is what a run set for `pos`, `activation`" in text and "Holm's method" in text
 
 
-def test_length_columns_come_from_the_length_study_of_each_run(sweep):
+def test_length_table_has_a_row_per_condition(sweep):
     _, sweep_dir = sweep
     result = compare(sweep_dir, sweep_dir / "report")
     for row in result.rows:
         pos = row.choice["pos"]
         studies = [Run(r.path).length_result() for r in row.runs]
-        assert all(s is not None and s["pos"] == pos for s in studies)
+        assert all(s is not None and s["pos"] == pos for s in studies) and len(studies) == 2
         ppl1 = statistics.fmean(s["variants"][pos]["1"]["ppl"] for s in studies)
         assert row.outputs["length"]["ppl@1x"] == pytest.approx(ppl1)
         if pos == "learned":  # a 32-position table cannot run at 64 tokens
@@ -109,26 +138,54 @@ def test_length_columns_come_from_the_length_study_of_each_run(sweep):
             ppl2 = statistics.fmean(s["variants"][pos]["2"]["ppl"] for s in studies)
             assert row.outputs["length"]["ppl@2x"] == pytest.approx(ppl2)
     header, *rows = table_rows(result.table)
-    cells = {r[1]: dict(zip(header, r)) for r in rows}
-    assert cells["learned"]["ppl@2x"] == "n/a" and float(cells["rope"]["ppl@2x"]) > 1
-    # the length study's own table, with every rope scaling, is in comparison.md with its figure
-    text = result.markdown_path.read_text()
-    assert "| rope+ntk | 2 |" in text and "cannot run" in text
+    cells = {(r[1], r[2]): dict(zip(header, r)) for r in rows}
+    assert cells[("learned", "gelu")]["ppl@2x"] == "n/a" and float(cells[("rope", "swiglu")]["ppl@2x"]) > 1
+    # the length study's own table: one row per condition (not one per scheme), each with its two seeds,
+    # then RoPE's context scalings per condition
+    as_trained, scalings = result.length_table.split("\n\n")
+    length_rows = {r[0]: r for r in table_rows(as_trained)[1:]}
+    assert sorted(length_rows) == sorted(f"pos={p} activation={a}" for p, a in final_losses(sweep_dir))
+    for name, row in length_rows.items():
+        pos, activation = (part.split("=")[1] for part in name.split())
+        losses = [
+            Run(r.path).length_result()["variants"][pos]["1"]["loss"]
+            for table_row in result.rows
+            if (table_row.choice["pos"], table_row.choice["activation"]) == (pos, activation)
+            for r in table_row.runs
+        ]
+        assert row[1] == "2" and row[2] == f"{statistics.fmean(losses):.3f} ± {statistics.stdev(losses):.3f}"
+        assert (row[3] == "cannot run") == (pos == "learned")
+    assert "| pos=rope activation=gelu +ntk | 2 |" in scalings and "learned" not in scalings
     assert result.length_plot.stat().st_size > 10_000 and result.plot_path.stat().st_size > 10_000
 
 
 def test_baseline_and_single_seed_rows(sweep):
     _, sweep_dir = sweep
     records = [read_run_dir(p) for p in find_run_dirs(sweep_dir)]
-    result = compare(sweep_dir, sweep_dir / "vs_learned", baseline="pos=learned")
-    assert "| vs pos=learned |" in result.table
-    assert {r.choice["pos"]: r.significance for r in result.rows}["learned"] == "reference"
-    # one seed of rope left: its row cannot tell
-    one_rope = [r for r in records if not (r.overrides["pos"] == "rope" and r.overrides["seed"] == "1")]
-    single = write_comparison(one_rope, sweep_dir / "single", "single", sweep_dir, baseline="pos=learned")
-    assert {r.choice["pos"]: r.significance for r in single.rows}["rope"] == "cannot tell (1 seed)"
-    with pytest.raises(DataError, match="--baseline 'pos=alibi' matches 0 of the choices"):
-        compare(sweep_dir, sweep_dir / "x", baseline="pos=alibi")
+    result = compare(sweep_dir, sweep_dir / "vs_learned", baseline="pos=learned activation=gelu")
+    assert "| vs pos=learned activation=gelu (Holm) |" in result.table
+    verdicts = {(r.choice["pos"], r.choice["activation"]): r.significance for r in result.rows}
+    assert verdicts[("learned", "gelu")] == "reference"
+    # one seed of rope/gelu left: its row cannot tell
+    one_rope = [
+        r
+        for r in records
+        if not (
+            r.overrides["pos"] == "rope"
+            and r.overrides["activation"] == "gelu"
+            and r.overrides["seed"] == "1"
+        )
+    ]
+    single = write_comparison(
+        one_rope, sweep_dir / "single", "single", sweep_dir, baseline="pos=learned activation=gelu"
+    )
+    verdicts = {(r.choice["pos"], r.choice["activation"]): r.significance for r in single.rows}
+    assert verdicts[("rope", "gelu")] == "cannot tell (1 seed)"
+    with pytest.raises(DataError, match="--baseline 'pos=learned' matches 2 of the conditions"):
+        compare(sweep_dir, sweep_dir / "x", baseline="pos=learned")
+    # --ignore: the activation does not define a condition; its runs pool as four seeds per scheme
+    pooled = compare(sweep_dir, sweep_dir / "pooled", ignore=["activation"])
+    assert pooled.keys == ["pos"] and [len(r.runs) for r in pooled.rows] == [4, 4]
 
 
 def test_one_command_regenerates_the_readme_block_with_commit_and_commands(sweep, tmp_path):
@@ -164,7 +221,7 @@ def test_one_command_regenerates_the_readme_block_with_commit_and_commands(sweep
     ).stdout
     assert f"at commit {commit.strip()}" in text
     # the commands: the sweep's, from its multirun.yaml, and this one
-    assert "Trained with `python train.py -m" in text and "pos=learned,rope" in text
+    assert "Trained with `python train.py -m" in text and "activation=gelu,swiglu" in text
     assert f"Compared with `python scripts/compare.py {sweep_dir} --out {out} --readme {readme}`" in text
     tables = [line for line in (out / "comparison.md").read_text().splitlines() if line.startswith("|")]
     assert len(tables) > 8 and all(line in text for line in tables)
@@ -193,8 +250,26 @@ def test_welch_matches_the_textbook_sleep_data():
     assert verdict([1.0, 1.1, 1.05], [2.0, 2.1, 2.05]).startswith("better, p")
     assert verdict([3.0, 3.01, 3.02], [1.0, 1.01, 1.02]) == "worse, p<0.001"
     assert verdict([1.0], [2.0, 2.1]) == "cannot tell (1 seed)"
+    # the interval of the difference of means: R's t.test gives -3.3654832 to 0.2054832 (95%)
+    difference, low, high = difference_interval(drug1, drug2)
+    assert (difference, low, high) == pytest.approx((-1.58, -3.3654832, 0.2054832), abs=1e-6)
     assert welch([1.0, 1.0], [2.0, 2.0]).p == 0.0 and welch([1.0, 1.0], [1.0, 1.0]).p == 1.0
     assert math.isfinite(welch([1.0, 1.0], [2.0, 2.1]).p)
+
+
+def test_holm_adjusts_step_down_and_keeps_the_order():
+    # m = 4: the sorted p-values are multiplied by 4, 3, 2, 1 and made non-decreasing
+    assert holm([0.01, 0.04, 0.03, 0.005]) == pytest.approx([0.03, 0.06, 0.06, 0.02])
+    assert holm([0.5, 0.9]) == pytest.approx([1.0, 1.0]) and holm([]) == []
+    # three conditions of 2 seeds each against a reference: each row's p is its Welch p adjusted among the three
+    reference, close, far = [1.0, 1.02], [1.10, 1.13], [1.5, 1.51]
+    raw = welch(close, reference).p
+    out = contrasts([reference, close, far, [1.0, 1.03]], reference=0)
+    assert out[0].verdict == "reference" and out[1].p == pytest.approx(raw)
+    assert out[1].p_holm == pytest.approx(
+        holm([raw, welch(far, reference).p, welch([1.0, 1.03], reference).p])[0]
+    )
+    assert out[2].verdict.startswith("worse") and out[2].low > 0
 
 
 def test_names_groups_and_tags_come_from_the_overrides():

@@ -45,7 +45,8 @@ def resume_value(overrides: list[str]) -> str | None:
 
 
 def comparable(overrides: list[str]) -> list[str]:
-    return sorted(item for item in overrides if not item.startswith(RESUME_KEYS))
+    """The overrides that say what is trained: ``resume=`` and ``overwrite=`` say how a run starts."""
+    return sorted(item for item in overrides if not item.lstrip("+~").startswith(("resume=", "overwrite=")))
 
 
 def find_run_to_continue(overrides: list[str], root: Path) -> Path | None:
@@ -209,26 +210,52 @@ def unwritable_reason(path: Path) -> str | None:
     return None
 
 
+def _refuse(message: str) -> None:
+    import sys
+
+    print(f"\ngptlab: error: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(2)
+
+
 class CheckRunDirectory(HydraCallback):
-    """A Hydra callback: refuses an output directory that cannot be written before Hydra creates it, with
-    the fix, instead of a traceback from ``mkdir``."""
+    """A Hydra callback, before Hydra creates or writes the output directory: refuses one that cannot be
+    written (with the fix, instead of a traceback from ``mkdir``), and one that already holds another run
+    (:mod:`gptlab.runs.identity`), before Hydra rewrites that run's ``.hydra/``."""
 
     def _check(self, path: Any, key: str) -> None:
-        import sys
-
         reason = unwritable_reason(Path(str(path)))
         if reason:
-            print(
-                f"\ngptlab: error: the output directory {key}={path} cannot be created: {reason}. Choose a "
-                f"writable folder with {key}=<dir>, run from a folder you can write to (runs go under "
-                "./outputs), or fix the permissions.",
-                file=sys.stderr,
-                flush=True,
+            _refuse(
+                f"the output directory {key}={path} cannot be created: {reason}. Choose a writable folder "
+                f"with {key}=<dir>, run from a folder you can write to (runs go under ./outputs), or fix "
+                "the permissions."
             )
-            raise SystemExit(2)
 
     def on_run_start(self, config: Any, **kwargs: Any) -> None:
+        from gptlab.runs.identity import RunDirectoryInUse, claim_run_dir
+
         self._check(config.hydra.run.dir, "hydra.run.dir")
+        try:
+            claim_run_dir(
+                Path(str(config.hydra.run.dir)),
+                config.get("resume"),
+                bool(config.get("overwrite")),
+                include_hydra=True,
+                log=log,
+            )
+        except RunDirectoryInUse as e:
+            _refuse(str(e))
 
     def on_multirun_start(self, config: Any, **kwargs: Any) -> None:
+        from gptlab.runs.identity import RunDirectoryInUse, claim_sweep_dir
+
         self._check(config.hydra.sweep.dir, "hydra.sweep.dir")
+        try:
+            aside = claim_sweep_dir(
+                Path(str(config.hydra.sweep.dir)), config.get("resume"), bool(config.get("overwrite"))
+            )
+        except RunDirectoryInUse as e:
+            _refuse(str(e).replace("hydra.run.dir", "hydra.sweep.dir"))
+        else:
+            if aside is not None:
+                log.warning("overwrite=true: the earlier sweep's jobs are moved to %s", aside)

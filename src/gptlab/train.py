@@ -111,13 +111,25 @@ def model_summary(
 
 
 def start_run(cfg: DictConfig) -> Path:
-    """What every task does first: the run directory (checked writable, recorded as ``paths.output_dir``),
-    the seed checked and set everywhere. Returns the run directory."""
+    """What every task does first: the run directory (checked writable, recorded as ``paths.output_dir``,
+    claimed for this run alone: a directory holding another run is refused, or moved aside with
+    ``overwrite=true``; ``run.json`` names the run and this part of it), the seed checked and set
+    everywhere. Returns the run directory."""
+    from gptlab.runs.identity import claim_run_dir, continues_a_run, launched_rank, record_start
+
     run_dir = run_dir_of(cfg)
     check_writable(run_dir)
+    check_seed(cfg.seed)
     with open_dict(cfg):
         cfg.paths.output_dir = str(run_dir)
-    check_seed(cfg.seed)
+    restore_interrupted_saves(run_dir / "checkpoints")  # a kill mid-swap of a sharded checkpoint
+    resume, overwrite = cfg.get("resume"), bool(cfg.get("overwrite"))
+    # Inside a Hydra job .hydra/ is this run's own: Hydra wrote it after CheckRunDirectory had checked.
+    claim_run_dir(run_dir, resume, overwrite, include_hydra=not HydraConfig.initialized(), log=log)
+    if not launched_rank():
+        overrides = list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
+        continued = continues_a_run(resume, run_dir)
+        record_start(run_dir, continued, [str(o) for o in overrides], str(cfg.get("task", "gpt")))
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     return run_dir
 
@@ -169,7 +181,6 @@ def run(cfg: DictConfig) -> dict[str, float]:
         else None,
     )
     module.tokenizer = tokenizer
-    restore_interrupted_saves(run_dir / "checkpoints")  # a kill mid-swap of a sharded checkpoint
     resume = plan_resume(cfg.get("resume"), run_dir, model_config)
     if resume and resume.global_step >= trainer_cfg["max_steps"]:
         log.info(
@@ -183,6 +194,7 @@ def run(cfg: DictConfig) -> dict[str, float]:
     callbacks = build_callbacks(cfg) + fault_tolerance_callbacks() + [ValidateAtLastStep()]
 
     failed = True
+    trainer: L.Trainer | None = None
     try:
         trainer = L.Trainer(
             **trainer_cfg,
@@ -241,6 +253,11 @@ def run(cfg: DictConfig) -> dict[str, float]:
             _write_result(run_dir, metrics, step, trainer_cfg["max_steps"], stopped)
         failed = False
         return metrics
+    except Exception as e:
+        # A run that raised says so in result.json (the comparison lists it as failed, not killed).
+        if trainer is not None and trainer.is_global_zero:
+            _write_result(run_dir, {}, trainer.global_step, trainer_cfg["max_steps"], False, repr(e)[:300])
+        raise
     finally:
         finish_wandb(loggers, failed)
 
@@ -256,16 +273,31 @@ class ValidateAtLastStep(L.Callback):
             trainer.should_stop = True
 
 
-def _write_result(run_dir: Path, metrics: dict[str, float], step: int, max_steps: int, stopped: bool) -> None:
-    """``<run dir>/result.json``: what the run reported, its last step and the commit it ran at."""
+def _write_result(
+    run_dir: Path,
+    metrics: dict[str, float],
+    step: int,
+    max_steps: int,
+    stopped: bool,
+    failed: str | None = None,
+) -> None:
+    """``<run dir>/result.json``: what the run reported, its last step, whether it finished (or why not),
+    which run it is (``run.json``'s id, and its W&B run's) and the commit it ran at."""
+    import wandb
+
+    from gptlab.runs.identity import read_run_info
     from gptlab.runs.layout import Run, git_commit
 
+    info = read_run_info(run_dir)
     Run(run_dir).write_result(
         {
             "metrics": {k: v for k, v in metrics.items() if math.isfinite(v)},
             "global_step": step,
-            "finished": step >= max_steps > 0,
+            "finished": failed is None and step >= max_steps > 0,
             "stopped_by_signal": bool(stopped),
+            **({"failed": failed} if failed is not None else {}),
+            "run_id": info.run_id if info else None,
+            "wandb_run_id": wandb.run.id if wandb.run is not None else None,
             "git_commit": git_commit(),
         }
     )

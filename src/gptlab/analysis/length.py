@@ -1,7 +1,9 @@
 """The length evaluations of a sweep (one ``<job>/eval_length/length.json`` per run) in one table and one
-figure: the mean and standard deviation over seeds of the validation loss for each scheme (and each context
-scaling) at each multiple of the training context. Rows are ordered by the metric: the mean loss at the
-training context, then the name."""
+figure: the mean and standard deviation over seeds of the validation loss for each condition (and each
+context scaling of its scheme) at each multiple of the training context. A condition is what the runs set for
+the keys that differ between them, the seed excepted (:mod:`gptlab.analysis.table`): two runs of one scheme
+with different activations are two rows, not two seeds of one. Rows are ordered by the metric: the mean loss
+at the training context, then the name."""
 
 from __future__ import annotations
 
@@ -15,27 +17,33 @@ from typing import Any
 import numpy as np
 
 from gptlab.errors import DataError
+from gptlab.eval.long_context import row_name
 from gptlab.runs.layout import EVAL_LENGTH_DIR, LENGTH_FILE, Run, find_run_dirs
 
 
-def collect(sweep_dirs: str | Path | Sequence[str | Path]) -> list[dict[str, Any]]:
-    """Every run's length result below the sweep directories, with its seed and run directory."""
+def collect(
+    sweep_dirs: str | Path | Sequence[str | Path], ignore: Sequence[str] = ()
+) -> list[dict[str, Any]]:
+    """Every run's length result below the sweep directories, with its seed, run directory and condition
+    (``ignore``: keys left out of the condition)."""
+    from gptlab.analysis.table import condition_labels
+
     if isinstance(sweep_dirs, (str, Path)):
         sweep_dirs = [sweep_dirs]
-    results = []
-    for path in (p for d in sweep_dirs for p in find_run_dirs(d)):
-        run = Run(path)
-        result = run.length_result()
-        if result is not None:
-            result["seed"] = run.config().get("seed")
-            result["job_dir"] = str(run.path)
-            results.append(result)
-    if not results:
+    runs = [Run(path) for d in sweep_dirs for path in find_run_dirs(d)]
+    found = [(run, result) for run in runs if (result := run.length_result()) is not None]
+    if not found:
         raise DataError(
             f"{', '.join(map(str, sweep_dirs))} hold(s) no <run>/{EVAL_LENGTH_DIR}/{LENGTH_FILE}: train the sweep "
             "with eval_length.enabled=true (experiment=pos_sweep does) or run scripts/eval_length.py on each run."
         )
-    return results
+    _, labels = condition_labels([run.path for run, _ in found], ignore)
+    return [label(result, run, labels[run.path]) for run, result in found]
+
+
+def label(result: dict[str, Any], run: Run, condition: str) -> dict[str, Any]:
+    """``result`` with the seed, run directory and condition that its table row is keyed on."""
+    return {**result, "seed": run.config().get("seed"), "job_dir": str(run.path), "condition": condition}
 
 
 def aggregate(results: list[dict[str, Any]]) -> dict[str, Any]:
@@ -44,11 +52,15 @@ def aggregate(results: list[dict[str, Any]]) -> dict[str, Any]:
     errors: dict[str, dict[int, str]] = defaultdict(dict)
     curves: dict[str, list[np.ndarray]] = defaultdict(list)
     factors: set[int] = set()
+    scaled: set[str] = set()  # rows of a context scaling (rope+ntk), beside the scheme as trained
     contexts = {r["train_context"] for r in results}
     for r in results:
         factors.update(r["factors"])
         base = r["variants"][r["pos"]]
-        for name, entries in r["variants"].items():
+        for variant, entries in r["variants"].items():
+            name = row_name(r, variant)
+            if variant != r["pos"]:
+                scaled.add(name)
             merged = {**base, **entries}  # a scaled variant is the model as trained at 1x
             for factor, entry in merged.items():
                 if "loss" in entry:
@@ -82,27 +94,38 @@ def aggregate(results: list[dict[str, Any]]) -> dict[str, Any]:
         "train_context": sorted(contexts),
         "by_position": by_position,
         "runs": len(results),
+        "scaled": sorted(scaled),
     }
 
 
 def format_table(summary: dict[str, Any]) -> str:
+    """One row per condition as trained; then, when any scheme was also evaluated with a context scaling
+    (RoPE's linear, NTK, YaRN), a second table of those rows."""
     (context, *others) = summary["train_context"]
     factors = summary["factors"]
-    head = "| scheme | seeds | " + " | ".join(
-        f"{f}x ({f * context})" if not others else f"{f}x" for f in factors
-    )
-    lines = [head + " |", "|---|---:" + "|---:" * len(factors) + "|"]
-    for name, row in summary["table"].items():
-        seeds = max(c["n"] for c in row.values())
-        cells = []
-        for f in factors:
-            cell = row[f]
-            if cell["n"]:
-                cells.append(f"{cell['mean']:.3f} ± {cell['std']:.3f}")
-            else:
-                cells.append("cannot run" if cell["error"] else "")
-        lines.append(f"| {name} | {seeds} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    head = " | ".join(f"{f}x ({f * context})" if not others else f"{f}x" for f in factors)
+    scaled = set(summary.get("scaled", ()))
+    tables = []
+    for first, names in (
+        ("condition", [n for n in summary["table"] if n not in scaled]),
+        ("condition, context scaling", [n for n in summary["table"] if n in scaled]),
+    ):
+        if not names:
+            continue
+        lines = [f"| {first} | seeds | {head} |", "|---|---:" + "|---:" * len(factors) + "|"]
+        for name in names:
+            row = summary["table"][name]
+            seeds = max(c["n"] for c in row.values())
+            cells = []
+            for f in factors:
+                cell = row[f]
+                if cell["n"]:
+                    cells.append(f"{cell['mean']:.3f} ± {cell['std']:.3f}")
+                else:
+                    cells.append("cannot run" if cell["error"] else "")
+            lines.append(f"| {name} | {seeds} | " + " | ".join(cells) + " |")
+        tables.append("\n".join(lines))
+    return "\n\n".join(tables)
 
 
 def plot_summary(summary: dict[str, Any], path: str | Path) -> Path:
@@ -139,15 +162,18 @@ def plot_summary(summary: dict[str, Any], path: str | Path) -> Path:
 
 
 def summarize(
-    sweep_dirs: str | Path | Sequence[str | Path],
+    sweep_dirs: str | Path | Sequence[str | Path] = (),
     plot: str | Path | None = None,
     out_dir: str | Path | None = None,
+    results: list[dict[str, Any]] | None = None,
+    ignore: Sequence[str] = (),
 ) -> str:
-    """The markdown table of the length results of one or more sweeps; also writes ``plot`` (PNG) and
-    ``length_summary.json`` in ``out_dir`` (default: the first sweep directory)."""
+    """The markdown table of the length results of one or more sweeps (or of ``results`` already collected
+    and labelled, as the comparison passes them); also writes ``plot`` (PNG) and ``length_summary.json`` in
+    ``out_dir`` (default: the first sweep directory)."""
     if isinstance(sweep_dirs, (str, Path)):
         sweep_dirs = [sweep_dirs]
-    summary = aggregate(collect(sweep_dirs))
+    summary = aggregate(results if results is not None else collect(sweep_dirs, ignore))
     out = {k: v for k, v in summary.items() if k != "by_position"}
     out["table"] = {n: {str(f): c for f, c in row.items()} for n, row in summary["table"].items()}
     folder = Path(out_dir or sweep_dirs[0])

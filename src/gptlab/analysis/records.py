@@ -4,6 +4,10 @@ What each run chose comes from ``.hydra/overrides.yaml``; its metrics from ``csv
 one, else from the W&B run file (``wandb/*/run-*.wandb``, read by :mod:`gptlab.tracking.wandb_files`); and
 the figures of its evaluation outputs (``eval_length/length.json``, ...) from the readers declared in
 :data:`OUTPUTS`: a new evaluation adds its columns to every comparison by adding one reader there.
+
+Every record says which run it read (``run.json``'s id), whether that run finished (``result.json``), and
+at which step it is; where a directory holds traces of more than one run (W&B files of two runs, a metrics
+file whose steps start over), the record reads one of them and says so in ``notes``.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from gptlab.runs.naming import split_override
 from gptlab.tracking.wandb_files import find_runs, read_run
 
 SOURCES = ("auto", "csv", "wandb")
+FINISHED, STOPPED, FAILED, RUNNING, KILLED = "finished", "stopped", "failed", "running", "killed"
 
 
 @dataclass(frozen=True)
@@ -89,10 +94,31 @@ class RunRecord:
     )  # output name -> header -> value
     source: str = ""
     commit: str | None = None
+    run_id: str | None = None
+    status: str = FINISHED  # finished, stopped, failed, running, killed (see RunRecord.describe_status)
+    step: int | None = None  # optimizer steps done: result.json's, else the last logged step's
+    max_steps: int | None = None
+    notes: list[str] = field(default_factory=list)  # what the reader found and chose (more than one run, ...)
 
     @property
     def final_val_loss(self) -> float | None:
         return self.val_loss[-1][1] if self.val_loss else None
+
+    @property
+    def finished(self) -> bool:
+        return self.status == FINISHED
+
+    def describe_status(self) -> str:
+        """``finished``, or what stopped it and where: ``killed at step 40 of 320``, ``running (step
+        40 of 320)``..."""
+        where = f"step {self.step}" + (f" of {self.max_steps}" if self.max_steps else "")
+        return {
+            FINISHED: FINISHED,
+            STOPPED: f"stopped by a signal at {where}",
+            FAILED: f"failed at {where}",
+            RUNNING: f"running ({where})",
+            KILLED: f"killed at {where} (no result.json)",
+        }.get(self.status, f"{self.status} at {where}")
 
 
 def _float(value: Any) -> float | None:
@@ -107,31 +133,64 @@ def _median(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
 
 
-def _series_from_csv(path: Path) -> dict[str, list[tuple[int, float]]]:
+def _one_run_of(rows: list[tuple[int, dict[str, float]]], where: Path, notes: list[str]) -> list:
+    """The rows of the last run in a metrics series logged in order: a resumed run logs again from its
+    checkpoint's step (later than the first step it ever logged), but a series whose steps start over at or
+    before its first step holds a second run (written into the same directory by an older gptlab)."""
+    if not rows:
+        return rows
+    first, starts = rows[0][0], [0]
+    for i in range(1, len(rows)):
+        if rows[i][0] < rows[i - 1][0] and rows[i][0] <= first:
+            starts.append(i)
+    if len(starts) > 1:
+        notes.append(
+            f"{where} holds {len(starts)} runs (its steps start over {len(starts) - 1} time(s)); read the last"
+        )
+    return rows[starts[-1] :]
+
+
+def _series(rows: list[tuple[int, dict[str, float]]]) -> dict[str, list[tuple[int, float]]]:
     series: dict[str, list[tuple[int, float]]] = {}
-    with path.open(newline="") as f:
-        for row in csv.DictReader(f):
-            step = int(float(row.get("step") or 0))
-            for key, value in row.items():
-                number = _float(value)
-                if key not in ("step", "epoch") and number is not None:
-                    series.setdefault(key, []).append((step, number))
+    for step, values in rows:
+        for key, value in values.items():
+            series.setdefault(key, []).append((step, value))
     return series
 
 
-def _series_from_wandb(files: list[Path]) -> dict[str, list[tuple[int, float]]]:
-    series: dict[str, list[tuple[int, float]]] = {}
-    # A resumed run may have written more than one file: later files continue the curve.
-    for file in sorted(files, key=lambda p: p.stat().st_mtime):
-        run = read_run(file)
+def _series_from_csv(path: Path, notes: list[str]) -> dict[str, list[tuple[int, float]]]:
+    rows = []
+    with path.open(newline="") as f:
+        for row in csv.DictReader(f):
+            step = int(float(row.get("step") or 0))
+            values = {k: v for k, v in ((k, _float(x)) for k, x in row.items()) if v is not None}
+            rows.append((step, {k: v for k, v in values.items() if k not in ("step", "epoch")}))
+    return _series(_one_run_of(rows, path, notes))
+
+
+def _series_from_wandb(
+    files: list[Path], notes: list[str], wanted_id: str | None = None
+) -> dict[str, list[tuple[int, float]]]:
+    """The series of one W&B run: the one ``wanted_id`` names, else the newest. A resumed run continues its
+    W&B run, so several files of one id are one curve, in the order they were written."""
+    runs = sorted((read_run(f) for f in files), key=lambda r: r.path.stat().st_mtime)
+    ids = list(dict.fromkeys(r.run_id for r in runs))
+    chosen = wanted_id if wanted_id in ids else ids[-1]
+    if len(ids) > 1:
+        notes.append(f"{len(ids)} W&B runs ({', '.join(ids)}) in one run directory; read {chosen}")
+    rows: list[tuple[int, dict[str, float]]] = []
+    summary: dict[str, Any] = {}
+    for run in (r for r in runs if r.run_id == chosen):
         for row in run.history:
             step = int(row.get("trainer/global_step", row.get("_step", 0)))
-            for key, value in row.items():
-                number = _float(value)
-                if not key.startswith("_") and key != "trainer/global_step" and number is not None:
-                    series.setdefault(key, []).append((step, number))
-        if "parameters/total" in run.summary and "parameters/total" not in series:
-            series["parameters/total"] = [(0, float(run.summary["parameters/total"]))]
+            values = {
+                k: _float(v) for k, v in row.items() if not k.startswith("_") and k != "trainer/global_step"
+            }
+            rows.append((step, {k: v for k, v in values.items() if v is not None}))
+        summary.update(run.summary)
+    series = _series(_one_run_of(rows, files[0].parent, notes))
+    if "parameters/total" in summary and "parameters/total" not in series:
+        series["parameters/total"] = [(0, float(summary["parameters/total"]))]
     return series
 
 
@@ -147,28 +206,65 @@ def _fill(record: RunRecord, series: dict[str, list[tuple[int, float]]]) -> RunR
     return record
 
 
+def _status(run: Run, record: RunRecord, series: dict[str, list[tuple[int, float]]]) -> None:
+    """Whether the run finished, and its step: from ``result.json`` when it wrote one (also for a run
+    stopped by a signal or failed), else from its process (``run.json``: still alive?) and its last
+    logged step."""
+    from gptlab.runs.identity import read_run_info
+
+    info = read_run_info(run.path)
+    result = run.result() or {}
+    record.run_id = info.run_id if info else None
+    record.commit = result.get("git_commit")
+    max_steps = run.setting("trainer.max_steps")
+    record.max_steps = int(max_steps) if max_steps and max_steps.isdigit() else None
+    if result and info and result.get("run_id") not in (None, info.run_id):
+        record.notes.append(
+            f"result.json is of run {result.get('run_id')}, run.json of {info.run_id}: the result is not read"
+        )
+        result = {}
+    if result:
+        record.step = int(result.get("global_step") or 0)
+        if result.get("finished"):
+            record.status = FINISHED
+        elif result.get("failed"):
+            record.status = FAILED
+        else:
+            record.status = STOPPED
+        return
+    logged = [s for values in series.values() for s, _ in values]
+    record.step = max(logged) + 1 if logged else 0  # Lightning logs after step n as step n - 1
+    record.status = RUNNING if info is not None and info.alive() else KILLED
+
+
 def read_run_dir(run_dir: str | Path, source: str = "auto") -> RunRecord:
     """Read one run directory; raises DataError when it holds no metrics.
 
-    ``source``: ``csv`` (``csv/metrics.csv``), ``wandb`` (the W&B run file), or ``auto`` (CSV when present)."""
+    ``source``: ``csv`` (``csv/metrics.csv``), ``wandb`` (the W&B run file), or ``auto`` (CSV when present).
+    The record says whether the run finished (``status``, ``step``) and what the reader had to choose."""
     if source not in SOURCES:
         raise DataError(f"source={source!r} is not one of {SOURCES}: use --source csv, wandb or auto.")
     run = Run(Path(run_dir))
     csv_files = sorted(run.path.glob("csv/**/metrics.csv")) if source in ("auto", "csv") else []
     wandb_files = find_runs(run.path) if source in ("auto", "wandb") else []
+    notes: list[str] = []
     if csv_files:
-        series, source = _series_from_csv(csv_files[0]), "csv"
+        series, source = _series_from_csv(csv_files[0], notes), "csv"
     elif wandb_files:
-        series, source = _series_from_wandb(wandb_files), "wandb"
+        wanted = (run.result() or {}).get("wandb_run_id")
+        series, source = _series_from_wandb(wandb_files, notes, wanted), "wandb"
     else:
         wanted = {"auto": "neither csv/metrics.csv nor a W&B run file", "csv": "no csv/metrics.csv"}
         raise DataError(f"{run.path} holds no metrics ({wanted.get(source, 'no W&B run file')})")
-    record = _fill(RunRecord(path=run.path, overrides=run.choices(), source=source), series)
+    record = _fill(RunRecord(path=run.path, overrides=run.choices(), source=source, notes=notes), series)
     for output in OUTPUTS:
         record.outputs[output.name] = output.read(run)
-    record.commit = (run.result() or {}).get("git_commit")
+    _status(run, record, series)
     if not record.val_loss:
-        raise DataError(f"{run.path} logged no val/loss (did it fail before its first validation?)")
+        raise DataError(
+            f"{run.path} logged no val/loss ({record.describe_status()}: did it stop before its first "
+            "validation?)"
+        )
     return record
 
 

@@ -1,20 +1,25 @@
-"""Runs grouped by choice (the runs that differ only by seed), and the markdown table of the choices.
+"""Runs grouped by condition, and the markdown table of the conditions.
 
-Rows are ordered by the metric, mean final validation loss, best first. Each row says whether it differs
-from a reference choice beyond seed noise (:mod:`gptlab.analysis.stats`): the best row, or a baseline given
-as ``pos=learned``.
+A run's condition is what it set for every key that differs between the runs compared (its override, else
+Hydra's choice for a group, else its resolved config value), the seed excepted and any key the reader names to
+ignore: runs of one condition differ only by seed, and are its replicates. Rows are ordered by the metric,
+mean final validation loss, best first. Each row says how far it lies from a reference condition and whether
+that is beyond seed noise (:mod:`gptlab.analysis.stats`: Welch's test, Holm-adjusted over the table): the best
+row, or a baseline given as ``pos=learned``. Only finished runs are ranked, unless asked otherwise; the
+others are listed apart with their step.
 """
 
 from __future__ import annotations
 
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from gptlab.analysis.records import OUTPUTS, RunRecord
-from gptlab.analysis.stats import DEFAULT_ALPHA, verdict
+from gptlab.analysis.stats import DEFAULT_ALPHA, Contrast, contrasts
 from gptlab.errors import DataError
+from gptlab.runs.layout import Run
 from gptlab.runs.naming import is_silent, split_override, sweep_overrides_from_dir, swept_keys_of
 
 SEED_KEY = "seed"
@@ -34,6 +39,7 @@ class Row:
     parameters: float | None
     outputs: dict[str, dict[str, float | None]] = field(default_factory=dict)  # output -> header -> mean
     significance: str = ""  # against the reference row: "worse, p=0.003", "cannot tell (1 seed)", ...
+    contrast: Contrast | None = None  # the difference to the reference, its interval and p-values
 
     @property
     def length_ppl(self) -> dict[str, float | None]:
@@ -50,6 +56,10 @@ class Row:
     @property
     def final_losses(self) -> list[float]:
         return [r.final_val_loss for r in self.runs if r.final_val_loss is not None]
+
+    @property
+    def unfinished(self) -> int:
+        return sum(not r.finished for r in self.runs)
 
 
 def _human(n: float) -> str:
@@ -74,19 +84,46 @@ METRIC_COLUMNS = [
 ]
 
 
-def swept_keys(runs: list[RunRecord], sweep_dir: Path | None = None) -> list[str]:
-    """The overrides the sweep varies, seed excluded: keys whose values differ between runs, and keys the
-    sweep's ``multirun.yaml`` sweeps (so a choice with a single finished run still shows its key)."""
-    keys: list[str] = []
+def _setting(run: RunRecord, key: str) -> str:
+    """What ``run`` set for ``key`` (see :meth:`gptlab.runs.layout.Run.setting`); ``default`` when it
+    records nothing (a run read through the W&B API knows only its overrides)."""
+    if key in run.overrides:
+        return run.overrides[key]
+    value = Run(run.path).setting(key) if run.path.is_dir() else None
+    return "default" if value is None else value
+
+
+def condition_keys(
+    runs: list[RunRecord], sweep_dir: Path | None = None, ignore: Sequence[str] = ()
+) -> list[str]:
+    """The keys that define a condition: every override key (of any run) whose setting differs between the
+    runs, and the keys the sweep's ``multirun.yaml`` sweeps (so a sweep with one finished value still names
+    its key); the seed, keys that say where a run is written, and ``ignore`` left out."""
+    candidates: list[str] = []
     for run in runs:
-        for key in run.overrides:
-            if key not in keys and not is_silent(key) and len({r.overrides.get(key) for r in runs}) > 1:
-                keys.append(key)
+        candidates += [k for k in run.overrides if k not in candidates and not is_silent(k)]
+    keys = [k for k in candidates if len({_setting(r, k) for r in runs}) > 1]
     if sweep_dir is not None:
-        for key in swept_keys_of(sweep_overrides_from_dir(sweep_dir)):
-            if key not in keys:
-                keys.append(key)
-    return [k for k in keys if k != SEED_KEY]
+        keys += [k for k in swept_keys_of(sweep_overrides_from_dir(sweep_dir)) if k not in keys]
+    return [k for k in keys if k != SEED_KEY and k not in ignore]
+
+
+def condition_of(run: RunRecord, keys: Sequence[str]) -> dict[str, str]:
+    return {k: _setting(run, k) for k in keys}
+
+
+def label_of(condition: dict[str, str]) -> str:
+    return " ".join(f"{k}={_short(v)}" for k, v in condition.items()) or "all runs"
+
+
+def condition_labels(
+    run_dirs: Sequence[Path], ignore: Sequence[str] = ()
+) -> tuple[list[str], dict[Path, str]]:
+    """The condition keys of the runs in ``run_dirs`` (their overrides only; no metrics are read) and each
+    run directory's condition label: for tables of evaluation outputs read straight from run directories."""
+    runs = [RunRecord(path=Path(d), overrides=Run(Path(d)).choices()) for d in run_dirs]
+    keys = condition_keys(runs, ignore=ignore)
+    return keys, {r.path: label_of(condition_of(r, keys)) for r in runs}
 
 
 def _mean(values: list[float | None]) -> float | None:
@@ -95,13 +132,24 @@ def _mean(values: list[float | None]) -> float | None:
 
 
 def summarize(
-    runs: list[RunRecord], keys: list[str], baseline: str | None = None, alpha: float = DEFAULT_ALPHA
+    runs: list[RunRecord],
+    keys: list[str],
+    baseline: str | None = None,
+    alpha: float = DEFAULT_ALPHA,
+    include_unfinished: bool = False,
 ) -> list[Row]:
-    """One row per choice (runs equal on ``keys``), sorted by mean final validation loss, each with its
-    verdict against the best row or the ``baseline`` choice (``"pos=learned"``)."""
+    """One row per condition (runs equal on ``keys``), sorted by mean final validation loss, each with its
+    difference to the best row or the ``baseline`` condition (``"pos=learned"``), Holm-adjusted over the
+    table. Unfinished runs are left out unless ``include_unfinished``."""
     groups: dict[tuple, list[RunRecord]] = {}
     for run in runs:
-        groups.setdefault(tuple(run.overrides.get(k, "") for k in keys), []).append(run)
+        if run.finished or include_unfinished:
+            groups.setdefault(tuple(condition_of(run, keys).values()), []).append(run)
+    if not groups:
+        raise DataError(
+            f"None of the {len(runs)} runs finished, so none is ranked: wait for them, resume them "
+            "(resume=auto), or pass --include-unfinished to rank them at the step they reached."
+        )
     rows = []
     for values, members in groups.items():
         losses = [r.final_val_loss for r in members if r.final_val_loss is not None]
@@ -122,16 +170,14 @@ def summarize(
             )
         )
     rows.sort(key=lambda r: r.val_loss_mean)
-    reference = reference_row(rows, baseline)
-    for row in rows:
-        row.significance = (
-            "reference" if row is reference else verdict(row.final_losses, reference.final_losses, alpha)
-        )
+    reference = rows.index(reference_row(rows, baseline))
+    for row, contrast in zip(rows, contrasts([r.final_losses for r in rows], reference, alpha)):
+        row.contrast, row.significance = contrast, contrast.verdict
     return rows
 
 
 def reference_row(rows: list[Row], baseline: str | None) -> Row:
-    """The best row, or the row of the ``baseline`` choice (``"pos=learned"``, ``"pos=rope activation=gelu"``)."""
+    """The best row, or the row of the ``baseline`` condition (``"pos=learned"``, ``"pos=rope activation=gelu"``)."""
     if not baseline:
         return rows[0]
     wanted = dict(split_override(part) for part in baseline.split())
@@ -139,10 +185,23 @@ def reference_row(rows: list[Row], baseline: str | None) -> Row:
     if len(matches) != 1:
         choices = ", ".join(r.label for r in rows)
         raise DataError(
-            f"--baseline {baseline!r} matches {len(matches)} of the choices ({choices}): give one of them, "
-            "e.g. --baseline pos=learned."
+            f"--baseline {baseline!r} matches {len(matches)} of the conditions ({choices}): name exactly one, "
+            f"e.g. --baseline '{rows[-1].label}'."
         )
     return matches[0]
+
+
+def _signed(value: float) -> str:
+    return f"{value:+.4f}"
+
+
+def contrast_cell(contrast: Contrast | None) -> str:
+    """``+0.0412 [0.0120, 0.0704]``: the difference to the reference and its 95% interval."""
+    if contrast is None or contrast.difference is None or contrast.verdict == "reference":
+        return "-"
+    if contrast.low is None or contrast.high is None:
+        return _signed(contrast.difference)
+    return f"{_signed(contrast.difference)} [{_signed(contrast.low)}, {_signed(contrast.high)}]"
 
 
 def _short(value: str) -> str:
@@ -175,15 +234,18 @@ def _output_cell(value: float | None, fmt: str, unavailable: str) -> str:
 
 
 def markdown_table(rows: list[Row], keys: list[str], reference: str = "best") -> str:
-    """A markdown table, best first: the choice, seeds, final val/loss (mean ± std over seeds), the verdict
-    against the reference, the metric columns and the evaluation-output columns."""
+    """A markdown table, best first: the condition, seeds, final val/loss (mean ± std over seeds), the
+    difference to the reference with its 95% interval, the verdict (Holm-adjusted p), the metric columns
+    and the evaluation-output columns. A row holding unfinished runs (``--include-unfinished``) says how
+    many in its seeds cell."""
     extra = output_columns(rows)
     header = [
         "#",
         *(keys or ["runs"]),
         "seeds",
         "val/loss",
-        f"vs {reference}",
+        f"Δ vs {reference} (95% CI)",
+        f"vs {reference} (Holm)",
         *(c.header for c in METRIC_COLUMNS),
         *(h for _, h, _, _ in extra),
     ]
@@ -193,14 +255,33 @@ def markdown_table(rows: list[Row], keys: list[str], reference: str = "best") ->
             f" ± {row.val_loss_std:.4f}" if row.val_loss_std is not None else ""
         )
         metrics = [c.value(row) for c in METRIC_COLUMNS]
+        seeds = str(len(row.runs)) + (f" ({row.unfinished} unfinished)" if row.unfinished else "")
         cells = [
             str(i),
             *([_short(row.choice.get(k, "")) for k in keys] if keys else ["all"]),
-            str(len(row.runs)),
+            seeds,
             loss,
+            contrast_cell(row.contrast),
             row.significance,
             *("-" if v is None else c.fmt(v) for c, v in zip(METRIC_COLUMNS, metrics)),
             *(_output_cell(row.outputs.get(name, {}).get(h), fmt, na) for name, h, fmt, na in extra),
         ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def unfinished_table(runs: list[RunRecord], keys: list[str], root: Path | None = None) -> str:
+    """The runs that did not finish, one line each: where, its condition and seed, how far it got and why
+    it stopped, and its last validation loss (not comparable with finished runs')."""
+    lines = [
+        "| run | " + " | ".join(keys or ["condition"]) + " | seed | status | last val/loss |",
+        "|---|" + "---|" * (len(keys or [0]) + 3),
+    ]
+    for run in runs:
+        where = run.path.relative_to(root) if root is not None and run.path.is_relative_to(root) else run.path
+        condition = condition_of(run, keys)
+        last = f"{run.final_val_loss:.4f}" if run.final_val_loss is not None else "-"
+        cells = [str(where), *([_short(v) for v in condition.values()] or ["all"])]
+        cells += [_setting(run, SEED_KEY), run.describe_status(), last]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)

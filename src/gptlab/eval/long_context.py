@@ -150,12 +150,32 @@ def plot_long_context(
 # ---- a sweep's passkey table ----------------------------------------------------------------------
 
 
-def collect_passkey(sweep_dirs: Sequence[str | Path]) -> list[dict[str, Any]]:
-    return [
-        json.loads(p.read_text())
-        for d in sweep_dirs
-        for p in sorted(Path(d).glob(f"**/{PASSKEY_FILE.as_posix()}"))
-    ]
+def collect_passkey(
+    sweep_dirs: Sequence[str | Path], conditions: dict[Path, str] | None = None
+) -> list[dict[str, Any]]:
+    """Every run's passkey result below ``sweep_dirs``, with its run directory (``job_dir``) and, where
+    ``conditions`` names it, its condition: the table's rows are then conditions, not scheme names."""
+    found = []
+    for d in sweep_dirs:
+        for p in sorted(Path(d).glob(f"**/{PASSKEY_FILE.as_posix()}")):
+            job_dir = p.parents[len(PASSKEY_FILE.parts) - 1]
+            if any(part.startswith(".") for part in job_dir.relative_to(d).parts):
+                continue  # a run moved aside (.replaced/)
+            result = {**json.loads(p.read_text()), "job_dir": str(job_dir)}
+            if conditions and job_dir in conditions:
+                result["condition"] = conditions[job_dir]
+            found.append(result)
+    return found
+
+
+def row_name(result: dict[str, Any], variant: str) -> str:
+    """The table row of one variant of a run's length or passkey result: its condition, with the context
+    scaling for a scaled variant (``pos=rope activation=gelu +ntk``); the variant's own name (``rope+ntk``)
+    when the result carries no condition."""
+    condition = result.get("condition")
+    if not condition:
+        return variant
+    return condition if variant == result["pos"] else f"{condition} {variant[len(result['pos']) :]}"
 
 
 def _variants(result: dict[str, Any]) -> list[tuple[str, dict[str, Any], dict[str, float]]]:
@@ -184,16 +204,16 @@ def passkey_sweep_table(results: list[dict[str, Any]]) -> str:
     rows: dict[str, list[tuple[dict[str, Any], dict[str, float], bool]]] = defaultdict(list)
     for r in results:
         if "error" in r:
-            rows[r["pos"]].append(({}, {}, True))
+            rows[row_name(r, r["pos"])].append(({}, {}, True))
             continue
         for name, cells, metrics in _variants(r):
-            rows[name].append((cells, metrics, False))
+            rows[row_name(r, name)].append((cells, metrics, False))
     if not rows:
         return ""
     factors = sorted({f for r in results for f in r["factors"]})
     contexts = sorted({r["train_context"] for r in results})
     trials = sorted({r["trials"] * len(r["depth_bins"]) for r in results})
-    head = "| scheme | seeds | " + " | ".join(
+    head = "| condition | seeds | " + " | ".join(
         f"{f}x ({f * contexts[0]})" if len(contexts) == 1 else f"{f}x" for f in factors
     )
     lines = [head + " |", "|---|---:" + "|---:" * len(factors) + "|"]

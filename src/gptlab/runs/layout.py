@@ -4,6 +4,7 @@
 
     <run dir>/                        outputs/runs/<date>/<time>, or <sweep dir>/<job> in a multirun
       .hydra/overrides.yaml           the command's overrides (Hydra); what makes a directory a run
+      run.json                        which run this is: its id, and each part (start, resumes) with its step
       config_resolved.yaml            the whole config, resolved
       result.json                     written when the run ends: its final metrics, last step, git commit
       checkpoints/last.ckpt           periodic and final; a file, or a directory for sharded strategies
@@ -11,6 +12,7 @@
       hpc_ckpt_<n>.ckpt               SLURM's preemption checkpoints
       eval_length/length.json         the length study (scripts/eval_length.py, eval_length.enabled=true)
       csv/, wandb/, tensorboard/      the loggers' files
+      .replaced/<time>/               an earlier run's files, moved aside by a run started with overwrite=true
 
 A checkpoint is one of three kinds: a single ``torch.save`` file; a directory in PyTorch's distributed
 checkpoint format (``.metadata``, one ``__<rank>_0.distcp`` per rank, and Lightning's ``meta.pt``), written by
@@ -35,6 +37,8 @@ HYDRA_DIR = ".hydra"
 OVERRIDES_FILE = f"{HYDRA_DIR}/overrides.yaml"
 CONFIG_FILE = "config_resolved.yaml"
 RESULT_FILE = "result.json"
+RUN_FILE = "run.json"  # which run this is: its id and parts (gptlab.runs.identity)
+REPLACED_DIR = ".replaced"  # an earlier run's files, moved aside by overwrite=true
 CHECKPOINT_DIR = "checkpoints"
 LAST_CHECKPOINT = "last.ckpt"
 BEST_PREFIX = "best-"
@@ -135,6 +139,27 @@ class Run:
 
         return dict(split_override(o) for o in self.overrides() or [])
 
+    def setting(self, key: str) -> str | None:
+        """What the run chose for ``key``: its override, else Hydra's choice for a config group
+        (``pos`` -> ``learned``), else the value in its resolved config (``model.n_layer`` -> ``2``); None
+        when the run records none of them."""
+        choices = self.choices()
+        if key in choices:
+            return choices[key]
+        try:
+            hydra = yaml.safe_load((self.path / HYDRA_DIR / "hydra.yaml").read_text())
+            group_choices = hydra["hydra"]["runtime"]["choices"]
+        except (OSError, yaml.YAMLError, KeyError, TypeError):
+            group_choices = {}
+        if isinstance(group_choices, dict) and group_choices.get(key) is not None:
+            return str(group_choices[key])
+        node: Any = self.config()
+        for part in key.split("."):
+            if not isinstance(node, dict) or part not in node:
+                return None
+            node = node[part]
+        return None if isinstance(node, (dict, list)) else str(node)
+
     def config(self) -> dict[str, Any]:
         """The resolved config (``config_resolved.yaml``); {} when the run has none."""
         if not self.config_file.is_file():
@@ -145,6 +170,13 @@ class Run:
     def result(self) -> dict[str, Any] | None:
         """What the run reported when it ended (``result.json``), or None (still running, or killed)."""
         return _read_json(self.result_file)
+
+    def info(self) -> Any:
+        """Which run this is (``run.json``: its id and parts), a :class:`gptlab.runs.identity.RunInfo`; None
+        for a run written before gptlab recorded it."""
+        from gptlab.runs.identity import read_run_info
+
+        return read_run_info(self.path)
 
     def write_result(self, result: dict[str, Any]) -> Path:
         """Write ``result.json`` whole or not at all (a temporary file renamed over it)."""
@@ -238,7 +270,8 @@ def find_run_dirs(root: str | Path, max_depth: int = 6) -> list[Path]:
         if len(here.parts) - base >= max_depth:
             dirnames[:] = []
         else:
-            dirnames[:] = [d for d in dirnames if d not in SKIP_DIRS]
+            # dot folders (.hydra, .replaced) never hold runs of this sweep
+            dirnames[:] = [d for d in dirnames if d not in SKIP_DIRS and not d.startswith(".")]
     return sorted(found, key=lambda p: _job_order(root, p))
 
 

@@ -17,7 +17,7 @@ from typing import Any
 from omegaconf import OmegaConf
 
 # Overrides that say where or how a run is recorded, not what is trained: left out of names and tags.
-SILENT_PREFIXES = ("hydra.", "hydra/", "paths.", "logger", "resume", "+resume")
+SILENT_PREFIXES = ("hydra.", "hydra/", "paths.", "logger", "resume", "+resume", "overwrite", "+overwrite")
 # Hydra's sweep functions; the other sweep syntax is a comma outside brackets and quotes (`pos=rope,alibi`).
 _SWEEP_FUNCTION = re.compile(r"^\s*(range|choice|interval|glob|tag)\(")
 # W&B refuses tags longer than 64 characters.
