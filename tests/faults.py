@@ -6,6 +6,8 @@ one rank does to a distributed run. GPTLAB_TEST_FAULT chooses it (read here only
   written, before the save completes.
 - ``kill_mid_swap:<n>``: at the n-th swap of a finished sharded ``last.ckpt`` into place, the whole run (its
   process group: start it in a session of its own) is SIGKILLed between the two renames.
+- ``kill_at_step:<n>:<overrides>``: the process is SIGKILLed after the n-th optimizer step of the (multirun)
+  job whose overrides include every one of ``<overrides>`` (``pos=nope&seed=1``): a sweep dies in that job.
 
 Lightning starts ranks > 0 by re-running this command line, so the fault is in place in every rank.
 """
@@ -79,6 +81,22 @@ elif kind == "kill_mid_swap":
         original_swap_in(staging, target)
 
     atomic.swap_in = swap_in
+elif kind == "kill_at_step":
+    from hydra.core.hydra_config import HydraConfig
+
+    import gptlab.train
+
+    fault_step, fault_overrides = int(args[0]), args[1].split("&")
+    original_batch_end = gptlab.train.ValidateAtLastStep.on_train_batch_end
+
+    def on_train_batch_end(self, trainer, pl_module, *rest):
+        if trainer.global_step == fault_step and set(fault_overrides) <= set(
+            HydraConfig.get().overrides.task
+        ):
+            os.kill(os.getpid(), signal.SIGKILL)
+        original_batch_end(self, trainer, pl_module, *rest)
+
+    gptlab.train.ValidateAtLastStep.on_train_batch_end = on_train_batch_end
 else:
     raise SystemExit(f"unknown GPTLAB_TEST_FAULT {kind!r}")
 

@@ -133,21 +133,22 @@ def _median(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
 
 
+# Logged once when training starts (lit/metrics.py), at the step it starts from: 0 for a new run, the
+# checkpoint's step for a resumed one.
+START_MARKER = "model/flops_per_token"
+
+
 def _one_run_of(rows: list[tuple[int, dict[str, float]]], where: Path, notes: list[str]) -> list:
-    """The rows of the last run in a metrics series logged in order: a resumed run logs again from its
-    checkpoint's step (later than the first step it ever logged), but a series whose steps start over at or
-    before its first step holds a second run (written into the same directory by an older gptlab)."""
-    if not rows:
-        return rows
-    first, starts = rows[0][0], [0]
-    for i in range(1, len(rows)):
-        if rows[i][0] < rows[i - 1][0] and rows[i][0] <= first:
-            starts.append(i)
+    """The rows of the last run in a metrics file that holds several: each start of training logs
+    :data:`START_MARKER` at the step it starts from, so a start at step 0 after the first begins a second
+    run (written into the same directory by an older gptlab), while a resumed run starts later."""
+    starts = [i for i, (step, values) in enumerate(rows) if START_MARKER in values and step == 0]
     if len(starts) > 1:
         notes.append(
-            f"{where} holds {len(starts)} runs (its steps start over {len(starts) - 1} time(s)); read the last"
+            f"{where} holds {len(starts)} runs (training started at step 0 {len(starts)} times); read the last"
         )
-    return rows[starts[-1] :]
+        return rows[starts[-1] :]
+    return rows
 
 
 def _series(rows: list[tuple[int, dict[str, float]]]) -> dict[str, list[tuple[int, float]]]:
@@ -188,7 +189,7 @@ def _series_from_wandb(
             }
             rows.append((step, {k: v for k, v in values.items() if v is not None}))
         summary.update(run.summary)
-    series = _series(_one_run_of(rows, files[0].parent, notes))
+    series = _series(rows)
     if "parameters/total" in summary and "parameters/total" not in series:
         series["parameters/total"] = [(0, float(summary["parameters/total"]))]
     return series

@@ -1,0 +1,164 @@
+"""A run directory holds one run, and every reader says which run it read and whether it finished: the three
+ways the comparison could print a wrong number, each through `python train.py` as a user runs it."""
+
+from __future__ import annotations
+
+import csv
+import json
+import re
+import shutil
+import signal
+
+import pytest
+from conftest import ROOT, TINY, run_train
+
+from gptlab.analysis.compare import compare
+from gptlab.analysis.records import read_run_dir
+from gptlab.runs import Run
+from gptlab.runs.layout import REPLACED_DIR
+from gptlab.tracking.wandb_files import find_runs, read_run
+
+FAST = [*TINY, "tokenizer=char", "trainer.val_check_interval=1", "logger=[csv,wandb]"]
+
+
+def final_line(output: str) -> float:
+    return float(re.search(r"Final validation loss (\d+\.\d+)", output).group(1))
+
+
+def train(tmp_path, *args: str, check: bool = True):
+    flags = [a for a in args if a.startswith("-")]  # -m goes before the overrides
+    overrides = [a for a in args if not a.startswith("-")]
+    return run_train([*flags, *FAST, f"paths.root_dir={tmp_path}", *overrides], cwd=tmp_path, check=check)
+
+
+def test_a_fresh_run_into_a_run_directory_is_refused_and_overwrite_moves_the_old_run_aside(tmp_path):
+    run_dir = tmp_path / "D"
+    first = train(tmp_path, "trainer.max_steps=2", f"hydra.run.dir={run_dir}")
+    before = {p: p.read_bytes() for p in (run_dir / "result.json", run_dir / ".hydra" / "overrides.yaml")}
+
+    refused = train(tmp_path, "trainer.max_steps=1", f"hydra.run.dir={run_dir}", check=False)
+    assert refused.returncode == 2
+    message = refused.stderr
+    assert f"{run_dir} already holds a run" in message and "Traceback" not in message
+    assert (
+        "resume=auto" in message and "hydra.run.dir=<another dir>" in message and "overwrite=true" in message
+    )
+    # nothing of the first run was touched: not its overrides (Hydra had not written yet), not its result
+    assert {p: p.read_bytes() for p in before} == before and len(find_runs(run_dir)) == 1
+
+    second = train(tmp_path, "trainer.max_steps=1", f"hydra.run.dir={run_dir}", "overwrite=true")
+    loss = final_line(second.stdout)
+    assert loss != pytest.approx(final_line(first.stdout), abs=1e-4)
+    # the readers read the second run only, from its metrics file and from its W&B file
+    for source in ("csv", "wandb"):
+        record = read_run_dir(run_dir, source)
+        assert record.final_val_loss == pytest.approx(loss, abs=5e-5) and record.notes == []
+        assert record.finished and record.step == 1 and record.run_id == Run(run_dir).info().run_id
+    assert Run(run_dir).result()["metrics"]["val/loss"] == pytest.approx(loss, abs=5e-5)
+    assert "step000001" in Run(run_dir).checkpoint("best").name
+    assert len(find_runs(run_dir)) == 1
+    # the first run is whole, set aside: its result, its checkpoints, its overrides
+    (aside,) = (run_dir / REPLACED_DIR).iterdir()
+    assert Run(aside).result()["global_step"] == 2 and (aside / "checkpoints" / "last.ckpt").is_file()
+    assert "trainer.max_steps=2" in (aside / ".hydra" / "overrides.yaml").read_text()
+    assert Run(aside).info().run_id != Run(run_dir).info().run_id
+
+
+def test_a_sweep_into_a_used_sweep_directory_is_refused(tmp_path):
+    sweep_dir = tmp_path / "sweep"
+    train(tmp_path, "-m", "trainer.max_steps=1", "seed=0,1", f"hydra.sweep.dir={sweep_dir}")
+    refused = train(
+        tmp_path, "-m", "trainer.max_steps=1", "seed=2", f"hydra.sweep.dir={sweep_dir}", check=False
+    )
+    assert refused.returncode == 2 and f"{sweep_dir} already holds 2 run(s)" in refused.stderr
+    assert "hydra.sweep.dir=<another dir>" in refused.stderr
+    train(tmp_path, "-m", "trainer.max_steps=1", "seed=2", f"hydra.sweep.dir={sweep_dir}", "overwrite=true")
+    result = compare(sweep_dir)
+    assert [len(r.runs) for r in result.rows] == [1] and result.rows[0].runs[0].overrides["seed"] == "2"
+
+
+def test_a_directory_with_traces_of_two_runs_is_read_as_one_and_says_so(tmp_path):
+    """What an older gptlab left when a second run was started into a run directory: the second run's CSV
+    rows after the first's, and both runs' W&B files. The readers take the run that wrote result.json."""
+    first, second = tmp_path / "A", tmp_path / "B"
+    train(tmp_path, "trainer.max_steps=2", f"hydra.run.dir={first}")
+    out = train(tmp_path, "trainer.max_steps=1", f"hydra.run.dir={second}")
+    loss = final_line(out.stdout)
+    rows = []
+    for run_dir in (first, second):
+        with (run_dir / "csv" / "metrics.csv").open() as f:
+            rows += list(csv.DictReader(f))
+    columns = list(dict.fromkeys(k for row in rows for k in row))
+    with (second / "csv" / "metrics.csv").open("w", newline="") as f:
+        writer = csv.DictWriter(f, columns)
+        writer.writeheader()
+        writer.writerows(rows)
+    (folder,) = [p.parent for p in find_runs(first)]
+    shutil.copytree(folder, second / "wandb" / folder.name)  # copied last: the newer file is the other run's
+
+    from_csv = read_run_dir(second, "csv")
+    assert from_csv.final_val_loss == pytest.approx(loss, abs=5e-5)
+    assert any("holds 2 runs" in note for note in from_csv.notes)
+    from_wandb = read_run_dir(second, "wandb")
+    wanted = Run(second).result()["wandb_run_id"]
+    assert from_wandb.final_val_loss == pytest.approx(loss, abs=5e-5)
+    other = read_run(find_runs(first)[0]).run_id
+    assert from_wandb.notes == [f"2 W&B runs ({wanted}, {other}) in one run directory; read {wanted}"]
+
+
+def test_a_sweep_with_a_killed_run_shows_it_unfinished_at_its_step_and_unranked(tmp_path):
+    sweep_dir = tmp_path / "sweep"
+    killed = run_train(
+        [
+            "-m",
+            *FAST,
+            "trainer.max_steps=8",
+            "trainer.val_check_interval=4",
+            "trainer.log_every_n_steps=1",
+            "pos=learned,nope",
+            "seed=0,1",
+            f"paths.root_dir={tmp_path}",
+            f"hydra.sweep.dir={sweep_dir}",
+        ],
+        cwd=tmp_path,
+        check=False,
+        script=ROOT / "tests" / "faults.py",
+        env={"GPTLAB_TEST_FAULT": "kill_at_step:6:pos=nope&seed=1"},
+    )
+    # the last job (pos=nope seed=1) is SIGKILLed after its 6th step: the sweep dies with it
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    dead = sweep_dir / "3"
+    assert Run(dead).result() is None and Run(sweep_dir / "0").result()["finished"]
+    record = read_run_dir(dead)
+    assert not record.finished and record.status == "killed" and record.step == 6 and record.max_steps == 8
+    assert record.describe_status() == "killed at step 6 of 8 (no result.json)"
+
+    result = compare(sweep_dir)
+    runs = {row.choice["pos"]: [r.path.name for r in row.runs] for row in result.rows}
+    assert runs == {"learned": ["0", "1"], "nope": ["2"]}  # the killed run is in no row, and no reference
+    assert [r.path for r in result.unfinished] == [dead]
+    text = result.markdown_path.read_text()
+    assert "3 runs ranked (1 unfinished, listed below)" in text
+    assert f"| 3 | nope | 1 | killed at step 6 of 8 (no result.json) | {record.final_val_loss:.4f} |" in text
+
+    ranked = compare(sweep_dir, tmp_path / "all", include_unfinished=True)
+    assert {row.choice["pos"]: len(row.runs) for row in ranked.rows} == {"learned": 2, "nope": 2}
+    assert "| 2 (1 unfinished) |" in ranked.table
+
+
+def test_run_json_names_the_run_and_each_part(tmp_path):
+    run_dir = tmp_path / "R"
+    train(
+        tmp_path,
+        "trainer.max_steps=2",
+        "callbacks.last_checkpoint.every_n_train_steps=1",
+        f"hydra.run.dir={run_dir}",
+    )
+    started = json.loads((run_dir / "run.json").read_text())
+    train(tmp_path, "trainer.max_steps=3", f"hydra.run.dir={run_dir}", "resume=auto")
+    resumed = json.loads((run_dir / "run.json").read_text())
+    assert resumed["run_id"] == started["run_id"] and [p["resumed"] for p in resumed["parts"]] == [
+        False,
+        True,
+    ]
+    assert Run(run_dir).result()["run_id"] == started["run_id"] and Run(run_dir).result()["global_step"] == 3
