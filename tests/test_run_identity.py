@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import re
 import shutil
 import signal
@@ -94,7 +95,9 @@ def test_a_directory_with_traces_of_two_runs_is_read_as_one_and_says_so(tmp_path
         writer.writeheader()
         writer.writerows(rows)
     (folder,) = [p.parent for p in find_runs(first)]
-    shutil.copytree(folder, second / "wandb" / folder.name)  # copied last: the newer file is the other run's
+    copied = shutil.copytree(folder, second / "wandb" / folder.name)
+    for file in copied.glob("*.wandb"):
+        os.utime(file)  # the newest W&B file is the other run's: the reader must not take the newest
 
     from_csv = read_run_dir(second, "csv")
     assert from_csv.final_val_loss == pytest.approx(loss, abs=5e-5)
