@@ -176,12 +176,13 @@ def test_sweep_summary_averages_seeds(trained, tmp_path):
         (job / "eval_length" / "length.json").write_text(json.dumps(moved))
         (job / "config_resolved.yaml").write_text(f"seed: {seed}\n")
     table = sweep.summarize(tmp_path, plot=tmp_path / "sweep.png")
-    row = next(line for line in table.splitlines() if line.startswith("| rope |"))
+    # the two runs differ only by seed: one condition, with two seeds
+    row = next(line for line in table.splitlines() if line.startswith("| all runs |"))
     mean = result["variants"]["rope"]["2"]["loss"] + 0.1
     assert f"{mean:.3f} ± {np.std([0, 0.2], ddof=1):.3f}" in row and "| 2 |" in row
     assert (tmp_path / "sweep.png").read_bytes()[:4] == b"\x89PNG"
     summary = json.loads((tmp_path / "length_summary.json").read_text())
-    assert summary["table"]["rope+yarn"]["1"]["n"] == 2  # scaled variants share the 1x value
+    assert summary["table"]["all runs +yarn"]["1"]["n"] == 2  # scaled variants share the 1x value
 
 
 def test_bad_evaluation_options_are_refused():

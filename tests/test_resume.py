@@ -22,6 +22,7 @@ from hydra.core.global_hydra import GlobalHydra
 from gptlab.errors import CheckpointError
 from gptlab.lit.checkpointing import AtomicCheckpointIO, NonFiniteLossError, restore_interrupted_saves
 from gptlab.resume import choose_run_dir
+from gptlab.runs import Run
 from gptlab.tracking.wandb_files import find_runs, read_run
 from gptlab.train import run
 
@@ -261,47 +262,73 @@ def test_non_finite_loss_stops_with_the_step_and_keeps_the_last_finite_checkpoin
     assert all(torch.isfinite(t).all() for t in saved["state_dict"].values())
 
 
-def write_run(root: Path, name: str, overrides: list[str], with_checkpoint: bool = True) -> Path:
-    """A run directory as Hydra and train.py leave it: .hydra/overrides.yaml and checkpoints/last.ckpt."""
-    run_dir = root / name
-    (run_dir / ".hydra").mkdir(parents=True)
-    (run_dir / ".hydra" / "overrides.yaml").write_text("".join(f"- {o}\n" for o in overrides))
-    if with_checkpoint:
-        AtomicCheckpointIO().save_checkpoint({"global_step": 1}, run_dir / "checkpoints" / "last.ckpt")
-    return run_dir
+@pytest.fixture(scope="module")
+def runs_under_outputs(tmp_path_factory, cache_dir):
+    """Runs as `python train.py` leaves them under ./outputs: a single run, then a two-job sweep whose job 0
+    has the same overrides, then a third run with them again that is killed before its first checkpoint."""
+    root = tmp_path_factory.mktemp("auto")
+    base = [*TINY, "tokenizer=char", "logger=none", "trainer.max_steps=2", f"paths.root_dir={cache_dir}"]
+    run_train([*base, "pos=sinusoidal", "seed=1"], cwd=root)
+    run_train(["-m", *base, "pos=sinusoidal", "seed=1,2"], cwd=root)
+    killed = run_train(
+        [*base, "pos=sinusoidal", "seed=1"],
+        cwd=root,
+        check=False,
+        script=ROOT / "tests" / "faults.py",
+        env={"GPTLAB_TEST_FAULT": "kill_at_step:1:seed=1"},
+    )
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    single, unsaved = run_dirs(root)
+    (sweep,) = (root / "outputs" / "multirun").glob("*/*")
+    return root / "outputs", base, single, sweep, unsaved
 
 
-def test_resume_auto_picks_the_newest_run_with_the_same_overrides(tmp_path):
-    outputs = tmp_path / "outputs"
+def test_resume_auto_picks_the_newest_run_with_the_same_overrides(runs_under_outputs):
+    outputs, base, single, sweep, unsaved = runs_under_outputs
     default = str(outputs / "runs" / "new")
-    old = write_run(outputs, "runs/d1/t1", ["pos=sinusoidal", "seed=1"])
-    time.sleep(0.02)
-    newer = write_run(outputs, "multirun/d1/t2/0", ["seed=1", "pos=sinusoidal", "resume=auto"])
-    write_run(outputs, "runs/d1/t3", ["pos=sinusoidal", "seed=2"])  # other overrides
-    write_run(outputs, "runs/d1/t4", ["pos=sinusoidal", "seed=1"], with_checkpoint=False)  # nothing saved
-    assert old != newer
-    assert choose_run_dir(["pos=sinusoidal", "seed=1", "resume=auto"], str(outputs), default) == str(newer)
-    # nothing to continue: a new run; no resume: always a new run
-    assert choose_run_dir(["seed=3", "resume=auto"], str(outputs), default) == default
-    assert choose_run_dir(["pos=sinusoidal", "seed=1"], str(outputs), default) == default
+    overrides = [*base, "pos=sinusoidal", "seed=1"]
+    assert Run(unsaved).resume_checkpoint() is None and Run(unsaved).choices()["seed"] == "1"
+    # the sweep's job 0 is newer than the single run; the killed run has nothing to continue from
+    assert choose_run_dir([*overrides, "resume=auto"], str(outputs), default) == str(sweep / "0")
+    # no run with these overrides: a new run; no resume: always a new run
+    assert choose_run_dir([*base, "seed=3", "resume=auto"], str(outputs), default) == default
+    assert choose_run_dir(overrides, str(outputs), default) == default
     # an explicit checkpoint or run directory continues in its own run directory
-    ckpt = old / "checkpoints" / "last.ckpt"
-    assert choose_run_dir([f"resume={ckpt}"], str(outputs), default) == str(old)
-    assert choose_run_dir([f"resume={old}"], str(outputs), default) == str(old)
+    ckpt = single / "checkpoints" / "last.ckpt"
+    assert choose_run_dir([f"resume={ckpt}"], str(outputs), default) == str(single)
+    assert choose_run_dir([f"resume={single}"], str(outputs), default) == str(single)
 
 
-def test_resume_auto_finds_a_run_whose_sharded_checkpoint_a_kill_left_set_aside(tmp_path):
-    # A kill between the two renames of a sharded save leaves checkpoints/.last.ckpt.old and no last.ckpt:
-    # the run is still the one to continue, and restoring puts its checkpoint back.
-    outputs = tmp_path / "outputs"
-    default = str(outputs / "runs" / "new")
-    run_dir = write_run(outputs, "runs/d1/t1", ["strategy=fsdp", "seed=1"], with_checkpoint=False)
+def test_resume_auto_finds_a_run_whose_sharded_checkpoint_a_kill_left_set_aside(tmp_path, cache_dir):
+    # A kill between the two renames of a sharded save (strategy=fsdp, on one process here) leaves
+    # checkpoints/.last.ckpt.old and no last.ckpt: the run is still the one to continue, and restoring puts
+    # its checkpoint back.
+    args = [
+        *TINY,
+        "tokenizer=char",
+        "logger=none",
+        "trainer.max_steps=4",
+        "strategy=fsdp",
+        "trainer.accelerator=cpu",
+    ]
+    args += ["callbacks.last_checkpoint.every_n_train_steps=1", f"paths.root_dir={cache_dir}"]
+    killed = run_train(
+        args,
+        cwd=tmp_path,
+        check=False,
+        script=ROOT / "tests" / "faults.py",
+        env={"GPTLAB_TEST_FAULT": "kill_mid_swap:2"},
+        start_new_session=True,
+    )
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    (run_dir,) = run_dirs(tmp_path)
     aside = run_dir / "checkpoints" / ".last.ckpt.old"
-    aside.mkdir(parents=True)
-    (aside / "meta.pt").write_bytes(b"shard metadata")
-    assert choose_run_dir(["strategy=fsdp", "seed=1", "resume=auto"], str(outputs), default) == str(run_dir)
+    assert (aside / ".metadata").is_file() and not (run_dir / "checkpoints" / "last.ckpt").exists()
+    outputs, default = tmp_path / "outputs", str(tmp_path / "outputs" / "runs" / "new")
+    assert choose_run_dir([*args, "resume=auto"], str(outputs), default) == str(run_dir)
     assert restore_interrupted_saves(run_dir / "checkpoints") == [run_dir / "checkpoints" / "last.ckpt"]
-    assert (run_dir / "checkpoints" / "last.ckpt" / "meta.pt").read_bytes() == b"shard metadata"
+    restored = run_dir / "checkpoints" / "last.ckpt"
+    assert (restored / ".metadata").is_file() and Run(run_dir).resume_checkpoint() == restored
 
 
 @pytest.mark.slow
@@ -405,4 +432,8 @@ def test_a_checkpoint_holding_python_objects_is_refused_by_name(tmp_path, cache_
     old = tmp_path / "old.ckpt"
     torch.save({**checkpoint, "numpy_rng": np.random.get_state()}, old)
     with pytest.raises(CheckpointError, match=rf"Checkpoint {old} cannot be read .*beyond tensors"):
-        run(compose_cfg(*common, "trainer.max_steps=6", f"paths.output_dir={out}", f"resume={old}"))
+        run(
+            compose_cfg(
+                *common, "trainer.max_steps=6", f"paths.output_dir={tmp_path / 'new'}", f"resume={old}"
+            )
+        )

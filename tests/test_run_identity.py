@@ -78,7 +78,7 @@ def test_a_sweep_into_a_used_sweep_directory_is_refused(tmp_path):
     assert [len(r.runs) for r in result.rows] == [1] and result.rows[0].runs[0].overrides["seed"] == "2"
 
 
-def test_a_directory_with_traces_of_two_runs_is_read_as_one_and_says_so(tmp_path):
+def test_a_directory_with_traces_of_two_runs_is_read_as_one_and_says_so(tmp_path, caplog):
     """What an older gptlab left when a second run was started into a run directory: the second run's CSV
     rows after the first's, and both runs' W&B files. The readers take the run that wrote result.json."""
     first, second = tmp_path / "A", tmp_path / "B"
@@ -95,6 +95,8 @@ def test_a_directory_with_traces_of_two_runs_is_read_as_one_and_says_so(tmp_path
         writer.writeheader()
         writer.writerows(rows)
     (folder,) = [p.parent for p in find_runs(first)]
+    (best,) = first.glob("checkpoints/best-*.ckpt")
+    shutil.copy2(best, second / "checkpoints")  # keeps its time: written before the second run started
     copied = shutil.copytree(folder, second / "wandb" / folder.name)
     for file in copied.glob("*.wandb"):
         os.utime(file)  # the newest W&B file is the other run's: the reader must not take the newest
@@ -107,6 +109,10 @@ def test_a_directory_with_traces_of_two_runs_is_read_as_one_and_says_so(tmp_path
     assert from_wandb.final_val_loss == pytest.approx(loss, abs=5e-5)
     other = read_run(find_runs(first)[0]).run_id
     assert from_wandb.notes == [f"2 W&B runs ({wanted}, {other}) in one run directory; read {wanted}"]
+    # the best checkpoint is the second run's, whichever name sorts first; the other run's is named
+    with caplog.at_level("WARNING"):
+        assert "step000001" in Run(second).checkpoint("best").name
+    assert f"{best.name} predate(s) this run" in caplog.text
 
 
 def test_a_sweep_with_a_killed_run_shows_it_unfinished_at_its_step_and_unranked(tmp_path):

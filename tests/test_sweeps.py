@@ -89,7 +89,7 @@ def test_compare_script_gives_one_row_per_choice_with_both_seeds(sweep, capsys):
     assert script["main"]([str(sweep_dir), "--source", "wandb"]) == 0
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
     assert lines[0].startswith(
-        "| # | pos | seeds | val/loss | vs best | val/ppl | tokens/s | MFU | parameters |"
+        "| # | pos | seeds | val/loss | Δ vs best (95% CI) | vs best (Holm) | val/ppl | tokens/s | MFU | parameters |"
     )
     rows = [[c.strip() for c in line.strip("|").split("|")] for line in lines[1:]]
     assert sorted(r[1] for r in rows) == ["learned", "nope"] and [r[2] for r in rows] == ["2", "2"]

@@ -210,6 +210,7 @@ def record_start(run_dir: Path, continued: bool, overrides: list[str], task: str
     info = read_run_info(run_dir) if continued else None
     part = {
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "started_unix": time.time(),
         "resumed": bool(continued),
         "host": socket.gethostname(),
         "pid": os.getpid(),

@@ -23,10 +23,12 @@ Nothing here imports torch.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import subprocess
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -197,9 +199,28 @@ class Run:
         return path if checkpoint_kind(path) else None
 
     def best_checkpoints(self) -> list[Path]:
-        """``best-*.ckpt``, best (lowest val/loss in the name) first."""
+        """``best-*.ckpt`` of this run, best (lowest val/loss in the name) first; checkpoints older than the
+        run's start (``run.json``) are another run's and left out, with a warning."""
         found = [p for p in self.checkpoint_dir.glob(BEST_GLOB) if checkpoint_kind(p)]
+        started = self._started()
+        if started is not None:
+            foreign = [p for p in found if p.stat().st_mtime < started - 1.0]
+            if foreign:
+                logging.getLogger(__name__).warning(
+                    "%s: %s predate(s) this run (started %s) and belong(s) to another run: not read",
+                    self.path,
+                    ", ".join(p.name for p in foreign),
+                    time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started)),
+                )
+                found = [p for p in found if p not in foreign]
         return sorted(found, key=lambda p: (_val_loss_in_name(p), -p.stat().st_mtime))
+
+    def _started(self) -> float | None:
+        """When the run's first part started (``run.json``), seconds since the epoch; None when unknown."""
+        info = _read_json(self.path / RUN_FILE)
+        parts = (info or {}).get("parts") or [{}]
+        started = parts[0].get("started_unix")
+        return float(started) if isinstance(started, (int, float)) else None
 
     def preemption_checkpoints(self) -> list[Path]:
         """SLURM's ``hpc_ckpt_<n>.ckpt``, newest first."""
