@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import CONF, ROOT, TINY
+from conftest import CONF, ROOT, TINY, run_train
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 
@@ -31,61 +31,56 @@ def compose_cfg(*overrides: str):
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    """A tiny character-level RoPE run, trained in this process; and a copy of its last checkpoint as a
-    distributed checkpoint directory, laid out as strategy=fsdp writes one (shards via
-    torch.distributed.checkpoint, Lightning's meta.pt beside them), written here by one process."""
-    import torch.distributed.checkpoint as dcp
-
+    """A tiny character-level RoPE run, trained in this process (single-file checkpoints); and the same run
+    trained by `python train.py strategy=fsdp` on one CPU process, whose checkpoints are distributed
+    checkpoint directories (shards through torch.distributed.checkpoint, Lightning's meta.pt beside them)."""
     from gptlab.train import run
 
     root = tmp_path_factory.mktemp("runs")
     run_dir = root / "run"
-    run(
-        compose_cfg(
-            *TINY,
-            "tokenizer=char",
-            "pos=rope",
-            "logger=none",
-            f"paths.root_dir={root}",
-            f"paths.output_dir={run_dir}",
-        )
-    )
-    last = run_dir / "checkpoints" / "last.ckpt"
-    checkpoint = torch.load(last, map_location="cpu", weights_only=True)
-    sharded = run_dir / "checkpoints" / "sharded.ckpt"
-    dcp.save({"state_dict": checkpoint.pop("state_dict")}, checkpoint_id=str(sharded), no_dist=True)
-    checkpoint.pop("optimizer_states")
-    torch.save(checkpoint, sharded / "meta.pt")
-    return root, run_dir, last, sharded
+    args = [*TINY, "tokenizer=char", "pos=rope", "logger=none", f"paths.root_dir={root}"]
+    run(compose_cfg(*args, f"paths.output_dir={run_dir}"))
+    run_train([*args, "strategy=fsdp", "trainer.accelerator=cpu", f"hydra.run.dir={root / 'fsdp'}"], cwd=root)
+    return root, run_dir, run_dir / "checkpoints" / "last.ckpt", root / "fsdp" / "checkpoints" / "last.ckpt"
 
 
 def test_the_layout_of_a_run(trained):
     root, run_dir, last, sharded = trained
     run = Run(run_dir)
-    assert find_run_dirs(root) == [run_dir]
+    assert find_run_dirs(root) == [root / "fsdp", run_dir]
     assert run.last_checkpoint() == last and run.resume_checkpoint() == last
     (best,) = run.best_checkpoints()
     assert best.name.startswith("best-step000008-val") and run.checkpoint("best") == best
     assert run.config()["pos"]["name"] == "rope"
     assert run.result()["global_step"] == 8 and run.result()["finished"]
-    assert run_of_path(last) == run and run_of_path(sharded) == run and run_of_path(run_dir) == run
+    assert run_of_path(last) == run and run_of_path(run_dir) == run
+    assert run_of_path(sharded) == Run(root / "fsdp") and Run(root / "fsdp").last_checkpoint() == sharded
     assert checkpoint_kind(last) == "file" and checkpoint_kind(sharded) == "dcp"
     assert checkpoint_kind(run_dir) is None
 
 
-def test_a_distributed_checkpoint_loads_the_same_model_as_the_file(trained):
-    _, run_dir, last, sharded = trained
+def test_a_distributed_checkpoint_loads_the_same_model_as_the_file(trained, tmp_path):
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    root, _, last, sharded = trained
     from_file, from_dcp = load_run(last), load_run(sharded)
-    assert from_dcp.run_dir == run_dir and from_dcp.checkpoint == sharded
+    assert from_dcp.run_dir == root / "fsdp" and from_dcp.checkpoint == sharded
     a, b = from_file.model.state_dict(), from_dcp.model.state_dict()
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    # exactly the tensors torch's own reader finds in the shards
+    dcp_to_torch_save(sharded, tmp_path / "converted.pt")
+    converted = torch.load(tmp_path / "converted.pt", weights_only=True)["state_dict"]
+    assert b.keys() == {k.removeprefix("model.") for k in converted}
+    assert all(torch.equal(b[k.removeprefix("model.")], v) for k, v in converted.items())
+    # and the same model as the run trained without sharding (the same steps, up to float rounding)
+    assert a.keys() == b.keys() and all(torch.allclose(a[k], b[k], atol=1e-5) for k in a)
     # without the weights, only Lightning's part is read: what resuming checks
     meta = load_checkpoint(sharded, weights=False)
     assert "state_dict" not in meta and meta["global_step"] == 8 and meta["hyper_parameters"]["model"]
 
 
 def test_resume_checks_a_distributed_checkpoint_before_training(trained, make_cfg):
-    _, run_dir, _, sharded = trained
+    root, _, _, sharded = trained
+    run_dir = root / "fsdp"
     from gptlab.builders import build_model_config, build_tokenizer
     from gptlab.resume import plan_resume
 
@@ -135,7 +130,7 @@ class RunsCode:
 
 
 def test_a_checkpoint_that_would_run_code_is_refused(trained, tmp_path):
-    _, run_dir, last, _ = trained
+    _, run_dir, last, sharded = trained
     marker = tmp_path / "code-ran"
     checkpoint = torch.load(last, map_location="cpu", weights_only=True)
     bad_file = run_dir / "checkpoints" / "evil.ckpt"
@@ -148,7 +143,7 @@ def test_a_checkpoint_that_would_run_code_is_refused(trained, tmp_path):
 
     # a distributed checkpoint's index is a plain pickle: the loader admits only the format's own classes
     bad_dir = tmp_path / "evil_dcp"
-    shutil.copytree(run_dir / "checkpoints" / "sharded.ckpt", bad_dir)
+    shutil.copytree(sharded, bad_dir)
     (bad_dir / ".metadata").write_bytes(pickle.dumps(RunsCode(marker)))
     with pytest.raises(CheckpointError, match=r"refers to posix.system.*refused"):
         load_checkpoint(bad_dir)
