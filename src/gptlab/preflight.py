@@ -22,7 +22,8 @@ def check_seed(seed: Any) -> None:
 
 
 def check_trainer_values(trainer_cfg: dict[str, Any]) -> None:
-    """``max_steps`` a positive integer, ``val_check_interval`` a positive integer (steps) or a fraction."""
+    """``max_steps`` a positive integer; ``val_check_interval`` a positive integer (steps), or a fraction of
+    an epoch in (0, 1] only where validation is counted in epochs (``check_val_every_n_epoch`` set)."""
     max_steps = trainer_cfg.get("max_steps")
     if not _is_int(max_steps) or max_steps <= 0:
         raise ConfigError(
@@ -30,10 +31,34 @@ def check_trainer_values(trainer_cfg: dict[str, Any]) -> None:
             "trainer.max_steps=320 (the learning-rate schedule is defined over them)."
         )
     interval = trainer_cfg.get("val_check_interval")
-    if interval is not None and (isinstance(interval, (bool, str)) or not interval > 0):
+    if interval is None:
+        return
+    if isinstance(interval, (bool, str)) or not isinstance(interval, (int, float)) or not interval > 0:
         raise ConfigError(
             f"trainer.val_check_interval={interval!r} must be a positive integer (validate every that many "
-            "steps, e.g. trainer.val_check_interval=80) or a fraction of an epoch in (0, 1]."
+            "steps, e.g. trainer.val_check_interval=80)."
+        )
+    if _is_int(interval):
+        return
+    # A float: Lightning reads it as a fraction of an epoch, and refuses it, after the run has started, while
+    # validation is counted in steps across epochs (check_val_every_n_epoch=null, gptlab's default).
+    every_epochs = trainer_cfg.get("check_val_every_n_epoch")
+    as_steps = (
+        f"e.g. trainer.val_check_interval={max(1, round(interval * max_steps))} ({interval:g} x "
+        f"trainer.max_steps={max_steps})"
+        if interval <= 1
+        else f"e.g. trainer.val_check_interval={round(interval)}"
+    )
+    if every_epochs is None:
+        raise ConfigError(
+            f"trainer.val_check_interval={interval!r} is not a whole number of steps, and this run counts "
+            "validation in optimizer steps (trainer.check_val_every_n_epoch=null), where Lightning refuses a "
+            f"fraction of an epoch: give a whole number of steps, {as_steps}."
+        )
+    if interval > 1:
+        raise ConfigError(
+            f"trainer.val_check_interval={interval!r}: with trainer.check_val_every_n_epoch={every_epochs} a float "
+            f"is a fraction of an epoch and must be in (0, 1]; give a whole number of steps instead, {as_steps}."
         )
 
 
