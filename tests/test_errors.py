@@ -132,6 +132,31 @@ def test_a_fraction_of_an_epoch_validates_where_epochs_are_counted(make_cfg, tmp
     assert metrics["val/loss"] > 0
 
 
+@pytest.mark.parametrize("impl", ["liger", "cce"])
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
+def test_a_cuda_loss_kernel_on_a_cpu_machine_through_the_cli(tmp_path, impl):
+    proc = run_train(
+        [
+            *TINY,
+            f"loss.impl={impl}",
+            "logger=wandb",
+            f"paths.root_dir={tmp_path}",
+            f"hydra.run.dir={tmp_path / 'r'}",
+        ],
+        cwd=tmp_path,
+        check=False,
+    )
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert (
+        f"gptlab: error: loss.impl={impl} cannot run on cpu: it is a CUDA kernel (it needs a CUDA GPU and its "
+        "package). Use loss.impl=auto (here: chunked) or loss.impl=chunked" in proc.stderr
+    )
+    assert "Traceback" not in proc.stderr
+    # refused before the data, the loggers or the trainer: no W&B run, no token cache, no run files
+    assert nothing_started(tmp_path / "r") and not list(tmp_path.glob("**/wandb"))
+    assert not list(tmp_path.glob("**/*.bin")) and not (tmp_path / "r" / "config_resolved.yaml").exists()
+
+
 # ---- the model -------------------------------------------------------------------------------------------
 
 

@@ -90,3 +90,31 @@ def check_accelerator(trainer_cfg: dict[str, Any]) -> None:
             f"{'GPU' if accelerator in (*_CUDA_NAMES, 'auto') else accelerator.upper()} device(s). "
             f"Use trainer.devices={count} (or -1 for all of them), or trainer.num_nodes to add machines."
         )
+
+
+def training_device_type(trainer_cfg: dict[str, Any]) -> str:
+    """The kind of device the run will train on ("cuda", "cpu", "mps", ...), as Lightning picks it."""
+    accelerator = str(trainer_cfg.get("accelerator") or "auto").lower()
+    if accelerator in _CUDA_NAMES:
+        return "cuda"
+    if accelerator == "auto":
+        if torch.cuda.is_available():
+            return "cuda"
+        return "mps" if torch.backends.mps.is_available() else "cpu"
+    return accelerator
+
+
+def check_loss(loss_cfg: Any, trainer_cfg: dict[str, Any]) -> None:
+    """The ``loss`` node (a mapping, or None): its options (unknown keys, values), and a CUDA kernel
+    (``loss.impl=liger|cce``) where it cannot run: no CUDA device, or its package not installed."""
+    from omegaconf import DictConfig, OmegaConf
+
+    from gptlab.lit.module import build_head_loss
+    from gptlab.model.head_loss import refusal
+
+    if isinstance(loss_cfg, DictConfig):
+        loss_cfg = OmegaConf.to_container(loss_cfg, resolve=True)
+    head_loss = build_head_loss(loss_cfg)
+    message = refusal(head_loss.impl, training_device_type(trainer_cfg))
+    if message is not None:
+        raise ConfigError(message)
