@@ -90,6 +90,73 @@ def test_values_of_the_wrong_type(make_cfg, tmp_path, override, message):
     assert nothing_started(tmp_path)
 
 
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (
+            ["trainer.val_check_interval=0.5"],
+            "trainer.val_check_interval=0.5 is not a whole number of steps, and this run counts validation in "
+            "optimizer steps (trainer.check_val_every_n_epoch=null), where Lightning refuses a fraction of an "
+            "epoch: give a whole number of steps, e.g. trainer.val_check_interval=4 (0.5 x trainer.max_steps=8).",
+        ),
+        (
+            ["trainer.val_check_interval=2.5", "trainer.check_val_every_n_epoch=1"],
+            "trainer.val_check_interval=2.5: with trainer.check_val_every_n_epoch=1 a float is a fraction of an "
+            "epoch and must be in (0, 1]",
+        ),
+    ],
+)
+def test_a_fractional_validation_interval_through_the_cli(tmp_path, overrides, message):
+    proc = run_train(
+        [*TINY, *overrides, "logger=wandb", f"paths.root_dir={tmp_path}", f"hydra.run.dir={tmp_path / 'r'}"],
+        cwd=tmp_path,
+        check=False,
+    )
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert f"gptlab: error: {message}" in proc.stderr and "Traceback" not in proc.stderr
+    assert nothing_started(tmp_path / "r")
+
+
+def test_a_fraction_of_an_epoch_validates_where_epochs_are_counted(make_cfg, tmp_path):
+    # with trainer.check_val_every_n_epoch set, Lightning's fraction of an epoch is accepted (and 8 steps
+    # are far less than half an epoch of the corpus: only the final validation runs)
+    metrics = run(
+        make_cfg(
+            *TINY,
+            "logger=none",
+            "trainer.val_check_interval=0.5",
+            "trainer.check_val_every_n_epoch=1",
+            f"paths.output_dir={tmp_path}",
+        )
+    )
+    assert metrics["val/loss"] > 0
+
+
+@pytest.mark.parametrize("impl", ["liger", "cce"])
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
+def test_a_cuda_loss_kernel_on_a_cpu_machine_through_the_cli(tmp_path, impl):
+    proc = run_train(
+        [
+            *TINY,
+            f"loss.impl={impl}",
+            "logger=wandb",
+            f"paths.root_dir={tmp_path}",
+            f"hydra.run.dir={tmp_path / 'r'}",
+        ],
+        cwd=tmp_path,
+        check=False,
+    )
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert (
+        f"gptlab: error: loss.impl={impl} cannot run on cpu: it is a CUDA kernel (it needs a CUDA GPU and its "
+        "package). Use loss.impl=auto (here: chunked) or loss.impl=chunked" in proc.stderr
+    )
+    assert "Traceback" not in proc.stderr
+    # refused before the data, the loggers or the trainer: no W&B run, no token cache, no run files
+    assert nothing_started(tmp_path / "r") and not list(tmp_path.glob("**/wandb"))
+    assert not list(tmp_path.glob("**/*.bin")) and not (tmp_path / "r" / "config_resolved.yaml").exists()
+
+
 # ---- the model -------------------------------------------------------------------------------------------
 
 

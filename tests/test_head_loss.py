@@ -13,6 +13,7 @@ from gptlab.model.head_loss import (
     HeadLoss,
     chunked_linear_cross_entropy,
     default_chunk_rows,
+    refusal,
 )
 
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -114,9 +115,46 @@ def test_the_default_chunk_buffer_stays_below_glibcs_mmap_threshold():
 def test_auto_takes_the_chunked_path_on_cpu_and_cuda_kernels_are_refused_there():
     assert HeadLoss("auto").resolve("cpu") == "chunked"
     assert HeadLoss("plain").resolve("cpu") == "plain"
-    for impl, package in (("liger", "liger-kernel"), ("cce", "cut-cross-entropy")):
-        with pytest.raises(RuntimeError, match=f"loss.impl={impl} needs a CUDA device and the {package}"):
+    for impl in ("liger", "cce"):
+        message = f"loss.impl={impl} cannot run on cpu: it is a CUDA kernel"
+        with pytest.raises(RuntimeError, match=message):
             HeadLoss(impl).resolve("cpu")
+        assert refusal(impl, "cpu").startswith(message)
+        assert "Use loss.impl=auto (here: chunked) or loss.impl=chunked" in refusal(impl, "cpu")
+
+
+@pytest.mark.parametrize(
+    "installed,impl,verdict",
+    [
+        (
+            set(),
+            "liger",
+            'loss.impl=liger needs the liger-kernel package, which is not installed. Install it with pip install -e ".[gpu]", or use loss.impl=auto (here: chunked) or loss.impl=chunked',
+        ),
+        (
+            set(),
+            "cce",
+            'loss.impl=cce needs the cut-cross-entropy package, which is not installed. Install it with pip install -e ".[gpu]", or use loss.impl=auto (here: chunked) or loss.impl=chunked',
+        ),
+        (
+            {"cut_cross_entropy"},
+            "liger",
+            'loss.impl=liger needs the liger-kernel package, which is not installed. Install it with pip install -e ".[gpu]", or use loss.impl=auto (here: cce)',
+        ),
+        ({"liger_kernel"}, "liger", None),
+        ({"cut_cross_entropy"}, "cce", None),
+        (set(), "auto", None),
+        (set(), "chunked", None),
+    ],
+)
+def test_on_a_cuda_machine_a_kernel_whose_package_is_missing_is_refused(installed, impl, verdict):
+    message = refusal(impl, "cuda", installed)
+    assert message == verdict if verdict is None else message.startswith(verdict), message
+    if verdict is None:
+        assert HeadLoss(impl).resolve("cuda", installed) in (impl, "chunked")
+    else:
+        with pytest.raises(RuntimeError, match="is not installed"):
+            HeadLoss(impl).resolve("cuda", installed)
 
 
 @pytest.mark.parametrize(

@@ -177,3 +177,89 @@ def test_validation_tokens_of_a_stream_and_of_a_cache(tmp_path):
     spec.streaming = False
     val, _ = corpus.validation_tokens(spec, {"name": "gpt2"})
     assert np.array_equal(val, corpus.prepare(spec, "gpt2").val.array())
+
+
+def reader_windows(stream, loader_workers=0):
+    """One pass of windows from each reader of ``stream``: {reader index: [window tokens]}, read through a
+    DataLoader with ``loader_workers`` workers (each worker's windows kept apart by the worker id)."""
+    from torch.utils.data import DataLoader, get_worker_info
+
+    class Tagged(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            info = get_worker_info()
+            for x, y in one_epoch(stream):
+                yield (info.id if info else 0), torch.cat([x, y[-1:]])
+
+    by_reader: dict[int, list] = {}
+    for worker, window in DataLoader(Tagged(), batch_size=None, num_workers=loader_workers):
+        by_reader.setdefault(stream.rank * max(1, loader_workers) + int(worker), []).append(window)
+    return by_reader
+
+
+def assert_windows_tile(windows, documents, tok, window):
+    """The windows cut the documents' tokens in order, each starting at the last token of the one before,
+    leaving less than a window at the end."""
+    expected = np.concatenate([tok.encode(d) + [tok.eot_id] for d in documents])
+    got = np.concatenate([windows[0].numpy()] + [w[1:].numpy() for w in windows[1:]])
+    assert np.array_equal(got, expected[: len(got)])
+    assert len(expected) - len(got) < window
+
+
+@pytest.mark.parametrize(("world_size", "workers"), [(1, 2), (2, 1), (2, 2)])
+def test_every_worker_of_every_rank_reads_its_own_share_of_a_one_file_corpus(tmp_path, world_size, workers):
+    docs = make_jsonl(tmp_path / "d.jsonl", n_docs=120)
+    spec = DataSpec(path=str(tmp_path / "d.jsonl"), streaming=True, cache_dir=str(tmp_path / "c"))
+    tok = GPT2Tokenizer()
+    readers = world_size * workers
+    windows: dict[int, list] = {}
+    for rank in range(world_size):
+        stream = StreamingWindows(spec, tok, window=33, rank=rank, world_size=world_size)
+        windows.update(reader_windows(stream, loader_workers=workers if workers > 1 else 0))
+    assert sorted(windows) == list(range(readers))  # every reader got windows
+    # reader k takes every n-th document: every training document is read by exactly one reader, each
+    # reader's windows tile its documents (no window twice, none skipped but the last part-window)
+    for k, got in windows.items():
+        mine = [d for i, d in enumerate(docs) if i % readers == k]
+        kept = [d for d in mine if not held_out(d, spec.split_seed, spec.val_fraction)]
+        assert_windows_tile(got, kept, tok, 33)
+    all_windows = [tuple(w.tolist()) for got in windows.values() for w in got]
+    assert len(set(all_windows)) == len(all_windows)
+
+
+def test_a_streaming_loader_with_two_workers_resumes_at_the_same_window(tmp_path):
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    make_jsonl(tmp_path / "d.jsonl", n_docs=200)
+    spec = DataSpec(path=str(tmp_path / "d.jsonl"), streaming=True, cache_dir=str(tmp_path / "c"))
+    tok = GPT2Tokenizer()
+
+    def loader():
+        return StatefulDataLoader(StreamingWindows(spec, tok, window=17), batch_size=4, num_workers=2)
+
+    reference = [x for x, _ in itertools.islice(loader(), 30)]
+    first = loader()
+    it = iter(first)
+    for _ in range(11):
+        next(it)
+    state = round_trip(first.state_dict())
+    del it
+    resumed = loader()
+    resumed.load_state_dict(state)
+    rest = [x for x, _ in itertools.islice(resumed, 19)]
+    assert all(torch.equal(a, b) for a, b in zip(rest, reference[11:], strict=True))
+
+
+def test_a_streaming_run_with_two_loader_workers_trains_on_a_one_file_corpus(tmp_path):
+    make_jsonl(tmp_path / "d.jsonl", n_docs=300)
+    metrics = run(
+        compose_cfg(
+            *ARGS,
+            "trainer.max_steps=4",
+            "data.num_workers=2",
+            f"data.path={tmp_path / 'd.jsonl'}",
+            f"paths.root_dir={tmp_path}",
+            f"paths.output_dir={tmp_path / 'run'}",
+        )
+    )
+    assert np.isfinite(metrics["val/loss"])
+    assert torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 4

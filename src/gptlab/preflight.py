@@ -22,7 +22,8 @@ def check_seed(seed: Any) -> None:
 
 
 def check_trainer_values(trainer_cfg: dict[str, Any]) -> None:
-    """``max_steps`` a positive integer, ``val_check_interval`` a positive integer (steps) or a fraction."""
+    """``max_steps`` a positive integer; ``val_check_interval`` a positive integer (steps), or a fraction of
+    an epoch in (0, 1] only where validation is counted in epochs (``check_val_every_n_epoch`` set)."""
     max_steps = trainer_cfg.get("max_steps")
     if not _is_int(max_steps) or max_steps <= 0:
         raise ConfigError(
@@ -30,10 +31,34 @@ def check_trainer_values(trainer_cfg: dict[str, Any]) -> None:
             "trainer.max_steps=320 (the learning-rate schedule is defined over them)."
         )
     interval = trainer_cfg.get("val_check_interval")
-    if interval is not None and (isinstance(interval, (bool, str)) or not interval > 0):
+    if interval is None:
+        return
+    if isinstance(interval, (bool, str)) or not isinstance(interval, (int, float)) or not interval > 0:
         raise ConfigError(
             f"trainer.val_check_interval={interval!r} must be a positive integer (validate every that many "
-            "steps, e.g. trainer.val_check_interval=80) or a fraction of an epoch in (0, 1]."
+            "steps, e.g. trainer.val_check_interval=80)."
+        )
+    if _is_int(interval):
+        return
+    # A float: Lightning reads it as a fraction of an epoch, and refuses it, after the run has started, while
+    # validation is counted in steps across epochs (check_val_every_n_epoch=null, gptlab's default).
+    every_epochs = trainer_cfg.get("check_val_every_n_epoch")
+    as_steps = (
+        f"e.g. trainer.val_check_interval={max(1, round(interval * max_steps))} ({interval:g} x "
+        f"trainer.max_steps={max_steps})"
+        if interval <= 1
+        else f"e.g. trainer.val_check_interval={round(interval)}"
+    )
+    if every_epochs is None:
+        raise ConfigError(
+            f"trainer.val_check_interval={interval!r} is not a whole number of steps, and this run counts "
+            "validation in optimizer steps (trainer.check_val_every_n_epoch=null), where Lightning refuses a "
+            f"fraction of an epoch: give a whole number of steps, {as_steps}."
+        )
+    if interval > 1:
+        raise ConfigError(
+            f"trainer.val_check_interval={interval!r}: with trainer.check_val_every_n_epoch={every_epochs} a float "
+            f"is a fraction of an epoch and must be in (0, 1]; give a whole number of steps instead, {as_steps}."
         )
 
 
@@ -65,3 +90,31 @@ def check_accelerator(trainer_cfg: dict[str, Any]) -> None:
             f"{'GPU' if accelerator in (*_CUDA_NAMES, 'auto') else accelerator.upper()} device(s). "
             f"Use trainer.devices={count} (or -1 for all of them), or trainer.num_nodes to add machines."
         )
+
+
+def training_device_type(trainer_cfg: dict[str, Any]) -> str:
+    """The kind of device the run will train on ("cuda", "cpu", "mps", ...), as Lightning picks it."""
+    accelerator = str(trainer_cfg.get("accelerator") or "auto").lower()
+    if accelerator in _CUDA_NAMES:
+        return "cuda"
+    if accelerator == "auto":
+        if torch.cuda.is_available():
+            return "cuda"
+        return "mps" if torch.backends.mps.is_available() else "cpu"
+    return accelerator
+
+
+def check_loss(loss_cfg: Any, trainer_cfg: dict[str, Any]) -> None:
+    """The ``loss`` node (a mapping, or None): its options (unknown keys, values), and a CUDA kernel
+    (``loss.impl=liger|cce``) where it cannot run: no CUDA device, or its package not installed."""
+    from omegaconf import DictConfig, OmegaConf
+
+    from gptlab.lit.module import build_head_loss
+    from gptlab.model.head_loss import refusal
+
+    if isinstance(loss_cfg, DictConfig):
+        loss_cfg = OmegaConf.to_container(loss_cfg, resolve=True)
+    head_loss = build_head_loss(loss_cfg)
+    message = refusal(head_loss.impl, training_device_type(trainer_cfg))
+    if message is not None:
+        raise ConfigError(message)

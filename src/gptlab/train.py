@@ -33,7 +33,7 @@ from gptlab.parallel import (
     warn_if_cpu_oversubscribed,
 )
 from gptlab.parallel.slurm import slurm_plugins
-from gptlab.preflight import check_accelerator, check_seed, check_trainer_values
+from gptlab.preflight import check_accelerator, check_loss, check_seed, check_trainer_values
 from gptlab.resume import ResumePlan, check_writable, plan_resume
 from gptlab.tracking.loggers import finish_wandb
 
@@ -149,6 +149,7 @@ def run(cfg: DictConfig) -> dict[str, float]:
     check_trainer_options(trainer_cfg)
     check_trainer_values(trainer_cfg)
     check_accelerator(trainer_cfg)
+    check_loss(cfg.get("loss"), trainer_cfg)
     optim_cfg = cast(dict[str, Any], OmegaConf.to_container(cfg.optim, resolve=True))
     check_optim(optim_cfg)
     parallel = ParallelOptions.from_config(

@@ -131,7 +131,9 @@ class GPTLitModule(L.LightningModule):
         return int(self.flops_per_token(T) * B * T / (1 if self.training else 3))
 
     def on_fit_start(self) -> None:
-        impl = self.head_loss.resolve(self.device)  # a CUDA-only choice on another device fails here, early
+        # train.py refuses a CUDA kernel that cannot run at config time (preflight.check_loss); from Python,
+        # it fails here, before the first step
+        impl = self.head_loss.resolve(self.device)
         if self.trainer.is_global_zero:
             log.info("Output layer and loss: %s (loss.impl=%s)", impl, self.head_loss.impl)
 

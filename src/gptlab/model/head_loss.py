@@ -11,13 +11,14 @@ are 1.6 GB in fp32, and again for their gradient. Three ways to the same loss an
   gradient in the forward pass saves the second (H @ W^T) product that a recompute in the backward would
   cost. The backward only scales the stored gradients by the incoming one.
 - On CUDA, the field's kernels: ``liger`` (Liger-Kernel's fused linear cross-entropy) and ``cce`` (Cut
-  Cross-Entropy, Wijmans et al. 2024, arXiv:2411.09009), when installed (``pip install gptlab[gpu]``).
+  Cross-Entropy, Wijmans et al. 2024, arXiv:2411.09009), when installed (``pip install -e ".[gpu]"``).
 
 ``auto`` picks ``cce``, then ``liger`` on CUDA when installed, else ``chunked``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import torch
@@ -170,16 +171,48 @@ def _cce(hidden: Tensor, weight: Tensor, targets: Tensor, bias: Tensor | None, i
     )
 
 
-def available(impl: str, device: torch.device | str) -> bool:
-    """Whether ``impl`` can run on ``device`` here (the CUDA kernels need CUDA and their package)."""
-    if impl in ("chunked", "plain", "auto"):
-        return True
-    if torch.device(device).type != "cuda":
-        return False
-    module = {"liger": "liger_kernel", "cce": "cut_cross_entropy"}[impl]
+# The CUDA kernels: (module to import, package to install).
+KERNELS = {"liger": ("liger_kernel", "liger-kernel"), "cce": ("cut_cross_entropy", "cut-cross-entropy")}
+
+
+def installed_kernel_modules() -> set[str]:
+    """The CUDA kernels' modules that can be imported here."""
     import importlib.util
 
-    return importlib.util.find_spec(module) is not None
+    return {module for module, _ in KERNELS.values() if importlib.util.find_spec(module) is not None}
+
+
+def unavailable_reason(impl: str, device_type: str, installed: Collection[str] | None = None) -> str | None:
+    """Why ``impl`` cannot run on a ``device_type`` device ("cpu", "cuda", ...) with the ``installed``
+    modules (default: those importable here), or None when it can."""
+    if impl not in KERNELS:
+        return None  # chunked, plain and auto run anywhere
+    module, package = KERNELS[impl]
+    if device_type != "cuda":
+        return f"cannot run on {device_type}: it is a CUDA kernel (it needs a CUDA GPU and its package)"
+    if module not in (installed_kernel_modules() if installed is None else installed):
+        return f"needs the {package} package, which is not installed"
+    return None
+
+
+def refusal(impl: str, device_type: str, installed: Collection[str] | None = None) -> str | None:
+    """The message that refuses ``impl`` on ``device_type`` (see ``unavailable_reason``), with the fix;
+    None when it can run."""
+    reason = unavailable_reason(impl, device_type, installed)
+    if reason is None:
+        return None
+    fallback = HeadLoss("auto").resolve(device_type, installed)
+    return (
+        f"loss.impl={impl} {reason}. "
+        + ('Install it with pip install -e ".[gpu]", or use' if device_type == "cuda" else "Use")
+        + f" loss.impl=auto (here: {fallback}) or loss.impl=chunked; every loss.impl gives the same loss "
+        "and gradients."
+    )
+
+
+def available(impl: str, device: torch.device | str, installed: Collection[str] | None = None) -> bool:
+    """Whether ``impl`` can run on ``device`` here (the CUDA kernels need CUDA and their package)."""
+    return unavailable_reason(impl, torch.device(device).type, installed) is None
 
 
 @dataclass(frozen=True)
@@ -200,20 +233,18 @@ class HeadLoss:
         if self.chunk_rows is not None and (isinstance(self.chunk_rows, bool) or int(self.chunk_rows) < 1):
             raise ValueError(f"loss.chunk_rows={self.chunk_rows!r} must be a positive integer or null.")
 
-    def resolve(self, device: torch.device | str) -> str:
-        """The implementation used on ``device``: ``auto`` made concrete; a CUDA kernel asked for where it
-        cannot run raises an error that says what to install or choose instead."""
+    def resolve(self, device: torch.device | str, installed: Collection[str] | None = None) -> str:
+        """The implementation used on ``device`` (with the ``installed`` kernel modules, default: those
+        importable here): ``auto`` made concrete; a CUDA kernel asked for where it cannot run raises an
+        error that says what to install or choose instead (a run refuses it at config time: ``refusal``)."""
         if self.impl == "auto":
             for impl in ("cce", "liger"):
-                if available(impl, device):
+                if available(impl, device, installed):
                     return impl
             return "chunked"
-        if not available(self.impl, device):
-            package = {"liger": "liger-kernel", "cce": "cut-cross-entropy"}[self.impl]
-            raise RuntimeError(
-                f"loss.impl={self.impl} needs a CUDA device and the {package} package (pip install "
-                f"'gptlab[gpu]'); this run is on {device}. Use loss.impl=chunked or loss.impl=auto."
-            )
+        message = refusal(self.impl, torch.device(device).type, installed)
+        if message is not None:
+            raise RuntimeError(message)
         return self.impl
 
     def __call__(self, hidden: Tensor, weight: Tensor, targets: Tensor, bias: Tensor | None = None) -> Tensor:
