@@ -66,6 +66,23 @@ def test_muon_takes_the_blocks_matrices_and_adamw_the_rest():
     assert len(muon_names) + len(adamw_names) == len(list(model.parameters()))  # the tied head once
 
 
+def test_standard_adamw_keeps_the_two_groups_older_checkpoints_hold():
+    # An optimizer state saved before optim=muon and muP (every matrix, then every vector) still loads.
+    model = tiny_model()
+    matrices = [p for p in model.parameters() if p.dim() >= 2]
+    vectors = [p for p in model.parameters() if p.dim() < 2]
+    old = torch.optim.AdamW(
+        [{"params": matrices, "weight_decay": 0.1}, {"params": vectors, "weight_decay": 0.0}], lr=1e-3
+    )
+    x = torch.randint(0, 50, (4, 16))
+    model(x, x)[1].backward()
+    old.step()
+    optimizer = build_optimizer(model, check_optim({"lr": 1e-3}))
+    assert [len(g["params"]) for g in optimizer.param_groups] == [len(matrices), len(vectors)]
+    optimizer.load_state_dict(copy.deepcopy(old.state_dict()))
+    assert optimizer.state[matrices[0]]["step"] == 1
+
+
 def test_a_muon_step_is_the_newton_schulz_orthogonalised_nesterov_momentum():
     model = tiny_model()
     mu, lr, wd = 0.95, 0.05, 0.1

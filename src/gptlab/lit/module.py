@@ -116,13 +116,14 @@ class GPTLitModule(L.LightningModule):
         self.log("train/loss", loss, prog_bar=True, on_step=True, on_epoch=False)
         optimizer = self.optimizers()
         assert not isinstance(optimizer, list)  # configure_optimizers returns one optimizer
-        # lr: optim.lr as scheduled (the embeddings' AdamW rate); lr/muon: Muon's rate, under optim=muon.
-        rates = {group.get("group"): group["lr"] for group in optimizer.param_groups}
-        self.log(
-            "lr", rates.get("embeddings_head", optimizer.param_groups[0]["lr"]), on_step=True, on_epoch=False
-        )
-        if "hidden_muon" in rates:
-            self.log("lr/muon", rates["hidden_muon"], on_step=True, on_epoch=False)
+        # lr: optim.lr as scheduled (the rate of every group but muP's and Muon's hidden matrices);
+        # lr/muon: Muon's rate, under optim=muon.
+        groups = optimizer.param_groups
+        base = next((g for g in groups if g.get("group") not in ("hidden", "hidden_muon")), groups[0])
+        self.log("lr", base["lr"], on_step=True, on_epoch=False)
+        for group in groups:
+            if group.get("group") == "hidden_muon":
+                self.log("lr/muon", group["lr"], on_step=True, on_epoch=False)
         self.last_train_loss = loss.detach()  # read by the spike detector before the optimizer step
         return loss
 

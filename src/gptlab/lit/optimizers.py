@@ -207,8 +207,11 @@ def param_groups(
     model: nn.Module, optim: dict[str, Any], hidden_lr_scale: float = 1.0
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """(AdamW groups, Muon groups) for ``model``. Weight decay on matrices, none on biases and gains.
-    With optim=adamw the hidden matrices form their own AdamW group at ``lr * hidden_lr_scale`` (muP; 1 in
-    the standard parametrisation); with optim=muon they form the Muon group at ``muon_lr``."""
+
+    - optim=adamw, standard parametrisation: two groups, every matrix and every vector (the layout of
+      checkpoints written before optim=muon and muP existed, so that they resume);
+    - optim=adamw under muP: the hidden matrices in a group of their own at ``lr * hidden_lr_scale``;
+    - optim=muon: the hidden matrices form the Muon group at ``muon_lr``; AdamW keeps the rest."""
     hidden, other_matrices, vectors = [], [], []
     for name, p in model.named_parameters():  # a tied head is listed once, as the embedding
         if not p.requires_grad:
@@ -220,16 +223,25 @@ def param_groups(
         else:
             vectors.append(p)
     lr, wd = optim["lr"], optim["weight_decay"]
-    adamw: list[dict[str, Any]] = [
-        {"params": other_matrices, "lr": lr, "weight_decay": wd, "group": "embeddings_head"},
-        {"params": vectors, "lr": lr, "weight_decay": 0.0, "group": "gains_biases"},
-    ]
-    muon: list[dict[str, Any]] = []
+    gains = {"params": vectors, "lr": lr, "weight_decay": 0.0, "group": "gains_biases"}
     if optim["name"] == "muon":
-        muon.append({"params": hidden, "lr": optim["muon_lr"], "weight_decay": wd, "group": "hidden_muon"})
-    else:
-        adamw.insert(0, {"params": hidden, "lr": lr * hidden_lr_scale, "weight_decay": wd, "group": "hidden"})
-    return [g for g in adamw if g["params"]], [g for g in muon if g["params"]]
+        adamw = [{"params": other_matrices, "lr": lr, "weight_decay": wd, "group": "embeddings_head"}, gains]
+        muon = [{"params": hidden, "lr": optim["muon_lr"], "weight_decay": wd, "group": "hidden_muon"}]
+        return [g for g in adamw if g["params"]], [g for g in muon if g["params"]]
+    if hidden_lr_scale == 1.0:
+        ids = {id(p) for p in hidden + other_matrices}
+        matrices = [p for p in model.parameters() if id(p) in ids]  # in the model's order
+        return [
+            g
+            for g in ({"params": matrices, "lr": lr, "weight_decay": wd, "group": "matrices"}, gains)
+            if g["params"]
+        ], []
+    adamw = [
+        {"params": hidden, "lr": lr * hidden_lr_scale, "weight_decay": wd, "group": "hidden"},
+        {"params": other_matrices, "lr": lr, "weight_decay": wd, "group": "embeddings_head"},
+        gains,
+    ]
+    return [g for g in adamw if g["params"]], []
 
 
 class MuonWithAdamW(torch.optim.Optimizer):
