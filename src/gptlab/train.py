@@ -24,6 +24,7 @@ from gptlab.builders import build_datamodule, build_model_config, load_initial_w
 from gptlab.errors import ConfigError
 from gptlab.lit.checkpointing import fault_tolerance_callbacks, fit, restore_interrupted_saves
 from gptlab.lit.module import GPTLitModule, check_optim
+from gptlab.lit.optimizers import check_optimizer_strategy
 from gptlab.parallel import (
     ParallelOptions,
     build_strategy,
@@ -151,7 +152,8 @@ def run(cfg: DictConfig) -> dict[str, float]:
     check_accelerator(trainer_cfg)
     check_loss(cfg.get("loss"), trainer_cfg)
     optim_cfg = cast(dict[str, Any], OmegaConf.to_container(cfg.optim, resolve=True))
-    check_optim(optim_cfg)
+    check_optim(optim_cfg, trainer_cfg.get("max_steps"))
+    check_optimizer_strategy(optim_cfg, str((cfg.get("strategy") or {}).get("name", "auto")))
     parallel = ParallelOptions.from_config(
         {k: cfg[k] for k in ("compile", "activation_checkpointing") if cfg.get(k) is not None}
     )

@@ -6,7 +6,6 @@ It receives only its own parts (the model's config, the optimizer's config), nev
 from __future__ import annotations
 
 import logging
-import math
 from typing import Any
 
 import lightning as L
@@ -16,51 +15,15 @@ from torch import Tensor
 from gptlab.data import tokenizers
 from gptlab.errors import ConfigError
 from gptlab.lit.checkpointing import check_finite_loss, collect_rng_states, restore_rng_states
+from gptlab.lit.optimizers import OPTIM_DEFAULTS, build_optimizer, check_optim, lr_factor, schedule_of
 from gptlab.model.config import GPTConfig
 from gptlab.model.gpt import GPT
 from gptlab.model.head_loss import HeadLoss
+from gptlab.model.parametrization import hidden_lr_scale
 
 log = logging.getLogger(__name__)
 
-OPTIM_DEFAULTS: dict[str, Any] = {
-    "lr": 3e-4,
-    "weight_decay": 0.1,
-    "betas": (0.9, 0.95),
-    "eps": 1e-8,
-    "warmup_steps": 100,
-    "min_lr_ratio": 0.1,  # the cosine schedule ends at min_lr_ratio * lr
-}
-
-
-def check_optim(optim: dict[str, Any]) -> dict[str, Any]:
-    unknown = sorted(set(optim) - set(OPTIM_DEFAULTS))
-    if unknown:
-        raise ConfigError(f"Unknown optim option(s) {unknown}. Known: {sorted(OPTIM_DEFAULTS)}.")
-    merged = {**OPTIM_DEFAULTS, **optim}
-    for key in ("lr", "weight_decay", "eps", "warmup_steps", "min_lr_ratio"):
-        value = merged[key]
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(
-                f"optim.{key}={value!r} must be a number (e.g. optim.{key}={OPTIM_DEFAULTS[key]})."
-            )
-    if not merged["lr"] > 0:
-        raise ConfigError(f"optim.lr={merged['lr']} must be positive (e.g. optim.lr=3e-4).")
-    if merged["warmup_steps"] < 0:
-        raise ConfigError(f"optim.warmup_steps={merged['warmup_steps']} must be >= 0.")
-    if not 0 <= merged["min_lr_ratio"] <= 1:
-        raise ConfigError(f"optim.min_lr_ratio={merged['min_lr_ratio']} must be in [0, 1].")
-    merged["betas"] = tuple(merged["betas"])
-    return merged
-
-
-def lr_factor(step: int, warmup_steps: int, max_steps: int, min_lr_ratio: float) -> float:
-    """Linear warmup from lr/warmup_steps to lr, then cosine decay to min_lr_ratio * lr at max_steps."""
-    if step < warmup_steps:
-        return (step + 1) / warmup_steps
-    if max_steps <= warmup_steps:
-        return 1.0
-    progress = min(1.0, (step - warmup_steps) / (max_steps - warmup_steps))
-    return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+__all__ = ["OPTIM_DEFAULTS", "GPTLitModule", "check_optim", "lr_factor", "use_fused_adamw"]
 
 
 def use_fused_adamw(model: torch.nn.Module, precision_plugin: Any = None) -> bool:
@@ -108,6 +71,7 @@ class GPTLitModule(L.LightningModule):
         self._val_loss_sum = torch.zeros(())
         self._val_count = torch.zeros(())
         self._batch_shape: tuple[int, ...] | None = None  # (B, T) of the last batch, for flops_per_batch
+        self.last_train_loss: Tensor | None = None
 
     def forward(self, idx: Tensor, targets: Tensor | None = None):
         return self.model(idx, targets)
@@ -154,7 +118,15 @@ class GPTLitModule(L.LightningModule):
         self.log("train/loss", loss, prog_bar=True, on_step=True, on_epoch=False)
         optimizer = self.optimizers()
         assert not isinstance(optimizer, list)  # configure_optimizers returns one optimizer
-        self.log("lr", optimizer.param_groups[0]["lr"], on_step=True, on_epoch=False)
+        # lr: optim.lr as scheduled (the rate of every group but muP's and Muon's hidden matrices);
+        # lr/muon: Muon's rate, under optim=muon.
+        groups = optimizer.param_groups
+        base = next((g for g in groups if g.get("group") not in ("hidden", "hidden_muon")), groups[0])
+        self.log("lr", base["lr"], on_step=True, on_epoch=False)
+        for group in groups:
+            if group.get("group") == "hidden_muon":
+                self.log("lr/muon", group["lr"], on_step=True, on_epoch=False)
+        self.last_train_loss = loss.detach()  # read by the spike detector before the optimizer step
         return loss
 
     # ---- validation -----------------------------------------------------------------------------
@@ -181,27 +153,20 @@ class GPTLitModule(L.LightningModule):
 
     # ---- optimizer ------------------------------------------------------------------------------
     def configure_optimizers(self):
-        # Weight decay on matrices (linear weights, embeddings); none on biases and norm gains.
-        decay, no_decay = [], []
-        for _, p in self.model.named_parameters():
-            if p.requires_grad:
-                (decay if p.dim() >= 2 else no_decay).append(p)
+        # optim=adamw: AdamW everywhere; optim=muon: Muon on the blocks' hidden matrices, AdamW on the rest
+        # (lit/optimizers.py). Weight decay on matrices, none on biases and norm gains; under model.param=mup
+        # the hidden matrices' AdamW rate is scaled by base width / width.
         o = self.optim
-        groups = [
-            {"params": decay, "weight_decay": o["weight_decay"]},
-            {"params": no_decay, "weight_decay": 0.0},
-        ]
         fused = use_fused_adamw(self.model, self.trainer.precision_plugin)
-        optimizer = torch.optim.AdamW(groups, lr=o["lr"], betas=o["betas"], eps=o["eps"], fused=fused or None)
+        optimizer = build_optimizer(self.model, o, hidden_lr_scale(self.model_config), fused=fused)
         max_steps = self.trainer.max_steps
         if max_steps is None or max_steps <= 0:
             raise ConfigError(
                 f"trainer.max_steps={max_steps}: training is counted in optimizer steps; set trainer.max_steps "
                 "to a positive number (the learning-rate schedule ends there)."
             )
-        scheduler = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, lambda step: lr_factor(step, o["warmup_steps"], max_steps, o["min_lr_ratio"])
-        )
+        check_optim(dict(o), max_steps)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule_of(o, max_steps))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     # ---- checkpoints ----------------------------------------------------------------------------

@@ -23,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from gptlab.model.parametrization import attention_scale
+
 if TYPE_CHECKING:
     from gptlab.model.config import GPTConfig
     from gptlab.model.positional import PositionalEncoding, ScoreMod
@@ -113,14 +115,17 @@ class AttentionBias:
 
 
 def dense_bias_attention(
-    q: Tensor, k: Tensor, v: Tensor, mask: Tensor, dropout_p: float, gqa: bool
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor, dropout_p: float, gqa: bool, scale: float | None = None
 ) -> Tensor:
     """softmax(q k^T / sqrt(d) + mask) v in blocks of queries, each over the keys up to its last query only.
-    q: (B, n_head, T, d); k, v: (B, n_kv_head, Tk, d) with the T queries the last T of the Tk positions."""
+    q: (B, n_head, T, d); k, v: (B, n_kv_head, Tk, d) with the T queries the last T of the Tk positions.
+    ``scale``: the factor on q k^T instead of 1 / sqrt(d) (muP's)."""
     T, Tk = q.size(2), k.size(2)
     mask = mask.to(q.dtype)
     if T <= QUERY_BLOCK:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, dropout_p=dropout_p, enable_gqa=gqa, scale=scale
+        )
     blocks = []
     for start in range(0, T, QUERY_BLOCK):
         end = min(T, start + QUERY_BLOCK)
@@ -133,6 +138,7 @@ def dense_bias_attention(
                 attn_mask=mask[:, start:end, :keys],
                 dropout_p=dropout_p,
                 enable_gqa=gqa,
+                scale=scale,
             )
         )
     return torch.cat(blocks, dim=2)  # (B, n_head, T, d)
@@ -151,6 +157,8 @@ class CausalSelfAttention(nn.Module):
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.dropout = config.dropout
         self.resid_dropout = nn.Dropout(config.dropout)
+        # None: 1/sqrt(head_dim); under muP sqrt(base_head_dim)/head_dim (model/parametrization.py).
+        self.scale = attention_scale(config)
 
     def forward(
         self,
@@ -182,18 +190,23 @@ class CausalSelfAttention(nn.Module):
             end = int(positions[-1]) + 1
             bias = AttentionBias.build(pos, positions, torch.arange(end - Tk, end, device=x.device), False)
 
-        # softmax(q k^T / sqrt(head_dim) + bias) v
+        # softmax(q k^T * scale + bias) v, scale = 1/sqrt(head_dim) unless muP sets it
+        scale = self.scale
         if bias is not None and bias.score_mod is not None:
             y = _compiled_flex_attention()(
-                q, k, v, score_mod=bias.score_mod, block_mask=bias.block_mask, enable_gqa=gqa
+                q, k, v, score_mod=bias.score_mod, block_mask=bias.block_mask, enable_gqa=gqa, scale=scale
             )
         elif bias is not None and bias.mask is not None:
-            y = dense_bias_attention(q, k, v, bias.mask, dropout_p, gqa)
+            y = dense_bias_attention(q, k, v, bias.mask, dropout_p, gqa, scale)
         elif Tk == T:
-            y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, enable_gqa=gqa)
+            y = F.scaled_dot_product_attention(
+                q, k, v, dropout_p=dropout_p, is_causal=True, enable_gqa=gqa, scale=scale
+            )
         else:  # a chunk of queries after cached keys: an explicit causal mask
             k_positions = torch.arange(Tk, device=x.device) + (int(positions[-1]) + 1 - Tk)
             mask = k_positions[None, :] <= positions[:, None]
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, enable_gqa=gqa)
+            y = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, dropout_p=dropout_p, enable_gqa=gqa, scale=scale
+            )
         y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, n_embd)
         return self.resid_dropout(self.c_proj(y))

@@ -13,6 +13,9 @@ from typing import Any
 
 from gptlab.errors import ConfigError
 
+# model.param: how weights and rates scale with width (model/parametrization.py).
+PARAMETRIZATIONS = ("standard", "mup")
+
 
 @dataclass
 class GPTConfig:
@@ -27,6 +30,10 @@ class GPTConfig:
     tie_weights: bool = True  # the output head reuses the token embedding matrix
     mlp_ratio: float | None = None  # None: 4 for plain activations, the gated default for gated ones
     init_std: float = 0.02
+    # standard, or mup (model/parametrization.py): init, learning rates, logits and attention scaled with the
+    # width relative to mup_base_width (Yang et al. 2022, "Tensor Programs V").
+    param: str = "standard"
+    mup_base_width: int = 128
     # Variant choices, each a name in its registry, with that variant's own options (plain values; the
     # variant's Options dataclass says which keys and types it takes).
     pos: str = "learned"
@@ -77,12 +84,33 @@ class GPTConfig:
             )
         if self.mlp_ratio is not None and self.mlp_ratio <= 0:
             raise ConfigError(f"model.mlp_ratio={self.mlp_ratio} must be positive (or null for the default).")
+        self._validate_parametrization()
         for key in ("pos", "activation", "norm"):
             if not isinstance(getattr(self, key), str):
                 raise ConfigError(f"{key}={getattr(self, key)!r} must be the name of a {key} choice.")
         for key in ("pos_options", "activation_options"):
             if not isinstance(getattr(self, key), dict):
                 raise ConfigError(f"model {key}={getattr(self, key)!r} must be a mapping of option names.")
+
+    def _validate_parametrization(self) -> None:
+        if self.param not in PARAMETRIZATIONS:
+            raise ConfigError(
+                f"model.param={self.param!r} is not one of {', '.join(PARAMETRIZATIONS)}: use model.param=standard "
+                "or model.param=mup (with model.mup_base_width, the width the hyperparameters were tuned at)."
+            )
+        base = self.mup_base_width
+        if isinstance(base, bool) or not isinstance(base, int) or base <= 0:
+            raise ConfigError(
+                f"model.mup_base_width={base!r} must be a positive integer: the n_embd the hyperparameters "
+                "were tuned at (e.g. model.mup_base_width=128)."
+            )
+        if self.param == "mup" and base % self.n_head != 0:
+            near = max(self.n_head, self.n_head * round(base / self.n_head))
+            raise ConfigError(
+                f"model.mup_base_width={base} is not divisible by model.n_head={self.n_head}: muP's attention "
+                f"scale uses the base model's head width, mup_base_width / n_head. Use a multiple of "
+                f"{self.n_head}, e.g. model.mup_base_width={near}."
+            )
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

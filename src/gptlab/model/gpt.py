@@ -18,6 +18,7 @@ from gptlab.model import activations, attention, norms, positional
 from gptlab.model.attention import FROM_SCHEME, AttentionBias, CausalSelfAttention, KVCache
 from gptlab.model.config import GPTConfig
 from gptlab.model.head_loss import HeadLoss
+from gptlab.model.parametrization import hidden_init_std, output_multiplier
 
 __all__ = ["GPT", "MLP", "Block", "CausalSelfAttention", "KVCache", "check_config", "mlp_hidden_width"]
 
@@ -115,20 +116,25 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         if config.tie_weights:
             self.lm_head.weight = self.transformer.wte.weight  # the output layer reuses the embedding matrix
+        self.output_mult = output_multiplier(config)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
+        # Embeddings (and a tied head) at init_std; the blocks' matrices at init_std, or init_std / sqrt(m)
+        # under muP (model/parametrization.py).
         std = self.config.init_std
+        hidden_std = hidden_init_std(self.config)
         for name, p in self.named_parameters():
             if p.dim() < 2:
                 if name.endswith("bias"):
                     nn.init.zeros_(p)
                 continue
+            block_std = hidden_std if name.startswith("transformer.h.") else std
             if name.endswith("c_proj.weight"):
                 # GPT-2: residual projections scaled by 1/sqrt(2 * n_layer), two per block.
-                nn.init.normal_(p, mean=0.0, std=std / math.sqrt(2 * self.config.n_layer))
+                nn.init.normal_(p, mean=0.0, std=block_std / math.sqrt(2 * self.config.n_layer))
             else:
-                nn.init.normal_(p, mean=0.0, std=std)
+                nn.init.normal_(p, mean=0.0, std=block_std)
 
     # ---- counting -------------------------------------------------------------------------------
     def parameter_counts(self) -> dict[str, int]:
@@ -174,6 +180,8 @@ class GPT(nn.Module):
         for block in self.transformer.h:
             x = block(x, pos, positions, cache, bias)
         x = self.transformer.ln_f(x)
+        if self.output_mult != 1.0:
+            x = x * self.output_mult  # muP's readout multiplier 1/m on the logits, applied before the head
         if cache is not None:
             cache.length += T
         if targets is not None and head_loss is not None:

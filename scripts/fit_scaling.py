@@ -1,0 +1,56 @@
+"""Fit L(N) = E + A N^-alpha per condition to a sweep over model sizes:
+`python scripts/fit_scaling.py outputs/multirun/<date>/<time>` (after `python train.py -m
+experiment=scaling_ladder`).
+
+N is the non-embedding parameter count (from each run's config), the loss the final validation loss; one
+fit per condition (the overrides besides size and seed, e.g. pos=rope), with percentile bootstrap intervals
+over runs. Writes scaling.md, scaling.json and scaling.png into the sweep directory (or --out) and prints
+the table (src/gptlab/analysis/scaling.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from gptlab.analysis.scaling import write_scaling
+from gptlab.errors import DataError
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("sweep_dir", help="a multirun directory over model sizes")
+    parser.add_argument(
+        "--out", default=None, help="where to write scaling.md/.json/.png (default: sweep dir)"
+    )
+    parser.add_argument("--resamples", type=int, default=1000, help="bootstrap resamples (1000)")
+    parser.add_argument("--confidence", type=float, default=0.95, help="interval coverage (0.95)")
+    parser.add_argument("--seed", type=int, default=0, help="the bootstrap's random seed")
+    args = parser.parse_args(argv)
+    try:
+        fits, points, skipped, out = write_scaling(
+            args.sweep_dir, args.out, args.resamples, args.confidence, args.seed
+        )
+    except DataError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    from gptlab.analysis.scaling import markdown_table
+
+    for path, why in skipped:
+        print(f"left out {path}: {why}", file=sys.stderr)
+    print(f"{len(points)} runs; N = non-embedding parameters\n")
+    for condition in sorted({p.condition for p in points}):
+        sizes = sorted({p.n for p in points if p.condition == condition})
+        print(f"{condition}: N = {', '.join(f'{n:,.0f}' for n in sizes)}")
+    print()
+    print(markdown_table(fits, args.confidence))
+    if not fits:
+        print("no condition has 3 or more sizes: nothing fitted", file=sys.stderr)
+    print(f"\nwrote {out / 'scaling.md'}, {out / 'scaling.png'}, {out / 'scaling.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,243 @@
+"""optim=adamw|muon, optim.schedule=cosine|wsd: the parameter split, Muon's update, the schedules' shapes, the
+errors, and runs through the command line."""
+
+from __future__ import annotations
+
+import copy
+import csv
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import TINY, run_train
+
+from gptlab.errors import ConfigError
+from gptlab.lit.optimizers import (
+    MuonWithAdamW,
+    build_optimizer,
+    check_optim,
+    check_optimizer_strategy,
+    lr_factor,
+    param_groups,
+)
+from gptlab.model.config import GPTConfig
+from gptlab.model.gpt import GPT
+
+CPU2 = ["trainer.accelerator=cpu", "trainer.devices=2"]
+QUIET = ["callbacks.sample_generation.max_new_tokens=0", "trainer.log_every_n_steps=1"]
+
+
+def tiny_model(**kw) -> GPT:
+    torch.manual_seed(0)
+    return GPT(GPTConfig(vocab_size=50, block_size=16, n_layer=2, n_head=2, n_embd=16, pos="learned", **kw))
+
+
+def newton_schulz(g: torch.Tensor, steps: int = 5) -> torch.Tensor:
+    """Jordan et al.'s quintic Newton-Schulz iteration towards the orthogonal factor of g: X <- a X + (b S +
+    c S^2) X with S = X X^T, from X = g / ||g||_F, on the wide orientation, in bfloat16 with fused
+    multiply-adds as their reference computes it."""
+    a, b, c = 3.4445, -4.7750, 2.0315
+    x = g.bfloat16()
+    tall = g.size(0) > g.size(1)
+    if tall:
+        x = x.T
+    x = x / x.norm().clamp(min=1e-7)
+    for _ in range(steps):
+        s = x @ x.T
+        x = torch.addmm(x, torch.addmm(s, s, s, beta=b, alpha=c), x, beta=a)
+    return (x.T if tall else x).float()
+
+
+def test_muon_takes_the_blocks_matrices_and_adamw_the_rest():
+    model = tiny_model()
+    adamw, muon = param_groups(model, check_optim({"name": "muon"}))
+    names = {id(p): n for n, p in model.named_parameters()}
+    muon_names = {names[id(p)] for g in muon for p in g["params"]}
+    adamw_names = {names[id(p)] for g in adamw for p in g["params"]}
+    assert muon_names == {
+        f"transformer.h.{i}.{m}.weight"
+        for i in range(2)
+        for m in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
+    }
+    assert "transformer.wte.weight" in adamw_names and "transformer.pos.wpe.weight" in adamw_names
+    assert "transformer.ln_f.weight" in adamw_names and "transformer.h.0.attn.c_attn.bias" in adamw_names
+    assert not muon_names & adamw_names
+    assert len(muon_names) + len(adamw_names) == len(list(model.parameters()))  # the tied head once
+
+
+def test_standard_adamw_keeps_the_two_groups_older_checkpoints_hold():
+    # An optimizer state saved before optim=muon and muP (every matrix, then every vector) still loads.
+    model = tiny_model()
+    matrices = [p for p in model.parameters() if p.dim() >= 2]
+    vectors = [p for p in model.parameters() if p.dim() < 2]
+    old = torch.optim.AdamW(
+        [{"params": matrices, "weight_decay": 0.1}, {"params": vectors, "weight_decay": 0.0}], lr=1e-3
+    )
+    x = torch.randint(0, 50, (4, 16))
+    model(x, x)[1].backward()
+    old.step()
+    optimizer = build_optimizer(model, check_optim({"lr": 1e-3}))
+    assert [len(g["params"]) for g in optimizer.param_groups] == [len(matrices), len(vectors)]
+    optimizer.load_state_dict(copy.deepcopy(old.state_dict()))
+    assert optimizer.state[matrices[0]]["step"] == 1
+
+
+def test_a_muon_step_is_the_newton_schulz_orthogonalised_nesterov_momentum():
+    model = tiny_model()
+    mu, lr, wd = 0.95, 0.05, 0.1
+    optimizer = build_optimizer(model, check_optim({"name": "muon", "muon_lr": lr, "weight_decay": wd}))
+    assert isinstance(optimizer, MuonWithAdamW)
+    w = model.transformer.h[1].mlp.c_fc.weight  # (64, 16): a tall matrix
+    buffer = torch.zeros_like(w)
+    for step in range(2):  # the second step tells Nesterov's momentum from the plain one
+        x = torch.randint(0, 50, (4, 16), generator=torch.Generator().manual_seed(step))
+        optimizer.zero_grad()
+        model(x, x)[1].backward()
+        before, grad = w.detach().clone(), w.grad.detach().clone()
+        optimizer.step()
+        # Momentum as an average, B <- mu B + (1 - mu) g; Nesterov's look-ahead g + mu (B - g); the rate
+        # scaled by sqrt(max(1, rows / cols)); decoupled weight decay lr * wd. (Written as lerps: bfloat16
+        # iterations amplify the last bit of their input, so the test forms it with the same float32 ops.)
+        buffer = buffer.lerp(grad, 1 - mu)
+        update = newton_schulz(grad.lerp(buffer, mu))
+        expected = before * (1 - lr * wd) - lr * math.sqrt(max(1, w.shape[0] / w.shape[1])) * update
+        torch.testing.assert_close(w.detach(), expected, rtol=0, atol=1e-6)
+    # the update is near-orthogonal: singular values of order one (Jordan's coefficients leave them in
+    # about [0.7, 1.2] where the input's are not tiny), whatever the gradient's scale
+    s = torch.linalg.svdvals(update)
+    assert s.max() < 1.5 and s.median() > 0.5
+    plain = newton_schulz(buffer)  # without the look-ahead: a different step
+    assert (plain - update).abs().max() > 1e-2
+
+
+def test_the_muon_optimizer_saves_and_restores_its_state_as_one_optimizer():
+    model = tiny_model()
+    optim = check_optim({"name": "muon"})
+    optimizer = build_optimizer(model, optim)
+    x = torch.randint(0, 50, (4, 16))
+    for _ in range(2):
+        optimizer.zero_grad()
+        model(x, x)[1].backward()
+        optimizer.step()
+    state = copy.deepcopy(optimizer.state_dict())  # a state_dict holds the live tensors
+    clone = tiny_model()
+    clone.load_state_dict(model.state_dict())
+    again = build_optimizer(clone, optim)
+    again.load_state_dict(state)
+    for opt, m in ((optimizer, model), (again, clone)):
+        opt.zero_grad()
+        m(x, x)[1].backward()
+        opt.step()
+    for (name, a), b in zip(model.named_parameters(), clone.parameters()):
+        torch.testing.assert_close(a, b, msg=name)
+
+
+def test_wsd_warms_up_holds_the_peak_then_decays_over_the_last_fraction():
+    steps, warmup = 100, 10
+    wsd = [lr_factor(s, warmup, steps, 0.1, "wsd", 0.2, "1-sqrt") for s in range(steps + 1)]
+    linear = [lr_factor(s, warmup, steps, 0.0, "wsd", 0.2, "linear") for s in range(steps + 1)]
+    assert wsd[0] == pytest.approx(0.1) and wsd[9] == pytest.approx(1.0)  # linear warmup
+    assert all(f == 1.0 for f in wsd[10:81])  # stable until the last 20 steps
+    assert wsd[100] == pytest.approx(0.1) and linear[100] == pytest.approx(0.0)
+    assert all(a >= b for a, b in zip(wsd[80:], wsd[81:]))  # non-increasing decay
+    assert linear[90] == pytest.approx(0.5)  # halfway through a linear decay to 0
+    # 1 - sqrt falls fast, then slowly: below the linear decay to the same floor in between
+    sqrt0 = [lr_factor(s, warmup, steps, 0.0, "wsd", 0.2, "1-sqrt") for s in range(steps + 1)]
+    assert sqrt0[90] == pytest.approx(1 - math.sqrt(0.5)) and all(
+        a <= b for a, b in zip(sqrt0[81:100], linear[81:100])
+    )
+    cosine = [lr_factor(s, warmup, steps, 0.1) for s in range(steps + 1)]
+    assert cosine[50] < 1.0 and cosine[100] == pytest.approx(0.1)  # cosine decays from the warmup on
+
+
+@pytest.mark.parametrize(
+    ("optim", "max_steps", "message"),
+    [
+        ({"schedule": "linear"}, None, r"optim.schedule='linear' is not one of cosine, wsd"),
+        ({"name": "sgd"}, None, r"optim.name='sgd' is not one of adamw, muon"),
+        ({"decay_shape": "sqrt"}, None, r"optim.decay_shape='sqrt' is not one of linear, 1-sqrt"),
+        ({"decay_fraction": 1.5}, None, r"optim.decay_fraction=1.5 must be in \(0, 1\]"),
+        ({"schedule": "wsd", "warmup_steps": 90, "decay_fraction": 0.2}, 100, r"exceed the run"),
+        ({"muon_lr": 0.02}, None, r"Muon's options need optim=muon"),
+        ({"name": "muon", "adjust_lr_fn": "x"}, None, r"optim.adjust_lr_fn='x' is not one of original"),
+        ({"name": "muon", "momentum": 1.0}, None, r"optim.momentum=1.0 must be in \[0, 1\)"),
+    ],
+)
+def test_bad_optim_options_name_the_value_and_the_fix(optim, max_steps, message):
+    with pytest.raises(ConfigError, match=message):
+        check_optim(optim, max_steps)
+
+
+def test_muon_under_deepspeed_is_refused_with_the_reason_and_the_alternatives():
+    with pytest.raises(
+        ConfigError, match=r"optim=muon cannot run under strategy=deepspeed.*flat 1-D.*strategy=fsdp"
+    ):
+        check_optimizer_strategy({"name": "muon"}, "deepspeed")
+    check_optimizer_strategy({"name": "muon"}, "fsdp")
+    check_optimizer_strategy({"name": "adamw"}, "deepspeed")
+
+
+def _csv(run_dir: Path) -> list[dict[str, str]]:
+    with open(run_dir / "csv" / "metrics.csv") as f:
+        return list(csv.DictReader(f))
+
+
+def test_muon_with_wsd_trains_through_the_command_line(tmp_path):
+    run_dir = tmp_path / "run"
+    run_train(
+        [
+            *TINY,
+            *QUIET,
+            "tokenizer=char",
+            "optim=muon",
+            "optim.schedule=wsd",
+            "optim.decay_fraction=0.5",
+            "optim.warmup_steps=2",
+            "trainer.max_steps=12",
+            "trainer.val_check_interval=6",
+            "logger=csv",
+            f"paths.root_dir={tmp_path}",
+            f"hydra.run.dir={run_dir}",
+        ],
+        cwd=tmp_path,
+    )
+    rows = _csv(run_dir)
+    loss = [float(r["train/loss"]) for r in rows if r.get("train/loss")]
+    lr = [float(r["lr"]) for r in rows if r.get("lr")]
+    muon_lr = [float(r["lr/muon"]) for r in rows if r.get("lr/muon")]
+    assert loss[-1] < loss[0] - 0.5  # it trained
+    # WSD: the peak held from the end of the warmup to the start of the decay (step 6), then decaying.
+    assert lr[0] == pytest.approx(2e-3) and lr[1:7] == [pytest.approx(4e-3)] * 6
+    assert lr[-1] < lr[7] < 4e-3
+    assert muon_lr[3] == pytest.approx(0.02)  # Muon's own rate, on the same schedule
+
+
+@pytest.mark.slow
+def test_muon_under_fsdp_on_two_processes_trains_and_resumes_the_same_curve(tmp_path):
+    # torch.optim.Muon on FSDP2's sharded DTensor parameters: the Newton-Schulz products redistribute the
+    # shards, so each rank orthogonalises the whole matrix; the wrapper's state goes through DCP.
+    common = [
+        *TINY,
+        *QUIET,
+        "strategy=fsdp",
+        *CPU2,
+        "optim=muon",
+        "optim.warmup_steps=1",
+        "trainer.max_steps=6",
+        "trainer.val_check_interval=3",
+        "callbacks.model_checkpoint.save_top_k=-1",
+        "logger=csv",
+        f"paths.root_dir={tmp_path}",
+    ]
+    full = tmp_path / "full"
+    run_train([*common, f"hydra.run.dir={full}"], cwd=tmp_path)
+    middle = next((full / "checkpoints").glob("best-step000003-*.ckpt"))
+    resumed = tmp_path / "resumed"
+    run_train([*common, f"resume={middle}", f"hydra.run.dir={resumed}"], cwd=tmp_path)
+    full_loss = {int(r["step"]): float(r["train/loss"]) for r in _csv(full) if r.get("train/loss")}
+    resumed_loss = {int(r["step"]): float(r["train/loss"]) for r in _csv(resumed) if r.get("train/loss")}
+    assert full_loss[5] < full_loss[0] - 0.3
+    assert sorted(resumed_loss) == [3, 4, 5]
+    for step in (3, 4, 5):  # Muon's momentum and AdamW's moments came back from the shards
+        assert resumed_loss[step] == pytest.approx(full_loss[step], abs=1e-4)

@@ -1,0 +1,142 @@
+"""The scaling fit: known parameters recovered within their bootstrap intervals, and a sweep's runs read
+through the comparison's reader, one fit per condition."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import yaml
+from conftest import ROOT
+
+from gptlab.analysis.scaling import bootstrap_fit, fit_power_law, non_embedding_parameters, points_from_sweep
+from gptlab.errors import DataError
+
+
+def synthetic(E: float, A: float, alpha: float, sizes, seeds: int, noise: float, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    n = np.repeat(np.asarray(sizes, dtype=float), seeds)
+    loss = E + A * n**-alpha + rng.normal(0, noise, size=n.size)
+    return n, loss
+
+
+def test_the_fit_recovers_exact_parameters_from_noiseless_points():
+    n, loss = synthetic(1.7, 400.0, 0.34, np.geomspace(1e4, 1e7, 6), 1, 0.0)
+    fit = fit_power_law(n, loss)
+    assert fit.E == pytest.approx(1.7, rel=1e-3)
+    assert fit.A == pytest.approx(400.0, rel=1e-2)
+    assert fit.alpha == pytest.approx(0.34, rel=1e-3)
+
+
+def test_the_bootstrap_intervals_cover_the_true_parameters_of_noisy_points():
+    # 95% intervals from 6 seeds at each of 5 sizes: over 12 independent noisy sweeps, the true parameters
+    # lie inside in nearly all (a percentile bootstrap of 6 runs per size is a little narrow: allow 2 misses).
+    true = {"E": 2.0, "A": 60.0, "alpha": 0.3}
+    covered = dict.fromkeys(true, 0)
+    widths = []
+    for seed in range(12):
+        n, loss = synthetic(true["E"], true["A"], true["alpha"], np.geomspace(2e4, 2e6, 5), 6, 0.01, seed)
+        fit = bootstrap_fit(n, loss, resamples=200, seed=seed)
+        assert fit.bootstrap == "stratified by size" and fit.resamples == 200
+        for key, value in true.items():
+            low, high = fit.intervals[key]
+            covered[key] += low <= value <= high
+        widths.append(fit.intervals["alpha"][1] - fit.intervals["alpha"][0])
+    assert all(c >= 10 for c in covered.values()), covered
+    assert max(widths) < 0.1  # informative, not the whole admissible range of alpha
+
+
+def test_fewer_than_three_sizes_cannot_be_fitted():
+    with pytest.raises(DataError, match="at least 3 distinct sizes"):
+        fit_power_law([1e4, 1e4, 1e5, 1e5], [3.0, 3.1, 2.5, 2.6])
+
+
+def _fake_run(path, overrides: list[str], n_embd: int, pos: str, val_loss: float, finished: bool = True):
+    (path / ".hydra").mkdir(parents=True)
+    (path / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(overrides))
+    model = {"n_layer": 2, "n_head": 4, "n_embd": n_embd, "block_size": 64, "vocab_size": None}
+    config = {
+        "model": model,
+        "pos": {"name": pos},
+        "activation": {"name": "gelu"},
+        "norm": {"name": "layernorm"},
+    }
+    (path / "config_resolved.yaml").write_text(yaml.safe_dump(config))
+    (path / "csv").mkdir()
+    (path / "csv" / "metrics.csv").write_text(f"step,val/loss\n99,{val_loss + 0.5}\n199,{val_loss}\n")
+    result = {
+        "metrics": {"val/loss": val_loss},
+        "global_step": 200 if finished else 120,
+        "finished": finished,
+    }
+    (path / "result.json").write_text(json.dumps(result))
+
+
+def test_a_sweep_gives_one_point_per_run_with_its_non_embedding_parameters_and_condition(tmp_path):
+    job = 0
+    for pos, E in (("learned", 1.5), ("rope", 1.4)):
+        for n_embd in (32, 64, 128, 256):
+            for seed in (0, 1):
+                n = 12 * 2 * n_embd**2  # about the non-embedding parameters
+                loss = E + 30 * n**-0.3 + 0.01 * seed
+                overrides = [
+                    "experiment=scaling_ladder",
+                    f"model.n_embd={n_embd}",
+                    f"pos={pos}",
+                    f"seed={seed}",
+                ]
+                _fake_run(tmp_path / f"{job}", overrides, n_embd, pos, loss)
+                job += 1
+    points, skipped = points_from_sweep(tmp_path)
+    assert len(points) == 16 and not skipped
+    assert {p.condition for p in points} == {"pos=learned", "pos=rope"}
+    # the count of model/counting.py, from the run's config: the token table (vocabulary unknown) left out
+    assert non_embedding_parameters(tmp_path / "0") == min(
+        p.n for p in points if p.condition == "pos=learned"
+    )
+    n32 = min(p.n for p in points)
+    assert 12 * 2 * 32**2 < n32 < 12 * 2 * 32**2 * 1.2  # + biases and norms
+
+    out = tmp_path / "fit"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "fit_scaling.py"),
+            str(tmp_path),
+            "--out",
+            str(out),
+            "--resamples",
+            "200",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert "| pos=learned | 8 | 4 |" in proc.stdout and "| pos=rope | 8 | 4 |" in proc.stdout
+    saved = json.loads((out / "scaling.json").read_text())
+    for condition in ("pos=learned", "pos=rope"):
+        fit = saved["fits"][condition]
+        assert 0.2 < fit["alpha"] < 0.4  # the generating exponent, 0.3, up to the seed offsets
+        assert fit["intervals"]["alpha"][0] <= fit["alpha"] <= fit["intervals"]["alpha"][1]
+    assert (out / "scaling.png").stat().st_size > 10_000 and (out / "scaling.md").is_file()
+
+
+def test_unfinished_runs_are_left_out(tmp_path, monkeypatch):
+    from gptlab.analysis import compare
+
+    for job, n_embd in enumerate((32, 64, 128)):
+        _fake_run(tmp_path / f"{job}", [f"model.n_embd={n_embd}"], n_embd, "learned", 2.0 - 0.1 * job)
+    real_read_sweep = compare.read_sweep
+
+    def read_sweep_marking_one_unfinished(sweep_dir, source="auto"):
+        runs, skipped = real_read_sweep(sweep_dir, source)
+        for run in runs:
+            run.finished = run.path.name != "2"  # type: ignore[attr-defined]  # the attribute the reader adds
+        return runs, skipped
+
+    monkeypatch.setattr(compare, "read_sweep", read_sweep_marking_one_unfinished)
+    points, skipped = points_from_sweep(tmp_path)
+    assert len(points) == 2 and [p.name for p, _ in skipped] == ["2"] and "unfinished" in skipped[0][1]
