@@ -181,7 +181,7 @@ def test_each_objectives_loss_is_its_formula(name):
 def test_full_softmax_is_refused_for_large_vocabularies():
     counts = np.ones(objectives.MAX_SOFTMAX_VOCAB + 1)
     with pytest.raises(
-        ConfigError, match=r"objective=softmax over a vocabulary of 5,001 words.*hierarchical"
+        ConfigError, match=r"objective=softmax over a vocabulary of 2,001 words.*hierarchical"
     ):
         objectives.build("softmax", counts, negatives=5, noise_power=0.75)
     with pytest.raises(ConfigError, match="word2vec.objective='nce'"):
@@ -261,6 +261,83 @@ def test_a_sweep_trains_both_modes_and_writes_vectors_gensim_reads(sweep, job, m
     assert logged.config["word2vec"]["mode"] == mode
 
 
+def test_trainer_max_steps_on_the_command_line_caps_the_run(tmp_path):
+    out = run_train(
+        [
+            *SMALL,
+            "trainer.max_steps=3",
+            "word2vec.evaluate=false",
+            "logger=csv",
+            f"hydra.run.dir={tmp_path}/run",
+        ],
+        cwd=tmp_path,
+    )
+    assert "Trained 3 steps" in out.stdout
+    result = json.loads((tmp_path / "run" / "result.json").read_text())
+    assert result["global_step"] == 3 and result["finished"]
+    assert torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 3
+    assert "train/loss" in (tmp_path / "run" / "csv" / "metrics.csv").read_text()
+    proc = run_train(
+        [*SMALL, "trainer.max_steps=0", f"hydra.run.dir={tmp_path}/bad"], cwd=tmp_path, check=False
+    )
+    assert proc.returncode == 2 and "trainer.max_steps=0" in proc.stderr
+
+
+def _gpt2_documents() -> list[np.ndarray]:
+    from pydoc_data import topics
+
+    from gptlab.data.tokenizers import GPT2Tokenizer
+
+    tok = GPT2Tokenizer.create(GPT2Tokenizer.Options())
+    texts = [topics.topics[k] for k in sorted(topics.topics)[:30]]
+    return [np.array([*tok.encode(t), tok.eot_id], dtype=np.uint16) for t in texts]
+
+
+def test_word2vec_reads_nanogpt_token_folders_and_scores_whole_word_tokens(tmp_path):
+    docs = _gpt2_documents()
+    folder = tmp_path / "nanogpt"
+    folder.mkdir()
+    np.concatenate(docs[:25]).tofile(folder / "train.bin")
+    np.concatenate(docs[25:]).tofile(folder / "val.bin")
+    run_dir = tmp_path / "run"
+    out = run_train([*SMALL, f"data.path={folder}", "logger=none", f"hydra.run.dir={run_dir}"], cwd=tmp_path)
+    assert "GPT-2 token ids" in out.stdout + out.stderr
+    kv = KeyedVectors.load_word2vec_format(str(run_dir / "embeddings.txt"))
+    assert "\u0120the" in kv.key_to_index and "\u010a" in kv.key_to_index  # " the" and a newline
+    assert all(" " not in w for w in kv.index_to_key)
+    scored = json.loads((run_dir / "evaluation.json").read_text())
+    assert 0 < scored["metrics"]["vocab_size"] < len(kv)  # the whole-word tokens (" the" -> "the")
+
+
+def test_llmc_shards_give_the_vocabulary_of_the_same_tokens(tmp_path):
+    from gptlab.data.shards import LLMC_HEADER_INTS, LLMC_MAGIC, LLMC_VERSION
+
+    docs = _gpt2_documents()
+    tokens = {"train": np.concatenate(docs[:25]), "val": np.concatenate(docs[25:])}
+    llmc, nanogpt = tmp_path / "llmc", tmp_path / "nanogpt"
+    llmc.mkdir()
+    nanogpt.mkdir()
+    for split, ids in tokens.items():
+        header = np.zeros(LLMC_HEADER_INTS, dtype=np.int32)
+        header[:3] = LLMC_MAGIC, LLMC_VERSION, len(ids)
+        with open(llmc / f"corpus_{split}_000000.bin", "wb") as f:
+            f.write(header.tobytes() + ids.tobytes())
+        ids.tofile(nanogpt / f"{split}.bin")
+    options = Word2VecOptions(min_count=3)
+    a, b = read_corpus(DataSpec(path=str(llmc)), options), read_corpus(DataSpec(path=str(nanogpt)), options)
+    assert a.vocab.words == b.vocab.words and a.vocab.counts.tolist() == b.vocab.counts.tolist()
+    assert a.n_raw == b.n_raw == sum(len(d) for d in docs)  # both splits, every token
+    assert isinstance(a.sources[0].read(0, 10), np.memmap)  # read from the files as they are, not copied
+
+
+def test_trainer_max_time_is_parsed_as_lightning_writes_it():
+    from gptlab.word2vec.task import parse_max_time
+
+    assert parse_max_time("00:01:30:05") == 5405 and parse_max_time({"minutes": 2}) == 120
+    with pytest.raises(ConfigError, match="DD:HH:MM:SS"):
+        parse_max_time("90 minutes")
+
+
 def test_bad_task_and_options_fail_at_config_time(tmp_path):
     proc = run_train(["task=glove", f"paths.root_dir={tmp_path}"], cwd=tmp_path, check=False)
     assert proc.returncode == 2 and "task='glove'" in proc.stderr
@@ -302,6 +379,26 @@ def test_a_stopped_run_resumes_and_ends_with_the_uninterrupted_vectors(tmp_path,
     b = KeyedVectors.load_word2vec_format(str(out / "embeddings.txt"))
     assert a.index_to_key == b.index_to_key
     np.testing.assert_allclose(b.vectors, a.vectors, atol=1e-5)
+
+
+@pytest.mark.gpu
+def test_the_gpu_step_matches_the_cpu_step_and_trains_from_the_cli(tmp_path):
+    rng = np.random.default_rng(0)
+    counts = np.arange(40, 0, -1)
+    for mode in ("skipgram", "cbow"):
+        objective = objectives.build("negative", counts, negatives=3, noise_power=0.75)
+        batch = _window_batch(objective, mode, rng, vocab=40, windows=64, slots=6)
+        cpu, gpu = fast.Tables(40, 40, 8, seed=0), fast.Tables(40, 40, 8, seed=0, device="cuda")
+        for t in (cpu, gpu):
+            t.output.copy_(torch.linspace(-1, 1, 320).view(40, 8))
+        fast.sgd_step(cpu, batch, 0.05, mode)
+        fast.sgd_step(gpu, batch, 0.05, mode)
+        torch.testing.assert_close(gpu.input.cpu(), cpu.input, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(gpu.output.cpu(), cpu.output, atol=1e-5, rtol=1e-4)
+    out = run_train(
+        [*SMALL, "word2vec.device=cuda", "logger=none", f"hydra.run.dir={tmp_path}/run"], cwd=tmp_path
+    )
+    assert "cuda" in out.stdout and (tmp_path / "run" / "embeddings.txt").is_file()
 
 
 @pytest.mark.slow
