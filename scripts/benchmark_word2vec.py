@@ -45,7 +45,7 @@ t0 = time.perf_counter()
 model.train(corpus, total_examples=model.corpus_count, epochs=model.epochs)
 seconds = time.perf_counter() - t0
 model.wv.save_word2vec_format(out)
-words = sum(model.wv.get_vecattr(w, "count") for w in model.wv.index_to_key) * model.epochs
+words = int(sum(model.wv.get_vecattr(w, "count") for w in model.wv.index_to_key)) * model.epochs
 print(json.dumps({"train_seconds": seconds, "words": words}))
 """
 

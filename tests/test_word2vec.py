@@ -278,7 +278,9 @@ def test_trainer_max_steps_on_the_command_line_caps_the_run(tmp_path):
     assert torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 3
     assert "train/loss" in (tmp_path / "run" / "csv" / "metrics.csv").read_text()
     proc = run_train(
-        [*SMALL, "trainer.max_steps=0", f"hydra.run.dir={tmp_path}/bad"], cwd=tmp_path, check=False
+        [*SMALL, "trainer.max_steps=0", "logger=none", f"hydra.run.dir={tmp_path}/bad"],
+        cwd=tmp_path,
+        check=False,
     )
     assert proc.returncode == 2 and "trainer.max_steps=0" in proc.stderr
 

@@ -31,7 +31,7 @@ class Word2VecOptions:
     lowercase: bool = True
     keep_punctuation: bool = False
     noise_power: float = 0.75
-    checkpoint_every: int = 200
+    checkpoint_every: int = 5000
     threads: int | None = None
     device: str = "auto"
     evaluate: bool = True
