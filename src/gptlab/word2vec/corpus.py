@@ -38,7 +38,7 @@ log = logging.getLogger(__name__)
 OUT_OF_VOCABULARY = -1
 BOUNDARY = -2
 _END = 0  # the provisional id of a document's end in a text corpus
-TEXT_BLOCK_CHARS = 8 << 20  # a local .txt file is read this many characters at a time
+TEXT_BLOCK_CHARS = 1 << 20  # a local .txt file is read this many characters at a time
 
 
 def data_spec(data: Any) -> DataSpec:

@@ -77,29 +77,37 @@ def numpy_step(
     t = batch.outputs
     w_in, w_out = tables.input.numpy(), tables.output.numpy()
     present = batch.inputs >= 0  # (G, C)
-    idx = np.where(present, batch.inputs, 0)
-    g_count, c_slots = idx.shape
     dim = w_in.shape[1]
-    x = np.take(w_in, idx.reshape(-1), axis=0).reshape(g_count, c_slots, dim)  # (G, C, d)
     u = np.take(w_out, t.rows.reshape(-1), axis=0).reshape(*t.rows.shape, dim)  # (G, M, d)
-    weight = present.astype(np.float32)
     if mode == "cbow":
-        n = np.maximum(weight.sum(1, keepdims=True), 1)  # (G, 1)
-        hidden = np.matmul(weight[:, None, :], x)[:, 0, :] / n  # (G, d)
+        # the mean of each window's context rows without the (G, C, d) gather: embedding_bag over the
+        # present slots (about 1.3-1.5x the padded gather's speed here)
+        valid = torch.from_numpy(batch.inputs[present])  # (P,)
+        counts = present.sum(1)  # (G,)
+        offsets = torch.from_numpy(np.concatenate([[0], np.cumsum(counts)[:-1]]))
+        hidden = F.embedding_bag(valid, tables.input, offsets, mode="mean").numpy()  # (G, d)
         scores = np.matmul(u, hidden[:, :, None])[:, :, 0]  # (G, M)
         grad = (t.labels - _sigmoid(scores)) * (t.mask * lr)  # (G, M), the step's size folded in
         loss = _np_loss(scores, t.labels, t.mask) if with_loss else None
         d_hidden = np.matmul(grad[:, None, :], u)[:, 0, :]  # (G, d)
         d_u = grad[:, :, None] * hidden[:, None, :]  # (G, M, d)
-        d_x = weight[:, :, None] * d_hidden[:, None, :]  # (G, C, d): the whole gradient of h to each
-    else:
-        scores = np.matmul(x, u.transpose(0, 2, 1))  # (G, C, M)
-        pair_mask = weight[:, :, None] * t.mask[:, None, :]
-        labels = t.labels[:, None, :]
-        grad = (labels - _sigmoid(scores)) * (pair_mask * lr)  # the step's size folded in
-        loss = _np_loss(scores, labels, pair_mask) if with_loss else None
-        d_x = np.matmul(grad, u)  # (G, C, d)
-        d_u = np.matmul(grad.transpose(0, 2, 1), x)  # (G, M, d)
+        # the whole gradient of h to every context word, as word2vec.c and gensim (cbow_mean=1) apply it
+        tables.input.index_add_(0, valid, torch.from_numpy(np.repeat(d_hidden, counts, axis=0)))
+        tables.output.index_add_(
+            0, torch.from_numpy(t.rows.reshape(-1)), torch.from_numpy(d_u.reshape(-1, dim))
+        )
+        return loss
+    idx = np.where(present, batch.inputs, 0)
+    g_count, c_slots = idx.shape
+    x = np.take(w_in, idx.reshape(-1), axis=0).reshape(g_count, c_slots, dim)  # (G, C, d)
+    weight = present.astype(np.float32)
+    scores = np.matmul(x, u.transpose(0, 2, 1))  # (G, C, M)
+    pair_mask = weight[:, :, None] * t.mask[:, None, :]
+    labels = t.labels[:, None, :]
+    grad = (labels - _sigmoid(scores)) * (pair_mask * lr)  # the step's size folded in
+    loss = _np_loss(scores, labels, pair_mask) if with_loss else None
+    d_x = np.matmul(grad, u)  # (G, C, d)
+    d_u = np.matmul(grad.transpose(0, 2, 1), x)  # (G, M, d)
     # index_add_ without alpha: with one it scales a copy of the source first (about 2.5x slower here)
     tables.input.index_add_(0, torch.from_numpy(idx.reshape(-1)), torch.from_numpy(d_x.reshape(-1, dim)))
     tables.output.index_add_(0, torch.from_numpy(t.rows.reshape(-1)), torch.from_numpy(d_u.reshape(-1, dim)))
