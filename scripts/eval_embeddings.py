@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"PCA plot: {plot}")
     if args.against_gensim:
         from gptlab.word2vec import reference
-        from gptlab.word2vec.datamodule import tokenized_documents
+        from gptlab.word2vec.corpus import tokenized_documents
 
         run_dir = source if source.is_dir() else source.parent
         try:
@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         comparison = reference.compare(
             kv,
-            tokenized_documents(spec, options),
+            list(tokenized_documents(spec, options)),
             options,
             seed,
             our_words_per_second=float("nan") if ours_speed is None else ours_speed,

@@ -1,5 +1,6 @@
-"""task=word2vec: sampling, the negative-sampling loss, training from the CLI and a sweep, the word2vec text
-file gensim reads, a resume that ends where an uninterrupted run ends, evaluation and the gensim comparison."""
+"""task=word2vec: sampling, the Huffman tree, each objective's loss, the fast update against the autograd
+reference, training from the CLI and a sweep, trainer limits, token folders, the word2vec text file gensim
+reads, a resume that ends where an uninterrupted run ends, evaluation and the gensim comparison."""
 
 from __future__ import annotations
 
@@ -22,10 +23,11 @@ from gensim.models import KeyedVectors
 from gptlab.data.corpus import DataSpec
 from gptlab.errors import ConfigError, DataError
 from gptlab.tracking.wandb_files import find_runs, read_run
-from gptlab.word2vec import evaluation, reference, sampling
+from gptlab.word2vec import evaluation, fast, objectives, reference, sampling
 from gptlab.word2vec.config import Word2VecOptions
-from gptlab.word2vec.datamodule import Word2VecDataModule
+from gptlab.word2vec.corpus import read_corpus
 from gptlab.word2vec.model import Word2Vec
+from gptlab.word2vec.schedule import Schedule
 
 SMALL = [
     "task=word2vec",
@@ -44,14 +46,16 @@ def test_tokenize_uses_the_project_word_splitter_and_drops_punctuation():
     assert sampling.tokenize("The cat.", lowercase=False, keep_punctuation=True) == ["The", "cat", "."]
 
 
-def test_vocabulary_is_sorted_by_count_and_drops_rare_words():
-    docs = [["b", "a", "b", "c"], ["b", "a", "d"]]
-    vocab = sampling.Vocabulary.build(docs, min_count=2)
-    assert vocab.words == ["b", "a"] and vocab.counts.tolist() == [3, 2]
-    ids, doc = vocab.encode(docs)
-    assert ids.tolist() == [0, 1, 0, 0, 1] and doc.tolist() == [0, 0, 0, 1, 1]
+def test_vocabulary_is_sorted_by_count_and_drops_rare_words(tmp_path):
+    (tmp_path / "a.txt").write_text("b a b c")
+    (tmp_path / "b.txt").write_text("b a d")
+    corpus = read_corpus(DataSpec(path=str(tmp_path)), Word2VecOptions(min_count=2))
+    assert corpus.vocab.words == ["b", "a"] and corpus.vocab.counts.tolist() == [3, 2]
+    # one flat int array: words out of the vocabulary (-1) and document ends (-2) marked, no Python lists
+    ids = corpus.read(*corpus.chunks(1 << 20)[0])
+    assert isinstance(ids, np.ndarray) and ids.tolist() == [0, 1, 0, -1, -2, 0, 1, -1, -2]
     with pytest.raises(DataError, match="min_count=5"):
-        sampling.Vocabulary.build(docs, min_count=5)
+        read_corpus(DataSpec(path=str(tmp_path)), Word2VecOptions(min_count=5))
 
 
 def test_subsampling_keeps_rare_words_and_thins_frequent_ones_by_word2vecs_formula():
@@ -84,44 +88,104 @@ def test_windows_stay_inside_documents_and_the_drawn_radius():
     assert ctx[5].tolist() == [-1, -1, 6, 7]
 
 
-# ---- the model -----------------------------------------------------------------------------------------
+# ---- objectives, the fast update and its autograd reference ---------------------------------------------
 
 
-def test_skipgram_loss_is_the_negative_sampling_objective():
-    torch.manual_seed(0)
-    model = Word2Vec(10, 4, "skipgram")
-    torch.nn.init.normal_(model.output.weight)
-    centre, context, negatives = torch.tensor([3]), torch.tensor([5]), torch.tensor([[1, 7]])
-    v, u = model.input.weight, model.output.weight
-    expected = -(
-        torch.log(torch.sigmoid(v[3] @ u[5]))
-        + torch.log(torch.sigmoid(-v[3] @ u[1]))
-        + torch.log(torch.sigmoid(-v[3] @ u[7]))
+def test_huffman_codes_match_a_hand_built_tree():
+    """counts 5, 3, 2, 1: word2vec.c merges 1+2 (node 0), then 3 with node 0 (a tie goes to the merged node,
+    which is picked first; the second pick takes bit 1), then 5 with node 1; the root is node 2."""
+    codes, points = objectives.huffman_codes(np.array([5, 3, 2, 1]))
+    assert codes == [[0], [1, 1], [1, 0, 1], [1, 0, 0]]
+    assert points == [[2], [2, 1], [2, 1, 0], [2, 1, 0]]
+    hs = objectives.HierarchicalSoftmax(np.array([5, 3, 2, 1]))
+    t = hs.targets(np.array([2]), np.random.default_rng(0))
+    assert t.rows.tolist() == [[2, 1, 0]] and t.labels.tolist() == [[0, 1, 0]] and t.mask.sum() == 3
+
+
+def _window_batch(objective, mode, rng, vocab=12, windows=5, slots=4):
+    inputs = rng.integers(0, vocab, size=(windows, slots))
+    inputs[rng.random(inputs.shape) < 0.3] = -1
+    inputs[:, 0] = rng.integers(0, vocab, size=windows)  # every window has a context word
+    target = rng.integers(0, vocab, size=windows)
+    return fast.WindowBatch(inputs, target, objective.targets(target, rng), 1.0, 0.0)
+
+
+OBJECTIVE_CASES = [(m, o) for m in ("skipgram", "cbow") for o in objectives.OBJECTIVES]
+
+
+@pytest.mark.parametrize("mode,name", OBJECTIVE_CASES)
+def test_fast_update_is_one_sgd_step_of_the_autograd_reference(mode, name):
+    """Same tables, same batch (repeated words included): the fast step without autograd (numpy on the CPU,
+    and the torch version the GPU runs) moves every row as one SGD step on the reference's summed loss."""
+    rng = np.random.default_rng(0)
+    counts = np.array([40, 30, 20, 12, 9, 7, 5, 4, 3, 2, 2, 1])
+    objective = objectives.build(name, counts, negatives=3, noise_power=0.75)
+    batch = _window_batch(objective, mode, rng)
+    lr = 0.1
+    reference_model = Word2Vec(12, 6, mode, objective.output_rows)
+    torch.nn.init.normal_(reference_model.output.weight)
+    torch.nn.init.normal_(reference_model.input.weight)
+    t = batch.outputs
+    loss = reference_model(
+        *(torch.from_numpy(a) for a in (batch.inputs, t.rows, t.labels, t.mask, batch.target)),
+        softmax=name == "softmax",
     )
-    assert torch.allclose(model(centre, context, negatives), expected.unsqueeze(0), atol=1e-6)
-    # a negative that is the target itself is skipped, as word2vec.c skips it
-    only_positive = -torch.log(torch.sigmoid(v[3] @ u[5]))
-    assert torch.allclose(
-        model(centre, context, torch.tensor([[5, 5]])), only_positive.unsqueeze(0), atol=1e-6
-    )
-
-
-def test_cbow_averages_the_context_and_gives_each_context_word_the_whole_gradient():
-    torch.manual_seed(0)
-    model = Word2Vec(10, 4, "cbow")
-    torch.nn.init.normal_(model.output.weight)
-    context = torch.tensor([[2, 4, -1, 6]])  # one empty slot
-    h = model.input.weight[[2, 4, 6]].mean(0)
-    assert torch.allclose(model.hidden(context)[0], h, atol=1e-6)
-    loss = model(context, torch.tensor([1]), torch.tensor([[8]])).sum()
     loss.backward()
-    grad = model.input.weight.grad.to_dense()
-    hh = h.detach().requires_grad_()
-    u = model.output.weight.detach()
-    (-(torch.log(torch.sigmoid(hh @ u[1])) + torch.log(torch.sigmoid(-hh @ u[8])))).backward()
-    for row in (2, 4, 6):  # word2vec.c / gensim cbow_mean=1: dL/dh added to every context vector
-        assert torch.allclose(grad[row], hh.grad, atol=1e-6)
-    assert grad[0].abs().sum() == 0  # the padding slot trains nothing
+    expected_in = reference_model.input.weight.detach() - lr * reference_model.input.weight.grad.to_dense()
+    expected_out = reference_model.output.weight.detach() - lr * reference_model.output.weight.grad.to_dense()
+    for step in (fast.numpy_step, fast.torch_step):
+        if step is fast.numpy_step and name == "softmax":
+            continue  # the full softmax has the torch step only
+        tables = fast.Tables(12, objective.output_rows, 6, seed=0)
+        tables.input.copy_(reference_model.input.weight.detach())
+        tables.output.copy_(reference_model.output.weight.detach())
+        kwargs = {"softmax": True} if step is fast.torch_step and name == "softmax" else {}
+        got = step(tables, batch, lr, mode, with_loss=True, **kwargs)
+        assert got == pytest.approx(float(loss.detach()), rel=1e-5)
+        torch.testing.assert_close(tables.input, expected_in, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(tables.output, expected_out, atol=1e-5, rtol=1e-5)
+        assert not torch.equal(tables.output, reference_model.output.weight.detach())  # it did move
+
+
+@pytest.mark.parametrize("name", objectives.OBJECTIVES)
+def test_each_objectives_loss_is_its_formula(name):
+    """One skip-gram window, context words 3 and 5 predicting word 2, computed by hand from the tables."""
+    counts = np.array([9, 7, 5, 4, 3, 2, 1])
+    objective = objectives.build(name, counts, negatives=2, noise_power=0.75)
+    rng = np.random.default_rng(1)
+    targets = objective.targets(np.array([2]), rng)
+    batch = fast.WindowBatch(np.array([[3, 5, -1]]), np.array([2]), targets, 1.0, 0.0)
+    tables = fast.Tables(7, objective.output_rows, 4, seed=0)
+    torch.manual_seed(0)
+    tables.output.normal_()
+    x, u = tables.input.double(), tables.output.double()
+    logsig = torch.nn.functional.logsigmoid
+    expected = 0.0
+    for c in (3, 5):
+        if name == "negative":
+            noise = targets.rows[0, 1:]
+            expected -= float(logsig(x[c] @ u[2]))
+            expected -= sum(float(logsig(-x[c] @ u[k])) for k in noise if k != 2)
+        elif name == "hierarchical":
+            codes, points = objectives.huffman_codes(counts)
+            expected -= sum(
+                float(logsig((1 - 2 * bit) * (x[c] @ u[node]))) for bit, node in zip(codes[2], points[2])
+            )
+        else:
+            expected -= float(torch.log_softmax(u @ x[c], dim=0)[2])
+    step = fast.torch_step if name == "softmax" else fast.numpy_step
+    kwargs = {"softmax": True} if name == "softmax" else {}
+    assert step(tables, batch, 0.0, "skipgram", with_loss=True, **kwargs) == pytest.approx(expected, rel=1e-5)
+
+
+def test_full_softmax_is_refused_for_large_vocabularies():
+    counts = np.ones(objectives.MAX_SOFTMAX_VOCAB + 1)
+    with pytest.raises(
+        ConfigError, match=r"objective=softmax over a vocabulary of 2,001 words.*hierarchical"
+    ):
+        objectives.build("softmax", counts, negatives=5, noise_power=0.75)
+    with pytest.raises(ConfigError, match="word2vec.objective='nce'"):
+        Word2VecOptions(objective="nce")
 
 
 def test_options_are_checked_with_the_fix_in_the_message():
@@ -135,14 +199,22 @@ def test_options_are_checked_with_the_fix_in_the_message():
 
 def test_a_resumed_epoch_continues_with_the_same_batches():
     options = Word2VecOptions(batch_size=300, epochs=2, min_count=3)
-    dm = Word2VecDataModule(DataSpec(), options, seed=3)
-    dm.setup()
-    n0 = dm.batches_in_epoch(0)
-    assert dm.locate(n0 + 2) == (1, 2)
-    again = Word2VecDataModule(DataSpec(), options, seed=3)
-    again.setup()
-    a, b = dm.batch(dm.plan(1), 2), again.batch(again.plan(1), 2)
-    assert np.array_equal(a.inputs, b.inputs) and np.array_equal(a.negatives, b.negatives)
+    corpus = read_corpus(DataSpec(), options)
+    counts = corpus.vocab.counts
+
+    def schedule():
+        return Schedule(
+            corpus, options, objectives.build("negative", counts, 5, 0.75), seed=3, chunk_positions=20_000
+        )
+
+    first = schedule()
+    n0 = sum(first.batches_in(0, c) for c in range(len(first.chunks)))
+    assert len(first.chunks) > 1 and first.locate(n0 + 2) == (1, 0, 2)
+    steps = list(first.steps(0))
+    assert len(steps) == n0 + sum(first.batches_in(1, c) for c in range(len(first.chunks)))
+    again = schedule()
+    a, b = first.batch(*steps[n0 + 2]), again.batch(*list(again.steps(n0 + 2))[0])
+    assert np.array_equal(a.inputs, b.inputs) and np.array_equal(a.outputs.rows, b.outputs.rows)
     assert 0.5 < a.progress < 1.0
 
 
@@ -189,6 +261,85 @@ def test_a_sweep_trains_both_modes_and_writes_vectors_gensim_reads(sweep, job, m
     assert logged.config["word2vec"]["mode"] == mode
 
 
+def test_trainer_max_steps_on_the_command_line_caps_the_run(tmp_path):
+    out = run_train(
+        [
+            *SMALL,
+            "trainer.max_steps=3",
+            "word2vec.evaluate=false",
+            "logger=csv",
+            f"hydra.run.dir={tmp_path}/run",
+        ],
+        cwd=tmp_path,
+    )
+    assert "Trained 3 steps" in out.stdout
+    result = json.loads((tmp_path / "run" / "result.json").read_text())
+    assert result["global_step"] == 3 and result["finished"]
+    assert torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 3
+    assert "train/loss" in (tmp_path / "run" / "csv" / "metrics.csv").read_text()
+    proc = run_train(
+        [*SMALL, "trainer.max_steps=0", "logger=none", f"hydra.run.dir={tmp_path}/bad"],
+        cwd=tmp_path,
+        check=False,
+    )
+    assert proc.returncode == 2 and "trainer.max_steps=0" in proc.stderr
+
+
+def _gpt2_documents() -> list[np.ndarray]:
+    from pydoc_data import topics
+
+    from gptlab.data.tokenizers import GPT2Tokenizer
+
+    tok = GPT2Tokenizer.create(GPT2Tokenizer.Options())
+    texts = [topics.topics[k] for k in sorted(topics.topics)[:30]]
+    return [np.array([*tok.encode(t), tok.eot_id], dtype=np.uint16) for t in texts]
+
+
+def test_word2vec_reads_nanogpt_token_folders_and_scores_whole_word_tokens(tmp_path):
+    docs = _gpt2_documents()
+    folder = tmp_path / "nanogpt"
+    folder.mkdir()
+    np.concatenate(docs[:25]).tofile(folder / "train.bin")
+    np.concatenate(docs[25:]).tofile(folder / "val.bin")
+    run_dir = tmp_path / "run"
+    out = run_train([*SMALL, f"data.path={folder}", "logger=none", f"hydra.run.dir={run_dir}"], cwd=tmp_path)
+    assert "GPT-2 token ids" in out.stdout + out.stderr
+    kv = KeyedVectors.load_word2vec_format(str(run_dir / "embeddings.txt"))
+    assert "\u0120the" in kv.key_to_index and "\u010a" in kv.key_to_index  # " the" and a newline
+    assert all(" " not in w for w in kv.index_to_key)
+    scored = json.loads((run_dir / "evaluation.json").read_text())
+    assert 0 < scored["metrics"]["vocab_size"] < len(kv)  # the whole-word tokens (" the" -> "the")
+
+
+def test_llmc_shards_give_the_vocabulary_of_the_same_tokens(tmp_path):
+    from gptlab.data.shards import LLMC_HEADER_INTS, LLMC_MAGIC, LLMC_VERSION
+
+    docs = _gpt2_documents()
+    tokens = {"train": np.concatenate(docs[:25]), "val": np.concatenate(docs[25:])}
+    llmc, nanogpt = tmp_path / "llmc", tmp_path / "nanogpt"
+    llmc.mkdir()
+    nanogpt.mkdir()
+    for split, ids in tokens.items():
+        header = np.zeros(LLMC_HEADER_INTS, dtype=np.int32)
+        header[:3] = LLMC_MAGIC, LLMC_VERSION, len(ids)
+        with open(llmc / f"corpus_{split}_000000.bin", "wb") as f:
+            f.write(header.tobytes() + ids.tobytes())
+        ids.tofile(nanogpt / f"{split}.bin")
+    options = Word2VecOptions(min_count=3)
+    a, b = read_corpus(DataSpec(path=str(llmc)), options), read_corpus(DataSpec(path=str(nanogpt)), options)
+    assert a.vocab.words == b.vocab.words and a.vocab.counts.tolist() == b.vocab.counts.tolist()
+    assert a.n_raw == b.n_raw == sum(len(d) for d in docs)  # both splits, every token
+    assert isinstance(a.sources[0].read(0, 10), np.memmap)  # read from the files as they are, not copied
+
+
+def test_trainer_max_time_is_parsed_as_lightning_writes_it():
+    from gptlab.word2vec.task import parse_max_time
+
+    assert parse_max_time("00:01:30:05") == 5405 and parse_max_time({"minutes": 2}) == 120
+    with pytest.raises(ConfigError, match="DD:HH:MM:SS"):
+        parse_max_time("90 minutes")
+
+
 def test_bad_task_and_options_fail_at_config_time(tmp_path):
     proc = run_train(["task=glove", f"paths.root_dir={tmp_path}"], cwd=tmp_path, check=False)
     assert proc.returncode == 2 and "task='glove'" in proc.stderr
@@ -230,6 +381,26 @@ def test_a_stopped_run_resumes_and_ends_with_the_uninterrupted_vectors(tmp_path,
     b = KeyedVectors.load_word2vec_format(str(out / "embeddings.txt"))
     assert a.index_to_key == b.index_to_key
     np.testing.assert_allclose(b.vectors, a.vectors, atol=1e-5)
+
+
+@pytest.mark.gpu
+def test_the_gpu_step_matches_the_cpu_step_and_trains_from_the_cli(tmp_path):
+    rng = np.random.default_rng(0)
+    counts = np.arange(40, 0, -1)
+    for mode in ("skipgram", "cbow"):
+        objective = objectives.build("negative", counts, negatives=3, noise_power=0.75)
+        batch = _window_batch(objective, mode, rng, vocab=40, windows=64, slots=6)
+        cpu, gpu = fast.Tables(40, 40, 8, seed=0), fast.Tables(40, 40, 8, seed=0, device="cuda")
+        for t in (cpu, gpu):
+            t.output.copy_(torch.linspace(-1, 1, 320).view(40, 8))
+        fast.sgd_step(cpu, batch, 0.05, mode)
+        fast.sgd_step(gpu, batch, 0.05, mode)
+        torch.testing.assert_close(gpu.input.cpu(), cpu.input, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(gpu.output.cpu(), cpu.output, atol=1e-5, rtol=1e-4)
+    out = run_train(
+        [*SMALL, "word2vec.device=cuda", "logger=none", f"hydra.run.dir={tmp_path}/run"], cwd=tmp_path
+    )
+    assert "cuda" in out.stdout and (tmp_path / "run" / "embeddings.txt").is_file()
 
 
 @pytest.mark.slow
@@ -296,9 +467,9 @@ def test_our_skipgram_agrees_with_gensim_about_as_well_as_gensim_agrees_with_its
     run(cfg)
     ours = evaluation.load_embeddings(tmp_path)
     spec, options, seed = reference.run_settings(tmp_path)
-    from gptlab.word2vec.datamodule import tokenized_documents
+    from gptlab.word2vec.corpus import tokenized_documents
 
-    result = reference.compare(ours, tokenized_documents(spec, options), options, seed, top_words=50)
+    result = reference.compare(ours, list(tokenized_documents(spec, options)), options, seed, top_words=50)
     assert result["overlap/gensim_vs_gensim"] > 0.2
     assert result["overlap/ours_vs_gensim"] >= 0.7 * result["overlap/gensim_vs_gensim"], result
     assert result["ours"]["vocab_size"] == result["gensim"]["vocab_size"]

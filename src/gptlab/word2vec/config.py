@@ -9,11 +9,14 @@ from gptlab.errors import ConfigError
 
 MODES = ("cbow", "skipgram")
 OPTIMIZERS = ("sgd", "sparse_adam")
+OBJECTIVES = ("negative", "hierarchical", "softmax")
+DEVICES = ("auto", "cpu", "cuda")
 
 
 @dataclass
 class Word2VecOptions:
     mode: str = "skipgram"
+    objective: str = "negative"
     dim: int = 100
     window: int = 5
     negatives: int = 5
@@ -28,8 +31,9 @@ class Word2VecOptions:
     lowercase: bool = True
     keep_punctuation: bool = False
     noise_power: float = 0.75
-    checkpoint_every: int = 200
+    checkpoint_every: int = 5000
     threads: int | None = None
+    device: str = "auto"
     evaluate: bool = True
     plot_words: list[str] | None = None
     neighbour_words: list[str] | None = None
@@ -38,6 +42,14 @@ class Word2VecOptions:
         if self.mode not in MODES:
             raise ConfigError(
                 f"word2vec.mode={self.mode!r} is not one of {MODES} (e.g. word2vec.mode=skipgram)."
+            )
+        if self.objective not in OBJECTIVES:
+            raise ConfigError(
+                f"word2vec.objective={self.objective!r} is not one of {OBJECTIVES} (e.g. word2vec.objective=negative)."
+            )
+        if self.device not in DEVICES:
+            raise ConfigError(
+                f"word2vec.device={self.device!r} is not one of {DEVICES} (auto: a CUDA GPU when there is one)."
             )
         if self.optimizer not in OPTIMIZERS:
             raise ConfigError(
@@ -63,7 +75,7 @@ class Word2VecOptions:
             )
         if self.threads is not None and (not isinstance(self.threads, int) or self.threads < 1):
             raise ConfigError(
-                f"word2vec.threads={self.threads!r} must be a positive integer, or null for torch's default."
+                f"word2vec.threads={self.threads!r} must be a positive integer (worker threads), or null for every core."
             )
         steps = self.max_steps
         if steps is not None and (not isinstance(steps, int) or steps < 1):

@@ -41,11 +41,33 @@ def keyed_vectors(words: list[str], vectors: np.ndarray):
 
 
 def write_embeddings(path: Path, words: list[str], vectors: np.ndarray) -> Path:
-    """The word2vec text format: a "<count> <dim>" line, then one "word v1 v2 ..." line per word."""
+    """The word2vec text format: a "<count> <dim>" line, then one "word v1 v2 ..." line per word (written
+    here, as gensim writes it, without importing gensim)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    keyed_vectors(words, vectors).save_word2vec_format(str(path), binary=False)
+    vectors = np.asarray(vectors, dtype=np.float32)
+    row = " ".join(["%.6g"] * vectors.shape[1])
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(f"{len(words)} {vectors.shape[1]}\n")
+        f.writelines(f"{w} {row % tuple(v)}\n" for w, v in zip(words, vectors.tolist()))
     return path
+
+
+def whole_word_vectors(kv):
+    """The vectors of GPT-2 byte-level tokens (``Ġking``) that are a space and letters, keyed by the word
+    (``king``), lower-cased, a word's first (most frequent) token standing for it: what the word benchmarks
+    can score."""
+    words, rows, seen = [], [], set()
+    for i, token in enumerate(kv.index_to_key):
+        if token.startswith("\u0120") and token[1:].isalpha() and token[1:].isascii():
+            word = token[1:].lower()
+            if word not in seen:
+                seen.add(word)
+                words.append(word)
+                rows.append(i)
+    if not words:
+        raise ValueError("no token of these vectors is a whole word (a space and letters)")
+    return keyed_vectors(words, kv.vectors[rows])
 
 
 def load_embeddings(path: str | Path):

@@ -27,10 +27,13 @@ def gensim_arguments(options: Word2VecOptions, seed: int, workers: int) -> dict[
         raise ValueError(
             "the gensim comparison needs a run trained for word2vec.epochs, not word2vec.max_steps"
         )
+    if options.objective == "softmax":
+        raise ValueError("gensim has no full softmax: compare word2vec.objective=negative or hierarchical")
+    hierarchical = options.objective == "hierarchical"
     return {
         "vector_size": options.dim,
         "window": options.window,
-        "negative": options.negatives,
+        "negative": 0 if hierarchical else options.negatives,
         "ns_exponent": options.noise_power,
         "min_count": options.min_count,
         "sample": options.sample,
@@ -39,7 +42,7 @@ def gensim_arguments(options: Word2VecOptions, seed: int, workers: int) -> dict[
         "epochs": options.epochs,
         "sg": 1 if options.mode == "skipgram" else 0,
         "cbow_mean": 1,
-        "hs": 0,
+        "hs": 1 if hierarchical else 0,
         "seed": seed,
         "workers": workers,
     }
@@ -145,7 +148,7 @@ def run_settings(run_dir: Path) -> tuple[Any, Word2VecOptions, int]:
     """(data spec, word2vec options, seed) of a ``task=word2vec`` run directory."""
     from omegaconf import DictConfig, OmegaConf
 
-    from gptlab.builders import data_spec
+    from gptlab.word2vec.corpus import data_spec
 
     path = Path(run_dir) / "config_resolved.yaml"
     if not path.is_file():
@@ -161,4 +164,4 @@ def run_settings(run_dir: Path) -> tuple[Any, Word2VecOptions, int]:
     options = Word2VecOptions.from_dict(
         cast(dict[str, Any], OmegaConf.to_container(cfg.word2vec, resolve=True))
     )
-    return data_spec(cfg), options, int(cfg.seed)
+    return data_spec(cfg.data), options, int(cfg.seed)

@@ -11,14 +11,11 @@ amount at every position, and words dropped by subsampling removed before the wi
 from __future__ import annotations
 
 import re
-from collections import Counter
-from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
 
 from gptlab.data.tokenizers import word_split
-from gptlab.errors import DataError
 
 _HAS_WORD_CHARACTER = re.compile(r"\w")
 
@@ -45,30 +42,6 @@ class Vocabulary:
 
     def __len__(self) -> int:
         return len(self.words)
-
-    @classmethod
-    def build(cls, documents: Iterable[list[str]], min_count: int) -> Vocabulary:
-        counter: Counter[str] = Counter()
-        for words in documents:
-            counter.update(words)
-        kept = sorted(((w, c) for w, c in counter.items() if c >= min_count), key=lambda wc: (-wc[1], wc[0]))
-        if not kept:
-            raise DataError(
-                f"No word occurs word2vec.min_count={min_count} times in the corpus ({sum(counter.values())} "
-                f"words, {len(counter)} distinct): lower word2vec.min_count or give more text."
-            )
-        return cls([w for w, _ in kept], np.array([c for _, c in kept], dtype=np.int64))
-
-    def encode(self, documents: Iterable[list[str]]) -> tuple[np.ndarray, np.ndarray]:
-        """The corpus as one flat array of word ids and, beside it, the document each position belongs to.
-        Words outside the vocabulary are left out (as word2vec.c does), so windows close over them."""
-        ids: list[int] = []
-        docs: list[int] = []
-        for d, words in enumerate(documents):
-            row = [self.index[w] for w in words if w in self.index]
-            ids.extend(row)
-            docs.extend([d] * len(row))
-        return np.asarray(ids, dtype=np.int64), np.asarray(docs, dtype=np.int64)
 
 
 def keep_probabilities(counts: np.ndarray, sample: float) -> np.ndarray:
@@ -97,34 +70,59 @@ def draw_negatives(cdf: np.ndarray, shape: tuple[int, ...], rng: np.random.Gener
 
 @dataclass
 class EpochPlan:
-    """One epoch's text after subsampling: the kept word ids, their documents, the window radius drawn at each
-    position (1..window: word2vec.c shrinks the window by a random amount at every position, which weights
-    near words more than far ones), and the number of batches of ``batch_words`` centre words."""
+    """One chunk of one epoch's text after subsampling: the kept word ids, their documents, the window radius
+    drawn at each position (1..window: word2vec.c shrinks the window by a random amount at every position,
+    which weights near words more than far ones), ``words_before`` (words of the vocabulary in the chunk
+    before each kept position, then the chunk's total: what a batch covers, before subsampling),
+    ``positions`` (each kept word's place in the whole corpus) and the number of batches of ``batch_words``
+    centre words."""
 
     epoch: int
     ids: np.ndarray  # (n_kept,)
     docs: np.ndarray  # (n_kept,)
     radius: np.ndarray  # (n_kept,)
     n_batches: int
+    chunk: int = 0
+    words_before: np.ndarray | None = None  # (n_kept + 1,)
+    positions: np.ndarray | None = None  # (n_kept,)
+    context: np.ndarray | None = None  # (n_kept, 2 * window) int32: context_matrix of the whole chunk
 
 
-def plan_epoch(
+def plan_chunk(
     ids: np.ndarray,
-    docs: np.ndarray,
     keep_prob: np.ndarray,
     window: int,
     batch_words: int,
     seed: int,
     epoch: int,
+    chunk: int = 0,
+    start: int = 0,
 ) -> EpochPlan:
-    """Subsample the corpus for one epoch, deterministically from (seed, epoch), so a resumed run sees the
-    same text as an uninterrupted one."""
-    rng = np.random.default_rng([seed, epoch])
-    kept = rng.random(len(ids)) < keep_prob[ids]
-    k_ids, k_docs = ids[kept], docs[kept]
-    radius = window - rng.integers(0, window, size=len(k_ids))
-    n_batches = max(1, -(-len(k_ids) // batch_words))
-    return EpochPlan(epoch, k_ids, k_docs, radius, n_batches)
+    """Subsample one chunk of the corpus (vocabulary ids, negative markers for words outside it and for
+    document ends) for one epoch, deterministically from (seed, epoch, chunk), so that a resumed run sees the
+    same text as an uninterrupted one. Windows never cross a document end or the chunk's edges."""
+    rng = np.random.default_rng([seed, epoch, chunk])
+    draws = rng.random(len(ids))
+    in_vocab = ids >= 0
+    docs = np.cumsum(ids == -2)
+    kept = in_vocab & (draws < keep_prob[np.maximum(ids, 0)])
+    where = np.flatnonzero(kept)
+    words = np.concatenate([[0], np.cumsum(in_vocab)])
+    radius = window - rng.integers(0, window, size=len(where))
+    n_batches = -(-len(where) // batch_words)
+    plan = EpochPlan(
+        epoch,
+        ids[where].astype(np.int64),
+        docs[where],
+        radius,
+        n_batches,
+        chunk,
+        np.concatenate([words[where], [words[-1]]]),
+        where + start,
+    )
+    # the windows of the whole chunk at once: a few operations on long arrays instead of many on short ones
+    plan.context = context_matrix(plan, 0, len(where), window).astype(np.int32)
+    return plan
 
 
 def context_matrix(plan: EpochPlan, start: int, stop: int, window: int) -> np.ndarray:
@@ -142,48 +140,3 @@ def context_matrix(plan: EpochPlan, start: int, stop: int, window: int) -> np.nd
         valid = inside & (plan.radius[centre] >= abs(off)) & (plan.docs[other_c] == plan.docs[centre])
         out[valid, col] = plan.ids[other_c[valid]]
     return out
-
-
-@dataclass
-class Batch:
-    """What one optimizer step trains on. skip-gram: ``inputs`` (N,) centre words, ``targets`` (N,) one
-    context word each. CBOW: ``inputs`` (N, 2 * window) context words (-1: empty), ``targets`` (N,) the
-    centre words. ``negatives`` (N, K). ``words``: corpus positions this batch covers (before subsampling);
-    ``progress``: the share of the whole training done before it (drives the learning-rate decay)."""
-
-    inputs: np.ndarray
-    targets: np.ndarray
-    negatives: np.ndarray
-    words: float
-    progress: float
-
-
-def make_batch(
-    plan: EpochPlan,
-    index: int,
-    mode: str,
-    window: int,
-    batch_words: int,
-    cdf: np.ndarray,
-    negatives: int,
-    seed: int,
-    corpus_words: int,
-    epochs: int,
-) -> Batch:
-    """Batch ``index`` of an epoch: the centre words ``index * batch_words`` up to the next batch, with their
-    windows, and negatives drawn from (seed, epoch, index)."""
-    start = index * batch_words
-    stop = min(start + batch_words, len(plan.ids))
-    ctx = context_matrix(plan, start, stop, window)
-    centre = plan.ids[start:stop]
-    if mode == "skipgram":
-        rows, cols = np.nonzero(ctx >= 0)
-        inputs, targets = centre[rows], ctx[rows, cols]
-    else:
-        has_context = (ctx >= 0).any(axis=1)
-        inputs, targets = ctx[has_context], centre[has_context]
-    rng = np.random.default_rng([seed, plan.epoch, index, 1])
-    neg = draw_negatives(cdf, (len(targets), negatives), rng)
-    words = corpus_words / plan.n_batches
-    progress = (plan.epoch + index / plan.n_batches) / epochs if epochs > 0 else 0.0
-    return Batch(inputs, targets, neg, words, min(progress, 1.0))

@@ -1,37 +1,45 @@
 """``python train.py task=word2vec``: train word vectors on the configured corpus, write them in the word2vec
-text format (``<run dir>/embeddings.txt``) and evaluate them. Checkpoints resume (``resume=auto`` or a path)."""
+text format (``<run dir>/embeddings.txt``) and evaluate them. Checkpoints resume (``resume=auto`` or a path).
+
+Training is a plain loop around the fast update (``gptlab.word2vec.fast``), not a Lightning Trainer:
+importing Lightning alone takes longer (about 8 s here) than a whole training run on a corpus of a few hundred
+thousand words, and the update needs no autograd, optimizer or loader. The run directory is the one every
+task writes (``gptlab.runs``): ``checkpoints/last.ckpt`` (a Lightning-style dict: ``state_dict``,
+``hyper_parameters``, ``global_step``), ``config_resolved.yaml``, ``result.json``, ``metrics.json`` and the
+configured loggers' files (the same Lightning logger classes, built only when a logger is configured).
+"""
 
 from __future__ import annotations
 
 import json
 import logging
 import math
+import os
+import signal
+import threading
 import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, cast
 
-import lightning as L
 import torch
-from lightning.pytorch.loggers import WandbLogger
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 
-from gptlab.builders import data_spec
 from gptlab.errors import CheckpointError, ConfigError
-from gptlab.lit.checkpointing import (
-    AtomicCheckpointIO,
-    PeriodicLastCheckpoint,
-    fault_tolerance_callbacks,
-    fit,
-)
-from gptlab.resume import ResumePlan, checkpoint_to_resume
+from gptlab.resume import ResumePlan, check_writable, checkpoint_to_resume
 from gptlab.runs.checkpoints import load_checkpoint
-from gptlab.tracking.loggers import finish_wandb
-from gptlab.word2vec import evaluation
+from gptlab.word2vec import evaluation, objectives
 from gptlab.word2vec.config import Word2VecOptions
-from gptlab.word2vec.datamodule import Word2VecDataModule
-from gptlab.word2vec.module import Word2VecLitModule
+from gptlab.word2vec.corpus import WordCorpus, data_spec, peak_rss_mib, read_corpus
+from gptlab.word2vec.fast import Tables, WindowBatch, sgd_step
+from gptlab.word2vec.schedule import Schedule
 
 log = logging.getLogger("gptlab")
+
+# Trainer limits word2vec honours when they are given (on the command line, or by a debug= preset): the
+# trainer group's defaults are the GPT's (320 steps), not word2vec's.
+TRAINER_LIMITS = ("max_steps", "max_time")
 
 
 def check_resume(path: Path, options: Word2VecOptions, words: list[str]) -> ResumePlan:
@@ -43,8 +51,8 @@ def check_resume(path: Path, options: Word2VecOptions, words: list[str]) -> Resu
         raise CheckpointError(
             f"Checkpoint {path} is not a word2vec checkpoint: resume a run of task=word2vec, or drop resume=."
         )
-    for key in ("mode", "dim"):
-        if saved.get(key) != getattr(options, key):
+    for key in ("mode", "dim", "objective", "optimizer"):
+        if saved.get(key, Word2VecOptions.__dataclass_fields__[key].default) != getattr(options, key):
             raise CheckpointError(
                 f"Checkpoint {path} was trained with word2vec.{key}={saved.get(key)!r}, not "
                 f"{getattr(options, key)!r}: resume with word2vec.{key}={saved.get(key)}, or start a new run."
@@ -58,74 +66,367 @@ def check_resume(path: Path, options: Word2VecOptions, words: list[str]) -> Resu
     return ResumePlan(path, int(checkpoint.get("global_step", 0)), str(run_id) if run_id else None)
 
 
-def trainer_options(cfg: DictConfig, options: Word2VecOptions, run_dir: Path) -> dict[str, Any]:
-    """One device, fp32, no validation and no gradient clipping (word2vec's update is plain per-pair SGD)."""
+def _explicit_overrides(cfg: DictConfig) -> list[str]:
+    from hydra.core.hydra_config import HydraConfig
+
+    if HydraConfig.initialized():
+        return [str(o) for o in HydraConfig.get().overrides.task]
+    hydra = cfg.get("hydra")
+    return [str(o) for o in hydra.overrides.task] if hydra is not None and "overrides" in hydra else []
+
+
+def parse_max_time(value: Any) -> float | None:
+    """Lightning's ``max_time`` ("DD:HH:MM:SS" or a dict of days/hours/minutes/seconds) in seconds."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        parts = value.split(":")
+        if len(parts) == 4 and all(p.strip().isdigit() for p in parts):
+            d, h, m, s = (int(p) for p in parts)
+            return float(((d * 24 + h) * 60 + m) * 60 + s)
+    elif isinstance(value, dict) and set(value) <= {"days", "hours", "minutes", "seconds"}:
+        return float(
+            value.get("days", 0) * 86400
+            + value.get("hours", 0) * 3600
+            + value.get("minutes", 0) * 60
+            + value.get("seconds", 0)
+        )
+    raise ConfigError(f"trainer.max_time={value!r}: give DD:HH:MM:SS (e.g. trainer.max_time=00:01:00:00).")
+
+
+def trainer_limits(cfg: DictConfig, options: Word2VecOptions) -> tuple[int | None, float | None]:
+    """(max_steps, max_seconds): word2vec.max_steps, capped by trainer.max_steps when that was given (on the
+    command line or by a debug= preset), and trainer.max_time when given."""
+    overrides = _explicit_overrides(cfg)
+
+    def given(key: str) -> bool:
+        return any(o.lstrip("+").startswith(f"trainer.{key}=") or o.startswith("debug=") for o in overrides)
+
     trainer = cfg.get("trainer") or {}
-    return {
-        "accelerator": trainer.get("accelerator", "auto"),
-        "devices": 1,
-        "precision": "32-true",
-        "max_epochs": -1 if options.max_steps else options.epochs,
-        "max_steps": options.max_steps or -1,
-        "limit_val_batches": 0,
-        "num_sanity_val_steps": 0,
-        "log_every_n_steps": int(trainer.get("log_every_n_steps", 10)),
-        "enable_model_summary": False,
-        "default_root_dir": str(run_dir),
-    }
+    max_steps = options.max_steps
+    if given("max_steps"):
+        value = trainer.get("max_steps")
+        if not isinstance(value, int) or isinstance(value, bool) or value == 0 or value < -1:
+            raise ConfigError(
+                f"trainer.max_steps={value!r}: give a positive number of steps (or -1 for word2vec.epochs)."
+            )
+        if value > 0:
+            max_steps = min(max_steps, value) if max_steps else value
+    max_seconds = parse_max_time(trainer.get("max_time")) if given("max_time") else None
+    return max_steps, max_seconds
+
+
+def pick_device(options: Word2VecOptions) -> torch.device:
+    if options.device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(
+            "word2vec.device=cuda, but torch sees no CUDA GPU: use word2vec.device=auto or cpu."
+        )
+    if options.device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(options.device)
+
+
+class Trainer:
+    """The loop: batches of the schedule, the linearly decaying learning rate, SGD steps (in several
+    threads on shared tables, Hogwild, when ``threads > 1`` on a CPU), checkpoints, logging and a clean stop
+    on SIGTERM / SIGINT."""
+
+    def __init__(
+        self,
+        schedule: Schedule,
+        options: Word2VecOptions,
+        device: torch.device,
+        run_dir: Path,
+        loggers: list,
+        seed: int,
+        log_every: int = 10,
+    ) -> None:
+        self.schedule = schedule
+        self.options = options
+        self.run_dir = run_dir
+        self.loggers = loggers
+        self.log_every = max(log_every, 1)
+        vocab = schedule.corpus.vocab
+        self.softmax = options.objective == "softmax"
+        output_rows = schedule.objective.output_rows
+        self.tables = Tables(len(vocab), output_rows, options.dim, seed, device)
+        self.model: Any = None
+        self.optimizer: Any = None
+        if options.optimizer == "sparse_adam":
+            from gptlab.word2vec.model import Word2Vec
+
+            self.model = Word2Vec(len(vocab), options.dim, options.mode, output_rows).to(device)
+            with torch.no_grad():
+                self.model.input.weight.copy_(self.tables.input)
+            self.tables.input, self.tables.output = self.model.input.weight, self.model.output.weight
+            self.optimizer = torch.optim.SparseAdam(self.model.parameters(), lr=options.lr)
+        self.threads = (
+            1 if device.type != "cpu" or self.model is not None else options.threads or os.cpu_count() or 1
+        )
+        self.global_step = 0
+        self.wandb_run_id: str | None = None
+        self.received: int | None = None
+        self.last_loss = math.nan
+        self.words_done = 0.0
+
+    # ---- one step --------------------------------------------------------------------------------------
+
+    def learning_rate(self, progress: float) -> float:
+        """word2vec's schedule: linear from lr at the start to lr_min at the end of training."""
+        o = self.options
+        return o.lr - (o.lr - o.lr_min) * min(max(progress, 0.0), 1.0)
+
+    def train_step(self, batch: WindowBatch, with_loss: bool) -> float | None:
+        lr = self.learning_rate(batch.progress)
+        if len(batch.target) == 0:
+            return 0.0 if with_loss else None
+        if self.model is None:
+            return sgd_step(self.tables, batch, lr, self.options.mode, self.softmax, with_loss)
+        device = self.tables.device
+        t = batch.outputs
+        to = lambda a: torch.from_numpy(a).to(device)  # noqa: E731
+        loss = self.model(
+            to(batch.inputs), to(t.rows), to(t.labels), to(t.mask), to(batch.target), self.softmax
+        )
+        self.optimizer.zero_grad()
+        loss.backward()
+        self.optimizer.step()
+        return float(loss.detach())
+
+    # ---- the loop --------------------------------------------------------------------------------------
+
+    def fit(self, start_step: int, checkpoint_every: int, max_seconds: float | None) -> bool:
+        """Train from ``start_step`` to the end; True when stopped by a signal (a checkpoint was saved)."""
+        self.global_step = start_step
+        previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+
+        def handle(signum: int, frame: Any) -> None:
+            self.received = signum
+
+        if threading.current_thread() is threading.main_thread():
+            for s in previous:
+                signal.signal(s, handle)
+        t0 = time.perf_counter()
+        times: deque[tuple[float, float]] = deque(maxlen=50)
+        times.append((t0, 0.0))
+        pending = self.schedule.steps(start_step)
+        # Planning a chunk is not thread-safe: batches are built and submitted from this thread only in the
+        # sequential case; with threads, the schedule is advanced here and each batch built by its worker.
+        lock = threading.Lock()
+
+        def work(item: tuple[int, int, int, int]):
+            with lock:
+                batch = self.schedule.batch(*item)
+            step = item[0]
+            loss = self.train_step(batch, step % self.log_every == 0)
+            pairs = (
+                float(len(batch.target)) if self.options.mode == "cbow" else float((batch.inputs >= 0).sum())
+            )
+            return step, (loss / max(pairs, 1.0) if loss is not None else None), batch.words, batch.progress
+
+        pool = ThreadPoolExecutor(self.threads) if self.threads > 1 else None
+        stopped = False
+        try:
+            done = False
+            while not done:
+                round_items = []
+                for item in pending:
+                    round_items.append(item)
+                    if len(round_items) >= max(self.threads * 8, 1) or (item[0] + 1) % checkpoint_every == 0:
+                        break
+                if not round_items:
+                    break
+                results = pool.map(work, round_items) if pool else map(work, round_items)
+                for step, loss, words, progress in results:
+                    self.global_step = step + 1
+                    self.words_done += words
+                    if loss is not None:
+                        self.last_loss = loss
+                        now = time.perf_counter()
+                        times.append((now, self.words_done))
+                        rate = (times[-1][1] - times[0][1]) / max(times[-1][0] - times[0][0], 1e-9)
+                        self.log_metrics(
+                            {
+                                "train/loss": loss,
+                                "train/lr": self.learning_rate(progress),
+                                "train/words_per_second": rate,
+                                "train/progress": progress,
+                            }
+                        )
+                if self.global_step % checkpoint_every == 0:
+                    self.save_checkpoint()
+                if self.received is not None:
+                    stopped = True
+                    break
+                if max_seconds is not None and time.perf_counter() - t0 >= max_seconds:
+                    log.info("trainer.max_time reached after step %d", self.global_step)
+                    break
+        finally:
+            if pool:
+                pool.shutdown()
+            if threading.current_thread() is threading.main_thread():
+                for s, h in previous.items():
+                    signal.signal(s, h)
+        self.save_checkpoint()
+        return stopped
+
+    # ---- outputs ---------------------------------------------------------------------------------------
+
+    def log_metrics(self, metrics: dict[str, float]) -> None:
+        for lg in self.loggers:
+            lg.log_metrics(metrics, step=self.global_step)
+
+    def checkpoint(self) -> dict[str, Any]:
+        vocab = self.schedule.corpus.vocab
+        checkpoint: dict[str, Any] = {
+            "state_dict": {
+                "model.input.weight": self.tables.input.detach().cpu(),
+                "model.output.weight": self.tables.output.detach().cpu(),
+            },
+            "hyper_parameters": {"word2vec": self.options.to_dict(), "vocab_size": len(vocab)},
+            "global_step": self.global_step,
+            "word2vec_vocab": {"words": list(vocab.words), "counts": [int(c) for c in vocab.counts]},
+        }
+        if self.optimizer is not None:
+            checkpoint["optimizer_states"] = [self.optimizer.state_dict()]
+        if self.wandb_run_id:
+            checkpoint["wandb_run_id"] = self.wandb_run_id
+        return checkpoint
+
+    def save_checkpoint(self) -> Path:
+        """``checkpoints/last.ckpt``, written beside it and renamed: whole or not at all."""
+        path = self.run_dir / "checkpoints" / "last.ckpt"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        torch.save(self.checkpoint(), tmp)
+        os.replace(tmp, path)
+        for lg in self.loggers:
+            lg.save()
+        return path
+
+    def restore(self, path: Path) -> None:
+        checkpoint = load_checkpoint(path)
+        state = checkpoint["state_dict"]
+        with torch.no_grad():
+            self.tables.input.copy_(state["model.input.weight"])
+            self.tables.output.copy_(state["model.output.weight"])
+        if self.optimizer is not None and checkpoint.get("optimizer_states"):
+            self.optimizer.load_state_dict(checkpoint["optimizer_states"][0])
+        self.global_step = int(checkpoint.get("global_step", 0))
+
+
+def build_loggers(cfg: DictConfig, resume: ResumePlan | None) -> list:
+    """The configured loggers (Lightning's logger classes, as the GPT task uses them). Importing them costs
+    Lightning's import: only when a logger is configured."""
+    if not any(node is not None and "_target_" in node for node in (cfg.get("logger") or {}).values()):
+        return []
+    from gptlab.train import build_loggers as build
+
+    return build(cfg, resume)
+
+
+def write_result(run_dir: Path, metrics: dict[str, float], step: int, finished: bool, stopped: bool) -> None:
+    """``<run dir>/result.json``: what the run reported, its last step and the commit it ran at."""
+    from gptlab.runs.layout import Run, git_commit
+
+    Run(run_dir).write_result(
+        {
+            "metrics": {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and math.isfinite(v)},
+            "global_step": step,
+            "finished": finished,
+            "stopped_by_signal": bool(stopped),
+            "git_commit": git_commit(),
+        }
+    )
+
+
+def run_dir_of(cfg: DictConfig) -> Path:
+    from hydra.core.hydra_config import HydraConfig
+
+    if HydraConfig.initialized():
+        return Path(HydraConfig.get().runtime.output_dir)
+    return Path(cfg.paths.get("output_dir") or "outputs/runs/interactive")
 
 
 def run(cfg: DictConfig) -> dict[str, float]:
     """Train word2vec as configured; returns the final metrics (loss, words/s, benchmark scores)."""
-    from gptlab.train import build_loggers, start_run
+    from gptlab.preflight import check_seed
 
     t0 = time.perf_counter()
-    run_dir = start_run(cfg)
     options = Word2VecOptions.from_dict(
         cast(dict[str, Any], OmegaConf.to_container(cfg.word2vec, resolve=True))
     )
-    if options.threads:
-        torch.set_num_threads(options.threads)
-    datamodule = Word2VecDataModule(data_spec(cfg), options, seed=int(cfg.seed))
-    datamodule.setup("fit")
-    vocab = datamodule.vocab
-    assert vocab is not None  # setup("fit") builds it
+    check_seed(cfg.seed)
+    max_steps, max_seconds = trainer_limits(cfg, options)
+    device = pick_device(options)
+    spec = data_spec(cfg.data)
+    run_dir = run_dir_of(cfg)
+    check_writable(run_dir)
+    with open_dict(cfg):
+        cfg.paths.output_dir = str(run_dir)
+    seed = int(cfg.seed)
+    torch.manual_seed(seed)
+    if device.type == "cpu":
+        # Parallel over batches (worker threads), each operation on one core: word2vec's operations are
+        # small, and intra-op threads waiting on a busy core cost more than they give.
+        torch.set_num_threads(1)
+    corpus = read_corpus(spec, options)
+    vocab = corpus.vocab
+    objective = objectives.build(options.objective, vocab.counts, options.negatives, options.noise_power)
+    schedule = Schedule(corpus, options, objective, seed, max_steps)
     ckpt = checkpoint_to_resume(cfg.get("resume"), run_dir)
     resume = check_resume(ckpt, options, vocab.words) if ckpt else None
-    module = Word2VecLitModule(options.to_dict(), len(vocab))
-    module.vocab_words, module.vocab_counts = vocab.words, [int(c) for c in vocab.counts]
-    log.info("Data ready after %.1f s", time.perf_counter() - t0)
-
+    log.info(
+        "Data ready after %.1f s (peak memory %.0f MiB): %d words, vocabulary %d, objective %s",
+        time.perf_counter() - t0,
+        peak_rss_mib(),
+        corpus.words,
+        len(vocab),
+        options.objective,
+    )
     loggers = build_loggers(cfg, resume)
     failed = True
     try:
-        callbacks = [
-            PeriodicLastCheckpoint(str(run_dir / "checkpoints"), options.checkpoint_every),
-            *fault_tolerance_callbacks(),
-        ]
-        trainer = L.Trainer(
-            **trainer_options(cfg, options, run_dir),
-            logger=loggers or False,
-            callbacks=callbacks,
-            plugins=[AtomicCheckpointIO()],  # one device, one file: written beside it, then renamed
+        trainer = Trainer(
+            schedule,
+            options,
+            device,
+            run_dir,
+            loggers,
+            seed,
+            int((cfg.get("trainer") or {}).get("log_every_n_steps", 10)),
         )
-        resolved = OmegaConf.to_container(cfg, resolve=True)
         for lg in loggers:
-            lg.log_hyperparams(resolved)
+            lg.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))
+            if type(lg).__name__ == "WandbLogger":
+                trainer.wandb_run_id = lg.version
         OmegaConf.save(cfg, run_dir / "config_resolved.yaml", resolve=True)
         log.info("Run directory: %s", run_dir)
+        start_step = 0
         if resume:
-            log.info("Resuming from %s (step %d)", resume.ckpt_path, resume.global_step)
+            trainer.restore(resume.ckpt_path)
+            start_step = trainer.global_step
+            log.info("Resuming from %s (step %d)", resume.ckpt_path, start_step)
         t_fit = time.perf_counter()
-        start_step = resume.global_step if resume else 0
-        stopped = fit(trainer, module, datamodule, resume.ckpt_path if resume else None)
+        stopped = trainer.fit(start_step, options.checkpoint_every, max_seconds)
         seconds = time.perf_counter() - t_fit
-        words_done = words_trained(datamodule, start_step, trainer.global_step)
-        metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1}
-        metrics["train/words_per_second"] = words_done / seconds if seconds > 0 and words_done else math.nan
-        metrics["train/steps"] = trainer.global_step
-        vectors = module.model.vectors.detach().cpu().numpy()
+        metrics: dict[str, float] = {
+            "train/loss": trainer.last_loss,
+            "train/words_per_second": trainer.words_done / seconds
+            if seconds > 0 and trainer.words_done
+            else math.nan,
+            "train/steps": trainer.global_step,
+            "train/words": trainer.words_done,
+            "train/seconds": seconds,
+            "peak_rss_mib": peak_rss_mib(),
+        }
+        vectors = trainer.tables.input.detach().cpu().numpy()
         path = evaluation.write_embeddings(run_dir / evaluation.EMBEDDINGS_FILE, vocab.words, vectors)
+        finished = not stopped and (
+            trainer.global_step >= max_steps
+            if max_steps
+            else schedule.locate(trainer.global_step)[0] >= options.epochs
+        )
         if stopped:
             log.info(
                 "Stopped by a signal at step %d (checkpoint saved); continue with the same command and "
@@ -134,43 +435,43 @@ def run(cfg: DictConfig) -> dict[str, float]:
                 run_dir,
             )
         elif options.evaluate:
-            metrics.update(evaluate_run(path, run_dir, options, loggers, trainer.global_step))
+            metrics.update(evaluate_run(path, run_dir, options, corpus, loggers, trainer.global_step))
         (run_dir / "metrics.json").write_text(json.dumps(metrics, indent=1))
+        write_result(run_dir, metrics, trainer.global_step, finished, stopped)
+        for lg in loggers:
+            lg.finalize("success")
         print(
-            f"Trained {trainer.global_step} steps, {words_done:,.0f} words in {seconds:.1f} s "
-            f"({metrics['train/words_per_second']:,.0f} words/s)\nEmbeddings: {path}",
+            f"Trained {trainer.global_step} steps, {trainer.words_done:,.0f} words in {seconds:.1f} s "
+            f"({metrics['train/words_per_second']:,.0f} words/s, {trainer.threads} thread(s), {device.type})"
+            f"\nEmbeddings: {path}",
             flush=True,
         )
         failed = False
         return metrics
     finally:
-        finish_wandb(loggers, failed)
+        if loggers:
+            from gptlab.tracking.loggers import finish_wandb
 
-
-def words_trained(datamodule: Word2VecDataModule, start_step: int, end_step: int) -> float:
-    """Corpus words (before subsampling) that the steps start_step..end_step covered."""
-    if end_step <= start_step:
-        return 0.0
-    (e0, i0), (e1, i1) = datamodule.locate(start_step), datamodule.locate(end_step)
-    words = datamodule.corpus_words
-    share = lambda e, i: e + i / datamodule.batches_in_epoch(e)  # noqa: E731
-    return (share(e1, i1) - share(e0, i0)) * words
+            finish_wandb(loggers, failed)
 
 
 def evaluate_run(
-    path: Path, run_dir: Path, options: Word2VecOptions, loggers: list, step: int
+    path: Path, run_dir: Path, options: Word2VecOptions, corpus: WordCorpus, loggers: list, step: int
 ) -> dict[str, float]:
-    """Score the written vectors, print the report, draw the PCA plot and log the scores."""
+    """Score the written vectors, print the report, draw the PCA plot and log the scores. The vectors of a
+    token-folder run are scored on its whole-word tokens (``Ġking`` -> ``king``)."""
     kv = evaluation.load_embeddings(path)
+    if corpus.kind == "tokens":
+        kv = evaluation.whole_word_vectors(kv)
     result = evaluation.evaluate(kv, options.neighbour_words)
-    print(evaluation.format_report(result, f"({options.mode}, {run_dir})"), flush=True)
+    print(evaluation.format_report(result, f"({options.mode}, {options.objective}, {run_dir})"), flush=True)
     plot = evaluation.pca_plot(kv, run_dir / "pca.png", options.plot_words, title=options.mode)
     (run_dir / "evaluation.json").write_text(json.dumps(result, indent=1))
     scores = {f"eval/{k}": float(v) for k, v in result["metrics"].items()}
     finite = {k: v for k, v in scores.items() if not (isinstance(v, float) and math.isnan(v))}
     for lg in loggers:
         lg.log_metrics(finite, step=step)
-        if isinstance(lg, WandbLogger):
+        if type(lg).__name__ == "WandbLogger":
             lg.experiment.summary.update(finite)
             if plot is not None:
                 import wandb
@@ -186,4 +487,4 @@ def check_task(cfg: DictConfig) -> str:
     return task
 
 
-__all__ = ["run", "check_task", "words_trained"]
+__all__ = ["run", "check_task", "Trainer", "trainer_limits"]

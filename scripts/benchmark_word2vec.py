@@ -1,0 +1,337 @@
+"""gptlab's word2vec against gensim's: whole processes, training rate, agreement and benchmark scores.
+
+    python scripts/benchmark_word2vec.py                               # skip-gram, negative sampling, 2 threads
+    python scripts/benchmark_word2vec.py --mode cbow --objective hierarchical --repeats 3
+    python scripts/benchmark_word2vec.py --memory --memory-mb 100 --before /tmp/gptlab-main   # peak RSS
+    python scripts/benchmark_word2vec.py --softmax                     # the full softmax's cost by vocabulary
+
+The corpus is text8-style (one line of lower-case words separated by spaces): gensim's ``lee_background.cor``
+(300 news articles), cut into words by gptlab's word tokenizer and repeated ``--copies`` times (6: 364k
+words). Both sides read that file: ``python train.py task=word2vec data.path=<file> ...`` and a gensim script
+(``Text8Corpus`` -> ``Word2Vec(workers=threads)`` -> ``save_word2vec_format``), each a fresh process, timed
+whole (imports, reading, vocabulary, training, writing the vectors), interleaved repeat by repeat so that
+both meet the same load. The training rate is corpus words in the vocabulary x epochs over the training time.
+Quality: the overlap of the 10 nearest neighbours of the 100 most frequent words with gensim's (seed 1337),
+against gensim's own seed-to-seed overlap (1337 vs 1338), and WordSim-353 / SimLex-999 Spearman for each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+GENSIM_SCRIPT = r"""
+import json, sys, time
+start = time.perf_counter()
+import logging
+from gensim.models import Word2Vec
+from gensim.models.word2vec import Text8Corpus
+logging.getLogger("gensim").setLevel(logging.WARNING)
+path, out, settings = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+model = Word2Vec(**settings)
+corpus = Text8Corpus(path)
+model.build_vocab(corpus)
+t0 = time.perf_counter()
+model.train(corpus, total_examples=model.corpus_count, epochs=model.epochs)
+seconds = time.perf_counter() - t0
+model.wv.save_word2vec_format(out)
+words = int(sum(model.wv.get_vecattr(w, "count") for w in model.wv.index_to_key)) * model.epochs
+print(json.dumps({"train_seconds": seconds, "words": words}))
+"""
+
+
+def lee_corpus(path: Path, copies: int) -> Path:
+    from gensim.test.utils import datapath
+
+    from gptlab.word2vec.sampling import tokenize
+
+    words: list[str] = []
+    with open(datapath("lee_background.cor"), encoding="utf8") as f:
+        for line in f:
+            words += tokenize(line)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = " ".join(words)
+    path.write_text(" ".join([text] * copies))
+    return path
+
+
+def env() -> dict[str, str]:
+    return {
+        **os.environ,
+        "PYTHONPATH": str(ROOT / "src"),
+        "WANDB_MODE": "offline",
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "OMP_NUM_THREADS": "1",
+    }
+
+
+def timed(cmd: list[str], cwd: Path, environment: dict | None = None) -> tuple[float, str, float]:
+    """(wall seconds, stdout, peak RSS MiB) of a whole process."""
+    start = time.perf_counter()
+    proc = subprocess.Popen(
+        cmd, cwd=cwd, env=environment or env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    out, err = proc.communicate()
+    seconds = time.perf_counter() - start
+    if proc.returncode:
+        raise SystemExit(f"{' '.join(cmd)} failed ({proc.returncode}):\n{out[-3000:]}\n{err[-3000:]}")
+    # the child's own peak: this script's children run one at a time
+    import resource
+
+    rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+    return seconds, out, rss
+
+
+def ours(corpus: Path, run_dir: Path, args: argparse.Namespace, seed: int) -> dict:
+    cmd = [
+        sys.executable,
+        str(ROOT / "train.py"),
+        "task=word2vec",
+        f"data.path={corpus}",
+        f"word2vec.mode={args.mode}",
+        f"word2vec.objective={args.objective}",
+        f"word2vec.threads={args.threads}",
+        f"word2vec.epochs={args.epochs}",
+        f"word2vec.batch_size={args.batch_size}",
+        "word2vec.evaluate=false",
+        f"seed={seed}",
+        f"logger={args.logger}",
+        f"hydra.run.dir={run_dir}",
+    ]
+    seconds, _, _ = timed(cmd, ROOT)
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    return {
+        "process_seconds": seconds,
+        "train_seconds": metrics["train/seconds"],
+        "words_per_second": metrics["train/words_per_second"],
+        "vectors": str(run_dir / "embeddings.txt"),
+    }
+
+
+def gensim_settings(args: argparse.Namespace, seed: int) -> dict:
+    hierarchical = args.objective == "hierarchical"
+    return {
+        "vector_size": 100,
+        "window": 5,
+        "negative": 0 if hierarchical else 5,
+        "hs": 1 if hierarchical else 0,
+        "min_count": 5,
+        "sample": 1e-3,
+        "alpha": 0.025,
+        "min_alpha": 0.0001,
+        "epochs": args.epochs,
+        "sg": 1 if args.mode == "skipgram" else 0,
+        "cbow_mean": 1,
+        "seed": seed,
+        "workers": args.threads,
+    }
+
+
+def gensim(corpus: Path, out: Path, args: argparse.Namespace, seed: int) -> dict:
+    cmd = [
+        sys.executable,
+        "-c",
+        GENSIM_SCRIPT,
+        str(corpus),
+        str(out),
+        json.dumps(gensim_settings(args, seed)),
+    ]
+    seconds, stdout, _ = timed(cmd, ROOT)
+    reported = json.loads(stdout.strip().splitlines()[-1])
+    return {
+        "process_seconds": seconds,
+        "train_seconds": reported["train_seconds"],
+        "words_per_second": reported["words"] / reported["train_seconds"],
+        "vectors": str(out),
+    }
+
+
+def quality(ours_path: str, gensim_path: str, gensim2_path: str) -> dict:
+    from gptlab.word2vec import evaluation
+
+    a, g1, g2 = (evaluation.load_embeddings(p) for p in (ours_path, gensim_path, gensim2_path))
+    words = evaluation.frequent_words(g1, 100)
+    scores = {}
+    for name, kv in (("ours", a), ("gensim", g1), ("gensim_seed2", g2)):
+        m = evaluation.evaluate(kv)["metrics"]
+        scores[name] = {k: m[k] for k in ("wordsim353/spearman", "simlex999/spearman", "vocab_size")}
+    overlap = evaluation.neighbour_overlap(a, g1, words, 10)
+    floor = evaluation.neighbour_overlap(g1, g2, words, 10)
+    return {
+        "scores": scores,
+        "overlap_ours_gensim": overlap,
+        "overlap_gensim_gensim": floor,
+        "ratio": overlap / floor,
+    }
+
+
+def speed(args: argparse.Namespace) -> dict:
+    work = Path(tempfile.mkdtemp(prefix="w2v-bench-"))
+    corpus = lee_corpus(work / f"lee_x{args.copies}.txt", args.copies)
+    runs: dict[str, list[dict]] = {"ours": [], "gensim": []}
+    for r in range(args.repeats):
+        runs["ours"].append(ours(corpus, work / f"ours{r}", args, 1337))
+        runs["gensim"].append(gensim(corpus, work / f"gensim{r}.txt", args, 1337 + r))
+        print(
+            f"repeat {r}: whole process ours {runs['ours'][-1]['process_seconds']:.2f} s, gensim "
+            f"{runs['gensim'][-1]['process_seconds']:.2f} s",
+            flush=True,
+        )
+    if args.repeats < 2:
+        runs["gensim"].append(gensim(corpus, work / "gensim1.txt", args, 1338))
+    med = lambda side, key: statistics.median(x[key] for x in runs[side])  # noqa: E731
+    result = {
+        "corpus": f"lee_background.cor x{args.copies} ({len(corpus.read_text().split()):,} words, text8-style)",
+        "settings": {k: v for k, v in vars(args).items() if k not in ("json",)},
+        "process_seconds": {
+            "ours": med("ours", "process_seconds"),
+            "gensim": med("gensim", "process_seconds"),
+        },
+        "train_seconds": {"ours": med("ours", "train_seconds"), "gensim": med("gensim", "train_seconds")},
+        "words_per_second": {
+            "ours": med("ours", "words_per_second"),
+            "gensim": med("gensim", "words_per_second"),
+        },
+        "process_ratios": [
+            o["process_seconds"] / g["process_seconds"] for o, g in zip(runs["ours"], runs["gensim"])
+        ],
+        "quality": quality(
+            runs["ours"][0]["vectors"], runs["gensim"][0]["vectors"], runs["gensim"][1]["vectors"]
+        ),
+    }
+    q, p = result["quality"], result["process_seconds"]
+    print(
+        f"\n{result['corpus']}; {args.mode}, {args.objective}, {args.threads} thread(s), {args.epochs} epochs"
+    )
+    print(f"{'':34} {'gptlab':>10} {'gensim':>10}")
+    print(f"{'whole process, s (median)':34} {p['ours']:>10.2f} {p['gensim']:>10.2f}")
+    t = result["train_seconds"]
+    print(f"{'training, s (median)':34} {t['ours']:>10.2f} {t['gensim']:>10.2f}")
+    w = result["words_per_second"]
+    print(f"{'training words/s (median)':34} {w['ours']:>10,.0f} {w['gensim']:>10,.0f}")
+    ratios = ", ".join(f"{x:.2f}" for x in result["process_ratios"])
+    print(f"whole process ours / gensim, per repeat: {ratios}")
+    for key in ("wordsim353/spearman", "simlex999/spearman"):
+        s = q["scores"]
+        print(
+            f"{key:34} {s['ours'][key]:>+10.3f} {s['gensim'][key]:>+10.3f}  (gensim seed 2 {s['gensim_seed2'][key]:+.3f})"
+        )
+    print(
+        f"neighbour overlap with gensim {q['overlap_ours_gensim']:.3f}, gensim seed to seed "
+        f"{q['overlap_gensim_gensim']:.3f}: ratio {q['ratio']:.2f}"
+    )
+    return result
+
+
+def memory(args: argparse.Namespace) -> dict:
+    """Peak RSS of ``train.py task=word2vec`` reading a corpus of ``--memory-mb`` MB (one step of training),
+    for this checkout and, with ``--before``, another one (e.g. the code before the bounded reader)."""
+    work = Path(tempfile.mkdtemp(prefix="w2v-mem-"))
+    base = lee_corpus(work / "lee.txt", 1).read_text()
+    corpus = work / f"big_{args.memory_mb}mb.txt"
+    with open(corpus, "w") as f:
+        while f.tell() < args.memory_mb * 1_000_000:
+            f.write(base + " ")
+    result = {"corpus_mb": corpus.stat().st_size / 1e6}
+    for name, root in (("this checkout", ROOT), ("before", args.before)):
+        if root is None:
+            continue
+        root = Path(root)
+        cmd = [
+            sys.executable,
+            str(root / "train.py"),
+            "task=word2vec",
+            f"data.path={corpus}",
+            "word2vec.max_steps=1",
+            "word2vec.evaluate=false",
+            "logger=none",
+            f"hydra.run.dir={work / name.replace(' ', '_')}",
+        ]
+        environment = {**env(), "PYTHONPATH": str(root / "src")}
+        code = (
+            "import resource, subprocess, sys; subprocess.run(sys.argv[1:], check=True, capture_output=True); "
+            "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024)"
+        )
+        seconds, out, _ = timed([sys.executable, "-c", code, *cmd], root, environment)
+        result[name] = {"peak_rss_mib": float(out.strip().splitlines()[-1]), "seconds": seconds}
+        print(
+            f"{name:14} peak RSS {result[name]['peak_rss_mib']:,.0f} MiB, {seconds:.1f} s ({root})",
+            flush=True,
+        )
+    print(f"corpus: {result['corpus_mb']:.0f} MB of text ({corpus})")
+    return result
+
+
+def softmax_cost(args: argparse.Namespace) -> dict:
+    """Words/s of one step of the full softmax against negative sampling, by vocabulary size."""
+    import numpy as np
+    import torch
+
+    from gptlab.word2vec import fast, objectives
+
+    torch.set_num_threads(1)
+    rng = np.random.default_rng(0)
+    result = {}
+    for vocab in (1_000, 2_000, 5_000, 10_000, 20_000):
+        counts = np.sort(rng.zipf(1.5, vocab))[::-1]
+        inputs = rng.integers(0, vocab, size=(256, 10))
+        target = rng.integers(0, vocab, size=256)
+        rates = {}
+        batch = fast.WindowBatch(
+            inputs, target, objectives.NegativeSampling(counts, 5).targets(target, rng), 256, 0
+        )
+        for name in ("negative", "softmax"):
+            tables = fast.Tables(vocab, vocab, 100, 0)
+            softmax = name == "softmax"
+            fast.sgd_step(tables, batch, 0.01, "skipgram", softmax=softmax)  # warm-up
+            start, n = time.perf_counter(), 0
+            while time.perf_counter() - start < 1.0:
+                fast.sgd_step(tables, batch, 0.01, "skipgram", softmax=softmax)
+                n += 1
+            rates[name] = 256 * n / (time.perf_counter() - start)
+        result[vocab] = {**rates, "share": rates["softmax"] / rates["negative"]}
+        print(
+            f"vocabulary {vocab:>6,}: softmax {rates['softmax']:>9,.0f} centre words/s, negative sampling "
+            f"{rates['negative']:>9,.0f} ({100 * result[vocab]['share']:.1f}%)",
+            flush=True,
+        )
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--mode", default="skipgram", choices=["skipgram", "cbow"])
+    p.add_argument("--objective", default="negative", choices=["negative", "hierarchical"])
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--epochs", type=int, default=5)
+    p.add_argument("--batch-size", type=int, default=256)
+    p.add_argument("--copies", type=int, default=6, help="lee_background.cor copies in the corpus")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--logger", default="none", help="our run's logger= (none, csv, wandb)")
+    p.add_argument("--memory", action="store_true", help="peak RSS while reading a large corpus instead")
+    p.add_argument("--memory-mb", type=int, default=100)
+    p.add_argument("--before", default=None, help="--memory: another checkout to measure beside this one")
+    p.add_argument("--softmax", action="store_true", help="the full softmax's speed by vocabulary instead")
+    p.add_argument("--json", default=None, help="write the result here as JSON")
+    args = p.parse_args(argv)
+    result = memory(args) if args.memory else softmax_cost(args) if args.softmax else speed(args)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(result, indent=1, default=str))
+        print(f"JSON: {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,128 @@
+"""The order of training: epochs of chunks of the corpus, each subsampled and cut into batches of
+``batch_size`` centre words with their windows.
+
+Batch i of chunk c of epoch e is a pure function of (seed, e, c, i): a resumed run continues with exactly the
+batches (windows and noise words) the uninterrupted run would have seen, without any loader state in the
+checkpoint. Only one chunk's plan is held at a time, so memory does not grow with the corpus.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+
+from gptlab.word2vec import sampling
+from gptlab.word2vec.config import Word2VecOptions
+from gptlab.word2vec.corpus import WordCorpus
+from gptlab.word2vec.fast import WindowBatch
+from gptlab.word2vec.objectives import Objective
+
+CHUNK_POSITIONS = 1 << 20
+
+
+class Schedule:
+    def __init__(
+        self,
+        corpus: WordCorpus,
+        options: Word2VecOptions,
+        objective: Objective,
+        seed: int,
+        max_steps: int | None = None,
+        chunk_positions: int = CHUNK_POSITIONS,
+    ) -> None:
+        self.corpus = corpus
+        self.options = options
+        self.objective = objective
+        self.seed = seed
+        self.max_steps = max_steps
+        self.chunks = corpus.chunks(chunk_positions)
+        self.keep_prob = sampling.keep_probabilities(corpus.vocab.counts, options.sample)
+        self._plan: sampling.EpochPlan | None = None
+        self._batches: dict[tuple[int, int], int] = {}
+
+    def plan(self, epoch: int, chunk: int) -> sampling.EpochPlan:
+        p = self._plan
+        if p is None or p.epoch != epoch or p.chunk != chunk:
+            start, stop = self.chunks[chunk]
+            o = self.options
+            p = sampling.plan_chunk(
+                self.corpus.read(start, stop),
+                self.keep_prob,
+                o.window,
+                o.batch_size,
+                self.seed,
+                epoch,
+                chunk,
+                start,
+            )
+            self._plan = p
+            self._batches[epoch, chunk] = p.n_batches
+        return p
+
+    def batches_in(self, epoch: int, chunk: int) -> int:
+        if (epoch, chunk) not in self._batches:
+            self.plan(epoch, chunk)
+        return self._batches[epoch, chunk]
+
+    def locate(self, step: int) -> tuple[int, int, int]:
+        """(epoch, chunk, batch index) of optimizer step ``step``; (epochs, 0, 0) past the end."""
+        epoch, chunk = 0, 0
+        while True:
+            if not self.max_steps and epoch >= self.options.epochs:
+                return epoch, 0, 0
+            n = self.batches_in(epoch, chunk)
+            if step < n:
+                return epoch, chunk, step
+            step -= n
+            chunk += 1
+            if chunk == len(self.chunks):
+                epoch, chunk = epoch + 1, 0
+                if step and all(self._batches.get((epoch - 1, c)) == 0 for c in range(len(self.chunks))):
+                    raise RuntimeError("an epoch of the corpus holds no batch")
+
+    def steps(self, start: int) -> Iterator[tuple[int, int, int, int]]:
+        """(step, epoch, chunk, index) from optimizer step ``start`` to the end of training."""
+        epoch, chunk, index = self.locate(start)
+        step = start
+        while (self.max_steps and step < self.max_steps) or (
+            not self.max_steps and epoch < self.options.epochs
+        ):
+            n = self.batches_in(epoch, chunk)
+            while index < n and not (self.max_steps and step >= self.max_steps):
+                yield step, epoch, chunk, index
+                step += 1
+                index += 1
+            index, chunk = 0, chunk + 1
+            if chunk == len(self.chunks):
+                epoch, chunk = epoch + 1, 0
+
+    def progress(self, step: int, plan: sampling.EpochPlan, index: int) -> float:
+        """The share of training done before this batch: corpus position over epochs (word2vec.c's decay by
+        words processed), or step over max_steps."""
+        if self.max_steps:
+            return step / self.max_steps
+        assert plan.positions is not None
+        start = index * self.options.batch_size
+        position = int(plan.positions[start]) if start < len(plan.positions) else self.corpus.n_raw
+        return min((plan.epoch + position / max(self.corpus.n_raw, 1)) / self.options.epochs, 1.0)
+
+    def batch(self, step: int, epoch: int, chunk: int, index: int) -> WindowBatch:
+        o = self.options
+        plan = self.plan(epoch, chunk)
+        start = index * o.batch_size
+        stop = min(start + o.batch_size, len(plan.ids))
+        assert plan.context is not None
+        ctx = plan.context[start:stop].astype(np.int64)  # (n, 2 * window)
+        has_context = (ctx >= 0).any(axis=1)
+        ctx, target = ctx[has_context], plan.ids[start:stop][has_context]
+        rng = np.random.default_rng([self.seed, epoch, chunk, index, 1])
+        assert plan.words_before is not None
+        words = float(plan.words_before[stop] - plan.words_before[start])
+        if stop == len(plan.ids):  # the chunk's last batch covers its tail
+            words = float(plan.words_before[-1] - plan.words_before[start])
+        if start == 0:
+            words += float(plan.words_before[0])
+        return WindowBatch(
+            ctx, target, self.objective.targets(target, rng), words, self.progress(step, plan, index)
+        )
