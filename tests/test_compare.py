@@ -301,7 +301,8 @@ class ApiRunStandIn:
     attributes the comparison reads (config, summary, path, scan_history with the API's filtering: only rows
     holding every requested key)."""
 
-    def __init__(self, pos: str, seed: int, losses: list[float]) -> None:
+    def __init__(self, pos: str, seed: int, losses: list[float], state: str = "finished") -> None:
+        self.state = state
         self.config = {
             "pos": {"name": pos},
             "seed": seed,
@@ -324,8 +325,11 @@ def test_online_runs_group_like_local_ones(tmp_path):
         record_from_api_run(ApiRunStandIn("rope", 1, [3.1, 2.2])),
         record_from_api_run(ApiRunStandIn("learned", 0, [3.2, 2.5])),
     ]
-    result = write_comparison(records, tmp_path, "me/gptlab group")
+    crashed = record_from_api_run(ApiRunStandIn("learned", 1, [3.0, 1.0], state="crashed"))
+    assert crashed.status == "killed" and crashed.step == 20
+    result = write_comparison([*records, crashed], tmp_path, "me/gptlab group")
     assert [(r.choice["pos"], len(r.runs)) for r in result.rows] == [("rope", 2), ("learned", 1)]
+    assert result.unfinished == (crashed,)
     assert result.rows[0].val_loss_mean == pytest.approx(2.1)
     assert result.rows[0].tokens_per_second == 900.0 and result.rows[0].parameters == 2_000_000
     assert result.rows[1].significance == "cannot tell (1 seed)"

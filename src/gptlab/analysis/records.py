@@ -289,4 +289,13 @@ def record_from_api_run(run: Any) -> RunRecord:
     )
     _fill(record, series)
     record.parameters = _float(run.summary.get("parameters/total"))
+    # W&B's own state of the run: finished, running, crashed (killed or lost), failed (exit code != 0)
+    state = str(getattr(run, "state", FINISHED))
+    record.status = {"finished": FINISHED, "running": RUNNING, "crashed": KILLED, "failed": FAILED}.get(
+        state, state
+    )
+    logged = [step for values in series.values() for step, _ in values]
+    record.step = max(logged) + 1 if logged else None
+    max_steps = (run.config.get("trainer") or {}).get("max_steps")
+    record.max_steps = int(max_steps) if isinstance(max_steps, int) else None
     return record
