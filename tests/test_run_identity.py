@@ -34,6 +34,9 @@ def train(tmp_path, *args: str, check: bool = True):
 
 def test_a_fresh_run_into_a_run_directory_is_refused_and_overwrite_moves_the_old_run_aside(tmp_path):
     run_dir = tmp_path / "D"
+    # a command refused at config time leaves Hydra's .hydra/ and log, but no run: the next one starts there
+    typo = train(tmp_path, "model.n_head=3", f"hydra.run.dir={run_dir}", check=False)
+    assert typo.returncode == 2 and (run_dir / ".hydra").is_dir()
     first = train(tmp_path, "trainer.max_steps=2", f"hydra.run.dir={run_dir}")
     before = {p: p.read_bytes() for p in (run_dir / "result.json", run_dir / ".hydra" / "overrides.yaml")}
 

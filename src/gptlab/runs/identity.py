@@ -61,19 +61,18 @@ def launched_rank() -> bool:
     return any(os.environ.get(name, "0") not in ("", "0") for name in _RANK_VARIABLES)
 
 
-def previous_run_files(run_dir: Path, include_hydra: bool = False) -> list[Path]:
-    """The files and folders in ``run_dir`` that an earlier run left (``.hydra/`` only when
-    ``include_hydra``: inside a Hydra job it is this run's own)."""
+def previous_run_files(run_dir: Path) -> list[Path]:
+    """The files and folders in ``run_dir`` that show an earlier run started training there (Hydra's
+    ``.hydra/`` and log alone do not: a command refused at config time leaves them)."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         return []
     found = []
-    for name in _RUN_OUTPUTS + ((HYDRA_DIR,) if include_hydra else ()):
+    for name in _RUN_OUTPUTS:
         path = run_dir / name
         if path.is_file() or (path.is_dir() and any(path.iterdir())):
             found.append(path)
-    found += sorted(run_dir.glob(HPC_GLOB))
-    return found
+    return found + sorted(run_dir.glob(HPC_GLOB))
 
 
 def resume_asked(resume: Any) -> bool:
@@ -122,19 +121,20 @@ def claim_run_dir(
     run_dir: Path, resume: Any, overwrite: bool, include_hydra: bool = False, log: Any = None
 ) -> Path | None:
     """Make sure a starting run is the only run in ``run_dir``: nothing to do for a run that continues
-    (``resume`` with a checkpoint there) or in an empty directory; otherwise a :class:`RunDirectoryInUse`,
-    or, with ``overwrite`` (or ``resume=auto`` finding nothing to continue), the old files moved aside.
+    (``resume`` with a checkpoint there) or where no run started training; otherwise a
+    :class:`RunDirectoryInUse`, or, with ``overwrite`` (or ``resume=auto`` finding nothing to continue), the
+    old files moved aside (with ``include_hydra``, before Hydra writes, its ``.hydra/`` and log too).
     Returns the folder they were moved to, if any."""
     run_dir = Path(run_dir)
     if launched_rank() or continues_a_run(resume, run_dir):
         return None
-    found = previous_run_files(run_dir, include_hydra=include_hydra)
+    found = previous_run_files(run_dir)
     if not found:
         return None
     if not overwrite and resume != "auto":
         raise RunDirectoryInUse(refusal(run_dir, found))
-    if include_hydra:  # before Hydra's job starts: its log of the old run goes too
-        found += [p for p in run_dir.glob("*.log") if p.is_file()]
+    if include_hydra:  # before Hydra's job starts: the old run's .hydra/ and log go with it
+        found += [p for p in (run_dir / HYDRA_DIR, *run_dir.glob("*.log")) if p.exists()]
     aside = move_aside(run_dir, found)
     if log is not None:
         why = "overwrite=true" if overwrite else "resume=auto found no checkpoint to continue from"
