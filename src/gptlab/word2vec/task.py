@@ -188,6 +188,8 @@ class Trainer:
         loss = self.model(
             to(batch.inputs), to(t.rows), to(t.labels), to(t.mask), to(batch.target), self.softmax
         )
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
         self.optimizer.zero_grad()
         loss.backward()
         self.optimizer.step()
@@ -210,8 +212,8 @@ class Trainer:
         times: deque[tuple[float, float]] = deque(maxlen=50)
         times.append((t0, 0.0))
         pending = self.schedule.steps(start_step)
-        # Planning a chunk is not thread-safe: batches are built and submitted from this thread only in the
-        # sequential case; with threads, the schedule is advanced here and each batch built by its worker.
+        # The schedule holds one chunk's plan at a time: workers build their batches under a lock, and only the
+        # updates run in parallel (Hogwild: without locks on the shared tables).
         lock = threading.Lock()
 
         def work(item: tuple[int, int, int, int]):
