@@ -332,6 +332,11 @@ def test_llmc_shards_give_the_vocabulary_of_the_same_tokens(tmp_path):
     assert isinstance(a.sources[0].read(0, 10), np.memmap)  # read from the files as they are, not copied
 
 
+def test_a_streamed_corpus_is_refused_with_the_fix():
+    with pytest.raises(ConfigError, match="data.streaming=false"):
+        read_corpus(DataSpec(name="some/dataset", streaming=True), Word2VecOptions())
+
+
 def test_trainer_max_time_is_parsed_as_lightning_writes_it():
     from gptlab.word2vec.task import parse_max_time
 

@@ -137,7 +137,7 @@ class FullSoftmax:
             raise ConfigError(
                 f"word2vec.objective=softmax over a vocabulary of {vocab_size:,} words: the full softmax costs "
                 f"{vocab_size:,} dot products per pair and is refused above {MAX_SOFTMAX_VOCAB:,} words. Use "
-                "word2vec.objective=hierarchical (its exact tree-shaped counterpart) or negative, or shrink the "
+                "word2vec.objective=hierarchical (normalised over a tree: about log2 V per pair) or negative, or shrink the "
                 "vocabulary with a larger word2vec.min_count."
             )
         self.output_rows = vocab_size
