@@ -277,6 +277,19 @@ def test_trainer_max_steps_on_the_command_line_caps_the_run(tmp_path):
     assert result["global_step"] == 3 and result["finished"]
     assert torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 3
     assert "train/loss" in (tmp_path / "run" / "csv" / "metrics.csv").read_text()
+    # a cap, not a target: a run whose epochs end first ends with them
+    out = run_train(
+        [
+            *SMALL,
+            "trainer.max_steps=100000",
+            "word2vec.evaluate=false",
+            "logger=none",
+            f"hydra.run.dir={tmp_path}/cap",
+        ],
+        cwd=tmp_path,
+    )
+    steps = json.loads((tmp_path / "cap" / "result.json").read_text())["global_step"]
+    assert 10 < steps < 1000 and f"Trained {steps} steps" in out.stdout
     proc = run_train(
         [*SMALL, "trainer.max_steps=0", "logger=none", f"hydra.run.dir={tmp_path}/bad"],
         cwd=tmp_path,
