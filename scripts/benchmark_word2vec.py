@@ -104,6 +104,7 @@ def ours(corpus: Path, run_dir: Path, args: argparse.Namespace, seed: int) -> di
         f"word2vec.threads={args.threads}",
         f"word2vec.epochs={args.epochs}",
         f"word2vec.batch_size={args.batch_size}",
+        f"word2vec.min_count={args.min_count}",
         "word2vec.evaluate=false",
         f"seed={seed}",
         f"logger={args.logger}",
@@ -120,13 +121,14 @@ def ours(corpus: Path, run_dir: Path, args: argparse.Namespace, seed: int) -> di
 
 
 def gensim_settings(args: argparse.Namespace, seed: int) -> dict:
-    hierarchical = args.objective == "hierarchical"
+    """gensim has no full softmax: beside ours it runs its hierarchical softmax (hs=1)."""
+    hierarchical = args.gensim == "hs" or (args.gensim == "auto" and args.objective != "negative")
     return {
         "vector_size": 100,
         "window": 5,
         "negative": 0 if hierarchical else 5,
         "hs": 1 if hierarchical else 0,
-        "min_count": 5,
+        "min_count": args.min_count,
         "sample": 1e-3,
         "alpha": 0.025,
         "min_alpha": 0.0001,
@@ -212,7 +214,9 @@ def speed(args: argparse.Namespace) -> dict:
     }
     q, p = result["quality"], result["process_seconds"]
     print(
-        f"\n{result['corpus']}; {args.mode}, {args.objective}, {args.threads} thread(s), {args.epochs} epochs"
+        f"\n{result['corpus']}; {args.mode}, {args.objective} (gensim "
+        f"{'hs=1' if gensim_settings(args, 0)['hs'] else 'negative=5'}), {args.threads} thread(s), {args.epochs} "
+        f"epochs, min_count {args.min_count}, vocabulary {q['scores']['ours']['vocab_size']}"
     )
     print(f"{'':34} {'gptlab':>10} {'gensim':>10}")
     print(f"{'whole process, s (median)':34} {p['ours']:>10.2f} {p['gensim']:>10.2f}")
@@ -312,7 +316,14 @@ def softmax_cost(args: argparse.Namespace) -> dict:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--mode", default="skipgram", choices=["skipgram", "cbow"])
-    p.add_argument("--objective", default="negative", choices=["negative", "hierarchical"])
+    p.add_argument("--objective", default="negative", choices=["negative", "hierarchical", "softmax"])
+    p.add_argument("--min-count", type=int, default=5)
+    p.add_argument(
+        "--gensim",
+        default="auto",
+        choices=["auto", "hs", "ns"],
+        help="gensim's objective (auto: ours, hs for softmax)",
+    )
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--epochs", type=int, default=5)
     p.add_argument("--batch-size", type=int, default=256)

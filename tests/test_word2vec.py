@@ -277,6 +277,19 @@ def test_trainer_max_steps_on_the_command_line_caps_the_run(tmp_path):
     assert result["global_step"] == 3 and result["finished"]
     assert torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 3
     assert "train/loss" in (tmp_path / "run" / "csv" / "metrics.csv").read_text()
+    # a cap, not a target: a run whose epochs end first ends with them
+    out = run_train(
+        [
+            *SMALL,
+            "trainer.max_steps=100000",
+            "word2vec.evaluate=false",
+            "logger=none",
+            f"hydra.run.dir={tmp_path}/cap",
+        ],
+        cwd=tmp_path,
+    )
+    steps = json.loads((tmp_path / "cap" / "result.json").read_text())["global_step"]
+    assert 10 < steps < 1000 and f"Trained {steps} steps" in out.stdout
     proc = run_train(
         [*SMALL, "trainer.max_steps=0", "logger=none", f"hydra.run.dir={tmp_path}/bad"],
         cwd=tmp_path,
@@ -330,6 +343,11 @@ def test_llmc_shards_give_the_vocabulary_of_the_same_tokens(tmp_path):
     assert a.vocab.words == b.vocab.words and a.vocab.counts.tolist() == b.vocab.counts.tolist()
     assert a.n_raw == b.n_raw == sum(len(d) for d in docs)  # both splits, every token
     assert isinstance(a.sources[0].read(0, 10), np.memmap)  # read from the files as they are, not copied
+
+
+def test_a_streamed_corpus_is_refused_with_the_fix():
+    with pytest.raises(ConfigError, match="data.streaming=false"):
+        read_corpus(DataSpec(name="some/dataset", streaming=True), Word2VecOptions())
 
 
 def test_trainer_max_time_is_parsed_as_lightning_writes_it():

@@ -17,8 +17,8 @@ from gptlab.errors import ConfigError
 from gptlab.word2vec import sampling
 
 OBJECTIVES = ("negative", "hierarchical", "softmax")
-# Above this vocabulary the full softmax is refused: ``scripts/benchmark_word2vec.py --softmax`` measured about
-# 700 centre words/s at 2,000 words (0.8% of negative sampling's speed) and 250 at 5,000 on one core here.
+# Above this vocabulary the full softmax is refused: ``scripts/benchmark_word2vec.py --softmax`` measured
+# 1,300 centre words/s at 2,000 words (0.9% of negative sampling's speed) and 480 at 5,000 on one core here.
 MAX_SOFTMAX_VOCAB = 2_000
 NOISE_TABLE = 1 << 22
 
@@ -137,7 +137,7 @@ class FullSoftmax:
             raise ConfigError(
                 f"word2vec.objective=softmax over a vocabulary of {vocab_size:,} words: the full softmax costs "
                 f"{vocab_size:,} dot products per pair and is refused above {MAX_SOFTMAX_VOCAB:,} words. Use "
-                "word2vec.objective=hierarchical (its exact tree-shaped counterpart) or negative, or shrink the "
+                "word2vec.objective=hierarchical (normalised over a tree: about log2 V per pair) or negative, or shrink the "
                 "vocabulary with a larger word2vec.min_count."
             )
         self.output_rows = vocab_size

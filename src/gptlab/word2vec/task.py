@@ -37,10 +37,6 @@ from gptlab.word2vec.schedule import Schedule
 
 log = logging.getLogger("gptlab")
 
-# Trainer limits word2vec honours when they are given (on the command line, or by a debug= preset): the
-# trainer group's defaults are the GPT's (320 steps), not word2vec's.
-TRAINER_LIMITS = ("max_steps", "max_time")
-
 
 def check_resume(path: Path, options: Word2VecOptions, words: list[str]) -> ResumePlan:
     """The checkpoint must be a word2vec checkpoint of the same shape, trained on the same vocabulary."""
@@ -94,16 +90,17 @@ def parse_max_time(value: Any) -> float | None:
     raise ConfigError(f"trainer.max_time={value!r}: give DD:HH:MM:SS (e.g. trainer.max_time=00:01:00:00).")
 
 
-def trainer_limits(cfg: DictConfig, options: Word2VecOptions) -> tuple[int | None, float | None]:
-    """(max_steps, max_seconds): word2vec.max_steps, capped by trainer.max_steps when that was given (on the
-    command line or by a debug= preset), and trainer.max_time when given."""
+def trainer_limits(cfg: DictConfig) -> tuple[int | None, float | None]:
+    """(step cap, seconds cap): trainer.max_steps and trainer.max_time when they were given (on the command
+    line or by a debug= preset). As in Lightning, they stop the run early; the learning rate still decays over
+    word2vec.epochs (or word2vec.max_steps)."""
     overrides = _explicit_overrides(cfg)
 
     def given(key: str) -> bool:
         return any(o.lstrip("+").startswith(f"trainer.{key}=") or o.startswith("debug=") for o in overrides)
 
     trainer = cfg.get("trainer") or {}
-    max_steps = options.max_steps
+    max_steps = None
     if given("max_steps"):
         value = trainer.get("max_steps")
         if not isinstance(value, int) or isinstance(value, bool) or value == 0 or value < -1:
@@ -111,7 +108,7 @@ def trainer_limits(cfg: DictConfig, options: Word2VecOptions) -> tuple[int | Non
                 f"trainer.max_steps={value!r}: give a positive number of steps (or -1 for word2vec.epochs)."
             )
         if value > 0:
-            max_steps = min(max_steps, value) if max_steps else value
+            max_steps = value
     max_seconds = parse_max_time(trainer.get("max_time")) if given("max_time") else None
     return max_steps, max_seconds
 
@@ -188,6 +185,8 @@ class Trainer:
         loss = self.model(
             to(batch.inputs), to(t.rows), to(t.labels), to(t.mask), to(batch.target), self.softmax
         )
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
         self.optimizer.zero_grad()
         loss.backward()
         self.optimizer.step()
@@ -195,8 +194,11 @@ class Trainer:
 
     # ---- the loop --------------------------------------------------------------------------------------
 
-    def fit(self, start_step: int, checkpoint_every: int, max_seconds: float | None) -> bool:
-        """Train from ``start_step`` to the end; True when stopped by a signal (a checkpoint was saved)."""
+    def fit(
+        self, start_step: int, checkpoint_every: int, max_seconds: float | None, step_cap: int | None = None
+    ) -> bool:
+        """Train from ``start_step`` to the end of the schedule, or to ``step_cap`` steps or ``max_seconds``
+        (trainer limits); True when stopped by a signal (a checkpoint was saved)."""
         self.global_step = start_step
         previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
 
@@ -210,8 +212,8 @@ class Trainer:
         times: deque[tuple[float, float]] = deque(maxlen=50)
         times.append((t0, 0.0))
         pending = self.schedule.steps(start_step)
-        # Planning a chunk is not thread-safe: batches are built and submitted from this thread only in the
-        # sequential case; with threads, the schedule is advanced here and each batch built by its worker.
+        # The schedule holds one chunk's plan at a time: workers build their batches under a lock, and only the
+        # updates run in parallel (Hogwild: without locks on the shared tables).
         lock = threading.Lock()
 
         def work(item: tuple[int, int, int, int]):
@@ -231,6 +233,8 @@ class Trainer:
             while not done:
                 round_items = []
                 for item in pending:
+                    if step_cap is not None and item[0] >= step_cap:
+                        break
                     round_items.append(item)
                     if len(round_items) >= max(self.threads * 8, 1) or (item[0] + 1) % checkpoint_every == 0:
                         break
@@ -357,7 +361,7 @@ def run(cfg: DictConfig) -> dict[str, float]:
         cast(dict[str, Any], OmegaConf.to_container(cfg.word2vec, resolve=True))
     )
     check_seed(cfg.seed)
-    max_steps, max_seconds = trainer_limits(cfg, options)
+    step_cap, max_seconds = trainer_limits(cfg)
     device = pick_device(options)
     spec = data_spec(cfg.data)
     run_dir = run_dir_of(cfg)
@@ -373,7 +377,7 @@ def run(cfg: DictConfig) -> dict[str, float]:
     corpus = read_corpus(spec, options)
     vocab = corpus.vocab
     objective = objectives.build(options.objective, vocab.counts, options.negatives, options.noise_power)
-    schedule = Schedule(corpus, options, objective, seed, max_steps)
+    schedule = Schedule(corpus, options, objective, seed, options.max_steps)
     ckpt = checkpoint_to_resume(cfg.get("resume"), run_dir)
     resume = check_resume(ckpt, options, vocab.words) if ckpt else None
     log.info(
@@ -408,7 +412,7 @@ def run(cfg: DictConfig) -> dict[str, float]:
             start_step = trainer.global_step
             log.info("Resuming from %s (step %d)", resume.ckpt_path, start_step)
         t_fit = time.perf_counter()
-        stopped = trainer.fit(start_step, options.checkpoint_every, max_seconds)
+        stopped = trainer.fit(start_step, options.checkpoint_every, max_seconds, step_cap)
         seconds = time.perf_counter() - t_fit
         metrics: dict[str, float] = {
             "train/loss": trainer.last_loss,
@@ -423,9 +427,9 @@ def run(cfg: DictConfig) -> dict[str, float]:
         vectors = trainer.tables.input.detach().cpu().numpy()
         path = evaluation.write_embeddings(run_dir / evaluation.EMBEDDINGS_FILE, vocab.words, vectors)
         finished = not stopped and (
-            trainer.global_step >= max_steps
-            if max_steps
-            else schedule.locate(trainer.global_step)[0] >= options.epochs
+            (step_cap is not None and trainer.global_step >= step_cap)
+            or (trainer.global_step >= options.max_steps if options.max_steps else False)
+            or (not options.max_steps and schedule.locate(trainer.global_step)[0] >= options.epochs)
         )
         if stopped:
             log.info(
