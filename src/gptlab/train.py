@@ -232,7 +232,13 @@ def run(cfg: DictConfig) -> dict[str, float]:
                     lg.experiment.summary.update(summary)
             step = resume.global_step if resume is not None and finished else trainer.global_step
             _report(metrics, corpus.unigram_entropy, run_dir, trainer, loggers, step)
-            if (cfg.get("eval_length") or {}).get("enabled"):
+            if (cfg.get("eval_length") or {}).get("enabled") and stopped:
+                # the weights are half-trained and the time left before the machine goes is short
+                log.info(
+                    "Stopped by a signal: the length study (eval_length) is skipped; it runs when the resumed "
+                    "run finishes."
+                )
+            elif (cfg.get("eval_length") or {}).get("enabled"):
                 from gptlab.eval.length import after_training, summary_metrics
 
                 result = after_training(
