@@ -8,7 +8,10 @@ Training: one Lightning ``Trainer.fit`` (the run's own callbacks and a CSV logge
 checkpoints) and a plain loop (forward, backward, gradient clipping, AdamW step with the same schedule) over
 a copy of the same model, from the same weights. After every ``--steps`` Lightning steps the plain loop
 trains the same number of steps on the same batches, so that both see the same machine load; the first
-``--warmup`` rounds are not counted. Prints per-round figures, medians, and as its last line one JSON object
+``--warmup`` rounds are not counted. ``tokens_per_second`` is the training rate as ``train/tokens_per_second``
+defines it (tokens per second of training wall time, Lightning's own steps and callbacks included), the median
+of the timed rounds; the run's logged ``train/tokens_per_second`` is not used here, since the plain loop runs
+inside the same fit. Prints per-round figures, medians, and as its last line one JSON object
 (``tokens_per_second``, ``plain_tokens_per_second``, ``ratio_to_plain``, ``mfu``, ``peak_memory_bytes``, ...).
 
 Peak memory is ``torch.cuda.max_memory_allocated`` on a GPU; on a CPU the process's peak resident memory

@@ -11,7 +11,8 @@ fp32, without compilation, on the same device. nanoGPT is given `--gradient_accu
 one of its iterations is one optimizer step of 8 x 128 tokens, as gptlab's.
 
 Printed per run and as medians: the steady training rate (tokens/s; nanoGPT's per-iteration times and gptlab's
-logged `train/tokens_per_second`, medians over the run, the first 10 steps and validation steps left out), the
+logged `train/tokens_per_second`, which leaves validation out, medians over the run, the first 10 steps and
+nanoGPT's evaluation iterations left out), the
 whole process's wall time, and the final validation loss, for both measured as gptlab measures it (every token
 of windows tiling the validation split; nanoGPT's final checkpoint is re-evaluated so, and its own estimate over
 `--eval-iters` random batches is printed beside). The two programs draw their training batches differently:

@@ -1,7 +1,10 @@
 """`python train.py` as a user types it, in a subprocess."""
 
+import csv
 import json
 import math
+import re
+from datetime import datetime
 
 import pytest
 import torch
@@ -21,6 +24,7 @@ def trained(tmp_path_factory):
             "trainer.val_check_interval=10",
             "optim.lr=1e-2",
             "optim.warmup_steps=5",
+            "logger=[csv,wandb]",
             f"paths.root_dir={root}",
             f"hydra.run.dir={run_dir}",
         ],
@@ -75,6 +79,53 @@ def test_wandb_offline_run_holds_the_logged_metrics(trained):
     assert [row[0] for row in table["data"]] == [10, 20, 30]
     assert all(row[1] == "The" and row[2] for row in table["data"])
     assert run.exit_code == 0
+
+
+def log_time(output: str, message: str) -> datetime:
+    """The time stamp of the log line with ``message``: ``[2026-11-23 17:47:53,851][logger][INFO] - ...``."""
+    stamp = re.search(
+        r"\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})\]\[[^]]*\]\[INFO\] - " + re.escape(message), output
+    )
+    return datetime.strptime(stamp.group(1), "%Y-%m-%d %H:%M:%S,%f")
+
+
+def test_the_progress_bar_and_the_logged_rate_agree_with_each_other_and_with_wall_time(trained):
+    _, run_dir, proc = trained
+    with open(run_dir / "csv" / "metrics.csv") as f:
+        rows = [r for r in csv.DictReader(f) if r.get("train/tokens_per_second")]
+    logged = {int(r["step"]) + 1: float(r["train/tokens_per_second"]) for r in rows}
+    assert sorted(logged) == [10, 20, 30]
+    # the bar shows the rate last logged, from the step it is logged at
+    shown = [
+        (int(s), float(v.replace(",", "")))
+        for s, v in re.findall(r"\| (\d+)/30 \[[^]]*tok/s=([\d,]+)\]", proc.stdout)
+    ]
+    assert shown and shown[-1][0] == 30
+    for step, value in shown:
+        assert value == round(logged[max(k for k in logged if k <= step)]), (step, value)
+
+    # against wall time: the fit's wall time from the log's time stamps (the start of training, the end of
+    # the fit) holds the training time (train/time) and the validations; the rates cover it without a gap
+    start = log_time(proc.stdout, "MFU against")
+    end = log_time(proc.stdout, "`Trainer.fit` stopped")
+    fit_seconds = (end - start).total_seconds()
+    training = float(rows[-1]["train/time"])
+    tokens = float(rows[-1]["train/lengths"])
+    assert tokens == 30 * 4 * 32
+    assert sum(10 * 4 * 32 / rate for rate in logged.values()) == pytest.approx(training, rel=1e-6)
+    # tolerance: in this run the 3 validations of 2 batches, their samples and checkpoints take less than
+    # half of the fit, and the time stamps are to the millisecond
+    assert 0.5 * fit_seconds < training <= fit_seconds + 0.002
+    # the final line: the training rate over the whole run, and the rate of the whole run's wall time
+    wall_rate, training_rate = (
+        float(v.replace(",", ""))
+        for v in re.search(
+            r"Trained 30 steps in \d+ s: ([\d,]+) tokens/s of wall time .*; training rate ([\d,]+) tokens/s",
+            proc.stdout,
+        ).groups()
+    )
+    assert training_rate == round(tokens / training)
+    assert wall_rate <= tokens / fit_seconds < training_rate
 
 
 def test_second_run_reuses_the_token_cache(trained):

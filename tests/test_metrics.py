@@ -86,3 +86,57 @@ def test_gradient_norm_is_computed_on_the_steps_that_are_logged(tmp_path):
     _, rows = fit_tiny(tmp_path, GradientNorm(), max_steps=6, gradient_clip_val=1.0, log_every_n_steps=2)
     logged = [r["step"] for r in rows if r.get("train/loss")]
     assert [r["step"] for r in rows if r.get("train/grad_norm")] == logged == ["1", "3", "5"]
+
+
+class Pauses(L.Callback):
+    """Time spent outside the steps: ``in_training`` seconds after step 3 (as a checkpoint save would take),
+    ``after_validation`` seconds at the end of each validation (as the best-checkpoint save does)."""
+
+    def __init__(self, in_training: float, after_validation: float) -> None:
+        self.in_training, self.after_validation = in_training, after_validation
+        self.validations = 0
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == 3:
+            time.sleep(self.in_training)
+
+    def on_validation_end(self, trainer, pl_module):
+        self.validations += 1
+        time.sleep(self.after_validation)
+
+
+def test_logged_rates_tile_the_training_time_and_leave_validation_out(tmp_path):
+    torch.manual_seed(0)
+    config = dict(vocab_size=64, block_size=8, n_layer=1, n_head=2, n_embd=16)
+    module = GPTLitModule(model=config, optim={"lr": 1e-3, "warmup_steps": 0})
+    tokens = torch.randint(0, 64, (8, 9))
+    data = TensorDataset(tokens[:, :-1], tokens[:, 1:])
+    pauses = Pauses(in_training=0.3, after_validation=0.4)
+    trainer = L.Trainer(
+        max_steps=8,
+        val_check_interval=4,
+        check_val_every_n_epoch=None,
+        num_sanity_val_steps=0,
+        callbacks=[TrainingThroughput(peak_flops=1e11), pauses],
+        logger=csv_logger(str(tmp_path)),
+        log_every_n_steps=2,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        accelerator="cpu",
+    )
+    t0 = time.perf_counter()
+    trainer.fit(module, DataLoader(data, batch_size=4), DataLoader(data, batch_size=4))
+    fit_seconds = time.perf_counter() - t0
+    with open(tmp_path / "csv" / "metrics.csv") as f:
+        rows = [r for r in csv.DictReader(f) if r.get("train/tokens_per_second")]
+    assert [int(r["step"]) + 1 for r in rows] == [2, 4, 6, 8]  # a rate at every logged step, the first too
+    # each rate covers the 2 steps (2 x 32 tokens) since the previous one: together, the whole training time
+    seconds = sum(64 / float(r["train/tokens_per_second"]) for r in rows)
+    training = float(rows[-1]["train/time"])
+    assert seconds == pytest.approx(training, rel=1e-6)
+    assert float(rows[-1]["train/lengths"]) == 8 * 32
+    # the pause between steps is training time; the validation, to its end, is not
+    assert pauses.validations == 2
+    assert 0.3 < training < fit_seconds - 2 * 0.4
+    assert 64 / float(rows[1]["train/tokens_per_second"]) > 0.3  # steps 3-4 hold the pause

@@ -437,3 +437,41 @@ def test_a_checkpoint_holding_python_objects_is_refused_by_name(tmp_path, cache_
                 *common, "trainer.max_steps=6", f"paths.output_dir={tmp_path / 'new'}", f"resume={old}"
             )
         )
+
+
+@pytest.mark.slow
+def test_a_stop_signal_skips_the_length_study_until_the_resumed_run_finishes(tmp_path, cache_dir):
+    from gptlab.runs.layout import Run
+
+    args = [
+        *ARGS,
+        "logger=csv",
+        f"paths.root_dir={cache_dir}",
+        "resume=auto",
+        "pos=rope",
+        "eval_length.enabled=true",
+        "eval_length.factors=[1,2]",
+        "eval_length.max_tokens=257",
+        "+eval_length.rope_scalings=[]",
+        "eval_length.passkey.enabled=false",
+    ]
+    proc = start_and_stop_at(args, tmp_path, 5, signal.SIGTERM)
+    assert proc.returncode == 0, proc.output[-3000:]
+    stopped = int(re.search(r"Stopped by a signal at step (\d+)", proc.output).group(1))
+    assert stopped < MAX_STEPS
+    assert (
+        "Stopped by a signal: the length study (eval_length) is skipped; it runs when the resumed run finishes."
+        in proc.output
+    )
+    (run_dir,) = run_dirs(tmp_path)
+    assert not (run_dir / "eval_length").exists()  # no study of the half-trained model
+    result = Run(run_dir).result()
+    assert result["stopped_by_signal"] is True and result["finished"] is False
+    assert result["global_step"] == stopped and "length/" not in " ".join(result["metrics"])
+
+    proc = run_train(args, cwd=tmp_path)
+    assert "the length study (eval_length) is skipped" not in proc.stdout + proc.stderr
+    assert (run_dir / "eval_length" / "length.json").is_file()
+    result = Run(run_dir).result()
+    assert result["stopped_by_signal"] is False and result["finished"] is True
+    assert "length/loss@2x" in result["metrics"]

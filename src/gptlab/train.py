@@ -23,6 +23,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from gptlab.builders import build_datamodule, build_model_config, load_initial_weights
 from gptlab.errors import ConfigError
 from gptlab.lit.checkpointing import fault_tolerance_callbacks, fit, restore_interrupted_saves
+from gptlab.lit.metrics import run_rates
 from gptlab.lit.module import GPTLitModule, check_optim
 from gptlab.lit.optimizers import check_optimizer_strategy
 from gptlab.parallel import (
@@ -234,6 +235,7 @@ def run(cfg: DictConfig) -> dict[str, float]:
         metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1}
         metrics["unigram_entropy"] = corpus.unigram_entropy
         metrics["wall_seconds"] = time.perf_counter() - t0
+        metrics.update(run_rates(trainer, metrics["wall_seconds"]))
         if trainer.is_global_zero:
             for lg in loggers:
                 if isinstance(lg, WandbLogger):
@@ -246,7 +248,13 @@ def run(cfg: DictConfig) -> dict[str, float]:
                     lg.experiment.summary.update(summary)
             step = resume.global_step if resume is not None and finished else trainer.global_step
             _report(metrics, corpus.unigram_entropy, run_dir, trainer, loggers, step)
-            if (cfg.get("eval_length") or {}).get("enabled"):
+            if (cfg.get("eval_length") or {}).get("enabled") and stopped:
+                # the weights are half-trained and the time left before the machine goes is short
+                log.info(
+                    "Stopped by a signal: the length study (eval_length) is skipped; it runs when the resumed "
+                    "run finishes."
+                )
+            elif (cfg.get("eval_length") or {}).get("enabled"):
                 from gptlab.eval.length import after_training, summary_metrics
 
                 result = after_training(
@@ -319,7 +327,14 @@ def _report(
         )
     lines = [
         first,
-        f"Trained {step} steps in {metrics['wall_seconds']:.0f} s",
+        f"Trained {step} steps in {metrics['wall_seconds']:.0f} s"
+        + (
+            f": {metrics['tokens_per_second_wall']:,.0f} tokens/s of wall time (start-up, data, validation and "
+            f"checkpoints included); training rate {metrics['tokens_per_second_training']:,.0f} tokens/s "
+            "(validation excluded)"
+            if "tokens_per_second_wall" in metrics
+            else ""
+        ),
         f"Outputs: {run_dir}",
     ]
     ckpt = trainer.checkpoint_callback

@@ -60,8 +60,9 @@ class SampleGeneration(L.Callback):
 
 
 class StepProgressBar(TQDMProgressBar):
-    """A progress bar over optimizer steps (``global_step / max_steps``), not epochs, showing the loss,
-    tokens per second and the last validation loss."""
+    """A progress bar over optimizer steps (``global_step / max_steps``), not epochs, showing the loss, the
+    training rate as last logged (``tok/s``: ``train/tokens_per_second``, lit/metrics.py) and the last
+    validation loss."""
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         super().on_train_start(trainer, pl_module)

@@ -18,7 +18,7 @@ import torch
 from lightning.fabric.utilities.throughput import get_available_flops
 from lightning.pytorch.callbacks import ThroughputMonitor
 from lightning.pytorch.callbacks.throughput_monitor import _plugin_to_compute_dtype
-from lightning.pytorch.trainer.states import RunningStage
+from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 
 if TYPE_CHECKING:
     from gptlab.lit.module import GPTLitModule
@@ -116,11 +116,19 @@ class TrainingThroughput(ThroughputMonitor):
     (all ranks together), ``train/mfu`` and ``train/tokens`` (trained on so far, kept across a resume);
     once at the start ``parameters/total``, ``model/flops_per_token`` and ``model/peak_flops_per_device``.
 
-    ``window``: steps in the rolling average; null: ``trainer.log_every_n_steps`` (the rate between two log
-    lines; at least 2). ``peak_flops``: FLOP/s of one device; null: Lightning's datasheet figure for the
-    device and precision, or a measured matrix-multiply rate where Lightning has none (CPUs).
-    The FLOPs of a batch come from the module's ``flops_per_batch`` (model/counting.py).
-    Validation time is kept out of the training rate; validation throughput itself is not logged.
+    The training rate (``train/tokens_per_second``, the progress bar's ``tok/s``) is tokens trained per
+    second of training time: the wall time of the fit less validation. Validation is timed from its start to
+    the next training step, so its sample generation and the best-checkpoint save are left out with it;
+    everything else between two steps counts (loading data, logging, the periodic ``last.ckpt``). Each
+    logged rate covers the steps since the previous logged one (``window`` steps), so the rates tile the
+    training time without a gap: ``train/time`` (training seconds so far) and ``train/lengths`` (tokens so
+    far on this device) give the rate over any stretch. ``training_seconds`` and ``run_tokens`` are this
+    process's totals, for the rate over the whole run.
+
+    ``window``: steps per rate; null: ``trainer.log_every_n_steps``. ``peak_flops``: FLOP/s of one device;
+    null: Lightning's datasheet figure for the device and precision, or a measured matrix-multiply rate where
+    Lightning has none (CPUs). The FLOPs of a batch come from the module's ``flops_per_batch``
+    (model/counting.py). Validation throughput itself is not logged.
     """
 
     def __init__(self, window: int | None = None, peak_flops: float | None = None) -> None:
@@ -129,9 +137,24 @@ class TrainingThroughput(ThroughputMonitor):
         self.peak_flops = peak_flops
         self.tokens_seen = 0
         self.tokens_per_second: float | None = None  # the last logged rate, for the progress bar
+        self.run_tokens = 0  # tokens trained by this process (all ranks)
+        self._validation_t0: float | None = None
+
+    @property
+    def training_seconds(self) -> float:
+        """Training time of this process so far (validation excluded), as rank 0 measures it."""
+        times = (
+            self._throughputs[RunningStage.TRAINING]._time
+            if RunningStage.TRAINING in self._throughputs
+            else []
+        )
+        return float(times[-1]) if times else 0.0
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        self.kwargs["window_size"] = max(2, self.window or trainer.log_every_n_steps)  # type: ignore[attr-defined]  # set by Lightning's logger connector, undeclared
+        # ``window`` steps of ``accumulate_grad_batches`` batches each between the first and the last of the
+        # window's time points: consecutive rates cover consecutive stretches
+        steps = max(1, self.window or trainer.log_every_n_steps)  # type: ignore[attr-defined]  # set by Lightning's logger connector, undeclared
+        self.kwargs["window_size"] = steps * trainer.accumulate_grad_batches + 1
         super().setup(trainer, pl_module, stage)
         dtype = _plugin_to_compute_dtype(trainer.precision_plugin)
         if self.peak_flops:
@@ -145,8 +168,12 @@ class TrainingThroughput(ThroughputMonitor):
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         super().on_train_start(trainer, pl_module)
-        if not trainer.is_global_zero:
+        self.run_tokens = 0
+        self._validation_t0 = None
+        if not trainer.is_global_zero:  # Lightning's monitor times rank 0 alone
             return
+        # the start of training as the window's first time point: the first rate covers the first steps
+        self._throughputs[RunningStage.TRAINING].update(time=0.0, batches=0, samples=0, lengths=0, flops=0)
         peak = self.available_flops
         assert peak is not None  # set in setup
         rate = f"{peak / 1e12:.1f} TFLOP/s" if peak >= 1e12 else f"{peak / 1e9:.1f} GFLOP/s"
@@ -162,15 +189,26 @@ class TrainingThroughput(ThroughputMonitor):
         for logger in trainer.loggers:
             logger.log_metrics(facts, step=trainer.global_step)
 
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        if self._validation_t0 is not None:  # a validation ran since the last step: not training time
+            self._t0s[RunningStage.TRAINING] += time.perf_counter() - self._validation_t0
+            self._validation_t0 = None
+
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, *args):
-        self.tokens_seen += _batch_tokens(batch) * trainer.world_size
+        tokens = _batch_tokens(batch) * trainer.world_size
+        self.tokens_seen += tokens
+        self.run_tokens += tokens
         super().on_train_batch_end(trainer, pl_module, outputs, batch, *args)
 
-    def on_validation_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, *_):
-        # Lightning logs validation throughput at the validation batch index, which would step the loggers'
-        # step axis backwards; only time it, so that on_validation_end keeps it out of the training rate.
-        if not trainer.sanity_checking and trainer.is_global_zero:
-            self._update(trainer, pl_module, batch, 0)
+    def on_validation_start(self, trainer: L.Trainer, *args: Any) -> None:
+        if trainer.is_global_zero and not trainer.sanity_checking and trainer.state.fn == TrainerFn.FITTING:
+            self._validation_t0 = time.perf_counter()
+
+    def on_validation_batch_end(self, *args: Any, **kwargs: Any) -> None:
+        pass  # validation throughput is not logged (Lightning would log it at the validation batch index)
+
+    def on_validation_end(self, *args: Any) -> None:
+        pass  # the training clock is moved past the validation at the next training step
 
     def _compute(self, trainer: L.Trainer, iter_num: int | None = None) -> None:
         # Lightning's _compute, with the project's names added to the same logged row.
@@ -193,3 +231,17 @@ class TrainingThroughput(ThroughputMonitor):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.tokens_seen = int(state_dict.get("tokens_seen", 0))
+
+
+def run_rates(trainer: L.Trainer, wall_seconds: float) -> dict[str, float]:
+    """This process's two rates over the whole run, from its ``TrainingThroughput``:
+    ``tokens_per_second_training`` (tokens / training time, validation excluded: the quantity of
+    ``train/tokens_per_second``, over the whole run) and ``tokens_per_second_wall`` (tokens / ``wall_seconds``,
+    the wall time of the whole run: data, start-up, validation and checkpoints included)."""
+    for callback in trainer.callbacks:  # type: ignore[attr-defined]  # set by Lightning's callback connector, undeclared
+        if isinstance(callback, TrainingThroughput) and callback.run_tokens and callback.training_seconds > 0:
+            return {
+                "tokens_per_second_training": callback.run_tokens / callback.training_seconds,
+                "tokens_per_second_wall": callback.run_tokens / wall_seconds,
+            }
+    return {}
