@@ -81,10 +81,13 @@ def resume_asked(resume: Any) -> bool:
 
 def continues_a_run(resume: Any, run_dir: Path) -> bool:
     """True when ``resume`` continues the run in ``run_dir``: ``auto`` with a checkpoint there to continue
-    from (one a kill set aside mid-swap counts: it is put back before loading), or a path inside it."""
-    if not resume_asked(resume):
-        return False
+    from (one a kill set aside mid-swap counts: it is put back before loading), or a path inside it; or,
+    without ``resume``, a requeued SLURM job finding its preemption checkpoint."""
     run_dir = Path(run_dir)
+    if not resume_asked(resume):
+        # A SLURM job requeued after preemption runs the same command again, in the same directory, and
+        # Lightning continues from the preemption checkpoint it left there.
+        return bool(os.environ.get("SLURM_JOB_ID")) and bool(Run(run_dir).preemption_checkpoints())
     if resume == "auto":
         run = Run(run_dir)
         return run.resume_checkpoint() is not None or bool(run.set_aside_checkpoints())
