@@ -134,7 +134,8 @@ def test_unfinished_runs_are_left_out(tmp_path, monkeypatch):
     def read_sweep_marking_one_unfinished(sweep_dir, source="auto"):
         runs, skipped = real_read_sweep(sweep_dir, source)
         for run in runs:
-            run.finished = run.path.name != "2"  # type: ignore[attr-defined]  # the attribute the reader adds
+            if run.path.name == "2":
+                run.status = "killed"
         return runs, skipped
 
     monkeypatch.setattr(compare, "read_sweep", read_sweep_marking_one_unfinished)
