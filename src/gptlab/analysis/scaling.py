@@ -256,6 +256,8 @@ def _interval(fit: PowerLawFit, key: str, fmt: str) -> str:
 
 
 def markdown_table(fits: dict[str, PowerLawFit], confidence: float = 0.95) -> str:
+    """One row per condition. ``E = 0 (bound)``: the best fit wants no irreducible term (the points show no
+    flattening yet), so alpha describes a near-logarithmic decline and E is not identified."""
     pct = f"{confidence:.0%}"
     lines = [
         f"| condition | runs | sizes | alpha | {pct} interval | E | {pct} interval | A | rmse |",
@@ -264,7 +266,8 @@ def markdown_table(fits: dict[str, PowerLawFit], confidence: float = 0.95) -> st
     for condition, f in fits.items():
         lines.append(
             f"| {condition} | {f.n_points} | {f.n_sizes} | {f.alpha:.3f} | {_interval(f, 'alpha', '{:.3f}')} | "
-            f"{f.E:.3f} | {_interval(f, 'E', '{:.3f}')} | {f.A:.3g} | {f.rmse:.4f} |"
+            f"{f.E:.3f}{' (bound)' if f.E == 0 else ''} | {_interval(f, 'E', '{:.3f}')} | {f.A:.3g} | "
+            f"{f.rmse:.4f} |"
         )
     return "\n".join(lines)
 
