@@ -89,7 +89,8 @@ def _solve_linear(x: np.ndarray, loss: np.ndarray) -> tuple[np.ndarray, np.ndarr
 def fit_power_law(
     n: Sequence[float], loss: Sequence[float], alpha_bounds: tuple[float, float] = (0.01, 3.0)
 ) -> PowerLawFit:
-    """The least-squares L(N) = E + A N^-alpha with E, A >= 0 and alpha in ``alpha_bounds``. N is divided by
+    """The least-squares L(N) = E + A N^-alpha (Kaplan et al. 2020, https://arxiv.org/abs/2001.08361;
+    Hoffmann et al. 2022, https://arxiv.org/abs/2203.15556) with E, A >= 0 and alpha in ``alpha_bounds``. N is divided by
     its geometric mean inside the fit, for conditioning; A is reported for N itself."""
     from scipy.optimize import minimize_scalar
 
