@@ -4,8 +4,7 @@ through the comparison's reader, one fit per condition."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
+import runpy
 
 import numpy as np
 import pytest
@@ -75,7 +74,7 @@ def _fake_run(path, overrides: list[str], n_embd: int, pos: str, val_loss: float
     (path / "result.json").write_text(json.dumps(result))
 
 
-def test_a_sweep_gives_one_point_per_run_with_its_non_embedding_parameters_and_condition(tmp_path):
+def test_a_sweep_gives_one_point_per_run_with_its_non_embedding_parameters_and_condition(tmp_path, capsys):
     job = 0
     for pos, E in (("learned", 1.5), ("rope", 1.4)):
         for n_embd in (32, 64, 128, 256):
@@ -101,21 +100,10 @@ def test_a_sweep_gives_one_point_per_run_with_its_non_embedding_parameters_and_c
     assert 12 * 2 * 32**2 < n32 < 12 * 2 * 32**2 * 1.2  # + biases and norms
 
     out = tmp_path / "fit"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "scripts" / "fit_scaling.py"),
-            str(tmp_path),
-            "--out",
-            str(out),
-            "--resamples",
-            "200",
-        ],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    assert "| pos=learned | 8 | 4 |" in proc.stdout and "| pos=rope | 8 | 4 |" in proc.stdout
+    main = runpy.run_path(str(ROOT / "scripts" / "fit_scaling.py"))["main"]
+    assert main([str(tmp_path), "--out", str(out), "--resamples", "200"]) == 0
+    printed = capsys.readouterr().out
+    assert "| pos=learned | 8 | 4 |" in printed and "| pos=rope | 8 | 4 |" in printed
     saved = json.loads((out / "scaling.json").read_text())
     for condition in ("pos=learned", "pos=rope"):
         fit = saved["fits"][condition]

@@ -86,9 +86,18 @@ def build_loggers(cfg: DictConfig, resume: ResumePlan | None = None) -> list:
 
 
 def build_callbacks(cfg: DictConfig) -> list[L.Callback]:
-    return [
-        instantiate(node) for _, node in (cfg.get("callbacks") or {}).items() if node and "_target_" in node
-    ]
+    from hydra.errors import InstantiationException
+
+    callbacks = []
+    for _, node in (cfg.get("callbacks") or {}).items():
+        if node and "_target_" in node:
+            try:
+                callbacks.append(instantiate(node))
+            except InstantiationException as e:
+                if isinstance(e.__cause__, ConfigError):  # a callback's own check: its message, not Hydra's
+                    raise e.__cause__ from None
+                raise
+    return callbacks
 
 
 def model_summary(

@@ -125,7 +125,8 @@ def coordinate_check(
     batch_size: int = 8,
     seed: int = 0,
 ) -> CoordCheck:
-    """Train each (parametrisation, width) for ``steps`` AdamW steps at a constant ``lr`` (no warmup, no
+    """muP's coordinate check (Yang et al. 2022, https://arxiv.org/abs/2203.03466, section 8): train each
+    (parametrisation, width) for ``steps`` AdamW steps at a constant ``lr`` (no warmup, no
     clipping) on the same batches, measuring every watched layer's mean |x| on a fixed held batch after each
     step. ``base_width``: muP's base width (default: the smallest width)."""
     widths = sorted(widths)

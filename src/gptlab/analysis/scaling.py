@@ -89,7 +89,8 @@ def _solve_linear(x: np.ndarray, loss: np.ndarray) -> tuple[np.ndarray, np.ndarr
 def fit_power_law(
     n: Sequence[float], loss: Sequence[float], alpha_bounds: tuple[float, float] = (0.01, 3.0)
 ) -> PowerLawFit:
-    """The least-squares L(N) = E + A N^-alpha with E, A >= 0 and alpha in ``alpha_bounds``. N is divided by
+    """The least-squares L(N) = E + A N^-alpha (Kaplan et al. 2020, https://arxiv.org/abs/2001.08361;
+    Hoffmann et al. 2022, https://arxiv.org/abs/2203.15556) with E, A >= 0 and alpha in ``alpha_bounds``. N is divided by
     its geometric mean inside the fit, for conditioning; A is reported for N itself."""
     from scipy.optimize import minimize_scalar
 
@@ -256,6 +257,8 @@ def _interval(fit: PowerLawFit, key: str, fmt: str) -> str:
 
 
 def markdown_table(fits: dict[str, PowerLawFit], confidence: float = 0.95) -> str:
+    """One row per condition. ``E = 0 (bound)``: the best fit wants no irreducible term (the points show no
+    flattening yet), so alpha describes a near-logarithmic decline and E is not identified."""
     pct = f"{confidence:.0%}"
     lines = [
         f"| condition | runs | sizes | alpha | {pct} interval | E | {pct} interval | A | rmse |",
@@ -264,7 +267,8 @@ def markdown_table(fits: dict[str, PowerLawFit], confidence: float = 0.95) -> st
     for condition, f in fits.items():
         lines.append(
             f"| {condition} | {f.n_points} | {f.n_sizes} | {f.alpha:.3f} | {_interval(f, 'alpha', '{:.3f}')} | "
-            f"{f.E:.3f} | {_interval(f, 'E', '{:.3f}')} | {f.A:.3g} | {f.rmse:.4f} |"
+            f"{f.E:.3f}{' (bound)' if f.E == 0 else ''} | {_interval(f, 'E', '{:.3f}')} | {f.A:.3g} | "
+            f"{f.rmse:.4f} |"
         )
     return "\n".join(lines)
 

@@ -245,8 +245,10 @@ def param_groups(
 
 
 class MuonWithAdamW(torch.optim.Optimizer):
-    """One optimizer for Lightning's automatic optimization: ``torch.optim.Muon`` on the hidden matrices and
-    ``torch.optim.AdamW`` on everything else, stepped together. The param groups (AdamW's first) and the
+    """One optimizer for Lightning's automatic optimization: ``torch.optim.Muon`` (Jordan et al. 2024,
+    https://kellerjordan.github.io/posts/muon/) on the hidden matrices and ``torch.optim.AdamW`` (Loshchilov &
+    Hutter 2019) on everything else, stepped together, the split of Liu et al. 2025 (https://arxiv.org/abs/
+    2502.16982). The param groups (AdamW's first) and the
     state are the inner optimizers' own objects, so a scheduler, gradient clipping, ``state_dict`` and
     distributed checkpointing see one ordinary optimizer."""
 

@@ -54,7 +54,8 @@ class SpikeWindow:
 
 class SpikeDetector(L.Callback):
     """Watches the training loss and/or the global gradient norm (``monitor``) at every optimizer step,
-    after the backward pass and before the update. A spike is logged as a warning and counted:
+    after the backward pass and before the update (the spike rule of PaLM, Chowdhery et al. 2022, section 5.1:
+    see the module's docstring). A spike is logged as a warning and counted:
     ``train/spike`` (spikes since the previous logged row, so none is lost between rows) and
     ``train/spike_count`` (since the start, kept in checkpoints) reach every logger (W&B, CSV, ...).
     With ``skip_step: true`` a spiking step's gradients are dropped before the update: the optimizer then
