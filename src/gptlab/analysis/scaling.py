@@ -189,34 +189,25 @@ def non_embedding_parameters(run_dir: Path) -> float:
     return float(parameter_counts(GPTConfig.from_dict(values))["non_embedding"])
 
 
-def condition_of(overrides: dict[str, str], varying: set[str], size_keys: Sequence[str] = SIZE_KEYS) -> str:
-    """The run's overrides that differ across the sweep, besides the size and the seed (``pos=rope``)."""
-    keys = sorted(k for k in overrides if k in varying and k not in size_keys and k not in IGNORED_KEYS)
-    return " ".join(f"{k}={overrides[k]}" for k in keys) or "all runs"
-
-
 def points_from_sweep(
     sweep_dir: str | Path, size_keys: Sequence[str] = SIZE_KEYS
 ) -> tuple[list[ScalingPoint], list[tuple[Path, str]]]:
-    """(one point per finished run, the runs left out with the reason), read through ``read_sweep``."""
+    """(one point per finished run, the runs left out with the reason), read through ``read_sweep``; a
+    point's condition is the comparison's (:mod:`gptlab.analysis.table`), the size keys left out."""
     from gptlab.analysis.compare import read_sweep
+    from gptlab.analysis.table import condition_keys, condition_of, label_of
 
     runs, skipped = read_sweep(sweep_dir)
     skipped = list(skipped)
     finished = []
     for run in runs:
-        if not getattr(run, "finished", True):
-            skipped.append((Path(run.path), "unfinished (killed or still running)"))
+        if not run.finished:
+            skipped.append((Path(run.path), f"unfinished ({run.describe_status()})"))
         elif run.final_val_loss is None:
             skipped.append((Path(run.path), "no validation loss"))
         else:
             finished.append(run)
-    values: dict[str, set[str]] = {}
-    for run in finished:
-        for key, value in run.overrides.items():
-            values.setdefault(key, set()).add(value)
-    # Keys some runs lack also count as varying.
-    varying = {k for k, v in values.items() if len(v) > 1 or any(k not in r.overrides for r in finished)}
+    keys = condition_keys(finished, Path(sweep_dir), ignore=[*size_keys, *IGNORED_KEYS])
     points = []
     for run in finished:
         try:
@@ -226,9 +217,7 @@ def points_from_sweep(
             continue
         assert run.final_val_loss is not None
         points.append(
-            ScalingPoint(
-                n, float(run.final_val_loss), condition_of(run.overrides, varying, size_keys), str(run.path)
-            )
+            ScalingPoint(n, float(run.final_val_loss), label_of(condition_of(run, keys)), str(run.path))
         )
     return points, skipped
 
