@@ -36,17 +36,9 @@ from gptlab.runs.layout import (
     run_of_path,
 )
 
-# What a run leaves in its directory, besides Hydra's .hydra/ (which Hydra writes before a job starts).
-_RUN_OUTPUTS = (
-    RUN_FILE,
-    RESULT_FILE,
-    CONFIG_FILE,
-    CHECKPOINT_DIR,
-    EVAL_LENGTH_DIR,
-    "csv",
-    "wandb",
-    "tensorboard",
-)
+# What a run that started training leaves in its directory (config_resolved.yaml is written before the first
+# step); run.json and Hydra's .hydra/ are written earlier, also by a command then refused at config time.
+_RUN_OUTPUTS = (RESULT_FILE, CONFIG_FILE, CHECKPOINT_DIR, EVAL_LENGTH_DIR, "csv", "wandb", "tensorboard")
 # Environment variables that mark a process started by a launcher for rank > 0 (Lightning, torchrun, srun).
 _RANK_VARIABLES = ("RANK", "LOCAL_RANK", "NODE_RANK", "SLURM_PROCID")
 
@@ -62,8 +54,8 @@ def launched_rank() -> bool:
 
 
 def previous_run_files(run_dir: Path) -> list[Path]:
-    """The files and folders in ``run_dir`` that show an earlier run started training there (Hydra's
-    ``.hydra/`` and log alone do not: a command refused at config time leaves them)."""
+    """The files and folders in ``run_dir`` that show an earlier run started training there (``run.json``,
+    Hydra's ``.hydra/`` and log alone do not: a command refused at config time leaves them)."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         return []
@@ -136,6 +128,7 @@ def claim_run_dir(
         return None
     if not overwrite and resume != "auto":
         raise RunDirectoryInUse(refusal(run_dir, found))
+    found += [p for p in (run_dir / RUN_FILE,) if p.exists()]
     if include_hydra:  # before Hydra's job starts: the old run's .hydra/ and log go with it
         found += [p for p in (run_dir / HYDRA_DIR, *run_dir.glob("*.log")) if p.exists()]
     aside = move_aside(run_dir, found)
