@@ -305,8 +305,7 @@ def _write_result(
     which run it is (``run.json``'s id, and its W&B run's) and the commit it ran at."""
     import wandb
 
-    from gptlab.runs.identity import read_run_info
-    from gptlab.runs.layout import Run, git_commit
+    from gptlab.runs.layout import Run, git_commit, read_run_info
 
     info = read_run_info(run_dir)
     Run(run_dir).write_result(

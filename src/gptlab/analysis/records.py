@@ -211,7 +211,7 @@ def _status(run: Run, record: RunRecord, series: dict[str, list[tuple[int, float
     """Whether the run finished, and its step: from ``result.json`` when it wrote one (also for a run
     stopped by a signal or failed), else from its process (``run.json``: still alive?) and its last
     logged step."""
-    from gptlab.runs.identity import read_run_info
+    from gptlab.runs.layout import read_run_info
 
     info = read_run_info(run.path)
     result = run.result() or {}

@@ -17,7 +17,6 @@ import os
 import socket
 import time
 import uuid
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +31,9 @@ from gptlab.runs.layout import (
     RESULT_FILE,
     RUN_FILE,
     Run,
+    RunInfo,
     find_run_dirs,
+    read_run_info,
     run_of_path,
 )
 
@@ -160,44 +161,6 @@ def claim_sweep_dir(sweep_dir: Path, resume: Any, overwrite: bool) -> Path | Non
 
 
 # ---- run.json ------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class RunInfo:
-    """What ``run.json`` holds: the run's id and its parts (the first start, then one per resume)."""
-
-    run_id: str
-    parts: list[dict[str, Any]]
-
-    @property
-    def host(self) -> str | None:
-        return self.parts[-1].get("host") if self.parts else None
-
-    @property
-    def pid(self) -> int | None:
-        return self.parts[-1].get("pid") if self.parts else None
-
-    def alive(self) -> bool | None:
-        """Whether the process of the latest part is still running: None when it ran on another host."""
-        if self.pid is None or self.host != socket.gethostname():
-            return None
-        try:
-            os.kill(int(self.pid), 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return True
-
-
-def read_run_info(run_dir: Path) -> RunInfo | None:
-    try:
-        data = json.loads((Path(run_dir) / RUN_FILE).read_text())
-    except (OSError, ValueError):
-        return None
-    if not isinstance(data, dict) or "run_id" not in data:
-        return None
-    return RunInfo(str(data["run_id"]), list(data.get("parts") or []))
 
 
 def record_start(run_dir: Path, continued: bool, overrides: list[str], task: str) -> RunInfo:

@@ -26,6 +26,7 @@ import json
 import logging
 import os
 import re
+import socket
 import subprocess
 import tempfile
 import time
@@ -87,6 +88,45 @@ def _job_order(root: Path, path: Path) -> tuple:
         return (0, int(number.group()), part) if number else (1, 0, part)
 
     return tuple(key(p) for p in path.relative_to(root).parts)
+
+
+@dataclass(frozen=True)
+class RunInfo:
+    """What ``run.json`` holds: the run's id and its parts (the first start, then one per resume)."""
+
+    run_id: str
+    parts: list[dict[str, Any]]
+
+    @property
+    def host(self) -> str | None:
+        return self.parts[-1].get("host") if self.parts else None
+
+    @property
+    def pid(self) -> int | None:
+        return self.parts[-1].get("pid") if self.parts else None
+
+    def alive(self) -> bool | None:
+        """Whether the process of the latest part is still running: None when it ran on another host."""
+        if self.pid is None or self.host != socket.gethostname():
+            return None
+        try:
+            os.kill(int(self.pid), 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+
+
+def read_run_info(run_dir: Path) -> RunInfo | None:
+    """``<run_dir>/run.json`` (written by :mod:`gptlab.runs.identity`), or None for a run without one."""
+    try:
+        data = json.loads((Path(run_dir) / RUN_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(data, dict) or "run_id" not in data:
+        return None
+    return RunInfo(str(data["run_id"]), list(data.get("parts") or []))
 
 
 @dataclass(frozen=True)
@@ -173,11 +213,9 @@ class Run:
         """What the run reported when it ended (``result.json``), or None (still running, or killed)."""
         return _read_json(self.result_file)
 
-    def info(self) -> Any:
-        """Which run this is (``run.json``: its id and parts), a :class:`gptlab.runs.identity.RunInfo`; None
-        for a run written before gptlab recorded it."""
-        from gptlab.runs.identity import read_run_info
-
+    def info(self) -> RunInfo | None:
+        """Which run this is (``run.json``: its id and parts); None for a run written before gptlab
+        recorded it."""
         return read_run_info(self.path)
 
     def write_result(self, result: dict[str, Any]) -> Path:
@@ -217,9 +255,8 @@ class Run:
 
     def _started(self) -> float | None:
         """When the run's first part started (``run.json``), seconds since the epoch; None when unknown."""
-        info = _read_json(self.path / RUN_FILE)
-        parts = (info or {}).get("parts") or [{}]
-        started = parts[0].get("started_unix")
+        info = self.info()
+        started = info.parts[0].get("started_unix") if info and info.parts else None
         return float(started) if isinstance(started, (int, float)) else None
 
     def preemption_checkpoints(self) -> list[Path]:
