@@ -135,11 +135,12 @@ def start_run(cfg: DictConfig) -> Path:
         cfg.paths.output_dir = str(run_dir)
     restore_interrupted_saves(run_dir / "checkpoints")  # a kill mid-swap of a sharded checkpoint
     resume, overwrite = cfg.get("resume"), bool(cfg.get("overwrite"))
-    # Inside a Hydra job .hydra/ is this run's own: Hydra wrote it after CheckRunDirectory had checked.
-    claim_run_dir(run_dir, resume, overwrite, include_hydra=not HydraConfig.initialized(), log=log)
     if not launched_rank():
-        overrides = list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
         continued = continues_a_run(resume, run_dir)
+        if not continued:
+            # Inside a Hydra job .hydra/ is this run's own: Hydra wrote it after CheckRunDirectory had checked.
+            claim_run_dir(run_dir, resume, overwrite, include_hydra=not HydraConfig.initialized(), log=log)
+        overrides = list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
         record_start(run_dir, continued, [str(o) for o in overrides], str(cfg.get("task", "gpt")))
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     return run_dir
@@ -257,19 +258,19 @@ def run(cfg: DictConfig) -> dict[str, float]:
                     lg.experiment.summary.update(summary)
             step = resume.global_step if resume is not None and finished else trainer.global_step
             _report(metrics, corpus.unigram_entropy, run_dir, trainer, loggers, step)
-            if (cfg.get("eval_length") or {}).get("enabled") and stopped:
-                # the weights are half-trained and the time left before the machine goes is short
-                log.info(
-                    "Stopped by a signal: the length study (eval_length) is skipped; it runs when the resumed "
-                    "run finishes."
-                )
-            elif (cfg.get("eval_length") or {}).get("enabled"):
-                from gptlab.eval.length import after_training, summary_metrics
+            if (cfg.get("eval_length") or {}).get("enabled"):
+                if stopped:  # the weights are half-trained and the time before the machine goes is short
+                    log.info(
+                        "Stopped by a signal: the length study (eval_length) is skipped; it runs when the "
+                        "resumed run finishes."
+                    )
+                else:
+                    from gptlab.eval.length import after_training, summary_metrics
 
-                result = after_training(
-                    module.model, corpus, datamodule.block_size, cfg.eval_length, run_dir, loggers
-                )
-                metrics.update(summary_metrics(result))
+                    result = after_training(
+                        module.model, corpus, datamodule.block_size, cfg.eval_length, run_dir, loggers
+                    )
+                    metrics.update(summary_metrics(result))
             _write_result(run_dir, metrics, step, trainer_cfg["max_steps"], stopped)
         failed = False
         return metrics
