@@ -168,7 +168,7 @@ class HeadBenchmark:
 
 def build_plain_optimizer(model: torch.nn.Module, optim: dict, max_steps: int, mixed_precision: bool):
     """The optimizer and schedule of GPTLitModule.configure_optimizers, written out as a plain loop would."""
-    from gptlab.lit.module import lr_factor, use_fused_adamw
+    from gptlab.training.module import lr_factor, use_fused_adamw
 
     decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
@@ -261,11 +261,11 @@ def train_benchmark(args, overrides: list[str]) -> dict:
     from omegaconf import OmegaConf
 
     import gptlab
-    from gptlab.lit.metrics import device_peak_flops
-    from gptlab.lit.module import GPTLitModule, check_optim
     from gptlab.parallel import ParallelOptions, choose_precision
     from gptlab.tracking.loggers import csv_logger
     from gptlab.train import build_callbacks
+    from gptlab.training.metrics import device_peak_flops
+    from gptlab.training.module import GPTLitModule, check_optim
 
     cfg = compose_config(overrides)
     L.seed_everything(cfg.seed, verbose=False)
@@ -306,7 +306,7 @@ def train_benchmark(args, overrides: list[str]) -> dict:
     )
     from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
 
-    from gptlab.lit.checkpointing import PeriodicLastCheckpoint
+    from gptlab.training.checkpointing import PeriodicLastCheckpoint
 
     skip = (ModelCheckpoint, PeriodicLastCheckpoint) + (() if args.progress_bar else (ProgressBar,))
     callbacks = [c for c in build_callbacks(cfg) if not isinstance(c, skip)]

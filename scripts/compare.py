@@ -16,9 +16,9 @@ import shlex
 import sys
 from pathlib import Path
 
-from gptlab.analysis.compare import compare, compare_online, update_readme
-from gptlab.analysis.records import SOURCES
-from gptlab.analysis.stats import DEFAULT_ALPHA
+from gptlab.comparison.records import SOURCES
+from gptlab.comparison.report import compare, compare_online, update_readme
+from gptlab.comparison.stats import DEFAULT_ALPHA
 from gptlab.errors import DataError
 
 

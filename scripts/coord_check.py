@@ -4,7 +4,7 @@ of its output) per width. Under muP the curves are flat in width; in the standar
 
 Writes coord_check.json (every value, after every step, and the log-log slope against width per layer) and
 coord_check.png (one panel per parametrisation) into --out, and prints the slopes
-(src/gptlab/analysis/coord_check.py). Cheap by design: a character vocabulary, context 32, batch 8.
+(src/gptlab/comparison/coord_check.py). Cheap by design: a character vocabulary, context 32, batch 8.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import argparse
 import json
 from pathlib import Path
 
-from gptlab.analysis.coord_check import coordinate_check, plot_coord_check
+from gptlab.training.coord_check import coordinate_check, plot_coord_check
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -19,10 +19,10 @@ import logging
 import sys
 from pathlib import Path
 
-from gptlab.analysis import length as sweep
-from gptlab.analysis.table import condition_labels
+from gptlab.comparison import length_table as sweep
+from gptlab.comparison.table import condition_labels
 from gptlab.errors import ConfigError, DataError
-from gptlab.eval import length, long_context
+from gptlab.evaluation import length, long_context
 from gptlab.runs import find_run_dirs
 
 
@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(length.format_table(result))
     if result.get("passkey"):
-        from gptlab.eval.passkey import format_table
+        from gptlab.evaluation.passkey import format_table
 
         print("\nPasskey retrieval (correct / trials):\n" + format_table(result["passkey"]))
     print("Wrote " + ", ".join(str(p) for p in paths))

@@ -12,7 +12,7 @@ table and logs harness/<task>/<metric> to the run's W&B run. Hub tasks (hellaswa
 the Hugging Face hub; --include-path tasks with local data files run offline.
 
 The harness's own command line works too, with the gptlab model registered:
-    python -m gptlab.eval.harness run --model gptlab --model_args run=<run dir> --tasks lambada_openai
+    python -m gptlab.evaluation.harness run --model gptlab --model_args run=<run dir> --tasks lambada_openai
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         options = parse_options(args.options)
         tasks = [t for t in str(options.pop("tasks", "")).split(",") if t]
-        from gptlab.eval import harness
+        from gptlab.evaluation import harness
 
         record, path = harness.evaluate(
             args.path,

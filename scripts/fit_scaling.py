@@ -5,7 +5,7 @@ experiment=scaling_ladder`).
 N is the non-embedding parameter count (from each run's config), the loss the final validation loss; one
 fit per condition (the overrides besides size and seed, e.g. pos=rope), with percentile bootstrap intervals
 over runs. Writes scaling.md, scaling.json and scaling.png into the sweep directory (or --out) and prints
-the table (src/gptlab/analysis/scaling.py).
+the table (src/gptlab/comparison/scaling.py).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from gptlab.analysis.scaling import write_scaling
+from gptlab.comparison.scaling import write_scaling
 from gptlab.errors import DataError
 
 
@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     except DataError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    from gptlab.analysis.scaling import markdown_table
+    from gptlab.comparison.scaling import markdown_table
 
     for path, why in skipped:
         print(f"left out {path}: {why}", file=sys.stderr)

@@ -25,7 +25,8 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from gptlab.builders import build_model_config  # noqa: E402
 from gptlab.errors import ConfigError  # noqa: E402
-from gptlab.parallel import card, choose_precision, planner  # noqa: E402
+from gptlab.parallel import choose_precision  # noqa: E402
+from gptlab.planning import card, planner  # noqa: E402
 
 
 def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:

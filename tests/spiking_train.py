@@ -13,8 +13,8 @@ sys.path.insert(0, str(ROOT / "src"))
 import hydra  # noqa: E402
 import torch  # noqa: E402
 
-from gptlab.lit.module import GPTLitModule  # noqa: E402
 from gptlab.resume import register_resolvers  # noqa: E402
+from gptlab.training.module import GPTLitModule  # noqa: E402
 
 register_resolvers()
 AT = int(os.environ["GPTLAB_TEST_SPIKE_AT_STEP"])

@@ -14,9 +14,9 @@ import pytest
 from conftest import ROOT, TINY, run_train
 from scipy import stats
 
-from gptlab.analysis.compare import compare, write_comparison
-from gptlab.analysis.records import read_run_dir
-from gptlab.analysis.stats import contrasts, difference_interval, holm, verdict, welch
+from gptlab.comparison.records import read_run_dir
+from gptlab.comparison.report import compare, write_comparison
+from gptlab.comparison.stats import contrasts, difference_interval, holm, verdict, welch
 from gptlab.errors import DataError
 from gptlab.runs import Run, find_run_dirs
 from gptlab.runs.naming import identity, is_sweep_value, swept_keys_of
@@ -318,7 +318,7 @@ class ApiRunStandIn:
 
 
 def test_online_runs_group_like_local_ones(tmp_path):
-    from gptlab.analysis.records import record_from_api_run
+    from gptlab.comparison.records import record_from_api_run
 
     records = [
         record_from_api_run(ApiRunStandIn("rope", 0, [3.0, 2.0])),
@@ -341,14 +341,14 @@ def test_identity_from_a_composed_config():
     from hydra.core.global_hydra import GlobalHydra
 
     from gptlab import CONFIG_DIR
-    from gptlab.runs.naming import identity_from_hydra
+    from gptlab.runs.naming import labels_from_hydra
 
     GlobalHydra.instance().clear()
     with initialize_config_dir(str(CONFIG_DIR), version_base="1.3"):
         cfg = compose(
             "train", overrides=["pos=nope", "seed=3", "experiment=depth_sweep"], return_hydra_config=True
         )
-    run = identity_from_hydra(cfg.hydra)
+    run = labels_from_hydra(cfg.hydra)
     assert run.name == "pos=nope seed=3" and run.group == "depth_sweep" and run.job_type == "train"
     assert run.tags == ["pos=nope", "seed=3", "experiment=depth_sweep"]
-    assert identity_from_hydra().name is None  # no Hydra job running: W&B picks a name
+    assert labels_from_hydra().name is None  # no Hydra job running: W&B picks a name

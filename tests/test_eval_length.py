@@ -12,8 +12,8 @@ import pytest
 import torch
 from conftest import ROOT
 
-from gptlab.analysis import length as sweep
-from gptlab.eval import length
+from gptlab.comparison import length_table as sweep
+from gptlab.evaluation import length
 from gptlab.model.config import GPTConfig
 from gptlab.model.gpt import GPT
 from gptlab.tracking.wandb_files import find_runs, read_run
@@ -212,7 +212,7 @@ def test_bad_evaluation_options_are_refused():
     ],
 )
 def test_position_pictures(pos, pictures, tmp_path):
-    from gptlab.eval import positions
+    from gptlab.evaluation import positions
 
     model = GPT(GPTConfig(vocab_size=5, block_size=24, n_layer=1, n_head=6, n_embd=24, pos=pos))
     written = positions.plot_scheme(model, tmp_path)

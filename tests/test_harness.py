@@ -15,7 +15,7 @@ from conftest import ROOT
 
 pytest.importorskip("lm_eval")
 
-from gptlab.eval import harness  # noqa: E402
+from gptlab.evaluation import harness  # noqa: E402
 from gptlab.runs.trained import load_run  # noqa: E402
 from gptlab.tracking.wandb_files import find_runs, read_run  # noqa: E402
 
@@ -305,7 +305,7 @@ def test_the_harness_command_line_runs_the_gptlab_model(trained, evaluated, tmp_
         [
             sys.executable,
             "-m",
-            "gptlab.eval.harness",
+            "gptlab.evaluation.harness",
             "run",
             "--model",
             "gptlab",

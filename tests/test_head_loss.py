@@ -6,7 +6,6 @@ import torch
 import torch.nn.functional as F
 
 from gptlab.errors import ConfigError
-from gptlab.lit.module import GPTLitModule, build_head_loss
 from gptlab.model.config import GPTConfig
 from gptlab.model.gpt import GPT
 from gptlab.model.head_loss import (
@@ -15,6 +14,7 @@ from gptlab.model.head_loss import (
     default_chunk_rows,
     refusal,
 )
+from gptlab.training.module import GPTLitModule, build_head_loss
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 

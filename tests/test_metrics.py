@@ -8,10 +8,10 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from gptlab.lit.metrics import GradientNorm, TrainingThroughput, measure_matmul_peak
-from gptlab.lit.module import GPTLitModule
 from gptlab.model import counting
 from gptlab.tracking.loggers import csv_logger
+from gptlab.training.metrics import GradientNorm, TrainingThroughput, measure_matmul_peak
+from gptlab.training.module import GPTLitModule
 
 
 def fit_tiny(

@@ -13,7 +13,8 @@ from gptlab.errors import ConfigError
 from gptlab.model import counting, positional
 from gptlab.model.config import GPTConfig
 from gptlab.model.gpt import GPT
-from gptlab.parallel import planner, strategy_choice
+from gptlab.parallel import strategy_choice
+from gptlab.planning import planner
 
 GiB = 1024**3
 PRESETS = sorted(p.stem for p in (CONF / "model").glob("*.yaml"))

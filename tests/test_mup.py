@@ -7,12 +7,12 @@ import math
 import pytest
 import torch
 
-from gptlab.analysis.coord_check import coordinate_check
 from gptlab.errors import ConfigError
-from gptlab.lit.optimizers import build_optimizer, check_optim
 from gptlab.model.config import GPTConfig
 from gptlab.model.gpt import GPT
 from gptlab.model.parametrization import hidden_lr_scale
+from gptlab.training.coord_check import coordinate_check
+from gptlab.training.optimizers import build_optimizer, check_optim
 
 
 def config(**kw) -> GPTConfig:

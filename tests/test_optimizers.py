@@ -13,7 +13,9 @@ import torch
 from conftest import TINY, run_train
 
 from gptlab.errors import ConfigError
-from gptlab.lit.optimizers import (
+from gptlab.model.config import GPTConfig
+from gptlab.model.gpt import GPT
+from gptlab.training.optimizers import (
     MuonWithAdamW,
     build_optimizer,
     check_optim,
@@ -21,8 +23,6 @@ from gptlab.lit.optimizers import (
     lr_factor,
     param_groups,
 )
-from gptlab.model.config import GPTConfig
-from gptlab.model.gpt import GPT
 
 CPU2 = ["trainer.accelerator=cpu", "trainer.devices=2"]
 QUIET = ["callbacks.sample_generation.max_new_tokens=0", "trainer.log_every_n_steps=1"]

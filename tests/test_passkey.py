@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from conftest import run_train
 
 from gptlab.data.tokenizers import CharTokenizer, GPT2Tokenizer, WordTokenizer
-from gptlab.eval import long_context, passkey
+from gptlab.evaluation import long_context, passkey
 from gptlab.model.config import GPTConfig
 from gptlab.model.gpt import GPT
 from gptlab.tracking.wandb_files import find_runs, read_run
@@ -201,7 +201,7 @@ def test_the_length_study_after_training_runs_passkey_and_logs_it(tmp_path):
     }
     ppl = long_context.read_length_study(run_dir)
     assert ppl["ppl@1x"] == pytest.approx(math.exp(train_run.summary["length/loss@1x"]))
-    from gptlab.analysis.compare import compare
+    from gptlab.comparison.report import compare
 
     comparison = compare(tmp_path / "outputs" / "runs", tmp_path / "cmp")
     header = comparison.table.splitlines()[0]

@@ -20,11 +20,11 @@ from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 
 from gptlab.errors import CheckpointError
-from gptlab.lit.checkpointing import AtomicCheckpointIO, NonFiniteLossError, restore_interrupted_saves
 from gptlab.resume import choose_run_dir
 from gptlab.runs import Run
 from gptlab.tracking.wandb_files import find_runs, read_run
 from gptlab.train import run
+from gptlab.training.checkpointing import AtomicCheckpointIO, NonFiniteLossError, restore_interrupted_saves
 
 MAX_STEPS = 12
 # A tiny run that checkpoints every 2 steps and validates every 4; the loss must not reach its floor, so
@@ -209,7 +209,7 @@ def test_resume_from_an_explicit_checkpoint_continues_in_its_run_directory(tmp_p
 
 WRITER = """
 import sys, torch
-from gptlab.lit.checkpointing import AtomicCheckpointIO
+from gptlab.training.checkpointing import AtomicCheckpointIO
 AtomicCheckpointIO().save_checkpoint({"state_dict": {"w": torch.ones(48 * 2**20)}}, sys.argv[1])
 """
 

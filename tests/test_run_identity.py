@@ -13,8 +13,8 @@ import signal
 import pytest
 from conftest import ROOT, TINY, run_train
 
-from gptlab.analysis.compare import compare
-from gptlab.analysis.records import read_run_dir
+from gptlab.comparison.records import read_run_dir
+from gptlab.comparison.report import compare
 from gptlab.runs import Run
 from gptlab.runs.layout import REPLACED_DIR
 from gptlab.tracking.wandb_files import find_runs, read_run

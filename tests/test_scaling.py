@@ -11,7 +11,12 @@ import pytest
 import yaml
 from conftest import ROOT
 
-from gptlab.analysis.scaling import bootstrap_fit, fit_power_law, non_embedding_parameters, points_from_sweep
+from gptlab.comparison.scaling import (
+    bootstrap_fit,
+    fit_power_law,
+    non_embedding_parameters,
+    points_from_sweep,
+)
 from gptlab.errors import DataError
 
 
@@ -113,11 +118,11 @@ def test_a_sweep_gives_one_point_per_run_with_its_non_embedding_parameters_and_c
 
 
 def test_unfinished_runs_are_left_out(tmp_path, monkeypatch):
-    from gptlab.analysis import compare
+    from gptlab.comparison import report
 
     for job, n_embd in enumerate((32, 64, 128)):
         _fake_run(tmp_path / f"{job}", [f"model.n_embd={n_embd}"], n_embd, "learned", 2.0 - 0.1 * job)
-    real_read_sweep = compare.read_sweep
+    real_read_sweep = report.read_sweep
 
     def read_sweep_marking_one_unfinished(sweep_dir, source="auto"):
         runs, skipped = real_read_sweep(sweep_dir, source)
@@ -126,6 +131,6 @@ def test_unfinished_runs_are_left_out(tmp_path, monkeypatch):
                 run.status = "killed"
         return runs, skipped
 
-    monkeypatch.setattr(compare, "read_sweep", read_sweep_marking_one_unfinished)
+    monkeypatch.setattr(report, "read_sweep", read_sweep_marking_one_unfinished)
     points, skipped = points_from_sweep(tmp_path)
     assert len(points) == 2 and [p.name for p, _ in skipped] == ["2"] and "unfinished" in skipped[0][1]

@@ -11,7 +11,7 @@ import torch
 from conftest import ROOT, TINY, run_train
 
 from gptlab.errors import ConfigError
-from gptlab.lit.spikes import SpikeDetector, SpikeWindow
+from gptlab.training.spikes import SpikeDetector, SpikeWindow
 
 
 def test_a_value_six_sigma_above_the_window_mean_is_a_spike_and_noise_is_not():

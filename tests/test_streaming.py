@@ -17,7 +17,7 @@ from hydra.core.global_hydra import GlobalHydra
 from gptlab.data import corpus
 from gptlab.data.datamodule import GPTDataModule
 from gptlab.data.sources import DataSpec
-from gptlab.data.streaming import StreamingWindows, held_out, validation_tokens
+from gptlab.data.streaming import StreamingWindows, held_out, held_out_shards
 from gptlab.data.tokenizers import GPT2Tokenizer
 from gptlab.errors import ConfigError
 from gptlab.train import run
@@ -83,7 +83,7 @@ def test_training_skips_the_held_out_documents_and_ranks_read_disjoint_parts(tmp
     windows = list(one_epoch(StreamingWindows(spec, tok, window=33)))
     stream = np.concatenate([x.numpy() for x, _ in windows] + [windows[-1][1][-1:].numpy()])
     assert np.array_equal(stream, expected[: len(stream)])  # windows tile the training documents in order
-    val = validation_tokens(spec, tok)
+    val = held_out_shards(spec, tok)
     held = [d for d in docs if held_out(d, spec.split_seed, spec.val_fraction)]
     assert np.array_equal(val.array(), np.concatenate([tok.encode(d) + [tok.eot_id] for d in held]))
 

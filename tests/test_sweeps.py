@@ -9,7 +9,7 @@ import pytest
 from conftest import ROOT, TINY, run_train
 from omegaconf import OmegaConf
 
-from gptlab.analysis.compare import compare
+from gptlab.comparison.report import compare
 from gptlab.tracking.wandb_files import find_runs, read_run
 
 # A tiny character-level model: a 2x2 sweep trains in seconds per job.

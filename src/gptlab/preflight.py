@@ -109,8 +109,8 @@ def check_loss(loss_cfg: Any, trainer_cfg: dict[str, Any]) -> None:
     (``loss.impl=liger|cce``) where it cannot run: no CUDA device, or its package not installed."""
     from omegaconf import DictConfig, OmegaConf
 
-    from gptlab.lit.module import build_head_loss
     from gptlab.model.head_loss import refusal
+    from gptlab.training.module import build_head_loss
 
     if isinstance(loss_cfg, DictConfig):
         loss_cfg = OmegaConf.to_container(loss_cfg, resolve=True)

@@ -22,10 +22,6 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from gptlab.builders import build_datamodule, build_model_config, load_initial_weights
 from gptlab.errors import ConfigError
-from gptlab.lit.checkpointing import fault_tolerance_callbacks, fit, restore_interrupted_saves
-from gptlab.lit.metrics import run_rates
-from gptlab.lit.module import GPTLitModule, check_optim
-from gptlab.lit.optimizers import check_optimizer_strategy
 from gptlab.parallel import (
     ParallelOptions,
     build_strategy,
@@ -38,6 +34,10 @@ from gptlab.parallel.slurm import slurm_plugins
 from gptlab.preflight import check_accelerator, check_loss, check_seed, check_trainer_values
 from gptlab.resume import ResumePlan, check_writable, plan_resume
 from gptlab.tracking.loggers import finish_wandb
+from gptlab.training.checkpointing import fault_tolerance_callbacks, fit, restore_interrupted_saves
+from gptlab.training.metrics import run_rates
+from gptlab.training.module import GPTLitModule, check_optim
+from gptlab.training.optimizers import check_optimizer_strategy
 
 log = logging.getLogger("gptlab")
 
@@ -103,9 +103,9 @@ def build_callbacks(cfg: DictConfig) -> list[L.Callback]:
 def model_summary(
     module: GPTLitModule, trainer: L.Trainer | None = None, cfg: DictConfig | None = None
 ) -> str:
-    """The short model card (gptlab.parallel.card): parameters, FLOPs per token, memory per device, and a
+    """The short model card (gptlab.planning.card): parameters, FLOPs per token, memory per device, and a
     warning when the run will not fit its device."""
-    from gptlab.parallel import card
+    from gptlab.planning import card
 
     strategy = cast(dict[str, Any], OmegaConf.to_container(cfg.strategy, resolve=True)) if cfg else "auto"
     data = cfg.data if cfg else {}
@@ -265,7 +265,7 @@ def run(cfg: DictConfig) -> dict[str, float]:
                         "resumed run finishes."
                     )
                 else:
-                    from gptlab.eval.length import after_training, summary_metrics
+                    from gptlab.evaluation.length import after_training, summary_metrics
 
                     result = after_training(
                         module.model, corpus, datamodule.block_size, cfg.eval_length, run_dir, loggers

@@ -68,23 +68,6 @@ class PreparedCorpus:
     def unigram_entropy(self) -> float:
         return float(self.meta["unigram_entropy_nats"])
 
-    @property
-    def val_path(self) -> Path:
-        return self._single_file(self.val, "val")
-
-    @property
-    def train_path(self) -> Path:
-        return self._single_file(self.train, "train")
-
-    @staticmethod
-    def _single_file(tokens: TokenShards, split: str) -> Path:
-        if len(tokens.shards) != 1 or tokens.shards[0].offset:
-            raise DataError(
-                f"The {split} split is {len(tokens.shards)} shard(s) with headers, not one flat file: read it "
-                f"with PreparedCorpus.{split}.read(start, stop) or .array()."
-            )
-        return Path(tokens.shards[0].path)
-
 
 # ---- split ------------------------------------------------------------------------------------------
 
@@ -362,11 +345,11 @@ def validation_tokens(
     """The validation split of any corpus as one array, with its tokenizer: a prepared cache's, a token
     folder's, or a stream's held-out documents (for evaluations after training)."""
     if spec.streaming:
-        from gptlab.data.streaming import validation_tokens as stream_validation
+        from gptlab.data.streaming import held_out_shards
 
         node = _tokenizer_node(tokenizer)
         tok = tokenizers.build(node["name"], options=tokenizers.options_of(node["name"], node["options"]))
-        return stream_validation(spec, tok).array(), tok
+        return held_out_shards(spec, tok).array(), tok
     prepared = prepare(spec, tokenizer)
     return prepared.val.array(), prepared.tokenizer
 

@@ -97,7 +97,7 @@ class GPTDataModule(L.LightningDataModule):
     def _prepare(self) -> corpus.PreparedCorpus:
         if not self.spec.streaming:
             return corpus.prepare(self.spec, self.tokenizer_node)
-        from gptlab.data.streaming import validation_tokens
+        from gptlab.data.streaming import held_out_shards
 
         name = self.tokenizer_node["name"]
         cls = tokenizers.TOKENIZERS.get(name)
@@ -107,7 +107,7 @@ class GPTDataModule(L.LightningDataModule):
                 "holds: stream with a fixed vocabulary (tokenizer=gpt2), or prepare a cache (data.streaming=false)."
             )
         tok = cls.create(tokenizers.options_of(name, self.tokenizer_node))
-        val = validation_tokens(self.spec, tok)
+        val = held_out_shards(self.spec, tok)
         meta = {
             "source": f"stream of {self.spec.describe()}",
             "splits": {"val": {"tokens": len(val)}},

@@ -44,7 +44,7 @@ def _usable(text: Any) -> bool:
     return isinstance(text, str) and bool(text.strip())
 
 
-def validation_tokens(spec: DataSpec, tokenizer: tokenizers.Tokenizer) -> TokenShards:
+def held_out_shards(spec: DataSpec, tokenizer: tokenizers.Tokenizer) -> TokenShards:
     """The held-out documents' first ``spec.val_tokens`` tokens (``<|endoftext|>`` after each), read from
     the start of the stream once and cached under ``spec.cache_dir`` as a flat token file."""
     from gptlab.data.shards import token_dtype

@@ -5,7 +5,7 @@
   hardware checks) and building Lightning's strategy from one; `lightning_strategies`: the Lightning
   subclasses they build (atomic sharded checkpoints, DeepSpeed's gradient norm).
 - `transforms`: activation checkpointing, `torch.compile` and FSDP2 sharding of each block, in each rank.
-- `planner`, `card`: memory per device and the model card, from the same choices.
+- memory per device and the model card, from the same choices, are `gptlab.planning`.
 - `slurm`: the job to requeue after SLURM's warning signal.
 """
 

@@ -2,7 +2,7 @@
 checkpoints are laid out, the hardware it needs, and the Lightning strategy it builds.
 
 This is the one strategy vocabulary of the project: the trainer builds from it, the memory planner
-(`gptlab.parallel.planner`) sizes a run from each choice's `placement`, and checkpoint writing follows
+(`gptlab.planning.planner`) sizes a run from each choice's `placement`, and checkpoint writing follows
 `writes_directory`. Adding a strategy is a class here (registered by name) and a YAML in conf/strategy/.
 """
 

@@ -25,7 +25,7 @@ MAX_TAG_LENGTH = 64
 
 
 @dataclass
-class RunIdentity:
+class RunLabels:
     """What a tracker needs to file a run: its display name, group, job type and tags."""
 
     name: str | None = None
@@ -121,7 +121,7 @@ def identity(
     experiment: str | None = None,
     swept_keys: list[str] | None = None,
     searching: bool = False,
-) -> RunIdentity:
+) -> RunLabels:
     """Derive a run's identity from its overrides.
 
     ``swept_keys``: the keys the sweep varies (None: unknown, then every override that is not silent counts).
@@ -141,7 +141,7 @@ def identity(
     else:
         group = experiment
         job_type = "train"
-    return RunIdentity(
+    return RunLabels(
         name=name,
         group=group,
         job_type=job_type,
@@ -162,7 +162,7 @@ def _display_dir(path: str) -> str:
         return str(p)
 
 
-def identity_from_hydra(hc: Any = None) -> RunIdentity:
+def labels_from_hydra(hc: Any = None) -> RunLabels:
     """The identity of a Hydra job from its ``hydra`` config node: the current job's by default, or one
     passed in (``compose(..., return_hydra_config=True).hydra``). Empty outside Hydra."""
     from hydra.core.hydra_config import HydraConfig
@@ -170,7 +170,7 @@ def identity_from_hydra(hc: Any = None) -> RunIdentity:
 
     if hc is None:
         if not HydraConfig.initialized():
-            return RunIdentity()
+            return RunLabels()
         hc = HydraConfig.get()
     overrides = list(hc.overrides.task)
     multirun = str(hc.get("mode")) in (str(RunMode.MULTIRUN), "MULTIRUN")

@@ -76,7 +76,7 @@ def load_run(path: str | Path, device: str | torch.device = "cpu", which: str = 
     return TrainedRun(model, tokenizer, checkpoint_path, run, run.config() if run else {})
 
 
-def validation_tokens(trained: TrainedRun) -> np.ndarray:
+def held_out_tokens(trained: TrainedRun) -> np.ndarray:
     """The run's validation split as a flat array of token ids: from its token cache (rebuilt if missing), its
     token folder (nanoGPT's or llm.c's files) or its stream's held-out documents."""
     from omegaconf import OmegaConf

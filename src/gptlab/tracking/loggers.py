@@ -14,7 +14,7 @@ from lightning.fabric.loggers.logger import rank_zero_experiment
 from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger, WandbLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 
-from gptlab.runs.naming import identity_from_hydra
+from gptlab.runs.naming import labels_from_hydra
 
 log = logging.getLogger(__name__)
 
@@ -67,13 +67,13 @@ def wandb_logger(
     :mod:`gptlab.runs.naming`): a sweep is one group, each run is named by what it varies, and every
     chosen override (``pos=rope``, ``seed=1``) is a tag, added to ``tags``."""
     resolved = wandb_mode(mode)
-    ident = identity_from_hydra()
-    name = name or ident.name
-    group = group or ident.group
-    job_type = job_type or ident.job_type
-    tags = list(dict.fromkeys([*(tags or []), *ident.tags]))
+    labels = labels_from_hydra()
+    name = name or labels.name
+    group = group or labels.group
+    job_type = job_type or labels.job_type
+    tags = list(dict.fromkeys([*(tags or []), *labels.tags]))
     # In the run's config, so the W&B UI can group runs that differ only by seed (sweep.group_key).
-    kwargs.setdefault("config", {"sweep": ident.as_config()})
+    kwargs.setdefault("config", {"sweep": labels.as_config()})
     Path(save_dir).mkdir(parents=True, exist_ok=True)
     os.environ["WANDB_MODE"] = resolved  # respected by wandb.init in this process and its children
     os.environ.setdefault("WANDB_SILENT", "true")
@@ -156,3 +156,12 @@ def finish_wandb(loggers: list[Logger], failed: bool) -> None:
 
     if wandb.run is not None:
         wandb.finish(exit_code=1 if failed else 0)
+
+
+class WandbRunIdInCheckpoint(L.Callback):
+    """Records the W&B run id in each checkpoint, so a resumed run continues the same W&B run."""
+
+    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
+        for lg in trainer.loggers:
+            if isinstance(lg, WandbLogger) and lg.version:
+                checkpoint["wandb_run_id"] = str(lg.version)

@@ -214,7 +214,7 @@ def neighbour_overlap(kv_a, kv_b, words: list[str], topn: int = 10) -> float:
 
 def pca_plot(kv, path: Path, words: list[str] | None = None, title: str = "") -> Path | None:
     """The chosen words' vectors projected on their first two principal components, as a labelled PNG."""
-    from gptlab.eval.plots import pyplot, save_figure
+    from gptlab.figures import pyplot, save_figure
 
     plt = pyplot()
     chosen = [w for w in (words or PLOT_WORDS) if w in kv.key_to_index]

@@ -1,4 +1,4 @@
-"""Callbacks: sample generations and the progress bar (throughput and MFU: lit/metrics.py)."""
+"""Callbacks: sample generations and the progress bar (throughput and MFU: training/metrics.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 from lightning.pytorch.callbacks import TQDMProgressBar
 
 if TYPE_CHECKING:
-    from gptlab.lit.module import GPTLitModule
+    from gptlab.training.module import GPTLitModule
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +61,7 @@ class SampleGeneration(L.Callback):
 
 class StepProgressBar(TQDMProgressBar):
     """A progress bar over optimizer steps (``global_step / max_steps``), not epochs, showing the loss, the
-    training rate as last logged (``tok/s``: ``train/tokens_per_second``, lit/metrics.py) and the last
+    training rate as last logged (``tok/s``: ``train/tokens_per_second``, training/metrics.py) and the last
     validation loss."""
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -87,7 +87,7 @@ class StepProgressBar(TQDMProgressBar):
         pass
 
     def get_metrics(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, Any]:
-        from gptlab.lit.metrics import TrainingThroughput
+        from gptlab.training.metrics import TrainingThroughput
 
         items = super().get_metrics(trainer, pl_module)
         items.pop("v_num", None)

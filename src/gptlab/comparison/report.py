@@ -19,10 +19,10 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from gptlab.analysis import length
-from gptlab.analysis.records import SOURCES, RunRecord, read_run_dir, record_from_api_run
-from gptlab.analysis.stats import DEFAULT_ALPHA
-from gptlab.analysis.table import (
+from gptlab.comparison import length_table as lengths
+from gptlab.comparison.records import SOURCES, RunRecord, read_run_dir, record_from_api_run
+from gptlab.comparison.stats import DEFAULT_ALPHA
+from gptlab.comparison.table import (
     Row,
     condition_keys,
     condition_of,
@@ -57,7 +57,7 @@ class Comparison:
 def plot_val_loss(rows: list[Row], path: Path, title: str = "") -> Path:
     """Validation loss against step, one line per choice: the mean over seeds at the steps every seed
     logged, and a band of ± one standard deviation."""
-    from gptlab.eval.plots import pyplot, save_figure
+    from gptlab.figures import pyplot, save_figure
 
     fig, ax = pyplot().subplots(figsize=(7.5, 4.5), dpi=120)
     for row in rows:
@@ -181,7 +181,7 @@ def write_comparison(
         ]
     parts.append(f"![validation loss]({plot_path.name})")
     if any(row.length_ppl or row.passkey for row in rows):
-        from gptlab.eval import long_context
+        from gptlab.evaluation import long_context
 
         figure = long_context.plot_rows(rows, out / "long_context.png")
         parts.append(f"![perplexity, loss by position and passkey retrieval]({figure.name})")
@@ -191,12 +191,12 @@ def write_comparison(
     studies = [(r, Run(r.path)) for r in ranked if r.outputs.get("length")]
     if studies:
         results = [
-            length.label(study, run, label_of(condition_of(r, keys)))
+            lengths.label(study, run, label_of(condition_of(r, keys)))
             for r, run in studies
             if (study := run.length_result()) is not None
         ]
         length_plot = out / "loss_vs_context.png"
-        length_table = length.summarize(results=results, plot=length_plot, out_dir=out)
+        length_table = lengths.summarize(results=results, plot=length_plot, out_dir=out)
         parts += [
             "Validation loss (nats) at each multiple of the training context, mean ± std over seeds:",
             length_table,

@@ -14,12 +14,12 @@ from torch import Tensor
 
 from gptlab.data import tokenizers
 from gptlab.errors import ConfigError
-from gptlab.lit.checkpointing import check_finite_loss, collect_rng_states, restore_rng_states
-from gptlab.lit.optimizers import OPTIM_DEFAULTS, build_optimizer, check_optim, lr_factor, schedule_of
 from gptlab.model.config import GPTConfig
 from gptlab.model.gpt import GPT
 from gptlab.model.head_loss import HeadLoss
 from gptlab.model.parametrization import hidden_lr_scale
+from gptlab.training.checkpointing import check_finite_loss, collect_rng_states, restore_rng_states
+from gptlab.training.optimizers import OPTIM_DEFAULTS, build_optimizer, check_optim, lr_factor, schedule_of
 
 log = logging.getLogger(__name__)
 
@@ -154,7 +154,7 @@ class GPTLitModule(L.LightningModule):
     # ---- optimizer ------------------------------------------------------------------------------
     def configure_optimizers(self):
         # optim=adamw: AdamW everywhere; optim=muon: Muon on the blocks' hidden matrices, AdamW on the rest
-        # (lit/optimizers.py). Weight decay on matrices, none on biases and norm gains; under model.param=mup
+        # (training/optimizers.py). Weight decay on matrices, none on biases and norm gains; under model.param=mup
         # the hidden matrices' AdamW rate is scaled by base width / width.
         o = self.optim
         fused = use_fused_adamw(self.model, self.trainer.precision_plugin)

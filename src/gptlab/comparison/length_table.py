@@ -1,7 +1,7 @@
 """The length evaluations of a sweep (one ``<job>/eval_length/length.json`` per run) in one table and one
 figure: the mean and standard deviation over seeds of the validation loss for each condition (and each
 context scaling of its scheme) at each multiple of the training context. A condition is what the runs set for
-the keys that differ between them, the seed excepted (:mod:`gptlab.analysis.table`): two runs of one scheme
+the keys that differ between them, the seed excepted (:mod:`gptlab.comparison.table`): two runs of one scheme
 with different activations are two rows, not two seeds of one. Rows are ordered by the metric: the mean loss
 at the training context, then the name."""
 
@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from gptlab.errors import DataError
-from gptlab.eval.long_context import row_name
+from gptlab.evaluation.long_context import row_name
 from gptlab.runs.layout import EVAL_LENGTH_DIR, LENGTH_FILE, Run, find_run_dirs
 
 
@@ -26,7 +26,7 @@ def collect(
 ) -> list[dict[str, Any]]:
     """Every run's length result below the sweep directories, with its seed, run directory and condition
     (``ignore``: keys left out of the condition)."""
-    from gptlab.analysis.table import condition_labels
+    from gptlab.comparison.table import condition_labels
 
     if isinstance(sweep_dirs, (str, Path)):
         sweep_dirs = [sweep_dirs]
@@ -129,7 +129,7 @@ def format_table(summary: dict[str, Any]) -> str:
 
 
 def plot_summary(summary: dict[str, Any], path: str | Path) -> Path:
-    from gptlab.eval.plots import binned, pyplot, save_figure
+    from gptlab.figures import binned, pyplot, save_figure
 
     plt = pyplot()
 

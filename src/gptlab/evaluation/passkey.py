@@ -355,7 +355,7 @@ def write_outputs(result: dict[str, Any], out_dir: str | Path) -> list[Path]:
     json_path.write_text(json.dumps(result, indent=1))
     md_path = out_dir / "passkey.md"
     md_path.write_text(format_table(result) + "\n")
-    from gptlab.eval.plots import plot_passkey_heatmap
+    from gptlab.evaluation.plots import plot_passkey_heatmap
 
     return [json_path, md_path, plot_passkey_heatmap(result, out_dir / "passkey.png", format_cell)]
 

@@ -4,7 +4,7 @@ A run's condition is what it set for every key that differs between the runs com
 Hydra's choice for a group, else its resolved config value), the seed excepted and any key the reader names to
 ignore: runs of one condition differ only by seed, and are its replicates. Rows are ordered by the metric,
 mean final validation loss, best first. Each row says how far it lies from a reference condition and whether
-that is beyond seed noise (:mod:`gptlab.analysis.stats`: Welch's test, Holm-adjusted over the table): the best
+that is beyond seed noise (:mod:`gptlab.comparison.stats`: Welch's test, Holm-adjusted over the table): the best
 row, or a baseline given as ``pos=learned``. Only finished runs are ranked, unless asked otherwise; the
 others are listed apart with their step.
 """
@@ -16,8 +16,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gptlab.analysis.records import OUTPUTS, RunRecord
-from gptlab.analysis.stats import DEFAULT_ALPHA, Contrast, contrasts
+from gptlab.comparison.records import OUTPUTS, RunRecord
+from gptlab.comparison.stats import DEFAULT_ALPHA, Contrast, contrasts
 from gptlab.errors import DataError
 from gptlab.runs.layout import Run
 from gptlab.runs.naming import is_silent, split_override, sweep_overrides_from_dir, swept_keys_of

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from gptlab.eval.plots import pyplot, save_figure
+from gptlab.figures import pyplot, save_figure
 from gptlab.model.gpt import GPT
 
 

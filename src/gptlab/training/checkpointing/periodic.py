@@ -9,7 +9,7 @@ import lightning as L
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from gptlab.errors import ConfigError
-from gptlab.lit.checkpointing.guard import state_is_finite
+from gptlab.training.checkpointing.guard import state_is_finite
 
 log = logging.getLogger(__name__)
 

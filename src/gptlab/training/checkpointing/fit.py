@@ -6,22 +6,12 @@ from typing import Any
 
 import lightning as L
 
-from gptlab.lit.checkpointing.signals import StopOnSignal
-
-
-class RunIdentity(L.Callback):
-    """Records the W&B run id in each checkpoint, so a resumed run continues the same W&B run."""
-
-    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
-        from lightning.pytorch.loggers import WandbLogger
-
-        for lg in trainer.loggers:
-            if isinstance(lg, WandbLogger) and lg.version:
-                checkpoint["wandb_run_id"] = str(lg.version)
+from gptlab.tracking.loggers import WandbRunIdInCheckpoint
+from gptlab.training.checkpointing.signals import StopOnSignal
 
 
 def fault_tolerance_callbacks() -> list[L.Callback]:
-    return [StopOnSignal(), RunIdentity()]
+    return [StopOnSignal(), WandbRunIdInCheckpoint()]
 
 
 def fit(trainer: L.Trainer, module: L.LightningModule, datamodule: Any, ckpt_path: Any | None) -> bool:

@@ -19,10 +19,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from gptlab.lit.optimizers import build_optimizer, check_optim
 from gptlab.model.config import GPTConfig
 from gptlab.model.gpt import GPT, Block
 from gptlab.model.parametrization import hidden_lr_scale
+from gptlab.training.optimizers import build_optimizer, check_optim
 
 
 @dataclass
@@ -185,7 +185,7 @@ def coordinate_check(
 def plot_coord_check(result: CoordCheck, path: Any) -> Any:
     """One panel per parametrisation: mean |x| after the last step against width (log-log), a line per
     layer."""
-    from gptlab.eval.plots import pyplot, save_figure
+    from gptlab.figures import pyplot, save_figure
 
     plt = pyplot()
     fig, axes = plt.subplots(

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from gptlab.eval import passkey
+from gptlab.evaluation import passkey
 
 LENGTH_FILE = Path("eval_length") / "length.json"
 PASSKEY_FILE = Path("eval_length") / passkey.RESULT_FILE
@@ -101,7 +101,7 @@ def plot_long_context(
     and, when given, the true key's log-probability per token; then, when given, the loss by position. One
     line per label. ``series``: label -> {"ppl@2x": ..., "passkey@2x": ..., "key_logprob@2x": ...};
     ``curves``: label -> loss at each position."""
-    from gptlab.eval.plots import binned, pyplot, save_figure
+    from gptlab.figures import binned, pyplot, save_figure
 
     plt = pyplot()
     panels = [

@@ -14,7 +14,7 @@ The class below implements the harness's three request types on the run's own mo
 
 ``lm-eval`` 0.4.13 has no entry-point mechanism for model backends (its registry is a fixed table in
 ``lm_eval/models/__init__.py``): importing this module registers ``gptlab`` in-process, and
-``python -m gptlab.eval.harness run --model gptlab --model_args run=<run dir> --tasks ...`` is the harness's
+``python -m gptlab.evaluation.harness run --model gptlab --model_args run=<run dir> --tasks ...`` is the harness's
 own command line with that registration done.
 """
 

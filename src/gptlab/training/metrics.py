@@ -21,7 +21,7 @@ from lightning.pytorch.callbacks.throughput_monitor import _plugin_to_compute_dt
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 
 if TYPE_CHECKING:
-    from gptlab.lit.module import GPTLitModule
+    from gptlab.training.module import GPTLitModule
 
 log = logging.getLogger(__name__)
 

@@ -9,27 +9,7 @@ from typing import Any
 
 import numpy as np
 
-
-def pyplot() -> Any:
-    """matplotlib's pyplot on the file-only Agg backend (no display needed)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def save_figure(fig: Any, path: str | Path, dpi: float | str = "figure") -> Path:
-    """Lay ``fig`` out, write it to ``path`` (making its folder) and close it; returns the path."""
-    import matplotlib.pyplot as plt
-
-    path = Path(path)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=dpi)
-    plt.close(fig)
-    return path
+from gptlab.figures import binned, pyplot, save_figure
 
 
 def plot_length_result(result: dict[str, Any], out_dir: Path) -> list[Path]:
@@ -72,15 +52,6 @@ def plot_length_result(result: dict[str, Any], out_dir: Path) -> list[Path]:
     ax.legend(fontsize=8)
     paths.append(save_figure(fig, out_dir / "loss_by_position.png", dpi=100))
     return paths
-
-
-def binned(values: np.ndarray, bins: int = 64) -> tuple[np.ndarray, np.ndarray]:
-    """Average ``values`` (T,) over log-spaced position bins: readable curves at any T. Returns the bins'
-    mean positions (1-based) and mean values."""
-    edges = np.unique(np.geomspace(1, len(values) + 1, bins + 1).astype(int))
-    x = [(lo + hi - 1) / 2 for lo, hi in zip(edges[:-1], edges[1:])]
-    y = [values[lo - 1 : hi - 1].mean() for lo, hi in zip(edges[:-1], edges[1:])]
-    return np.asarray(x), np.asarray(y)
 
 
 def plot_passkey_heatmap(

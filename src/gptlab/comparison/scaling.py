@@ -8,7 +8,7 @@ counted from each run's ``config_resolved.yaml`` (``gptlab.model.counting``). Th
 validation loss; every run was trained on the same number of tokens, so the fit describes L(N) at that data
 budget, not a compute-optimal frontier.
 
-Runs are read with the comparison's own reader (``gptlab.analysis.compare.read_sweep``); unfinished runs
+Runs are read with the comparison's own reader (``gptlab.comparison.report.read_sweep``); unfinished runs
 (killed, or still running) are left out. A *condition* is what the runs' overrides say besides the size and
 the seed (``pos=rope``): one curve is fitted per condition.
 
@@ -193,9 +193,9 @@ def points_from_sweep(
     sweep_dir: str | Path, size_keys: Sequence[str] = SIZE_KEYS
 ) -> tuple[list[ScalingPoint], list[tuple[Path, str]]]:
     """(one point per finished run, the runs left out with the reason), read through ``read_sweep``; a
-    point's condition is the comparison's (:mod:`gptlab.analysis.table`), the size keys left out."""
-    from gptlab.analysis.compare import read_sweep
-    from gptlab.analysis.table import condition_keys, condition_of, label_of
+    point's condition is the comparison's (:mod:`gptlab.comparison.table`), the size keys left out."""
+    from gptlab.comparison.report import read_sweep
+    from gptlab.comparison.table import condition_keys, condition_of, label_of
 
     runs, skipped = read_sweep(sweep_dir)
     skipped = list(skipped)
@@ -265,7 +265,7 @@ def markdown_table(fits: dict[str, PowerLawFit], confidence: float = 0.95) -> st
 def plot_fits(points: Sequence[ScalingPoint], fits: dict[str, PowerLawFit], path: Path) -> Path:
     """Final validation loss against non-embedding parameters (log x), one colour per condition, with the
     fitted curve."""
-    from gptlab.eval.plots import pyplot, save_figure
+    from gptlab.figures import pyplot, save_figure
 
     fig, ax = pyplot().subplots(figsize=(7.5, 4.5), dpi=120)
     for condition in sorted({p.condition for p in points}):

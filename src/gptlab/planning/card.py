@@ -9,7 +9,8 @@ from typing import Any
 from gptlab.model.config import GPTConfig
 from gptlab.model.counting import flops_per_token, human, parameter_counts
 from gptlab.model.gpt import mlp_hidden_width
-from gptlab.parallel.planner import (
+from gptlab.parallel.strategies import StrategyChoice
+from gptlab.planning.planner import (
     BYTES,
     GiB,
     MemoryEstimate,
@@ -18,7 +19,6 @@ from gptlab.parallel.planner import (
     distinct_choices,
     memory_per_device,
 )
-from gptlab.parallel.strategies import StrategyChoice
 
 
 def model_card(

@@ -19,8 +19,8 @@ from typing import Any
 
 import lightning as L
 
-from gptlab.lit.checkpointing.periodic import PeriodicLastCheckpoint
 from gptlab.parallel import slurm
+from gptlab.training.checkpointing.periodic import PeriodicLastCheckpoint
 
 log = logging.getLogger(__name__)
 

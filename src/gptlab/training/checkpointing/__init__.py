@@ -10,18 +10,17 @@
 """
 
 from gptlab.errors import NonFiniteLossError
-from gptlab.lit.checkpointing.fit import RunIdentity, fault_tolerance_callbacks, fit
-from gptlab.lit.checkpointing.guard import check_finite_loss, state_is_finite
-from gptlab.lit.checkpointing.periodic import PeriodicLastCheckpoint
-from gptlab.lit.checkpointing.rng import collect_rng_states, restore_rng_states
-from gptlab.lit.checkpointing.signals import StopOnSignal
 from gptlab.parallel.checkpoint_io import AtomicCheckpointIO, restore_interrupted_saves
+from gptlab.training.checkpointing.fit import fault_tolerance_callbacks, fit
+from gptlab.training.checkpointing.guard import check_finite_loss, state_is_finite
+from gptlab.training.checkpointing.periodic import PeriodicLastCheckpoint
+from gptlab.training.checkpointing.rng import collect_rng_states, restore_rng_states
+from gptlab.training.checkpointing.signals import StopOnSignal
 
 __all__ = [
     "AtomicCheckpointIO",
     "NonFiniteLossError",
     "PeriodicLastCheckpoint",
-    "RunIdentity",
     "StopOnSignal",
     "check_finite_loss",
     "collect_rng_states",

@@ -66,7 +66,7 @@ def length_perplexities(run: Run) -> dict[str, float | None]:
 
 def passkey_accuracy(run: Run) -> dict[str, float | None]:
     """``passkey@1x``, ... (retrieval accuracy over depths) from ``eval_length/passkey.json``."""
-    from gptlab.eval import long_context
+    from gptlab.evaluation import long_context
 
     return long_context.read_passkey(run.path)
 
@@ -133,7 +133,7 @@ def _median(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
 
 
-# Logged once when training starts (lit/metrics.py), at the step it starts from: 0 for a new run, the
+# Logged once when training starts (training/metrics.py), at the step it starts from: 0 for a new run, the
 # checkpoint's step for a resumed one.
 START_MARKER = "model/flops_per_token"
 

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from gptlab.errors import ConfigError
-from gptlab.eval import passkey, plots
+from gptlab.evaluation import passkey, plots
 from gptlab.model.gpt import GPT
 from gptlab.runs.layout import LENGTH_FILE
 
@@ -66,7 +66,7 @@ class LengthEvalOptions:
     def from_dict(cls, values: dict[str, Any] | None) -> LengthEvalOptions:
         values = dict(values or {})
         values.pop("enabled", None)
-        values.pop("passkey", None)  # the passkey study's own node (gptlab.eval.passkey)
+        values.pop("passkey", None)  # the passkey study's own node (gptlab.evaluation.passkey)
         known = {"factors", "max_tokens", "batch_tokens", "rope_scalings"}
         unknown = sorted(set(values) - known)
         if unknown:
@@ -257,12 +257,12 @@ def evaluate_run(
 ) -> tuple[dict[str, Any], list[Path]]:
     """Evaluate a run directory or checkpoint; writes JSON and plots to ``out_dir`` (default
     ``<run dir>/eval_length``) and, when the run logged to W&B, a W&B run in the same group.
-    ``passkey_node``: options of the passkey study (gptlab.eval.passkey); None skips it."""
-    from gptlab.runs.trained import load_run, validation_tokens
+    ``passkey_node``: options of the passkey study (gptlab.evaluation.passkey); None skips it."""
+    from gptlab.runs.trained import held_out_tokens, load_run
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     trained = load_run(path, device)
-    tokens = validation_tokens(trained)
+    tokens = held_out_tokens(trained)
     result = evaluate_lengths(trained.model, tokens, trained.train_context, options)
     result["checkpoint"] = str(trained.checkpoint)
     out_dir = Path(out_dir) if out_dir else (trained.run_dir or trained.checkpoint.parent) / "eval_length"
