@@ -83,19 +83,22 @@ def test_gated_mlps_keep_the_4x_mlps_parameters_and_mlp_ratio_overrides():
 
 def test_rmsnorm_is_zhang_and_sennrichs_and_layernorm_bias_is_optional():
     x = torch.randn(2, 7, 32) * 5 + 3
-    rms = norms.build(tiny(norm="rmsnorm"))
+    rms = norms.build(tiny(norm="rmsnorm").norm, 32)
     with torch.no_grad():
         rms.weight.copy_(torch.linspace(0.5, 2, 32))
     expected = x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * rms.weight
     torch.testing.assert_close(rms(x), expected)
     assert [n for n, _ in rms.named_parameters()] == ["weight"]
 
-    assert norms.build(tiny()).bias is not None  # follows model.bias=true
-    assert norms.build(tiny(bias=False)).bias is None
-    assert norms.build(tiny(bias=False, norm_bias=True)).bias is not None
-    assert norms.build(tiny(norm_bias=False)).bias is None
-    with pytest.raises(ConfigError, match="norm=rmsnorm has no bias"):
-        GPT(tiny(norm="rmsnorm", norm_bias=True))
+    def norm_of(**kw):
+        return norms.build(tiny(**kw).norm, 32)
+
+    assert norm_of().bias is not None  # follows model.bias=true
+    assert norm_of(bias=False).bias is None
+    assert norm_of(bias=False, norm={"name": "layernorm", "bias": True}).bias is not None
+    assert norm_of(norm={"name": "layernorm", "bias": False}).bias is None
+    with pytest.raises(ConfigError, match=r"norm=rmsnorm does not take option\(s\) norm.bias"):
+        GPT(tiny(norm={"name": "rmsnorm", "bias": True}))
 
 
 @pytest.mark.parametrize("norm", NORM_YAMLS)
@@ -103,7 +106,7 @@ def test_post_norm_normalises_after_the_residual_add(norm):
     torch.manual_seed(0)
     block = Block(tiny(norm=norm, norm_placement="post"), layer=0)
     x, positions = torch.randn(2, 8, 32) * 4 + 1, torch.arange(8)
-    pos = positional.get("nope")(tiny(pos="nope"))
+    pos = positional.get("nope")(n_head=4, head_dim=8, block_size=16)
     # The original transformer (Vaswani et al. 2017): LayerNorm(x + Sublayer(x)), twice.
     h = block.ln_1(x + block.attn(x, pos, positions, None))
     y = block(x, pos, positions)

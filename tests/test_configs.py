@@ -45,7 +45,7 @@ def test_the_parts_build_from_python(make_cfg):
     cfg = make_cfg("model=tiny", "pos=sinusoidal", "activation=relu")
     tok = gptlab.build_tokenizer(cfg)
     model = gptlab.build_model(cfg, tok)
-    assert model.config.pos == "sinusoidal" and model.config.vocab_size == tok.vocab_size
+    assert model.config.pos.name == "sinusoidal" and model.config.vocab_size == tok.vocab_size
     dm = gptlab.build_datamodule(cfg)
     dm.setup("fit")
     x, y = next(iter(dm.train_dataloader()))

@@ -31,10 +31,10 @@ def test_every_registered_scheme_has_a_yaml_and_cites_a_paper():
 
 def test_sinusoidal_table_equals_the_formula_also_past_block_size():
     d, base = 12, 500.0
-    model = GPT(tiny(pos="sinusoidal", n_embd=d, n_head=2, pos_options={"base": base, "scale": 1.0}))
+    model = GPT(tiny(pos={"name": "sinusoidal", "base": base, "scale": 1.0}, n_embd=d, n_head=2))
     x = torch.zeros(1, 40, d)
     pe = model.transformer.pos.embed(x, torch.arange(40))[0]  # 40 > block_size: computed, not looked up
-    default = GPT(tiny(pos="sinusoidal", n_embd=d, n_head=2, pos_options={"base": base})).transformer.pos
+    default = GPT(tiny(pos={"name": "sinusoidal", "base": base}, n_embd=d, n_head=2)).transformer.pos
     torch.testing.assert_close(default.embed(x, torch.arange(40))[0], pe / math.sqrt(d))  # the paper's ratio
     for p in (0, 1, 7, 15, 16, 39):
         for i in range(d // 2):
@@ -61,7 +61,7 @@ def rope_score(pos_module, q: torch.Tensor, k: torch.Tensor, i: int, j: int) -> 
 )
 def test_rope_score_depends_only_on_the_distance(options):
     torch.manual_seed(0)
-    pos = GPT(tiny(pos="rope", pos_options=options)).transformer.pos
+    pos = GPT(tiny(pos={"name": "rope", **options})).transformer.pos
     q, k = torch.randn(8, dtype=torch.float64), torch.randn(8, dtype=torch.float64)
     for i, j in [(5, 2), (9, 9), (30, 1)]:
         reference = rope_score(pos, q, k, i, j)
@@ -73,7 +73,7 @@ def test_rope_score_depends_only_on_the_distance(options):
 
 def test_xpos_score_depends_only_on_the_distance_and_decays_with_it():
     torch.manual_seed(0)
-    config = tiny(pos="xpos", pos_options={"scale_base": 8.0})
+    config = tiny(pos={"name": "xpos", "scale_base": 8.0})
     xpos = GPT(config).transformer.pos
     rope = GPT(tiny(pos="rope")).transformer.pos
     q = torch.randn(8, dtype=torch.float64)
@@ -88,7 +88,7 @@ def test_xpos_score_depends_only_on_the_distance_and_decays_with_it():
 
 
 def test_rope_rotates_only_its_fraction_and_keeps_norms():
-    pos = GPT(tiny(pos="rope", pos_options={"rotary_fraction": 0.25})).transformer.pos  # head_dim 8 -> 2
+    pos = GPT(tiny(pos={"name": "rope", "rotary_fraction": 0.25})).transformer.pos  # head_dim 8 -> 2
     assert pos.rotary_dim == 2
     q = torch.randn(1, 4, 6, 8)
     rq, _ = pos.rotate(q, q, torch.arange(6))
@@ -153,7 +153,7 @@ def test_t5_buckets_are_monotone_causal_and_saturate_at_max_distance():
 
 def test_relative_bias_is_learned_per_head_and_shared_by_layers():
     torch.manual_seed(0)
-    model = GPT(tiny(pos="relative", pos_options={"num_buckets": 8, "max_distance": 32}))
+    model = GPT(tiny(pos={"name": "relative", "num_buckets": 8, "max_distance": 32}))
     table = model.transformer.pos.relative_attention_bias.weight
     assert table.shape == (8, 4)
     q, k = torch.arange(20, 60), torch.arange(60)  # queries after cached keys, past max_distance
@@ -244,32 +244,35 @@ def test_learned_table_says_it_cannot_run_past_its_table():
     [
         (dict(n_embd=66, n_head=2), r"pos=rope needs an even head dimension .* = 33"),
         (
-            dict(pos_options={"scaling": "dynamic"}),
+            dict(pos={"name": "rope", "scaling": "dynamic"}),
             r"pos.scaling='dynamic' must be one of 'none', 'linear', 'ntk', 'yarn'",
         ),
-        (dict(pos_options={"rotary_fraction": 0}), r"pos.rotary_fraction=0(\.0)? must be in \(0, 1\]"),
-        (dict(pos_options={"rotary_fraction": 0.1}), r"leaves no pair to rotate"),
-        (dict(pos_options={"scale_factor": 0.5}), r"pos.scale_factor=0.5 must be a number >= 1"),
         (
-            dict(pos_options={"theta": 5}),
+            dict(pos={"name": "rope", "rotary_fraction": 0}),
+            r"pos.rotary_fraction=0(\.0)? must be in \(0, 1\]",
+        ),
+        (dict(pos={"name": "rope", "rotary_fraction": 0.1}), r"leaves no pair to rotate"),
+        (dict(pos={"name": "rope", "scale_factor": 0.5}), r"pos.scale_factor=0.5 must be a number >= 1"),
+        (
+            dict(pos={"name": "rope", "theta": 5}),
             r"pos=rope does not take option\(s\) pos.theta. Its options: pos.base",
         ),
     ],
 )
 def test_bad_rope_options_are_refused_with_the_fix(kw, message):
     with pytest.raises(ConfigError, match=message):
-        GPT(tiny(pos="rope", **kw))
+        GPT(tiny(**{"pos": "rope", **kw}))
 
 
 def test_bad_bias_scheme_options_are_refused():
     with pytest.raises(
         ConfigError, match=r"pos.max_distance=8 must be an integer larger than pos.num_buckets/2 = 16"
     ):
-        GPT(tiny(pos="relative", pos_options={"max_distance": 8}))
+        GPT(tiny(pos={"name": "relative", "max_distance": 8}))
     with pytest.raises(ConfigError, match=r"pos=alibi does not take option\(s\) pos.base. Its options: none"):
-        GPT(tiny(pos="alibi", pos_options={"base": 10}))
+        GPT(tiny(pos={"name": "alibi", "base": 10}))
     with pytest.raises(ConfigError, match=r"pos.hidden=0 must be a positive integer"):
-        GPT(tiny(pos="fire", pos_options={"hidden": 0}))
+        GPT(tiny(pos={"name": "fire", "hidden": 0}))
 
 
 @pytest.mark.parametrize(
@@ -290,7 +293,7 @@ def test_bad_bias_scheme_options_are_refused():
 def test_every_option_is_type_checked_from_its_dataclass(pos, options, message):
     """Types come from each scheme's Options dataclass: the message names the key, the type and the value."""
     with pytest.raises(ConfigError, match=message):
-        positional.check(tiny(pos=pos, pos_options=options))
+        tiny(pos={"name": pos, **options})  # the config is checked whole when it is made
 
 
 def test_options_are_typed_dataclasses_with_the_yamls_defaults():
@@ -337,7 +340,7 @@ def test_every_pos_yaml_trains_through_the_cli(tmp_path):
     assert len(jobs) == len(POS_YAMLS), proc.stdout[-2000:]
     for job, name in zip(jobs, POS_YAMLS):
         ckpt = torch.load(job / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
-        assert ckpt["hyper_parameters"]["model"]["pos"] == name
+        assert ckpt["hyper_parameters"]["model"]["pos"]["name"] == name
         assert ckpt["global_step"] == 3
         rows = (job / "csv" / "metrics.csv").read_text().splitlines()
         header = rows[0].split(",")

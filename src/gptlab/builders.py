@@ -20,7 +20,7 @@ from gptlab.data.datamodule import GPTDataModule
 from gptlab.errors import ConfigError
 from gptlab.model import positional
 from gptlab.model.config import GPTConfig
-from gptlab.model.gpt import GPT, check_config
+from gptlab.model.gpt import GPT
 
 # Keys of the data node that describe the corpus (the rest are loader settings).
 _SPEC_KEYS = {
@@ -92,20 +92,7 @@ def model_config_from_nodes(
             f"{values['vocab_size']}: the embedding table has no row for the larger ids. Set "
             f"model.vocab_size={tokenizer.vocab_size} or larger, or null to take the tokenizer's size."
         )
-    norm = dict(_plain(norm))
-    values["pos"] = dict(_plain(pos))  # the node: name plus the scheme's options
-    values["activation"] = dict(_plain(activation))
-    values["norm"] = norm.pop("name")
-    for key in ("placement", "eps", "bias"):
-        if key in norm:
-            values[f"norm_{key}"] = norm.pop(key)
-    if norm:
-        raise ConfigError(
-            f"Unknown norm option(s) {sorted(norm)}. Known: norm.name, norm.placement, norm.eps, norm.bias."
-        )
-    config = GPTConfig.from_dict(values)
-    check_config(config)
-    return config
+    return GPTConfig.from_nodes(values, _plain(pos), _plain(activation), _plain(norm))
 
 
 def build_model_config(cfg: DictConfig, tokenizer: tokenizers.Tokenizer | None = None) -> GPTConfig:

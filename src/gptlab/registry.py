@@ -19,7 +19,7 @@ import dataclasses
 import difflib
 import types
 import typing
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any, Generic, Literal, TypeVar, Union
 
 from gptlab.errors import ConfigError
@@ -43,6 +43,8 @@ class Registry(Generic[T]):
             if name in self._entries:
                 raise KeyError(f"{self.kind} {name!r} is registered twice")
             self._entries[name] = obj
+            if isinstance(obj, type):
+                obj.choice_name = name  # type: ignore[attr-defined]  # the name a config chooses it by
             return obj
 
         return add
@@ -74,26 +76,72 @@ class Registry(Generic[T]):
         values = {k: v for k, v in (values or {}).items() if k != "name"}
         return build_options(self.options_type(name), values, f"{self.config_key}={name}", self.config_key)
 
+    def choose(self, node: str | Mapping[str, Any] | Choice) -> Choice:
+        """The variant a config node chooses, with its typed options: ``node`` is the name alone, the node
+        (``{"name": "rope", "base": 500.0}``), or a Choice already made (returned as it is)."""
+        if isinstance(node, Choice):
+            if isinstance(node.options, self.options_type(node.name)):
+                return node
+            node = node.node()  # a bare Choice("rope"): its options are the defaults
+        if isinstance(node, str):
+            return Choice(node, self.build_options(node))
+        if not isinstance(node, Mapping) or not isinstance(node.get("name"), str):
+            raise ConfigError(
+                f"{self.config_key}={node!r} must name a {self.kind} (one of {', '.join(self.names())}), "
+                f"e.g. {self.config_key}={self.names()[0]}."
+            )
+        return Choice(node["name"], self.build_options(node["name"], node))
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    """A variant chosen by name, with its typed options (the variant's ``Options`` dataclass)."""
+
+    name: str
+    options: Any = NoOptions()
+
+    def node(self) -> dict[str, Any]:
+        """The config node that chooses it again: ``{"name": ..., **options}``."""
+        return {"name": self.name, **dataclasses.asdict(self.options)}
+
 
 def build_options(options_type: type, values: Mapping[str, Any], owner: str, prefix: str) -> Any:
     """``options_type(**values)`` after checking every key and the type of every value; ``owner`` names the
     choice in messages (``pos=rope``), ``prefix`` the config node (``pos``)."""
     fields = {f.name: f for f in dataclasses.fields(options_type) if f.init}
-    unknown = sorted(set(values) - set(fields))
-    if unknown:
-        allowed = ", ".join(f"{prefix}.{k}" for k in fields) or "none"
-        suggestions = []
-        for key in unknown:
-            close = difflib.get_close_matches(key, list(fields), n=1)
-            suggestions.append(f" Did you mean {prefix}.{close[0]}?" if close else "")
-        raise ConfigError(
-            f"{owner} does not take option(s) {', '.join(prefix + '.' + k for k in unknown)}. "
-            f"Its options: {allowed}. Remove the key from the command line or the YAML, or choose a "
-            f"{prefix} that takes it.{''.join(suggestions)}"
-        )
+    check_keys(values, fields, owner, prefix)
     types_ = typing.get_type_hints(options_type)
     converted = {key: check_type(value, types_[key], f"{prefix}.{key}") for key, value in values.items()}
     return options_type(**converted)
+
+
+def check_keys(
+    values: Mapping[str, Any] | Sequence[str],
+    allowed: Collection[str],
+    owner: str,
+    prefix: str,
+    fix: str = "",
+) -> None:
+    """The one check of a config node's keys: every key of ``values`` must be in ``allowed``, or a
+    ConfigError names the unknown keys, the allowed ones, the closest match, and the fix (by default: remove
+    the key, or choose a ``prefix`` that takes it)."""
+    unknown = sorted(set(values) - set(allowed))
+    if not unknown:
+        return
+    listed = ", ".join(f"{prefix}.{k}" for k in allowed) if len(allowed) <= 40 else "see the docs"
+    suggestions = []
+    for key in unknown:
+        close = difflib.get_close_matches(key, list(allowed), n=1)
+        suggestions.append(f" Did you mean {prefix}.{close[0]}?" if close else "")
+    fix = fix or (
+        f"Remove the key from the command line or the YAML, or choose a {prefix} that takes it."
+        if owner != prefix
+        else "Remove the key from the command line or the YAML."
+    )
+    raise ConfigError(
+        f"{owner} does not take option(s) {', '.join(prefix + '.' + k for k in unknown)}. "
+        f"Its options: {listed or 'none'}. {fix}{''.join(suggestions)}"
+    )
 
 
 def check_type(value: Any, hint: Any, label: str) -> Any:

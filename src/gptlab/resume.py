@@ -128,7 +128,21 @@ def checkpoint_to_resume(resume: Any, run_dir: Path) -> Path | None:
     return path
 
 
+def _flat(config: dict[str, Any]) -> dict[str, Any]:
+    """A model config's values by the override that sets each: ``n_layer`` -> ``model.n_layer``, a variant's
+    node ``pos={"name": "rope", "base": 500.0}`` -> ``pos=rope``, ``pos.base``; the placement -> ``norm.placement``."""
+    flat: dict[str, Any] = {}
+    for key, value in config.items():
+        if isinstance(value, dict):
+            for option, v in value.items():
+                flat[key if option == "name" else f"{key}.{option}"] = v
+        else:
+            flat["norm.placement" if key == "norm_placement" else f"model.{key}"] = value
+    return flat
+
+
 def architecture_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    saved, current = _flat(saved), _flat(current)
     keys = sorted(set(saved) | set(current))
     return [
         f"{key}: {saved.get(key)!r} in the checkpoint, {current.get(key)!r} now"
@@ -158,10 +172,11 @@ def inspect_checkpoint(path: Path, model_config: Any) -> ResumePlan:
     current = model_config.to_dict()
     diffs = architecture_differences(saved, current)
     if diffs:
+        flat_saved, flat_current = _flat(saved), _flat(current)
         fixes = [
-            f"model.{k}={saved[k]}"
-            for k in sorted(k for k in saved if saved[k] != current.get(k))
-            if k in ("n_layer", "n_head", "n_embd", "block_size", "n_kv_head")
+            f"{k}={'null' if flat_saved[k] is None else flat_saved[k]}"
+            for k in sorted(k for k in flat_saved if flat_saved[k] != flat_current.get(k))
+            if k != "model.vocab_size"
         ]
         raise CheckpointError(
             f"Checkpoint {path} is from a different model: {'; '.join(diffs)}. Resume with the settings it was "

@@ -81,7 +81,7 @@ class GptlabLM(TemplateLM):
         self.max_length = int(max_length or trained.train_context)
         if limit is not None and self.max_length > limit:
             raise ConfigError(
-                f"max_length={self.max_length} is past the {limit}-position table of pos={self.model.config.pos}: "
+                f"max_length={self.max_length} is past the {limit}-position table of pos={self.model.config.pos.name}: "
                 f"pass max_length<={limit}."
             )
         if batch_size in (None, "auto") or str(batch_size).startswith("auto"):

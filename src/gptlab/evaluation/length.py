@@ -9,6 +9,7 @@ YaRN) is also evaluated with each of them set to the factor ``f``, since those e
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -108,7 +109,7 @@ def unsupported_reason(model: GPT, context: int) -> str | None:
     limit = model.transformer.pos.max_positions
     if limit is not None and context > limit:
         return (
-            f"pos={model.config.pos} has a table of {limit} positions and no vector for the positions past it, "
+            f"pos={model.config.pos.name} has a table of {limit} positions and no vector for the positions past it, "
             f"so it cannot run at {context} tokens"
         )
     return None
@@ -125,11 +126,13 @@ def evaluate_lengths(
     was_training = model.training
     model.eval()
     pos = model.transformer.pos
-    variants: list[tuple[str, str | None]] = [(model.config.pos, None)]
-    variants += [(f"{model.config.pos}+{s}", s) for s in options.rope_scalings if s in pos.context_scalings]
+    variants: list[tuple[str, str | None]] = [(model.config.pos.name, None)]
+    variants += [
+        (f"{model.config.pos.name}+{s}", s) for s in options.rope_scalings if s in pos.context_scalings
+    ]
     result: dict[str, Any] = {
-        "pos": model.config.pos,
-        "pos_options": dict(model.config.pos_options),
+        "pos": model.config.pos.name,
+        "pos_options": dataclasses.asdict(model.config.pos.options),
         "train_context": train_context,
         "factors": list(options.factors),
         "validation_tokens": int(len(tokens)),

@@ -194,7 +194,7 @@ def score_prompts(model: GPT, prompts: list[Prompt], tokenizer: Tokenizer) -> li
 def bounded_reason(model: GPT, length: int) -> str | None:
     limit = model.transformer.pos.max_positions
     if limit is not None and length > limit:
-        return f"pos={model.config.pos} has a table of {limit} positions, so it cannot run at {length} tokens"
+        return f"pos={model.config.pos.name} has a table of {limit} positions, so it cannot run at {length} tokens"
     return None
 
 
@@ -213,7 +213,7 @@ def evaluate_passkey(
     bins = depth_bins(options.depths)
     result: dict[str, Any] = {
         "protocol": "passkey retrieval (Mohtashami & Jaggi 2023), greedy answer",
-        "pos": model.config.pos,
+        "pos": model.config.pos.name,
         "tokenizer": tokenizer.name,
         "train_context": train_context,
         "factors": list(factors),
@@ -235,7 +235,7 @@ def evaluate_passkey(
     try:
         result["cells"], result["metrics"] = _table(model, tokenizer, train_context, factors, options, None)
         for method in [s for s in scalings if s in getattr(pos, "context_scalings", ())]:
-            name = f"{model.config.pos}+{method}"
+            name = f"{model.config.pos.name}+{method}"
             cells, metrics = _table(model, tokenizer, train_context, factors, options, method)
             metrics = {k.replace("passkey/", f"passkey/{name}/", 1): v for k, v in metrics.items()}
             result["scaled"][name] = {"cells": cells, "metrics": metrics}
@@ -301,7 +301,7 @@ def _table(
             metrics[f"passkey/key_logprob@{factor}x"] = float(
                 np.mean([c["key_logprob"] for c in scored_cells])
             )
-        name = model.config.pos + (f"+{scaling}" if scaling else "")
+        name = model.config.pos.name + (f"+{scaling}" if scaling else "")
         log.info("passkey, %s at %dx (%d tokens): %s", name, factor, length, format_row(row))
     return cells, metrics
 

@@ -63,7 +63,7 @@ def plot_scheme(
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     n = n or model.config.block_size
-    label = label or model.config.pos
+    label = label or model.config.pos.name
     written = []
 
     table = position_table(model, n)
@@ -72,7 +72,7 @@ def plot_scheme(
         image = ax.imshow(table.T, aspect="auto", cmap="RdBu_r", interpolation="nearest")
         ax.set_xlabel("position")
         ax.set_ylabel("embedding dimension")
-        ax.set_title(f"pos={model.config.pos}: position vectors")
+        ax.set_title(f"pos={model.config.pos.name}: position vectors")
         fig.colorbar(image, ax=ax)
         written.append(save_figure(fig, out_dir / f"{label}_table.png", dpi=72))
 
@@ -82,7 +82,7 @@ def plot_scheme(
         image = ax.imshow(similarity, cmap="viridis", vmin=-1, vmax=1, interpolation="nearest")
         ax.set_xlabel("position j")
         ax.set_ylabel("position i")
-        ax.set_title(f"pos={model.config.pos}: cosine similarity of positions")
+        ax.set_title(f"pos={model.config.pos.name}: cosine similarity of positions")
         fig.colorbar(image, ax=ax)
         written.append(save_figure(fig, out_dir / f"{label}_similarity.png", dpi=72))
 
@@ -101,6 +101,6 @@ def plot_scheme(
             ax.set_xlabel("key j", fontsize=8)
             ax.set_ylabel("query i", fontsize=8)
             fig.colorbar(image, ax=ax, fraction=0.046)
-        fig.suptitle(f"pos={model.config.pos}: attention bias per head")
+        fig.suptitle(f"pos={model.config.pos.name}: attention bias per head")
         written.append(save_figure(fig, out_dir / f"{label}_bias.png", dpi=72))
     return written

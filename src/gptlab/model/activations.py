@@ -8,16 +8,13 @@ builds the wider projection. The split is [gate | value] along the last dimensio
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from gptlab.registry import NoOptions, Registry
-
-if TYPE_CHECKING:
-    from gptlab.model.config import GPTConfig
 
 REGISTRY: Registry[type[Activation]] = Registry("activation", "activation")
 register = REGISTRY.register
@@ -29,13 +26,9 @@ def is_gated(name: str) -> bool:
     return get(name).gated
 
 
-def check(config: GPTConfig) -> Any:
-    """The typed options of ``config``'s activation (``activation.*`` besides ``name``)."""
-    return REGISTRY.build_options(config.activation, config.activation_options)
-
-
-def build(config: GPTConfig) -> Activation:
-    return get(config.activation)(check(config))
+def build(choice: Any) -> Activation:
+    """The chosen activation (a :class:`~gptlab.registry.Choice`), with its options."""
+    return get(choice.name)(choice.options)
 
 
 class Activation(nn.Module):

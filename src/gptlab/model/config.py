@@ -1,19 +1,23 @@
-"""The model's configuration: plain, serialisable values, validated on construction.
+"""The model's configuration: its sizes and switches, and one :class:`~gptlab.registry.Choice` per variant
+family (positional scheme, activation, norm), each with that variant's typed options.
 
-Names, not classes, choose the variants (``pos="rope"``, ``activation="swiglu"``), so that a config can be
-saved in a checkpoint, logged to W&B and rebuilt anywhere. This module imports no variant: each variant's
-registry turns the name and its plain options into a typed ``Options`` dataclass where the variant is built
-(``gptlab.model.gpt.check_config`` checks all of them at once, before any weight exists).
+Made once, and checked whole when it is made: every size, every variant name and option (the variant's own
+``Options`` dataclass, built by its registry), and the checks that need both (a rotary scheme's even head
+dimension). A variant is given by its name, its config node (``pos={"name": "rope", "base": 500.0}``) or a
+Choice. ``to_dict`` writes plain values (saved in checkpoints, logged to W&B); ``from_dict`` reads them back,
+also as saved by earlier versions (``pos`` + ``pos_options``, ``norm_eps``, ``norm_bias``).
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
+import dataclasses
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from gptlab.errors import ConfigError
+from gptlab.model import activations, norms, positional
+from gptlab.registry import Choice, check_keys
 
-# model.param: how weights and rates scale with width (model/parametrization.py).
 PARAMETRIZATIONS = ("standard", "mup")
 
 
@@ -34,18 +38,21 @@ class GPTConfig:
     # width relative to mup_base_width (Yang et al. 2022, "Tensor Programs V").
     param: str = "standard"
     mup_base_width: int = 128
-    # Variant choices, each a name in its registry, with that variant's own options (plain values; the
-    # variant's Options dataclass says which keys and types it takes).
-    pos: str = "learned"
-    pos_options: dict[str, Any] = field(default_factory=dict)
-    activation: str = "gelu"
-    activation_options: dict[str, Any] = field(default_factory=dict)
-    norm: str = "layernorm"
-    norm_placement: str = "pre"  # "pre" (GPT-2) or "post" (the original transformer)
-    norm_eps: float = 1e-5
-    norm_bias: bool | None = None  # None: the norms have a bias when ``bias`` is on (and the norm has one)
+    # The variants: each a Choice of its registry (given as a name or a config node, made a Choice here).
+    pos: Choice = field(default_factory=lambda: Choice("learned"))
+    activation: Choice = field(default_factory=lambda: Choice("gelu"))
+    norm: Choice = field(default_factory=lambda: Choice("layernorm"))
+    norm_placement: str = (
+        "pre"  # "pre" (GPT-2) or "post" (the original transformer): the block's, not the norm's
+    )
 
     def __post_init__(self) -> None:
+        self.pos = positional.REGISTRY.choose(self.pos)
+        self.activation = activations.REGISTRY.choose(self.activation)
+        norm = norms.REGISTRY.choose(self.norm)
+        if getattr(norm.options, "bias", False) is None:  # a norm bias that follows the model's
+            norm = Choice(norm.name, dataclasses.replace(norm.options, bias=self.bias))
+        self.norm = norm
         self.validate()
 
     @property
@@ -85,12 +92,9 @@ class GPTConfig:
         if self.mlp_ratio is not None and self.mlp_ratio <= 0:
             raise ConfigError(f"model.mlp_ratio={self.mlp_ratio} must be positive (or null for the default).")
         self._validate_parametrization()
-        for key in ("pos", "activation", "norm"):
-            if not isinstance(getattr(self, key), str):
-                raise ConfigError(f"{key}={getattr(self, key)!r} must be the name of a {key} choice.")
-        for key in ("pos_options", "activation_options"):
-            if not isinstance(getattr(self, key), dict):
-                raise ConfigError(f"model {key}={getattr(self, key)!r} must be a mapping of option names.")
+        positional.get(self.pos.name).check_shape(
+            self.pos.options, n_head=self.n_head, head_dim=self.head_dim, block_size=self.block_size
+        )
 
     def _validate_parametrization(self) -> None:
         if self.param not in PARAMETRIZATIONS:
@@ -112,30 +116,49 @@ class GPTConfig:
                 f"{self.n_head}, e.g. model.mup_base_width={near}."
             )
 
+    @property
+    def gated(self) -> bool:
+        """Whether the activation gates (and so wants the doubled first projection)."""
+        return activations.get(self.activation.name).gated
+
+    @classmethod
+    def from_nodes(cls, model: dict[str, Any], pos: Any, activation: Any, norm: Any) -> GPTConfig:
+        """The config of the ``model``, ``pos``, ``activation`` and ``norm`` config nodes (plain values):
+        ``norm.placement`` is taken out of the norm's node, the rest of each node is its variant's options."""
+        norm = dict(norm) if not isinstance(norm, (str, Choice)) else norm
+        placement = norm.pop("placement", "pre") if isinstance(norm, dict) else "pre"
+        check_keys(model, _MODEL_KEYS, "model", "model")
+        return cls(**model, pos=pos, activation=activation, norm=norm, norm_placement=placement)
+
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """Plain values: the sizes and switches, and each variant as its config node."""
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        for key in ("pos", "activation", "norm"):
+            values[key] = getattr(self, key).node()
+        return values
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> GPTConfig:
-        """A config from ``to_dict``'s output, also as saved by earlier versions (checkpoints keep it). A
-        variant may also be given as its config node, e.g. ``pos={"name": "rope", "base": 500.0}``."""
+        """A config from ``to_dict``'s output, also as saved by earlier versions (checkpoints keep it)."""
         values = dict(values)
-        for key in ("pos", "activation"):
-            node = values.get(key)
-            if isinstance(node, dict):  # the YAML node shape: name plus the variant's options
-                node = dict(node)
-                values[key] = node.pop("name")
-                values[f"{key}_options"] = {**values.get(f"{key}_options", {}), **node}
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            import difflib
-
-            hints = []
-            for key in unknown:
-                close = difflib.get_close_matches(key, sorted(known), n=1)
-                hints.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
-            raise ConfigError(
-                f"Unknown model option(s): {', '.join(hints)}. Known options: {', '.join(sorted(known))}."
-            )
+        for key in ("pos", "activation"):  # earlier: the name, and its options beside it
+            if isinstance(values.get(key), str):
+                values[key] = {"name": values[key], **(values.pop(f"{key}_options", None) or {})}
+            else:
+                values.pop(f"{key}_options", None)
+        if isinstance(values.get("norm"), str):  # earlier: norm_eps and norm_bias beside the name
+            norm: dict[str, Any] = {"name": values["norm"], "eps": values.pop("norm_eps", 1e-5)}
+            bias = values.pop("norm_bias", None)
+            if bias is not None or values["norm"] != "rmsnorm":
+                norm["bias"] = bias
+            values["norm"] = norm
+        if isinstance(values.get("norm"), dict) and "placement" in values["norm"]:
+            values["norm"] = dict(values["norm"])
+            values["norm_placement"] = values["norm"].pop("placement")
+        check_keys(values, [f.name for f in fields(cls)], "model", "model")
         return cls(**values)
+
+
+_MODEL_KEYS = [
+    f.name for f in fields(GPTConfig) if f.name not in ("pos", "activation", "norm", "norm_placement")
+]

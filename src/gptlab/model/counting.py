@@ -19,11 +19,9 @@ a causal kernel skips about half of that term). Kaplan et al. 2020 keep only 6 N
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
-from gptlab.model import activations, norms, positional
+from gptlab.model import norms, positional
 from gptlab.model.config import GPTConfig
 from gptlab.model.gpt import mlp_hidden_width
 
@@ -34,7 +32,9 @@ def positional_parameters(config: GPTConfig) -> int:
     """The positional scheme's own parameters (a learned table, relative-position buckets...), counted from
     the scheme built on the meta device: no memory, whatever its size."""
     with torch.device("meta"):
-        scheme = positional.get(config.pos)(config)
+        scheme = positional.build(
+            config.pos, n_head=config.n_head, head_dim=config.head_dim, block_size=config.block_size
+        )
     return sum(p.numel() for p in scheme.parameters())
 
 
@@ -44,10 +44,9 @@ def parameter_counts(config: GPTConfig) -> dict[str, int]:
     qkv_width = (config.n_head + 2 * config.kv_heads) * config.head_dim
     attention = h * qkv_width + qkv_width * bias + h * h + h * bias
     f = mlp_hidden_width(config)
-    f_in = f * (2 if activations.is_gated(config.activation) else 1)
+    f_in = f * (2 if config.gated else 1)
     mlp = h * f_in + f_in * bias + f * h + h * bias
-    norm_class: Any = norms.get(config.norm)  # every registered norm has a static parameter_count
-    norm = norm_class.parameter_count(config)
+    norm = norms.get(config.norm.name).parameter_count(h, config.norm.options)
     per_layer = attention + mlp + 2 * norm
     embedding = V * h + positional_parameters(config)
     final_norm = norm if config.norm_placement == "pre" else 0
@@ -70,7 +69,7 @@ def matmul_parameters(config: GPTConfig) -> int:
     h = config.n_embd
     qkv_width = (config.n_head + 2 * config.kv_heads) * config.head_dim
     f = mlp_hidden_width(config)
-    f_in = f * (2 if activations.is_gated(config.activation) else 1)
+    f_in = f * (2 if config.gated else 1)
     per_layer = h * qkv_width + h * h + h * f_in + f * h
     return config.n_layer * per_layer + config.vocab_size * h
 

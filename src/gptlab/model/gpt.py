@@ -20,15 +20,7 @@ from gptlab.model.config import GPTConfig
 from gptlab.model.head_loss import HeadLoss
 from gptlab.model.parametrization import hidden_init_std, output_multiplier
 
-__all__ = ["GPT", "MLP", "Block", "CausalSelfAttention", "KVCache", "check_config", "mlp_hidden_width"]
-
-
-def check_config(config: GPTConfig) -> None:
-    """Raise a ConfigError for an unknown variant name or an option its variant does not take; the config
-    itself checks only its own values, so that it imports no variant."""
-    positional.check(config)
-    activations.check(config)
-    norms.check(config)
+__all__ = ["GPT", "MLP", "Block", "CausalSelfAttention", "KVCache", "mlp_hidden_width"]
 
 
 def mlp_hidden_width(config: GPTConfig) -> int:
@@ -37,7 +29,7 @@ def mlp_hidden_width(config: GPTConfig) -> int:
     Transformer"). ``mlp_ratio`` overrides either."""
     if config.mlp_ratio is not None:
         return int(round(config.mlp_ratio * config.n_embd))
-    if activations.is_gated(config.activation):
+    if config.gated:
         return 64 * math.ceil(2 * 4 * config.n_embd / 3 / 64)
     return 4 * config.n_embd
 
@@ -48,9 +40,8 @@ class MLP(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         hidden = mlp_hidden_width(config)
-        gated = activations.is_gated(config.activation)
-        self.c_fc = nn.Linear(config.n_embd, hidden * (2 if gated else 1), bias=config.bias)
-        self.act = activations.build(config)
+        self.c_fc = nn.Linear(config.n_embd, hidden * (2 if config.gated else 1), bias=config.bias)
+        self.act = activations.build(config.activation)
         self.c_proj = nn.Linear(hidden, config.n_embd, bias=config.bias)
         self.dropout = nn.Dropout(config.dropout)
 
@@ -65,9 +56,9 @@ class Block(nn.Module):
     def __init__(self, config: GPTConfig, layer: int) -> None:
         super().__init__()
         self.pre_norm = config.norm_placement == "pre"
-        self.ln_1 = norms.build(config)
+        self.ln_1 = norms.build(config.norm, config.n_embd)
         self.attn = CausalSelfAttention(config, layer)
-        self.ln_2 = norms.build(config)
+        self.ln_2 = norms.build(config.norm, config.n_embd)
         self.mlp = MLP(config)
 
     def forward(
@@ -101,16 +92,19 @@ class Trunk(nn.ModuleDict):
 class GPT(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
-        check_config(config)
         self.config = config
         self.transformer = Trunk(
             dict(
                 wte=nn.Embedding(config.vocab_size, config.n_embd),
-                pos=positional.build(config),
+                pos=positional.build(
+                    config.pos, n_head=config.n_head, head_dim=config.head_dim, block_size=config.block_size
+                ),
                 drop=nn.Dropout(config.dropout),
                 h=nn.ModuleList([Block(config, i) for i in range(config.n_layer)]),
                 # Post-norm blocks already end in a norm; a final norm is a pre-norm necessity.
-                ln_f=norms.build(config) if config.norm_placement == "pre" else nn.Identity(),
+                ln_f=norms.build(config.norm, config.n_embd)
+                if config.norm_placement == "pre"
+                else nn.Identity(),
             )
         )
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)

@@ -79,7 +79,7 @@ def read_hf_state_dict(directory: str | Path) -> dict[str, Tensor]:
 
 
 def model_options_from_hf(hf: dict[str, Any]) -> dict[str, Any]:
-    """The GPTConfig values (plus ``pos``/``pos_options``) that reproduce a Hugging Face config."""
+    """The GPTConfig values (each variant as its config node) that reproduce a Hugging Face config."""
     return FORMATS[hf["model_type"]].options(hf)
 
 
@@ -96,13 +96,10 @@ def gpt2_options(hf: dict[str, Any]) -> dict[str, Any]:
         "bias": True,
         "tie_weights": hf.get("tie_word_embeddings", True),
         "mlp_ratio": (hf["n_inner"] / hf["n_embd"]) if hf.get("n_inner") else None,
-        "pos": "learned",
-        "pos_options": {},
-        "activation": GPT2_ACTIVATIONS[act],
-        "norm": "layernorm",
+        "pos": {"name": "learned"},
+        "activation": {"name": GPT2_ACTIVATIONS[act]},
+        "norm": {"name": "layernorm", "eps": hf.get("layer_norm_epsilon", 1e-5)},
         "norm_placement": "pre",
-        "norm_eps": hf.get("layer_norm_epsilon", 1e-5),
-        "norm_bias": None,
     }
 
 
@@ -128,13 +125,10 @@ def llama_options(hf: dict[str, Any]) -> dict[str, Any]:
         "bias": False,
         "tie_weights": hf.get("tie_word_embeddings", False),
         "mlp_ratio": hf["intermediate_size"] / hf["hidden_size"],
-        "pos": "rope",
-        "pos_options": {"base": float(rope_theta)},
-        "activation": LLAMA_ACTIVATIONS[act],
-        "norm": "rmsnorm",
+        "pos": {"name": "rope", "base": float(rope_theta)},
+        "activation": {"name": LLAMA_ACTIVATIONS[act]},
+        "norm": {"name": "rmsnorm", "eps": hf.get("rms_norm_eps", 1e-6)},
         "norm_placement": "pre",
-        "norm_eps": hf.get("rms_norm_eps", 1e-6),
-        "norm_bias": None,
     }
 
 
@@ -151,17 +145,18 @@ def check_compatible(config: GPTConfig, hf: dict[str, Any], source: str = "the c
     want_width = round((wanted["mlp_ratio"] or 4) * wanted["n_embd"])
     if mlp_hidden_width(config) != want_width:
         problems.append(("model.mlp_ratio", config.mlp_ratio, wanted["mlp_ratio"]))
-    for key, override in (("pos", "pos"), ("activation", "activation"), ("norm", "norm")):
-        if getattr(config, key) != wanted[key]:
-            problems.append((override, getattr(config, key), wanted[key]))
+    for key in ("pos", "activation", "norm"):
+        if getattr(config, key).name != wanted[key]["name"]:
+            problems.append((key, getattr(config, key).name, wanted[key]["name"]))
     if config.norm_placement != "pre":
         problems.append(("norm.placement", config.norm_placement, "pre"))
-    if not math.isclose(config.norm_eps, wanted["norm_eps"]):
-        problems.append(("norm.eps", config.norm_eps, wanted["norm_eps"]))
-    for key, value in wanted["pos_options"].items():
-        if config.pos == wanted["pos"] and config.pos_options.get(key, value) != value:
-            problems.append((f"pos.{key}", config.pos_options[key], value))
-    if not positional.get(config.pos).extrapolates and config.block_size > wanted["block_size"]:
+    if not math.isclose(config.norm.options.eps, wanted["norm"]["eps"]):
+        problems.append(("norm.eps", config.norm.options.eps, wanted["norm"]["eps"]))
+    if config.pos.name == wanted["pos"]["name"]:
+        for key, value in wanted["pos"].items():
+            if key != "name" and getattr(config.pos.options, key) != value:
+                problems.append((f"pos.{key}", getattr(config.pos.options, key), value))
+    if not positional.get(config.pos.name).extrapolates and config.block_size > wanted["block_size"]:
         problems.append(("model.block_size", config.block_size, wanted["block_size"]))
     if problems:
         found = "; ".join(f"{k}={ours!r} but the checkpoint has {theirs!r}" for k, ours, theirs in problems)

@@ -1,15 +1,16 @@
 """Normalisation layers for Add & Norm, registered by name (``norm=...``).
 
-A norm's options (``norm.eps``, ``norm.bias``) are its ``Options`` dataclass, built from the model config's
-``norm_eps``/``norm_bias``; ``norm.placement`` (pre or post) is the block's, not the norm's. Each class also
-states how many parameters it holds for a config (``parameter_count``), so that the model card can count a
-model without building it.
+A norm is built from the width it normalises and its own options, the ``Options`` dataclass of its class
+(``norm.eps``, and for LayerNorm ``norm.bias``): ``RMSNorm(dim, options)``. A norm with a new option declares
+it in its ``Options`` and reads it from there; nothing else changes. ``norm.placement`` (pre or post) is the
+block's, not the norm's. Each class also states how many parameters it holds (``parameter_count``), so that
+the model card can count a model without building it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -18,10 +19,7 @@ from torch import Tensor, nn
 from gptlab.errors import ConfigError
 from gptlab.registry import Registry
 
-if TYPE_CHECKING:
-    from gptlab.model.config import GPTConfig
-
-REGISTRY: Registry[type[nn.Module]] = Registry("norm", "norm")
+REGISTRY: Registry[type[Norm]] = Registry("norm", "norm")
 register = REGISTRY.register
 get = REGISTRY.get
 names = REGISTRY.names
@@ -29,70 +27,78 @@ names = REGISTRY.names
 
 @dataclass(frozen=True)
 class NormOptions:
+    """What every norm takes: the epsilon added to the variance (or mean square)."""
+
     eps: float = 1e-5
-    bias: bool | None = None  # None: follow model.bias
 
     def __post_init__(self) -> None:
         if self.eps <= 0:
             raise ConfigError(f"norm.eps={self.eps!r} must be positive (1e-5 is usual).")
 
 
-def check(config: GPTConfig) -> Any:
-    """The typed options of ``config``'s norm; raises a ConfigError for an unknown norm or option."""
-    return REGISTRY.build_options(config.norm, {"eps": config.norm_eps, "bias": config.norm_bias})
+class Norm(nn.Module):
+    """Base class of the norms: built from the normalised width and the norm's own options."""
 
+    Options: ClassVar[type] = NormOptions
 
-def build(config: GPTConfig) -> nn.Module:
-    check(config)
-    return get(config.norm)(config)
+    def __init__(self, dim: int, options: Any = None) -> None:
+        super().__init__()
+        self.dim = dim
+        self.options = options if options is not None else self.Options()
 
-
-def has_bias(config: GPTConfig) -> bool:
-    """``norm.bias`` when set, otherwise the model's ``bias`` switch."""
-    return config.bias if config.norm_bias is None else config.norm_bias
+    @classmethod
+    def parameter_count(cls, dim: int, options: Any) -> int:
+        """Parameters of one norm of width ``dim`` (the model card counts without building)."""
+        raise NotImplementedError
 
 
 @register("layernorm")
-class LayerNorm(nn.LayerNorm):
+class LayerNorm(Norm):
     """(x - mean) / sqrt(var + eps) * gain (+ bias) over the feature dimension (Ba et al. 2016, "Layer
-    Normalization"). The bias follows ``model.bias`` unless ``norm.bias`` says otherwise."""
-
-    Options = NormOptions
-
-    def __init__(self, config: GPTConfig) -> None:
-        super().__init__(config.n_embd, eps=config.norm_eps, bias=has_bias(config))
-
-    @staticmethod
-    def parameter_count(config: GPTConfig) -> int:
-        return config.n_embd * (2 if has_bias(config) else 1)
-
-
-@register("rmsnorm")
-class RMSNorm(nn.Module):
-    """x / sqrt(mean(x^2) + eps) * gain: no centring and no bias (Zhang & Sennrich 2019, "Root Mean Square
-    Layer Normalization"), as in T5, Gopher and Llama."""
+    Normalization"). ``norm.bias`` null follows ``model.bias``."""
 
     @dataclass(frozen=True)
     class Options(NormOptions):
-        def __post_init__(self) -> None:
-            super().__post_init__()
-            if self.bias:
-                raise ConfigError(
-                    "norm=rmsnorm has no bias (it neither centres nor shifts), but norm.bias=true was given. "
-                    "Drop norm.bias, or use norm=layernorm norm.bias=true for a norm with a bias."
-                )
+        bias: bool | None = None  # None: follow model.bias (the model config resolves it)
 
-    def __init__(self, config: GPTConfig) -> None:
-        super().__init__()
-        self.eps = config.norm_eps
-        self.weight = nn.Parameter(torch.ones(config.n_embd))
+    def __init__(self, dim: int, options: Any = None) -> None:
+        super().__init__(dim, options)
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.bias = nn.Parameter(torch.zeros(dim)) if self.options.bias is not False else None
 
     def forward(self, x: Tensor) -> Tensor:
-        return F.rms_norm(x, (x.size(-1),), self.weight, self.eps)
+        return F.layer_norm(x, (self.dim,), self.weight, self.bias, self.options.eps)
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
+
+    @classmethod
+    def parameter_count(cls, dim: int, options: Any) -> int:
+        return dim * (1 if options.bias is False else 2)
+
+
+@register("rmsnorm")
+class RMSNorm(Norm):
+    """x / sqrt(mean(x^2) + eps) * gain: no centring and no bias (Zhang & Sennrich 2019, "Root Mean Square
+    Layer Normalization"), as in T5, Gopher and Llama."""
+
+    def __init__(self, dim: int, options: Any = None) -> None:
+        super().__init__(dim, options)
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.rms_norm(x, (self.dim,), self.weight, self.options.eps)
 
     def reset_parameters(self) -> None:
         nn.init.ones_(self.weight)
 
-    @staticmethod
-    def parameter_count(config: GPTConfig) -> int:
-        return config.n_embd
+    @classmethod
+    def parameter_count(cls, dim: int, options: Any) -> int:
+        return dim
+
+
+def build(choice: Any, dim: int) -> Norm:
+    """The chosen norm (a :class:`~gptlab.registry.Choice`) at width ``dim``."""
+    return get(choice.name)(dim, choice.options)

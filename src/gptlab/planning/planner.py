@@ -38,7 +38,6 @@ from typing import Any
 import torch
 
 from gptlab.errors import ConfigError
-from gptlab.model import activations
 from gptlab.model.config import GPTConfig
 from gptlab.model.counting import parameter_counts
 from gptlab.model.gpt import mlp_hidden_width
@@ -98,7 +97,7 @@ def activation_bytes_per_token(
     h, p, L = config.n_embd, bytes_per_value, config.n_layer
     f = mlp_hidden_width(config)
     kv = config.kv_heads * config.head_dim
-    hidden = 4 * f if activations.is_gated(config.activation) else 2 * f
+    hidden = 4 * f if config.gated else 2 * f
     per_layer = p * (2 * h + h + (h + 2 * kv) + h + h + hidden)
     if config.dropout > 0:
         per_layer += 2 * h  # a 1-byte mask after attention and after the MLP

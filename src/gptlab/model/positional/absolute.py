@@ -3,16 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from gptlab.errors import ConfigError
 from gptlab.model.positional.base import PositionalEncoding, register
-
-if TYPE_CHECKING:
-    from gptlab.model.config import GPTConfig
 
 
 @register("learned")
@@ -22,16 +19,16 @@ class LearnedPositionalEncoding(PositionalEncoding):
 
     extrapolates = False
 
-    def __init__(self, config: GPTConfig, options: object = None) -> None:
-        super().__init__(config, options)
-        self.wpe = nn.Embedding(config.block_size, config.n_embd)
+    def __init__(self, options: Any = None, *, n_head: int, head_dim: int, block_size: int) -> None:
+        super().__init__(options, n_head=n_head, head_dim=head_dim, block_size=block_size)
+        self.wpe = nn.Embedding(block_size, self.n_embd)
 
     def embed(self, x: Tensor, positions: Tensor) -> Tensor:
         self.check_positions(int(positions[-1]) + 1)
         return x + self.wpe(positions)
 
     def position_vectors(self, n: int) -> Tensor:
-        return self.wpe.weight[: min(n, self.config.block_size)]
+        return self.wpe.weight[: min(n, self.block_size)]
 
 
 def sinusoidal_table(positions: Tensor, dim: int, base: float = 10000.0) -> Tensor:
@@ -70,28 +67,28 @@ class SinusoidalPositionalEncoding(PositionalEncoding):
 
     table: Tensor  # (block_size, n_embd) buffer
 
-    def __init__(self, config: GPTConfig, options: Options | None = None) -> None:
-        super().__init__(config, options)
-        positions = torch.arange(config.block_size)
+    def __init__(self, options: Any = None, *, n_head: int, head_dim: int, block_size: int) -> None:
+        super().__init__(options, n_head=n_head, head_dim=head_dim, block_size=block_size)
+        positions = torch.arange(block_size)
         # Not persistent: the table is a function of the config, not a learned state.
-        table = sinusoidal_table(positions, config.n_embd, self.options.base)
+        table = sinusoidal_table(positions, self.n_embd, self.options.base)
         self.register_buffer("table", table, persistent=False)
 
     @property
     def multiplier(self) -> float:
         scale = self.options.scale
-        return scale if scale is not None else self.config.n_embd**-0.5
+        return scale if scale is not None else self.n_embd**-0.5
 
     def embed(self, x: Tensor, positions: Tensor) -> Tensor:
         end = int(positions[-1]) + 1
         if end <= self.table.size(0):
             pe = self.table[positions]
         else:
-            pe = sinusoidal_table(positions, self.config.n_embd, self.options.base).to(self.table.device)
+            pe = sinusoidal_table(positions, self.n_embd, self.options.base).to(self.table.device)
         return x + (pe * self.multiplier).to(x.dtype)
 
     def position_vectors(self, n: int) -> Tensor:
-        return sinusoidal_table(torch.arange(n), self.config.n_embd, self.options.base) * self.multiplier
+        return sinusoidal_table(torch.arange(n), self.n_embd, self.options.base) * self.multiplier
 
 
 @register("nope")

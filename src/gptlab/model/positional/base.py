@@ -7,24 +7,23 @@ default, and the model always calls all three:
 - ``rotate(q, k, positions)``: transform queries and keys inside attention (rotary schemes);
 - ``bias(q_positions, k_positions)``: an additive attention bias per head (ALiBi, T5 relative buckets, FIRE).
 
-A scheme's options are its ``Options`` dataclass; the registry builds them from the ``pos`` config node and
-checks every key and type. Code that uses a scheme asks its capabilities (``extrapolates``,
-``max_positions``, ``is_rotary``, ``context_scalings``, ``scaled(...)``), never its name.
+A scheme is built from its own options (its ``Options`` dataclass, which the registry builds from the ``pos``
+config node, checking every key and type) and the attention shape it serves:
+``RotaryPositionalEncoding(options, n_head=4, head_dim=32, block_size=256)``. Code that uses a scheme asks its
+capabilities (``extrapolates``, ``max_positions``, ``is_rotary``, ``context_scalings``, ``scaled(...)``),
+never its name.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 from torch import Tensor, nn
 
 from gptlab.errors import ConfigError
-from gptlab.registry import NoOptions, Registry, build_options
-
-if TYPE_CHECKING:
-    from gptlab.model.config import GPTConfig
+from gptlab.registry import NoOptions, Registry
 
 REGISTRY: Registry[type[PositionalEncoding]] = Registry("positional encoding", "pos")
 register = REGISTRY.register
@@ -47,22 +46,26 @@ class PositionalEncoding(nn.Module):
     #: The context-scaling methods ``scaled`` accepts (stretching the scheme for longer contexts).
     context_scalings: ClassVar[tuple[str, ...]] = ()
 
-    def __init__(self, config: GPTConfig, options: Any = None) -> None:
+    #: The name the ``pos`` config node chooses it by (set by the registry).
+    choice_name: ClassVar[str] = ""
+
+    def __init__(self, options: Any = None, *, n_head: int, head_dim: int, block_size: int) -> None:
         super().__init__()
-        self.config = config
-        if options is None:
-            options = build_options(self.Options, config.pos_options, f"pos={config.pos}", "pos")
-        self.check_config(config, options)
+        options = options if options is not None else self.Options()
+        self.check_shape(options, n_head=n_head, head_dim=head_dim, block_size=block_size)
         self.options = options
+        self.n_head, self.head_dim, self.block_size = n_head, head_dim, block_size
+        self.n_embd = n_head * head_dim  # the width of the vectors ``embed`` adds
 
     @classmethod
-    def check_config(cls, config: GPTConfig, options: Any) -> None:
-        """Checks that need the model's shape as well as the options (e.g. an even head dimension)."""
+    def check_shape(cls, options: Any, *, n_head: int, head_dim: int, block_size: int) -> None:
+        """Checks that need the attention shape as well as the options (e.g. an even head dimension); the
+        model config runs them when it is made, before any weight exists."""
 
     @property
     def max_positions(self) -> int | None:
         """The largest number of positions the scheme can represent, or None when any position works."""
-        return None if self.extrapolates else self.config.block_size
+        return None if self.extrapolates else self.block_size
 
     # ---- the three hooks ------------------------------------------------------------------------
     def embed(self, x: Tensor, positions: Tensor) -> Tensor:
@@ -102,7 +105,7 @@ class PositionalEncoding(nn.Module):
         if method not in self.context_scalings:
             have = ", ".join(self.context_scalings) or "none"
             raise ConfigError(
-                f"pos={self.config.pos} has no context scaling {method!r} (it has: {have}). Evaluate the "
+                f"pos={self.choice_name} has no context scaling {method!r} (it has: {have}). Evaluate the "
                 "context-scaling study with a scheme that has one, e.g. pos=rope."
             )
         if factor < 1:
@@ -114,21 +117,12 @@ class PositionalEncoding(nn.Module):
         limit = self.max_positions
         if limit is not None and end > limit:
             raise ValueError(
-                f"pos={self.config.pos} has a table of {limit} positions, but a sequence needs "
+                f"pos={self.choice_name} has a table of {limit} positions, but a sequence needs "
                 f"{end}. Keep sequences within model.block_size={limit}, raise model.block_size "
                 f"before training, or train with a scheme that extrapolates (pos=sinusoidal, pos=nope)."
             )
 
 
-def check(config: GPTConfig) -> Any:
-    """The typed options of ``config``'s scheme; raises a ConfigError for an unknown scheme, option or a
-    value the scheme cannot take with this model shape."""
-    scheme = get(config.pos)
-    options = REGISTRY.build_options(config.pos, config.pos_options)
-    scheme.check_config(config, options)
-    return options
-
-
-def build(config: GPTConfig) -> PositionalEncoding:
-    """The configured scheme, its options checked."""
-    return get(config.pos)(config, check(config))
+def build(choice: Any, *, n_head: int, head_dim: int, block_size: int) -> PositionalEncoding:
+    """The chosen scheme (a :class:`~gptlab.registry.Choice`) for this attention shape."""
+    return get(choice.name)(choice.options, n_head=n_head, head_dim=head_dim, block_size=block_size)

@@ -5,16 +5,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from gptlab.errors import ConfigError
 from gptlab.model.positional.base import PositionalEncoding, ScoreMod, register
-
-if TYPE_CHECKING:
-    from gptlab.model.config import GPTConfig
 
 
 def alibi_slopes(n_head: int) -> Tensor:
@@ -41,9 +38,9 @@ class ALiBiPositionalEncoding(PositionalEncoding):
 
     slopes: Tensor  # (n_head,) buffer
 
-    def __init__(self, config: GPTConfig, options: object = None) -> None:
-        super().__init__(config, options)
-        self.register_buffer("slopes", alibi_slopes(config.n_head), persistent=False)  # (n_head,)
+    def __init__(self, options: Any = None, *, n_head: int, head_dim: int, block_size: int) -> None:
+        super().__init__(options, n_head=n_head, head_dim=head_dim, block_size=block_size)
+        self.register_buffer("slopes", alibi_slopes(n_head), persistent=False)  # (n_head,)
 
     def bias(self, q_positions: Tensor, k_positions: Tensor) -> Tensor:
         distance = (q_positions[:, None] - k_positions[None, :]).to(self.slopes.dtype)  # (Tq, Tk)
@@ -93,9 +90,9 @@ class T5RelativePositionalEncoding(PositionalEncoding):
                     f"= {self.num_buckets // 2} (T5 uses 128 with 32 buckets)."
                 )
 
-    def __init__(self, config: GPTConfig, options: Options | None = None) -> None:
-        super().__init__(config, options)
-        self.relative_attention_bias = nn.Embedding(self.options.num_buckets, config.n_head)
+    def __init__(self, options: Any = None, *, n_head: int, head_dim: int, block_size: int) -> None:
+        super().__init__(options, n_head=n_head, head_dim=head_dim, block_size=block_size)
+        self.relative_attention_bias = nn.Embedding(self.options.num_buckets, n_head)
 
     def bias(self, q_positions: Tensor, k_positions: Tensor) -> Tensor:
         o = self.options
@@ -129,12 +126,12 @@ class FIREPositionalEncoding(PositionalEncoding):
                     f"pos.init_threshold={self.init_threshold!r} must be >= 1, or null for model.block_size."
                 )
 
-    def __init__(self, config: GPTConfig, options: Options | None = None) -> None:
-        super().__init__(config, options)
+    def __init__(self, options: Any = None, *, n_head: int, head_dim: int, block_size: int) -> None:
+        super().__init__(options, n_head=n_head, head_dim=head_dim, block_size=block_size)
         hidden = self.options.hidden
-        self.mlp = nn.Sequential(nn.Linear(1, hidden), nn.ReLU(), nn.Linear(hidden, config.n_head))
+        self.mlp = nn.Sequential(nn.Linear(1, hidden), nn.ReLU(), nn.Linear(hidden, n_head))
         self.log_c = nn.Parameter(torch.zeros(()))  # c = exp(log_c) > 0, starts at 1
-        threshold = float(self.options.init_threshold or config.block_size)
+        threshold = float(self.options.init_threshold or block_size)
         self.log_threshold = nn.Parameter(torch.tensor(math.log(threshold)))
 
     def bias(self, q_positions: Tensor, k_positions: Tensor) -> Tensor:

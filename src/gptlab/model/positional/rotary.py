@@ -8,16 +8,13 @@ import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
 
 from gptlab.errors import ConfigError
 from gptlab.model.positional.base import PositionalEncoding, register
-
-if TYPE_CHECKING:
-    from gptlab.model.config import GPTConfig
 
 ROPE_SCALINGS = ("none", "linear", "ntk", "yarn")
 
@@ -103,23 +100,23 @@ class RotaryPositionalEncoding(PositionalEncoding):
     is_rotary = True
     context_scalings = tuple(s for s in ROPE_SCALINGS if s != "none")
 
-    def __init__(self, config: GPTConfig, options: Options | None = None) -> None:
-        super().__init__(config, options)
-        self.rotary_dim = rotary_dim(config.head_dim, self.options.rotary_fraction)
+    def __init__(self, options: Any = None, *, n_head: int, head_dim: int, block_size: int) -> None:
+        super().__init__(options, n_head=n_head, head_dim=head_dim, block_size=block_size)
+        self.rotary_dim = rotary_dim(head_dim, self.options.rotary_fraction)
         self._cached: tuple[object, Tensor, float] | None = None  # (options, inverse frequencies, mscale)
 
     @classmethod
-    def check_config(cls, config: GPTConfig, options: Options) -> None:
-        if config.head_dim % 2:
+    def check_shape(cls, options: Any, *, n_head: int, head_dim: int, block_size: int) -> None:
+        if head_dim % 2:
             raise ConfigError(
-                f"pos={config.pos} needs an even head dimension (it rotates pairs of dimensions), got "
-                f"n_embd/n_head = {config.n_embd}/{config.n_head} = {config.head_dim}. Choose n_embd and "
-                f"n_head so that n_embd/n_head is even (e.g. model.n_embd={config.n_head * (config.head_dim + 1)})."
+                f"pos={cls.choice_name} needs an even head dimension (it rotates pairs of dimensions), got "
+                f"n_embd/n_head = {n_head * head_dim}/{n_head} = {head_dim}. Choose n_embd and "
+                f"n_head so that n_embd/n_head is even (e.g. model.n_embd={n_head * (head_dim + 1)})."
             )
-        if rotary_dim(config.head_dim, options.rotary_fraction) < 2:
+        if rotary_dim(head_dim, options.rotary_fraction) < 2:
             raise ConfigError(
-                f"pos.rotary_fraction={options.rotary_fraction} of head dimension {config.head_dim} leaves no "
-                f"pair to rotate: raise pos.rotary_fraction to at least {2 / config.head_dim:.3g}."
+                f"pos.rotary_fraction={options.rotary_fraction} of head dimension {head_dim} leaves no "
+                f"pair to rotate: raise pos.rotary_fraction to at least {2 / head_dim:.3g}."
             )
 
     @contextmanager
@@ -140,7 +137,7 @@ class RotaryPositionalEncoding(PositionalEncoding):
                 o.base,
                 o.scaling,
                 o.scale_factor,
-                self.config.block_size,
+                self.block_size,
                 o.beta_fast,
                 o.beta_slow,
             )
