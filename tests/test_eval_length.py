@@ -194,7 +194,10 @@ def test_bad_evaluation_options_are_refused():
         length.LengthEvalOptions(factors=[0, 2])
     with pytest.raises(ConfigError, match=r"eval_length.rope_scalings has \['dynamic'\]"):
         length.LengthEvalOptions(rope_scalings=["dynamic"])
-    with pytest.raises(ConfigError, match=r"Unknown eval_length option\(s\) \['factor'\]"):
+    with pytest.raises(
+        ConfigError,
+        match=r"eval_length does not take option\(s\) eval_length.factor\..*Did you mean eval_length.factors\?",
+    ):
         length.LengthEvalOptions.from_dict({"enabled": True, "factor": [2]})
 
 

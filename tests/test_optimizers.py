@@ -159,7 +159,11 @@ def test_wsd_warms_up_holds_the_peak_then_decays_over_the_last_fraction():
         ({"decay_shape": "sqrt"}, None, r"optim.decay_shape='sqrt' is not one of linear, 1-sqrt"),
         ({"decay_fraction": 1.5}, None, r"optim.decay_fraction=1.5 must be in \(0, 1\]"),
         ({"schedule": "wsd", "warmup_steps": 90, "decay_fraction": 0.2}, 100, r"exceed the run"),
-        ({"muon_lr": 0.02}, None, r"Muon's options need optim=muon"),
+        (
+            {"muon_lr": 0.02},
+            None,
+            r"optim=adamw does not take option\(s\) optim.muon_lr.*Choose optim=muon for Muon's options",
+        ),
         ({"name": "muon", "adjust_lr_fn": "x"}, None, r"optim.adjust_lr_fn='x' is not one of original"),
         ({"name": "muon", "momentum": 1.0}, None, r"optim.momentum=1.0 must be in \[0, 1\)"),
     ],

@@ -159,7 +159,10 @@ def test_bad_options_are_refused():
 
     with pytest.raises(ConfigError, match=r"eval_length.passkey.trials=0 must be a positive integer"):
         passkey.PasskeyOptions(trials=0)
-    with pytest.raises(ConfigError, match=r"Unknown eval_length.passkey option\(s\) \['depth'\]"):
+    with pytest.raises(
+        ConfigError,
+        match=r"eval_length.passkey does not take option\(s\) eval_length.passkey.depth\..*Did you mean eval_length.passkey.depths\?",
+    ):
         passkey.PasskeyOptions.from_dict({"depth": 3})
 
 

@@ -21,6 +21,7 @@ from gptlab.errors import ConfigError
 from gptlab.model import positional
 from gptlab.model.config import GPTConfig
 from gptlab.model.gpt import GPT
+from gptlab.registry import check_keys
 
 # Keys of the data node that describe the corpus (the rest are loader settings).
 _SPEC_KEYS = {
@@ -51,9 +52,7 @@ def data_spec(data: Any) -> corpus.DataSpec:
     if isinstance(data, DictConfig) and "data" in data and "model" in data:
         data = data.data
     data = _plain(data)
-    unknown = sorted(set(data) - _SPEC_KEYS - _LOADER_KEYS)
-    if unknown:
-        raise ConfigError(f"Unknown data option(s) {unknown}. Known: {sorted(_SPEC_KEYS | _LOADER_KEYS)}.")
+    check_keys(data, sorted(_SPEC_KEYS | _LOADER_KEYS), "data", "data")
     return corpus.DataSpec(**{k: v for k, v in data.items() if k in _SPEC_KEYS})
 
 

@@ -111,7 +111,7 @@ def build_options(options_type: type, values: Mapping[str, Any], owner: str, pre
     fields = {f.name: f for f in dataclasses.fields(options_type) if f.init}
     check_keys(values, fields, owner, prefix)
     types_ = typing.get_type_hints(options_type)
-    converted = {key: check_type(value, types_[key], f"{prefix}.{key}") for key, value in values.items()}
+    converted = {key: check_type(value, types_[key], _key(prefix, key)) for key, value in values.items()}
     return options_type(**converted)
 
 
@@ -128,20 +128,24 @@ def check_keys(
     unknown = sorted(set(values) - set(allowed))
     if not unknown:
         return
-    listed = ", ".join(f"{prefix}.{k}" for k in allowed) if len(allowed) <= 40 else "see the docs"
+    listed = ", ".join(_key(prefix, k) for k in allowed) if len(allowed) <= 40 else "see the docs"
     suggestions = []
     for key in unknown:
         close = difflib.get_close_matches(key, list(allowed), n=1)
-        suggestions.append(f" Did you mean {prefix}.{close[0]}?" if close else "")
+        suggestions.append(f" Did you mean {_key(prefix, close[0])}?" if close else "")
     fix = fix or (
         f"Remove the key from the command line or the YAML, or choose a {prefix} that takes it."
-        if owner != prefix
+        if prefix and owner != prefix
         else "Remove the key from the command line or the YAML."
     )
     raise ConfigError(
-        f"{owner} does not take option(s) {', '.join(prefix + '.' + k for k in unknown)}. "
+        f"{owner} does not take option(s) {', '.join(_key(prefix, k) for k in unknown)}. "
         f"Its options: {listed or 'none'}. {fix}{''.join(suggestions)}"
     )
+
+
+def _key(prefix: str, key: str) -> str:
+    return f"{prefix}.{key}" if prefix else key
 
 
 def check_type(value: Any, hint: Any, label: str) -> Any:

@@ -128,26 +128,30 @@ def checkpoint_to_resume(resume: Any, run_dir: Path) -> Path | None:
     return path
 
 
-def _flat(config: dict[str, Any]) -> dict[str, Any]:
+def _flat(config: dict[str, Any], other: dict[str, Any]) -> dict[str, Any]:
     """A model config's values by the override that sets each: ``n_layer`` -> ``model.n_layer``, a variant's
-    node ``pos={"name": "rope", "base": 500.0}`` -> ``pos=rope``, ``pos.base``; the placement -> ``norm.placement``."""
+    node ``pos={"name": "rope", "base": 500.0}`` -> ``pos=rope``, ``pos.base``, the placement ->
+    ``norm.placement``. Where ``other`` chooses another variant of a family, that family's options are left out
+    (they belong to the variant, and the name already differs)."""
     flat: dict[str, Any] = {}
     for key, value in config.items():
         if isinstance(value, dict):
+            same_variant = isinstance(other.get(key), dict) and other[key].get("name") == value.get("name")
             for option, v in value.items():
-                flat[key if option == "name" else f"{key}.{option}"] = v
+                if option == "name" or same_variant:
+                    flat[key if option == "name" else f"{key}.{option}"] = v
         else:
             flat["norm.placement" if key == "norm_placement" else f"model.{key}"] = value
     return flat
 
 
 def architecture_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
-    saved, current = _flat(saved), _flat(current)
-    keys = sorted(set(saved) | set(current))
+    """Each value that differs, by its override: ``model.n_embd: 32 in the checkpoint, 64 now``."""
+    flat_saved, flat_current = _flat(saved, current), _flat(current, saved)
     return [
-        f"{key}: {saved.get(key)!r} in the checkpoint, {current.get(key)!r} now"
-        for key in keys
-        if saved.get(key) != current.get(key)
+        f"{key}: {flat_saved.get(key)!r} in the checkpoint, {flat_current.get(key)!r} now"
+        for key in sorted(set(flat_saved) | set(flat_current))
+        if flat_saved.get(key) != flat_current.get(key)
     ]
 
 
@@ -172,7 +176,7 @@ def inspect_checkpoint(path: Path, model_config: Any) -> ResumePlan:
     current = model_config.to_dict()
     diffs = architecture_differences(saved, current)
     if diffs:
-        flat_saved, flat_current = _flat(saved), _flat(current)
+        flat_saved, flat_current = _flat(saved, current), _flat(current, saved)
         fixes = [
             f"{k}={'null' if flat_saved[k] is None else flat_saved[k]}"
             for k in sorted(k for k in flat_saved if flat_saved[k] != flat_current.get(k))

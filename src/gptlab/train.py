@@ -32,6 +32,7 @@ from gptlab.parallel import (
 )
 from gptlab.parallel.slurm import slurm_plugins
 from gptlab.preflight import check_accelerator, check_loss, check_seed, check_trainer_values
+from gptlab.registry import check_keys
 from gptlab.resume import ResumePlan, check_writable, plan_resume
 from gptlab.tracking.loggers import finish_wandb
 from gptlab.training.checkpointing import fault_tolerance_callbacks, fit, restore_interrupted_saves
@@ -60,17 +61,9 @@ def run_dir_of(cfg: DictConfig) -> Path:
 
 
 def check_trainer_options(trainer_cfg: dict[str, Any]) -> None:
-    import difflib
-
-    allowed = set(inspect.signature(L.Trainer.__init__).parameters) - {"self"}
-    for key in trainer_cfg:
-        if key not in allowed:
-            close = difflib.get_close_matches(key, sorted(allowed), n=1)
-            raise ConfigError(
-                f"trainer.{key} is not a Lightning Trainer argument."
-                + (f" Did you mean trainer.{close[0]}?" if close else "")
-                + " See https://lightning.ai/docs/pytorch/stable/common/trainer.html#trainer-flags."
-            )
+    allowed = sorted(set(inspect.signature(L.Trainer.__init__).parameters) - {"self"})
+    fix = "Use Lightning Trainer arguments: https://lightning.ai/docs/pytorch/stable/common/trainer.html#trainer-flags."
+    check_keys(trainer_cfg, allowed, "trainer", "trainer", fix)
 
 
 def build_loggers(cfg: DictConfig, resume: ResumePlan | None = None) -> list:

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from gptlab.errors import ConfigError
 from gptlab.evaluation import passkey, plots
 from gptlab.model.gpt import GPT
+from gptlab.registry import build_options
 from gptlab.runs.layout import LENGTH_FILE
 
 log = logging.getLogger(__name__)
@@ -68,13 +69,7 @@ class LengthEvalOptions:
         values = dict(values or {})
         values.pop("enabled", None)
         values.pop("passkey", None)  # the passkey study's own node (gptlab.evaluation.passkey)
-        known = {"factors", "max_tokens", "batch_tokens", "rope_scalings"}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ConfigError(
-                f"Unknown eval_length option(s) {unknown}. Known: enabled, {', '.join(sorted(known))}."
-            )
-        return cls(**values)
+        return build_options(cls, values, "eval_length", "eval_length")
 
 
 # ---- evaluation -----------------------------------------------------------------------------------

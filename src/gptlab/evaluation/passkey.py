@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from gptlab.data.tokenizers import Tokenizer
 from gptlab.errors import ConfigError
 from gptlab.model.gpt import GPT, KVCache
+from gptlab.registry import build_options
 
 log = logging.getLogger(__name__)
 
@@ -66,13 +67,7 @@ class PasskeyOptions:
     @classmethod
     def from_dict(cls, values: dict[str, Any] | None) -> PasskeyOptions:
         values = dict(values or {})
-        known = {"enabled", "depths", "trials", "seed", "key_digits", "batch_tokens"}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ConfigError(
-                f"Unknown eval_length.passkey option(s) {unknown}. Known: {', '.join(sorted(known))}."
-            )
-        return cls(**values)
+        return build_options(cls, values, "eval_length.passkey", "eval_length.passkey")
 
 
 def depth_bins(n: int) -> list[tuple[float, float]]:

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from gptlab.errors import ConfigError
+from gptlab.registry import build_options
 
 if TYPE_CHECKING:
     from gptlab.model.gpt import GPT
@@ -26,12 +26,7 @@ class ParallelOptions:
     @classmethod
     def from_config(cls, values: dict[str, Any] | None) -> ParallelOptions:
         values = dict(values or {})
-        for key, value in values.items():
-            if key not in cls.__dataclass_fields__:
-                raise ConfigError(f"Unknown option {key!r}. Known: compile, activation_checkpointing.")
-            if not isinstance(value, bool):
-                raise ConfigError(f"{key}={value!r} must be true or false.")
-        return cls(**values)
+        return build_options(cls, values, "The run (train.yaml's top level)", "")
 
 
 def parallelize(model: GPT, options: ParallelOptions, strategy: Any = None, precision: Any = None) -> None:

@@ -18,6 +18,7 @@ from gptlab.model.config import GPTConfig
 from gptlab.model.gpt import GPT
 from gptlab.model.head_loss import HeadLoss
 from gptlab.model.parametrization import hidden_lr_scale
+from gptlab.registry import check_keys
 from gptlab.training.checkpointing import check_finite_loss, collect_rng_states, restore_rng_states
 from gptlab.training.optimizers import OPTIM_DEFAULTS, build_optimizer, check_optim, lr_factor, schedule_of
 
@@ -44,10 +45,7 @@ def use_fused_adamw(model: torch.nn.Module, precision_plugin: Any = None) -> boo
 def build_head_loss(loss: dict[str, Any] | None) -> HeadLoss:
     """The ``loss`` config node (impl, chunk_rows) as a HeadLoss, with the error a user can act on."""
     loss = dict(loss or {})
-    known = {"impl", "chunk_rows"}
-    unknown = sorted(set(loss) - known)
-    if unknown:
-        raise ConfigError(f"Unknown loss option(s) {unknown}. Known: {sorted(known)}.")
+    check_keys(loss, ("impl", "chunk_rows"), "loss", "loss")
     try:
         return HeadLoss(**loss)
     except ValueError as e:

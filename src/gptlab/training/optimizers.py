@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from gptlab.errors import ConfigError
+from gptlab.registry import check_keys
 
 OPTIMIZERS = ("adamw", "muon")
 SCHEDULES = ("cosine", "wsd")
@@ -76,13 +77,10 @@ def check_optim(optim: dict[str, Any], max_steps: int | None = None) -> dict[str
     ``max_steps`` (when known) also checks that warmup and the WSD decay fit in the run."""
     name = optim.get("name", OPTIM_DEFAULTS["name"])
     _choice("name", name, OPTIMIZERS, "choose the optimizer with optim=adamw or optim=muon")
-    known = set(OPTIM_DEFAULTS) | (set(MUON_DEFAULTS) if name == "muon" else set())
-    unknown = sorted(set(optim) - known)
-    if unknown:
-        hint = " (Muon's options need optim=muon)" if set(unknown) & set(MUON_DEFAULTS) else ""
-        raise ConfigError(
-            f"Unknown optim option(s) {unknown} for optim={name}{hint}. Known: {sorted(known)}."
-        )
+    known = [*OPTIM_DEFAULTS, *(MUON_DEFAULTS if name == "muon" else ())]
+    muon_only = set(optim) & set(MUON_DEFAULTS) - set(known)
+    fix = "Choose optim=muon for Muon's options." if muon_only else ""
+    check_keys(optim, known, f"optim={name}", "optim", fix)
     merged = {**OPTIM_DEFAULTS, **(MUON_DEFAULTS if name == "muon" else {}), **optim}
     numbers = _NUMBERS + (("muon_lr", "momentum", "ns_steps") if name == "muon" else ())
     for key in numbers:

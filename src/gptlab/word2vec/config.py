@@ -6,6 +6,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from gptlab.errors import ConfigError
+from gptlab.registry import check_keys
 
 MODES = ("cbow", "skipgram")
 OPTIMIZERS = ("sgd", "sparse_adam")
@@ -89,16 +90,7 @@ class Word2VecOptions:
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> Word2VecOptions:
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            import difflib
-
-            hints = [difflib.get_close_matches(k, sorted(known), n=1) for k in unknown]
-            hint = "; ".join(f"{k} -> {h[0]}?" for k, h in zip(unknown, hints) if h)
-            raise ConfigError(
-                f"Unknown word2vec option(s) {unknown}{' (' + hint + ')' if hint else ''}. Known: {sorted(known)}."
-            )
+        check_keys(values, [f.name for f in fields(cls)], "word2vec", "word2vec")
         return cls(**values)
 
     def to_dict(self) -> dict[str, Any]:
