@@ -263,7 +263,7 @@ def train_benchmark(args, overrides: list[str]) -> dict:
     import gptlab
     from gptlab.parallel import ParallelOptions, choose_precision
     from gptlab.tracking.loggers import csv_logger
-    from gptlab.train import build_callbacks
+    from gptlab.training.callbacks import instantiate_callbacks
     from gptlab.training.metrics import device_peak_flops
     from gptlab.training.module import GPTLitModule, check_optim
 
@@ -274,10 +274,10 @@ def train_benchmark(args, overrides: list[str]) -> dict:
     datamodule = gptlab.build_datamodule(cfg)
     optim = check_optim(OmegaConf.to_container(cfg.optim, resolve=True))
     loss_cfg = OmegaConf.to_container(cfg.loss, resolve=True)
-    module = GPTLitModule(model=model_config.to_dict(), optim=optim, loss=loss_cfg)
-    module.tokenizer = tokenizer
     parallel = ParallelOptions.from_config({"compile": cfg.compile})
-    module.parallel = parallel
+    module = GPTLitModule(
+        model=model_config, optim=optim, loss=loss_cfg, parallel=parallel, tokenizer=tokenizer
+    )
     plain_model = copy.deepcopy(module.model)  # the same weights
     if parallel.compile:
         from gptlab.parallel import parallelize
@@ -309,7 +309,7 @@ def train_benchmark(args, overrides: list[str]) -> dict:
     from gptlab.training.checkpointing import PeriodicLastCheckpoint
 
     skip = (ModelCheckpoint, PeriodicLastCheckpoint) + (() if args.progress_bar else (ProgressBar,))
-    callbacks = [c for c in build_callbacks(cfg) if not isinstance(c, skip)]
+    callbacks = [c for c in instantiate_callbacks(cfg.get("callbacks") or {}) if not isinstance(c, skip)]
     with tempfile.TemporaryDirectory() as tmp:
         trainer = L.Trainer(
             accelerator=trainer_cfg.get("accelerator", "auto"),

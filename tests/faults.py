@@ -84,10 +84,10 @@ elif kind == "kill_mid_swap":
 elif kind == "kill_at_step":
     from hydra.core.hydra_config import HydraConfig
 
-    import gptlab.train
+    from gptlab.training.callbacks import ValidateAtLastStep
 
     fault_step, fault_overrides = int(args[0]), args[1].split("&")
-    original_batch_end = gptlab.train.ValidateAtLastStep.on_train_batch_end
+    original_batch_end = ValidateAtLastStep.on_train_batch_end
 
     def on_train_batch_end(self, trainer, pl_module, *rest):
         if trainer.global_step == fault_step and set(fault_overrides) <= set(
@@ -96,7 +96,7 @@ elif kind == "kill_at_step":
             os.kill(os.getpid(), signal.SIGKILL)
         original_batch_end(self, trainer, pl_module, *rest)
 
-    gptlab.train.ValidateAtLastStep.on_train_batch_end = on_train_batch_end
+    ValidateAtLastStep.on_train_batch_end = on_train_batch_end
 else:
     raise SystemExit(f"unknown GPTLAB_TEST_FAULT {kind!r}")
 

@@ -1,6 +1,6 @@
 """Bad input is refused before any expensive work, with the bad value, what is allowed, and the fix.
 
-One test per row of the README's "Bad input" table. Most go through `gptlab.train.run` in this process (the
+One test per row of the README's "Bad input" table. Most go through `gptlab.tasks.gpt.run` in this process (the
 whole task up to the point of failure) and check that nothing was started: no W&B run, no checkpoint. A few
 go through `python train.py` to check the message a user reads and the exit status 2.
 """
@@ -22,14 +22,15 @@ from omegaconf import OmegaConf
 
 from gptlab.builders import build_datamodule, build_model_config, build_tokenizer
 from gptlab.errors import ConfigError, DataError
+from gptlab.preflight import check_trainer_options
 from gptlab.resume import CheckpointError, plan_resume
-from gptlab.train import check_trainer_options, run
+from gptlab.tasks.gpt import run
 
 TEXT = (Path(__import__("pydoc_data.topics").topics.__file__)).read_text()[:40_000]
 
 
 def run_in_process(make_cfg, out: Path, *overrides: str):
-    """`gptlab.train.run` with TINY and a W&B logger; returns the run directory for inspection."""
+    """`gptlab.tasks.gpt.run` with TINY and a W&B logger; returns the run directory for inspection."""
     cfg = make_cfg(*TINY, "logger=wandb", f"paths.output_dir={out}", *overrides)
     run(cfg)
 

@@ -104,7 +104,7 @@ def trained(tmp_path_factory):
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
-    from gptlab.train import run
+    from gptlab.tasks.gpt import run
 
     root = tmp_path_factory.mktemp("harness")
     run_dir = root / "run"

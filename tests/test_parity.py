@@ -82,7 +82,7 @@ def test_a_mismatched_model_is_refused_with_the_overrides_that_fix_it(make_cfg, 
 def test_a_training_run_starts_from_the_saved_gpt2_weights(make_cfg, tmp_path, gpt2_dir):
     """The training task with model.init_from: at a vanishing learning rate its last checkpoint still holds the
     saved weights."""
-    from gptlab.train import run
+    from gptlab.tasks.gpt import run
 
     directory, reference = gpt2_dir
     run_dir = tmp_path / "run"

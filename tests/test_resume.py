@@ -22,8 +22,8 @@ from hydra.core.global_hydra import GlobalHydra
 from gptlab.errors import CheckpointError
 from gptlab.resume import choose_run_dir
 from gptlab.runs import Run
+from gptlab.tasks.gpt import run
 from gptlab.tracking.wandb_files import find_runs, read_run
-from gptlab.train import run
 from gptlab.training.checkpointing import AtomicCheckpointIO, NonFiniteLossError, restore_interrupted_saves
 
 MAX_STEPS = 12

@@ -34,7 +34,7 @@ def trained(tmp_path_factory):
     """A tiny character-level RoPE run, trained in this process (single-file checkpoints); and the same run
     trained by `python train.py strategy=fsdp` on one CPU process, whose checkpoints are distributed
     checkpoint directories (shards through torch.distributed.checkpoint, Lightning's meta.pt beside them)."""
-    from gptlab.train import run
+    from gptlab.tasks.gpt import run
 
     root = tmp_path_factory.mktemp("runs")
     run_dir = root / "run"

@@ -20,7 +20,7 @@ from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import OmegaConf
 
-import gptlab.train
+import gptlab.tasks.gpt
 from gptlab.errors import ConfigError
 from gptlab.model.config import GPTConfig
 from gptlab.model.gpt import GPT
@@ -219,7 +219,7 @@ def test_eval_length_with_sharded_weights_on_several_ranks_is_refused_at_start(m
         f"paths.output_dir={tmp_path}",
     )
     with pytest.raises(ConfigError) as err:
-        gptlab.train.run(cfg)
+        gptlab.tasks.gpt.run(cfg)
     message = str(err.value)
     assert "eval_length.enabled=true evaluates the trained model on rank 0 alone" in message
     assert "strategy=fsdp shards the weights over the 2 processes" in message

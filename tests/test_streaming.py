@@ -20,7 +20,7 @@ from gptlab.data.sources import DataSpec
 from gptlab.data.streaming import StreamingWindows, held_out, held_out_shards
 from gptlab.data.tokenizers import GPT2Tokenizer
 from gptlab.errors import ConfigError
-from gptlab.train import run
+from gptlab.tasks.gpt import run
 
 
 def make_jsonl(path, n_docs=300, seed=0):

@@ -370,7 +370,7 @@ def test_bad_task_and_options_fail_at_config_time(tmp_path):
 def test_a_stopped_run_resumes_and_ends_with_the_uninterrupted_vectors(tmp_path, make_cfg):
     """SIGTERM stops training with a checkpoint of the current step; resuming from it ends with exactly the
     vectors of the run that was never stopped (the batches and negatives of a step depend on the step alone)."""
-    from gptlab.word2vec.task import run
+    from gptlab.tasks.word2vec import run
 
     base = [
         *SMALL,
@@ -472,7 +472,7 @@ def test_benchmarks_report_scores_and_coverage():
 def test_our_skipgram_agrees_with_gensim_about_as_well_as_gensim_agrees_with_itself(tmp_path, make_cfg):
     """On the embedded corpus with the same words and settings, the 10 nearest neighbours of the frequent words
     overlap with gensim's at least 0.7 times as much as two gensim seeds overlap with each other."""
-    from gptlab.word2vec.task import run
+    from gptlab.tasks.word2vec import run
 
     cfg = make_cfg(
         "task=word2vec",

@@ -12,14 +12,10 @@ from gptlab.errors import ConfigError, DataError, NonFiniteLossError
 
 
 def run_task(cfg: DictConfig) -> float | None:
-    try:
-        if cfg.get("task", "gpt") == "gpt":
-            from gptlab.train import run
-        else:  # task=word2vec (any other value is refused with the choices)
-            from gptlab.word2vec.task import check_task, run
+    from gptlab.tasks import task_runner
 
-            check_task(cfg)
-        metrics = run(cfg)
+    try:
+        metrics = task_runner(cfg)(cfg)
     except (ConfigError, DataError) as e:
         multirun = HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
         if multirun:

@@ -1,5 +1,5 @@
-"""Checks of the trainer settings that Lightning would only reject after the run has started (or reject with
-a type error): the hardware asked for, and values of the wrong type."""
+"""Checks of the ``trainer`` node that Lightning would only make after the run has started (or make with a
+type error): unknown arguments, the hardware asked for, and values of the wrong type."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from typing import Any, TypeGuard
 import torch
 
 from gptlab.errors import ConfigError
+from gptlab.registry import check_keys
 
 _CUDA_NAMES = ("gpu", "cuda")
 
@@ -19,6 +20,17 @@ def _is_int(value: Any) -> TypeGuard[int]:
 def check_seed(seed: Any) -> None:
     if not _is_int(seed):
         raise ConfigError(f"seed={seed!r} must be an integer (e.g. seed=1337).")
+
+
+def check_trainer_options(trainer_cfg: dict[str, Any]) -> None:
+    """Every key must be an argument of Lightning's Trainer."""
+    import inspect
+
+    import lightning as L
+
+    allowed = sorted(set(inspect.signature(L.Trainer.__init__).parameters) - {"self"})
+    fix = "Use Lightning Trainer arguments: https://lightning.ai/docs/pytorch/stable/common/trainer.html#trainer-flags."
+    check_keys(trainer_cfg, allowed, "trainer", "trainer", fix)
 
 
 def check_trainer_values(trainer_cfg: dict[str, Any]) -> None:
@@ -102,19 +114,3 @@ def training_device_type(trainer_cfg: dict[str, Any]) -> str:
             return "cuda"
         return "mps" if torch.backends.mps.is_available() else "cpu"
     return accelerator
-
-
-def check_loss(loss_cfg: Any, trainer_cfg: dict[str, Any]) -> None:
-    """The ``loss`` node (a mapping, or None): its options (unknown keys, values), and a CUDA kernel
-    (``loss.impl=liger|cce``) where it cannot run: no CUDA device, or its package not installed."""
-    from omegaconf import DictConfig, OmegaConf
-
-    from gptlab.model.head_loss import refusal
-    from gptlab.training.module import build_head_loss
-
-    if isinstance(loss_cfg, DictConfig):
-        loss_cfg = OmegaConf.to_container(loss_cfg, resolve=True)
-    head_loss = build_head_loss(loss_cfg)
-    message = refusal(head_loss.impl, training_device_type(trainer_cfg))
-    if message is not None:
-        raise ConfigError(message)

@@ -171,7 +171,7 @@ def bootstrap_fit(
 def non_embedding_parameters(run_dir: Path) -> float:
     """The non-embedding parameter count of the model a run trained, from its ``config_resolved.yaml``
     (the vocabulary does not enter it). Reads the model, pos, activation and norm nodes as the trainer does
-    (``gptlab.builders.model_config_from_nodes``), without importing the training stack."""
+    (``gptlab.config.parse_model``), without importing the training stack."""
     from gptlab.model.config import GPTConfig
     from gptlab.model.counting import parameter_counts
     from gptlab.runs.layout import Run

@@ -322,16 +322,17 @@ def log_new_wandb_run(result: dict[str, Any], paths: Sequence[Path], run_dir: Pa
 
 
 def after_training(
-    model: GPT, prepared: Any, train_context: int, node: Any, run_dir: Path, loggers: Sequence[Any]
+    model: GPT,
+    prepared: Any,
+    train_context: int,
+    options: LengthEvalOptions,
+    passkey_options: passkey.PasskeyOptions | None,
+    run_dir: Path,
+    loggers: Sequence[Any],
 ) -> dict[str, Any]:
     """The training task's hook (``eval_length.enabled=true``): evaluate the freshly trained model, write
     ``<run dir>/eval_length/`` and log to the run's own W&B run when it has one. ``prepared``: the run's
-    ``PreparedCorpus``."""
-    from omegaconf import OmegaConf
-
-    if OmegaConf.is_config(node):
-        node = OmegaConf.to_container(node, resolve=True)
-    options = LengthEvalOptions.from_dict(node)
+    ``PreparedCorpus``; ``passkey_options``: None for no passkey study."""
     tokens = prepared.val.array()  # one flat file, header-carrying shards or a stream's held-out tokens
     result = evaluate_lengths(model, tokens, train_context, options)
     paths = write_outputs(result, run_dir / "eval_length")
@@ -341,7 +342,7 @@ def after_training(
         prepared.tokenizer,
         train_context,
         options.factors,
-        (node or {}).get("passkey"),
+        passkey_options,
         run_dir / "eval_length",
         options.rope_scalings,
     )

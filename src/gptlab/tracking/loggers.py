@@ -165,3 +165,42 @@ class WandbRunIdInCheckpoint(L.Callback):
         for lg in trainer.loggers:
             if isinstance(lg, WandbLogger) and lg.version:
                 checkpoint["wandb_run_id"] = str(lg.version)
+
+
+# ---- what a task asks of its loggers -------------------------------------------------------------------
+def instantiate_loggers(nodes: Any, wandb_run_id: str | None = None) -> list[Logger]:
+    """The loggers of the ``logger`` node (each a ``_target_`` node); with ``wandb_run_id`` the W&B logger
+    continues that run (a resumed run's curves go on in the same W&B run)."""
+    from hydra.utils import instantiate
+
+    loggers: list[Logger] = []
+    for _, node in nodes.items():
+        if node is None or "_target_" not in node:
+            continue
+        if wandb_run_id and node["_target_"] == f"{__name__}.wandb_logger":
+            loggers.append(instantiate(node, id=wandb_run_id, resume="allow"))
+        else:
+            loggers.append(instantiate(node))
+    return loggers
+
+
+def update_wandb_summary(loggers: list[Logger], values: dict[str, float]) -> None:
+    """Add ``values`` to the W&B run's summary (the figures its table and comparisons show)."""
+    for lg in loggers:
+        if isinstance(lg, WandbLogger):
+            lg.experiment.summary.update(values)
+
+
+def logger_lines(loggers: list[Logger]) -> list[str]:
+    """Where each logger wrote, one line each, for the run's closing report."""
+    lines = []
+    for lg in loggers:
+        if isinstance(lg, WandbLogger):
+            folder = Path(lg.experiment.dir).parent
+            if lg.experiment.settings._offline:
+                lines.append(f"  W&B offline run: {folder}  (upload: wandb sync {folder})")
+            else:
+                lines.append(f"  W&B run: {lg.experiment.url}")
+        elif isinstance(lg, CSVLogger):
+            lines.append(f"  metrics: {Path(lg.log_dir) / 'metrics.csv'}")
+    return lines

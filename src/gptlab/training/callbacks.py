@@ -9,6 +9,8 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import TQDMProgressBar
 
+from gptlab.errors import ConfigError
+
 if TYPE_CHECKING:
     from gptlab.training.module import GPTLitModule
 
@@ -97,3 +99,32 @@ class StepProgressBar(TQDMProgressBar):
             if isinstance(callback, TrainingThroughput) and callback.tokens_per_second is not None:
                 out["tok/s"] = f"{callback.tokens_per_second:,.0f}"
         return out
+
+
+class ValidateAtLastStep(L.Callback):
+    """Ends training with a validation at its last step, also when ``trainer.max_steps`` is not a multiple
+    of ``trainer.val_check_interval``: the final line, the logged metrics and the returned ``val/loss`` then
+    describe the weights that are saved. Lightning validates in the step where ``trainer.should_stop`` is
+    set (as for early stopping); a run whose last step is a validation step validates once."""
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        if 0 < trainer.max_steps <= trainer.global_step:
+            trainer.should_stop = True
+
+
+def instantiate_callbacks(nodes: Any) -> list[L.Callback]:
+    """The callbacks of the ``callbacks`` node (each a ``_target_`` node). A callback that refuses its
+    options raises its own ConfigError, not Hydra's wrapper around it."""
+    from hydra.errors import InstantiationException
+    from hydra.utils import instantiate
+
+    callbacks = []
+    for _, node in nodes.items():
+        if node and "_target_" in node:
+            try:
+                callbacks.append(instantiate(node))
+            except InstantiationException as e:
+                if isinstance(e.__cause__, ConfigError):
+                    raise e.__cause__ from None
+                raise
+    return callbacks

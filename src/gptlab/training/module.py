@@ -53,19 +53,36 @@ def build_head_loss(loss: dict[str, Any] | None) -> HeadLoss:
 
 
 class GPTLitModule(L.LightningModule):
+    """Trains a :class:`~gptlab.model.gpt.GPT` of config ``model`` (a GPTConfig, or its ``to_dict`` as a
+    checkpoint holds it) with the ``optim`` node's optimizer and schedule; ``loss``: how the output layer and
+    loss are computed; ``parallel``: what is applied to every block in each rank; ``tokenizer``: saved with
+    each checkpoint."""
+
     def __init__(
-        self, model: dict[str, Any], optim: dict[str, Any] | None = None, loss: dict[str, Any] | None = None
+        self,
+        model: GPTConfig | dict[str, Any],
+        optim: dict[str, Any] | None = None,
+        loss: HeadLoss | dict[str, Any] | None = None,
+        parallel: Any = None,
+        tokenizer: tokenizers.Tokenizer | None = None,
     ) -> None:
         super().__init__()
-        # Plain dicts only, so a checkpoint rebuilds the module without this project's config system.
-        self.save_hyperparameters(logger=False)
-        self.model_config = GPTConfig.from_dict(dict(model))
+        self.model_config = model if isinstance(model, GPTConfig) else GPTConfig.from_dict(dict(model))
         self.optim = check_optim(dict(optim or {}))
-        self.model = GPT(self.model_config)
         # How the output layer and loss are computed (model/head_loss.py); the same loss whichever is used.
-        self.head_loss = build_head_loss(loss)
-        self.tokenizer: tokenizers.Tokenizer | None = None  # set by the trainer task; saved in checkpoints
-        self.parallel: Any = None  # gptlab.parallel.ParallelOptions, set by the trainer task
+        self.head_loss = loss if isinstance(loss, HeadLoss) else build_head_loss(loss)
+        # Plain values only, so a checkpoint rebuilds the module without this project's config system.
+        self.save_hyperparameters(
+            {
+                "model": self.model_config.to_dict(),
+                "optim": self.optim,
+                "loss": {"impl": self.head_loss.impl, "chunk_rows": self.head_loss.chunk_rows},
+            },
+            logger=False,
+        )
+        self.model = GPT(self.model_config)
+        self.tokenizer = tokenizer  # saved in checkpoints
+        self.parallel: Any = parallel  # gptlab.parallel.ParallelOptions (None: none)
         self._val_loss_sum = torch.zeros(())
         self._val_count = torch.zeros(())
         self._batch_shape: tuple[int, ...] | None = None  # (B, T) of the last batch, for flops_per_batch
@@ -163,7 +180,6 @@ class GPTLitModule(L.LightningModule):
                 f"trainer.max_steps={max_steps}: training is counted in optimizer steps; set trainer.max_steps "
                 "to a positive number (the learning-rate schedule ends there)."
             )
-        check_optim(dict(o), max_steps)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule_of(o, max_steps))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 

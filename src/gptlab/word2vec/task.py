@@ -1,5 +1,6 @@
-"""``python train.py task=word2vec``: train word vectors on the configured corpus, write them in the word2vec
-text format (``<run dir>/embeddings.txt``) and evaluate them. Checkpoints resume (``resume=auto`` or a path).
+"""The word2vec task's training: the loop, its checkpoints and its limits, and the evaluation of the written
+vectors. The task itself (``python train.py task=word2vec``, on the run skeleton) is
+:mod:`gptlab.tasks.word2vec`. Checkpoints resume (``resume=auto`` or a path).
 
 Training is a plain loop around the fast update (``gptlab.word2vec.fast``), not a Lightning Trainer:
 importing Lightning alone takes longer (about 8 s here) than a whole training run on a corpus of a few hundred
@@ -21,17 +22,17 @@ import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import torch
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig
 
 from gptlab.errors import CheckpointError, ConfigError
-from gptlab.resume import ResumePlan, check_writable, checkpoint_to_resume
+from gptlab.resume import ResumePlan
 from gptlab.runs.checkpoints import load_checkpoint
-from gptlab.word2vec import evaluation, objectives
+from gptlab.word2vec import evaluation
 from gptlab.word2vec.config import Word2VecOptions
-from gptlab.word2vec.corpus import WordCorpus, data_spec, peak_rss_mib, read_corpus
+from gptlab.word2vec.corpus import WordCorpus
 from gptlab.word2vec.fast import Tables, WindowBatch, sgd_step
 from gptlab.word2vec.schedule import Schedule
 
@@ -319,146 +320,6 @@ class Trainer:
         self.global_step = int(checkpoint.get("global_step", 0))
 
 
-def build_loggers(cfg: DictConfig, resume: ResumePlan | None) -> list:
-    """The configured loggers (Lightning's logger classes, as the GPT task uses them). Importing them costs
-    Lightning's import: only when a logger is configured."""
-    if not any(node is not None and "_target_" in node for node in (cfg.get("logger") or {}).values()):
-        return []
-    from gptlab.train import build_loggers as build
-
-    return build(cfg, resume)
-
-
-def write_result(run_dir: Path, metrics: dict[str, float], step: int, finished: bool, stopped: bool) -> None:
-    """``<run dir>/result.json``: what the run reported, its last step and the commit it ran at."""
-    from gptlab.runs.layout import Run, git_commit
-
-    Run(run_dir).write_result(
-        {
-            "metrics": {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and math.isfinite(v)},
-            "global_step": step,
-            "finished": finished,
-            "stopped_by_signal": bool(stopped),
-            "git_commit": git_commit(),
-        }
-    )
-
-
-def run_dir_of(cfg: DictConfig) -> Path:
-    from hydra.core.hydra_config import HydraConfig
-
-    if HydraConfig.initialized():
-        return Path(HydraConfig.get().runtime.output_dir)
-    return Path(cfg.paths.get("output_dir") or "outputs/runs/interactive")
-
-
-def run(cfg: DictConfig) -> dict[str, float]:
-    """Train word2vec as configured; returns the final metrics (loss, words/s, benchmark scores)."""
-    from gptlab.preflight import check_seed
-
-    t0 = time.perf_counter()
-    options = Word2VecOptions.from_dict(
-        cast(dict[str, Any], OmegaConf.to_container(cfg.word2vec, resolve=True))
-    )
-    check_seed(cfg.seed)
-    step_cap, max_seconds = trainer_limits(cfg)
-    device = pick_device(options)
-    spec = data_spec(cfg.data)
-    run_dir = run_dir_of(cfg)
-    check_writable(run_dir)
-    with open_dict(cfg):
-        cfg.paths.output_dir = str(run_dir)
-    seed = int(cfg.seed)
-    torch.manual_seed(seed)
-    if device.type == "cpu":
-        # Parallel over batches (worker threads), each operation on one core: word2vec's operations are
-        # small, and intra-op threads waiting on a busy core cost more than they give.
-        torch.set_num_threads(1)
-    corpus = read_corpus(spec, options)
-    vocab = corpus.vocab
-    objective = objectives.build(options.objective, vocab.counts, options.negatives, options.noise_power)
-    schedule = Schedule(corpus, options, objective, seed, options.max_steps)
-    ckpt = checkpoint_to_resume(cfg.get("resume"), run_dir)
-    resume = check_resume(ckpt, options, vocab.words) if ckpt else None
-    log.info(
-        "Data ready after %.1f s (peak memory %.0f MiB): %d words, vocabulary %d, objective %s",
-        time.perf_counter() - t0,
-        peak_rss_mib(),
-        corpus.words,
-        len(vocab),
-        options.objective,
-    )
-    loggers = build_loggers(cfg, resume)
-    failed = True
-    try:
-        trainer = Trainer(
-            schedule,
-            options,
-            device,
-            run_dir,
-            loggers,
-            seed,
-            int((cfg.get("trainer") or {}).get("log_every_n_steps", 10)),
-        )
-        for lg in loggers:
-            lg.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))
-            if type(lg).__name__ == "WandbLogger":
-                trainer.wandb_run_id = lg.version
-        OmegaConf.save(cfg, run_dir / "config_resolved.yaml", resolve=True)
-        log.info("Run directory: %s", run_dir)
-        start_step = 0
-        if resume:
-            trainer.restore(resume.ckpt_path)
-            start_step = trainer.global_step
-            log.info("Resuming from %s (step %d)", resume.ckpt_path, start_step)
-        t_fit = time.perf_counter()
-        stopped = trainer.fit(start_step, options.checkpoint_every, max_seconds, step_cap)
-        seconds = time.perf_counter() - t_fit
-        metrics: dict[str, float] = {
-            "train/loss": trainer.last_loss,
-            "train/words_per_second": trainer.words_done / seconds
-            if seconds > 0 and trainer.words_done
-            else math.nan,
-            "train/steps": trainer.global_step,
-            "train/words": trainer.words_done,
-            "train/seconds": seconds,
-            "peak_rss_mib": peak_rss_mib(),
-        }
-        vectors = trainer.tables.input.detach().cpu().numpy()
-        path = evaluation.write_embeddings(run_dir / evaluation.EMBEDDINGS_FILE, vocab.words, vectors)
-        finished = not stopped and (
-            (step_cap is not None and trainer.global_step >= step_cap)
-            or (trainer.global_step >= options.max_steps if options.max_steps else False)
-            or (not options.max_steps and schedule.locate(trainer.global_step)[0] >= options.epochs)
-        )
-        if stopped:
-            log.info(
-                "Stopped by a signal at step %d (checkpoint saved); continue with the same command and "
-                "resume=auto or resume=%s",
-                trainer.global_step,
-                run_dir,
-            )
-        elif options.evaluate:
-            metrics.update(evaluate_run(path, run_dir, options, corpus, loggers, trainer.global_step))
-        (run_dir / "metrics.json").write_text(json.dumps(metrics, indent=1))
-        write_result(run_dir, metrics, trainer.global_step, finished, stopped)
-        for lg in loggers:
-            lg.finalize("success")
-        print(
-            f"Trained {trainer.global_step} steps, {trainer.words_done:,.0f} words in {seconds:.1f} s "
-            f"({metrics['train/words_per_second']:,.0f} words/s, {trainer.threads} thread(s), {device.type})"
-            f"\nEmbeddings: {path}",
-            flush=True,
-        )
-        failed = False
-        return metrics
-    finally:
-        if loggers:
-            from gptlab.tracking.loggers import finish_wandb
-
-            finish_wandb(loggers, failed)
-
-
 def evaluate_run(
     path: Path, run_dir: Path, options: Word2VecOptions, corpus: WordCorpus, loggers: list, step: int
 ) -> dict[str, float]:
@@ -484,11 +345,4 @@ def evaluate_run(
     return scores
 
 
-def check_task(cfg: DictConfig) -> str:
-    task = cfg.get("task") or "gpt"
-    if task not in ("gpt", "word2vec"):
-        raise ConfigError(f"task={task!r} is not one of ['gpt', 'word2vec'] (task=gpt trains the GPT).")
-    return task
-
-
-__all__ = ["run", "check_task", "Trainer", "trainer_limits"]
+__all__ = ["Trainer", "check_resume", "evaluate_run", "pick_device", "trainer_limits"]

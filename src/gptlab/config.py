@@ -1,0 +1,269 @@
+"""The run's configuration as one typed tree, parsed once at start-up from Hydra's composed config.
+
+Every node becomes the typed object its component takes, built and checked where that component declares it:
+the model (a :class:`~gptlab.model.config.GPTConfig`, each variant a registry Choice), the corpus
+(:class:`~gptlab.data.sources.DataSpec`) and its loader (:class:`LoaderOptions`), the tokenizer's options,
+the optimizer, the output layer and loss (:class:`~gptlab.model.head_loss.HeadLoss`), the trainer's arguments,
+the parallel strategy (:class:`~gptlab.parallel.StrategyChoice`), what is applied to every block
+(:class:`~gptlab.parallel.ParallelOptions`), and the length and passkey studies. An unknown key, a value of the
+wrong type, or a combination that cannot run is a :class:`~gptlab.errors.ConfigError` here, before any data is
+read, any logger is opened or any weight exists; a component then receives its own node and nothing else.
+
+    from gptlab.config import parse_gpt
+    run = parse_gpt(cfg)          # cfg: Hydra's composed config
+    run.model.pos.name, run.optim["lr"], run.loader.batch_size
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
+
+from omegaconf import DictConfig, OmegaConf
+
+from gptlab.errors import ConfigError
+from gptlab.preflight import check_seed
+from gptlab.registry import build_options, check_keys
+
+if TYPE_CHECKING:  # the nodes' types; their modules are imported where a node is parsed (a task that does
+    # not train a GPT, word2vec, reads the top level without importing Lightning)
+    from gptlab.data import tokenizers
+    from gptlab.data.sources import DataSpec
+    from gptlab.evaluation.length import LengthEvalOptions
+    from gptlab.evaluation.passkey import PasskeyOptions
+    from gptlab.model.config import GPTConfig
+    from gptlab.model.head_loss import HeadLoss
+    from gptlab.parallel import ParallelOptions, StrategyChoice
+
+
+def plain(node: Any) -> Any:
+    """A config node as plain Python values (interpolations resolved)."""
+    if isinstance(node, DictConfig):
+        return OmegaConf.to_container(node, resolve=True)
+    return node
+
+
+@dataclass(frozen=True)
+class LoaderOptions:
+    """The ``data`` node's loader keys: sliding windows of ``block_size`` tokens every ``stride`` tokens
+    (null: the model's context, and windows that tile the corpus), ``batch_size`` windows a step."""
+
+    batch_size: int = 8
+    block_size: int | None = None
+    stride: int | None = None
+    val_stride: int | None = None
+    num_workers: int = 0
+
+    def __post_init__(self) -> None:
+        for key in ("batch_size", "num_workers"):
+            value = getattr(self, key)
+            if value < (1 if key == "batch_size" else 0):
+                raise ConfigError(f"data.{key}={value!r} must be a positive integer.")
+        for key in ("block_size", "stride", "val_stride"):
+            value = getattr(self, key)
+            if value is not None and value <= 0:
+                raise ConfigError(
+                    f"data.{key}={value!r} must be a positive integer, or null for model.block_size."
+                )
+
+
+LOADER_KEYS = tuple(f.name for f in dataclasses.fields(LoaderOptions))
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    """What every task reads at the top level: which task, the seed, and which run it continues."""
+
+    task: str = "gpt"
+    seed: int = 1337
+    resume: str | None = None  # auto, a run directory or a checkpoint; None: a new run
+    overwrite: bool = False
+    optimized_metric: str | None = None
+
+    @classmethod
+    def parse(cls, cfg: DictConfig) -> RunSettings:
+        check_seed(cfg.get("seed"))
+        resume = cfg.get("resume")
+        return cls(
+            task=str(cfg.get("task", "gpt")),
+            seed=int(cfg.seed),
+            resume=None if resume in (None, "", False) else str(resume),
+            overwrite=bool(cfg.get("overwrite")),
+            optimized_metric=cfg.get("optimized_metric"),
+        )
+
+
+@dataclass(frozen=True)
+class GPTRunConfig:
+    """The whole typed tree of a language-model run (``task=gpt``)."""
+
+    run: RunSettings
+    model: GPTConfig  # vocab_size is the tokenizer's when ``vocab_from_tokenizer``
+    vocab_from_tokenizer: bool
+    init_from: str | None
+    tokenizer: dict[str, Any]  # the node: name and options (checked); a fitted vocabulary comes with the data
+    data: DataSpec
+    loader: LoaderOptions
+    optim: dict[str, Any]  # merged over the defaults and checked (plain values: saved with the checkpoint)
+    loss: HeadLoss
+    trainer: dict[str, Any]  # Lightning Trainer arguments, checked; precision chosen for the hardware
+    strategy: StrategyChoice
+    strategy_node: dict[str, Any]
+    parallel: ParallelOptions
+    length_study: LengthEvalOptions | None  # None: no length study after training
+    passkey: PasskeyOptions | None
+
+    @property
+    def block_size(self) -> int:
+        """The training context: ``data.block_size`` or the model's."""
+        return self.loader.block_size or self.model.block_size
+
+    def with_vocabulary(self, tokenizer: tokenizers.Tokenizer) -> GPTConfig:
+        """The model config for ``tokenizer``: its size when ``model.vocab_size`` is null, else checked
+        against it."""
+        if self.vocab_from_tokenizer:
+            return dataclasses.replace(self.model, vocab_size=tokenizer.vocab_size)
+        if tokenizer.vocab_size > self.model.vocab_size:
+            raise ConfigError(
+                f"tokenizer={tokenizer.name} has {tokenizer.vocab_size} ids but model.vocab_size="
+                f"{self.model.vocab_size}: the embedding table has no row for the larger ids. Set "
+                f"model.vocab_size={tokenizer.vocab_size} or larger, or null to take the tokenizer's size."
+            )
+        return self.model
+
+
+def parse_model(cfg: DictConfig) -> tuple[GPTConfig, bool, str | None]:
+    """The ``model``, ``pos``, ``activation`` and ``norm`` nodes as one checked GPTConfig; whether its
+    vocabulary is the tokenizer's (``model.vocab_size: null``, checked with a stand-in size until the
+    tokenizer exists); and ``model.init_from``."""
+    from gptlab.model.config import GPTConfig
+
+    values = dict(plain(cfg.model))
+    init_from = values.pop("init_from", None)
+    from_tokenizer = values.get("vocab_size") is None
+    if from_tokenizer:
+        values["vocab_size"] = 1
+    config = GPTConfig.from_nodes(values, plain(cfg.pos), plain(cfg.activation), plain(cfg.norm))
+    return config, from_tokenizer, init_from
+
+
+def parse_data(node: Any) -> tuple[DataSpec, LoaderOptions]:
+    """The ``data`` node: the corpus (DataSpec) and the loader's keys."""
+    from gptlab.data.sources import DataSpec
+
+    spec_keys = tuple(f.name for f in dataclasses.fields(DataSpec))
+    values = dict(plain(node) or {})
+    check_keys(values, spec_keys + LOADER_KEYS, "data", "data")
+    spec = build_options(DataSpec, {k: v for k, v in values.items() if k in spec_keys}, "data", "data")
+    loader = build_options(
+        LoaderOptions, {k: v for k, v in values.items() if k in LOADER_KEYS}, "data", "data"
+    )
+    return spec, loader
+
+
+def check_context(model: GPTConfig, loader: LoaderOptions) -> int:
+    """The training context (``data.block_size``, else the model's), refused past a learned position table."""
+    from gptlab.model import positional
+
+    block_size = loader.block_size or model.block_size
+    if not positional.get(model.pos.name).extrapolates and block_size > model.block_size:
+        raise ConfigError(
+            f"data.block_size={block_size} is longer than the learned position table of "
+            f"pos={model.pos.name} (model.block_size={model.block_size}). Set model.block_size={block_size}, "
+            "shorten data.block_size, or use a scheme without a table (pos=sinusoidal, pos=nope)."
+        )
+    return block_size
+
+
+def parse_tokenizer(node: Any) -> dict[str, Any]:
+    from gptlab.data import tokenizers
+
+    values = dict(plain(node))
+    tokenizers.options_of(values["name"], values)  # an unknown name or option is refused here
+    return values
+
+
+def parse_loss(node: Any, trainer: dict[str, Any]) -> HeadLoss:
+    """The ``loss`` node, refused where its kernel cannot run (a CUDA kernel without CUDA or its package)."""
+    from gptlab.model.head_loss import HeadLoss, refusal
+    from gptlab.preflight import training_device_type
+
+    values = dict(plain(node) or {})
+    check_keys(values, ("impl", "chunk_rows"), "loss", "loss")
+    try:
+        loss = HeadLoss(**values)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    message = refusal(loss.impl, training_device_type(trainer))
+    if message is not None:
+        raise ConfigError(message)
+    return loss
+
+
+def parse_trainer(node: Any) -> dict[str, Any]:
+    """The ``trainer`` node: Lightning's arguments, checked before Lightning sees them."""
+    from gptlab.parallel import choose_precision
+    from gptlab.preflight import check_accelerator, check_trainer_options, check_trainer_values
+
+    trainer = cast(dict[str, Any], plain(node))
+    check_trainer_options(trainer)
+    check_trainer_values(trainer)
+    check_accelerator(trainer)
+    trainer["precision"] = choose_precision(trainer.get("precision"), trainer.get("accelerator"))
+    return trainer
+
+
+def parse_studies(cfg: DictConfig) -> tuple[LengthEvalOptions | None, PasskeyOptions | None]:
+    from gptlab.evaluation.length import LengthEvalOptions
+    from gptlab.evaluation.passkey import PasskeyOptions
+
+    node = dict(plain(cfg.get("eval_length")) or {})
+    enabled = bool(node.pop("enabled", False))
+    passkey_node = dict(node.pop("passkey", None) or {})
+    study = LengthEvalOptions.from_dict(node)  # checked also when off: a typo fails now, not at the end
+    passkey = PasskeyOptions.from_dict(passkey_node)
+    if not enabled:
+        return None, None
+    return study, passkey if passkey.enabled else None
+
+
+def parse_gpt(cfg: DictConfig) -> GPTRunConfig:
+    """The typed tree of a ``task=gpt`` run, every node checked (see the module's docstring)."""
+    from gptlab.parallel import ParallelOptions, check_rank_zero_evaluation, strategy_choice
+    from gptlab.training.optimizers import check_optim, check_optimizer_strategy
+
+    run = RunSettings.parse(cfg)
+    trainer = parse_trainer(cfg.trainer)
+    loss = parse_loss(cfg.get("loss"), trainer)
+    optim = check_optim(cast(dict[str, Any], plain(cfg.optim)), trainer["max_steps"])
+    strategy_node = cast(dict[str, Any], plain(cfg.get("strategy")) or {"name": "auto"})
+    strategy = strategy_choice(strategy_node)
+    check_optimizer_strategy(optim, strategy.label)
+    model, from_tokenizer, init_from = parse_model(cfg)
+    data, loader = parse_data(cfg.data)
+    check_context(model, loader)
+    study, passkey = parse_studies(cfg)
+    if study is not None:
+        check_rank_zero_evaluation(strategy, trainer, "eval_length.enabled=true")
+    parallel = ParallelOptions.from_config(
+        {k: cfg[k] for k in ("compile", "activation_checkpointing") if cfg.get(k) is not None}
+    )
+    return GPTRunConfig(
+        run=run,
+        model=model,
+        vocab_from_tokenizer=from_tokenizer,
+        init_from=str(Path(init_from)) if init_from else None,
+        tokenizer=parse_tokenizer(cfg.tokenizer),
+        data=data,
+        loader=loader,
+        optim=optim,
+        loss=loss,
+        trainer=trainer,
+        strategy=strategy,
+        strategy_node=strategy_node,
+        parallel=parallel,
+        length_study=study,
+        passkey=passkey,
+    )

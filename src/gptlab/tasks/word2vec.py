@@ -1,0 +1,171 @@
+"""``python train.py task=word2vec``: word vectors trained on the configured corpus (Mikolov et al. 2013,
+"Efficient Estimation of Word Representations in Vector Space"), written in the word2vec text format
+(``<run dir>/embeddings.txt``) and evaluated, on the same run skeleton as the language model
+(:mod:`gptlab.tasks.skeleton`): one run per directory, ``run.json``, the loggers, ``config_resolved.yaml``,
+``result.json``. The training loop is :mod:`gptlab.word2vec.task`; no Lightning is imported unless a logger
+is configured.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from dataclasses import dataclass
+from typing import Any, cast
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from gptlab.config import RunSettings
+from gptlab.resume import ResumePlan, checkpoint_to_resume
+from gptlab.tasks.skeleton import RunSession
+from gptlab.word2vec import objectives
+from gptlab.word2vec.config import Word2VecOptions
+from gptlab.word2vec.corpus import WordCorpus, data_spec, peak_rss_mib, read_corpus
+from gptlab.word2vec.schedule import Schedule
+from gptlab.word2vec.task import Trainer, check_resume, evaluate_run, pick_device, trainer_limits
+
+log = logging.getLogger("gptlab")
+
+
+@dataclass(frozen=True)
+class Word2VecRunConfig:
+    """The typed tree of a ``task=word2vec`` run: the top level, the ``word2vec`` node, the corpus, and the
+    trainer limits it honours (``trainer.max_steps`` / ``trainer.max_time`` when given)."""
+
+    run: RunSettings
+    options: Word2VecOptions
+    data: Any  # DataSpec
+    step_cap: int | None
+    max_seconds: float | None
+    log_every: int
+
+    @classmethod
+    def parse(cls, cfg: DictConfig) -> Word2VecRunConfig:
+        options = Word2VecOptions.from_dict(
+            cast(dict[str, Any], OmegaConf.to_container(cfg.word2vec, resolve=True))
+        )
+        step_cap, max_seconds = trainer_limits(cfg)
+        return cls(
+            run=RunSettings.parse(cfg),
+            options=options,
+            data=data_spec(cfg.data),
+            step_cap=step_cap,
+            max_seconds=max_seconds,
+            log_every=int((cfg.get("trainer") or {}).get("log_every_n_steps", 10)),
+        )
+
+
+def run(cfg: DictConfig) -> dict[str, float]:
+    """Train word2vec as configured; returns the final metrics (loss, words/s, benchmark scores)."""
+    t0 = time.perf_counter()
+    settings = Word2VecRunConfig.parse(cfg)
+    options = settings.options
+    device = pick_device(options)
+    session = RunSession.start(cfg, settings.run)
+    if device.type == "cpu":
+        # Parallel over batches (worker threads), each operation on one core: word2vec's operations are
+        # small, and intra-op threads waiting on a busy core cost more than they give.
+        torch.set_num_threads(1)
+    corpus = read_corpus(settings.data, options)
+    objective = objectives.build(
+        options.objective, corpus.vocab.counts, options.negatives, options.noise_power
+    )
+    schedule = Schedule(corpus, options, objective, settings.run.seed, options.max_steps)
+    ckpt = checkpoint_to_resume(settings.run.resume, session.run_dir)
+    resume = check_resume(ckpt, options, corpus.vocab.words) if ckpt else None
+    log.info(
+        "Data ready after %.1f s (peak memory %.0f MiB): %d words, vocabulary %d, objective %s",
+        time.perf_counter() - t0,
+        peak_rss_mib(),
+        corpus.words,
+        len(corpus.vocab),
+        options.objective,
+    )
+    loggers = session.open_loggers(resume.wandb_run_id if resume else None)
+    trainer: Trainer | None = None
+    with session.closing(loggers, step=lambda: trainer.global_step if trainer else 0):
+        trainer = Trainer(
+            schedule, options, device, session.run_dir, loggers, settings.run.seed, settings.log_every
+        )
+        for lg in loggers:
+            if type(lg).__name__ == "WandbLogger":
+                trainer.wandb_run_id = lg.version
+        session.save_config(loggers)
+        log.info("Run directory: %s", session.run_dir)
+        metrics, stopped = fit(trainer, settings, resume)
+        return report(session, settings, trainer, schedule, corpus, loggers, metrics, stopped)
+    raise AssertionError("unreachable: closing() re-raises")  # pragma: no cover
+
+
+def fit(
+    trainer: Trainer, settings: Word2VecRunConfig, resume: ResumePlan | None
+) -> tuple[dict[str, float], bool]:
+    """Train (continuing ``resume``) to the end of the schedule or a trainer limit; returns the training
+    figures and whether a stop signal ended it early (its checkpoint saved)."""
+    start_step = 0
+    if resume:
+        trainer.restore(resume.ckpt_path)
+        start_step = trainer.global_step
+        log.info("Resuming from %s (step %d)", resume.ckpt_path, start_step)
+    t_fit = time.perf_counter()
+    stopped = trainer.fit(
+        start_step, settings.options.checkpoint_every, settings.max_seconds, settings.step_cap
+    )
+    seconds = time.perf_counter() - t_fit
+    metrics: dict[str, float] = {
+        "train/loss": trainer.last_loss,
+        "train/words_per_second": trainer.words_done / seconds
+        if seconds > 0 and trainer.words_done
+        else math.nan,
+        "train/steps": trainer.global_step,
+        "train/words": trainer.words_done,
+        "train/seconds": seconds,
+        "peak_rss_mib": peak_rss_mib(),
+    }
+    return metrics, stopped
+
+
+def report(
+    session: RunSession,
+    settings: Word2VecRunConfig,
+    trainer: Trainer,
+    schedule: Schedule,
+    corpus: WordCorpus,
+    loggers: list,
+    metrics: dict[str, float],
+    stopped: bool,
+) -> dict[str, float]:
+    """The vectors written and evaluated, ``metrics.json`` and ``result.json``, and the closing lines."""
+    from gptlab.word2vec import evaluation
+
+    options, run_dir, step = settings.options, session.run_dir, trainer.global_step
+    vectors = trainer.tables.input.detach().cpu().numpy()
+    path = evaluation.write_embeddings(run_dir / evaluation.EMBEDDINGS_FILE, corpus.vocab.words, vectors)
+    finished = not stopped and (
+        (settings.step_cap is not None and step >= settings.step_cap)
+        or (step >= options.max_steps if options.max_steps else False)
+        or (not options.max_steps and schedule.locate(step)[0] >= options.epochs)
+    )
+    if stopped:
+        log.info(
+            "Stopped by a signal at step %d (checkpoint saved); continue with the same command and "
+            "resume=auto or resume=%s",
+            step,
+            run_dir,
+        )
+    elif options.evaluate:
+        metrics.update(evaluate_run(path, run_dir, options, corpus, loggers, step))
+    (run_dir / "metrics.json").write_text(json.dumps(metrics, indent=1))
+    session.write_result(metrics, step, finished=finished, stopped=stopped)
+    for lg in loggers:
+        lg.finalize("success")
+    print(
+        f"Trained {step} steps, {trainer.words_done:,.0f} words in {metrics['train/seconds']:.1f} s "
+        f"({metrics['train/words_per_second']:,.0f} words/s, {trainer.threads} thread(s), {trainer.tables.device.type})"
+        f"\nEmbeddings: {path}",
+        flush=True,
+    )
+    return metrics
