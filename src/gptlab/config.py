@@ -31,8 +31,7 @@ if TYPE_CHECKING:  # the nodes' types; their modules are imported where a node i
     # not train a GPT, word2vec, reads the top level without importing Lightning)
     from gptlab.data import tokenizers
     from gptlab.data.sources import DataSpec
-    from gptlab.evaluation.length import LengthEvalOptions
-    from gptlab.evaluation.passkey import PasskeyOptions
+    from gptlab.evaluation.options import LengthEvalOptions, PasskeyOptions
     from gptlab.model.config import GPTConfig
     from gptlab.model.head_loss import HeadLoss
     from gptlab.parallel import ParallelOptions, StrategyChoice
@@ -216,8 +215,7 @@ def parse_trainer(node: Any) -> dict[str, Any]:
 
 
 def parse_studies(cfg: DictConfig) -> tuple[LengthEvalOptions | None, PasskeyOptions | None]:
-    from gptlab.evaluation.length import LengthEvalOptions
-    from gptlab.evaluation.passkey import PasskeyOptions
+    from gptlab.evaluation.options import LengthEvalOptions, PasskeyOptions
 
     node = dict(plain(cfg.get("eval_length")) or {})
     enabled = bool(node.pop("enabled", False))

@@ -16,7 +16,6 @@ import math
 import time
 from collections.abc import Sequence
 from contextlib import nullcontext
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,52 +23,14 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from gptlab.errors import ConfigError
 from gptlab.evaluation import passkey, plots
+from gptlab.evaluation.options import LengthEvalOptions
 from gptlab.model.gpt import GPT
-from gptlab.registry import build_options
 from gptlab.runs.layout import LENGTH_FILE
 
 log = logging.getLogger(__name__)
 
-DEFAULT_FACTORS = (1, 2, 4, 8)
-ROPE_SCALINGS = ("linear", "ntk", "yarn")  # the context-scaling methods studied, where the scheme has them
 RESULT_FILE = LENGTH_FILE  # <run dir>/eval_length/length.json (gptlab.runs.layout)
-
-
-@dataclass
-class LengthEvalOptions:
-    """The ``eval_length`` config node."""
-
-    factors: Sequence[int] = DEFAULT_FACTORS
-    max_tokens: int | None = None  # validation tokens to use (None: all of them)
-    batch_tokens: int = 4096  # tokens per forward pass; the batch shrinks as the context grows
-    rope_scalings: Sequence[str] = ROPE_SCALINGS
-
-    def __post_init__(self) -> None:
-        factors = list(self.factors)
-        if not factors or any(not isinstance(f, int) or f < 1 for f in factors):
-            raise ConfigError(
-                f"eval_length.factors={factors!r} must be a non-empty list of positive integers "
-                "(multiples of the training context, e.g. [1, 2, 4, 8])."
-            )
-        self.factors = sorted(set(factors))
-        bad = [s for s in self.rope_scalings if s not in ROPE_SCALINGS]
-        if bad:
-            raise ConfigError(
-                f"eval_length.rope_scalings has {bad}; allowed: {list(ROPE_SCALINGS)} (or [] for none)."
-            )
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 2):
-            raise ConfigError(f"eval_length.max_tokens={self.max_tokens!r} must be an integer >= 2 or null.")
-        if not isinstance(self.batch_tokens, int) or self.batch_tokens < 1:
-            raise ConfigError(f"eval_length.batch_tokens={self.batch_tokens!r} must be a positive integer.")
-
-    @classmethod
-    def from_dict(cls, values: dict[str, Any] | None) -> LengthEvalOptions:
-        values = dict(values or {})
-        values.pop("enabled", None)
-        values.pop("passkey", None)  # the passkey study's own node (gptlab.evaluation.passkey)
-        return build_options(cls, values, "eval_length", "eval_length")
 
 
 # ---- evaluation -----------------------------------------------------------------------------------

@@ -29,9 +29,8 @@ import torch
 import torch.nn.functional as F
 
 from gptlab.data.tokenizers import Tokenizer
-from gptlab.errors import ConfigError
+from gptlab.evaluation.options import PasskeyOptions
 from gptlab.model.gpt import GPT, KVCache
-from gptlab.registry import build_options
 
 log = logging.getLogger(__name__)
 
@@ -43,31 +42,6 @@ INTRO = (
 FILLER = " The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 KEY_SENTENCE = " The pass key is {key}. Remember it. {key} is the pass key."
 QUESTION = " What is the pass key? The pass key is"
-
-
-@dataclass
-class PasskeyOptions:
-    """The ``eval_length.passkey`` config node; lengths are ``eval_length.factors`` x the training context."""
-
-    enabled: bool = True
-    depths: int = 4  # equal bins of the filler; the key's depth is drawn uniformly inside each
-    trials: int = 5  # prompts per (length, depth bin)
-    seed: int = 0
-    key_digits: int = 5
-    batch_tokens: int = 16384  # tokens per forward pass
-
-    def __post_init__(self) -> None:
-        for name in ("depths", "trials", "key_digits", "batch_tokens"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ConfigError(f"eval_length.passkey.{name}={value!r} must be a positive integer.")
-        if not isinstance(self.seed, int):
-            raise ConfigError(f"eval_length.passkey.seed={self.seed!r} must be an integer.")
-
-    @classmethod
-    def from_dict(cls, values: dict[str, Any] | None) -> PasskeyOptions:
-        values = dict(values or {})
-        return build_options(cls, values, "eval_length.passkey", "eval_length.passkey")
 
 
 def depth_bins(n: int) -> list[tuple[float, float]]:

@@ -79,9 +79,8 @@ def load_run(path: str | Path, device: str | torch.device = "cpu", which: str = 
 def held_out_tokens(trained: TrainedRun) -> np.ndarray:
     """The run's validation split as a flat array of token ids: from its token cache (rebuilt if missing), its
     token folder (nanoGPT's or llm.c's files) or its stream's held-out documents."""
-    from omegaconf import OmegaConf
 
-    from gptlab.builders import data_spec
+    from gptlab.config import parse_data
 
     data = trained.config.get("data")
     if not data:
@@ -89,7 +88,7 @@ def held_out_tokens(trained: TrainedRun) -> np.ndarray:
             f"{trained.checkpoint} has no {CONFIG_FILE} in a run directory around it, so its corpus is unknown: "
             "pass the run directory that `python train.py` wrote."
         )
-    spec = data_spec(OmegaConf.create(data))
+    spec, _ = parse_data(data)
     tokens, tokenizer = corpus.validation_tokens(spec, trained.tokenizer.name)
     if tokenizer.spec() != trained.tokenizer.spec():
         raise CheckpointError(
