@@ -1,0 +1,64 @@
+"""A checkpoint written by an earlier version of gptlab resumes, or is refused with the overrides that match it.
+
+``tests/data/e9c3ad3_rope_rmsnorm_swiglu.ckpt`` was written by ``train.py`` at commit e9c3ad3, before the
+variants' options were typed per family (its ``hyper_parameters["model"]`` holds ``pos`` + ``pos_options``,
+``norm_eps``, ``norm_bias``), by:
+
+    python train.py model=tiny model.n_embd=32 model.n_head=2 model.n_layer=1 model.block_size=32 \
+        tokenizer=char pos=rope norm=rmsnorm activation=swiglu trainer.max_steps=4 \
+        trainer.val_check_interval=2 logger=csv data.batch_size=4 hydra.run.dir=<dir>
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from conftest import run_train
+
+from gptlab.model.config import GPTConfig
+from gptlab.runs.checkpoints import load_checkpoint, model_config_dict
+
+OLD = Path(__file__).parent / "data" / "e9c3ad3_rope_rmsnorm_swiglu.ckpt"
+ARGS = [
+    "model=tiny",
+    "model.n_embd=32",
+    "model.n_head=2",
+    "model.n_layer=1",
+    "model.block_size=32",
+    "tokenizer=char",
+    "pos=rope",
+    "norm=rmsnorm",
+    "activation=swiglu",
+    "trainer.val_check_interval=2",
+    "logger=csv",
+    "data.batch_size=4",
+]
+
+
+def test_the_old_model_config_reads_as_todays_choices():
+    config = GPTConfig.from_dict(model_config_dict(load_checkpoint(OLD, weights=False), OLD))
+    assert config.pos.name == "rope" and config.pos.options.base == 10000.0
+    assert config.norm.name == "rmsnorm" and config.norm.options.eps == 1e-5
+    assert config.activation.name == "swiglu" and config.n_embd == 32
+
+
+def test_an_old_checkpoint_resumes_and_a_mismatch_is_refused_with_its_overrides(tmp_path):
+    ckpt = tmp_path / "old.ckpt"
+    shutil.copy(OLD, ckpt)
+    refused = run_train(
+        [*ARGS, "pos.base=500", f"resume={ckpt}", f"hydra.run.dir={tmp_path / 'a'}"], tmp_path, check=False
+    )
+    assert refused.returncode == 2, refused.stderr[-2000:]
+    assert "pos.base: 10000.0 in the checkpoint, 500.0 now" in refused.stderr
+    assert "(pos.base=10000.0)" in refused.stderr and "Traceback" not in refused.stderr
+
+    run = tmp_path / "b"
+    done = run_train([*ARGS, "trainer.max_steps=6", f"resume={ckpt}", f"hydra.run.dir={run}"], tmp_path)
+    assert "Resuming from" in done.stdout + done.stderr
+    result = json.loads((run / "result.json").read_text())
+    assert result["finished"] and result["global_step"] == 6
+    new = torch.load(run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+    assert new["hyper_parameters"]["model"]["pos"] == GPTConfig(pos="rope").pos.node()  # saved as today's
