@@ -174,34 +174,10 @@ def write_comparison(
     out.mkdir(parents=True, exist_ok=True)
     plot_path = plot_val_loss(rows, out / "val_loss.png", title=f"Validation loss, {title}")
     parts = [_describe(runs, rows, keys, ignore, baseline, alpha, include_unfinished), table]
-    if unfinished:
-        parts += [
-            f"Unfinished runs ({len(unfinished)}{', ranked above' if include_unfinished else ', not ranked'}):",
-            unfinished_table(unfinished, keys, sweep_dir),
-        ]
+    parts += _unfinished_section(unfinished, keys, sweep_dir, include_unfinished)
     parts.append(f"![validation loss]({plot_path.name})")
-    if any(row.length_ppl or row.passkey for row in rows):
-        from gptlab.evaluation import long_context
-
-        figure = long_context.plot_rows(rows, out / "long_context.png")
-        parts.append(f"![perplexity, loss by position and passkey retrieval]({figure.name})")
-    else:
-        figure = None
-    length_table = length_plot = None
-    studies = [(r, Run(r.path)) for r in ranked if r.outputs.get("length")]
-    if studies:
-        results = [
-            lengths.label(study, run, label_of(condition_of(r, keys)))
-            for r, run in studies
-            if (study := run.length_result()) is not None
-        ]
-        length_plot = out / "loss_vs_context.png"
-        length_table = lengths.summarize(results=results, plot=length_plot, out_dir=out)
-        parts += [
-            "Validation loss (nats) at each multiple of the training context, mean ± std over seeds:",
-            length_table,
-            f"![loss against context and by position]({length_plot.name})",
-        ]
+    figure = _long_context_figure(rows, out, parts)
+    length_table, length_plot = _length_section(ranked, keys, out, parts)
     if provenance := _provenance(runs, sweep_dir, command):
         parts.append(provenance)
     notes = [(r.path, note) for r in runs for note in r.notes]
@@ -225,6 +201,51 @@ def write_comparison(
         tuple(unfinished),
         tuple(notes),
     )
+
+
+def _unfinished_section(
+    unfinished: list[RunRecord], keys: list[str], sweep_dir: Path | None, include_unfinished: bool
+) -> list[str]:
+    """The heading and table of the unfinished runs, or nothing when every run finished."""
+    if not unfinished:
+        return []
+    return [
+        f"Unfinished runs ({len(unfinished)}{', ranked above' if include_unfinished else ', not ranked'}):",
+        unfinished_table(unfinished, keys, sweep_dir),
+    ]
+
+
+def _long_context_figure(rows: list[Row], out: Path, parts: list[str]) -> Path | None:
+    """Plot ``long_context.png`` and link it in ``parts`` when a row holds length or passkey results."""
+    if not any(row.length_ppl or row.passkey for row in rows):
+        return None
+    from gptlab.evaluation import long_context
+
+    figure = long_context.plot_rows(rows, out / "long_context.png")
+    parts.append(f"![perplexity, loss by position and passkey retrieval]({figure.name})")
+    return figure
+
+
+def _length_section(
+    ranked: list[RunRecord], keys: list[str], out: Path, parts: list[str]
+) -> tuple[str | None, Path | None]:
+    """Tabulate and plot the ranked runs' length evaluations into ``parts``: (table, plot), or Nones."""
+    studies = [(r, Run(r.path)) for r in ranked if r.outputs.get("length")]
+    if not studies:
+        return None, None
+    results = [
+        lengths.label(study, run, label_of(condition_of(r, keys)))
+        for r, run in studies
+        if (study := run.length_result()) is not None
+    ]
+    length_plot = out / "loss_vs_context.png"
+    length_table = lengths.summarize(results=results, plot=length_plot, out_dir=out)
+    parts += [
+        "Validation loss (nats) at each multiple of the training context, mean ± std over seeds:",
+        length_table,
+        f"![loss against context and by position]({length_plot.name})",
+    ]
+    return length_table, length_plot
 
 
 def read_sweep(sweep_dir: str | Path, source: str = "auto") -> tuple[list[RunRecord], list[tuple[Path, str]]]:

@@ -43,7 +43,7 @@ from gptlab.data.shards import (
     write_index,
 )
 from gptlab.data.sources import DataSpec, load_documents, source_fingerprint
-from gptlab.data.tokenize_pool import TokenizeJob, run_tokenize_jobs
+from gptlab.data.tokenize_pool import TokenizeJob, TokenizeResult, run_tokenize_jobs
 from gptlab.errors import ConfigError, DataError
 
 log = logging.getLogger(__name__)
@@ -236,15 +236,7 @@ def _build_cache(spec: DataSpec, node: dict, cache: Path, key_material: dict) ->
         raise DataError(f"The corpus {spec.describe()} holds no text: every document is empty.")
     cls = tokenizers.TOKENIZERS.get(node["name"])
     options = tokenizers.options_of(node["name"], node["options"])
-    single: list[str] | None = None
-    is_val = np.zeros(len(lengths), dtype=bool)
-    if n_docs == 1:
-        single = list(split_single_document(next(_documents(ds, field, keep)), spec.val_fraction))
-        log.info("One document: its last %.0f%% is the validation split.", 100 * spec.val_fraction)
-        training_texts: Any = single[:1]
-    else:
-        is_val[keep] = split_documents(lengths[keep], spec.val_fraction, spec.split_seed)
-        training_texts = _documents(ds, field, keep & ~is_val)
+    single, is_val, training_texts = _split_validation(spec, ds, field, lengths, keep, n_docs)
     # a fitted vocabulary (word, char) comes from the training split alone
     tok = cls.fit(training_texts, options) if cls.fitted else cls.create(options)
     dtype = token_dtype(tok.vocab_size)
@@ -257,29 +249,11 @@ def _build_cache(spec: DataSpec, node: dict, cache: Path, key_material: dict) ->
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
-        if single is not None:
-            jobs: Iterator[TokenizeJob] = iter(
-                [TokenizeJob(0, np.ones(2, dtype=bool), np.array([False, True]), texts=single)]
-            )
-        else:
-            task_chars = int(np.clip(total_chars // (num_proc * 8), MIN_TASK_CHARS, MAX_TASK_CHARS))
-            jobs = _jobs(ds, field, lengths, places, is_val, task_chars)
+        jobs = _tokenize_jobs(ds, field, lengths, places, is_val, single, total_chars, num_proc)
         result = run_tokenize_jobs(
             jobs, tok, dtype, tmp, num_proc, n_docs, spec.max_tokens, desc=f"Tokenizing {spec.describe()}"
         )
-        write_index(tmp, dtype, {"train": result.train_shards, "val": [("val.bin", result.val_tokens)]})
-        meta = {
-            "source": spec.describe(),
-            "key": key_material,
-            "tokenizer_spec": tok.spec(),
-            "vocab_size": tok.vocab_size,
-            "dtype": dtype.name,
-            "splits": result.splits,
-            "unigram_entropy_nats": unigram_entropy(result.counts),
-            "characters": result.characters,
-            "seconds": round(time.perf_counter() - t0, 1),
-        }
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+        meta = _write_index_and_meta(tmp, spec, key_material, tok, dtype, result, t0)
         try:
             os.replace(tmp, cache)  # atomic: the cache appears whole or not at all
         except OSError:  # another process finished the same cache first
@@ -287,6 +261,70 @@ def _build_cache(spec: DataSpec, node: dict, cache: Path, key_material: dict) ->
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    _log_corpus(meta, len(result.train_shards))
+
+
+def _split_validation(
+    spec: DataSpec, ds: Any, field: str, lengths: np.ndarray, keep: np.ndarray, n_docs: int
+) -> tuple[list[str] | None, np.ndarray, Any]:
+    """The validation split: (the two halves of a single document or None, is_val per row, training texts)."""
+    single: list[str] | None = None
+    is_val = np.zeros(len(lengths), dtype=bool)
+    if n_docs == 1:
+        single = list(split_single_document(next(_documents(ds, field, keep)), spec.val_fraction))
+        log.info("One document: its last %.0f%% is the validation split.", 100 * spec.val_fraction)
+        training_texts: Any = single[:1]
+    else:
+        is_val[keep] = split_documents(lengths[keep], spec.val_fraction, spec.split_seed)
+        training_texts = _documents(ds, field, keep & ~is_val)
+    return single, is_val, training_texts
+
+
+def _tokenize_jobs(
+    ds: Any,
+    field: str,
+    lengths: np.ndarray,
+    places: list[BatchPlace] | None,
+    is_val: np.ndarray,
+    single: list[str] | None,
+    total_chars: int,
+    num_proc: int,
+) -> Iterator[TokenizeJob]:
+    """The pool's jobs: one job of a single document's two halves, else runs of documents sized for ``num_proc``."""
+    if single is not None:
+        return iter([TokenizeJob(0, np.ones(2, dtype=bool), np.array([False, True]), texts=single)])
+    task_chars = int(np.clip(total_chars // (num_proc * 8), MIN_TASK_CHARS, MAX_TASK_CHARS))
+    return _jobs(ds, field, lengths, places, is_val, task_chars)
+
+
+def _write_index_and_meta(
+    tmp: Path,
+    spec: DataSpec,
+    key_material: dict,
+    tok: Any,
+    dtype: np.dtype,
+    result: TokenizeResult,
+    t0: float,
+) -> dict[str, Any]:
+    """Write the shards' ``index.json`` and the cache's ``meta.json`` into ``tmp``; returns the meta."""
+    write_index(tmp, dtype, {"train": result.train_shards, "val": [("val.bin", result.val_tokens)]})
+    meta = {
+        "source": spec.describe(),
+        "key": key_material,
+        "tokenizer_spec": tok.spec(),
+        "vocab_size": tok.vocab_size,
+        "dtype": dtype.name,
+        "splits": result.splits,
+        "unigram_entropy_nats": unigram_entropy(result.counts),
+        "characters": result.characters,
+        "seconds": round(time.perf_counter() - t0, 1),
+    }
+    (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+    return meta
+
+
+def _log_corpus(meta: dict[str, Any], n_train_shards: int) -> None:
+    """Log the prepared corpus: documents and tokens per split, shards, throughput and unigram entropy."""
     log.info(
         "Corpus: %d train / %d val documents, %d / %d tokens in %d shard(s), %.1f MB/s of text, unigram "
         "entropy %.3f nats",
@@ -294,7 +332,7 @@ def _build_cache(spec: DataSpec, node: dict, cache: Path, key_material: dict) ->
         meta["splits"]["val"]["documents"],
         meta["splits"]["train"]["tokens"],
         meta["splits"]["val"]["tokens"],
-        len(result.train_shards),
+        n_train_shards,
         meta["characters"] / 1e6 / max(meta["seconds"], 1e-9),
         meta["unigram_entropy_nats"],
     )

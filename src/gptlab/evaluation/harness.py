@@ -290,7 +290,6 @@ def evaluate(
 ) -> tuple[dict[str, Any], Path]:
     """Run the harness on a run: returns the results and the path of ``<run dir>/eval_harness/results.json``
     (or ``out_dir``); logs ``harness/<task>/<metric>`` to the run's W&B run when it has one."""
-    import lm_eval
     from lm_eval.tasks import TaskManager
 
     if not tasks:
@@ -301,14 +300,49 @@ def evaluate(
         run=path, batch_size=batch_size, max_length=max_length, device=device, which=which, seed=seed
     )
     manager = TaskManager(include_path=include_path)
+    _check_known_tasks(manager, tasks)
+    results = _simple_evaluate(lm, manager, tasks, num_fewshot, limit, log_samples, seed, bootstrap_iters)
+    run = lm.run
+    out_dir = Path(out_dir) if out_dir else (run.run_dir or run.checkpoint.parent) / RESULT_DIR
+    out_dir.mkdir(parents=True, exist_ok=True)
+    samples = results.pop("samples", None) or {}
+    record = _result_record(lm, results)
+    _warn_out_of_vocabulary(lm, record["out_of_vocabulary"])
+    _write_samples(out_dir, samples)
+    if use_wandb and run.run_dir is not None:
+        folder = log_to_run_wandb(record, run.run_dir)
+        if folder is not None:
+            record["wandb_run"] = str(folder)
+    path_out = out_dir / "results.json"
+    path_out.write_text(json.dumps(record, indent=1, default=lm_utils.handle_non_serializable))
+    return record, path_out
+
+
+def _check_known_tasks(manager: Any, tasks: Sequence[str]) -> None:
+    """Refuse task names the harness's task manager does not know."""
     unknown = [t for t in tasks if t not in manager.all_tasks]
     if unknown:
         raise ConfigError(
             f"Unknown harness task(s) {unknown}: see `lm-eval ls tasks`, or pass the folder of your task "
             "YAMLs with --include-path DIR."
         )
+
+
+def _simple_evaluate(
+    lm: GptlabLM,
+    manager: Any,
+    tasks: Sequence[str],
+    num_fewshot: int | None,
+    limit: int | float | None,
+    log_samples: bool,
+    seed: int,
+    bootstrap_iters: int,
+) -> dict[str, Any]:
+    """The harness's ``simple_evaluate`` on ``lm``, every seed set; an unreachable dataset is a DataError."""
+    import lm_eval
+
     try:
-        results = lm_eval.simple_evaluate(
+        results: dict[str, Any] = lm_eval.simple_evaluate(
             model=lm,
             tasks=list(tasks),
             num_fewshot=num_fewshot,
@@ -327,11 +361,15 @@ def evaluate(
             "Connect (and unset HF_DATASETS_OFFLINE/HF_HUB_OFFLINE), or evaluate tasks with local data files: "
             "--include-path DIR with YAMLs that set dataset_path: json and dataset_kwargs.data_files."
         ) from None
+    return results
+
+
+def _result_record(lm: GptlabLM, results: dict[str, Any]) -> dict[str, Any]:
+    """The ``results.json`` record: the run, checkpoint, versions, tokenizer, flat metrics and harness tables."""
+    import lm_eval
+
     run = lm.run
-    out_dir = Path(out_dir) if out_dir else (run.run_dir or run.checkpoint.parent) / RESULT_DIR
-    out_dir.mkdir(parents=True, exist_ok=True)
-    samples = results.pop("samples", None) or {}
-    record = {
+    return {
         "run": str(run.run_dir or run.checkpoint),
         "checkpoint": str(run.checkpoint),
         "lm_eval_version": lm_eval.__version__,
@@ -345,24 +383,25 @@ def evaluate(
             if k in results
         },
     }
-    if any(record["out_of_vocabulary"].values()):
+
+
+def _warn_out_of_vocabulary(lm: GptlabLM, out_of_vocabulary: dict[str, int]) -> None:
+    """Warn when the run's tokenizer could not represent parts of the task texts."""
+    if any(out_of_vocabulary.values()):
         log.warning(
             "The run's %s vocabulary could not represent parts of the task texts (%s): those scores are of "
             "the text without them.",
             lm.tok.name,
-            record["out_of_vocabulary"],
+            out_of_vocabulary,
         )
+
+
+def _write_samples(out_dir: Path, samples: dict[str, Any]) -> None:
+    """Write each task's logged samples to ``samples_<task>.jsonl`` in ``out_dir``."""
     for task, rows in samples.items():
         with open(out_dir / f"samples_{task}.jsonl", "w") as f:
             for row in rows:
                 f.write(json.dumps(row, default=lm_utils.handle_non_serializable) + "\n")
-    if use_wandb and run.run_dir is not None:
-        folder = log_to_run_wandb(record, run.run_dir)
-        if folder is not None:
-            record["wandb_run"] = str(folder)
-    path_out = out_dir / "results.json"
-    path_out.write_text(json.dumps(record, indent=1, default=lm_utils.handle_non_serializable))
-    return record, path_out
 
 
 def log_to_run_wandb(record: dict[str, Any], run_dir: Path) -> Path | None:

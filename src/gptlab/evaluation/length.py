@@ -81,11 +81,7 @@ def evaluate_lengths(
         tokens = tokens[: options.max_tokens]
     was_training = model.training
     model.eval()
-    pos = model.transformer.pos
-    variants: list[tuple[str, str | None]] = [(model.config.pos.name, None)]
-    variants += [
-        (f"{model.config.pos.name}+{s}", s) for s in options.rope_scalings if s in pos.context_scalings
-    ]
+    variants = _length_variants(model, options)
     result: dict[str, Any] = {
         "pos": model.config.pos.name,
         "pos_options": dataclasses.asdict(model.config.pos.options),
@@ -98,45 +94,74 @@ def evaluate_lengths(
         for name, scaling in variants:
             entries: dict[str, Any] = {}
             for factor in options.factors:
-                context = factor * train_context
                 if scaling is not None and factor == 1:
                     continue  # scaling by 1 is the model as trained
-                entry: dict[str, Any] = {"context": context}
-                reason = unsupported_reason(model, context)
-                if reason is not None:
-                    entry["error"] = reason
-                    log.info("%s at %dx (%d tokens): not evaluated: %s", name, factor, context, reason)
-                elif len(tokens) - 1 < context:
-                    entry["error"] = (
-                        f"the validation split has {len(tokens)} tokens, fewer than {context + 1}"
-                    )
-                    log.info("%s at %dx: not evaluated: %s", name, factor, entry["error"])
-                else:
-                    t0 = time.perf_counter()
-                    with pos.scaled(float(factor), scaling) if scaling is not None else nullcontext():
-                        by_position, windows = loss_by_position(model, tokens, context, options.batch_tokens)
-                    loss = float(by_position.mean())
-                    entry.update(
-                        loss=loss,
-                        ppl=math.exp(loss),
-                        windows=windows,
-                        tokens=windows * context,
-                        seconds=time.perf_counter() - t0,
-                        loss_by_position=[round(float(v), 5) for v in by_position],
-                    )
-                    log.info(
-                        "%s at %dx (%d tokens): loss %.4f, perplexity %.2f",
-                        name,
-                        factor,
-                        context,
-                        loss,
-                        entry["ppl"],
-                    )
+                entry = _length_entry(model, tokens, name, factor, factor * train_context, scaling, options)
                 entries[str(factor)] = entry
             result["variants"][name] = entries
     finally:
         model.train(was_training)
     return result
+
+
+def _length_variants(model: GPT, options: LengthEvalOptions) -> list[tuple[str, str | None]]:
+    """(name, scaling) of the scheme as trained and of each context-scaling method it has among those asked."""
+    pos = model.transformer.pos
+    variants: list[tuple[str, str | None]] = [(model.config.pos.name, None)]
+    variants += [
+        (f"{model.config.pos.name}+{s}", s) for s in options.rope_scalings if s in pos.context_scalings
+    ]
+    return variants
+
+
+def _length_entry(
+    model: GPT,
+    tokens: np.ndarray,
+    name: str,
+    factor: int,
+    context: int,
+    scaling: str | None,
+    options: LengthEvalOptions,
+) -> dict[str, Any]:
+    """One variant at one factor: its scores, or the reason it could not be evaluated."""
+    entry: dict[str, Any] = {"context": context}
+    reason = unsupported_reason(model, context)
+    if reason is not None:
+        entry["error"] = reason
+        log.info("%s at %dx (%d tokens): not evaluated: %s", name, factor, context, reason)
+    elif len(tokens) - 1 < context:
+        entry["error"] = f"the validation split has {len(tokens)} tokens, fewer than {context + 1}"
+        log.info("%s at %dx: not evaluated: %s", name, factor, entry["error"])
+    else:
+        entry.update(_score_at_length(model, tokens, context, factor, scaling, options.batch_tokens))
+        log.info(
+            "%s at %dx (%d tokens): loss %.4f, perplexity %.2f",
+            name,
+            factor,
+            context,
+            entry["loss"],
+            entry["ppl"],
+        )
+    return entry
+
+
+def _score_at_length(
+    model: GPT, tokens: np.ndarray, context: int, factor: int, scaling: str | None, batch_tokens: int
+) -> dict[str, Any]:
+    """Loss, perplexity and loss by position at ``context`` tokens, with ``scaling`` set to ``factor`` if any."""
+    pos = model.transformer.pos
+    t0 = time.perf_counter()
+    with pos.scaled(float(factor), scaling) if scaling is not None else nullcontext():
+        by_position, windows = loss_by_position(model, tokens, context, batch_tokens)
+    loss = float(by_position.mean())
+    return {
+        "loss": loss,
+        "ppl": math.exp(loss),
+        "windows": windows,
+        "tokens": windows * context,
+        "seconds": time.perf_counter() - t0,
+        "loss_by_position": [round(float(v), 5) for v in by_position],
+    }
 
 
 def summary_metrics(result: dict[str, Any]) -> dict[str, float]:

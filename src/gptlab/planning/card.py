@@ -38,26 +38,10 @@ def model_card(
     counts = parameter_counts(c)
     flops = flops_per_token(c, context)
     T = context or c.block_size
-    gqa = f", {c.kv_heads} key/value heads" if c.kv_heads != c.n_head else ""
-    lines = [
-        f"Model: {c.n_layer} layers x {c.n_head} heads{gqa} x {c.n_embd} wide, MLP {mlp_hidden_width(c)} wide, "
-        f"context {c.block_size}, vocabulary {c.vocab_size}; pos={c.pos}, activation={c.activation}, "
-        f"norm={c.norm} ({c.norm_placement}), bias {'on' if c.bias else 'off'}, head "
-        f"{'tied to' if c.tie_weights else 'separate from'} the token embedding",
-        f"Parameters: total {counts['total']:,} ({human(counts['total'])}), embedding {counts['embedding']:,}, "
-        f"non-embedding {counts['non_embedding']:,}",
-        f"Training FLOPs per token at context {T}: {human(flops['training'])} (6N + 12 L h T: dense "
-        f"{human(flops['dense'])}, attention {human(flops['attention'])})",
-    ]
+    lines = _model_lines(c, counts, flops, T)
     est = memory_per_device(c, strategy, n_devices, precision, micro_batch, context, activation_checkpointing)
-    checkpointing = ", activation checkpointing" if activation_checkpointing else ""
     lines.append(
-        f"Memory per device ({est.strategy}, {n_devices} device(s), {precision}, micro-batch {micro_batch} x "
-        f"{T}{checkpointing}): {_gib(est.total)} = weights {_gib(est.weights)} + gradients {_gib(est.gradients)} + AdamW "
-        f"{_gib(est.optimizer)} + activations {_gib(est.activations)}"
-        + (f" + buffers {_gib(est.buffers)}" if est.buffers else "")
-        + (f"; on the host {_gib(est.host)}" if est.host else "")
-        + (f"; device: {device_name}" if device_name else "")
+        _memory_line(est, n_devices, precision, micro_batch, T, activation_checkpointing, device_name)
     )
     warning = (
         advise(
@@ -74,30 +58,87 @@ def model_card(
         f"{human(20 * counts['total'])}, {20 * counts['total'] * flops['training']:.2e} FLOPs"
     )
     lines.append("")
-    header = f"{'strategy':<26} {'weights':>10} {'grads':>10} {'AdamW':>10} {'activ.':>10} {'buffers':>10} {'total':>10}"
     for with_checkpointing in (False, True):
-        lines.append(
-            f"Memory per device over {n_devices} device(s), {precision}, micro-batch {micro_batch} x {T}"
-            + (", activation checkpointing" if with_checkpointing else "")
-            + " (GiB):"
+        lines += _strategy_table(
+            c, n_devices, precision, micro_batch, context, T, with_checkpointing, device_memory
         )
-        lines.append(header)
-        for name, _ in distinct_choices(n_devices):
-            e = memory_per_device(c, name, n_devices, precision, micro_batch, context, with_checkpointing)
-            fit = ""
-            if device_memory:
-                fit = "  fits" if e.fits(device_memory) else "  too big"
-            lines.append(
-                f"{name:<26} {e.weights / GiB:>10,.2f} {e.gradients / GiB:>10,.2f} {e.optimizer / GiB:>10,.2f} "
-                f"{e.activations / GiB:>10,.2f} {e.buffers / GiB:>10,.2f} {e.total / GiB:>10,.2f}{fit}"
-            )
-        lines.append("")
     if device_memory:
         lines.append(f"Device: {device_name or f'{device_memory / GiB:,.0f} GiB'}")
         lines.append(
             warning or f"strategy={est.strategy} fits: {_gib(est.total)} of {_gib(device_memory)} per device."
         )
     return "\n".join(lines)
+
+
+def _model_lines(c: GPTConfig, counts: dict[str, int], flops: dict[str, float], T: int) -> list[str]:
+    """The card's first lines: the architecture, the parameter counts and the training FLOPs per token."""
+    gqa = f", {c.kv_heads} key/value heads" if c.kv_heads != c.n_head else ""
+    return [
+        f"Model: {c.n_layer} layers x {c.n_head} heads{gqa} x {c.n_embd} wide, MLP {mlp_hidden_width(c)} wide, "
+        f"context {c.block_size}, vocabulary {c.vocab_size}; pos={c.pos}, activation={c.activation}, "
+        f"norm={c.norm} ({c.norm_placement}), bias {'on' if c.bias else 'off'}, head "
+        f"{'tied to' if c.tie_weights else 'separate from'} the token embedding",
+        f"Parameters: total {counts['total']:,} ({human(counts['total'])}), embedding {counts['embedding']:,}, "
+        f"non-embedding {counts['non_embedding']:,}",
+        f"Training FLOPs per token at context {T}: {human(flops['training'])} (6N + 12 L h T: dense "
+        f"{human(flops['dense'])}, attention {human(flops['attention'])})",
+    ]
+
+
+def _memory_line(
+    est: MemoryEstimate,
+    n_devices: int,
+    precision: str,
+    micro_batch: int,
+    T: int,
+    activation_checkpointing: bool,
+    device_name: str,
+) -> str:
+    """The one-line memory breakdown per device of the chosen strategy."""
+    checkpointing = ", activation checkpointing" if activation_checkpointing else ""
+    return (
+        f"Memory per device ({est.strategy}, {n_devices} device(s), {precision}, micro-batch {micro_batch} x "
+        f"{T}{checkpointing}): {_gib(est.total)} = weights {_gib(est.weights)} + gradients {_gib(est.gradients)} + AdamW "
+        f"{_gib(est.optimizer)} + activations {_gib(est.activations)}"
+        + (f" + buffers {_gib(est.buffers)}" if est.buffers else "")
+        + (f"; on the host {_gib(est.host)}" if est.host else "")
+        + (f"; device: {device_name}" if device_name else "")
+    )
+
+
+def _strategy_table(
+    c: GPTConfig,
+    n_devices: int,
+    precision: str,
+    micro_batch: int,
+    context: int | None,
+    T: int,
+    with_checkpointing: bool,
+    device_memory: float | None,
+) -> list[str]:
+    """The memory table of every distinct strategy (title, header, one row each, a blank line)."""
+    lines = [
+        f"Memory per device over {n_devices} device(s), {precision}, micro-batch {micro_batch} x {T}"
+        + (", activation checkpointing" if with_checkpointing else "")
+        + " (GiB):",
+        f"{'strategy':<26} {'weights':>10} {'grads':>10} {'AdamW':>10} {'activ.':>10} {'buffers':>10} {'total':>10}",
+    ]
+    for name, _ in distinct_choices(n_devices):
+        e = memory_per_device(c, name, n_devices, precision, micro_batch, context, with_checkpointing)
+        lines.append(_strategy_row(name, e, device_memory))
+    lines.append("")
+    return lines
+
+
+def _strategy_row(name: str, e: MemoryEstimate, device_memory: float | None) -> str:
+    """One strategy's row of the memory table, with whether it fits the device when its memory is known."""
+    fit = ""
+    if device_memory:
+        fit = "  fits" if e.fits(device_memory) else "  too big"
+    return (
+        f"{name:<26} {e.weights / GiB:>10,.2f} {e.gradients / GiB:>10,.2f} {e.optimizer / GiB:>10,.2f} "
+        f"{e.activations / GiB:>10,.2f} {e.buffers / GiB:>10,.2f} {e.total / GiB:>10,.2f}{fit}"
+    )
 
 
 def startup_card(

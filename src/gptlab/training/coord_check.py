@@ -139,17 +139,7 @@ def coordinate_check(
         params=list(params),
         steps=steps,
         layers=[],
-        setup={
-            "lr": lr,
-            "optimizer": "AdamW (betas 0.9, 0.95; weight decay 0.1 on matrices), constant rate",
-            "mup_base_width": base,
-            "n_layer": n_layer,
-            "n_head": n_head,
-            "context": context,
-            "batch_size": batch_size,
-            "vocab_size": vocab,
-            "seed": seed,
-        },
+        setup=_setup_record(lr, base, n_layer, n_head, context, batch_size, vocab, seed),
     )
     for param in params:
         result.scales[param] = {}
@@ -164,22 +154,62 @@ def coordinate_check(
                 param=param,
                 mup_base_width=base,
             )
-            model = GPT(config)
-            optimizer = build_optimizer(model, optim, hidden_lr_scale(config))
-            loss: torch.Tensor | None = None
-            for step in range(steps):
-                x, y = batches[step][:, :-1], batches[step][:, 1:]
-                _, loss = model(x, y)
-                assert loss is not None
-                optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                optimizer.step()
-                for layer, value in _activation_scales(model, probe).items():
-                    result.scales[param].setdefault(layer, {}).setdefault(width, []).append(value)
+            scales, loss = _train_and_probe(config, optim, batches, probe, steps)
+            for layer, values in scales.items():
+                result.scales[param].setdefault(layer, {}).setdefault(width, []).extend(values)
             if loss is not None and not math.isfinite(float(loss.detach())):
                 raise FloatingPointError(f"param={param} width={width}: the loss diverged at lr={lr}")
     result.layers = list(next(iter(result.scales.values())).keys())
     return result
+
+
+def _setup_record(
+    lr: float,
+    base: int,
+    n_layer: int,
+    n_head: int,
+    context: int,
+    batch_size: int,
+    vocab: int,
+    seed: int,
+) -> dict[str, Any]:
+    """The check's settings as recorded in its result: learning rate, optimizer, model and batch shape."""
+    return {
+        "lr": lr,
+        "optimizer": "AdamW (betas 0.9, 0.95; weight decay 0.1 on matrices), constant rate",
+        "mup_base_width": base,
+        "n_layer": n_layer,
+        "n_head": n_head,
+        "context": context,
+        "batch_size": batch_size,
+        "vocab_size": vocab,
+        "seed": seed,
+    }
+
+
+def _train_and_probe(
+    config: GPTConfig,
+    optim: dict[str, Any],
+    batches: list[torch.Tensor],
+    probe: torch.Tensor,
+    steps: int,
+) -> tuple[dict[str, list[float]], torch.Tensor | None]:
+    """Train a model of ``config`` for ``steps`` steps; (each watched layer's mean |x| on ``probe`` after
+    every step, the last loss)."""
+    model = GPT(config)
+    optimizer = build_optimizer(model, optim, hidden_lr_scale(config))
+    scales: dict[str, list[float]] = {}
+    loss: torch.Tensor | None = None
+    for step in range(steps):
+        x, y = batches[step][:, :-1], batches[step][:, 1:]
+        _, loss = model(x, y)
+        assert loss is not None
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        for layer, value in _activation_scales(model, probe).items():
+            scales.setdefault(layer, []).append(value)
+    return scales, loss
 
 
 def plot_coord_check(result: CoordCheck, path: Any) -> Any:
