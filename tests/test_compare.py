@@ -336,6 +336,23 @@ def test_online_runs_group_like_local_ones(tmp_path):
     assert records[0].val_loss == [(9, 3.0), (19, 2.0)]
 
 
+def test_online_comparison_reads_the_group_through_the_wandb_api(tmp_path, monkeypatch):
+    from gptlab.comparison.report import compare_online
+    from gptlab.tracking import wandb_api
+
+    asked = []
+
+    def group_runs(project, group):
+        asked.append((project, group))
+        return [ApiRunStandIn("rope", 0, [3.0, 2.0]), ApiRunStandIn("learned", 0, [3.2, 2.5])]
+
+    monkeypatch.setattr(wandb_api, "group_runs", group_runs)
+    result = compare_online("me/gptlab", "pos_sweep", tmp_path)
+    assert asked == [("me/gptlab", "pos_sweep")]
+    assert [r.choice["pos"] for r in result.rows] == ["rope", "learned"]
+    assert (tmp_path / "comparison.md").is_file()
+
+
 def test_identity_from_a_composed_config():
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra

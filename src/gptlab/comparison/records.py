@@ -273,8 +273,8 @@ HISTORY_KEYS = ("val/loss", "val/ppl", "train/tokens_per_second", "train/mfu")
 
 
 def record_from_api_run(run: Any) -> RunRecord:
-    """A run of the W&B public API (``wandb.Api().runs(...)``) as a RunRecord: its overrides from the
-    ``sweep`` config section that gptlab logs, its metrics from the run's history."""
+    """A run of the W&B public API (one of ``gptlab.tracking.wandb_api.group_runs``) as a RunRecord: its
+    overrides from the ``sweep`` config section that gptlab logs, its metrics from the run's history."""
     overrides = (run.config.get("sweep") or {}).get("overrides") or []
     series: dict[str, list[tuple[int, float]]] = {}
     for key in HISTORY_KEYS:

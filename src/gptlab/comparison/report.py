@@ -301,9 +301,9 @@ def compare_online(
 ) -> Comparison:
     """Compare the runs of one W&B group (``project`` as ``entity/project``) through the W&B API; needs the
     network and a login."""
-    import wandb
+    from gptlab.tracking.wandb_api import group_runs
 
-    api_runs = wandb.Api().runs(project, filters={"group": group})
+    api_runs = group_runs(project, group)
     runs = [r for r in map(record_from_api_run, api_runs) if r.val_loss]
     if not runs:
         raise DataError(f"No run of W&B group {group!r} in {project} logged val/loss.")

@@ -35,6 +35,7 @@ from lm_eval.api.registry import register_model
 
 from gptlab.errors import ConfigError, DataError
 from gptlab.model.gpt import GPT, KVCache, sample_next
+from gptlab.tracking.studies import StudyTable, log_harness_results
 
 log = logging.getLogger(__name__)
 
@@ -310,7 +311,7 @@ def evaluate(
     _warn_out_of_vocabulary(lm, record["out_of_vocabulary"])
     _write_samples(out_dir, samples)
     if use_wandb and run.run_dir is not None:
-        folder = log_to_run_wandb(record, run.run_dir)
+        folder = log_harness_results(record["metrics"], harness_table(record["metrics"]), run.run_dir)
         if folder is not None:
             record["wandb_run"] = str(folder)
     path_out = out_dir / "results.json"
@@ -404,33 +405,10 @@ def _write_samples(out_dir: Path, samples: dict[str, Any]) -> None:
                 f.write(json.dumps(row, default=lm_utils.handle_non_serializable) + "\n")
 
 
-def log_to_run_wandb(record: dict[str, Any], run_dir: Path) -> Path | None:
-    """Log the metrics and a table to the run's own W&B run (resumed by id, in the run's mode), or to a new
-    run in ``run_dir`` when the run logged none. Returns the W&B run folder."""
-    import wandb
-
-    from gptlab.tracking.loggers import wandb_mode
-    from gptlab.tracking.wandb_files import find_runs, read_run
-
-    mode = wandb_mode("auto")
-    if mode == "disabled":
-        return None
-    trained = [r for r in (read_run(p) for p in find_runs(run_dir / "wandb")) if r.job_type in ("train", "")]
-    source = trained[-1] if trained else None
-    init: dict[str, Any] = {"dir": str(run_dir), "mode": mode, "reinit": "finish_previous"}
-    if source is not None:
-        init.update(project=source.project or "gptlab", id=source.run_id, resume="allow")
-    else:
-        init.update(project="gptlab", name=f"{run_dir.name}-harness", job_type="eval_harness")
-    wandb_run = wandb.init(**init)
-    try:
-        wandb_run.summary.update(record["metrics"])
-        rows = [[k.split("/", 2)[1], k.split("/", 2)[2], v] for k, v in record["metrics"].items()]
-        wandb_run.log({"harness/table": wandb.Table(columns=["task", "metric", "value"], data=rows)})
-        folder = Path(wandb_run.dir).parent
-    finally:
-        wandb_run.finish()
-    return folder
+def harness_table(metrics: dict[str, float]) -> StudyTable:
+    """The ``harness/<task>/<metric>`` metrics as a table of (task, metric, value) rows."""
+    rows = [[k.split("/", 2)[1], k.split("/", 2)[2], v] for k, v in metrics.items()]
+    return StudyTable(columns=["task", "metric", "value"], rows=rows)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

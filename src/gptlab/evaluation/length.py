@@ -27,6 +27,7 @@ from gptlab.evaluation import passkey, plots
 from gptlab.evaluation.options import LengthEvalOptions
 from gptlab.model.gpt import GPT
 from gptlab.runs.layout import LENGTH_FILE
+from gptlab.tracking.studies import LengthStudy, StudyTable, log_length_study, log_length_study_as_new_run
 
 log = logging.getLogger(__name__)
 
@@ -207,24 +208,19 @@ def write_outputs(result: dict[str, Any], out_dir: str | Path) -> list[Path]:
     return [path, *plots.plot_length_result(result, out_dir)]
 
 
-def log_to_wandb(result: dict[str, Any], images: Sequence[Path], run: Any) -> None:
-    """Log the summary metrics, a table and the plots to an open W&B run."""
-    import wandb
-
-    metrics = summary_metrics(result)
-    run.summary.update(metrics)
+def study_to_log(result: dict[str, Any], paths: Sequence[Path]) -> LengthStudy:
+    """What is logged to W&B of the study: the summary metrics, a table of one row per (variant, factor), the
+    plots among ``paths`` and the passkey study's table when there was one."""
     rows = [
         [name, int(factor), entry["context"], entry.get("loss"), entry.get("ppl")]
         for name, entries in result["variants"].items()
         for factor, entry in entries.items()
     ]
-    extra = {"passkey/table": passkey.wandb_table(result["passkey"])} if result.get("passkey") else {}
-    run.log(
-        {
-            "length/table": wandb.Table(columns=["variant", "factor", "context", "loss", "ppl"], data=rows),
-            **{f"length/{p.stem}": wandb.Image(str(p)) for p in images if p.suffix == ".png"},
-            **extra,
-        }
+    return LengthStudy(
+        summary=summary_metrics(result),
+        table=StudyTable(columns=["variant", "factor", "context", "loss", "ppl"], rows=rows),
+        paths=paths,
+        passkey_table=passkey.results_table(result["passkey"]) if result.get("passkey") else None,
     )
 
 
@@ -263,48 +259,15 @@ def evaluate_run(
         )
         result["passkey"], paths = study, paths + more
     if use_wandb and trained.run_dir is not None:
-        wandb_run_dir = log_new_wandb_run(result, paths, trained.run_dir)
+        wandb_run_dir = log_length_study_as_new_run(
+            study_to_log(result, paths),
+            trained.run_dir,
+            config={"pos": result["pos"], "train_context": result["train_context"]},
+        )
         if wandb_run_dir is not None:
             result["wandb_run"] = str(wandb_run_dir)
             (out_dir / RESULT_FILE).write_text(json.dumps(result, indent=1))
     return result, paths
-
-
-def log_new_wandb_run(result: dict[str, Any], paths: Sequence[Path], run_dir: Path) -> Path | None:
-    """When the training run logged to W&B, log the evaluation as a new W&B run in the same project and
-    group (the training run's id when it had no group), job type ``eval_length``. Returns its folder."""
-    from gptlab.tracking.loggers import wandb_mode
-    from gptlab.tracking.wandb_files import find_runs, read_run
-
-    files = find_runs(run_dir / "wandb")
-    if not files:
-        return None
-    import wandb
-
-    source = read_run(files[-1])
-    mode = wandb_mode("auto")
-    if mode == "disabled":
-        return None
-    run = wandb.init(
-        project=source.project or "gptlab",
-        group=source.group or source.run_id,
-        name=f"{source.name or source.run_id}-length",
-        job_type="eval_length",
-        dir=str(run_dir),
-        mode=mode,
-        config={
-            "source_run_id": source.run_id,
-            "pos": result["pos"],
-            "train_context": result["train_context"],
-        },
-        reinit="finish_previous",
-    )
-    try:
-        log_to_wandb(result, paths, run)
-        folder = Path(run.dir).parent
-    finally:
-        run.finish()
-    return folder
 
 
 def after_training(
@@ -335,9 +298,5 @@ def after_training(
     result["passkey"], paths = study, paths + more
     if study is not None:
         log.info("Passkey retrieval (correct / trials):\n%s", passkey.format_table(study))
-    from lightning.pytorch.loggers import WandbLogger  # the study itself needs no Lightning
-
-    for logger in loggers:
-        if isinstance(logger, WandbLogger):
-            log_to_wandb(result, paths, logger.experiment)
+    log_length_study(study_to_log(result, paths), loggers)
     return result

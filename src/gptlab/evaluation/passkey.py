@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from gptlab.data.tokenizers import Tokenizer
 from gptlab.evaluation.options import PasskeyOptions
 from gptlab.model.gpt import GPT, KVCache
+from gptlab.tracking.studies import StudyTable
 
 log = logging.getLogger(__name__)
 
@@ -329,15 +330,14 @@ def write_outputs(result: dict[str, Any], out_dir: str | Path) -> list[Path]:
     return [json_path, md_path, plot_passkey_heatmap(result, out_dir / "passkey.png", format_cell)]
 
 
-def wandb_table(result: dict[str, Any]) -> Any:
-    import wandb
-
+def results_table(result: dict[str, Any]) -> StudyTable:
+    """The study as a table of one row per (factor, depth) cell (logged as ``passkey/table``)."""
     rows = [
         [int(f), cell["context"], b, cell.get("accuracy"), cell.get("key_logprob"), cell.get("error")]
         for f, row in result.get("cells", {}).items()
         for b, cell in row.items()
     ]
-    return wandb.Table(columns=["factor", "context", "depth", "accuracy", "key_logprob", "error"], data=rows)
+    return StudyTable(columns=["factor", "context", "depth", "accuracy", "key_logprob", "error"], rows=rows)
 
 
 def run_study(
