@@ -75,8 +75,8 @@ def _model_lines(c: GPTConfig, counts: dict[str, int], flops: dict[str, float], 
     gqa = f", {c.kv_heads} key/value heads" if c.kv_heads != c.n_head else ""
     return [
         f"Model: {c.n_layer} layers x {c.n_head} heads{gqa} x {c.n_embd} wide, MLP {mlp_hidden_width(c)} wide, "
-        f"context {c.block_size}, vocabulary {c.vocab_size}; pos={c.pos}, activation={c.activation}, "
-        f"norm={c.norm} ({c.norm_placement}), bias {'on' if c.bias else 'off'}, head "
+        f"context {c.block_size}, vocabulary {c.vocab_size}; pos={c.pos.name}, activation={c.activation.name}, "
+        f"norm={c.norm.name} ({c.norm_placement}), bias {'on' if c.bias else 'off'}, head "
         f"{'tied to' if c.tie_weights else 'separate from'} the token embedding",
         f"Parameters: total {counts['total']:,} ({human(counts['total'])}), embedding {counts['embedding']:,}, "
         f"non-embedding {counts['non_embedding']:,}",
