@@ -27,7 +27,7 @@ from gptlab.config import GPTRunConfig, parse_gpt
 from gptlab.data.corpus import PreparedCorpus
 from gptlab.data.datamodule import GPTDataModule
 from gptlab.resume import ResumePlan, plan_resume
-from gptlab.tasks.skeleton import RunSession, route_lightning_logs
+from gptlab.tasks.skeleton import RunSession, record_run_dir, route_lightning_logs
 from gptlab.training.module import GPTLitModule
 
 log = logging.getLogger("gptlab")
@@ -47,6 +47,7 @@ def run(cfg: DictConfig) -> dict[str, float]:
     """Train one model as configured; returns the final metrics (``val/loss``, ``val/ppl``, ...)."""
     t0 = time.perf_counter()
     route_lightning_logs()
+    record_run_dir(cfg)  # before the config is parsed: the trainer's default_root_dir interpolates it
     settings = parse_gpt(cfg)
     session = RunSession.start(
         cfg, settings.run, seed=lambda s: L.seed_everything(s, workers=True, verbose=False)

@@ -38,6 +38,15 @@ def run_dir_of(cfg: DictConfig) -> Path:
     return Path(cfg.paths.get("output_dir") or "outputs/runs/interactive")
 
 
+def record_run_dir(cfg: DictConfig) -> Path:
+    """The run directory, recorded as ``paths.output_dir`` before any node that interpolates it (the
+    trainer's ``default_root_dir``, the loggers' ``save_dir``) is read. A task calls it first."""
+    run_dir = run_dir_of(cfg)
+    with open_dict(cfg):
+        cfg.paths.output_dir = str(run_dir)
+    return run_dir
+
+
 def route_lightning_logs() -> None:
     """Lightning prints through its own console handler; Hydra already logs the root logger to the console
     and to the run's log file. Keep one copy of each line, in both places."""
@@ -62,17 +71,15 @@ class RunSession:
     def start(
         cls, cfg: DictConfig, settings: RunSettings, seed: Callable[[int], Any] | None = None
     ) -> RunSession:
-        """The run directory checked writable, recorded as ``paths.output_dir`` and claimed for this run
-        alone (a directory holding another run is refused, or moved aside with ``overwrite=true``;
-        ``run.json`` names the run and this part of it); the seed set everywhere (by ``seed``, e.g.
-        Lightning's seed_everything, which also seeds loader workers; by default Python's, NumPy's and
-        torch's generators)."""
+        """The run directory (``record_run_dir``) checked writable and claimed for this run alone (a
+        directory holding another run is refused, or moved aside with ``overwrite=true``; ``run.json`` names
+        the run and this part of it); the seed set everywhere (by ``seed``, e.g. Lightning's
+        seed_everything, which also seeds loader workers; by default Python's, NumPy's and torch's
+        generators)."""
         from gptlab.runs.identity import claim_run_dir, continues_a_run, launched_rank, record_start
 
-        run_dir = run_dir_of(cfg)
+        run_dir = record_run_dir(cfg)
         check_writable(run_dir)
-        with open_dict(cfg):
-            cfg.paths.output_dir = str(run_dir)
         if (run_dir / "checkpoints").is_dir():  # a kill mid-swap of a sharded checkpoint: swapped back first
             from gptlab.parallel.checkpoint_io import restore_interrupted_saves
 

@@ -20,7 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from gptlab.config import RunSettings
 from gptlab.resume import ResumePlan, checkpoint_to_resume
-from gptlab.tasks.skeleton import RunSession
+from gptlab.tasks.skeleton import RunSession, record_run_dir
 from gptlab.word2vec import objectives
 from gptlab.word2vec.config import Word2VecOptions
 from gptlab.word2vec.corpus import WordCorpus, data_spec, peak_rss_mib, read_corpus
@@ -61,14 +61,27 @@ class Word2VecRunConfig:
 def run(cfg: DictConfig) -> dict[str, float]:
     """Train word2vec as configured; returns the final metrics (loss, words/s, benchmark scores)."""
     t0 = time.perf_counter()
+    record_run_dir(cfg)  # before the config is parsed: nodes interpolate paths.output_dir
     settings = Word2VecRunConfig.parse(cfg)
     options = settings.options
     device = pick_device(options)
     session = RunSession.start(cfg, settings.run)
+    threads = torch.get_num_threads()
     if device.type == "cpu":
         # Parallel over batches (worker threads), each operation on one core: word2vec's operations are
         # small, and intra-op threads waiting on a busy core cost more than they give.
         torch.set_num_threads(1)
+    try:
+        return train(cfg, settings, session, device, t0)
+    finally:
+        torch.set_num_threads(threads)  # a run inside a longer process leaves its thread count as it was
+
+
+def train(
+    cfg: DictConfig, settings: Word2VecRunConfig, session: RunSession, device: torch.device, t0: float
+) -> dict[str, float]:
+    """Read the corpus, build the objective and its schedule, train, report."""
+    options = settings.options
     corpus = read_corpus(settings.data, options)
     objective = objectives.build(
         options.objective, corpus.vocab.counts, options.negatives, options.noise_power
