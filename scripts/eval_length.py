@@ -23,6 +23,7 @@ from gptlab.comparison import length_table as sweep
 from gptlab.comparison.table import condition_labels
 from gptlab.errors import ConfigError, DataError
 from gptlab.evaluation import length, long_context
+from gptlab.evaluation.options import DEFAULT_FACTORS
 from gptlab.runs import find_run_dirs
 
 
@@ -31,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("path", nargs="?", help="a run directory or a checkpoint (file or sharded directory)")
-    parser.add_argument("--factors", type=int, nargs="+", default=list(length.DEFAULT_FACTORS))
+    parser.add_argument("--factors", type=int, nargs="+", default=list(DEFAULT_FACTORS))
     parser.add_argument("--max-tokens", type=int, default=None, help="validation tokens to use (default all)")
     parser.add_argument("--batch-tokens", type=int, default=4096, help="tokens per forward pass")
     parser.add_argument("--out", default=None, help="output folder (default <run dir>/eval_length)")
