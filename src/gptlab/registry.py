@@ -128,7 +128,8 @@ def check_keys(
     unknown = sorted(set(values) - set(allowed))
     if not unknown:
         return
-    listed = ", ".join(_key(prefix, k) for k in allowed) if len(allowed) <= 40 else "see the docs"
+    # A long list (Lightning's Trainer takes about 50 arguments) is left to the fix, which says where it is.
+    listed = ", ".join(_key(prefix, k) for k in allowed) if len(allowed) <= 40 else ""
     suggestions = []
     for key in unknown:
         close = difflib.get_close_matches(key, list(allowed), n=1)
@@ -140,7 +141,8 @@ def check_keys(
     )
     raise ConfigError(
         f"{owner} does not take option(s) {', '.join(_key(prefix, k) for k in unknown)}. "
-        f"Its options: {listed or 'none'}. {fix}{''.join(suggestions)}"
+        + (f"Its options: {listed or 'none'}. " if listed or not allowed else "")
+        + f"{fix}{''.join(suggestions)}"
     )
 
 
