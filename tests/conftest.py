@@ -89,3 +89,33 @@ def run_train(
             f"train.py failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
         )
     return proc
+
+
+# One small real sweep, shared by the tests that read a sweep (test_compare, test_sweeps, test_run_identity):
+# `python train.py -m pos=learned,rope activation=gelu,swiglu seed=0,1` with every logger and the length study
+# on. A condition is a (pos, activation) pair, with two seeds each. 7 steps, validation every 4: the final
+# validation at step 7 comes from the end-of-run check.
+SWEEP = [
+    *TINY,
+    "tokenizer=char",
+    "trainer.max_steps=7",
+    "trainer.log_every_n_steps=2",
+    "eval_length.enabled=true",
+    "eval_length.factors=[1,2]",
+    "eval_length.max_tokens=512",
+    "logger=all",
+    "pos=learned,rope",
+    "activation=gelu,swiglu",
+    "seed=0,1",
+]
+
+
+@pytest.fixture(scope="session")
+def tiny_sweep(tmp_path_factory) -> tuple[Path, Path, subprocess.CompletedProcess]:
+    """(root, sweep_dir, the finished process) of SWEEP, run once per session as a user runs it. Its run
+    directories are shared: read them, or copy them before changing anything (the comparison may write its
+    report beside them)."""
+    root = tmp_path_factory.mktemp("tiny_sweep")
+    sweep_dir = root / "multirun" / "tiny_pos"
+    proc = run_train(["-m", *SWEEP, f"paths.root_dir={root}", f"hydra.sweep.dir={sweep_dir}"], cwd=root)
+    return root, sweep_dir, proc

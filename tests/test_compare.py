@@ -11,7 +11,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import ROOT, TINY, run_train
+from conftest import ROOT
 from scipy import stats
 
 from gptlab.comparison.records import read_run_dir
@@ -22,26 +22,11 @@ from gptlab.runs import Run, find_run_dirs
 from gptlab.runs.naming import identity, is_sweep_value, swept_keys_of
 from gptlab.tracking.wandb_files import find_runs, read_run
 
-# 7 steps, validation every 4: the final validation at step 7 comes from the end-of-run check.
-SWEEP = [
-    *TINY,
-    "tokenizer=char",
-    "trainer.max_steps=7",
-    "eval_length.enabled=true",
-    "eval_length.factors=[1,2]",
-    "eval_length.max_tokens=512",
-    "logger=[csv,wandb]",
-    "pos=learned,rope",
-    "activation=gelu,swiglu",
-    "seed=0,1",
-]
-
 
 @pytest.fixture(scope="module")
-def sweep(tmp_path_factory):
-    root = tmp_path_factory.mktemp("compare")
-    sweep_dir = root / "multirun" / "tiny_pos"
-    run_train(["-m", *SWEEP, f"paths.root_dir={root}", f"hydra.sweep.dir={sweep_dir}"], cwd=root)
+def sweep(tiny_sweep):
+    """The session's real sweep (tests/conftest.py: SWEEP), shared with test_sweeps and test_run_identity."""
+    root, sweep_dir, _ = tiny_sweep
     return root, sweep_dir
 
 

@@ -9,13 +9,14 @@ import os
 import re
 import shutil
 import signal
+from types import SimpleNamespace
 
 import pytest
 from conftest import ROOT, TINY, run_train
 
 from gptlab.comparison.records import read_run_dir
 from gptlab.comparison.report import compare
-from gptlab.runs import Run
+from gptlab.runs import Run, find_run_dirs
 from gptlab.runs.layout import REPLACED_DIR
 from gptlab.tracking.wandb_files import find_runs, read_run
 
@@ -32,15 +33,37 @@ def train(tmp_path, *args: str, check: bool = True):
     return run_train([*flags, *FAST, f"paths.root_dir={tmp_path}", *overrides], cwd=tmp_path, check=check)
 
 
-def test_a_fresh_run_into_a_run_directory_is_refused_and_overwrite_moves_the_old_run_aside(tmp_path):
-    run_dir = tmp_path / "D"
+@pytest.fixture(scope="module")
+def overwritten(tmp_path_factory) -> SimpleNamespace:
+    """Four commands into one hydra.run.dir D: one refused at config time (a typo), a 2-step run, a fresh
+    1-step run (refused: D holds a run), the same with overwrite=true. What a test must see between two
+    commands is recorded as it happens. D and the first run set aside in it are shared: copy before changing."""
+    root = tmp_path_factory.mktemp("overwrite")
+    run_dir = root / "D"
+    seen = SimpleNamespace(root=root, run_dir=run_dir)
     # a command refused at config time leaves Hydra's .hydra/ and log, but no run: the next one starts there
-    typo = train(tmp_path, "model.n_head=3", f"hydra.run.dir={run_dir}", check=False)
-    assert typo.returncode == 2 and (run_dir / ".hydra").is_dir()
-    first = train(tmp_path, "trainer.max_steps=2", f"hydra.run.dir={run_dir}")
-    before = {p: p.read_bytes() for p in (run_dir / "result.json", run_dir / ".hydra" / "overrides.yaml")}
+    seen.typo = train(root, "model.n_head=3", f"hydra.run.dir={run_dir}", check=False)
+    seen.hydra_after_typo = (run_dir / ".hydra").is_dir()
+    seen.first = train(root, "trainer.max_steps=2", f"hydra.run.dir={run_dir}")
+    paths = (run_dir / "result.json", run_dir / ".hydra" / "overrides.yaml")
+    seen.before = {p: p.read_bytes() for p in paths}
+    seen.refused = train(root, "trainer.max_steps=1", f"hydra.run.dir={run_dir}", check=False)
+    seen.after_refusal = {p: p.read_bytes() for p in paths}
+    seen.wandb_runs_after_refusal = len(find_runs(run_dir))
+    seen.second = train(root, "trainer.max_steps=1", f"hydra.run.dir={run_dir}", "overwrite=true")
+    (seen.aside,) = (run_dir / REPLACED_DIR).iterdir()
+    return seen
 
-    refused = train(tmp_path, "trainer.max_steps=1", f"hydra.run.dir={run_dir}", check=False)
+
+def copy_run(run_dir, to):
+    """A copy of a run directory (times kept), without the runs an overwrite set aside in it."""
+    return shutil.copytree(run_dir, to, ignore=shutil.ignore_patterns(REPLACED_DIR))
+
+
+def test_a_fresh_run_into_a_run_directory_is_refused_and_overwrite_moves_the_old_run_aside(overwritten):
+    run_dir = overwritten.run_dir
+    assert overwritten.typo.returncode == 2 and overwritten.hydra_after_typo
+    refused = overwritten.refused
     assert refused.returncode == 2
     message = refused.stderr
     assert f"{run_dir} already holds a run" in message and "Traceback" not in message
@@ -48,11 +71,10 @@ def test_a_fresh_run_into_a_run_directory_is_refused_and_overwrite_moves_the_old
         "resume=auto" in message and "hydra.run.dir=<another dir>" in message and "overwrite=true" in message
     )
     # nothing of the first run was touched: not its overrides (Hydra had not written yet), not its result
-    assert {p: p.read_bytes() for p in before} == before and len(find_runs(run_dir)) == 1
+    assert overwritten.after_refusal == overwritten.before and overwritten.wandb_runs_after_refusal == 1
 
-    second = train(tmp_path, "trainer.max_steps=1", f"hydra.run.dir={run_dir}", "overwrite=true")
-    loss = final_line(second.stdout)
-    assert loss != pytest.approx(final_line(first.stdout), abs=1e-4)
+    loss = final_line(overwritten.second.stdout)
+    assert loss != pytest.approx(final_line(overwritten.first.stdout), abs=1e-4)
     # the readers read the second run only, from its metrics file and from its W&B file
     for source in ("csv", "wandb"):
         record = read_run_dir(run_dir, source)
@@ -62,32 +84,34 @@ def test_a_fresh_run_into_a_run_directory_is_refused_and_overwrite_moves_the_old
     assert "step000001" in Run(run_dir).checkpoint("best").name
     assert len(find_runs(run_dir)) == 1
     # the first run is whole, set aside: its result, its checkpoints, its overrides
-    (aside,) = (run_dir / REPLACED_DIR).iterdir()
+    aside = overwritten.aside
     assert Run(aside).result()["global_step"] == 2 and (aside / "checkpoints" / "last.ckpt").is_file()
     assert "trainer.max_steps=2" in (aside / ".hydra" / "overrides.yaml").read_text()
     assert Run(aside).info().run_id != Run(run_dir).info().run_id
 
 
-def test_a_sweep_into_a_used_sweep_directory_is_refused(tmp_path):
+def test_a_sweep_into_a_used_sweep_directory_is_refused(tiny_sweep, tmp_path):
     sweep_dir = tmp_path / "sweep"
-    train(tmp_path, "-m", "trainer.max_steps=1", "seed=0,1", f"hydra.sweep.dir={sweep_dir}")
+    # the session's real sweep, copied: its jobs are moved aside here
+    shutil.copytree(tiny_sweep[1], sweep_dir)
+    jobs = len(find_run_dirs(sweep_dir))
     refused = train(
         tmp_path, "-m", "trainer.max_steps=1", "seed=2", f"hydra.sweep.dir={sweep_dir}", check=False
     )
-    assert refused.returncode == 2 and f"{sweep_dir} already holds 2 run(s)" in refused.stderr
+    assert refused.returncode == 2 and f"{sweep_dir} already holds {jobs} run(s)" in refused.stderr
     assert "hydra.sweep.dir=<another dir>" in refused.stderr
     train(tmp_path, "-m", "trainer.max_steps=1", "seed=2", f"hydra.sweep.dir={sweep_dir}", "overwrite=true")
     result = compare(sweep_dir)
     assert [len(r.runs) for r in result.rows] == [1] and result.rows[0].runs[0].overrides["seed"] == "2"
 
 
-def test_a_directory_with_traces_of_two_runs_is_read_as_one_and_says_so(tmp_path, caplog):
+def test_a_directory_with_traces_of_two_runs_is_read_as_one_and_says_so(overwritten, tmp_path, caplog):
     """What an older gptlab left when a second run was started into a run directory: the second run's CSV
-    rows after the first's, and both runs' W&B files. The readers take the run that wrote result.json."""
-    first, second = tmp_path / "A", tmp_path / "B"
-    train(tmp_path, "trainer.max_steps=2", f"hydra.run.dir={first}")
-    out = train(tmp_path, "trainer.max_steps=1", f"hydra.run.dir={second}")
-    loss = final_line(out.stdout)
+    rows after the first's, and both runs' W&B files. The readers take the run that wrote result.json.
+    The two runs: copies of the 2-step run and of the 1-step run started after it."""
+    first = copy_run(overwritten.aside, tmp_path / "A")
+    second = copy_run(overwritten.run_dir, tmp_path / "B")
+    loss = final_line(overwritten.second.stdout)
     rows = []
     for run_dir in (first, second):
         with (run_dir / "csv" / "metrics.csv").open() as f:
@@ -158,14 +182,8 @@ def test_a_sweep_with_a_killed_run_shows_it_unfinished_at_its_step_and_unranked(
     assert "| 2 (1 unfinished) |" in ranked.table
 
 
-def test_run_json_names_the_run_and_each_part(tmp_path):
-    run_dir = tmp_path / "R"
-    train(
-        tmp_path,
-        "trainer.max_steps=2",
-        "callbacks.last_checkpoint.every_n_train_steps=1",
-        f"hydra.run.dir={run_dir}",
-    )
+def test_run_json_names_the_run_and_each_part(overwritten, tmp_path):
+    run_dir = copy_run(overwritten.run_dir, tmp_path / "R")  # a 1-step run, continued here
     started = json.loads((run_dir / "run.json").read_text())
     train(tmp_path, "trainer.max_steps=3", f"hydra.run.dir={run_dir}", "resume=auto")
     resumed = json.loads((run_dir / "run.json").read_text())

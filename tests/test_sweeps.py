@@ -1,6 +1,7 @@
 """`python train.py -m ...` from the grid to the answer: one run directory and one W&B run per job, named,
 grouped and tagged from the overrides, then a comparison; and an Optuna search."""
 
+import itertools
 import math
 import runpy
 import statistics
@@ -12,52 +13,55 @@ from omegaconf import OmegaConf
 from gptlab.comparison.report import compare
 from gptlab.tracking.wandb_files import find_runs, read_run
 
-# A tiny character-level model: a 2x2 sweep trains in seconds per job.
+# A tiny character-level model: a job trains in seconds.
 FAST = [*TINY, "tokenizer=char", "trainer.log_every_n_steps=2"]
+# The jobs of the session's sweep (tests/conftest.py: SWEEP, logger=all), in Hydra's order: the product of the
+# swept values, the last key varying fastest.
+JOBS = {
+    str(num): {"pos": pos, "activation": activation, "seed": seed}
+    for num, (pos, activation, seed) in enumerate(
+        itertools.product(["learned", "rope"], ["gelu", "swiglu"], [0, 1])
+    )
+}
 
 
 @pytest.fixture(scope="module")
-def sweep(tmp_path_factory):
-    root = tmp_path_factory.mktemp("sweep")
-    sweep_dir = root / "multirun" / "grid"
-    proc = run_train(
-        ["-m", *FAST, "logger=all", f"paths.root_dir={root}", f"hydra.sweep.dir={sweep_dir}"]
-        + ["pos=learned,nope", "seed=0,1"],
-        cwd=root,
-    )
-    return root, sweep_dir, proc
+def sweep(tiny_sweep):
+    return tiny_sweep
 
 
 def test_multirun_leaves_one_run_directory_and_one_wandb_run_per_job(sweep):
     root, sweep_dir, _ = sweep
-    jobs = sorted(p for p in sweep_dir.iterdir() if p.is_dir())
-    assert [p.name for p in jobs] == ["0", "1", "2", "3"]
+    jobs = sorted(
+        (p for p in sweep_dir.iterdir() if p.is_dir() and p.name.isdigit()), key=lambda p: int(p.name)
+    )
+    assert [p.name for p in jobs] == list(JOBS)
     runs = {}
     for job in jobs:
         files = find_runs(job / "wandb")
         assert len(files) == 1, f"job {job.name}: {files}"
         runs[job.name] = read_run(files[0])
         assert (job / "checkpoints" / "last.ckpt").is_file()
-    assert len({r.run_id for r in runs.values()}) == 4  # four runs, not one reused run
+    assert len({r.run_id for r in runs.values()}) == len(JOBS)  # one run per job, not one reused run
 
-    expected = {"0": ("learned", 0), "1": ("learned", 1), "2": ("nope", 0), "3": ("nope", 1)}
-    for job, (pos, seed) in expected.items():
+    for job, choice in JOBS.items():
         run = runs[job]
+        pos, activation, seed = choice["pos"], choice["activation"], choice["seed"]
         # one group per sweep (its directory, relative to where the sweep was started), a job type, a name
         # from what the sweep varies, and a tag per override
-        assert run.group == "multirun/grid"
+        assert run.group == "multirun/tiny_pos"
         assert run.job_type == "sweep"
-        assert run.name == f"pos={pos} seed={seed}"
-        assert {f"pos={pos}", f"seed={seed}", "tokenizer=char"} <= set(run.tags)
+        assert run.name == f"pos={pos} activation={activation} seed={seed}"
+        assert {f"pos={pos}", f"activation={activation}", f"seed={seed}", "tokenizer=char"} <= set(run.tags)
         assert not any(t.startswith(("paths.", "hydra.", "logger")) for t in run.tags)
         # the resolved config, so the W&B UI groups by pos.name and averages over seed
         assert run.config["pos"]["name"] == pos and run.config["seed"] == seed
-        assert run.config["sweep"]["group_key"] == f"pos={pos}"
+        assert run.config["sweep"]["group_key"] == f"pos={pos} activation={activation}"
         assert run.config["sweep"]["job_num"] == int(job)
         assert run.exit_code == 0
 
         val = run.metric("val/loss")
-        assert [s for s, _ in val] == [3, 7]  # validation after steps 4 and 8
+        assert [s for s, _ in val] == [3, 6]  # validation after step 4, and at the last step, 7
         assert math.isclose(run.metric("val/ppl")[-1][1], math.exp(val[-1][1]), rel_tol=1e-4)
         grad_norms = [v for _, v in run.metric("train/grad_norm")]
         assert grad_norms and all(v > 0 and math.isfinite(v) for v in grad_norms)
@@ -82,36 +86,40 @@ def test_every_logger_of_logger_all_holds_the_run(sweep):
     assert {"val/loss", "train/grad_norm", "train/mfu", "parameters/total"} <= set(header)
 
 
-def test_compare_script_gives_one_row_per_choice_with_both_seeds(sweep, capsys):
+def test_compare_script_gives_one_row_per_choice_with_both_seeds(sweep, tmp_path, capsys):
     root, sweep_dir, _ = sweep
     # scripts/compare.py's main(), in this process: a second interpreter would only add start-up time
     script = runpy.run_path(str(ROOT / "scripts" / "compare.py"))
-    assert script["main"]([str(sweep_dir), "--source", "wandb"]) == 0
+    out = tmp_path / "comparison"
+    assert script["main"]([str(sweep_dir), "--source", "wandb", "--out", str(out)]) == 0
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
     assert lines[0].startswith(
-        "| # | pos | seeds | val/loss | Δ vs best (95% CI) | vs best (Holm) | val/ppl | tokens/s | MFU | parameters |"
+        "| # | pos | activation | seeds | val/loss | Δ vs best (95% CI) | vs best (Holm) | val/ppl | tokens/s "
+        "| MFU | parameters |"
     )
-    rows = [[c.strip() for c in line.strip("|").split("|")] for line in lines[1:]]
-    assert sorted(r[1] for r in rows) == ["learned", "nope"] and [r[2] for r in rows] == ["2", "2"]
+    conditions = {(c["pos"], c["activation"]) for c in JOBS.values()}
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in lines[1 : 1 + len(conditions)]]
+    assert sorted((r[1], r[2]) for r in rows) == sorted(conditions) and [r[3] for r in rows] == ["2"] * 4
 
     # the figures are the mean and spread of the runs' own final validation losses, best first
     final = {}
-    for job, pos in (("0", "learned"), ("1", "learned"), ("2", "nope"), ("3", "nope")):
-        final.setdefault(pos, []).append(read_run(find_runs(sweep_dir / job)[0]).metric("val/loss")[-1][1])
-    by_mean = sorted(final, key=lambda p: statistics.fmean(final[p]))
-    assert [r[1] for r in rows] == by_mean
+    for job, choice in JOBS.items():
+        loss = read_run(find_runs(sweep_dir / job)[0]).metric("val/loss")[-1][1]
+        final.setdefault((choice["pos"], choice["activation"]), []).append(loss)
+    by_mean = sorted(final, key=lambda c: statistics.fmean(final[c]))
+    assert [(r[1], r[2]) for r in rows] == by_mean
     for row in rows:
-        mean, std = (float(x) for x in row[3].split(" ± "))
-        assert mean == pytest.approx(statistics.fmean(final[row[1]]), abs=1e-4)
-        assert std == pytest.approx(statistics.stdev(final[row[1]]), abs=1e-4)
+        mean, std = (float(x) for x in row[4].split(" ± "))
+        assert mean == pytest.approx(statistics.fmean(final[(row[1], row[2])]), abs=1e-4)
+        assert std == pytest.approx(statistics.stdev(final[(row[1], row[2])]), abs=1e-4)
 
-    png = sweep_dir / "val_loss.png"
+    png = out / "val_loss.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
-    assert "| learned |" in (sweep_dir / "comparison.md").read_text()
+    assert "| learned | gelu |" in (out / "comparison.md").read_text()
     # CSV files and W&B files tell the same story
-    from_csv = compare(sweep_dir, root / "from_csv", source="csv")
+    from_csv = compare(sweep_dir, tmp_path / "from_csv", source="csv")
     assert [r.val_loss_mean for r in from_csv.rows] == pytest.approx(
-        [statistics.fmean(final[p]) for p in by_mean], rel=1e-6
+        [statistics.fmean(final[c]) for c in by_mean], rel=1e-6
     )
 
 

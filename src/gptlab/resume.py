@@ -79,12 +79,22 @@ def choose_run_dir(task_overrides: Any, search_root: str, default: str) -> str:
     overrides = [str(x) for x in task_overrides or []]
     value = resume_value(overrides)
     if value is None:
-        return default
+        return unused(default)
     if value == "auto":
         found = find_run_to_continue(overrides, Path(search_root))
-        return str(found) if found is not None else default
+        return str(found) if found is not None else unused(default)
     run = run_of_path(Path(value).expanduser())
-    return str(run.path) if run is not None else default
+    return str(run.path) if run is not None else unused(default)
+
+
+def unused(directory: str) -> str:
+    """``directory``, or ``directory-1``, ``-2``... when a run started in the same second already took it
+    (the default run directory is named by the second)."""
+    candidate, n = directory, 0
+    while Path(candidate).exists():
+        n += 1
+        candidate = f"{directory}-{n}"
+    return candidate
 
 
 def register_resolvers() -> None:
