@@ -9,6 +9,7 @@ checkpoint. Only one chunk's plan is held at a time, so memory does not grow wit
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -39,6 +40,7 @@ class Schedule:
         self.chunks = corpus.chunks(chunk_positions)
         self.keep_prob = sampling.keep_probabilities(corpus.vocab.counts, options.sample)
         self._plan: sampling.EpochPlan | None = None
+        self._block: Block | None = None
         self._batches: dict[tuple[int, int], int] = {}
 
     def plan(self, epoch: int, chunk: int) -> sampling.EpochPlan:
@@ -57,13 +59,47 @@ class Schedule:
                 start,
             )
             self._plan = p
+            self._block = None
             self._batches[epoch, chunk] = p.n_batches
         return p
+
+    def block(self, epoch: int, chunk: int, block: int) -> Block:
+        """Batches ``block * SORT_BLOCK_BATCHES`` .. of a chunk: their windows ordered by radius, context
+        words and the objective's draws (noise words, from (seed, epoch, chunk, block)). Only the blocks a
+        worker trains are built by it."""
+        b = self._block
+        if b is None or b.key != (epoch, chunk, block):
+            plan = self.plan(epoch, chunk)
+            size = sampling.SORT_BLOCK_BATCHES * self.options.batch_size
+            start = block * size
+            stop = min(start + size, len(plan.ids))
+            order = sampling.radius_order(plan, start, stop)
+            context = sampling.context_matrix(plan, start, stop, self.options.window)[order - start]
+            rng = np.random.default_rng([self.seed, epoch, chunk, block, 1])
+            assert plan.span is not None
+            b = Block(
+                (epoch, chunk, block),
+                context,
+                plan.ids[order],
+                plan.radius[order],
+                plan.span[order],
+                self.objective.draw(len(order), rng),
+            )
+            self._block = b
+        return b
 
     def batches_in(self, epoch: int, chunk: int) -> int:
         if (epoch, chunk) not in self._batches:
             self.plan(epoch, chunk)
         return self._batches[epoch, chunk]
+
+    def batch_counts(self) -> dict[tuple[int, int], int]:
+        """The batches of every (epoch, chunk) planned so far."""
+        return dict(self._batches)
+
+    def record_batches(self, counts: dict[tuple[int, int], int]) -> None:
+        """Batch counts planned elsewhere (by a worker process: the same plans, the same counts)."""
+        self._batches.update(counts)
 
     def locate(self, step: int) -> tuple[int, int, int]:
         """(epoch, chunk, batch index) of optimizer step ``step``; (epochs, 0, 0) past the end."""
@@ -110,19 +146,31 @@ class Schedule:
     def batch(self, step: int, epoch: int, chunk: int, index: int) -> WindowBatch:
         o = self.options
         plan = self.plan(epoch, chunk)
-        start = index * o.batch_size
-        stop = min(start + o.batch_size, len(plan.ids))
-        assert plan.context is not None
-        ctx = plan.context[start:stop].astype(np.int64)  # (n, 2 * window)
-        has_context = (ctx >= 0).any(axis=1)
-        ctx, target = ctx[has_context], plan.ids[start:stop][has_context]
-        rng = np.random.default_rng([self.seed, epoch, chunk, index, 1])
-        assert plan.words_before is not None
-        words = float(plan.words_before[stop] - plan.words_before[start])
-        if stop == len(plan.ids):  # the chunk's last batch covers its tail
-            words = float(plan.words_before[-1] - plan.words_before[start])
-        if start == 0:
-            words += float(plan.words_before[0])
+        block, within = divmod(index, sampling.SORT_BLOCK_BATCHES)
+        b = self.block(epoch, chunk, block)
+        start = within * o.batch_size
+        stop = min(start + o.batch_size, len(b.ids))
+        # only the middle columns the batch's largest radius reaches (its windows are of one or two radii)
+        r = int(b.radius[start:stop].max())
+        ctx = b.context[start:stop, o.window - r : o.window + r].astype(np.int64)  # (n, 2r)
+        target = b.ids[start:stop]
+        draws = None if b.draws is None else b.draws[start:stop]
         return WindowBatch(
-            ctx, target, self.objective.targets(target, rng), words, self.progress(step, plan, index)
+            ctx,
+            target,
+            self.objective.outputs(target, draws),
+            float(b.span[start:stop].sum()),
+            self.progress(step, plan, index),
         )
+
+
+@dataclass
+class Block:
+    """A block of a chunk's batches, its windows in the order they are trained (by radius)."""
+
+    key: tuple[int, int, int]  # (epoch, chunk, block)
+    context: np.ndarray  # (n, 2 * window) int32
+    ids: np.ndarray  # (n,)
+    radius: np.ndarray  # (n,)
+    span: np.ndarray  # (n,)
+    draws: np.ndarray | None  # (n, ...)

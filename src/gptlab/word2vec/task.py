@@ -11,11 +11,13 @@ configured loggers' files (the same Lightning logger classes, built only when a 
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import math
 import os
 import signal
+import sys
 import threading
 import time
 from collections import deque
@@ -198,7 +200,8 @@ class Trainer:
         self, start_step: int, checkpoint_every: int, max_seconds: float | None, step_cap: int | None = None
     ) -> bool:
         """Train from ``start_step`` to the end of the schedule, or to ``step_cap`` steps or ``max_seconds``
-        (trainer limits); True when stopped by a signal (a checkpoint was saved)."""
+        (trainer limits); True when stopped by a signal (a checkpoint was saved). Steps run in rounds (up to
+        the next checkpoint); between rounds the loop logs, saves checkpoints and checks the limits."""
         self.global_step = start_step
         previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
 
@@ -208,71 +211,78 @@ class Trainer:
         if threading.current_thread() is threading.main_thread():
             for s in previous:
                 signal.signal(s, handle)
+        # Start-up's objects (modules, config, corpus) are moved out of the garbage collector's reach: it
+        # does not walk them during training or at exit, nor does a forked worker copy the pages it would
+        # touch (the gc module's advice for fork without exec).
+        gc.freeze()
         t0 = time.perf_counter()
-        times: deque[tuple[float, float]] = deque(maxlen=50)
-        times.append((t0, 0.0))
-        pending = self.schedule.steps(start_step)
-        # The schedule holds one chunk's plan at a time: workers build their batches under a lock, and only the
-        # updates run in parallel (Hogwild: without locks on the shared tables).
-        lock = threading.Lock()
-
-        def work(item: tuple[int, int, int, int]):
-            with lock:
-                batch = self.schedule.batch(*item)
-            step = item[0]
-            loss = self.train_step(batch, step % self.log_every == 0)
-            pairs = (
-                float(len(batch.target)) if self.options.mode == "cbow" else float((batch.inputs >= 0).sum())
-            )
-            return step, (loss / max(pairs, 1.0) if loss is not None else None), batch.words, batch.progress
-
-        pool = ThreadPoolExecutor(self.threads) if self.threads > 1 else None
+        times: deque[tuple[float, float]] = deque(maxlen=20)
+        times.append((t0, self.words_done))
+        runner = self._runner(start_step)
         stopped = False
         try:
-            done = False
-            while not done:
-                round_items = []
-                for item in pending:
-                    if step_cap is not None and item[0] >= step_cap:
-                        break
-                    round_items.append(item)
-                    if len(round_items) >= max(self.threads * 8, 1) or (item[0] + 1) % checkpoint_every == 0:
-                        break
-                if not round_items:
+            while True:
+                stop = (self.global_step // checkpoint_every + 1) * checkpoint_every
+                stop = min(stop, self.global_step + runner.round_steps)
+                if step_cap is not None:
+                    stop = min(stop, step_cap)
+                if stop <= self.global_step:
                     break
-                results = pool.map(work, round_items) if pool else map(work, round_items)
-                for step, loss, words, progress in results:
+                reached, words, logged = runner.run(self.global_step, stop)
+                now = time.perf_counter()
+                times.append((now, self.words_done + words))
+                rate = (times[-1][1] - times[0][1]) / max(times[-1][0] - times[0][0], 1e-9)
+                for step, loss, progress in sorted(logged):
                     self.global_step = step + 1
-                    self.words_done += words
-                    if loss is not None:
-                        self.last_loss = loss
-                        now = time.perf_counter()
-                        times.append((now, self.words_done))
-                        rate = (times[-1][1] - times[0][1]) / max(times[-1][0] - times[0][0], 1e-9)
-                        self.log_metrics(
-                            {
-                                "train/loss": loss,
-                                "train/lr": self.learning_rate(progress),
-                                "train/words_per_second": rate,
-                                "train/progress": progress,
-                            }
-                        )
+                    self.last_loss = loss
+                    self.log_metrics(
+                        {
+                            "train/loss": loss,
+                            "train/lr": self.learning_rate(progress),
+                            "train/words_per_second": rate,
+                            "train/progress": progress,
+                        }
+                    )
+                self.global_step, self.words_done = reached, self.words_done + words
+                if reached < stop:  # the schedule ended
+                    break
                 if self.global_step % checkpoint_every == 0:
                     self.save_checkpoint()
                 if self.received is not None:
                     stopped = True
                     break
-                if max_seconds is not None and time.perf_counter() - t0 >= max_seconds:
+                if max_seconds is not None and now - t0 >= max_seconds:
                     log.info("trainer.max_time reached after step %d", self.global_step)
                     break
         finally:
-            if pool:
-                pool.shutdown()
+            runner.close()
             if threading.current_thread() is threading.main_thread():
                 for s, h in previous.items():
                     signal.signal(s, h)
         self.save_checkpoint()
         return stopped
+
+    def _runner(self, start_step: int) -> _Serial | _Threads | _Processes:
+        if self.threads > 1 and self.options.parallel == "processes" and sys.platform.startswith("linux"):
+            return _Processes(self, start_step, self.threads)
+        if self.threads > 1:
+            return _Threads(self, start_step, self.threads)
+        return _Serial(self, start_step)
+
+    def work(self, item: tuple[int, int, int, int]) -> tuple[int, float | None, float, float]:
+        """One optimizer step: (step, its loss per pair when it is logged, the corpus words it covered, the
+        share of training done before it)."""
+        batch = self.schedule.batch(*item)
+        return self.run_batch(item[0], batch)
+
+    def run_batch(self, step: int, batch: WindowBatch) -> tuple[int, float | None, float, float]:
+        loss = self.train_step(batch, step % self.log_every == 0)
+        if loss is not None:
+            pairs = (
+                float(len(batch.target)) if self.options.mode == "cbow" else float((batch.inputs >= 0).sum())
+            )
+            loss /= max(pairs, 1.0)
+        return step, loss, batch.words, batch.progress
 
     # ---- outputs ---------------------------------------------------------------------------------------
 
@@ -317,6 +327,150 @@ class Trainer:
         if self.optimizer is not None and checkpoint.get("optimizer_states"):
             self.optimizer.load_state_dict(checkpoint["optimizer_states"][0])
         self.global_step = int(checkpoint.get("global_step", 0))
+
+
+Logged = list[tuple[int, float, float]]  # (step, loss per pair, progress) of the logged steps of a round
+
+
+class _Steps:
+    """The schedule's steps from ``start``, handed out a round at a time."""
+
+    def __init__(self, schedule: Schedule, start: int) -> None:
+        self.items = schedule.steps(start)
+        self.held: tuple[int, int, int, int] | None = None
+        self.next_step = start
+
+    def until(self, stop: int) -> list[tuple[int, int, int, int]]:
+        """The steps before ``stop``; ``next_step`` then is where the schedule stands (< stop at its end)."""
+        out = []
+        item = self.held if self.held is not None else next(self.items, None)
+        while item is not None and item[0] < stop:
+            out.append(item)
+            item = next(self.items, None)
+        self.held = item
+        self.next_step = out[-1][0] + 1 if out else self.next_step
+        if item is not None:
+            self.next_step = item[0]
+        return out
+
+
+class _Serial:
+    round_steps = 64
+
+    def __init__(self, trainer: Trainer, start: int) -> None:
+        self.trainer, self.steps = trainer, _Steps(trainer.schedule, start)
+
+    def run(self, start: int, stop: int) -> tuple[int, float, Logged]:
+        items = self.steps.until(stop)
+        return _collect(map(self.trainer.work, items), self.steps.next_step)
+
+    def close(self) -> None:
+        pass
+
+
+class _Threads(_Serial):
+    """Worker threads on the shared tables (Hogwild): batches are built under a lock (the schedule holds
+    one chunk's plan at a time), the updates run in parallel where numpy and torch release the GIL."""
+
+    def __init__(self, trainer: Trainer, start: int, threads: int) -> None:
+        super().__init__(trainer, start)
+        self.round_steps = threads * 8
+        self.pool = ThreadPoolExecutor(threads)
+        self.lock = threading.Lock()
+
+    def run(self, start: int, stop: int) -> tuple[int, float, Logged]:
+        def work(item: tuple[int, int, int, int]) -> tuple[int, float | None, float, float]:
+            with self.lock:
+                batch = self.trainer.schedule.batch(*item)
+            return self.trainer.run_batch(item[0], batch)
+
+        items = self.steps.until(stop)
+        return _collect(self.pool.map(work, items), self.steps.next_step)
+
+    def close(self) -> None:
+        self.pool.shutdown()
+
+
+class _Processes:
+    """Hogwild (Recht et al. 2011) across forked processes, as word2vec.c runs threads (Mikolov et al.
+    2013): the tables live in shared memory and every worker updates them without locks. Worker r takes the
+    steps ``step % workers == r`` of each round, building its own batches (each plan is a pure function of
+    (seed, epoch, chunk)), so that no Python work is serialised by a lock or the GIL."""
+
+    def __init__(self, trainer: Trainer, start: int, workers: int) -> None:
+        import multiprocessing
+
+        self.round_steps = 256 * workers
+        self.trainer = trainer
+        trainer.tables.share()
+        context = multiprocessing.get_context("fork")
+        self.connections, self.processes = [], []
+        for rank in range(workers):
+            parent, child = context.Pipe()
+            process = context.Process(
+                target=_worker, args=(trainer, rank, workers, start, child, parent), daemon=True
+            )
+            process.start()
+            child.close()
+            self.connections.append(parent)
+            self.processes.append(process)
+
+    def run(self, start: int, stop: int) -> tuple[int, float, Logged]:
+        for connection in self.connections:
+            connection.send((start, stop))
+        reached, words, logged = stop, 0.0, []
+        for connection in self.connections:
+            try:
+                got = connection.recv()
+            except EOFError:
+                raise RuntimeError(
+                    "a word2vec worker process ended unexpectedly (see its error above)"
+                ) from None
+            reached = min(reached, got[0])
+            words += got[1]
+            logged += got[2]
+            self.trainer.schedule.record_batches(got[3])
+        return reached, words, logged
+
+    def close(self) -> None:
+        for connection in self.connections:
+            try:
+                connection.send(None)
+            except OSError:
+                pass
+        for process in self.processes:
+            process.join(timeout=10)
+            if process.is_alive():
+                process.terminate()
+
+
+def _worker(trainer: Trainer, rank: int, workers: int, start: int, connection: Any, parent: Any) -> None:
+    """A forked worker: runs its steps of each round it is sent until told to stop (None) or the parent
+    is gone. Signals are the parent's to handle (a Ctrl-C or a SIGTERM may reach the whole process group):
+    it ends the run at the end of the round."""
+    parent.close()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    steps = _Steps(trainer.schedule, start)
+    while True:
+        try:
+            message = connection.recv()
+            if message is None:
+                return
+            items = [item for item in steps.until(message[1]) if item[0] % workers == rank]
+            reached, words, logged = _collect(map(trainer.work, items), steps.next_step)
+            connection.send((reached, words, logged, trainer.schedule.batch_counts()))
+        except (EOFError, OSError):  # the parent is gone
+            return
+
+
+def _collect(results: Any, reached: int) -> tuple[int, float, Logged]:
+    words, logged = 0.0, []
+    for step, loss, covered, progress in results:
+        words += covered
+        if loss is not None:
+            logged.append((step, loss, progress))
+    return reached, words, logged
 
 
 def build_loggers(cfg: DictConfig, resume: ResumePlan | None) -> list:
