@@ -63,6 +63,11 @@ class Schedule:
             self._batches[epoch, chunk] = p.n_batches
         return p
 
+    @staticmethod
+    def block_key(item: tuple[int, int, int, int]) -> tuple[int, int, int]:
+        """(epoch, chunk, block) of a step (step, epoch, chunk, index)."""
+        return item[1], item[2], item[3] // sampling.SORT_BLOCK_BATCHES
+
     def block(self, epoch: int, chunk: int, block: int) -> Block:
         """Batches ``block * SORT_BLOCK_BATCHES`` .. of a chunk: their windows ordered by radius, context
         words and the objective's draws (noise words, from (seed, epoch, chunk, block)). Only the blocks a

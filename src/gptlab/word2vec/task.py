@@ -12,6 +12,7 @@ configured loggers' files (the same Lightning logger classes, built only when a 
 from __future__ import annotations
 
 import gc
+import itertools
 import json
 import logging
 import math
@@ -393,9 +394,10 @@ class _Threads(_Serial):
 
 class _Processes:
     """Hogwild (Recht et al. 2011) across forked processes, as word2vec.c runs threads (Mikolov et al.
-    2013): the tables live in shared memory and every worker updates them without locks. Worker r takes the
-    steps ``step % workers == r`` of each round, building its own batches (each plan is a pure function of
-    (seed, epoch, chunk)), so that no Python work is serialised by a lock or the GIL."""
+    2013): the tables live in shared memory and every worker updates them without locks. The workers claim
+    the blocks of batches of each round one at a time from a shared counter (a worker that falls behind, on
+    a shared machine, takes fewer) and build their own batches (each plan is a pure function of (seed,
+    epoch, chunk)), so that no Python work is serialised by a lock or the GIL."""
 
     def __init__(self, trainer: Trainer, start: int, workers: int) -> None:
         import multiprocessing
@@ -404,11 +406,12 @@ class _Processes:
         self.trainer = trainer
         trainer.tables.share()
         context = multiprocessing.get_context("fork")
+        self.claims = context.Value("q", 0)
         self.connections, self.processes = [], []
-        for rank in range(workers):
+        for _ in range(workers):
             parent, child = context.Pipe()
             process = context.Process(
-                target=_worker, args=(trainer, rank, workers, start, child, parent), daemon=True
+                target=_worker, args=(trainer, self.claims, start, child, parent), daemon=True
             )
             process.start()
             child.close()
@@ -416,6 +419,7 @@ class _Processes:
             self.processes.append(process)
 
     def run(self, start: int, stop: int) -> tuple[int, float, Logged]:
+        self.claims.value = 0  # the workers are idle between rounds
         for connection in self.connections:
             connection.send((start, stop))
         reached, words, logged = stop, 0.0, []
@@ -444,21 +448,32 @@ class _Processes:
                 process.terminate()
 
 
-def _worker(trainer: Trainer, rank: int, workers: int, start: int, connection: Any, parent: Any) -> None:
-    """A forked worker: runs its steps of each round it is sent until told to stop (None) or the parent
-    is gone. Signals are the parent's to handle (a Ctrl-C or a SIGTERM may reach the whole process group):
-    it ends the run at the end of the round."""
+def _worker(trainer: Trainer, claims: Any, start: int, connection: Any, parent: Any) -> None:
+    """A forked worker: trains the blocks it claims of each round it is sent, until told to stop (None) or
+    the parent is gone. Signals are the parent's to handle (a Ctrl-C or a SIGTERM may reach the whole process
+    group): it ends the run at the end of the round."""
     parent.close()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     steps = _Steps(trainer.schedule, start)
+
+    def claim() -> int:
+        with claims.get_lock():
+            claims.value += 1
+            return int(claims.value) - 1
+
     while True:
         try:
             message = connection.recv()
             if message is None:
                 return
-            items = [item for item in steps.until(message[1]) if item[0] % workers == rank]
-            reached, words, logged = _collect(map(trainer.work, items), steps.next_step)
+            # every worker cuts the round's steps into the same blocks, then trains those it claims
+            items = steps.until(message[1])
+            blocks = [list(b) for _, b in itertools.groupby(items, key=trainer.schedule.block_key)]
+            results: list[tuple[int, float | None, float, float]] = []
+            while (number := claim()) < len(blocks):
+                results += map(trainer.work, blocks[number])
+            reached, words, logged = _collect(results, steps.next_step)
             connection.send((reached, words, logged, trainer.schedule.batch_counts()))
         except (EOFError, OSError):  # the parent is gone
             return
