@@ -113,6 +113,21 @@ def test_huffman_codes_match_a_hand_built_tree():
     hs = objectives.HierarchicalSoftmax(np.array([5, 3, 2, 1]))
     t = hs.targets(np.array([2]), np.random.default_rng(0))
     assert t.rows.tolist() == [[2, 1, 0]] and t.labels.tolist() == [[0, 1, 0]] and t.mask.sum() == 3
+    given = objectives.HierarchicalSoftmax(np.array([5, 3, 2, 1]), (codes, points))
+    assert np.array_equal(given.rows, hs.rows) and np.array_equal(given.labels, hs.labels)
+
+
+def test_huffman_ties_go_as_in_word2vec_c():
+    """counts 4, 2, 2, 1, 1, worked through word2vec.c's CreateBinaryTree by hand: 1+1 -> node 0 (count 2);
+    then word 2 (count 2) against node 0 (count 2): not strictly less, so node 0 is picked first, word 2 takes
+    bit 1 -> node 1 (4); word 1 (2) and node 1 -> node 2 (6); word 0 (4) and node 2 -> the root, node 3. The
+    most frequent word gets a one-bit code; gensim's heap, which breaks ties by word index, gives it two bits
+    (a tree of the same expected code length, 22 bits for these counts)."""
+    counts = np.array([4, 2, 2, 1, 1])
+    codes, points = objectives.huffman_codes(counts)
+    assert codes == [[0], [1, 0], [1, 1, 1], [1, 1, 0, 1], [1, 1, 0, 0]]
+    assert points == [[3], [3, 2], [3, 2, 1], [3, 2, 1, 0], [3, 2, 1, 0]]
+    assert sum(c * len(code) for c, code in zip(counts, codes)) == 22
 
 
 def _window_batch(objective, mode, rng, vocab=12, windows=5, slots=4):
@@ -233,6 +248,14 @@ def test_an_epochs_batches_train_every_kept_window_once_in_blocks_ordered_by_rad
         words += batch.words
     assert sorted(np.concatenate(targets).tolist()) == sorted(plan.ids.tolist())
     assert len(schedule.chunks) == 1 and words == (corpus.read(*schedule.chunks[0]) >= 0).sum()
+    # CBOW under hierarchical softmax: a block's windows by path length, a batch as wide as its longest path
+    options = Word2VecOptions(mode="cbow", objective="hierarchical", batch_size=64, epochs=1, min_count=3)
+    hs = objectives.build("hierarchical", corpus.vocab.counts, 5, 0.75)
+    schedule = Schedule(corpus, options, hs, seed=3)
+    block = schedule.block(0, 0, 0)
+    assert (np.diff(hs.code_length[block.ids]) >= 0).all()
+    batch = schedule.batch(0, 0, 0, 0)
+    assert batch.outputs.rows.shape[1] == hs.code_length[batch.target].max() < hs.depth
 
 
 def test_a_resumed_epoch_continues_with_the_same_batches():

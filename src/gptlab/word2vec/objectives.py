@@ -50,6 +50,9 @@ class NegativeSampling:
         edges = np.round(self.cdf * NOISE_TABLE).astype(np.int64)
         self.table = np.repeat(np.arange(len(counts), dtype=np.int32), np.diff(edges, prepend=0))
 
+    def width(self, target: np.ndarray) -> None:
+        return None
+
     def draw(self, n: int, rng: np.random.Generator) -> np.ndarray:
         """(n, negatives) noise words for n windows."""
         return self.table[rng.integers(0, NOISE_TABLE, size=(n, self.negatives))]
@@ -118,8 +121,12 @@ class HierarchicalSoftmax:
 
     name = "hierarchical"
 
-    def __init__(self, counts: np.ndarray) -> None:
-        codes, points = huffman_codes(counts)
+    def __init__(
+        self, counts: np.ndarray, tree: tuple[list[list[int]], list[list[int]]] | None = None
+    ) -> None:
+        """``tree``: (codes, points) of another construction of the tree (e.g. gensim's, to compare with it);
+        by default word2vec.c's (``huffman_codes``)."""
+        codes, points = tree if tree is not None else huffman_codes(counts)
         depth = max(len(c) for c in codes)
         v = len(counts)
         self.rows = np.zeros((v, depth), dtype=np.int64)
@@ -132,6 +139,10 @@ class HierarchicalSoftmax:
         self.output_rows = max(v - 1, 1)
         self.depth = depth
         self.code_length = np.array([len(c) for c in codes], dtype=np.int64)
+
+    def width(self, target: np.ndarray) -> np.ndarray:
+        """Output rows each target needs (its path length): windows are batched by it."""
+        return self.code_length[target]
 
     def draw(self, n: int, rng: np.random.Generator) -> None:
         return None
@@ -162,6 +173,9 @@ class FullSoftmax:
                 "vocabulary with a larger word2vec.min_count."
             )
         self.output_rows = vocab_size
+
+    def width(self, target: np.ndarray) -> None:
+        return None
 
     def draw(self, n: int, rng: np.random.Generator) -> None:
         return None

@@ -81,7 +81,7 @@ class EpochPlan:
     far ones), ``span`` (the words of the vocabulary, before subsampling, from each window's position to
     the next one's: what a batch covers), ``positions`` (each window's place in the whole corpus) and the
     number of batches of ``batch_words`` windows. The context words are taken a block of batches at a time
-    (``context_matrix``, ``radius_order``)."""
+    (``context_matrix``)."""
 
     epoch: int
     ids: np.ndarray  # (n,)
@@ -152,13 +152,6 @@ def plan_chunk(
         covered,
         where + start,
     )
-
-
-def radius_order(plan: EpochPlan, start: int, stop: int) -> np.ndarray:
-    """The windows start..stop-1 ordered by their radius (stable): a batch cut from a block of several
-    batches so ordered holds windows of one or two radii, and its context matrix is only as wide as they
-    need. The order of updates inside a block of a few thousand words is as arbitrary as Hogwild's."""
-    return start + np.argsort(plan.radius[start:stop], kind="stable")
 
 
 def context_matrix(plan: EpochPlan, start: int, stop: int, window: int) -> np.ndarray:

@@ -69,16 +69,27 @@ class Schedule:
         return item[1], item[2], item[3] // sampling.SORT_BLOCK_BATCHES
 
     def block(self, epoch: int, chunk: int, block: int) -> Block:
-        """Batches ``block * SORT_BLOCK_BATCHES`` .. of a chunk: their windows ordered by radius, context
-        words and the objective's draws (noise words, from (seed, epoch, chunk, block)). Only the blocks a
-        worker trains are built by it."""
+        """Batches ``block * SORT_BLOCK_BATCHES`` .. of a chunk: their windows in the order they are trained,
+        context words and the objective's draws (noise words, from (seed, epoch, chunk, block)). Only the
+        blocks a worker trains are built by it.
+
+        The order: skip-gram's windows by radius, so that a batch holds windows of one or two radii and its
+        context matrix is only as wide as they need; then (both modes) by the objective's width, a target's
+        path length under hierarchical softmax. The order of updates inside a block of a few thousand
+        words is as arbitrary as Hogwild's."""
         b = self._block
         if b is None or b.key != (epoch, chunk, block):
             plan = self.plan(epoch, chunk)
             size = sampling.SORT_BLOCK_BATCHES * self.options.batch_size
             start = block * size
             stop = min(start + size, len(plan.ids))
-            order = sampling.radius_order(plan, start, stop)
+            key = np.zeros(stop - start, dtype=np.int64)
+            if self.options.mode == "skipgram":
+                key += plan.radius[start:stop]
+            width = self.objective.width(plan.ids[start:stop])
+            if width is not None:
+                key = key * (int(width.max(initial=0)) + 1) + width
+            order = start + np.argsort(key, kind="stable")
             context = sampling.context_matrix(plan, start, stop, self.options.window)[order - start]
             rng = np.random.default_rng([self.seed, epoch, chunk, block, 1])
             assert plan.span is not None
