@@ -4,15 +4,25 @@
     python scripts/benchmark_word2vec.py --mode cbow --objective hierarchical --repeats 3
     python scripts/benchmark_word2vec.py --memory --memory-mb 100 --before /tmp/gptlab-main   # peak RSS
     python scripts/benchmark_word2vec.py --softmax                     # the full softmax's cost by vocabulary
+    python scripts/benchmark_word2vec.py --objectives --min-count 30   # each objective against gensim hs=1
 
 The corpus is text8-style (one line of lower-case words separated by spaces): gensim's ``lee_background.cor``
 (300 news articles), cut into words by gptlab's word tokenizer and repeated ``--copies`` times (6: 364k
 words). Both sides read that file: ``python train.py task=word2vec data.path=<file> ...`` and a gensim script
 (``Text8Corpus`` -> ``Word2Vec(workers=threads)`` -> ``save_word2vec_format``), each a fresh process, timed
 whole (imports, reading, vocabulary, training, writing the vectors), interleaved repeat by repeat so that
-both meet the same load. The training rate is corpus words in the vocabulary x epochs over the training time.
-Quality: the overlap of the 10 nearest neighbours of the 100 most frequent words with gensim's (seed 1337),
-against gensim's own seed-to-seed overlap (1337 vs 1338), and WordSim-353 / SimLex-999 Spearman for each.
+both meet the same load; the CPU seconds of each process (user + system, all its threads and processes) are
+reported beside the wall-clock seconds, and the machine's load average before and after. The training rate
+is corpus words in the vocabulary x epochs over the training time. Quality: the overlap of the 10 nearest
+neighbours of the 100 most frequent words with gensim's (seed 1337), against gensim's own seed-to-seed
+overlap (1337 vs 1338), and WordSim-353 / SimLex-999 Spearman for each.
+
+``--objectives`` trains each of our objectives (negative sampling, hierarchical softmax, and the full softmax
+where the vocabulary allows it) and reads each against gensim's hierarchical softmax (``hs=1``); beside them,
+our hierarchical softmax trained in this process over gensim's own Huffman tree. The two libraries build
+equally good trees that differ where words tie in count (word2vec.c's construction, ours, against gensim's
+heap with its vocabulary order), and neighbours learnt through different trees agree less: that row
+separates the tree from the training.
 """
 
 from __future__ import annotations
@@ -77,7 +87,11 @@ def env() -> dict[str, str]:
 
 
 def timed(cmd: list[str], cwd: Path, environment: dict | None = None) -> tuple[float, str, float]:
-    """(wall seconds, stdout, peak RSS MiB) of a whole process."""
+    """(wall seconds, stdout, CPU seconds) of a whole process: user + system time of it and its children
+    (this script runs one at a time)."""
+    import resource
+
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
     proc = subprocess.Popen(
         cmd, cwd=cwd, env=environment or env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
@@ -86,11 +100,9 @@ def timed(cmd: list[str], cwd: Path, environment: dict | None = None) -> tuple[f
     seconds = time.perf_counter() - start
     if proc.returncode:
         raise SystemExit(f"{' '.join(cmd)} failed ({proc.returncode}):\n{out[-3000:]}\n{err[-3000:]}")
-    # the child's own peak: this script's children run one at a time
-    import resource
-
-    rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
-    return seconds, out, rss
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+    return seconds, out, cpu
 
 
 def ours(corpus: Path, run_dir: Path, args: argparse.Namespace, seed: int) -> dict:
@@ -102,6 +114,7 @@ def ours(corpus: Path, run_dir: Path, args: argparse.Namespace, seed: int) -> di
         f"word2vec.mode={args.mode}",
         f"word2vec.objective={args.objective}",
         f"word2vec.threads={args.threads}",
+        f"word2vec.parallel={args.parallel}",
         f"word2vec.epochs={args.epochs}",
         f"word2vec.batch_size={args.batch_size}",
         f"word2vec.min_count={args.min_count}",
@@ -110,10 +123,11 @@ def ours(corpus: Path, run_dir: Path, args: argparse.Namespace, seed: int) -> di
         f"logger={args.logger}",
         f"hydra.run.dir={run_dir}",
     ]
-    seconds, _, _ = timed(cmd, ROOT)
+    seconds, _, cpu = timed(cmd, ROOT)
     metrics = json.loads((run_dir / "metrics.json").read_text())
     return {
         "process_seconds": seconds,
+        "cpu_seconds": cpu,
         "train_seconds": metrics["train/seconds"],
         "words_per_second": metrics["train/words_per_second"],
         "vectors": str(run_dir / "embeddings.txt"),
@@ -149,10 +163,11 @@ def gensim(corpus: Path, out: Path, args: argparse.Namespace, seed: int) -> dict
         str(out),
         json.dumps(gensim_settings(args, seed)),
     ]
-    seconds, stdout, _ = timed(cmd, ROOT)
+    seconds, stdout, cpu = timed(cmd, ROOT)
     reported = json.loads(stdout.strip().splitlines()[-1])
     return {
         "process_seconds": seconds,
+        "cpu_seconds": cpu,
         "train_seconds": reported["train_seconds"],
         "words_per_second": reported["words"] / reported["train_seconds"],
         "vectors": str(out),
@@ -182,50 +197,62 @@ def speed(args: argparse.Namespace) -> dict:
     work = Path(tempfile.mkdtemp(prefix="w2v-bench-"))
     corpus = lee_corpus(work / f"lee_x{args.copies}.txt", args.copies)
     runs: dict[str, list[dict]] = {"ours": [], "gensim": []}
+    load_before = os.getloadavg()
     for r in range(args.repeats):
         runs["ours"].append(ours(corpus, work / f"ours{r}", args, 1337))
         runs["gensim"].append(gensim(corpus, work / f"gensim{r}.txt", args, 1337 + r))
+        o, g = runs["ours"][-1], runs["gensim"][-1]
         print(
-            f"repeat {r}: whole process ours {runs['ours'][-1]['process_seconds']:.2f} s, gensim "
-            f"{runs['gensim'][-1]['process_seconds']:.2f} s",
+            f"repeat {r}: whole process ours {o['process_seconds']:.2f} s ({o['cpu_seconds']:.2f} CPU s), "
+            f"gensim {g['process_seconds']:.2f} s ({g['cpu_seconds']:.2f} CPU s)",
             flush=True,
         )
     if args.repeats < 2:
         runs["gensim"].append(gensim(corpus, work / "gensim1.txt", args, 1338))
+    load_after = os.getloadavg()
     med = lambda side, key: statistics.median(x[key] for x in runs[side])  # noqa: E731
+    ratios = [o["process_seconds"] / g["process_seconds"] for o, g in zip(runs["ours"], runs["gensim"])]
     result = {
         "corpus": f"lee_background.cor x{args.copies} ({len(corpus.read_text().split()):,} words, text8-style)",
         "settings": {k: v for k, v in vars(args).items() if k not in ("json",)},
+        "load_average": {"before": load_before, "after": load_after},
         "process_seconds": {
             "ours": med("ours", "process_seconds"),
             "gensim": med("gensim", "process_seconds"),
         },
+        "cpu_seconds": {"ours": med("ours", "cpu_seconds"), "gensim": med("gensim", "cpu_seconds")},
         "train_seconds": {"ours": med("ours", "train_seconds"), "gensim": med("gensim", "train_seconds")},
         "words_per_second": {
             "ours": med("ours", "words_per_second"),
             "gensim": med("gensim", "words_per_second"),
         },
-        "process_ratios": [
-            o["process_seconds"] / g["process_seconds"] for o, g in zip(runs["ours"], runs["gensim"])
-        ],
+        "process_ratios": ratios,
+        "process_ratio_median": statistics.median(ratios),
+        "runs": runs,
         "quality": quality(
             runs["ours"][0]["vectors"], runs["gensim"][0]["vectors"], runs["gensim"][1]["vectors"]
         ),
     }
     q, p = result["quality"], result["process_seconds"]
+    parallel = f", {args.parallel}" if args.threads > 1 else ""
     print(
         f"\n{result['corpus']}; {args.mode}, {args.objective} (gensim "
-        f"{'hs=1' if gensim_settings(args, 0)['hs'] else 'negative=5'}), {args.threads} thread(s), {args.epochs} "
-        f"epochs, min_count {args.min_count}, vocabulary {q['scores']['ours']['vocab_size']}"
+        f"{'hs=1' if gensim_settings(args, 0)['hs'] else 'negative=5'}), {args.threads} thread(s){parallel}, "
+        f"{args.epochs} epochs, min_count {args.min_count}, vocabulary {q['scores']['ours']['vocab_size']}; "
+        f"load average {load_before[0]:.1f} before, {load_after[0]:.1f} after"
     )
     print(f"{'':34} {'gptlab':>10} {'gensim':>10}")
     print(f"{'whole process, s (median)':34} {p['ours']:>10.2f} {p['gensim']:>10.2f}")
+    c = result["cpu_seconds"]
+    print(f"{'whole process, CPU s (median)':34} {c['ours']:>10.2f} {c['gensim']:>10.2f}")
     t = result["train_seconds"]
     print(f"{'training, s (median)':34} {t['ours']:>10.2f} {t['gensim']:>10.2f}")
     w = result["words_per_second"]
     print(f"{'training words/s (median)':34} {w['ours']:>10,.0f} {w['gensim']:>10,.0f}")
-    ratios = ", ".join(f"{x:.2f}" for x in result["process_ratios"])
-    print(f"whole process ours / gensim, per repeat: {ratios}")
+    print(
+        f"whole process ours / gensim, per repeat: {', '.join(f'{x:.2f}' for x in ratios)}; median "
+        f"{result['process_ratio_median']:.2f}"
+    )
     for key in ("wordsim353/spearman", "simlex999/spearman"):
         s = q["scores"]
         print(
@@ -236,6 +263,106 @@ def speed(args: argparse.Namespace) -> dict:
         f"{q['overlap_gensim_gensim']:.3f}: ratio {q['ratio']:.2f}"
     )
     return result
+
+
+def hierarchical_over_gensims_tree(corpus: Path, out: Path, args: argparse.Namespace, seed: int) -> str:
+    """Our hierarchical softmax, trained in this process (one thread) over the Huffman tree gensim builds
+    for the same corpus: the codes and inner nodes of each word as gensim's vocabulary gives them."""
+    import torch
+    from gensim.models import Word2Vec
+    from gensim.models.word2vec import Text8Corpus
+
+    from gptlab.data.sources import DataSpec
+    from gptlab.word2vec import evaluation, fast, objectives
+    from gptlab.word2vec.config import Word2VecOptions
+    from gptlab.word2vec.corpus import read_corpus
+    from gptlab.word2vec.schedule import Schedule
+
+    torch.set_num_threads(1)
+    options = Word2VecOptions(
+        mode=args.mode,
+        objective="hierarchical",
+        min_count=args.min_count,
+        epochs=args.epochs,
+        batch_size=args.batch_size,
+    )
+    words = read_corpus(DataSpec(path=str(corpus)), options)
+    model = Word2Vec(vector_size=8, min_count=args.min_count, hs=1, negative=0)
+    model.build_vocab(Text8Corpus(str(corpus)))
+    codes, points = (
+        [[int(x) for x in model.wv.get_vecattr(w, key)] for w in words.vocab.words]
+        for key in ("code", "point")
+    )
+    objective = objectives.HierarchicalSoftmax(words.vocab.counts, (codes, points))
+    schedule = Schedule(words, options, objective, seed)
+    tables = fast.Tables(len(words.vocab), objective.output_rows, options.dim, seed)
+    for item in schedule.steps(0):
+        batch = schedule.batch(*item)
+        lr = options.lr - (options.lr - options.lr_min) * batch.progress
+        fast.sgd_step(tables, batch, lr, options.mode)
+    return str(evaluation.write_embeddings(out, words.vocab.words, tables.input.numpy()))
+
+
+def objectives_quality(args: argparse.Namespace) -> dict:
+    """Each objective of ours against gensim's hierarchical softmax (hs=1, seeds 1337 and 1338), beside
+    gensim's own negative sampling against it (what another objective agrees with hs=1)."""
+    from gptlab.word2vec.objectives import MAX_SOFTMAX_VOCAB, OBJECTIVES
+
+    work = Path(tempfile.mkdtemp(prefix="w2v-objectives-"))
+    corpus = lee_corpus(work / f"lee_x{args.copies}.txt", args.copies)
+    hs = argparse.Namespace(**{**vars(args), "gensim": "hs", "objective": "hierarchical"})
+    g1 = gensim(corpus, work / "gensim_hs_1337.txt", hs, 1337)["vectors"]
+    g2 = gensim(corpus, work / "gensim_hs_1338.txt", hs, 1338)["vectors"]
+    vocab = int(Path(g1).read_text().split(maxsplit=1)[0])
+    rows: dict[str, dict] = {}
+    for objective in OBJECTIVES:
+        if objective == "softmax" and vocab > MAX_SOFTMAX_VOCAB:
+            print(
+                f"softmax left out: vocabulary {vocab:,} > {MAX_SOFTMAX_VOCAB:,} (raise --min-count)",
+                flush=True,
+            )
+            continue
+        run = ours(
+            corpus,
+            work / f"ours_{objective}",
+            argparse.Namespace(**{**vars(args), "objective": objective}),
+            1337,
+        )
+        rows[objective] = {**run, **quality(run["vectors"], g1, g2)}
+        print(
+            f"{objective}: {run['process_seconds']:.1f} s, {run['words_per_second']:,.0f} words/s", flush=True
+        )
+    ns = argparse.Namespace(**{**vars(args), "gensim": "ns", "objective": "negative"})
+    gensim_ns = gensim(corpus, work / "gensim_ns_1337.txt", ns, 1337)
+    rows["gensim negative=5"] = {**gensim_ns, **quality(gensim_ns["vectors"], g1, g2)}
+    start = time.perf_counter()
+    path = hierarchical_over_gensims_tree(corpus, work / "ours_hs_gensim_tree.txt", args, 1337)
+    rows["hierarchical, gensim's tree"] = {
+        "train_seconds": time.perf_counter() - start,
+        **quality(path, g1, g2),
+    }
+    first = next(iter(rows.values()))
+    print(
+        f"\n{args.mode}, {args.threads} thread(s), {args.epochs} epochs, min_count {args.min_count}, vocabulary "
+        f"{vocab:,}; against gensim hs=1 (seed 1337; gensim's seed-to-seed overlap "
+        f"{first['overlap_gensim_gensim']:.3f})"
+    )
+    print(f"{'run':30} {'overlap':>8} {'ratio':>6} {'WordSim':>8} {'SimLex':>8}")
+    for name, row in rows.items():
+        s = row["scores"]["ours"]
+        print(
+            f"{name:30} {row['overlap_ours_gensim']:>8.3f} {row['ratio']:>6.2f} "
+            f"{s['wordsim353/spearman']:>+8.3f} {s['simlex999/spearman']:>+8.3f}"
+        )
+    g = first["scores"]["gensim"]
+    print(
+        f"{'gensim hs=1':30} {'':>8} {'':>6} {g['wordsim353/spearman']:>+8.3f} {g['simlex999/spearman']:>+8.3f}"
+    )
+    return {
+        "vocabulary": vocab,
+        "settings": {k: v for k, v in vars(args).items() if k != "json"},
+        "rows": rows,
+    }
 
 
 def memory(args: argparse.Namespace) -> dict:
@@ -325,6 +452,7 @@ def main(argv: list[str] | None = None) -> int:
         help="gensim's objective (auto: ours, hs for softmax)",
     )
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--parallel", default="processes", choices=["processes", "threads"], help="our workers")
     p.add_argument("--epochs", type=int, default=5)
     p.add_argument("--batch-size", type=int, default=256)
     p.add_argument("--copies", type=int, default=6, help="lee_background.cor copies in the corpus")
@@ -334,9 +462,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--memory-mb", type=int, default=100)
     p.add_argument("--before", default=None, help="--memory: another checkout to measure beside this one")
     p.add_argument("--softmax", action="store_true", help="the full softmax's speed by vocabulary instead")
+    p.add_argument(
+        "--objectives", action="store_true", help="each objective's quality against gensim hs=1 instead"
+    )
     p.add_argument("--json", default=None, help="write the result here as JSON")
     args = p.parse_args(argv)
-    result = memory(args) if args.memory else softmax_cost(args) if args.softmax else speed(args)
+    if args.memory:
+        result = memory(args)
+    elif args.softmax:
+        result = softmax_cost(args)
+    elif args.objectives:
+        result = objectives_quality(args)
+    else:
+        result = speed(args)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(result, indent=1, default=str))

@@ -76,6 +76,19 @@ def test_negatives_follow_the_unigram_distribution_to_the_three_quarters():
     assert observed[0] < counts[0] / counts.sum() - 0.05  # frequent words drawn less than their frequency
 
 
+def test_tokenize_gives_word_splits_tokens_with_a_word_character():
+    """The one-pass tokenizer against word_split and a filter, on strings of separators, dashes,
+    underscores, unusual whitespace and non-ASCII letters."""
+    from gptlab.data.tokenizers import word_split
+
+    rng = np.random.default_rng(0)
+    alphabet = list("aZ1-_,.:;?!\"()' \t\n\x0b\x1c\u00a0\u2003&$#\u00e9\u03a3\u200b") + ["--", "---"]
+    for _ in range(3000):
+        text = "".join(rng.choice(alphabet, size=int(rng.integers(0, 16))))
+        expected = [w for w in word_split(text.lower()) if any(c.isalnum() or c == "_" for c in w)]
+        assert sampling.tokenize(text) == expected, repr(text)
+
+
 def test_windows_stay_inside_documents_and_the_drawn_radius():
     ids = np.arange(8)
     docs = np.array([0, 0, 0, 0, 0, 1, 1, 1])
@@ -100,6 +113,21 @@ def test_huffman_codes_match_a_hand_built_tree():
     hs = objectives.HierarchicalSoftmax(np.array([5, 3, 2, 1]))
     t = hs.targets(np.array([2]), np.random.default_rng(0))
     assert t.rows.tolist() == [[2, 1, 0]] and t.labels.tolist() == [[0, 1, 0]] and t.mask.sum() == 3
+    given = objectives.HierarchicalSoftmax(np.array([5, 3, 2, 1]), (codes, points))
+    assert np.array_equal(given.rows, hs.rows) and np.array_equal(given.labels, hs.labels)
+
+
+def test_huffman_ties_go_as_in_word2vec_c():
+    """counts 4, 2, 2, 1, 1, worked through word2vec.c's CreateBinaryTree by hand: 1+1 -> node 0 (count 2);
+    then word 2 (count 2) against node 0 (count 2): not strictly less, so node 0 is picked first, word 2 takes
+    bit 1 -> node 1 (4); word 1 (2) and node 1 -> node 2 (6); word 0 (4) and node 2 -> the root, node 3. The
+    most frequent word gets a one-bit code; gensim's heap, which breaks ties by word index, gives it two bits
+    (a tree of the same expected code length, 22 bits for these counts)."""
+    counts = np.array([4, 2, 2, 1, 1])
+    codes, points = objectives.huffman_codes(counts)
+    assert codes == [[0], [1, 0], [1, 1, 1], [1, 1, 0, 1], [1, 1, 0, 0]]
+    assert points == [[3], [3, 2], [3, 2, 1], [3, 2, 1, 0], [3, 2, 1, 0]]
+    assert sum(c * len(code) for c, code in zip(counts, codes)) == 22
 
 
 def _window_batch(objective, mode, rng, vocab=12, windows=5, slots=4):
@@ -195,6 +223,39 @@ def test_options_are_checked_with_the_fix_in_the_message():
         Word2VecOptions.from_dict({"windw": 3})
     with pytest.raises(ConfigError, match="lr_min"):
         Word2VecOptions(lr=0.01, lr_min=0.1)
+
+
+def test_an_epochs_batches_train_every_kept_window_once_in_blocks_ordered_by_radius():
+    """Each batch holds windows of a block of batches sorted by radius, its context matrix as wide as its
+    largest radius; over an epoch every window of the plan is trained once and the batches cover every
+    corpus word of the vocabulary."""
+    options = Word2VecOptions(batch_size=64, epochs=1, min_count=3)
+    corpus = read_corpus(DataSpec(), options)
+    schedule = Schedule(corpus, options, objectives.build("negative", corpus.vocab.counts, 5, 0.75), seed=3)
+    plan = schedule.plan(0, 0)
+    targets, words = [], 0.0
+    for step, epoch, chunk, index in schedule.steps(0):
+        if epoch or chunk:
+            break
+        batch = schedule.batch(step, epoch, chunk, index)
+        block = schedule.block(epoch, chunk, index // sampling.SORT_BLOCK_BATCHES)
+        assert (np.diff(block.radius) >= 0).all()
+        width = batch.inputs.shape[1]
+        assert (batch.inputs[:, [0, -1]] >= 0).any() and width <= 2 * options.window
+        assert ((batch.inputs >= 0).sum(1) >= 1).all()
+        assert batch.outputs.rows.shape == (len(batch.target), 1 + 5)
+        targets.append(batch.target)
+        words += batch.words
+    assert sorted(np.concatenate(targets).tolist()) == sorted(plan.ids.tolist())
+    assert len(schedule.chunks) == 1 and words == (corpus.read(*schedule.chunks[0]) >= 0).sum()
+    # CBOW under hierarchical softmax: a block's windows by path length, a batch as wide as its longest path
+    options = Word2VecOptions(mode="cbow", objective="hierarchical", batch_size=64, epochs=1, min_count=3)
+    hs = objectives.build("hierarchical", corpus.vocab.counts, 5, 0.75)
+    schedule = Schedule(corpus, options, hs, seed=3)
+    block = schedule.block(0, 0, 0)
+    assert (np.diff(hs.code_length[block.ids]) >= 0).all()
+    batch = schedule.batch(0, 0, 0, 0)
+    assert batch.outputs.rows.shape[1] == hs.code_length[batch.target].max() < hs.depth
 
 
 def test_a_resumed_epoch_continues_with_the_same_batches():
@@ -399,6 +460,33 @@ def test_a_stopped_run_resumes_and_ends_with_the_uninterrupted_vectors(tmp_path,
     b = KeyedVectors.load_word2vec_format(str(out / "embeddings.txt"))
     assert a.index_to_key == b.index_to_key
     np.testing.assert_allclose(b.vectors, a.vectors, atol=1e-5)
+
+
+@pytest.mark.parametrize("parallel", ["processes", "threads"])
+def test_hogwild_workers_train_every_step_of_the_schedule_once(tmp_path, make_cfg, parallel):
+    """Two workers (forked processes on shared tables, or threads) train the steps and words one worker
+    trains, and move the shared vectors the parent then writes."""
+    from gptlab.word2vec.task import run
+
+    base = [*SMALL[:-1], "word2vec.epochs=2", "word2vec.evaluate=false", "logger=none"]
+    one = run(make_cfg(*base, "word2vec.threads=1", f"paths.output_dir={tmp_path / 'one'}"))
+    two = run(
+        make_cfg(
+            *base,
+            "word2vec.threads=2",
+            f"word2vec.parallel={parallel}",
+            f"paths.output_dir={tmp_path / 'two'}",
+        )
+    )
+    assert two["train/steps"] == one["train/steps"] and two["train/words"] == one["train/words"]
+    assert math.isfinite(two["train/loss"]) and two["train/loss"] < math.log(2) * 6
+    a = KeyedVectors.load_word2vec_format(str(tmp_path / "one" / "embeddings.txt"))
+    b = KeyedVectors.load_word2vec_format(str(tmp_path / "two" / "embeddings.txt"))
+    assert a.index_to_key == b.index_to_key
+    assert 0.5 < np.linalg.norm(b.vectors) / np.linalg.norm(a.vectors) < 2  # trained as much, not identical
+    ckpt = torch.load(tmp_path / "two" / "checkpoints" / "last.ckpt", weights_only=True)
+    assert ckpt["global_step"] == one["train/steps"]
+    np.testing.assert_allclose(ckpt["state_dict"]["model.input.weight"].numpy(), b.vectors, atol=1e-5)
 
 
 @pytest.mark.gpu

@@ -12,6 +12,7 @@ MODES = ("cbow", "skipgram")
 OPTIMIZERS = ("sgd", "sparse_adam")
 OBJECTIVES = ("negative", "hierarchical", "softmax")
 DEVICES = ("auto", "cpu", "cuda")
+PARALLEL = ("processes", "threads")
 
 
 @dataclass
@@ -34,6 +35,7 @@ class Word2VecOptions:
     noise_power: float = 0.75
     checkpoint_every: int = 5000
     threads: int | None = None
+    parallel: str = "processes"
     device: str = "auto"
     evaluate: bool = True
     plot_words: list[str] | None = None
@@ -77,6 +79,10 @@ class Word2VecOptions:
         if self.threads is not None and (not isinstance(self.threads, int) or self.threads < 1):
             raise ConfigError(
                 f"word2vec.threads={self.threads!r} must be a positive integer (worker threads), or null for every core."
+            )
+        if self.parallel not in PARALLEL:
+            raise ConfigError(
+                f"word2vec.parallel={self.parallel!r} is not one of {PARALLEL} (processes: forked workers on shared tables)."
             )
         steps = self.max_steps
         if steps is not None and (not isinstance(steps, int) or steps < 1):

@@ -177,12 +177,15 @@ def read_text(spec: DataSpec, options: Word2VecOptions) -> WordCorpus:
     documents = 0
     for text, ends in text_blocks(spec):
         words = sampling.tokenize(text, options.lowercase, options.keep_punctuation)
-        ids = [index.setdefault(w, len(index) + 1) for w in words]  # 0 is _END
+        for w in dict.fromkeys(words):  # new words get the next ids, in order of first appearance
+            if w not in index:
+                index[w] = len(index) + 1  # 0 is _END
+        ids = np.fromiter(map(index.__getitem__, words), dtype=np.int32, count=len(words))
         if ends:
-            ids.append(_END)
+            ids = np.append(ids, np.int32(_END))
             documents += 1
-        if ids:
-            parts.append(np.asarray(ids, dtype=np.int32))
+        if len(ids):
+            parts.append(ids)
     raw = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int32)
     del parts
     counts = np.bincount(raw, minlength=len(index) + 1)

@@ -52,6 +52,20 @@ class Tables:
     def device(self) -> torch.device:
         return self.input.device
 
+    def share(self) -> None:
+        """Move both CPU tables into anonymous shared memory (``MAP_SHARED``), so that processes forked
+        afterwards update the same rows (Hogwild across processes)."""
+        self.input, self.output = _shared_copy(self.input), _shared_copy(self.output)
+
+
+def _shared_copy(table: torch.Tensor) -> torch.Tensor:
+    import mmap
+
+    buffer = mmap.mmap(-1, max(table.numel() * table.element_size(), 1))
+    array = np.frombuffer(buffer, dtype=np.float32, count=table.numel()).reshape(tuple(table.shape))
+    array[...] = table.numpy()
+    return torch.from_numpy(array)
+
 
 def _tensors(batch: WindowBatch, device: torch.device):
     t = batch.outputs
@@ -73,39 +87,43 @@ def sgd_step(
 def numpy_step(
     tables: Tables, batch: WindowBatch, lr: float, mode: str, with_loss: bool = False
 ) -> float | None:
-    """``torch_step`` for the sigmoid objectives on a CPU, the same arithmetic on numpy views of the tables."""
+    """``torch_step`` for the sigmoid objectives on a CPU, the same arithmetic on numpy views of the tables,
+    with few temporaries (the elementwise work is done in place)."""
     t = batch.outputs
     w_in, w_out = tables.input.numpy(), tables.output.numpy()
     present = batch.inputs >= 0  # (G, C)
+    idx = np.maximum(batch.inputs, 0)
     dim = w_in.shape[1]
-    u = np.take(w_out, t.rows.reshape(-1), axis=0).reshape(*t.rows.shape, dim)  # (G, M, d)
+    u = w_out.take(t.rows, axis=0)  # (G, M, d)
     if mode == "cbow":
         # the mean of each window's context rows without the (G, C, d) gather: embedding_bag over the
-        # present slots (about 1.3-1.5x the padded gather's speed here)
-        valid = torch.from_numpy(batch.inputs[present])  # (P,)
+        # present slots (about 1.3x the padded gather's speed here)
+        valid = idx[present]  # (P,)
         counts = present.sum(1)  # (G,)
-        offsets = torch.from_numpy(np.concatenate([[0], np.cumsum(counts)[:-1]]))
-        hidden = F.embedding_bag(valid, tables.input, offsets, mode="mean").numpy()  # (G, d)
+        offsets = np.zeros(len(counts), dtype=np.int64)
+        np.cumsum(counts[:-1], out=offsets[1:])
+        hidden = F.embedding_bag(
+            torch.from_numpy(valid), tables.input, torch.from_numpy(offsets), mode="mean"
+        ).numpy()  # (G, d)
         scores = np.matmul(u, hidden[:, :, None])[:, :, 0]  # (G, M)
-        grad = (t.labels - _sigmoid(scores)) * (t.mask * lr)  # (G, M), the step's size folded in
         loss = _np_loss(scores, t.labels, t.mask) if with_loss else None
+        grad = _step_sizes(scores, t.labels, t.mask, lr)  # (G, M)
         d_hidden = np.matmul(grad[:, None, :], u)[:, 0, :]  # (G, d)
         d_u = grad[:, :, None] * hidden[:, None, :]  # (G, M, d)
         # the whole gradient of h to every context word, as word2vec.c and gensim (cbow_mean=1) apply it
-        tables.input.index_add_(0, valid, torch.from_numpy(np.repeat(d_hidden, counts, axis=0)))
+        tables.input.index_add_(
+            0, torch.from_numpy(valid), torch.from_numpy(np.repeat(d_hidden, counts, axis=0))
+        )
         tables.output.index_add_(
             0, torch.from_numpy(t.rows.reshape(-1)), torch.from_numpy(d_u.reshape(-1, dim))
         )
         return loss
-    idx = np.where(present, batch.inputs, 0)
-    g_count, c_slots = idx.shape
-    x = np.take(w_in, idx.reshape(-1), axis=0).reshape(g_count, c_slots, dim)  # (G, C, d)
-    weight = present.astype(np.float32)
+    x = w_in.take(idx, axis=0)  # (G, C, d)
     scores = np.matmul(x, u.transpose(0, 2, 1))  # (G, C, M)
-    pair_mask = weight[:, :, None] * t.mask[:, None, :]
+    mask = present[:, :, None] * t.mask[:, None, :]  # (G, C, M)
     labels = t.labels[:, None, :]
-    grad = (labels - _sigmoid(scores)) * (pair_mask * lr)  # the step's size folded in
-    loss = _np_loss(scores, labels, pair_mask) if with_loss else None
+    loss = _np_loss(scores, labels, mask) if with_loss else None
+    grad = _step_sizes(scores, labels, mask, lr)  # (G, C, M)
     d_x = np.matmul(grad, u)  # (G, C, d)
     d_u = np.matmul(grad.transpose(0, 2, 1), x)  # (G, M, d)
     # index_add_ without alpha: with one it scales a copy of the source first (about 2.5x slower here)
@@ -114,8 +132,17 @@ def numpy_step(
     return loss
 
 
-def _sigmoid(x: np.ndarray) -> np.ndarray:
-    return 1.0 / (1.0 + np.exp(-np.clip(x, -30, 30)))
+def _step_sizes(scores: np.ndarray, labels: np.ndarray, mask: np.ndarray, lr: float) -> np.ndarray:
+    """``lr * mask * (label - sigma(s))``, computed in place of ``scores``."""
+    s = np.clip(scores, -30.0, 30.0, out=scores)
+    np.negative(s, out=s)
+    np.exp(s, out=s)
+    s += 1.0
+    np.reciprocal(s, out=s)  # sigma(scores)
+    np.subtract(labels, s, out=s)
+    s *= mask
+    s *= np.float32(lr)
+    return s
 
 
 def _np_loss(scores: np.ndarray, labels: np.ndarray, mask: np.ndarray) -> float:
@@ -141,8 +168,8 @@ def torch_step(
             return _softmax_step(tables, hidden, target, lr, with_loss, idx, weight)
         u = tables.output.index_select(0, rows.reshape(-1)).view(*rows.shape, dim)  # (G, M, d)
         scores = torch.bmm(u, hidden.unsqueeze(2)).squeeze(2)  # (G, M)
-        grad = (labels - torch.sigmoid(scores)) * (mask * lr)  # (G, M), the step's size folded in
         loss = _sigmoid_loss(scores, labels, mask) if with_loss else None
+        grad = (labels - torch.sigmoid(scores)) * (mask * lr)  # (G, M)
         d_hidden = torch.bmm(grad.unsqueeze(1), u).squeeze(1)  # (G, d)
         d_u = grad.unsqueeze(2) * hidden.unsqueeze(1)  # (G, M, d)
         # every context word receives the whole gradient of h, as word2vec.c and gensim (cbow_mean=1) apply it
@@ -158,8 +185,8 @@ def torch_step(
     u = tables.output.index_select(0, rows.reshape(-1)).view(*rows.shape, dim)  # (G, M, d)
     scores = torch.bmm(x, u.transpose(1, 2))  # (G, C, M)
     pair_mask = weight.unsqueeze(2) * mask.unsqueeze(1)  # (G, C, M)
-    grad = (labels.unsqueeze(1) - torch.sigmoid(scores)) * (pair_mask * lr)
     loss = _sigmoid_loss(scores, labels.unsqueeze(1), pair_mask) if with_loss else None
+    grad = (labels.unsqueeze(1) - torch.sigmoid(scores)) * (pair_mask * lr)
     d_x = torch.bmm(grad, u)  # (G, C, d)
     d_u = torch.bmm(grad.transpose(1, 2), x)  # (G, M, d)
     tables.input.index_add_(0, idx.reshape(-1), d_x.reshape(-1, dim))

@@ -48,16 +48,30 @@ class NegativeSampling:
         # word2vec.c's unigram table: word w fills its share of the noise distribution's cells, so that a
         # draw is one lookup
         edges = np.round(self.cdf * NOISE_TABLE).astype(np.int64)
-        self.table = np.repeat(np.arange(len(counts)), np.diff(edges, prepend=0))
+        self.table = np.repeat(np.arange(len(counts), dtype=np.int32), np.diff(edges, prepend=0))
 
-    def targets(self, target: np.ndarray, rng: np.random.Generator) -> Targets:
-        noise = self.table[rng.integers(0, NOISE_TABLE, size=(len(target), self.negatives))]
-        rows = np.concatenate([target[:, None], noise], axis=1)  # (G, 1 + K)
+    def width(self, target: np.ndarray) -> None:
+        return None
+
+    def draw(self, n: int, rng: np.random.Generator) -> np.ndarray:
+        """(n, negatives) noise words for n windows."""
+        return self.table[rng.integers(0, NOISE_TABLE, size=(n, self.negatives))]
+
+    def outputs(self, target: np.ndarray, draws: np.ndarray | None) -> Targets:
+        """The windows' output rows: the target, then its noise words (``draws``)."""
+        assert draws is not None
+        g = len(target)
+        rows = np.empty((g, 1 + self.negatives), dtype=np.int64)
+        rows[:, 0] = target
+        rows[:, 1:] = draws
         labels = np.zeros(rows.shape, dtype=np.float32)
         labels[:, 0] = 1.0
         mask = np.ones(rows.shape, dtype=np.float32)
-        mask[:, 1:] = noise != target[:, None]
+        np.not_equal(draws, target[:, None], out=mask[:, 1:])
         return Targets(rows, labels, mask)
+
+    def targets(self, target: np.ndarray, rng: np.random.Generator) -> Targets:
+        return self.outputs(target, self.draw(len(target), rng))
 
 
 def huffman_codes(counts: np.ndarray) -> tuple[list[list[int]], list[list[int]]]:
@@ -107,8 +121,12 @@ class HierarchicalSoftmax:
 
     name = "hierarchical"
 
-    def __init__(self, counts: np.ndarray) -> None:
-        codes, points = huffman_codes(counts)
+    def __init__(
+        self, counts: np.ndarray, tree: tuple[list[list[int]], list[list[int]]] | None = None
+    ) -> None:
+        """``tree``: (codes, points) of another construction of the tree (e.g. gensim's, to compare with it);
+        by default word2vec.c's (``huffman_codes``)."""
+        codes, points = tree if tree is not None else huffman_codes(counts)
         depth = max(len(c) for c in codes)
         v = len(counts)
         self.rows = np.zeros((v, depth), dtype=np.int64)
@@ -120,9 +138,23 @@ class HierarchicalSoftmax:
             self.mask[w, : len(c)] = 1
         self.output_rows = max(v - 1, 1)
         self.depth = depth
+        self.code_length = np.array([len(c) for c in codes], dtype=np.int64)
+
+    def width(self, target: np.ndarray) -> np.ndarray:
+        """Output rows each target needs (its path length): windows are batched by it."""
+        return self.code_length[target]
+
+    def draw(self, n: int, rng: np.random.Generator) -> None:
+        return None
+
+    def outputs(self, target: np.ndarray, draws: np.ndarray | None = None) -> Targets:
+        """The windows' output rows: the inner nodes on each target's path, as many columns as the longest
+        path of the batch."""
+        m = int(self.code_length[target].max()) if len(target) else 1
+        return Targets(self.rows[target, :m], self.labels[target, :m], self.mask[target, :m])
 
     def targets(self, target: np.ndarray, rng: np.random.Generator) -> Targets:
-        return Targets(self.rows[target], self.labels[target], self.mask[target])
+        return self.outputs(target)
 
 
 class FullSoftmax:
@@ -142,9 +174,18 @@ class FullSoftmax:
             )
         self.output_rows = vocab_size
 
-    def targets(self, target: np.ndarray, rng: np.random.Generator) -> Targets:
+    def width(self, target: np.ndarray) -> None:
+        return None
+
+    def draw(self, n: int, rng: np.random.Generator) -> None:
+        return None
+
+    def outputs(self, target: np.ndarray, draws: np.ndarray | None = None) -> Targets:
         ones = np.ones((len(target), 1), dtype=np.float32)
         return Targets(target[:, None], ones, ones)
+
+    def targets(self, target: np.ndarray, rng: np.random.Generator) -> Targets:
+        return self.outputs(target)
 
 
 Objective = NegativeSampling | HierarchicalSoftmax | FullSoftmax

@@ -17,16 +17,21 @@ import numpy as np
 
 from gptlab.data.tokenizers import word_split
 
-_HAS_WORD_CHARACTER = re.compile(r"\w")
+# word_split's separators as spaces ("_" is a separator with a word character: a word of its own)
+_SEPARATORS = str.maketrans({c: " " for c in ",.:;?!\"()'"} | {"_": " _ "})
+_WORD = re.compile(r"\S*\w\S*")  # a whitespace-separated token with a letter or digit
 
 
 def tokenize(text: str, lowercase: bool = True, keep_punctuation: bool = False) -> list[str]:
     """The project's word tokenizer (``gptlab.data.tokenizers.word_split``), optionally lower-cased; tokens
-    without a letter or digit (punctuation) are dropped unless ``keep_punctuation``."""
-    words = word_split(text.lower() if lowercase else text)
+    without a letter or digit (punctuation) are dropped unless ``keep_punctuation``. Without punctuation the
+    same tokens come from one pass: the separators become spaces and a regular expression picks the tokens
+    with a word character (a test holds it to word_split's)."""
+    if lowercase:
+        text = text.lower()
     if keep_punctuation:
-        return words
-    return [w for w in words if _HAS_WORD_CHARACTER.search(w)]
+        return word_split(text)
+    return _WORD.findall(text.replace("--", " ").translate(_SEPARATORS))
 
 
 @dataclass
@@ -70,22 +75,35 @@ def draw_negatives(cdf: np.ndarray, shape: tuple[int, ...], rng: np.random.Gener
 
 @dataclass
 class EpochPlan:
-    """One chunk of one epoch's text after subsampling: the kept word ids, their documents, the window radius
-    drawn at each position (1..window: word2vec.c shrinks the window by a random amount at every position,
-    which weights near words more than far ones), ``words_before`` (words of the vocabulary in the chunk
-    before each kept position, then the chunk's total: what a batch covers, before subsampling),
-    ``positions`` (each kept word's place in the whole corpus) and the number of batches of ``batch_words``
-    centre words."""
+    """One chunk of one epoch's text after subsampling, as the windows it trains, in text order: the kept
+    word ids (each a window's centre), their documents, the window radius drawn at each position (1..window:
+    word2vec.c shrinks the window by a random amount at every position, which weights near words more than
+    far ones), ``span`` (the words of the vocabulary, before subsampling, from each window's position to
+    the next one's: what a batch covers), ``positions`` (each window's place in the whole corpus) and the
+    number of batches of ``batch_words`` windows. The context words are taken a block of batches at a time
+    (``context_matrix``)."""
 
     epoch: int
-    ids: np.ndarray  # (n_kept,)
-    docs: np.ndarray  # (n_kept,)
-    radius: np.ndarray  # (n_kept,)
+    ids: np.ndarray  # (n,)
+    docs: np.ndarray  # (n,)
+    radius: np.ndarray  # (n,)
     n_batches: int
     chunk: int = 0
-    words_before: np.ndarray | None = None  # (n_kept + 1,)
-    positions: np.ndarray | None = None  # (n_kept,)
-    context: np.ndarray | None = None  # (n_kept, 2 * window) int32: context_matrix of the whole chunk
+    span: np.ndarray | None = None  # (n,)
+    positions: np.ndarray | None = None  # (n,)
+    _padded: tuple[int, np.ndarray, np.ndarray] | None = None
+
+    def padded(self, window: int) -> tuple[np.ndarray, np.ndarray]:
+        """ids (int32) and documents with ``window`` slots of -1 on both sides: a window's neighbours are
+        slices, the chunk's edges empty slots."""
+        if self._padded is None or self._padded[0] != window:
+            pad = np.full(window, -1)
+            ids = np.concatenate([pad, self.ids, pad]).astype(np.int32)
+            self._padded = (window, ids, np.concatenate([pad, self.docs, pad]))
+        return self._padded[1], self._padded[2]
+
+
+SORT_BLOCK_BATCHES = 8
 
 
 def plan_chunk(
@@ -100,7 +118,8 @@ def plan_chunk(
 ) -> EpochPlan:
     """Subsample one chunk of the corpus (vocabulary ids, negative markers for words outside it and for
     document ends) for one epoch, deterministically from (seed, epoch, chunk), so that a resumed run sees the
-    same text as an uninterrupted one. Windows never cross a document end or the chunk's edges."""
+    same text as an uninterrupted one. Windows never cross a document end or the chunk's edges; a position
+    without any context word (the only kept word of its document) trains nothing and is left out."""
     rng = np.random.default_rng([seed, epoch, chunk])
     draws = rng.random(len(ids))
     in_vocab = ids >= 0
@@ -108,35 +127,43 @@ def plan_chunk(
     kept = in_vocab & (draws < keep_prob[np.maximum(ids, 0)])
     where = np.flatnonzero(kept)
     words = np.concatenate([[0], np.cumsum(in_vocab)])
-    radius = window - rng.integers(0, window, size=len(where))
-    n_batches = -(-len(where) // batch_words)
-    plan = EpochPlan(
+    radius = (window - rng.integers(0, window, size=len(where))).astype(np.int32)
+    kept_docs = docs[where]
+    # words covered from each window to the next (the chunk's first window also covers the words before it)
+    covered = np.diff(np.concatenate([words[where], [words[-1]]]))
+    if len(covered):
+        covered[0] += words[where[0]]
+    # every radius is at least 1: a window has context words when a neighbour is in its document
+    same = kept_docs[1:] == kept_docs[:-1]
+    has_context = np.concatenate([[False], same]) | np.concatenate([same, [False]])
+    if not has_context.all():
+        # a dropped window's words go to the window before it (or, at the start, to the first one kept)
+        owner = np.maximum(np.cumsum(has_context) - 1, 0)
+        covered = np.bincount(owner, weights=covered, minlength=int(has_context.sum())).astype(np.int64)
+        keep = np.flatnonzero(has_context)
+        where, radius, kept_docs = where[keep], radius[keep], kept_docs[keep]
+    return EpochPlan(
         epoch,
         ids[where].astype(np.int64),
-        docs[where],
+        kept_docs,
         radius,
-        n_batches,
+        -(-len(where) // batch_words),
         chunk,
-        np.concatenate([words[where], [words[-1]]]),
+        covered,
         where + start,
     )
-    # the windows of the whole chunk at once: a few operations on long arrays instead of many on short ones
-    plan.context = context_matrix(plan, 0, len(where), window).astype(np.int32)
-    return plan
 
 
 def context_matrix(plan: EpochPlan, start: int, stop: int, window: int) -> np.ndarray:
-    """(stop - start, 2 * window) context word ids of the centre positions start..stop-1, -1 where the slot is
-    empty (beyond the drawn radius, before or after the document, outside the corpus). Columns: offsets -window
-    .. -1, then 1 .. window."""
-    n = len(plan.ids)
-    centre = np.arange(start, stop)
-    out = np.full((stop - start, 2 * window), -1, dtype=np.int64)
+    """(stop - start, 2 * window) int32 context word ids of the windows start..stop-1, -1 where the slot is
+    empty (beyond the drawn radius, before or after the document, outside the chunk). Columns: offsets
+    -window .. -1, then 1 .. window: radius r is the 2r middle columns."""
+    ids, docs = plan.padded(window)
+    centre_docs, radius = plan.docs[start:stop], plan.radius[start:stop]
+    out = np.full((2 * window, stop - start), -1, dtype=np.int32)  # one row per offset, then transposed
     offsets = [*range(-window, 0), *range(1, window + 1)]
     for col, off in enumerate(offsets):
-        other = centre + off
-        inside = (other >= 0) & (other < n)
-        other_c = np.clip(other, 0, n - 1)
-        valid = inside & (plan.radius[centre] >= abs(off)) & (plan.docs[other_c] == plan.docs[centre])
-        out[valid, col] = plan.ids[other_c[valid]]
-    return out
+        lo = window + start + off  # slices of the padded arrays: no gather
+        valid = (radius >= abs(off)) & (docs[lo : lo + stop - start] == centre_docs)
+        np.copyto(out[col], ids[lo : lo + stop - start], where=valid)
+    return out.T

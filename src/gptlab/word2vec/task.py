@@ -12,15 +12,16 @@ configured loggers' files (the same Lightning logger classes, built only when a 
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import math
 import os
 import signal
+import sys
 import threading
 import time
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +35,7 @@ from gptlab.word2vec import evaluation
 from gptlab.word2vec.config import Word2VecOptions
 from gptlab.word2vec.corpus import WordCorpus
 from gptlab.word2vec.fast import Tables, WindowBatch, sgd_step
-from gptlab.word2vec.schedule import Schedule
+from gptlab.word2vec.schedule import Runner, Schedule, make_runner
 
 log = logging.getLogger("gptlab")
 
@@ -199,7 +200,8 @@ class Trainer:
         self, start_step: int, checkpoint_every: int, max_seconds: float | None, step_cap: int | None = None
     ) -> bool:
         """Train from ``start_step`` to the end of the schedule, or to ``step_cap`` steps or ``max_seconds``
-        (trainer limits); True when stopped by a signal (a checkpoint was saved)."""
+        (trainer limits); True when stopped by a signal (a checkpoint was saved). Steps run in rounds (up to
+        the next checkpoint); between rounds the loop logs, saves checkpoints and checks the limits."""
         self.global_step = start_step
         previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
 
@@ -209,71 +211,75 @@ class Trainer:
         if threading.current_thread() is threading.main_thread():
             for s in previous:
                 signal.signal(s, handle)
+        # Start-up's objects (modules, config, corpus) are moved out of the garbage collector's reach: it
+        # does not walk them during training or at exit, nor does a forked worker copy the pages it would
+        # touch (the gc module's advice for fork without exec).
+        gc.freeze()
         t0 = time.perf_counter()
-        times: deque[tuple[float, float]] = deque(maxlen=50)
-        times.append((t0, 0.0))
-        pending = self.schedule.steps(start_step)
-        # The schedule holds one chunk's plan at a time: workers build their batches under a lock, and only the
-        # updates run in parallel (Hogwild: without locks on the shared tables).
-        lock = threading.Lock()
-
-        def work(item: tuple[int, int, int, int]):
-            with lock:
-                batch = self.schedule.batch(*item)
-            step = item[0]
-            loss = self.train_step(batch, step % self.log_every == 0)
-            pairs = (
-                float(len(batch.target)) if self.options.mode == "cbow" else float((batch.inputs >= 0).sum())
-            )
-            return step, (loss / max(pairs, 1.0) if loss is not None else None), batch.words, batch.progress
-
-        pool = ThreadPoolExecutor(self.threads) if self.threads > 1 else None
+        times: deque[tuple[float, float]] = deque(maxlen=20)
+        times.append((t0, self.words_done))
+        runner = self._runner(start_step)
         stopped = False
         try:
-            done = False
-            while not done:
-                round_items = []
-                for item in pending:
-                    if step_cap is not None and item[0] >= step_cap:
-                        break
-                    round_items.append(item)
-                    if len(round_items) >= max(self.threads * 8, 1) or (item[0] + 1) % checkpoint_every == 0:
-                        break
-                if not round_items:
+            while True:
+                stop = (self.global_step // checkpoint_every + 1) * checkpoint_every
+                stop = min(stop, self.global_step + runner.round_steps)
+                if step_cap is not None:
+                    stop = min(stop, step_cap)
+                if stop <= self.global_step:
                     break
-                results = pool.map(work, round_items) if pool else map(work, round_items)
-                for step, loss, words, progress in results:
+                reached, words, logged = runner.run(self.global_step, stop)
+                now = time.perf_counter()
+                times.append((now, self.words_done + words))
+                rate = (times[-1][1] - times[0][1]) / max(times[-1][0] - times[0][0], 1e-9)
+                for step, loss, progress in sorted(logged):
                     self.global_step = step + 1
-                    self.words_done += words
-                    if loss is not None:
-                        self.last_loss = loss
-                        now = time.perf_counter()
-                        times.append((now, self.words_done))
-                        rate = (times[-1][1] - times[0][1]) / max(times[-1][0] - times[0][0], 1e-9)
-                        self.log_metrics(
-                            {
-                                "train/loss": loss,
-                                "train/lr": self.learning_rate(progress),
-                                "train/words_per_second": rate,
-                                "train/progress": progress,
-                            }
-                        )
+                    self.last_loss = loss
+                    self.log_metrics(
+                        {
+                            "train/loss": loss,
+                            "train/lr": self.learning_rate(progress),
+                            "train/words_per_second": rate,
+                            "train/progress": progress,
+                        }
+                    )
+                self.global_step, self.words_done = reached, self.words_done + words
+                if reached < stop:  # the schedule ended
+                    break
                 if self.global_step % checkpoint_every == 0:
                     self.save_checkpoint()
                 if self.received is not None:
                     stopped = True
                     break
-                if max_seconds is not None and time.perf_counter() - t0 >= max_seconds:
+                if max_seconds is not None and now - t0 >= max_seconds:
                     log.info("trainer.max_time reached after step %d", self.global_step)
                     break
         finally:
-            if pool:
-                pool.shutdown()
+            runner.close()
             if threading.current_thread() is threading.main_thread():
                 for s, h in previous.items():
                     signal.signal(s, h)
         self.save_checkpoint()
         return stopped
+
+    def _runner(self, start_step: int) -> Runner:
+        parallel = self.options.parallel if sys.platform.startswith("linux") else "threads"
+        return make_runner(self, start_step, self.threads, parallel)
+
+    def work(self, item: tuple[int, int, int, int]) -> tuple[int, float | None, float, float]:
+        """One optimizer step: (step, its loss per pair when it is logged, the corpus words it covered, the
+        share of training done before it)."""
+        batch = self.schedule.batch(*item)
+        return self.run_batch(item[0], batch)
+
+    def run_batch(self, step: int, batch: WindowBatch) -> tuple[int, float | None, float, float]:
+        loss = self.train_step(batch, step % self.log_every == 0)
+        if loss is not None:
+            pairs = (
+                float(len(batch.target)) if self.options.mode == "cbow" else float((batch.inputs >= 0).sum())
+            )
+            loss /= max(pairs, 1.0)
+        return step, loss, batch.words, batch.progress
 
     # ---- outputs ---------------------------------------------------------------------------------------
 
