@@ -466,7 +466,7 @@ def test_a_stopped_run_resumes_and_ends_with_the_uninterrupted_vectors(tmp_path,
 def test_hogwild_workers_train_every_step_of_the_schedule_once(tmp_path, make_cfg, parallel):
     """Two workers (forked processes on shared tables, or threads) train the steps and words one worker
     trains, and move the shared vectors the parent then writes."""
-    from gptlab.word2vec.task import run
+    from gptlab.tasks.word2vec import run
 
     base = [*SMALL[:-1], "word2vec.epochs=2", "word2vec.evaluate=false", "logger=none"]
     one = run(make_cfg(*base, "word2vec.threads=1", f"paths.output_dir={tmp_path / 'one'}"))

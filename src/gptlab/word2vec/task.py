@@ -232,17 +232,7 @@ class Trainer:
                 now = time.perf_counter()
                 times.append((now, self.words_done + words))
                 rate = (times[-1][1] - times[0][1]) / max(times[-1][0] - times[0][0], 1e-9)
-                for step, loss, progress in sorted(logged):
-                    self.global_step = step + 1
-                    self.last_loss = loss
-                    self.log_metrics(
-                        {
-                            "train/loss": loss,
-                            "train/lr": self.learning_rate(progress),
-                            "train/words_per_second": rate,
-                            "train/progress": progress,
-                        }
-                    )
+                self._log_round(logged, rate)
                 self.global_step, self.words_done = reached, self.words_done + words
                 if reached < stop:  # the schedule ended
                     break
@@ -261,6 +251,20 @@ class Trainer:
                     signal.signal(s, h)
         self.save_checkpoint()
         return stopped
+
+    def _log_round(self, logged: list[tuple[int, float, float]], rate: float) -> None:
+        """The steps a round logged (step, loss, progress), in order, with the round's training rate."""
+        for step, loss, progress in sorted(logged):
+            self.global_step = step + 1
+            self.last_loss = loss
+            self.log_metrics(
+                {
+                    "train/loss": loss,
+                    "train/lr": self.learning_rate(progress),
+                    "train/words_per_second": rate,
+                    "train/progress": progress,
+                }
+            )
 
     def _runner(self, start_step: int) -> Runner:
         parallel = self.options.parallel if sys.platform.startswith("linux") else "threads"
