@@ -103,9 +103,10 @@ def train(
         trainer = Trainer(
             schedule, options, device, session.run_dir, loggers, settings.run.seed, settings.log_every
         )
-        for lg in loggers:
-            if type(lg).__name__ == "WandbLogger":
-                trainer.wandb_run_id = lg.version
+        if loggers:  # saved in checkpoints: a resumed run continues the same W&B run
+            from gptlab.tracking.loggers import wandb_run_id
+
+            trainer.wandb_run_id = wandb_run_id(loggers) or trainer.wandb_run_id
         session.save_config(loggers)
         log.info("Run directory: %s", session.run_dir)
         metrics, stopped = fit(trainer, settings, resume)

@@ -184,6 +184,14 @@ def instantiate_loggers(nodes: Any, wandb_run_id: str | None = None) -> list[Log
     return loggers
 
 
+def wandb_run_id(loggers: list[Logger]) -> str | None:
+    """The W&B run id of the W&B logger among ``loggers``; None when there is none."""
+    for lg in loggers:
+        if isinstance(lg, WandbLogger) and lg.version:
+            return str(lg.version)
+    return None
+
+
 def update_wandb_summary(loggers: list[Logger], values: dict[str, float]) -> None:
     """Add ``values`` to the W&B run's summary (the figures its table and comparisons show)."""
     for lg in loggers:

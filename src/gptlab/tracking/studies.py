@@ -126,3 +126,19 @@ def log_harness_results(metrics: dict[str, Any], table: StudyTable, run_dir: Pat
     finally:
         wandb_run.finish()
     return folder
+
+
+def log_scores_and_figure(
+    loggers: Sequence[Any], scores: dict[str, float], figures: dict[str, Path], step: int
+) -> None:
+    """Into the W&B run among ``loggers``, if any: ``scores`` into its summary (what its table shows) and each
+    figure as an image under its key."""
+    from lightning.pytorch.loggers import WandbLogger
+
+    for logger in loggers:
+        if isinstance(logger, WandbLogger):
+            logger.experiment.summary.update(scores)
+            if figures:
+                import wandb
+
+                logger.experiment.log({k: wandb.Image(str(p)) for k, p in figures.items()}, step=step)

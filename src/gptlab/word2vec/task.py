@@ -346,12 +346,10 @@ def evaluate_run(
     finite = {k: v for k, v in scores.items() if not (isinstance(v, float) and math.isnan(v))}
     for lg in loggers:
         lg.log_metrics(finite, step=step)
-        if type(lg).__name__ == "WandbLogger":
-            lg.experiment.summary.update(finite)
-            if plot is not None:
-                import wandb
+    if loggers:  # a logger imports Lightning; a run without one does not
+        from gptlab.tracking.studies import log_scores_and_figure
 
-                lg.experiment.log({"eval/pca": wandb.Image(str(plot))}, step=step)
+        log_scores_and_figure(loggers, finite, {"eval/pca": plot} if plot is not None else {}, step)
     return scores
 
 
