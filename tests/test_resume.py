@@ -6,6 +6,7 @@ import json
 import os
 import random
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -63,11 +64,18 @@ def compose_cfg(*overrides: str):
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory, cache_dir):
-    """The same run, never interrupted (in this process): its final weights."""
+def reference_run(tmp_path_factory, cache_dir) -> tuple[Path, dict]:
+    """The same run, never interrupted (in this process, logging to CSV): its run directory and the metrics
+    the task returned. Shared: copy it before changing it."""
     out = tmp_path_factory.mktemp("reference")
-    run(compose_cfg(*ARGS, "logger=none", f"paths.root_dir={cache_dir}", f"paths.output_dir={out}"))
-    return weights(out / "checkpoints" / "last.ckpt")
+    metrics = run(compose_cfg(*ARGS, "logger=csv", f"paths.root_dir={cache_dir}", f"paths.output_dir={out}"))
+    return out, metrics
+
+
+@pytest.fixture(scope="module")
+def reference(reference_run):
+    """The uninterrupted run's final weights."""
+    return weights(reference_run[0] / "checkpoints" / "last.ckpt")
 
 
 def start_and_stop_at(args: list[str], cwd: Path, step: int, sig: int) -> subprocess.Popen:
@@ -359,9 +367,13 @@ def test_sigterm_under_ddp_stops_every_rank_and_saves(tmp_path, cache_dir):
     )
 
 
-def test_resuming_a_finished_run_reports_its_validation_loss_and_trains_nothing(tmp_path, cache_dir, capsys):
+def test_resuming_a_finished_run_reports_its_validation_loss_and_trains_nothing(
+    tmp_path, cache_dir, reference_run, capsys
+):
+    finished, first = reference_run
+    # a copy of the finished run: resumed here, it must not change
+    shutil.copytree(finished, tmp_path, dirs_exist_ok=True)
     common = [*ARGS, "logger=csv", f"paths.root_dir={cache_dir}", f"paths.output_dir={tmp_path}"]
-    first = run(compose_cfg(*common))
     ckpt = tmp_path / "checkpoints" / "last.ckpt"
     saved, metrics_csv = ckpt.read_bytes(), (tmp_path / "csv" / "metrics.csv").read_text()
     capsys.readouterr()
@@ -386,7 +398,13 @@ def test_a_run_ends_with_a_validation_at_its_last_step(tmp_path, cache_dir, caps
     # `python train.py trainer.max_steps=3` with validation every 4 steps: without the end-of-run validation,
     # no validation at all
     out = tmp_path / "run"
-    overrides = [*TINY, "trainer.max_steps=3", "logger=[csv,wandb]", f"paths.root_dir={cache_dir}"]
+    overrides = [
+        *TINY,
+        "tokenizer=char",
+        "trainer.max_steps=3",
+        "logger=[csv,wandb]",
+        f"paths.root_dir={cache_dir}",
+    ]
     proc = run_train([*overrides, f"hydra.run.dir={out}"], cwd=tmp_path)
     result = json.loads((out / "result.json").read_text())
     val = result["metrics"]["val/loss"]
@@ -418,25 +436,20 @@ def test_a_run_ends_with_a_validation_at_its_last_step(tmp_path, cache_dir, caps
     assert "val/loss" not in off and "No validation (it is off" in capsys.readouterr().out
 
 
-def test_a_checkpoint_holding_python_objects_is_refused_by_name(tmp_path, cache_dir):
+def test_a_checkpoint_holding_python_objects_is_refused_by_name(tmp_path, cache_dir, reference_run):
     """Checkpoints of earlier versions hold the same tensors and plain values and resume (the tests above use
     the format unchanged); one holding other Python objects, such as numpy's RNG state object, is refused
     before training, with the file named."""
     import numpy as np
 
-    out = tmp_path / "run"
-    common = [*ARGS, "trainer.max_steps=4", "logger=none", f"paths.root_dir={cache_dir}"]
-    run(compose_cfg(*common, f"paths.output_dir={out}"))
-    ckpt = out / "checkpoints" / "last.ckpt"
-    checkpoint = torch.load(ckpt, map_location="cpu", weights_only=True)
+    common = [*ARGS, f"trainer.max_steps={MAX_STEPS + 2}", "logger=none", f"paths.root_dir={cache_dir}"]
+    checkpoint = torch.load(
+        reference_run[0] / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True
+    )
     old = tmp_path / "old.ckpt"
     torch.save({**checkpoint, "numpy_rng": np.random.get_state()}, old)
     with pytest.raises(CheckpointError, match=rf"Checkpoint {old} cannot be read .*beyond tensors"):
-        run(
-            compose_cfg(
-                *common, "trainer.max_steps=6", f"paths.output_dir={tmp_path / 'new'}", f"resume={old}"
-            )
-        )
+        run(compose_cfg(*common, f"paths.output_dir={tmp_path / 'new'}", f"resume={old}"))
 
 
 @pytest.mark.slow

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import runpy
 import shutil
 import subprocess
 import sys
@@ -102,17 +103,24 @@ def script(name: str, *args: str) -> subprocess.CompletedProcess:
     )
 
 
-def test_the_scripts_read_a_distributed_checkpoint(trained, tmp_path):
-    _, run_dir, last, sharded = trained
-    greedy = [script("generate.py", f"ckpt={p}", "prompt=The", "max_new_tokens=8") for p in (last, sharded)]
-    assert all(p.returncode == 0 for p in greedy), greedy[1].stderr[-2000:]
-    assert greedy[0].stdout == greedy[1].stdout and greedy[1].stdout.startswith("The")
+def main_of(name: str):
+    """scripts/<name>'s main(), to call in this process: a second interpreter would only add start-up time
+    (the scripts run as commands in test_cli, test_eval_length and below)."""
+    return runpy.run_path(str(ROOT / "scripts" / name))["main"]
 
-    proc = script(
-        "eval_length.py", str(sharded), "--factors", "1", "2", "--no-wandb", "--out", str(tmp_path / "len")
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert (tmp_path / "len" / "length.json").is_file() and "| rope |" in proc.stdout
+
+def test_the_scripts_read_a_distributed_checkpoint(trained, tmp_path, capsys):
+    _, run_dir, last, sharded = trained
+    generate = main_of("generate.py")
+    greedy = []
+    for path in (last, sharded):
+        generate([f"ckpt={path}", "prompt=The", "max_new_tokens=8"])
+        greedy.append(capsys.readouterr().out)
+    assert greedy[0] == greedy[1] and greedy[1].startswith("The")
+
+    eval_length, out = main_of("eval_length.py"), tmp_path / "len"
+    assert eval_length([str(sharded), "--factors", "1", "2", "--no-wandb", "--out", str(out)]) == 0
+    assert (out / "length.json").is_file() and "| rope |" in capsys.readouterr().out
 
     proc = script("plot_positions.py", str(sharded), "--out", str(tmp_path / "pictures"))
     assert proc.returncode == 0, proc.stderr[-2000:]
