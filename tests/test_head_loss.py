@@ -13,6 +13,7 @@ from gptlab.model.head_loss import (
     chunked_linear_cross_entropy,
     default_chunk_rows,
     refusal,
+    torch_linear_cross_entropy,
 )
 from gptlab.training.module import GPTLitModule, build_head_loss
 
@@ -50,6 +51,37 @@ def test_loss_and_gradients_equal_the_plain_path(chunk_rows, bias):
         torch.testing.assert_close(got, want, **TOL)
 
 
+@pytest.mark.parametrize("chunk_rows", [1, 7, 16, 37, 100, None])
+@pytest.mark.parametrize("bias", [False, True])
+def test_torchs_function_gives_the_loss_and_gradients_of_the_plain_path(chunk_rows, bias):
+    # loss.impl=torch: F.linear_cross_entropy with the chunk set; every fifth target ignored
+    hidden, weight, b, targets = problem(bias=bias)
+    inputs = [hidden, weight] + ([b] if bias else [])
+    expected = reference(hidden, weight, b, targets)
+    expected_grads = torch.autograd.grad(expected, inputs)
+    loss = HeadLoss("torch", chunk_rows=chunk_rows)(hidden, weight, targets, b)
+    grads = torch.autograd.grad(loss, inputs)
+    torch.testing.assert_close(loss, expected, **TOL)
+    for got, want in zip(grads, expected_grads):
+        torch.testing.assert_close(got, want, **TOL)
+    assert torch.all(grads[0][targets == -1] == 0)  # an ignored row sends no gradient to its hidden state
+
+
+def test_torchs_function_takes_leading_dimensions_and_an_upstream_gradient():
+    hidden, weight, _, targets = problem(n=24)
+    (reference(hidden, weight, None, targets) * 0.25).backward()
+    want = hidden.grad.clone(), weight.grad.clone()
+    hidden.grad = weight.grad = None
+    loss = torch_linear_cross_entropy(hidden.view(4, 6, -1), weight, targets.view(4, 6), chunk_rows=5)
+    (loss * 0.25).backward()
+    torch.testing.assert_close(hidden.grad, want[0], **TOL)
+    torch.testing.assert_close(weight.grad, want[1], **TOL)
+    with torch.no_grad():
+        loss = torch_linear_cross_entropy(hidden, weight, targets, chunk_rows=8)
+    assert not loss.requires_grad
+    torch.testing.assert_close(loss, reference(hidden, weight, None, targets).detach(), **TOL)
+
+
 def test_the_mean_counts_only_targets_that_are_not_ignored():
     hidden, weight, _, targets = problem(ignore_every=2)
     keep = targets != -1
@@ -80,9 +112,10 @@ def test_without_grad_mode_only_the_loss_is_computed():
     torch.testing.assert_close(loss, reference(hidden, weight, None, targets).detach(), **TOL)
 
 
+@pytest.mark.parametrize("impl", ["chunked", "torch"])
 @pytest.mark.parametrize("tie_weights", [True, False])
 @pytest.mark.parametrize("bias", [True, False])
-def test_the_whole_model_trains_the_same_with_the_chunked_head(tie_weights, bias):
+def test_the_whole_model_trains_the_same_with_the_chunked_head(tie_weights, bias, impl):
     config = GPTConfig(
         vocab_size=97, block_size=16, n_layer=2, n_head=2, n_embd=32, tie_weights=tie_weights, bias=bias
     )
@@ -95,14 +128,14 @@ def test_the_whole_model_trains_the_same_with_the_chunked_head(tie_weights, bias
     expected.backward()
     want = {name: p.grad.clone() for name, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
-    logits, loss = model(idx, targets, head_loss=HeadLoss("chunked", chunk_rows=7))
+    logits, loss = model(idx, targets, head_loss=HeadLoss(impl, chunk_rows=7))
     loss.backward()
     assert logits is None  # the logits are never made whole
     torch.testing.assert_close(loss, expected, **TOL)
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.grad, want[name], **TOL, msg=lambda m, name=name: f"{name}: {m}")
     # generation still has logits: without targets the head runs as usual
-    logits, loss = model(idx, head_loss=HeadLoss("chunked"))
+    logits, loss = model(idx, head_loss=HeadLoss(impl))
     assert logits.shape == (3, 16, 97) and loss is None
 
 
@@ -115,6 +148,7 @@ def test_the_default_chunk_buffer_stays_below_glibcs_mmap_threshold():
 def test_auto_takes_the_chunked_path_on_cpu_and_cuda_kernels_are_refused_there():
     assert HeadLoss("auto").resolve("cpu") == "chunked"
     assert HeadLoss("plain").resolve("cpu") == "plain"
+    assert HeadLoss("torch").resolve("cpu") == "torch"
     for impl in ("liger", "cce"):
         message = f"loss.impl={impl} cannot run on cpu: it is a CUDA kernel"
         with pytest.raises(RuntimeError, match=message):
@@ -145,6 +179,7 @@ def test_auto_takes_the_chunked_path_on_cpu_and_cuda_kernels_are_refused_there()
         ({"cut_cross_entropy"}, "cce", None),
         (set(), "auto", None),
         (set(), "chunked", None),
+        (set(), "torch", None),
     ],
 )
 def test_on_a_cuda_machine_a_kernel_whose_package_is_missing_is_refused(installed, impl, verdict):
@@ -162,7 +197,7 @@ def test_on_a_cuda_machine_a_kernel_whose_package_is_missing_is_refused(installe
     [
         (
             {"impl": "fused"},
-            r"loss.impl='fused' is not one of \['auto', 'chunked', 'plain', 'liger', 'cce'\]",
+            r"loss.impl='fused' is not one of \['auto', 'chunked', 'torch', 'plain', 'liger', 'cce'\]",
         ),
         ({"chunk_rows": 0}, "loss.chunk_rows=0 must be a positive integer"),
         (
@@ -215,11 +250,12 @@ def test_cuda_kernels_equal_the_plain_path(impl, package):
 
 @pytest.mark.gpu
 @cuda
-def test_chunked_path_runs_on_cuda():
+@pytest.mark.parametrize("impl", ["chunked", "torch"])
+def test_chunked_path_runs_on_cuda(impl):
     hidden, weight, _, targets = problem(n=300, c=32, v=1001)
     hidden, weight, targets = (
         t.detach().cuda().requires_grad_(t.is_floating_point()) for t in (hidden, weight, targets)
     )
     expected = reference(hidden, weight, None, targets)
-    loss = HeadLoss("chunked", chunk_rows=64)(hidden, weight, targets)
+    loss = HeadLoss(impl, chunk_rows=64)(hidden, weight, targets)
     torch.testing.assert_close(loss, expected, rtol=1e-4, atol=1e-4)

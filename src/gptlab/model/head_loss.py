@@ -1,7 +1,7 @@
 """The output layer and its cross-entropy in one step, without holding the (B*T, vocab) logits.
 
 With the GPT-2 vocabulary the logits of a batch dwarf everything else the model holds: at B*T = 8,192 they
-are 1.6 GB in fp32, and again for their gradient. Three ways to the same loss and gradients:
+are 1.6 GB in fp32, and again for their gradient. Four ways to the same loss and gradients:
 
 - ``plain``: ``lm_head(x)`` then ``F.cross_entropy``, the whole logits in memory.
 - ``chunked`` (any device, pure torch): :class:`ChunkedLinearCrossEntropy` takes ``chunk_rows`` rows of
@@ -10,10 +10,34 @@ are 1.6 GB in fp32, and again for their gradient. Three ways to the same loss an
   fused linear cross-entropy (Hsu et al. 2024, arXiv:2410.10989) written in plain torch: computing the
   gradient in the forward pass saves the second (H @ W^T) product that a recompute in the backward would
   cost. The backward only scales the stored gradients by the incoming one.
+- ``torch`` (any device): torch's own version of the same trick, ``F.linear_cross_entropy`` with
+  ``nn.LinearCrossEntropyOptions(batch_chunk_size=chunk_rows)`` (torch 2.13,
+  https://docs.pytorch.org/docs/stable/generated/torch.nn.functional.linear_cross_entropy.html). The chunk
+  is always passed: torch's default options pick 2 rows per chunk at the default run's shape on CPU fp32,
+  which took 38 times as long as 160 rows.
 - On CUDA, the field's kernels: ``liger`` (Liger-Kernel's fused linear cross-entropy) and ``cce`` (Cut
   Cross-Entropy, Wijmans et al. 2024, arXiv:2411.09009), when installed (``pip install -e ".[gpu]"``).
 
-``auto`` picks ``cce``, then ``liger`` on CUDA when installed, else ``chunked``.
+``auto`` picks ``cce``, then ``liger`` on CUDA when installed, else ``chunked``. On CPU ``chunked`` is kept
+ahead of ``torch`` because it was measurably faster with two threads and smaller at every chunk size
+(``python scripts/benchmark_head_loss.py``, fp32, 2-core CPU, torch 2.13; medians of interleaved rounds):
+
+- time, at the same chunk size, default run's shape (N = 8 x 128, D = 128, V = 50,257), the 2 threads
+  training uses, 15 rounds: torch's took 1.152x (160 rows), 1.081x (512) and 1.055x (1024) the time of
+  ``chunked`` (``--shapes default --repeats 15 --ours-chunks 512 1024 --torch-chunks 64 160 512 1024``).
+  With one thread and this process's CPU time the work is the same: 0.994x, 1.022x, 1.011x (15 rounds,
+  ``... --torch-chunks 160 512 1024 --no-memory --threads 1 --clock cpu``); at GPT-2 small's width (N =
+  2,048, D = 768) 1.003x-1.014x for 160-2,048 rows (5 rounds, ``--shapes gpt2-small --gpt2-rows 2048``).
+- memory, peak RSS above the inputs over two calls: default shape, 160 rows (the default), ``chunked`` 71
+  MiB, torch's 165 MiB (plain 602 MiB); GPT-2 small (N = 8,192, D = 768), ``chunked`` 220 MiB, torch's 461
+  MiB (plain 4,727 MiB). Between forward and backward (default shape, 160 rows) torch's holds 109 MiB above
+  the inputs and ``chunked`` 40 MiB (the (V, D) and (N, D) gradients, 25 MiB, and the allocator's slack).
+
+The loss node sets only ``impl`` and ``chunk_rows`` (``ignore_index`` is -1, no label smoothing, no z-loss):
+torch's function supports both the ignored targets and a (V,) bias; with label smoothing it would fall back
+to the unchunked reference path. One difference: when every target of a call is ignored, the loss is nan on
+every path, and torch's also makes the gradients nan where ``plain`` and ``chunked`` give zeros (gptlab's
+loaders never ignore a target).
 """
 
 from __future__ import annotations
@@ -25,7 +49,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-IMPLEMENTATIONS = ("auto", "chunked", "plain", "liger", "cce")
+IMPLEMENTATIONS = ("auto", "chunked", "torch", "plain", "liger", "cce")
 
 # Bytes of the one fp32 (rows, V) buffer a call uses: below glibc's largest dynamic mmap threshold (32 MiB), so
 # that after the first step it comes from the heap and a step takes no page faults; large enough that the
@@ -138,6 +162,30 @@ def chunked_linear_cross_entropy(
     return ChunkedLinearCrossEntropy.apply(hidden, weight, bias, targets, ignore_index, rows, with_grad)
 
 
+def torch_linear_cross_entropy(
+    hidden: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    bias: Tensor | None = None,
+    ignore_index: int = -1,
+    chunk_rows: int | None = None,
+) -> Tensor:
+    """torch's own chunked output layer + cross-entropy (``F.linear_cross_entropy``, torch >= 2.13), with the
+    chunk set explicitly (``chunk_rows``, default ``default_chunk_rows``): its default options pick a few rows
+    per chunk on CPU fp32 and run many times slower. hidden (..., C), targets (...): leading dimensions are
+    flattened."""
+    rows = int(chunk_rows or default_chunk_rows(weight.size(0)))
+    options = torch.nn.LinearCrossEntropyOptions(batch_chunk_size=rows)
+    return F.linear_cross_entropy(
+        hidden.reshape(-1, hidden.size(-1)),
+        weight,
+        targets.reshape(-1),
+        linear_bias=bias,
+        ignore_index=ignore_index,
+        options=options,
+    )
+
+
 def plain_linear_cross_entropy(
     hidden: Tensor, weight: Tensor, targets: Tensor, bias: Tensor | None = None, ignore_index: int = -1
 ) -> Tensor:
@@ -186,7 +234,7 @@ def unavailable_reason(impl: str, device_type: str, installed: Collection[str] |
     """Why ``impl`` cannot run on a ``device_type`` device ("cpu", "cuda", ...) with the ``installed``
     modules (default: those importable here), or None when it can."""
     if impl not in KERNELS:
-        return None  # chunked, plain and auto run anywhere
+        return None  # chunked, torch, plain and auto run anywhere
     module, package = KERNELS[impl]
     if device_type != "cuda":
         return f"cannot run on {device_type}: it is a CUDA kernel (it needs a CUDA GPU and its package)"
@@ -219,7 +267,7 @@ def available(impl: str, device: torch.device | str, installed: Collection[str] 
 class HeadLoss:
     """How the model computes its output layer and loss in training and validation (not an architecture
     choice: every option gives the same loss and gradients). ``impl``: one of ``IMPLEMENTATIONS``;
-    ``chunk_rows``: rows of B*T per chunk for ``chunked`` (null: ``default_chunk_rows``)."""
+    ``chunk_rows``: rows of B*T per chunk for ``chunked`` and ``torch`` (null: ``default_chunk_rows``)."""
 
     impl: str = "auto"
     chunk_rows: int | None = None
@@ -253,6 +301,10 @@ class HeadLoss:
             return plain_linear_cross_entropy(hidden, weight, targets, bias, self.ignore_index)
         if impl == "chunked":
             return chunked_linear_cross_entropy(
+                hidden, weight, targets, bias, self.ignore_index, self.chunk_rows
+            )
+        if impl == "torch":
+            return torch_linear_cross_entropy(
                 hidden, weight, targets, bias, self.ignore_index, self.chunk_rows
             )
         return (_liger if impl == "liger" else _cce)(hidden, weight, targets, bias, self.ignore_index)
