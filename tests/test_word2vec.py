@@ -258,6 +258,22 @@ def test_an_epochs_batches_train_every_kept_window_once_in_blocks_ordered_by_rad
     assert batch.outputs.rows.shape[1] == hs.code_length[batch.target].max() < hs.depth
 
 
+def test_a_word_alone_in_its_document_is_no_window():
+    """Documents of one word (ids -2 end a document) give no window; a chunk of only such words no batch."""
+    ids = np.array([3, -2, 1, 2, 1, -2, 4, -2])
+    plan = sampling.plan_chunk(ids, np.ones(5), window=2, batch_words=4, seed=0, epoch=0)
+    assert plan.ids.tolist() == [1, 2, 1] and plan.n_batches == 1
+    assert plan.span is not None and plan.span.sum() == 5  # every word of the vocabulary is covered
+    alone = sampling.plan_chunk(
+        np.array([3, -2, 4, -2]), np.ones(5), window=2, batch_words=4, seed=0, epoch=0
+    )
+    assert len(alone.ids) == 0 and alone.span is not None and len(alone.span) == 0 and alone.n_batches == 0
+    unknown = sampling.plan_chunk(
+        np.array([-1, -1, -2]), np.ones(5), window=2, batch_words=4, seed=0, epoch=0
+    )
+    assert len(unknown.ids) == 0 and unknown.n_batches == 0
+
+
 def test_a_resumed_epoch_continues_with_the_same_batches():
     options = Word2VecOptions(batch_size=300, epochs=2, min_count=3)
     corpus = read_corpus(DataSpec(), options)

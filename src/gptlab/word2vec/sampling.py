@@ -135,12 +135,14 @@ def plan_chunk(
         covered[0] += words[where[0]]
     # every radius is at least 1: a window has context words when a neighbour is in its document
     same = kept_docs[1:] == kept_docs[:-1]
-    has_context = np.concatenate([[False], same]) | np.concatenate([same, [False]])
+    has_context = np.zeros(len(where), dtype=bool)
+    has_context[1:] |= same
+    has_context[:-1] |= same
     if not has_context.all():
         # a dropped window's words go to the window before it (or, at the start, to the first one kept)
-        owner = np.maximum(np.cumsum(has_context) - 1, 0)
-        covered = np.bincount(owner, weights=covered, minlength=int(has_context.sum())).astype(np.int64)
         keep = np.flatnonzero(has_context)
+        owner = np.maximum(np.cumsum(has_context) - 1, 0)
+        covered = np.bincount(owner, weights=covered, minlength=len(keep)).astype(np.int64)[: len(keep)]
         where, radius, kept_docs = where[keep], radius[keep], kept_docs[keep]
     return EpochPlan(
         epoch,
