@@ -89,12 +89,35 @@ def choose_run_dir(task_overrides: Any, search_root: str, default: str) -> str:
 
 def unused(directory: str) -> str:
     """``directory``, or ``directory-1``, ``-2``... when a run started in the same second already took it
-    (the default run directory is named by the second)."""
+    (the default run directory is named by the second); once the job has its directory, that one. A rank
+    that a launcher started (DDP's other ranks
+    re-run the command line) takes ``directory`` as it is: rank 0 made it for all of them."""
+    from gptlab.runs.identity import launched_rank
+
+    if launched_rank():
+        return directory
+    own = this_jobs_output_dir()  # Hydra resolves hydra.run.dir again later (Lightning's DDP launch reads it)
+    base = Path(directory).absolute()
+    if own is not None and (
+        own == base or (own.parent == base.parent and own.name.startswith(base.name + "-"))
+    ):
+        return str(own)
     candidate, n = directory, 0
     while Path(candidate).exists():
         n += 1
         candidate = f"{directory}-{n}"
     return candidate
+
+
+def this_jobs_output_dir() -> Path | None:
+    """The output directory Hydra has already given the running job, if any."""
+    from hydra.core.hydra_config import HydraConfig
+
+    try:
+        own = HydraConfig.get().runtime.output_dir if HydraConfig.initialized() else None
+    except Exception:  # the job's runtime node is not filled in yet
+        return None
+    return Path(own).absolute() if own else None
 
 
 def register_resolvers() -> None:
