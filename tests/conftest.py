@@ -21,8 +21,40 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
 
+# Under pytest-xdist (`pytest` runs `-n auto`, pyproject's addopts) a file's tests stay on one worker, so that
+# its module fixtures (a trained run several tests read) are made once; the files that read the session's
+# sweep share a worker with it. The files that take longest are handed out first, so that no worker is left
+# with a long file at the end.
+SHARED_WORKER = {
+    "test_compare.py": "tiny_sweep",
+    "test_sweeps.py": "tiny_sweep",
+    "test_run_identity.py": "tiny_sweep",
+}
+LONGEST_FIRST = ["test_docs.py", "test_resume.py", "test_strategies.py", "test_distributed_faults.py"]
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """xdist's scheduling by scope, a scope being a test file (or the files that share the sweep)."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByFile(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            file = nodeid.split("::", 1)[0]
+            return SHARED_WORKER.get(Path(file).name, file)
+
+    return ByFile(config, log)
+
+
 def pytest_collection_modifyitems(config, items) -> None:
-    """Tests marked ``gpu`` are skipped, with the reason, on a machine without a CUDA device."""
+    """The longest files first; tests marked ``gpu`` are skipped, with the reason, on a machine without a CUDA
+    device."""
+
+    def order(item) -> int:
+        name = item.path.name
+        return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
+
+    items.sort(key=order)  # stable: a file's tests keep their order
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (marker gpu); none is visible here")
