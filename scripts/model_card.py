@@ -27,6 +27,7 @@ from gptlab.builders import build_model_config  # noqa: E402
 from gptlab.errors import ConfigError  # noqa: E402
 from gptlab.parallel import choose_precision  # noqa: E402
 from gptlab.planning import card, planner  # noqa: E402
+from gptlab.registry import import_plugins  # noqa: E402
 
 
 def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -63,6 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"Error: {err}", file=sys.stderr)
         return 2
     try:
+        import_plugins(cfg.get("plugins"))
         config = build_model_config(cfg)
     except ConfigError as err:
         print(f"Error: {err}", file=sys.stderr)

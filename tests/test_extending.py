@@ -5,10 +5,13 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import textwrap
 
 import torch
-from conftest import TINY, run_train
+from conftest import ROOT, TINY, run_train
 
 VARIANTS = '''
 """Throwaway variants: one class each, registered by name."""
@@ -127,6 +130,22 @@ def test_a_variant_of_each_family_is_its_class_and_its_yaml(tmp_path):
     assert model["activation"] == {"name": "mish"}
     assert model["norm"] == {"name": "scalenorm", "eps": 1e-5, "init_scale": 3.0}
     assert saved["state_dict"]["model.transformer.h.0.ln_1.g"].item() != 0
+    assert saved["hyper_parameters"]["plugins"] == ["my_variants"]
+
+    # The scripts that read a trained run import the run's plugins: generate.py, run where train.py was run
+    # (the module is found in the working directory, no PYTHONPATH needed) ...
+    script = [sys.executable, str(ROOT / "scripts" / "generate.py"), f"ckpt={run}", "max_new_tokens=3"]
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    generated = subprocess.run(script, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert generated.returncode == 0, generated.stderr[-3000:]
+    assert generated.stdout.startswith("The")
+    # ... and where the module cannot be found, it says which module the run needs and how to give it.
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    missing = subprocess.run(script, cwd=elsewhere, env=env, capture_output=True, text=True, timeout=300)
+    assert missing.returncode == 1
+    assert "plugins=[my_variants] cannot be imported" in missing.stderr
+    assert "put the module on PYTHONPATH" in missing.stderr
 
     # A key the norm does not take is refused at config time, naming its options.
     refused = run_train(

@@ -80,6 +80,7 @@ class RunSettings:
     resume: str | None = None  # auto, a run directory or a checkpoint; None: a new run
     overwrite: bool = False
     optimized_metric: str | None = None
+    plugins: tuple[str, ...] = ()  # the user's modules of variants, recorded with the checkpoints
 
     @classmethod
     def parse(cls, cfg: DictConfig) -> RunSettings:
@@ -91,6 +92,7 @@ class RunSettings:
             resume=None if resume in (None, "", False) else str(resume),
             overwrite=bool(cfg.get("overwrite")),
             optimized_metric=cfg.get("optimized_metric"),
+            plugins=tuple(str(m) for m in cfg.get("plugins") or ()),
         )
 
 

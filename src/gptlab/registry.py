@@ -17,6 +17,9 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib
+import os
+import sys
 import types
 import typing
 from collections.abc import Callable, Collection, Mapping, Sequence
@@ -30,6 +33,33 @@ T = TypeVar("T")
 @dataclasses.dataclass(frozen=True)
 class NoOptions:
     """The options of a variant that takes none."""
+
+
+def import_plugins(modules: Sequence[str] | None, where: str = "plugins") -> None:
+    """Import the user's modules that register variants outside gptlab (``plugins=[my_variants]``), so that
+    their names are known before a config or a checkpoint that uses them is read. ``where`` says where the
+    list came from, for the error."""
+    for module in modules or []:
+        try:
+            _import_from_path_or_working_directory(str(module))
+        except ImportError as e:
+            raise ConfigError(
+                f"{where}=[{module}] cannot be imported ({e}): put the module on PYTHONPATH (or install it), or "
+                "remove it from plugins."
+            ) from None
+
+
+def _import_from_path_or_working_directory(module: str) -> None:
+    """Import ``module``; one not found on ``sys.path`` is looked for in the working directory as well, as
+    ``python -m`` would (``python scripts/generate.py`` puts scripts/ first, not the directory it is run in)."""
+    try:
+        importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        here = os.getcwd()
+        if e.name != module.split(".")[0] or here in sys.path:
+            raise
+        sys.path.append(here)
+        importlib.import_module(module)
 
 
 class Registry(Generic[T]):

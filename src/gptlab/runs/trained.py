@@ -1,6 +1,7 @@
 """A trained model, its tokenizer and its validation tokens, rebuilt from a run directory or a checkpoint.
 
-A checkpoint holds the model's config (``hyper_parameters["model"]``), its weights and the tokenizer's spec;
+A checkpoint holds the model's config (``hyper_parameters["model"]``), the modules of the user's variants it
+needs (``hyper_parameters["plugins"]``), its weights and the tokenizer's spec;
 the run directory holds ``config_resolved.yaml``, whose ``data`` node names the corpus and split.
 """
 
@@ -18,6 +19,7 @@ from gptlab.data import corpus, tokenizers
 from gptlab.errors import CheckpointError
 from gptlab.model.config import GPTConfig
 from gptlab.model.gpt import GPT
+from gptlab.registry import import_plugins
 from gptlab.runs.checkpoints import load_checkpoint, model_config_dict, model_weights
 from gptlab.runs.layout import CONFIG_FILE, Run, checkpoint_kind, run_of_path
 
@@ -67,6 +69,8 @@ def load_run(path: str | Path, device: str | torch.device = "cpu", which: str = 
     """The model (in eval mode), its tokenizer and the run's config from a run directory or a checkpoint."""
     checkpoint_path, run = find_checkpoint(path, which)
     checkpoint = load_checkpoint(checkpoint_path)
+    # A variant or tokenizer defined outside gptlab: its module, as the run's plugins= named it.
+    import_plugins((checkpoint.get("hyper_parameters") or {}).get("plugins"), f"{checkpoint_path}: plugins")
     model = GPT(GPTConfig.from_dict(model_config_dict(checkpoint, checkpoint_path)))
     model.load_state_dict(model_weights(checkpoint, checkpoint_path))
     model.to(device).eval()

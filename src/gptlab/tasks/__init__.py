@@ -15,27 +15,15 @@ from collections.abc import Callable
 from omegaconf import DictConfig
 
 from gptlab.errors import ConfigError
+from gptlab.registry import import_plugins
 
 #: task name -> the module that runs it (imported only when chosen: a word2vec run needs no Lightning).
 TASKS = {"gpt": "gptlab.tasks.gpt", "word2vec": "gptlab.tasks.word2vec"}
 
 
-def import_plugins(cfg: DictConfig) -> None:
-    """Import the modules ``plugins`` names, so that the variants they define are registered before the config
-    is read."""
-    for module in cfg.get("plugins") or []:
-        try:
-            importlib.import_module(str(module))
-        except ImportError as e:
-            raise ConfigError(
-                f"plugins=[{module}] cannot be imported ({e}): put the module on PYTHONPATH (or install it), or "
-                "remove it from plugins."
-            ) from None
-
-
 def task_runner(cfg: DictConfig) -> Callable[[DictConfig], dict[str, float]]:
     """The ``run`` of the task ``cfg.task`` names (gpt when unset), its ``plugins`` imported."""
-    import_plugins(cfg)
+    import_plugins(cfg.get("plugins"))
     name = cfg.get("task") or "gpt"
     if name not in TASKS:
         raise ConfigError(

@@ -107,6 +107,7 @@ def build(settings: GPTRunConfig) -> Parts:
         loss=settings.loss,
         parallel=settings.parallel,
         tokenizer=corpus.tokenizer,
+        plugins=settings.run.plugins,
     )
     return Parts(datamodule, corpus, module, strategy)
 

@@ -6,6 +6,7 @@ It receives only its own parts (the model's config, the optimizer's config), nev
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import Any
 
 import lightning as L
@@ -18,7 +19,7 @@ from gptlab.model.config import GPTConfig
 from gptlab.model.gpt import GPT
 from gptlab.model.head_loss import HeadLoss
 from gptlab.model.parametrization import hidden_lr_scale
-from gptlab.registry import check_keys
+from gptlab.registry import check_keys, import_plugins
 from gptlab.training.checkpointing import check_finite_loss, collect_rng_states, restore_rng_states
 from gptlab.training.optimizers import OPTIM_DEFAULTS, build_optimizer, check_optim, lr_factor, schedule_of
 
@@ -56,7 +57,8 @@ class GPTLitModule(L.LightningModule):
     """Trains a :class:`~gptlab.model.gpt.GPT` of config ``model`` (a GPTConfig, or its ``to_dict`` as a
     checkpoint holds it) with the ``optim`` node's optimizer and schedule; ``loss``: how the output layer and
     loss are computed; ``parallel``: what is applied to every block in each rank; ``tokenizer``: saved with
-    each checkpoint."""
+    each checkpoint; ``plugins``: the user's modules that define its variants, saved so that a checkpoint
+    is read with them imported."""
 
     def __init__(
         self,
@@ -65,8 +67,10 @@ class GPTLitModule(L.LightningModule):
         loss: HeadLoss | dict[str, Any] | None = None,
         parallel: Any = None,
         tokenizer: tokenizers.Tokenizer | None = None,
+        plugins: Sequence[str] = (),
     ) -> None:
         super().__init__()
+        import_plugins(plugins)
         self.model_config = model if isinstance(model, GPTConfig) else GPTConfig.from_dict(dict(model))
         self.optim = check_optim(dict(optim or {}))
         # How the output layer and loss are computed (model/head_loss.py); the same loss whichever is used.
@@ -77,6 +81,7 @@ class GPTLitModule(L.LightningModule):
                 "model": self.model_config.to_dict(),
                 "optim": self.optim,
                 "loss": {"impl": self.head_loss.impl, "chunk_rows": self.head_loss.chunk_rows},
+                "plugins": list(plugins),
             },
             logger=False,
         )
