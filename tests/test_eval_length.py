@@ -54,12 +54,20 @@ def trained(tmp_path_factory):
             "train",
             overrides=[*TINY_RUN, "pos=rope", f"paths.root_dir={root}", f"paths.output_dir={run_dir}"],
         )
+    # A W&B run already open in the process, as a notebook's would be: the training run must log to a run of
+    # its own, not into this one (Lightning's WandbLogger reuses an open run).
+    import wandb
+
+    (root / "other").mkdir()
+    other = wandb.init(project="other", dir=str(root / "other"), mode="offline", reinit="create_new")
+    other.log({"other/metric": 1.0})
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # a 32-wide model: one thread is faster, and far faster on a busy machine
     try:
         metrics = run(cfg)
     finally:
         torch.set_num_threads(threads)
+        other.finish()
     return root, run_dir, metrics
 
 
@@ -88,6 +96,10 @@ def test_evaluation_is_logged_to_the_runs_wandb_run(trained):
     result = json.loads((run_dir / "eval_length" / "length.json").read_text())
     (wandb_file,) = find_runs(run_dir / "wandb")
     logged = read_run(wandb_file)
+    assert logged.summary["val/loss"] == pytest.approx(result["variants"]["rope"]["1"]["loss"], abs=1e-4)
+    # the run open before it got none of its records
+    (other_file,) = find_runs(run_dir.parent / "other" / "wandb")
+    assert {k for k in read_run(other_file).summary if not k.startswith("_")} == {"other/metric"}
     assert logged.summary["length/loss@2x"] == pytest.approx(result["variants"]["rope"]["2"]["loss"])
     assert logged.summary["length/rope+yarn/loss@4x"] == pytest.approx(
         result["variants"]["rope+yarn"]["4"]["loss"]

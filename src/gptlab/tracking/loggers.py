@@ -74,12 +74,14 @@ def wandb_logger(
     tags = list(dict.fromkeys([*(tags or []), *labels.tags]))
     # In the run's config, so the W&B UI can group runs that differ only by seed (sweep.group_key).
     kwargs.setdefault("config", {"sweep": labels.as_config()})
+    # A run of its own even where the process has another open (wandb.init would otherwise hand that one back).
+    kwargs.setdefault("reinit", "create_new")
     Path(save_dir).mkdir(parents=True, exist_ok=True)
     os.environ["WANDB_MODE"] = resolved  # respected by wandb.init in this process and its children
     os.environ.setdefault("WANDB_SILENT", "true")
     if resolved == "online":
         log.info("W&B: logging online to project %s", project)
-    return WandbLogger(
+    return OwnRunWandbLogger(
         save_dir=save_dir,
         project=project,
         entity=entity,
@@ -93,6 +95,25 @@ def wandb_logger(
         log_model=log_model and resolved == "online",
         **kwargs,
     )
+
+
+class OwnRunWandbLogger(WandbLogger):
+    """Lightning's WandbLogger, except that a W&B run already open in this process (a notebook's, or one an
+    earlier in-process run left open) is not reused: Lightning's logger would write this run's curves into
+    that run, and wandb.init (without ``reinit="create_new"``) would hand that run back. This one opens a run
+    of its own beside it."""
+
+    @property
+    @rank_zero_experiment
+    def experiment(self) -> Any:
+        import wandb
+
+        if self._experiment is None and wandb.run is not None:
+            run = wandb.init(**{**self._wandb_init, "reinit": "create_new"})
+            run.define_metric("trainer/global_step")
+            run.define_metric("*", step_metric="trainer/global_step", step_sync=True)
+            self._experiment = run
+        return super().experiment
 
 
 class ContinuedCSVWriter(ExperimentWriter):
@@ -149,13 +170,13 @@ def log_text_samples(trainer: L.Trainer, columns: list[str], rows: list[list[Any
 
 
 def finish_wandb(loggers: list[Logger], failed: bool) -> None:
-    """Close this job's W&B run, so that the next job of a multirun starts its own."""
-    if not any(isinstance(lg, WandbLogger) for lg in loggers):
-        return
-    import wandb
-
-    if wandb.run is not None:
-        wandb.finish(exit_code=1 if failed else 0)
+    """Close this job's W&B run, so that the next job of a multirun starts its own. The logger's own run is
+    closed, not ``wandb.run``: in a process that opened another run before (a notebook, a test session) the
+    global run may be that other one, and this run's last records would stay unwritten."""
+    for lg in loggers:
+        run = getattr(lg, "_experiment", None) if isinstance(lg, WandbLogger) else None
+        if run is not None:
+            run.finish(exit_code=1 if failed else 0)
 
 
 class WandbRunIdInCheckpoint(L.Callback):

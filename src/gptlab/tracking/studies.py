@@ -89,7 +89,7 @@ def log_length_study_as_new_run(study: LengthStudy, run_dir: Path, config: dict[
         dir=str(run_dir),
         mode=mode,
         config={"source_run_id": source.run_id, **config},
-        reinit="finish_previous",
+        reinit="create_new",  # a run of its own; another open run is left as it is
     )
     try:
         log_length_study_to_run(study, run)
@@ -113,7 +113,7 @@ def log_harness_results(metrics: dict[str, Any], table: StudyTable, run_dir: Pat
         return None
     trained = [r for r in (read_run(p) for p in find_runs(run_dir / "wandb")) if r.job_type in ("train", "")]
     source = trained[-1] if trained else None
-    init: dict[str, Any] = {"dir": str(run_dir), "mode": mode, "reinit": "finish_previous"}
+    init: dict[str, Any] = {"dir": str(run_dir), "mode": mode, "reinit": "create_new"}
     if source is not None:
         init.update(project=source.project or "gptlab", id=source.run_id, resume="allow")
     else:
