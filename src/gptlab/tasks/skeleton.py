@@ -15,7 +15,6 @@ from __future__ import annotations
 import logging
 import math
 import random
-import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -66,6 +65,7 @@ class RunSession:
 
         self.cfg, self.settings, self.run_dir = cfg, settings, run_dir
         self.is_global_zero = not launched_rank()  # a task on many ranks sets it from its trainer
+        self.loggers: list = []  # open_loggers' loggers
 
     @classmethod
     def start(
@@ -108,7 +108,16 @@ class RunSession:
             return []
         from gptlab.tracking.loggers import instantiate_loggers
 
-        return instantiate_loggers(nodes, wandb_run_id)
+        self.loggers = instantiate_loggers(nodes, wandb_run_id)
+        return self.loggers
+
+    def wandb_run_id(self) -> str | None:
+        """The id of this run's W&B run; None when it logs to none."""
+        if not self.loggers:
+            return None
+        from gptlab.tracking.loggers import wandb_run_id
+
+        return wandb_run_id(self.loggers)
 
     def save_config(self, loggers: list) -> None:
         """The resolved config into every logger and into ``<run dir>/config_resolved.yaml``."""
@@ -134,7 +143,7 @@ class RunSession:
                 "stopped_by_signal": bool(stopped),
                 **({"failed": failed} if failed is not None else {}),
                 "run_id": info.run_id if info else None,
-                "wandb_run_id": current_wandb_run_id(),
+                "wandb_run_id": self.wandb_run_id(),
                 "git_commit": git_commit(),
             }
         )
@@ -165,10 +174,3 @@ def seed_generators(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
-
-
-def current_wandb_run_id() -> str | None:
-    """The id of this process's open W&B run; None when W&B was never imported or no run is open."""
-    wandb = sys.modules.get("wandb")
-    run = getattr(wandb, "run", None)
-    return run.id if run is not None else None
