@@ -85,19 +85,16 @@ def main(argv: list[str] | None = None) -> int:
     else:
         memory, device = planner.device_memory_bytes(trainer.get("accelerator"))
     try:
-        text = card.model_card(
-            config,
+        plan = card.TrainingPlan(
             strategy=strategy,
             n_devices=devices,
             precision=precision,
             micro_batch=micro_batch,
             context=args.context,
-            device_memory=memory,
-            device_name=device,
-            short=args.short,
             activation_checkpointing=args.activation_checkpointing
             or bool(cfg.get("activation_checkpointing")),
         )
+        text = card.model_card(config, plan, device_memory=memory, device_name=device, short=args.short)
     except ConfigError as err:
         print(f"Error: {err}", file=sys.stderr)
         return 2

@@ -4,16 +4,16 @@ training run (short form) and by `scripts/model_card.py` (full form)."""
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import replace
 
 from gptlab.model.config import GPTConfig
 from gptlab.model.counting import flops_per_token, human, parameter_counts
 from gptlab.model.gpt import mlp_hidden_width
-from gptlab.parallel.strategies import StrategyChoice
 from gptlab.planning.planner import (
     BYTES,
     GiB,
     MemoryEstimate,
+    TrainingPlan,
     advise,
     device_memory_bytes,
     distinct_choices,
@@ -23,33 +23,20 @@ from gptlab.planning.planner import (
 
 def model_card(
     config: GPTConfig,
-    strategy: str | dict[str, Any] | StrategyChoice | None = "auto",
-    n_devices: int = 1,
-    precision: str = "32-true",
-    micro_batch: int = 1,
-    context: int | None = None,
+    plan: TrainingPlan | None = None,
     device_memory: float | None = None,
     device_name: str = "",
     short: bool = False,
-    activation_checkpointing: bool = False,
 ) -> str:
     """The card as text: the short form (printed at training start) or the full one with every strategy."""
-    c = config
+    c, plan = config, plan or TrainingPlan()
     counts = parameter_counts(c)
-    flops = flops_per_token(c, context)
-    T = context or c.block_size
+    flops = flops_per_token(c, plan.context)
+    T = plan.context or c.block_size
     lines = _model_lines(c, counts, flops, T)
-    est = memory_per_device(c, strategy, n_devices, precision, micro_batch, context, activation_checkpointing)
-    lines.append(
-        _memory_line(est, n_devices, precision, micro_batch, T, activation_checkpointing, device_name)
-    )
-    warning = (
-        advise(
-            c, device_memory, strategy, n_devices, precision, micro_batch, context, activation_checkpointing
-        )
-        if device_memory
-        else None
-    )
+    est = memory_per_device(c, plan)
+    lines.append(_memory_line(est, plan, T, device_name))
+    warning = advise(c, device_memory, plan) if device_memory else None
     if short:
         return "\n".join(lines + ([warning] if warning else []))
 
@@ -60,7 +47,7 @@ def model_card(
     lines.append("")
     for with_checkpointing in (False, True):
         lines += _strategy_table(
-            c, n_devices, precision, micro_batch, context, T, with_checkpointing, device_memory
+            c, replace(plan, activation_checkpointing=with_checkpointing), T, device_memory
         )
     if device_memory:
         lines.append(f"Device: {device_name or f'{device_memory / GiB:,.0f} GiB'}")
@@ -85,19 +72,12 @@ def _model_lines(c: GPTConfig, counts: dict[str, int], flops: dict[str, float], 
     ]
 
 
-def _memory_line(
-    est: MemoryEstimate,
-    n_devices: int,
-    precision: str,
-    micro_batch: int,
-    T: int,
-    activation_checkpointing: bool,
-    device_name: str,
-) -> str:
+def _memory_line(est: MemoryEstimate, plan: TrainingPlan, T: int, device_name: str) -> str:
     """The one-line memory breakdown per device of the chosen strategy."""
-    checkpointing = ", activation checkpointing" if activation_checkpointing else ""
+    checkpointing = ", activation checkpointing" if plan.activation_checkpointing else ""
     return (
-        f"Memory per device ({est.strategy}, {n_devices} device(s), {precision}, micro-batch {micro_batch} x "
+        f"Memory per device ({est.strategy}, {plan.n_devices} device(s), {plan.precision}, micro-batch "
+        f"{plan.micro_batch} x "
         f"{T}{checkpointing}): {_gib(est.total)} = weights {_gib(est.weights)} + gradients {_gib(est.gradients)} + AdamW "
         f"{_gib(est.optimizer)} + activations {_gib(est.activations)}"
         + (f" + buffers {_gib(est.buffers)}" if est.buffers else "")
@@ -106,25 +86,16 @@ def _memory_line(
     )
 
 
-def _strategy_table(
-    c: GPTConfig,
-    n_devices: int,
-    precision: str,
-    micro_batch: int,
-    context: int | None,
-    T: int,
-    with_checkpointing: bool,
-    device_memory: float | None,
-) -> list[str]:
+def _strategy_table(c: GPTConfig, plan: TrainingPlan, T: int, device_memory: float | None) -> list[str]:
     """The memory table of every distinct strategy (title, header, one row each, a blank line)."""
     lines = [
-        f"Memory per device over {n_devices} device(s), {precision}, micro-batch {micro_batch} x {T}"
-        + (", activation checkpointing" if with_checkpointing else "")
+        f"Memory per device over {plan.n_devices} device(s), {plan.precision}, micro-batch {plan.micro_batch} x {T}"
+        + (", activation checkpointing" if plan.activation_checkpointing else "")
         + " (GiB):",
         f"{'strategy':<26} {'weights':>10} {'grads':>10} {'AdamW':>10} {'activ.':>10} {'buffers':>10} {'total':>10}",
     ]
-    for name, _ in distinct_choices(n_devices):
-        e = memory_per_device(c, name, n_devices, precision, micro_batch, context, with_checkpointing)
+    for name, _ in distinct_choices(plan.n_devices):
+        e = memory_per_device(c, replace(plan, strategy=name))
         lines.append(_strategy_row(name, e, device_memory))
     lines.append("")
     return lines
@@ -141,36 +112,16 @@ def _strategy_row(name: str, e: MemoryEstimate, device_memory: float | None) -> 
     )
 
 
-def startup_card(
-    config: GPTConfig,
-    strategy: str | dict[str, Any] | StrategyChoice | None = "auto",
-    n_devices: int = 1,
-    precision: str = "32-true",
-    micro_batch: int = 1,
-    context: int | None = None,
-    on_cpu: bool = True,
-    activation_checkpointing: bool = False,
-) -> str:
+def startup_card(config: GPTConfig, plan: TrainingPlan, on_cpu: bool = True) -> str:
     """The short card for the start of a training run, sized against the memory of the device it runs on."""
     memory, device = device_memory_bytes("cpu" if on_cpu else "cuda")
-    if precision not in BYTES:  # a precision plugin's own name: count it as fp32, the safe side
-        precision = "32-true"
-    return model_card(
-        config,
-        strategy,
-        n_devices,
-        precision,
-        micro_batch,
-        context,
-        memory,
-        device,
-        short=True,
-        activation_checkpointing=activation_checkpointing,
-    )
+    if plan.precision not in BYTES:  # a precision plugin's own name: count it as fp32, the safe side
+        plan = replace(plan, precision="32-true")
+    return model_card(config, plan, memory, device, short=True)
 
 
 def _gib(n: float) -> str:
     return f"{n / GiB:,.2f} GiB" if n >= 0.01 * GiB else f"{n / 2**20:,.1f} MiB"
 
 
-__all__ = ["MemoryEstimate", "model_card", "startup_card"]
+__all__ = ["MemoryEstimate", "TrainingPlan", "model_card", "startup_card"]

@@ -32,7 +32,7 @@ on top, so a run is called a fit only below 90% of the device memory.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -58,6 +58,23 @@ BYTES: dict[str, dict[str, int]] = {
 }
 # 16-bit weights and gradients with an fp32 master copy inside the optimizer state (DeepSpeed's mixed precision).
 SIXTEEN_BIT_MASTER = {"weights": 2, "gradients": 2, "optimizer": 12, "activations": 2}
+
+
+@dataclass(frozen=True)
+class TrainingPlan:
+    """How a model is to be trained, as far as its memory goes: the `strategy=` choice (a name, a strategy
+    config node or a `StrategyChoice`), ``n_devices`` data-parallel devices, the Lightning ``precision``,
+    ``micro_batch`` sequences of ``context`` tokens per device (None: the model's block size), and whether
+    activations are recomputed in the backward pass."""
+
+    strategy: str | dict[str, Any] | StrategyChoice | None = "auto"
+    n_devices: int = 1
+    precision: str = "32-true"
+    micro_batch: int = 1
+    context: int | None = None
+    activation_checkpointing: bool = False
+
+
 MIXED = ("bf16-mixed", "16-mixed")
 
 
@@ -107,56 +124,52 @@ def activation_bytes_per_token(
     return L * per_layer + outside
 
 
-def memory_per_device(
-    config: GPTConfig,
-    strategy: str | dict[str, Any] | StrategyChoice | None = "auto",
-    n_devices: int = 1,
-    precision: str = "32-true",
-    micro_batch: int = 1,
-    context: int | None = None,
-    activation_checkpointing: bool = False,
-) -> MemoryEstimate:
-    """The memory one device needs to train ``config`` with AdamW under ``strategy`` (a `strategy=` choice
-    name, a strategy config node or a `StrategyChoice`) over ``n_devices`` data-parallel devices, at
-    ``precision`` (a Lightning precision name), ``micro_batch`` sequences of ``context`` tokens (default: the
-    model's block size) per device."""
+def memory_per_device(config: GPTConfig, plan: TrainingPlan = TrainingPlan()) -> MemoryEstimate:
+    """The memory one device needs to train ``config`` with AdamW as ``plan`` says."""
+    n_devices, precision, micro_batch = plan.n_devices, plan.precision, plan.micro_batch
     if n_devices < 1 or micro_batch < 1:
         raise ConfigError(f"n_devices={n_devices} and micro_batch={micro_batch} must be at least 1.")
-    choice = strategy_choice(strategy)
-    plan = choice.placement(n_devices)
+    choice = strategy_choice(plan.strategy)
+    placement = choice.placement(n_devices)
     if precision not in BYTES:
         raise ConfigError(f"Unknown precision {precision!r}. Choose one of: {', '.join(BYTES)}.")
-    size = dict(SIXTEEN_BIT_MASTER if plan.sixteen_bit_master and precision in MIXED else BYTES[precision])
+    size = dict(
+        SIXTEEN_BIT_MASTER if placement.sixteen_bit_master and precision in MIXED else BYTES[precision]
+    )
     n = parameter_counts(config)["total"]
-    T = context or config.block_size
+    T = plan.context or config.block_size
     shards = n_devices
 
-    weights = n * size["weights"] / (shards if plan.shards_weights else 1)
-    gradients = n * size["gradients"] / (shards if plan.shards_gradients else 1)
-    optimizer = n * size["optimizer"] / (shards if plan.shards_optimizer else 1)
+    weights = n * size["weights"] / (shards if placement.shards_weights else 1)
+    gradients = n * size["gradients"] / (shards if placement.shards_gradients else 1)
+    optimizer = n * size["optimizer"] / (shards if placement.shards_optimizer else 1)
     host = 0.0
-    if plan.offload_optimizer:
+    if placement.offload_optimizer:
         host, optimizer = host + optimizer, 0.0
-    if plan.offload_gradients:
+    if placement.offload_gradients:
         host, gradients = host + gradients, 0.0
-    if plan.offload_weights:
+    if placement.offload_weights:
         host, weights = host + weights, 0.0
     buffers = 0.0
-    if plan.gradient_buckets and n_devices > 1:
+    if placement.gradient_buckets and n_devices > 1:
         buffers = n * size["gradients"]
-    if plan.shards_weights and shards > 1:
+    if placement.shards_weights and shards > 1:
         # Two blocks gathered at a time (the current one and the prefetched next), weights and gradients,
         # in the activation dtype.
         per_layer = parameter_counts(config)["per_layer"]
         buffers = 2 * per_layer * 2 * size["activations"]
-    acts = micro_batch * T * activation_bytes_per_token(config, size["activations"], activation_checkpointing)
+    acts = (
+        micro_batch
+        * T
+        * activation_bytes_per_token(config, size["activations"], plan.activation_checkpointing)
+    )
     return MemoryEstimate(
         strategy=choice.label,
         n_devices=n_devices,
         precision=precision,
         micro_batch=micro_batch,
         context=T,
-        activation_checkpointing=activation_checkpointing,
+        activation_checkpointing=plan.activation_checkpointing,
         weights=weights,
         gradients=gradients,
         optimizer=optimizer,
@@ -192,21 +205,11 @@ def device_memory_bytes(accelerator: str | None = None) -> tuple[float, str]:
     return ram, f"CPU, {ram / GiB:.0f} GiB of RAM"
 
 
-def advise(
-    config: GPTConfig,
-    device_memory: float,
-    strategy: str | dict[str, Any] | StrategyChoice | None = "auto",
-    n_devices: int = 1,
-    precision: str = "32-true",
-    micro_batch: int = 1,
-    context: int | None = None,
-    activation_checkpointing: bool = False,
-) -> str | None:
+def advise(config: GPTConfig, device_memory: float, plan: TrainingPlan = TrainingPlan()) -> str | None:
     """None when the run fits its device; otherwise a warning naming the strategy (and, if needed, the number
     of devices, activation checkpointing or a smaller micro-batch) that would fit."""
-    est = memory_per_device(
-        config, strategy, n_devices, precision, micro_batch, context, activation_checkpointing
-    )
+    n_devices, micro_batch = plan.n_devices, plan.micro_batch
+    est = memory_per_device(config, plan)
     if est.fits(device_memory):
         return None
     head = (
@@ -218,18 +221,19 @@ def advise(
         for config_name, _ in distinct_choices(devices):
             candidate = memory_per_device(
                 config,
-                config_name,
-                devices,
-                precision,
-                batch,
-                context,
-                activation_checkpointing=checkpointing,
+                replace(
+                    plan,
+                    strategy=config_name,
+                    n_devices=devices,
+                    micro_batch=batch,
+                    activation_checkpointing=checkpointing,
+                ),
             )
             if candidate.fits(device_memory):
                 return config_name, candidate
         return None
 
-    found = first_fit(n_devices, micro_batch, activation_checkpointing)
+    found = first_fit(n_devices, micro_batch, plan.activation_checkpointing)
     if found:
         name, fit = found
         return f"{head} strategy={name} would fit: {fit.describe()}."

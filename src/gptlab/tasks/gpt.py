@@ -142,16 +142,16 @@ def model_summary(module: GPTLitModule, trainer: L.Trainer | None, settings: GPT
 
     from gptlab.planning import card
 
-    return card.startup_card(
-        module.model_config,
+    plan = card.TrainingPlan(
         strategy=settings.strategy_node if settings else "auto",
         n_devices=trainer.world_size if trainer else 1,
         precision=str(trainer.precision) if trainer else "32-true",
         micro_batch=settings.loader.batch_size if settings else 1,
         context=settings.loader.block_size if settings else None,
-        on_cpu=trainer is None or isinstance(trainer.accelerator, CPUAccelerator),
         activation_checkpointing=settings.parallel.activation_checkpointing if settings else False,
     )
+    on_cpu = trainer is None or isinstance(trainer.accelerator, CPUAccelerator)
+    return card.startup_card(module.model_config, plan, on_cpu=on_cpu)
 
 
 # ---- fit ----------------------------------------------------------------------------------------------
