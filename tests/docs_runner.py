@@ -33,6 +33,7 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 
 PLACEHOLDERS = {
@@ -210,6 +211,19 @@ def exit_status(code: object) -> int:
     return 1
 
 
+def status_of(run: Callable[[], object]) -> int:
+    """The exit status a process running ``run`` would end with: 0, its ``sys.exit`` code, or 1 with the
+    traceback printed."""
+    try:
+        run()
+        return 0
+    except SystemExit as e:
+        return exit_status(e.code)
+    except BaseException:
+        traceback.print_exc()
+        return 1
+
+
 def run_in_process(argv: list[str], cwd: Path, env: dict[str, str], module: bool) -> int:
     from hydra.core.global_hydra import GlobalHydra
 
@@ -222,15 +236,8 @@ def run_in_process(argv: list[str], cwd: Path, env: dict[str, str], module: bool
         sys.path[:0] = [str(Path(argv[0]).absolute().parent), str(Path(argv[0]).resolve().parent)]
     try:
         if module:
-            runpy.run_module(argv[0], run_name="__main__", alter_sys=True)
-        else:
-            runpy.run_path(argv[0], run_name="__main__")
-        return 0
-    except SystemExit as e:
-        return exit_status(e.code)
-    except BaseException:
-        traceback.print_exc()
-        return 1
+            return status_of(lambda: runpy.run_module(argv[0], run_name="__main__", alter_sys=True))
+        return status_of(lambda: runpy.run_path(argv[0], run_name="__main__"))
     finally:
         GlobalHydra.instance().clear()
         if "torch.distributed" in sys.modules:  # a strategy's process group ends with its command
@@ -250,13 +257,7 @@ def run_python_block(text: str, name: str, cwd: Path, env: dict[str, str]) -> in
     os.environ.update(env)
     os.chdir(cwd)
     try:
-        exec(compile(text, name, "exec"), {"__name__": "__main__"})
-        return 0
-    except SystemExit as e:
-        return exit_status(e.code)
-    except BaseException:
-        traceback.print_exc()
-        return 1
+        return status_of(lambda: exec(compile(text, name, "exec"), {"__name__": "__main__"}))
     finally:
         os.environ.clear()
         os.environ.update(saved_env)
