@@ -12,7 +12,9 @@ variables, globs), and then:
 - `python train.py ...`, `python scripts/<name>.py ...` and `python -m <module> ...` run in this process
   (`runpy`, with the command's argv and environment), so that the interpreter and Lightning start once
   rather than once per command; the plan's `train_overrides` (a tiny model, a few steps) are added to every
-  `train.py` command that does not set the same key itself, and `script_args` to the named scripts;
+  `train.py` command that does not set the same key itself (nor, in a block that expects a refusal, the
+  model's keys where the command names a model: `model=gpt3` refused as too large is refused as typed), and
+  `script_args` to the named scripts;
 - `cd`, `export` change the directory and environment of the following commands of the page;
 - anything else, and any line with a pipe, a redirection or `&`, runs in `bash -c`.
 
@@ -157,14 +159,20 @@ def key_of(arg: str) -> str | None:
     return arg.split("=", 1)[0].lstrip("+~")
 
 
-def with_test_arguments(argv: list[str], plan: dict) -> list[str]:
-    """``argv`` (``[script, *args]``) with the plan's additions that the command does not set itself."""
+def with_test_arguments(argv: list[str], plan: dict, refusal: bool = False) -> list[str]:
+    """``argv`` (``[script, *args]``) with the plan's additions that the command does not set itself;
+    ``refusal``: the command is expected to be refused, and a model it names is kept as typed."""
     script = argv[0]
     if Path(script).name == "train.py":
         if any(a in ("--help", "-h", "--cfg", "--info", "--hydra-help") for a in argv[1:]):
             return argv
         keys = {key_of(a) for a in argv[1:]}
-        extra = [o for o in plan["train_overrides"] if key_of(o) not in keys]
+        as_typed = {"model"} if refusal and "model" in keys else set()
+        extra = [
+            o
+            for o in plan["train_overrides"]
+            if key_of(o) not in keys and key_of(o).split(".")[0] not in as_typed
+        ]
         return [*argv, *extra]
     extra_args = plan["script_args"].get(script.removeprefix("./"))
     if extra_args and not any(a in ("--help", "-h") for a in argv[1:]):
@@ -291,7 +299,7 @@ def run_command(command: str, state: dict, plan: dict) -> dict:
         module = argv[1] == "-m"
         target = argv[2:] if module else argv[1:]
         if not module:
-            target = with_test_arguments(target, plan)
+            target = with_test_arguments(target, plan, refusal=state.get("refusal", False))
         record["argv"] = ["python", *(["-m"] if module else []), *target]
         with Captured() as out:
             code = run_in_process(target, cwd, {**env, **assignments}, module)
@@ -324,6 +332,7 @@ def run_block(block: dict, state: dict, plan: dict) -> list[dict]:
             }
         ]
     records = []
+    state["refusal"] = block.get("expect_exit") not in (None, 0)
     for line in logical_lines(block["text"]):
         commands, whole_line = split_commands(fill_placeholders(line, state["cwd"]))
         for command in commands:

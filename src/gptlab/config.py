@@ -81,6 +81,8 @@ class RunSettings:
     overwrite: bool = False
     optimized_metric: str | None = None
     plugins: tuple[str, ...] = ()  # the user's modules of variants, recorded with the checkpoints
+    # start a run whose memory estimate exceeds what its device has (gptlab.planning.fit)
+    allow_over_memory: bool = False
 
     @classmethod
     def parse(cls, cfg: DictConfig) -> RunSettings:
@@ -93,7 +95,16 @@ class RunSettings:
             overwrite=bool(cfg.get("overwrite")),
             optimized_metric=cfg.get("optimized_metric"),
             plugins=tuple(str(m) for m in cfg.get("plugins") or ()),
+            allow_over_memory=_flag(cfg, "allow_over_memory"),
         )
+
+
+def _flag(cfg: DictConfig, key: str) -> bool:
+    """A top-level true/false key; anything else is refused rather than read as truthy."""
+    value = cfg.get(key, False)
+    if not isinstance(value, bool):
+        raise ConfigError(f"{key}={value!r} must be true or false (e.g. {key}=true).")
+    return value
 
 
 @dataclass(frozen=True)

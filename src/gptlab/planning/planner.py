@@ -205,6 +205,85 @@ def device_memory_bytes(accelerator: str | None = None) -> tuple[float, str]:
     return ram, f"CPU, {ram / GiB:.0f} GiB of RAM"
 
 
+def available_host_memory() -> float:
+    """Bytes of RAM this machine can give a new process now (``MemAvailable``: free memory plus the page
+    cache it can drop); the physical RAM where the kernel does not say."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return float(line.split()[1]) * 1024  # the kernel reports KiB
+    except OSError:  # pragma: no cover - not Linux
+        pass
+    return device_memory_bytes("cpu")[0]
+
+
+def fitting_options(
+    config: GPTConfig,
+    device_memory: float,
+    plan: TrainingPlan,
+    strategies: list[str],
+    host_is_device: bool = False,
+    accumulate: int = 1,
+    limit: int = 3,
+) -> list[tuple[str, MemoryEstimate]]:
+    """Up to ``limit`` changes of ``plan`` on the same devices that would fit ``device_memory``, the least
+    intrusive first, each as (the overrides that make it, its estimate): a smaller micro-batch, activation
+    checkpointing, one of ``strategies`` (the choices that can run here), and their combinations.
+    ``host_is_device``: the devices are the host's own memory (CPU training), so state offloaded to the host
+    counts against it too. ``accumulate``: the run's ``trainer.accumulate_grad_batches``, raised where the
+    micro-batch shrinks so that each optimizer step sees as many sequences."""
+
+    def fits(e: MemoryEstimate) -> bool:
+        return (e.total + (e.host if host_is_device else 0.0)) <= FIT_FRACTION * device_memory
+
+    smaller = []
+    b = plan.micro_batch
+    while b > 1:
+        b //= 2
+        smaller.append(b)
+    batches = [plan.micro_batch, *smaller]
+    current = strategy_choice(plan.strategy).label
+    checkpointing = plan.activation_checkpointing
+    # One option of each kind, the first of its kind that fits: the largest micro-batch that fits as it is;
+    # activation checkpointing; another strategy (with checkpointing and a smaller micro-batch if need be).
+    kinds: list[list[tuple[str | None, int, bool]]] = [
+        [(None, b, checkpointing) for b in smaller],
+        [(None, b, True) for b in batches] if not checkpointing else [],
+        [
+            (name, b, c)
+            for c in sorted({checkpointing, True})
+            for b in batches
+            for name in strategies
+            if name != current
+        ],
+    ]
+    found: list[tuple[str, MemoryEstimate]] = []
+    for kind in kinds:
+        for name, batch, with_checkpointing in kind:
+            candidate = replace(
+                plan,
+                strategy=name or plan.strategy,
+                micro_batch=batch,
+                activation_checkpointing=with_checkpointing,
+            )
+            estimate = memory_per_device(config, candidate)
+            if not fits(estimate):
+                continue
+            if name and fits(memory_per_device(config, replace(candidate, strategy=plan.strategy))):
+                continue  # the strategy is not what makes it fit: the other kinds say it plainly
+            overrides = [f"strategy={name}"] if name else []
+            if batch != plan.micro_batch:
+                overrides.append(f"data.batch_size={batch}")
+                # the same batch per optimizer step, in more micro-batches
+                overrides.append(f"trainer.accumulate_grad_batches={accumulate * plan.micro_batch // batch}")
+            if with_checkpointing != checkpointing:
+                overrides.append(f"activation_checkpointing={str(with_checkpointing).lower()}")
+            found.append((" ".join(overrides), estimate))
+            break
+    return found[:limit]
+
+
 def advise(config: GPTConfig, device_memory: float, plan: TrainingPlan = TrainingPlan()) -> str | None:
     """None when the run fits its device; otherwise a warning naming the strategy (and, if needed, the number
     of devices, activation checkpointing or a smaller micro-batch) that would fit."""

@@ -26,6 +26,7 @@ from omegaconf import DictConfig
 from gptlab.config import GPTRunConfig, parse_gpt
 from gptlab.data.corpus import PreparedCorpus
 from gptlab.data.datamodule import GPTDataModule
+from gptlab.planning.fit import check_memory
 from gptlab.resume import ResumePlan, plan_resume
 from gptlab.tasks.skeleton import RunSession, record_run_dir, route_lightning_logs
 from gptlab.training.module import GPTLitModule
@@ -49,6 +50,8 @@ def run(cfg: DictConfig) -> dict[str, float]:
     route_lightning_logs()
     record_run_dir(cfg)  # before the config is parsed: the trainer's default_root_dir interpolates it
     settings = parse_gpt(cfg)
+    # before the run directory, the data or any weight: a run that cannot fit its device is refused
+    check_memory(settings)
     session = RunSession.start(
         cfg, settings.run, seed=lambda s: L.seed_everything(s, workers=True, verbose=False)
     )
@@ -101,6 +104,8 @@ def build(settings: GPTRunConfig) -> Parts:
     datamodule.setup("fit")
     corpus = datamodule.corpus
     assert corpus is not None  # setup("fit") prepared it
+    if settings.vocab_from_tokenizer:  # the check again, with the vocabulary now known
+        check_memory(settings, corpus.tokenizer.vocab_size)
     module = GPTLitModule(
         model=settings.with_vocabulary(corpus.tokenizer),
         optim=settings.optim,

@@ -1,0 +1,136 @@
+"""A run larger than its device is refused before any weight exists, with the estimate, what the device has and
+what would fit; ``allow_over_memory=true`` lets it start. The estimates are the planner's (test_model_card.py
+checks them against built models); here: the decision, its message, and that its suggestions are real
+overrides that fit."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from gptlab.config import parse_gpt
+from gptlab.errors import ConfigError
+from gptlab.planning import planner
+from gptlab.planning.fit import OverMemoryError, check_memory, devices_per_node, training_plan
+from gptlab.tasks.gpt import run
+
+GiB = 1024**3
+cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU's RAM is the device here")
+
+
+@cpu_only
+def test_gpt3_is_refused_in_seconds_before_anything_exists(make_cfg, tmp_path):
+    out = tmp_path / "run"
+    cfg = make_cfg("model=gpt3", "logger=wandb", f"paths.output_dir={out}")
+    t0 = time.perf_counter()
+    with pytest.raises(OverMemoryError) as refused:
+        run(cfg)  # the task's own entry, as `python train.py model=gpt3` calls it
+    seconds = time.perf_counter() - t0
+    message = str(refused.value)
+    available = planner.available_host_memory() / GiB
+    assert message.startswith(
+        "This run needs about 3,761.4 GiB per device (174.60B parameters, strategy=auto"
+    )
+    assert "micro-batch 8 x 2048" in message and "weights 650.5 GiB" in message
+    # what the device has: this machine's available RAM, as the kernel reports it now (within 2 GiB of it)
+    stated = float(message.split("this machine has ")[1].split(" GiB")[0].replace(",", ""))
+    assert abs(stated - available) < 2
+    assert "Nothing fits on this device" in message
+    assert "allow_over_memory=true starts it anyway" in message
+    assert seconds < 30, seconds  # arithmetic on the config: no weight, no data (the OOM came after 164 s)
+    # nothing started: no run directory contents, no W&B run, no token cache
+    assert not (out / "wandb").exists() and not (out / "checkpoints").exists()
+    assert not any((Path(cfg.paths.root_dir)).rglob("*.bin"))
+
+
+@cpu_only
+def test_allow_over_memory_lets_the_run_past_the_check(make_cfg):
+    refused = parse_gpt(make_cfg("model=gpt3"))
+    with pytest.raises(OverMemoryError):
+        check_memory(refused)
+    allowed = parse_gpt(make_cfg("model=gpt3", "allow_over_memory=true"))
+    assert allowed.run.allow_over_memory is True
+    estimate = check_memory(allowed)  # passes, and still says what the run needs
+    assert estimate.total > 3_000 * GiB
+
+
+def test_allow_over_memory_must_be_true_or_false(make_cfg):
+    with pytest.raises(ConfigError, match=r"allow_over_memory='yes' must be true or false"):
+        parse_gpt(make_cfg("allow_over_memory=yes"))
+
+
+def test_the_default_and_the_tiny_runs_fit(make_cfg):
+    from conftest import TINY
+
+    for overrides in ([], TINY):
+        estimate = check_memory(parse_gpt(make_cfg(*overrides)))
+        assert estimate.total < 2 * GiB
+
+
+@cpu_only
+def test_the_vocabulary_learned_from_the_data_is_checked_again(make_cfg):
+    """Before the tokenizer exists its vocabulary counts as one id (a lower bound); build() checks again with
+    the real size. A vocabulary whose logits alone exceed the RAM is refused then."""
+    settings = parse_gpt(make_cfg("model=tiny", "data.batch_size=8"))
+    assert settings.vocab_from_tokenizer
+    check_memory(settings)
+    check_memory(settings, vocab_size=50257)
+    # logits and their fp32 copy: 8 bytes per token and id; 8 x 128 tokens
+    too_many = int(2 * planner.available_host_memory() / (8 * 8 * 128))
+    with pytest.raises(OverMemoryError, match="This run needs about"):
+        check_memory(settings, vocab_size=too_many)
+
+
+@cpu_only
+def test_what_would_fit_is_a_set_of_overrides_that_fits(make_cfg):
+    """Each suggestion, applied as the overrides it names, gives the plan whose estimate fits."""
+    settings = parse_gpt(make_cfg("model=gpt2-medium", "data.batch_size=256"))
+    memory = planner.available_host_memory()
+    with pytest.raises(OverMemoryError) as refused:
+        check_memory(settings)
+    message = str(refused.value)
+    suggestions = message.split("Would fit: ")[1].split(". If the estimate")[0].split("; or ")
+    assert any("data.batch_size=" in s for s in suggestions)
+    assert any("activation_checkpointing=true" in s for s in suggestions)
+    for suggestion in suggestions:
+        overrides = suggestion.split(" (")[0].split()
+        if "trainer.accumulate_grad_batches" in suggestion:  # the same sequences per optimizer step
+            batch = int(next(o for o in overrides if o.startswith("data.batch_size=")).split("=")[1])
+            accumulate = int(next(o for o in overrides if o.startswith("trainer.accumulate")).split("=")[1])
+            assert batch * accumulate == 256
+        fixed = parse_gpt(make_cfg("model=gpt2-medium", "data.batch_size=256", *overrides))
+        estimate = check_memory(fixed)  # not refused
+        assert estimate.total <= planner.FIT_FRACTION * memory
+        plan, _ = training_plan(fixed)
+        assert planner.memory_per_device(fixed.model, plan) == estimate
+
+
+def test_fitting_options_on_a_given_device():
+    """The planner's side, on a device of a given size: gpt2-medium, 16 GiB, micro-batch 64."""
+    from gptlab.model.config import GPTConfig
+
+    config = GPTConfig(vocab_size=50257, block_size=1024, n_layer=24, n_head=16, n_embd=1024)
+    plan = planner.TrainingPlan(micro_batch=64)
+    assert not planner.memory_per_device(config, plan).fits(16 * GiB)
+    options = planner.fitting_options(config, 16 * GiB, plan, ["fsdp", "deepspeed_stage_2"])
+    names = [o for o, _ in options]
+    # the largest micro-batch that fits, with as many sequences per optimizer step
+    assert names[0] == "data.batch_size=4 trainer.accumulate_grad_batches=16"
+    assert not planner.memory_per_device(config, replace(plan, micro_batch=8)).fits(16 * GiB)
+    assert names[1].endswith("activation_checkpointing=true")
+    for _, estimate in options:
+        assert estimate.fits(16 * GiB)
+    # on one device a sharded strategy shards nothing: it is never what makes a run fit there
+    assert not any(o.startswith("strategy=") for o in names)
+
+
+@pytest.mark.parametrize(
+    "devices, expected", [(3, 3), ("2", 2), ("0,1", 2), ([0, 1, 2], 3), ("auto", 1), (-1, 1)]
+)
+@cpu_only
+def test_devices_per_node_on_a_cpu(devices, expected):
+    assert devices_per_node({"devices": devices}, "cpu") == expected
