@@ -1,6 +1,7 @@
 """Gradient norm and model FLOPs utilisation: the figures they are built from."""
 
 import csv
+import json
 import time
 
 import lightning as L
@@ -10,8 +11,10 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from gptlab.model import counting
 from gptlab.tracking.loggers import csv_logger
-from gptlab.training.metrics import GradientNorm, TrainingThroughput, measure_matmul_peak
+from gptlab.training import peak
+from gptlab.training.metrics import GradientNorm, TrainingThroughput
 from gptlab.training.module import GPTLitModule
+from gptlab.training.peak import chip_peak, datasheet_flops, measure_matmul_peak, record_calibration
 
 
 def fit_tiny(
@@ -56,20 +59,104 @@ def test_throughput_logs_tokens_per_second_and_mfu_from_the_model_cards_flops(tm
     assert throughput.state_dict() == {"tokens_seen": 128}
 
 
-def test_without_a_configured_peak_a_cpu_is_measured(tmp_path):
+def test_without_a_configured_peak_a_cpu_is_calibrated(tmp_path, monkeypatch):
+    monkeypatch.setenv("GPTLAB_CACHE_DIR", str(tmp_path / "cache"))
     throughput = TrainingThroughput(window=2)
     _, rows = fit_tiny(tmp_path, throughput, max_steps=3)
-    assert throughput.available_flops == measure_matmul_peak("cpu")  # Lightning has no CPU figure
-    peak = [float(r["model/peak_flops_per_device"]) for r in rows if r.get("model/peak_flops_per_device")]
-    assert peak == [throughput.available_flops]
+    # the best figure measured on this machine so far: this process's, the only one in a new cache
+    assert throughput.available_flops == measure_matmul_peak("cpu")
+    assert "best fp32 matmul measured on this CPU" in throughput._source
+    logged = [float(r["model/peak_flops_per_device"]) for r in rows if r.get("model/peak_flops_per_device")]
+    assert logged == [throughput.available_flops]
 
 
 def test_cpu_peak_is_measured_once_per_process():
-    peak = measure_matmul_peak("cpu")
-    assert 1e8 < peak < 1e14
+    figure = measure_matmul_peak("cpu")
+    assert 1e8 < figure < 1e14
     t0 = time.perf_counter()
-    assert measure_matmul_peak("cpu") == peak
+    assert measure_matmul_peak("cpu") == figure
     assert time.perf_counter() - t0 < 0.01
+
+
+def test_the_calibration_keeps_the_best_figure_ever_measured(tmp_path):
+    """A figure measured under load (lower) never replaces a higher one; a higher one does."""
+    path = tmp_path / "peak_flops.json"
+    key = peak.cpu_calibration_key()
+    assert record_calibration(path, key, 326e9) == 326e9
+    assert record_calibration(path, key, 41e9) == 326e9  # a busy machine's reading
+    assert json.loads(path.read_text())[key]["flops"] == 326e9
+    assert record_calibration(path, key, 400e9) == 400e9
+    # another thread count is another figure
+    other = peak.cpu_calibration_key(threads=torch.get_num_threads() + 1)
+    assert other != key and record_calibration(path, other, 50e9) == 50e9
+    # a damaged file counts as empty and is rewritten whole
+    path.write_text('{"truncated": ')
+    assert record_calibration(path, key, 41e9) == 41e9
+    assert json.loads(path.read_text())[key]["flops"] == 41e9
+
+
+def test_a_later_process_reuses_the_calibration_and_never_lowers_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("GPTLAB_CACHE_DIR", str(tmp_path))
+    first, source = peak.cpu_peak_flops()
+    assert str(tmp_path / "peak_flops.json") in source
+    # a later process: its own measurement, against the file the first left
+    monkeypatch.setattr(peak, "_measured", {})
+    second, _ = peak.cpu_peak_flops()
+    remeasured = measure_matmul_peak("cpu")
+    assert second == max(first, remeasured) >= first
+    stored = json.loads((tmp_path / "peak_flops.json").read_text())
+    assert stored[peak.cpu_calibration_key()]["flops"] == second
+
+
+@pytest.mark.parametrize(
+    "name, chip, bf16",
+    [
+        ("NVIDIA H100 80GB HBM3", "H100 SXM", 989.4e12),
+        ("NVIDIA H200", "H200 SXM", 989.4e12),
+        ("NVIDIA H100 PCIe", "H100 PCIe", 756.5e12),
+        ("NVIDIA H100 NVL", "H100 NVL", 835e12),
+        ("NVIDIA A100-SXM4-80GB", "A100", 312e12),
+        ("NVIDIA A100 80GB PCIe", "A100", 312e12),
+        ("NVIDIA L40S", "L40S", 362e12),
+        ("NVIDIA L4", "L4", 121e12),
+    ],
+)
+def test_a_gpus_peak_is_its_dense_datasheet_figure_by_name(name, chip, bf16):
+    found = chip_peak(name)
+    assert found is not None and found.name == chip and found.bf16 == bf16
+    assert datasheet_flops(name, torch.bfloat16, tf32=True) == (bf16, f"{chip} bf16")
+
+
+def test_fp32_on_a_gpu_is_tf32_where_torch_allows_it_and_unknown_gpus_have_no_figure():
+    assert datasheet_flops("NVIDIA A100-SXM4-40GB", torch.float32, tf32=True) == (156e12, "A100 tf32")
+    assert datasheet_flops("NVIDIA A100-SXM4-40GB", torch.float32, tf32=False) == (19.5e12, "A100 fp32")
+    assert datasheet_flops("Tesla T4", torch.bfloat16, tf32=True) is None  # no bf16 unit: measured instead
+    assert datasheet_flops("Tesla T4", torch.float16, tf32=True) == (65e12, "T4 fp16")
+    assert chip_peak("NVIDIA A10G") is None and chip_peak("NVIDIA GeForce GTX 1080") is None
+
+
+@pytest.mark.gpu
+def test_a_gpus_datasheet_peak_is_above_what_it_measures():
+    device = torch.device("cuda")
+    figure, source = peak.device_peak_flops(device, torch.bfloat16)
+    if chip_peak(torch.cuda.get_device_name(device)) is None:
+        pytest.skip(f"{torch.cuda.get_device_name(device)} is not in the datasheet table")
+    assert source.startswith("datasheet")
+    measured = measure_matmul_peak(device, torch.bfloat16)
+    assert 0.5 * figure < measured <= figure, (measured, figure)
+
+
+def test_an_mfu_above_one_is_never_logged_as_mfu(tmp_path, caplog):
+    # a peak far below what the tiny model does: every window is above 100%
+    throughput = TrainingThroughput(window=2, peak_flops=1.0)
+    with caplog.at_level("WARNING", logger="gptlab.training.metrics"):
+        _, rows = fit_tiny(tmp_path, throughput, max_steps=4)
+    rated = [r for r in rows if r.get("train/tokens_per_second")]
+    assert rated
+    assert not any(r.get("train/mfu") or r.get("train/device/mfu") for r in rows)
+    assert all(float(r["train/mfu_above_peak"]) > 1 for r in rated)
+    warnings = [r.getMessage() for r in caplog.records if "above 100%" in r.getMessage()]
+    assert len(warnings) == 1 and "the peak is too low" in warnings[0] and "configured" in warnings[0]
 
 
 def test_gradient_norm_is_taken_before_clipping(tmp_path):

@@ -2,8 +2,9 @@
 
 Throughput and MFU are Lightning's (``ThroughputMonitor``, ``get_available_flops``): MFU is the share of the
 hardware's peak that the model's own arithmetic uses (PaLM, Chowdhery et al. 2022, appendix B), tokens per
-second x FLOPs per token / peak FLOP/s. What Lightning lacks is added here: a peak for CPUs (Lightning
-knows datasheet figures for GPUs and TPUs only; here it is a measured fp32 matrix-multiply rate), the
+second x FLOPs per token / peak FLOP/s. What Lightning lacks is added here: a peak that a busy machine
+cannot lower (gptlab.training.peak: dense datasheet figures for GPUs, the best calibrated fp32 matmul rate for
+CPUs), an MFU above 100% never logged as one (it shows that the peak is wrong, not the run fast), the
 project's metric names (``train/tokens_per_second``, ``train/mfu``) and a token count that survives resume.
 """
 
@@ -15,54 +16,20 @@ from typing import TYPE_CHECKING, Any, cast
 
 import lightning as L
 import torch
-from lightning.fabric.utilities.throughput import get_available_flops
 from lightning.pytorch.callbacks import ThroughputMonitor
 from lightning.pytorch.callbacks.throughput_monitor import _plugin_to_compute_dtype
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
+
+from gptlab.training.peak import device_peak_flops
 
 if TYPE_CHECKING:
     from gptlab.training.module import GPTLitModule
 
 log = logging.getLogger(__name__)
 
-_measured_peak: dict[tuple[str, str], float] = {}
 
-
-def measure_matmul_peak(device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> float:
-    """The best of a few square matrix products on ``device``, in FLOP/s; measured once per process and
-    device, then cached (about 0.2 s on two CPU cores)."""
-    device = torch.device(device)
-    key = (str(device), str(dtype))
-    if key in _measured_peak:
-        return _measured_peak[key]
-    n = 1024 if device.type == "cpu" else 8192
-    a = torch.randn(n, n, device=device, dtype=dtype)
-    b = torch.randn(n, n, device=device, dtype=dtype)
-    best = float("inf")
-    for _ in range(6):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
-        a @ b
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        best = min(best, time.perf_counter() - t0)
-    _measured_peak[key] = 2.0 * n**3 / best
-    return _measured_peak[key]
-
-
-def device_peak_flops(device: torch.device, dtype: torch.dtype) -> tuple[float, str]:
-    """(peak FLOP/s of one device, where the figure comes from): Lightning's datasheet figure for known
-    GPUs and TPUs, else a measured matrix-multiply rate (CPUs, unknown GPUs)."""
-    peak = get_available_flops(device, dtype)
-    if peak:
-        name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
-        return float(peak), f"datasheet {name} ({dtype})"
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        return measure_matmul_peak(device, dtype), f"measured {name} ({dtype})"
-    threads = torch.get_num_threads()
-    return measure_matmul_peak("cpu", torch.float32), f"measured CPU fp32 matmul, {threads} threads"
+def _rate(flops: float) -> str:
+    return f"{flops / 1e12:.1f} TFLOP/s" if flops >= 1e12 else f"{flops / 1e9:.1f} GFLOP/s"
 
 
 def _batch_rows(batch: Any) -> int:
@@ -126,8 +93,9 @@ class TrainingThroughput(ThroughputMonitor):
     process's totals, for the rate over the whole run.
 
     ``window``: steps per rate; null: ``trainer.log_every_n_steps``. ``peak_flops``: FLOP/s of one device;
-    null: Lightning's datasheet figure for the device and precision, or a measured matrix-multiply rate where
-    Lightning has none (CPUs). The FLOPs of a batch come from the module's ``flops_per_batch``
+    null: the GPU's dense datasheet figure for the compute dtype, or on a CPU the best matrix-multiply rate
+    calibrated on this machine (gptlab.training.peak). A window whose MFU exceeds 1 logs it as
+    ``train/mfu_above_peak``, not as ``train/mfu`` or ``train/device/mfu``. The FLOPs of a batch come from the module's ``flops_per_batch``
     (model/counting.py). Validation throughput itself is not logged.
     """
 
@@ -139,6 +107,7 @@ class TrainingThroughput(ThroughputMonitor):
         self.tokens_per_second: float | None = None  # the last logged rate, for the progress bar
         self.run_tokens = 0  # tokens trained by this process (all ranks)
         self._validation_t0: float | None = None
+        self._warned_above_peak = False
 
     @property
     def training_seconds(self) -> float:
@@ -176,7 +145,7 @@ class TrainingThroughput(ThroughputMonitor):
         self._throughputs[RunningStage.TRAINING].update(time=0.0, batches=0, samples=0, lengths=0, flops=0)
         peak = self.available_flops
         assert peak is not None  # set in setup
-        rate = f"{peak / 1e12:.1f} TFLOP/s" if peak >= 1e12 else f"{peak / 1e9:.1f} GFLOP/s"
+        rate = _rate(peak)
         datamodule = trainer.datamodule  # type: ignore[attr-defined]  # set by Lightning's data connector, undeclared
         module = cast("GPTLitModule", pl_module)
         flops_per_token = module.flops_per_token(getattr(datamodule, "block_size", None))
@@ -222,8 +191,24 @@ class TrainingThroughput(ThroughputMonitor):
         if "device/items_per_sec" in metrics:
             self.tokens_per_second = metrics["device/items_per_sec"] * trainer.world_size
             logged["train/tokens_per_second"] = self.tokens_per_second
-        if "device/mfu" in metrics:  # the mean over devices equals any one device's share of its own peak
-            logged["train/mfu"] = metrics["device/mfu"]
+        mfu = metrics.get("device/mfu")
+        if mfu is not None and mfu > 1.0:
+            # More than the peak is impossible: the peak is too low (a CPU calibrated under load, a GPU whose
+            # measured figure fell short). Logged apart, under a name no table reads as MFU.
+            for key in [k for k in logged if k.endswith("mfu")]:
+                del logged[key]
+            logged["train/mfu_above_peak"] = mfu
+            if not self._warned_above_peak:
+                self._warned_above_peak = True
+                log.warning(
+                    "MFU %.0f%% is above 100%% against the peak of %s (%s): the peak is too low, so train/mfu "
+                    "is not logged while it is; the ratio goes to train/mfu_above_peak instead",
+                    100 * mfu,
+                    _rate(self.available_flops or 0.0),
+                    self._source,
+                )
+        elif mfu is not None:  # the mean over devices equals any one device's share of its own peak
+            logged["train/mfu"] = mfu
         trainer._logger_connector.log_metrics(logged, step=iter_num)  # type: ignore[arg-type]  # typed for tensors; numbers are logged as they are
 
     def state_dict(self) -> dict[str, Any]:
