@@ -15,7 +15,7 @@ import torch
 from gptlab.config import parse_gpt
 from gptlab.errors import ConfigError
 from gptlab.planning import planner
-from gptlab.planning.fit import OverMemoryError, check_memory, devices_per_node, training_plan
+from gptlab.planning.fit import OverMemoryError, check_memory, training_plan
 from gptlab.tasks.gpt import run
 
 GiB = 1024**3
@@ -128,9 +128,12 @@ def test_fitting_options_on_a_given_device():
     assert not any(o.startswith("strategy=") for o in names)
 
 
-@pytest.mark.parametrize(
-    "devices, expected", [(3, 3), ("2", 2), ("0,1", 2), ([0, 1, 2], 3), ("auto", 1), (-1, 1)]
-)
 @cpu_only
-def test_devices_per_node_on_a_cpu(devices, expected):
-    assert devices_per_node({"devices": devices}, "cpu") == expected
+def test_processes_on_one_machine_share_its_ram_and_rank_zero_decides(make_cfg, monkeypatch):
+    overrides = ("model=gpt3", "trainer.accelerator=cpu", "trainer.devices=2", "strategy=ddp")
+    settings = parse_gpt(make_cfg(*overrides))
+    with pytest.raises(OverMemoryError, match=r"shared by 2 training processes: [\d.,]+ GiB each"):
+        check_memory(settings)
+    # the second process (LOCAL_RANK=1, started once rank 0 passed) does not decide again
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert check_memory(settings).n_devices == 2

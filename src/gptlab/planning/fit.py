@@ -13,6 +13,7 @@ Pure arithmetic on the typed config (no model is built): it answers for a 175B m
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -48,32 +49,15 @@ class DeviceMemory:
     description: str
 
 
-def devices_per_node(trainer: dict[str, Any], device_type: str) -> int:
-    """The training processes Lightning starts on this machine for ``trainer.devices``."""
-    import torch
-
-    devices = trainer.get("devices", "auto")
-    if isinstance(devices, (list, tuple)):
-        return max(1, len(devices))
-    if isinstance(devices, str):
-        text = devices.strip()
-        if "," in text:
-            return max(1, len([d for d in text.split(",") if d.strip()]))
-        devices = int(text) if text.lstrip("-").isdigit() else text
-    if isinstance(devices, int) and not isinstance(devices, bool) and devices > 0:
-        return devices
-    # "auto" or -1: every GPU; on a CPU Lightning's "auto" is one process
-    if device_type == "cuda" and torch.cuda.is_available():
-        return max(1, torch.cuda.device_count())
-    return 1
-
-
 def training_plan(settings: GPTRunConfig) -> tuple[TrainingPlan, int]:
     """The run's plan as the planner takes it, and its processes on this machine."""
-    from gptlab.preflight import training_device_type
+    from gptlab.parallel.hardware import devices_per_node
 
     trainer = settings.trainer
-    local = devices_per_node(trainer, training_device_type(trainer))
+    try:
+        local = max(1, devices_per_node(trainer))
+    except (TypeError, ValueError):  # a malformed trainer.devices: Lightning names it
+        local = 1
     nodes = trainer.get("num_nodes") or 1
     precision = str(trainer.get("precision"))
     plan = TrainingPlan(
@@ -124,6 +108,10 @@ def check_memory(settings: GPTRunConfig, vocab_size: int | None = None) -> Memor
     certain. Returns the estimate."""
     from gptlab.preflight import training_device_type
 
+    if int(os.environ.get("LOCAL_RANK", "0") or 0) != 0:
+        # a process that Lightning or torchrun started beside local rank 0, which decided for this machine
+        # (its free memory now counts what the others hold: it would answer otherwise)
+        return memory_per_device(settings.model, training_plan(settings)[0])
     model = settings.model
     if vocab_size is not None:
         model = dataclasses.replace(model, vocab_size=vocab_size)
@@ -185,4 +173,4 @@ def _gib(n: float) -> str:
     return f"{n / GiB:,.1f} GiB" if n >= 0.1 * GiB else f"{n / 2**20:,.0f} MiB"
 
 
-__all__ = ["OverMemoryError", "check_memory", "devices_per_node", "training_plan"]
+__all__ = ["OverMemoryError", "check_memory", "training_plan"]
