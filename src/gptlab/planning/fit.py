@@ -13,6 +13,7 @@ Pure arithmetic on the typed config (no model is built): it answers for a 175B m
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -34,6 +35,9 @@ from gptlab.planning.planner import (
 
 if TYPE_CHECKING:
     from gptlab.config import GPTRunConfig
+
+
+log = logging.getLogger(__name__)
 
 
 class OverMemoryError(ConfigError):
@@ -75,6 +79,7 @@ def device_memory(device_type: str, processes: int) -> DeviceMemory:
     """The memory one training process has: its GPU's, or its share of the host's available RAM."""
     if device_type == "cuda":
         total, name = device_memory_bytes("cuda")
+        name = name.split(",")[0]  # the description's size is said here
         return DeviceMemory("cuda", total, f"the GPU has {total / GiB:,.1f} GiB ({name})")
     available = available_host_memory()
     share = (
@@ -122,7 +127,16 @@ def check_memory(settings: GPTRunConfig, vocab_size: int | None = None) -> Memor
         return estimate  # no figure for other devices (MPS shares the host's memory in its own way)
     device = device_memory(kind, local)
     needed = estimate.total + (estimate.host if kind == "cpu" else 0.0)
-    if needed <= FIT_FRACTION * device.bytes or settings.run.allow_over_memory:
+    if needed <= FIT_FRACTION * device.bytes:
+        return estimate
+    if settings.run.allow_over_memory:
+        log.warning(
+            "allow_over_memory=true: this run needs about %s per device, more than %.0f%% of the %s its "
+            "device has; starting it anyway",
+            _gib(needed),
+            100 * FIT_FRACTION,
+            _gib(device.bytes),
+        )
         return estimate
     accumulate = settings.trainer.get("accumulate_grad_batches") or 1
     strategies = runnable_strategies(settings, plan.n_devices)
@@ -138,7 +152,10 @@ def refusal(
     accumulate: int = 1,
 ) -> str:
     """The message: the estimate and its parts, the device, what would fit, and the escape."""
-    parts = f"weights {_gib(estimate.weights)}, gradients {_gib(estimate.gradients)}, AdamW {_gib(estimate.optimizer)}, activations {_gib(estimate.activations)}"
+    parts = (
+        f"weights {_gib(estimate.weights)}, gradients {_gib(estimate.gradients)}, AdamW "
+        f"{_gib(estimate.optimizer)}, activations {_gib(estimate.activations)}"
+    )
     if estimate.buffers:
         parts += f", buffers {_gib(estimate.buffers)}"
     if estimate.host:
