@@ -1,6 +1,6 @@
 """Training diagnostics: throughput and model FLOPs utilisation (MFU), and the gradient norm before clipping.
 
-Throughput and MFU are Lightning's (``ThroughputMonitor``, ``get_available_flops``): MFU is the share of the
+Throughput and MFU are Lightning's (``ThroughputMonitor``): MFU is the share of the
 hardware's peak that the model's own arithmetic uses (PaLM, Chowdhery et al. 2022, appendix B), tokens per
 second x FLOPs per token / peak FLOP/s. What Lightning lacks is added here: a peak that a busy machine
 cannot lower (gptlab.training.peak: dense datasheet figures for GPUs, the best calibrated fp32 matmul rate for

@@ -194,7 +194,7 @@ def cpu_peak_flops() -> tuple[float, str]:
     path = calibration_path()
     best = record_calibration(path, cpu_calibration_key(), measured)
     threads = torch.get_num_threads()
-    return best, f"best fp32 matmul measured on this CPU, {threads} threads ({path})"
+    return best, f"best fp32 matmul measured on this CPU at {threads} thread(s), kept in {path}"
 
 
 def device_peak_flops(device: torch.device, dtype: torch.dtype) -> tuple[float, str]:
