@@ -1,7 +1,7 @@
 """Every GPU path of gptlab, run and measured on one CUDA GPU, in one command of under 8 minutes.
 
     bash scripts/make_gpu_wheels.sh                   # where the package index is reachable: .gpu_wheels/
-    python3 scripts/gpu_check.py --wheels .gpu_wheels --out results/   # on the GPU machine
+    python3 scripts/gpu_check.py --wheels .gpu_wheels --out /tmp/gpu_check --summary results/   # GPU machine
     python3 scripts/gpu_check.py --cpu-smoke --out /tmp/smoke         # each section at toy size, on the CPU
 
 The GPU machine has torch (a CUDA build, 2.11 or newer) and no package index: ``--wheels`` installs the folder of
@@ -25,7 +25,9 @@ time limit, so that a crash, a hang or an out-of-memory error costs that section
 - ``word2vec``: ``task=word2vec`` on CUDA against the CPU, words/s.
 
 Everything goes to ``--out``: ``gpu_check.json`` (every figure, each section's status, seconds and error) and
-``gpu_check.md`` (the table, also printed last). ``--only SECTION ...`` reruns some sections.
+``gpu_check.md`` (the table, also printed last), rewritten after each section; ``--summary DIR`` also puts those two
+and the tests' log in DIR, alone. ``--only SECTION ...`` reruns some sections. The exit status is 0 when every
+section that ran is ok.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import argparse
 import json
 import math
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -202,7 +205,12 @@ def section_gpu_tests(ctx: Context) -> dict[str, Any]:
     import xml.etree.ElementTree as ET
 
     report = ctx.out / "gpu_tests.xml"
-    cmd = [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "-rfEs"]
+    # The files that hold gpu tests, and only those: a file whose imports the GPU image lacks (lm-eval, mkdocs)
+    # and that has no gpu test is not collected at all
+    files = sorted(
+        str(f.relative_to(ROOT)) for f in (ROOT / "tests").glob("test_*.py") if "mark.gpu" in f.read_text()
+    )
+    cmd = [sys.executable, "-m", "pytest", *files, "-m", "gpu", "-q", "-p", "no:cacheprovider", "-rfEs"]
     cmd += ["--continue-on-collection-errors", f"--junitxml={report}"]
     if ctx.smoke:
         cmd += ["-n", "0", "--collect-only"]  # the CPU cannot run them: check that they are all found
@@ -220,21 +228,25 @@ def section_gpu_tests(ctx: Context) -> dict[str, Any]:
         }
     counts = {"passed": 0, "failed": 0, "errors": 0, "skipped": 0}
     failed: list[str] = []
+    skipped: list[str] = []
     if report.exists():
         for case in ET.parse(report).getroot().iter("testcase"):
             name = f"{case.get('classname')}::{case.get('name')}"
+            error, skip = case.find("error"), case.find("skipped")
             if case.find("failure") is not None:
                 counts["failed"] += 1
                 failed.append(name)
-            elif case.find("error") is not None:
+            elif error is not None:  # an error in a fixture, or a file that could not be collected
                 counts["errors"] += 1
-                failed.append(name)
-            elif case.find("skipped") is not None:
+                failed.append(f"{name} ({(error.get('message') or '')[:200]})")
+            elif skip is not None:
                 counts["skipped"] += 1
+                skipped.append(f"{case.get('name')}: {(skip.get('message') or '')[:120]}")
             else:
                 counts["passed"] += 1
     ok = proc.returncode == 0 and counts["passed"] > 0
-    return {"ok": ok, "rows": [{**counts, "failed_tests": ", ".join(failed) or "-"}], "log": tail}
+    row = {**counts, "failed_tests": "; ".join(failed) or "-", "skipped_tests": "; ".join(skipped) or "-"}
+    return {"ok": ok, "rows": [row], "files": files, "log": tail}
 
 
 def section_gpt2(ctx: Context) -> dict[str, Any]:
@@ -400,6 +412,7 @@ def section_attention(ctx: Context) -> dict[str, Any]:
         flex, sdpa = (_attention_row(ctx, device, config, batch, route) for route in ("flex", "sdpa"))
         equal = abs(flex["loss"] - sdpa["loss"]) < 2e-2
         flex["same_loss"] = sdpa["same_loss"] = equal
+        flex["speed_vs_sdpa"] = round(flex["tokens_per_s"] / sdpa["tokens_per_s"], 2)
         ok &= equal
         rows += [flex, sdpa]
     return {"ok": ok, "rows": rows}
@@ -596,11 +609,14 @@ def run_in_child(section: Section, ctx: Context, budget_s: float) -> dict[str, A
     t0 = time.perf_counter()
     log = ctx.out / f"section-{section.name}.log"
     with open(log, "w") as f:
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env=_child_env())
+        # a session of its own: at the time limit the section goes with every process it started (train.py)
+        proc = subprocess.Popen(
+            cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env=_child_env(), start_new_session=True
+        )
         try:
             proc.wait(timeout=budget_s)
         except subprocess.TimeoutExpired:
-            proc.kill()
+            os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
             return {"status": "timeout", "error": f"stopped after its {budget_s:g} s", "seconds": budget_s}
     if result_file.exists():
@@ -641,6 +657,18 @@ def markdown(results: dict[str, dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def write_report(results: dict[str, dict[str, Any]], out: Path, summary: Path | None = None) -> None:
+    """gpu_check.json and gpu_check.md in ``out``; also, with gpu_tests.log, in ``summary`` (a folder that
+    should receive a few files only, like the device machine's $OUT)."""
+    for folder in (out, summary) if summary else (out,):
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "gpu_check.json").write_text(json.dumps(results, indent=1, default=str))
+        (folder / "gpu_check.md").write_text(markdown(results) + "\n")
+        log = out / "gpu_tests.log"
+        if folder != out and log.exists():
+            (folder / "gpu_tests.log").write_text(log.read_text())
+
+
 def install_wheels(folder: Path) -> None:
     """Install the wheels into SITE (no index, no dependencies) and record their names."""
     wheels = sorted(folder.glob("*.whl"))
@@ -667,7 +695,8 @@ def install_wheels(folder: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=ROOT / "outputs" / "gpu_check")
+    parser.add_argument("--out", type=Path, default=ROOT / "outputs" / "gpu_check", help="every file")
+    parser.add_argument("--summary", type=Path, help="also write the JSON, the table and the test log here")
     parser.add_argument(
         "--wheels", type=Path, help="a folder of wheels to install first (make_gpu_wheels.sh)"
     )
@@ -714,10 +743,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gpu_check: {section.name} (up to {budget:.0f} s)", flush=True)
         results[section.name] = run_in_child(section, ctx, budget)
         print(f"gpu_check: {section.name}: {results[section.name]['status']}", flush=True)
-    (ctx.out / "gpu_check.json").write_text(json.dumps(results, indent=1, default=str))
-    table = markdown(results)
-    (ctx.out / "gpu_check.md").write_text(table + "\n")
-    print(table)
+        write_report(results, ctx.out, args.summary)  # after each section: a kill keeps what was measured
+    print(markdown(results))
     return 0 if all(r.get("status") == "ok" for r in results.values()) else 1
 
 

@@ -197,7 +197,10 @@ def test_kv_cache_decoding_equals_recomputing_on_cuda(pos):
         pieces = [model(idx[:, :12], cache=cache)[0]]
         for t in range(12, 20):
             pieces.append(model(idx[:, t : t + 1], cache=cache)[0])
+    # the whole sequence takes FlexAttention for alibi and relative, the cached steps the dense route
     torch.testing.assert_close(torch.cat(pieces, dim=1), full, rtol=1e-4, atol=1e-4)
+    if pos in ("alibi", "relative"):
+        return  # without a cache each new length would compile FlexAttention anew: greedy decoding below
     prompt = idx[:1, :5]
     a = model.generate(prompt, 40, use_cache=True)  # past block_size: the window slides
     b = model.generate(prompt, 40, use_cache=False)
