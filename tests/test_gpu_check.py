@@ -40,9 +40,9 @@ def test_each_section_runs_at_toy_size(smoke):
 
 def test_the_loss_section_holds_every_impl_to_the_fp32_reference(smoke):
     rows = {r["impl"]: r for r in smoke["loss"]["rows"]}
-    assert list(rows) == ["plain", "chunked", "torch", "liger", "cce"]
-    for impl in ("plain", "chunked", "torch"):
-        if impl == "torch" and not torch_features.has("linear_cross_entropy"):  # torch < 2.13
+    assert list(rows) == ["plain", "chunked", "torch", "liger", "cce", "chunked (64 rows)", "torch (64 rows)"]
+    for impl in ("plain", "chunked", "torch", "chunked (64 rows)", "torch (64 rows)"):
+        if impl.startswith("torch") and not torch_features.has("linear_cross_entropy"):  # torch < 2.13
             assert rows[impl]["status"].startswith("not run: needs torch's chunked output layer")
             continue
         assert rows[impl]["status"] == "equal" and float(rows[impl]["grad_rel_error"]) < 1e-4
