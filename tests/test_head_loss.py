@@ -5,6 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from gptlab import torch_features
 from gptlab.errors import ConfigError
 from gptlab.model.config import GPTConfig
 from gptlab.model.gpt import GPT
@@ -18,6 +19,12 @@ from gptlab.model.head_loss import (
 from gptlab.training.module import GPTLitModule, build_head_loss
 
 TOL = dict(rtol=1e-5, atol=1e-5)
+# loss.impl=torch: F.linear_cross_entropy with its options, in torch >= 2.13 (an older torch refuses it at config
+# time: tests/test_torch_range.py)
+needs_torch_lce = pytest.mark.skipif(
+    not torch_features.has("linear_cross_entropy"), reason="the installed torch has no F.linear_cross_entropy"
+)
+TORCH_IMPL = pytest.param("torch", marks=needs_torch_lce)
 
 
 def problem(n=37, c=16, v=101, bias=False, ignore_every=5, seed=0):
@@ -51,6 +58,7 @@ def test_loss_and_gradients_equal_the_plain_path(chunk_rows, bias):
         torch.testing.assert_close(got, want, **TOL)
 
 
+@needs_torch_lce
 @pytest.mark.parametrize("chunk_rows", [1, 7, 16, 37, 100, None])
 @pytest.mark.parametrize("bias", [False, True])
 def test_torchs_function_gives_the_loss_and_gradients_of_the_plain_path(chunk_rows, bias):
@@ -67,6 +75,7 @@ def test_torchs_function_gives_the_loss_and_gradients_of_the_plain_path(chunk_ro
     assert torch.all(grads[0][targets == -1] == 0)  # an ignored row sends no gradient to its hidden state
 
 
+@needs_torch_lce
 def test_torchs_function_takes_leading_dimensions_and_an_upstream_gradient():
     hidden, weight, _, targets = problem(n=24)
     (reference(hidden, weight, None, targets) * 0.25).backward()
@@ -112,7 +121,7 @@ def test_without_grad_mode_only_the_loss_is_computed():
     torch.testing.assert_close(loss, reference(hidden, weight, None, targets).detach(), **TOL)
 
 
-@pytest.mark.parametrize("impl", ["chunked", "torch"])
+@pytest.mark.parametrize("impl", ["chunked", TORCH_IMPL])
 @pytest.mark.parametrize("tie_weights", [True, False])
 @pytest.mark.parametrize("bias", [True, False])
 def test_the_whole_model_trains_the_same_with_the_chunked_head(tie_weights, bias, impl):
@@ -148,7 +157,8 @@ def test_the_default_chunk_buffer_stays_below_glibcs_mmap_threshold():
 def test_auto_takes_the_chunked_path_on_cpu_and_cuda_kernels_are_refused_there():
     assert HeadLoss("auto").resolve("cpu") == "chunked"
     assert HeadLoss("plain").resolve("cpu") == "plain"
-    assert HeadLoss("torch").resolve("cpu") == "torch"
+    if torch_features.has("linear_cross_entropy"):
+        assert HeadLoss("torch").resolve("cpu") == "torch"
     for impl in ("liger", "cce"):
         message = f"loss.impl={impl} cannot run on cpu: it is a CUDA kernel"
         with pytest.raises(RuntimeError, match=message):
@@ -179,7 +189,7 @@ def test_auto_takes_the_chunked_path_on_cpu_and_cuda_kernels_are_refused_there()
         ({"cut_cross_entropy"}, "cce", None),
         (set(), "auto", None),
         (set(), "chunked", None),
-        (set(), "torch", None),
+        pytest.param(set(), "torch", None, marks=needs_torch_lce),
     ],
 )
 def test_on_a_cuda_machine_a_kernel_whose_package_is_missing_is_refused(installed, impl, verdict):
@@ -250,7 +260,7 @@ def test_cuda_kernels_equal_the_plain_path(impl, package):
 
 @pytest.mark.gpu
 @cuda
-@pytest.mark.parametrize("impl", ["chunked", "torch"])
+@pytest.mark.parametrize("impl", ["chunked", TORCH_IMPL])
 def test_chunked_path_runs_on_cuda(impl):
     hidden, weight, _, targets = problem(n=300, c=32, v=1001)
     hidden, weight, targets = (

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from gptlab import torch_features
 from gptlab.model.parametrization import attention_scale
 
 if TYPE_CHECKING:
@@ -55,15 +56,12 @@ class KVCache:
 
 
 def flex_attention_available(device: torch.device, head_dim: int = 64) -> bool:
-    """FlexAttention trains on CUDA only (no CPU backward in torch 2.13); its Triton tiles want heads of at
-    least 16 dimensions."""
+    """Whether the bias schemes take FlexAttention here: it trains on CUDA only (no CPU backward in torch
+    2.13), its Triton tiles want heads of at least 16 dimensions, and the installed torch must have it
+    (``gptlab.torch_features``); otherwise the dense SDPA route, which gives the same result."""
     if device.type != "cuda" or head_dim < 16:
         return False
-    try:
-        import torch.nn.attention.flex_attention  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return torch_features.has("flex_attention")
 
 
 @functools.cache

@@ -18,8 +18,10 @@ are 1.6 GB in fp32, and again for their gradient. Four ways to the same loss and
 - On CUDA, the field's kernels: ``liger`` (Liger-Kernel's fused linear cross-entropy) and ``cce`` (Cut
   Cross-Entropy, Wijmans et al. 2024, arXiv:2411.09009), when installed (``pip install -e ".[gpu]"``).
 
-``auto`` picks ``cce``, then ``liger`` on CUDA when installed, else ``chunked``. On CPU ``chunked`` is kept
-ahead of ``torch`` because it was measurably faster with two threads and smaller at every chunk size
+``auto`` takes the first of ``AUTO_ORDER[device type]`` that can run here: on CUDA ``cce``, then ``liger``
+when installed, else ``chunked``; on CPU ``chunked``. ``torch`` needs torch >= 2.13 (``gptlab.torch_features``):
+an older torch refuses ``loss.impl=torch`` at config time and ``auto`` never takes it. On CPU ``chunked`` is
+kept ahead of ``torch`` because it was measurably faster with two threads and smaller at every chunk size
 (``python scripts/benchmark_head_loss.py``, fp32, 2-core CPU, torch 2.13; medians of interleaved rounds):
 
 - time, at the same chunk size, default run's shape (N = 8 x 128, D = 128, V = 50,257), the 2 threads
@@ -49,6 +51,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from gptlab import torch_features
 
 IMPLEMENTATIONS = ("auto", "chunked", "torch", "plain", "liger", "cce")
 
@@ -220,6 +224,15 @@ def _cce(hidden: Tensor, weight: Tensor, targets: Tensor, bias: Tensor | None, i
     )
 
 
+# What ``auto`` takes, per device type: the first that can run here (``available``). ``chunked`` runs
+# anywhere and closes each list. CPU: ``chunked`` was faster and smaller than ``torch`` (module docstring).
+# CUDA: the fused kernels first, by their published figures; scripts/gpu_check.py times every impl at
+# B*T = 8,192, V = 50,257 on the GPU, and this order is the place to put its measured ranking.
+AUTO_ORDER: dict[str, tuple[str, ...]] = {
+    "cuda": ("cce", "liger", "chunked"),
+    "cpu": ("chunked",),
+}
+
 # The CUDA kernels: (module to import, package to install).
 KERNELS = {"liger": ("liger_kernel", "liger-kernel"), "cce": ("cut_cross_entropy", "cut-cross-entropy")}
 
@@ -233,9 +246,18 @@ def installed_kernel_modules() -> set[str]:
 
 def unavailable_reason(impl: str, device_type: str, installed: Collection[str] | None = None) -> str | None:
     """Why ``impl`` cannot run on a ``device_type`` device ("cpu", "cuda", ...) with the ``installed``
-    modules (default: those importable here), or None when it can."""
+    modules (default: those importable here) and the installed torch, or None when it can."""
+    if impl == "torch":
+        feature = torch_features.FEATURES["linear_cross_entropy"]
+        missing = feature.missing()
+        if missing:
+            return (
+                f"needs {feature.what}, new in torch {feature.since}; the installed torch "
+                f"{torch.__version__} lacks {', '.join(missing)}"
+            )
+        return None
     if impl not in KERNELS:
-        return None  # chunked, torch, plain and auto run anywhere
+        return None  # chunked, plain and auto run anywhere
     module, package = KERNELS[impl]
     if device_type != "cuda":
         return f"cannot run on {device_type}: it is a CUDA kernel (it needs a CUDA GPU and its package)"
@@ -251,11 +273,15 @@ def refusal(impl: str, device_type: str, installed: Collection[str] | None = Non
     if reason is None:
         return None
     fallback = HeadLoss("auto").resolve(device_type, installed)
+    if impl == "torch":
+        fix = f"Install torch>={torch_features.FEATURES['linear_cross_entropy'].since}, or use"
+    elif device_type == "cuda":
+        fix = 'Install it with pip install -e ".[gpu]", or use'
+    else:
+        fix = "Use"
     return (
-        f"loss.impl={impl} {reason}. "
-        + ('Install it with pip install -e ".[gpu]", or use' if device_type == "cuda" else "Use")
-        + f" loss.impl=auto (here: {fallback}) or loss.impl=chunked; every loss.impl gives the same loss "
-        "and gradients."
+        f"loss.impl={impl} {reason}. {fix} loss.impl=auto (here: {fallback}) or loss.impl=chunked; every "
+        "loss.impl gives the same loss and gradients."
     )
 
 
@@ -287,10 +313,8 @@ class HeadLoss:
         importable here): ``auto`` made concrete; a CUDA kernel asked for where it cannot run raises an
         error that says what to install or choose instead (a run refuses it at config time: ``refusal``)."""
         if self.impl == "auto":
-            for impl in ("cce", "liger"):
-                if available(impl, device, installed):
-                    return impl
-            return "chunked"
+            order = AUTO_ORDER.get(torch.device(device).type, AUTO_ORDER["cpu"])
+            return next(impl for impl in order if available(impl, device, installed))
         message = refusal(self.impl, torch.device(device).type, installed)
         if message is not None:
             raise RuntimeError(message)

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from gptlab import torch_features
 from gptlab.errors import ConfigError
 from gptlab.registry import check_keys
 
@@ -110,6 +111,8 @@ def check_optim(optim: dict[str, Any], max_steps: int | None = None) -> dict[str
                 "the run: shorten the warmup, lower optim.decay_fraction or raise trainer.max_steps."
             )
     if name == "muon":
+        # torch.optim.Muon is in torch >= 2.9: an older one is refused here, not at the first step
+        torch_features.require("muon", "optim=muon", "optim=adamw")
         if not merged["muon_lr"] > 0:
             raise ConfigError(
                 f"optim.muon_lr={merged['muon_lr']} must be positive (e.g. optim.muon_lr=0.02)."

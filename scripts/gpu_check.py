@@ -1,0 +1,760 @@
+"""Every GPU path of gptlab, run and measured on one CUDA GPU, in one command of under 8 minutes.
+
+    bash scripts/make_gpu_wheels.sh                   # where the package index is reachable: .gpu_wheels/
+    python3 scripts/gpu_check.py --wheels .gpu_wheels --out /tmp/gpu_check --summary results/   # GPU machine
+    python3 scripts/gpu_check.py --cpu-smoke --out /tmp/smoke         # each section at toy size, on the CPU
+
+The GPU machine has torch (a CUDA build, 2.11 or newer) and no package index: ``--wheels`` installs the folder of
+wheels (``pip install --no-index --no-deps --target``) into a directory of its own and runs the check again with
+that directory and ``src/`` on ``PYTHONPATH``. Each section then runs in a child process of its own, with its own
+time limit, so that a crash, a hang or an out-of-memory error costs that section and nothing else:
+
+- ``environment``: the GPU, torch, CUDA, which wheels installed, ``pip check``, the torch features gptlab uses,
+  and one bf16 matrix product (the measured ceiling beside the chip's published dense bf16 peak);
+- ``gpu_tests``: ``pytest -m gpu``, every ``gpu``-marked test (``--continue-on-collection-errors``: a test file
+  whose imports are missing there is reported, not fatal);
+- ``gpt2``: GPT-2 small (124M) at context 1024 in bf16 mixed precision, eager and with ``torch.compile`` on every
+  block (``compile=true``): tokens/s, MFU against the chip's bf16 dense peak (6N + 12LhT FLOPs per token), peak
+  memory. The training step is gptlab's model, head and optimizer, outside Lightning;
+- ``loss``: every ``loss.impl`` (plain, chunked, torch, liger, cce) at B*T = 8,192, D = 768, V = 50,257 under bf16
+  autocast, forward and backward: time, peak memory, and the loss and gradients against an fp32 reference;
+- ``attention``: alibi, relative and fire through FlexAttention and through SDPA (the same weights and batch):
+  tokens/s of a training step, and the same loss;
+- ``strategies``: ``strategy=ddp`` and ``strategy=fsdp`` on one GPU over NCCL, with deterministic algorithms: a
+  run, and the same run resumed from its middle checkpoint, end with the same losses;
+- ``word2vec``: ``task=word2vec`` on CUDA against the CPU, words/s.
+
+Everything goes to ``--out``: ``gpu_check.json`` (every figure, each section's status, seconds and error) and
+``gpu_check.md`` (the table, also printed last), rewritten after each section; ``--summary DIR`` also puts those two
+and the tests' log in DIR, alone. ``--only SECTION ...`` reruns some sections. The exit status is 0 when every
+section that ran is ok.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+SITE = Path("/tmp/gptlab-gpu-site")
+# Dense bf16 peak FLOP/s from the vendors' datasheets (SXM parts), for MFU; matched on the device name.
+SMOKE_SLOWDOWN = 4  # --cpu-smoke: each section's time limit times this
+BF16_PEAKS = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "GH200": 989e12, "A100": 312e12, "L40S": 362e12}
+
+
+@dataclass
+class Context:
+    """What every section reads: the device, toy sizes or real ones, where to write."""
+
+    smoke: bool
+    out: Path
+    with_compile: bool = True  # gpt2's compiled variant (tens of seconds of compilation on a CPU)
+
+    def sizes(self, real: Any, toy: Any) -> Any:
+        return toy if self.smoke else real
+
+
+@dataclass
+class Section:
+    name: str
+    budget_s: float
+    run: Callable[[Context], dict[str, Any]]
+    result: dict[str, Any] = field(default_factory=dict)
+
+
+# ---- helpers, run inside a section's process --------------------------------------------------------------
+def _torch_device(ctx: Context) -> Any:
+    import torch
+
+    if ctx.smoke:
+        torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise RuntimeError("no CUDA device is visible: run with --cpu-smoke on a machine without a GPU")
+    return torch.device("cuda")
+
+
+def _sync(device: Any) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _reset_peak(device: Any) -> int:
+    import torch
+
+    if device.type != "cuda":
+        return 0
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    return torch.cuda.memory_allocated()
+
+
+def _peak_gib(device: Any, baseline: int = 0) -> float | None:
+    import torch
+
+    if device.type != "cuda":
+        return None
+    return (torch.cuda.max_memory_allocated() - baseline) / 2**30
+
+
+def _time(fn: Callable[[], Any], device: Any, warmup: int, repeats: int) -> float:
+    """Median seconds of ``fn`` over ``repeats`` calls after ``warmup``, synchronised with the device."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        _sync(device)
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _autocast(device: Any) -> Any:
+    import torch
+
+    # bf16 mixed precision on the GPU, as trainer.precision=auto chooses there; fp32 on the CPU (smoke)
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+
+
+def bf16_peak(device_name: str) -> float | None:
+    """The published dense bf16 FLOP/s of a device, by its name (None when unknown)."""
+    for key in sorted(BF16_PEAKS, key=len, reverse=True):
+        if key in device_name:
+            return BF16_PEAKS[key]
+    return None
+
+
+def _compose(*overrides: str) -> Any:
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
+        return compose("train", overrides=list(overrides))
+
+
+# ---- the sections ---------------------------------------------------------------------------------------------
+def section_environment(ctx: Context) -> dict[str, Any]:
+    import torch
+
+    from gptlab import torch_features
+
+    device = _torch_device(ctx)
+    info: dict[str, Any] = {
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "python": sys.version.split()[0],
+        "commit": _commit(),
+        "features": {name: f.available() for name, f in torch_features.FEATURES.items()},
+    }
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(0)
+        info.update(
+            device=props.name,
+            memory_gib=round(props.total_memory / 2**30, 1),
+            capability=f"{props.major}.{props.minor}",
+            bf16_peak_tflops=(bf16_peak(props.name) or 0) / 1e12 or None,
+        )
+    else:
+        info["device"] = "cpu (smoke)"
+    # the measured ceiling: one large bf16 matrix product (fp32 on the CPU)
+    n = ctx.sizes(8192, 256)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
+    seconds = _time(lambda: a @ b, device, warmup=3, repeats=10)
+    info["matmul_tflops"] = float(f"{2 * n**3 / seconds / 1e12:.3g}")
+    pip = subprocess.run([sys.executable, "-m", "pip", "check"], capture_output=True, text=True, timeout=60)
+    info["pip_check"] = (pip.stdout + pip.stderr).strip().splitlines()[:20]
+    installed = SITE / "installed.txt"
+    info["wheels"] = installed.read_text().split() if installed.exists() else []
+    rows = [
+        {"what": key, "value": value} for key, value in info.items() if key not in ("pip_check", "wheels")
+    ]
+    return {"ok": True, "info": info, "rows": rows}
+
+
+def _commit() -> str:
+    if os.environ.get("GPTLAB_COMMIT"):
+        return os.environ["GPTLAB_COMMIT"]
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10
+        )
+        return out.stdout.strip() or "unknown"
+    except OSError:
+        return "unknown"
+
+
+def section_gpu_tests(ctx: Context) -> dict[str, Any]:
+    import xml.etree.ElementTree as ET
+
+    report = ctx.out / "gpu_tests.xml"
+    # The files that hold gpu tests, and only those: a file whose imports the GPU image lacks (lm-eval, mkdocs)
+    # and that has no gpu test is not collected at all
+    files = sorted(
+        str(f.relative_to(ROOT)) for f in (ROOT / "tests").glob("test_*.py") if "mark.gpu" in f.read_text()
+    )
+    cmd = [sys.executable, "-m", "pytest", *files, "-m", "gpu", "-q", "-p", "no:cacheprovider", "-rfEs"]
+    cmd += ["--continue-on-collection-errors", f"--junitxml={report}"]
+    if ctx.smoke:
+        cmd += ["-n", "0", "--collect-only"]  # the CPU cannot run them: check that they are all found
+    else:
+        cmd += ["-n", "6"]  # 16 cores, one GPU: the tests that start train.py overlap
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=_child_env())
+    (ctx.out / "gpu_tests.log").write_text(proc.stdout + proc.stderr)
+    tail = (proc.stdout + proc.stderr).strip().splitlines()[-15:]
+    if ctx.smoke:
+        collected = [line for line in proc.stdout.splitlines() if "::" in line]
+        return {
+            "ok": proc.returncode == 0 and bool(collected),
+            "rows": [{"collected": len(collected)}],
+            "log": tail,
+        }
+    counts = {"passed": 0, "failed": 0, "errors": 0, "skipped": 0}
+    failed: list[str] = []
+    skipped: list[str] = []
+    if report.exists():
+        for case in ET.parse(report).getroot().iter("testcase"):
+            name = f"{case.get('classname')}::{case.get('name')}"
+            error, skip = case.find("error"), case.find("skipped")
+            if case.find("failure") is not None:
+                counts["failed"] += 1
+                failed.append(name)
+            elif error is not None:  # an error in a fixture, or a file that could not be collected
+                counts["errors"] += 1
+                failed.append(f"{name} ({(error.get('message') or '')[:200]})")
+            elif skip is not None:
+                counts["skipped"] += 1
+                skipped.append(f"{case.get('name')}: {(skip.get('message') or '')[:120]}")
+            else:
+                counts["passed"] += 1
+    ok = proc.returncode == 0 and counts["passed"] > 0
+    row = {**counts, "failed_tests": "; ".join(failed) or "-", "skipped_tests": "; ".join(skipped) or "-"}
+    return {"ok": ok, "rows": [row], "files": files, "log": tail}
+
+
+def section_gpt2(ctx: Context) -> dict[str, Any]:
+    import torch
+
+    from gptlab.model.config import GPTConfig
+    from gptlab.model.counting import flops_per_token
+
+    device = _torch_device(ctx)
+    config = ctx.sizes(
+        GPTConfig(vocab_size=50257, block_size=1024, n_layer=12, n_head=12, n_embd=768),
+        GPTConfig(vocab_size=512, block_size=64, n_layer=2, n_head=2, n_embd=64),
+    )
+    batch = int(os.environ.get("GPT2_BATCH", ctx.sizes(32, 2)))
+    peak = bf16_peak(torch.cuda.get_device_name(0)) if device.type == "cuda" else None
+    flops = flops_per_token(config)["training"]
+    rows = []
+    for compiled in (False, True) if ctx.with_compile else (False,):
+        row = _gpt2_rate(ctx, device, config, batch, compiled)
+        tokens_per_s = row["tokens_per_s"]
+        row["mfu_percent"] = round(100 * tokens_per_s * flops / peak, 1) if peak else None
+        rows.append(row)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    ok = all(math.isfinite(r["final_loss"]) for r in rows)
+    return {"ok": ok, "rows": rows, "flops_per_token": flops, "bf16_peak": peak}
+
+
+def _gpt2_rate(ctx: Context, device: Any, config: Any, batch: int, compiled: bool) -> dict[str, Any]:
+    """Training steps of gptlab's model, head (loss.impl=auto) and AdamW on random tokens: their rate."""
+    import torch
+
+    from gptlab.model.gpt import GPT
+    from gptlab.model.head_loss import HeadLoss
+    from gptlab.parallel.transforms import ParallelOptions, parallelize
+    from gptlab.training.optimizers import build_optimizer, check_optim
+
+    torch.manual_seed(0)
+    model = GPT(config).to(device)
+    if compiled:
+        parallelize(model, ParallelOptions(compile=True))  # compile=true: every block
+    optimizer = build_optimizer(model, check_optim({"name": "adamw"}), fused=device.type == "cuda")
+    head = HeadLoss("auto")
+    g = torch.Generator(device=device).manual_seed(0)
+    x = torch.randint(0, config.vocab_size, (batch, config.block_size), device=device, generator=g)
+    y = torch.randint(0, config.vocab_size, (batch, config.block_size), device=device, generator=g)
+    losses: list[Any] = []
+
+    def step() -> None:
+        with _autocast(device):
+            _, loss = model(x, y, head_loss=head)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.detach())
+
+    t0 = time.perf_counter()
+    step()  # the first step: compilation, when compiled
+    _sync(device)
+    first_step_s = time.perf_counter() - t0
+    _reset_peak(device)
+    steps, warmup = ctx.sizes((10, 3), (2, 1))
+    seconds = _time(step, device, warmup=warmup, repeats=steps)
+    return {
+        "variant": "compile" if compiled else "eager",
+        "batch": f"{batch} x {config.block_size}",
+        "loss_impl": head.resolve(device),
+        "step_ms": round(seconds * 1e3, 1),
+        "tokens_per_s": round(batch * config.block_size / seconds),
+        "peak_memory_gib": _round(_peak_gib(device)),
+        "first_step_s": round(first_step_s, 1),
+        "final_loss": round(float(losses[-1]), 4),
+    }
+
+
+def _round(x: float | None, digits: int = 2) -> float | None:
+    return None if x is None else round(x, digits)
+
+
+def section_loss(ctx: Context) -> dict[str, Any]:
+    import torch
+
+    from gptlab.model.head_loss import (
+        IMPLEMENTATIONS,
+        HeadLoss,
+        plain_linear_cross_entropy,
+        unavailable_reason,
+    )
+
+    device = _torch_device(ctx)
+    n, d, v = ctx.sizes((8192, 768, 50257), (256, 32, 1000))
+    g = torch.Generator(device=device).manual_seed(0)
+    hidden = torch.randn(n, d, device=device, generator=g)
+    weight = torch.randn(v, d, device=device, generator=g) * 0.02
+    targets = torch.randint(0, v, (n,), device=device, generator=g)
+    # the reference: the whole logits in fp32, outside autocast
+    h_ref, w_ref = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    reference = plain_linear_cross_entropy(h_ref, w_ref, targets)
+    reference.backward()
+    ref = (float(reference.detach()), h_ref.grad, w_ref.grad)
+    rows, ok = [], True
+    heads = [
+        HeadLoss(impl) for impl in ("plain", *(i for i in IMPLEMENTATIONS if i not in ("auto", "plain")))
+    ]
+    # the chunked paths' default chunk (160 rows at this vocabulary) suits a CPU's caches; on a GPU, also a
+    # chunk large enough to fill it
+    heads += [HeadLoss(impl, chunk_rows=ctx.sizes(2048, 64)) for impl in ("chunked", "torch")]
+    for head in heads:
+        label = head.impl + (f" ({head.chunk_rows} rows)" if head.chunk_rows else "")
+        reason = unavailable_reason(head.impl, device.type)
+        if reason is not None:
+            rows.append({"impl": label, "status": f"not run: {reason}"})
+            continue
+        row = _loss_row(ctx, device, head, hidden, weight, targets, ref)
+        row["impl"] = label
+        ok &= row["status"] == "equal"
+        rows.append(row)
+    timed = [r for r in rows if "ms_fwd_bwd" in r]
+    fastest = min(timed, key=lambda r: r["ms_fwd_bwd"])["impl"] if timed else None
+    chosen = HeadLoss("auto").resolve(device)
+    return {"ok": ok, "rows": rows, "reference_loss": ref[0], "fastest": fastest, "auto_chooses": chosen}
+
+
+def _loss_row(ctx: Context, device: Any, head: Any, hidden: Any, weight: Any, targets: Any, ref: Any) -> dict:
+    """One loss.impl forward and backward under autocast: time, memory, and its distance from the reference."""
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    out: dict[str, Any] = {}
+
+    def call() -> None:
+        h.grad = w.grad = None
+        with _autocast(device):
+            loss = head(h, w, targets)
+        loss.backward()
+        out["loss"] = float(loss.detach())
+
+    call()
+    baseline = _reset_peak(device)
+    seconds = _time(call, device, warmup=1, repeats=ctx.sizes(5, 2))
+    peak = _peak_gib(device, baseline)
+    ref_loss, ref_h, ref_w = ref
+    assert h.grad is not None and w.grad is not None
+    grad_error = max(
+        float((h.grad.float() - ref_h).norm() / ref_h.norm()),
+        float((w.grad.float() - ref_w).norm() / ref_w.norm()),
+    )
+    loss_error = abs(out["loss"] - ref_loss)
+    equal = loss_error < 2e-2 and grad_error < 3e-2  # bf16 operands: about 1e-2 relative
+    return {
+        "impl": head.impl,
+        "status": "equal" if equal else "DIFFERS",
+        "ms_fwd_bwd": round(seconds * 1e3, 2),
+        "peak_memory_gib": _round(peak, 3),
+        "loss": round(out["loss"], 5),
+        "loss_error": f"{loss_error:.1e}",
+        "grad_rel_error": f"{grad_error:.1e}",
+    }
+
+
+def section_attention(ctx: Context) -> dict[str, Any]:
+    from gptlab.model.config import GPTConfig
+
+    device = _torch_device(ctx)
+    base = ctx.sizes(
+        dict(vocab_size=50257, block_size=1024, n_layer=4, n_head=12, n_embd=768),
+        dict(vocab_size=512, block_size=64, n_layer=1, n_head=2, n_embd=32),
+    )
+    batch = ctx.sizes(8, 2)
+    rows, ok = [], True
+    for pos in ("alibi", "relative", "fire"):
+        config = GPTConfig(**base, pos=pos)
+        flex, sdpa = (_attention_row(ctx, device, config, batch, route) for route in ("flex", "sdpa"))
+        equal = abs(flex["loss"] - sdpa["loss"]) < 2e-2
+        flex["same_loss"] = sdpa["same_loss"] = equal
+        flex["speed_vs_sdpa"] = round(flex["tokens_per_s"] / sdpa["tokens_per_s"], 2)
+        ok &= equal
+        rows += [flex, sdpa]
+    return {"ok": ok, "rows": rows}
+
+
+def _attention_row(ctx: Context, device: Any, config: Any, batch: int, route: str) -> dict[str, Any]:
+    """A training step's forward and backward (no optimizer step) through ``route``: FlexAttention where it is
+    available, or SDPA with the bias as a dense mask (FlexAttention switched off); same weights, same batch."""
+    import torch
+
+    from gptlab.model import attention
+    from gptlab.model.gpt import GPT
+    from gptlab.model.head_loss import HeadLoss
+
+    torch.manual_seed(0)
+    model = GPT(config).to(device)
+    g = torch.Generator(device=device).manual_seed(0)
+    x = torch.randint(0, config.vocab_size, (batch, config.block_size), device=device, generator=g)
+    head = HeadLoss("auto")
+    out: dict[str, Any] = {}
+
+    def step() -> None:
+        model.zero_grad(set_to_none=True)
+        with _autocast(device):
+            _, loss = model(x, x, head_loss=head)
+        loss.backward()
+        out["loss"] = float(loss.detach())
+
+    original = attention.flex_attention_available
+    if route == "sdpa":
+        attention.flex_attention_available = lambda *args, **kwargs: False
+    try:
+        ran = "flex" if attention.flex_attention_available(device, config.head_dim) else "sdpa"
+        step()  # FlexAttention's kernel compiles on the first call
+        seconds = _time(step, device, warmup=1, repeats=ctx.sizes(5, 2))
+    finally:
+        attention.flex_attention_available = original
+    return {
+        "pos": config.pos.name,
+        "route": route,
+        "ran": ran,
+        "tokens_per_s": round(batch * config.block_size / seconds),
+        "loss": round(out["loss"], 5),
+    }
+
+
+def _child_env() -> dict[str, str]:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "WANDB_MODE": "offline"}
+    env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", CUBLAS_WORKSPACE_CONFIG=":4096:8")
+    return env
+
+
+def _csv_column(run_dir: Path, key: str) -> dict[int, float]:
+    import csv
+
+    with open(run_dir / "csv" / "metrics.csv") as f:
+        return {int(r["step"]): float(r[key]) for r in csv.DictReader(f) if r.get(key)}
+
+
+def section_strategies(ctx: Context) -> dict[str, Any]:
+    work = ctx.out / "strategies"
+    steps, middle = ctx.sizes((20, 10), (6, 3))
+    device = ["trainer.accelerator=cpu"] if ctx.smoke else ["trainer.accelerator=gpu"]
+    common = [
+        *device,
+        "trainer.devices=1",
+        "tokenizer=char",
+        "model.n_layer=2",
+        "model.n_head=2",
+        "model.n_embd=64",
+        "model.block_size=64",
+        "data.batch_size=8",
+        "optim.lr=3e-3",
+        "optim.warmup_steps=2",
+        f"trainer.max_steps={steps}",
+        f"trainer.val_check_interval={middle}",
+        "trainer.limit_val_batches=4",
+        "trainer.log_every_n_steps=1",
+        "trainer.deterministic=true",
+        "loss.impl=plain",
+        "callbacks.sample_generation.max_new_tokens=0",
+        "callbacks.model_checkpoint.save_top_k=-1",
+        "logger=csv",
+        f"paths.root_dir={work}",
+    ]
+    rows, ok = [], True
+    for strategy in ("ddp", "fsdp"):
+        row: dict[str, Any] = {"strategy": strategy}
+        try:
+            t0 = time.perf_counter()
+            full, resumed = work / f"{strategy}-full", work / f"{strategy}-resumed"
+            _train([*common, f"strategy={strategy}", f"hydra.run.dir={full}"], work)
+            checkpoint = next((full / "checkpoints").glob(f"best-step{middle:06d}-*.ckpt"))
+            _train(
+                [*common, f"strategy={strategy}", f"resume={checkpoint}", f"hydra.run.dir={resumed}"], work
+            )
+            want, got = _csv_column(full, "train/loss"), _csv_column(resumed, "train/loss")
+            val_want, val_got = _csv_column(full, "val/loss"), _csv_column(resumed, "val/loss")
+            last = steps - 1
+            worst = max(abs(got[s] - want[s]) for s in range(middle, steps))
+            equal = worst <= 1e-4 and abs(val_got[last] - val_want[last]) <= 1e-4
+            row.update(
+                checkpoint="directory (sharded)" if checkpoint.is_dir() else "file",
+                val_loss_uninterrupted=round(val_want[last], 5),
+                val_loss_resumed=round(val_got[last], 5),
+                max_train_loss_difference=f"{worst:.1e}",
+                same_loss=equal,
+                seconds=round(time.perf_counter() - t0, 1),
+            )
+            ok &= equal
+        except Exception as e:  # one strategy's failure leaves the other's row
+            row["error"] = f"{type(e).__name__}: {str(e)[-600:]}"
+            ok = False
+        rows.append(row)
+    return {"ok": ok, "rows": rows}
+
+
+def _train(args: list[str], cwd: Path) -> None:
+    cwd.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "train.py"), *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        env=_child_env(),
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(f"train.py exited {proc.returncode}: {(proc.stdout + proc.stderr)[-1500:]}")
+
+
+def section_word2vec(ctx: Context) -> dict[str, Any]:
+    from gptlab.tasks.word2vec import run as run_word2vec
+
+    _torch_device(ctx)
+    rows = []
+    devices = ("cpu",) if ctx.smoke else ("cuda", "cpu")
+    for device in devices:
+        out = ctx.out / f"word2vec-{device}"
+        cfg = _compose(
+            "task=word2vec",
+            f"word2vec.device={device}",
+            "word2vec.evaluate=false",
+            "word2vec.epochs=1",
+            f"word2vec.dim={ctx.sizes(100, 16)}",
+            "logger=none",
+            f"paths.root_dir={ctx.out / 'word2vec-cache'}",
+            f"paths.output_dir={out}",
+        )
+        metrics = run_word2vec(cfg)
+        rows.append(
+            {
+                "device": device,
+                "words_per_s": round(metrics["train/words_per_second"]),
+                "words": int(metrics["train/words"]),
+            }
+        )
+    if len(rows) == 2:
+        rows[0]["speedup_vs_cpu"] = round(rows[0]["words_per_s"] / rows[1]["words_per_s"], 1)
+    return {"ok": True, "rows": rows}
+
+
+SECTIONS = [
+    Section("environment", 45, section_environment),
+    Section("gpu_tests", 180, section_gpu_tests),
+    Section("gpt2", 120, section_gpt2),
+    Section("loss", 45, section_loss),
+    Section("attention", 90, section_attention),
+    Section("strategies", 90, section_strategies),
+    Section("word2vec", 40, section_word2vec),
+]
+
+
+# ---- running the sections -----------------------------------------------------------------------------------
+def run_section(name: str, ctx: Context) -> dict[str, Any]:
+    """One section in this process: its result, or its error (never raises)."""
+    section = next(s for s in SECTIONS if s.name == name)
+    t0 = time.perf_counter()
+    try:
+        result = section.run(ctx)
+        result["status"] = "ok" if result.get("ok") else "FAILED"
+    except Exception as e:
+        result = {"status": "error", "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+    result["seconds"] = round(time.perf_counter() - t0, 1)
+    return result
+
+
+def run_in_child(section: Section, ctx: Context, budget_s: float) -> dict[str, Any]:
+    """One section in a child process, stopped after ``budget_s``: a crash or hang costs this section only."""
+    result_file = ctx.out / f"section-{section.name}.json"
+    result_file.unlink(missing_ok=True)
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--section", section.name, "--out", str(ctx.out)]
+    cmd += ["--cpu-smoke"] if ctx.smoke else []
+    cmd += [] if ctx.with_compile else ["--no-compile"]
+    t0 = time.perf_counter()
+    log = ctx.out / f"section-{section.name}.log"
+    with open(log, "w") as f:
+        # a session of its own: at the time limit the section goes with every process it started (train.py)
+        proc = subprocess.Popen(
+            cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, env=_child_env(), start_new_session=True
+        )
+        try:
+            proc.wait(timeout=budget_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            return {"status": "timeout", "error": f"stopped after its {budget_s:g} s", "seconds": budget_s}
+    if result_file.exists():
+        return json.loads(result_file.read_text())
+    tail = log.read_text()[-2000:]
+    return {
+        "status": "error",
+        "error": f"exited {proc.returncode}: {tail}",
+        "seconds": time.perf_counter() - t0,
+    }
+
+
+def markdown(results: dict[str, dict[str, Any]]) -> str:
+    """One table per section (its rows' keys as columns), under a line with its status and seconds."""
+    lines = ["# gptlab GPU check", ""]
+    env = results.get("environment", {}).get("info", {})
+    if env:
+        lines += [
+            f"{env.get('device')}, torch {env.get('torch')} (CUDA {env.get('cuda')}), commit {env.get('commit')}",
+            "",
+        ]
+    for name, result in results.items():
+        lines.append(f"## {name}: {result.get('status')} ({result.get('seconds')} s)")
+        lines.append("")
+        if result.get("error"):
+            lines += ["```text", str(result["error"])[-1500:], "```", ""]
+        rows = [r for r in result.get("rows", []) if isinstance(r, dict)]
+        if rows:
+            columns = list(dict.fromkeys(k for r in rows for k in r))
+            lines.append("| " + " | ".join(columns) + " |")
+            lines.append("|" + "---|" * len(columns))
+            for r in rows:
+                lines.append("| " + " | ".join(str(r.get(c, "")) for c in columns) + " |")
+            lines.append("")
+        for key in ("fastest", "auto_chooses"):
+            if key in result:
+                lines += [f"{key}: {result[key]}", ""]
+    return "\n".join(lines)
+
+
+def write_report(results: dict[str, dict[str, Any]], out: Path, summary: Path | None = None) -> None:
+    """gpu_check.json and gpu_check.md in ``out``; also, with gpu_tests.log, in ``summary`` (a folder that
+    should receive a few files only, like the device machine's $OUT)."""
+    for folder in (out, summary) if summary else (out,):
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "gpu_check.json").write_text(json.dumps(results, indent=1, default=str))
+        (folder / "gpu_check.md").write_text(markdown(results) + "\n")
+        log = out / "gpu_tests.log"
+        if folder != out and log.exists():
+            (folder / "gpu_tests.log").write_text(log.read_text())
+
+
+def install_wheels(folder: Path) -> None:
+    """Install the wheels into SITE (no index, no dependencies) and record their names."""
+    wheels = sorted(folder.glob("*.whl"))
+    if not wheels:
+        raise SystemExit(
+            f"gpu_check: no wheels in {folder}: run scripts/make_gpu_wheels.sh where the index is"
+        )
+    SITE.mkdir(parents=True, exist_ok=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "install",
+        "-q",
+        "--no-index",
+        "--no-deps",
+        "--no-compile",
+        "--no-cache-dir",
+    ]
+    cmd += ["--disable-pip-version-check", "--upgrade", "--target", str(SITE), *map(str, wheels)]
+    subprocess.run(cmd, check=True)
+    (SITE / "installed.txt").write_text("\n".join(w.name for w in wheels))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=ROOT / "outputs" / "gpu_check", help="every file")
+    parser.add_argument("--summary", type=Path, help="also write the JSON, the table and the test log here")
+    parser.add_argument(
+        "--wheels", type=Path, help="a folder of wheels to install first (make_gpu_wheels.sh)"
+    )
+    parser.add_argument("--cpu-smoke", action="store_true", help="every section at toy size on the CPU")
+    parser.add_argument("--only", nargs="+", choices=[s.name for s in SECTIONS], help="run these sections")
+    parser.add_argument("--budget", type=float, help="seconds for all sections together (460; smoke 1,800)")
+    parser.add_argument("--no-compile", action="store_true", help="gpt2 without its torch.compile variant")
+    parser.add_argument("--section", help=argparse.SUPPRESS)  # a child: run one section, write its JSON
+    args = parser.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    ctx = Context(smoke=args.cpu_smoke, out=args.out.resolve(), with_compile=not args.no_compile)
+    total_budget = args.budget or (1800 if ctx.smoke else 460)
+
+    if args.section:
+        result = run_section(args.section, ctx)
+        (ctx.out / f"section-{args.section}.json").write_text(json.dumps(result, indent=1, default=str))
+        return 0
+
+    if args.wheels and os.environ.get("GPTLAB_GPU_CHECK_SITE") != str(SITE):
+        install_wheels(args.wheels)
+        paths = [str(ROOT / "src"), str(SITE), os.environ.get("PYTHONPATH", "")]
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join(p for p in paths if p),
+            "GPTLAB_GPU_CHECK_SITE": str(SITE),
+        }
+        rest = [a for a in (argv if argv is not None else sys.argv[1:])]
+        os.execve(sys.executable, [sys.executable, str(Path(__file__).resolve()), *rest], env)
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(ROOT / "src"), os.environ.get("PYTHONPATH", "")) if p
+    )
+
+    start = time.perf_counter()
+    results: dict[str, dict[str, Any]] = {}
+    for section in SECTIONS:
+        if args.only and section.name not in args.only:
+            continue
+        left = total_budget - (time.perf_counter() - start)
+        if left < 10:
+            results[section.name] = {"status": "skipped", "error": "out of time", "seconds": 0}
+            continue
+        # a CPU (smoke) is many times slower at the same toy work: compilation, process start-up
+        budget = min(section.budget_s * (SMOKE_SLOWDOWN if ctx.smoke else 1), left)
+        print(f"gpu_check: {section.name} (up to {budget:.0f} s)", flush=True)
+        results[section.name] = run_in_child(section, ctx, budget)
+        print(f"gpu_check: {section.name}: {results[section.name]['status']}", flush=True)
+        write_report(results, ctx.out, args.summary)  # after each section: a kill keeps what was measured
+    print(markdown(results))
+    return 0 if all(r.get("status") == "ok" for r in results.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

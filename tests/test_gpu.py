@@ -1,0 +1,207 @@
+"""The paths that exist only on a CUDA GPU, each against the path it replaces: bf16 mixed precision against fp32,
+``torch.compile`` against eager, the fused loss kernels under autocast against the plain head, DDP and FSDP over
+NCCL resuming to the uninterrupted run's loss, an exact resume with deterministic algorithms, and KV-cache
+decoding. Every test here is marked ``gpu`` and skipped without CUDA (conftest); ``scripts/gpu_check.py`` runs
+them with its measurements. FlexAttention against SDPA is in test_attention.py, liger and cce against the plain
+path in fp32 in test_head_loss.py, word2vec's CUDA step in test_word2vec.py."""
+
+from __future__ import annotations
+
+import csv
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import CONF, TINY, run_train
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+
+from gptlab.model.attention import KVCache
+from gptlab.model.config import GPTConfig
+from gptlab.model.gpt import GPT
+from gptlab.model.head_loss import HeadLoss, plain_linear_cross_entropy
+from gptlab.tasks.gpt import run
+
+pytestmark = pytest.mark.gpu
+
+GPU = ["trainer.accelerator=gpu", "trainer.devices=1"]
+QUIET = ["callbacks.sample_generation.max_new_tokens=0", "trainer.log_every_n_steps=1"]
+# A character-level run that learns within a few dozen steps, so that a wrong path shows in the loss.
+LEARNS = [
+    *TINY,
+    *QUIET,
+    "tokenizer=char",
+    "model.n_embd=64",
+    "optim.lr=3e-3",
+    "optim.warmup_steps=2",
+    "trainer.max_steps=40",
+    "trainer.val_check_interval=20",
+    "trainer.limit_val_batches=4",
+    "logger=csv",
+]
+
+
+def compose_cfg(*overrides: str):
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(str(CONF), version_base="1.3"):
+        return compose("train", overrides=list(overrides))
+
+
+def train(tmp_path: Path, name: str, *overrides: str) -> dict[str, float]:
+    out = tmp_path / name
+    return run(
+        compose_cfg(*LEARNS, *GPU, f"paths.root_dir={tmp_path}", f"paths.output_dir={out}", *overrides)
+    )
+
+
+def logged(run_dir: Path, key: str) -> dict[int, float]:
+    with open(run_dir / "csv" / "metrics.csv") as f:
+        return {int(r["step"]): float(r[key]) for r in csv.DictReader(f) if r.get(key)}
+
+
+def train_losses(run_dir: Path) -> dict[int, float]:
+    return logged(run_dir, "train/loss")
+
+
+def val_losses(run_dir: Path) -> dict[int, float]:
+    return logged(run_dir, "val/loss")
+
+
+def test_bf16_mixed_training_reaches_a_finite_loss_close_to_fp32s(tmp_path):
+    fp32 = train(tmp_path, "fp32", "trainer.precision=32-true")
+    bf16 = train(tmp_path, "bf16", "trainer.precision=bf16-mixed")
+    assert math.isfinite(bf16["val/loss"]) and math.isfinite(fp32["val/loss"])
+    # bf16's rounding moves the trajectory, not where it goes: within 2% of fp32's loss after 40 steps
+    assert abs(bf16["val/loss"] - fp32["val/loss"]) < 0.02 * fp32["val/loss"], (bf16, fp32)
+    first = train_losses(tmp_path / "bf16")
+    assert bf16["val/loss"] < first[0] - 0.5, "bf16 did not train"
+
+
+def test_compiled_blocks_train_to_the_eager_loss(tmp_path):
+    eager = train(tmp_path, "eager", "trainer.precision=32-true")
+    compiled = train(tmp_path, "compiled", "trainer.precision=32-true", "compile=true")
+    # The same arithmetic fused differently: equal to a few parts in a thousand after 40 steps
+    assert compiled["val/loss"] == pytest.approx(eager["val/loss"], rel=5e-3, abs=5e-3)
+    steps_eager, steps_compiled = train_losses(tmp_path / "eager"), train_losses(tmp_path / "compiled")
+    assert steps_compiled[0] == pytest.approx(steps_eager[0], rel=1e-4)  # the first step, before drift
+
+
+@pytest.mark.parametrize(("impl", "package"), [("liger", "liger_kernel"), ("cce", "cut_cross_entropy")])
+def test_fused_loss_kernels_under_bf16_autocast_match_the_plain_head_through_the_model(impl, package):
+    """Training runs the kernels under bf16 autocast (``_kernel_dtype``): the model's loss and every gradient
+    agree with the plain head's under the same autocast, within bf16's rounding."""
+    pytest.importorskip(package)
+    torch.manual_seed(0)
+    config = GPTConfig(vocab_size=50257, block_size=128, n_layer=2, n_head=4, n_embd=256)
+    model = GPT(config).cuda()
+    idx = torch.randint(0, 50257, (8, 128), device="cuda")
+    targets = torch.randint(0, 50257, (8, 128), device="cuda")
+
+    def loss_and_grads(head: HeadLoss | None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            _, loss = model(idx, targets, head_loss=head)
+        loss.backward()
+        return loss.detach().float(), {n: p.grad.float().clone() for n, p in model.named_parameters()}
+
+    plain_loss, plain_grads = loss_and_grads(HeadLoss("plain"))
+    loss, grads = loss_and_grads(HeadLoss(impl))
+    torch.testing.assert_close(loss, plain_loss, rtol=1e-2, atol=1e-2)
+    for name, want in plain_grads.items():
+        error = (grads[name] - want).norm() / want.norm().clamp_min(1e-12)
+        assert error < 3e-2, f"{name}: relative gradient error {error:.2e}"
+
+
+def test_the_plain_head_in_fp32_is_the_reference_on_cuda():
+    # The reference the kernels are held to: F.cross_entropy over the whole logits, in fp32 on the GPU equal to
+    # a float64 computation.
+    g = torch.Generator(device="cuda").manual_seed(0)
+    hidden = torch.randn(512, 64, device="cuda", generator=g)
+    weight = torch.randn(5003, 64, device="cuda", generator=g) * 0.1
+    targets = torch.randint(0, 5003, (512,), device="cuda", generator=g)
+    loss = plain_linear_cross_entropy(hidden, weight, targets)
+    want = torch.nn.functional.cross_entropy(hidden.double() @ weight.double().T, targets)
+    torch.testing.assert_close(loss.double(), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_one_device_over_nccl_trains_checkpoints_and_resumes_to_the_uninterrupted_loss(tmp_path, strategy):
+    """strategy=ddp and strategy=fsdp on one GPU (a process group of one over NCCL): a run resumed from its
+    step-20 checkpoint (for fsdp a sharded directory) ends with the uninterrupted run's losses."""
+    common = [
+        *LEARNS,
+        *GPU,
+        f"strategy={strategy}",
+        "trainer.deterministic=true",
+        "loss.impl=plain",
+        "callbacks.model_checkpoint.save_top_k=-1",
+        f"paths.root_dir={tmp_path}",
+    ]
+    env = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
+    full = tmp_path / "full"
+    run_train([*common, f"hydra.run.dir={full}"], cwd=tmp_path, env=env)
+    middle = next((full / "checkpoints").glob("best-step000020-*.ckpt"))
+    if strategy == "fsdp":
+        assert middle.is_dir() and list(middle.glob("*.distcp"))  # a distributed checkpoint
+    resumed = tmp_path / "resumed"
+    proc = run_train([*common, f"resume={middle}", f"hydra.run.dir={resumed}"], cwd=tmp_path, env=env)
+    assert "Restored all states from the checkpoint" in proc.stdout + proc.stderr
+    want, got = train_losses(full), train_losses(resumed)
+    assert min(got) == 20 and max(got) == max(want) == 39
+    for step in range(20, 40):
+        assert got[step] == pytest.approx(want[step], rel=1e-4, abs=1e-4), step
+    assert val_losses(resumed)[39] == pytest.approx(val_losses(full)[39], rel=1e-4, abs=1e-4)
+
+
+def weights(ckpt: Path) -> dict[str, torch.Tensor]:
+    return torch.load(ckpt, map_location="cpu", weights_only=True)["state_dict"]
+
+
+@pytest.mark.slow
+def test_a_resume_on_the_gpu_with_deterministic_algorithms_is_bit_identical(tmp_path):
+    """bf16 mixed precision, deterministic algorithms: the run resumed from its step-20 checkpoint ends with the
+    uninterrupted run's weights, bit for bit (the loss is the plain head: the fused kernels' atomics are not
+    deterministic)."""
+    common = [
+        *LEARNS,
+        *GPU,
+        "trainer.precision=bf16-mixed",
+        "trainer.deterministic=true",
+        "loss.impl=plain",
+        "callbacks.model_checkpoint.save_top_k=-1",
+        f"paths.root_dir={tmp_path}",
+    ]
+    env = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
+    full = tmp_path / "full"
+    run_train([*common, f"hydra.run.dir={full}"], cwd=tmp_path, env=env)
+    middle = next((full / "checkpoints").glob("best-step000020-*.ckpt"))
+    resumed = tmp_path / "resumed"
+    run_train([*common, f"resume={middle}", f"hydra.run.dir={resumed}"], cwd=tmp_path, env=env)
+    a, b = weights(full / "checkpoints" / "last.ckpt"), weights(resumed / "checkpoints" / "last.ckpt")
+    assert a.keys() == b.keys()
+    assert [k for k in a if not torch.equal(a[k], b[k])] == []
+
+
+@pytest.mark.parametrize("pos", ["learned", "rope", "alibi", "relative"])
+def test_kv_cache_decoding_equals_recomputing_on_cuda(pos):
+    torch.manual_seed(0)
+    model = (
+        GPT(GPTConfig(vocab_size=97, block_size=32, n_layer=2, n_head=4, n_embd=64, pos=pos)).cuda().eval()
+    )
+    idx = torch.randint(0, 97, (2, 20), device="cuda")
+    with torch.no_grad():
+        full, _ = model(idx)
+        cache = KVCache.empty(model.config.n_layer)
+        pieces = [model(idx[:, :12], cache=cache)[0]]
+        for t in range(12, 20):
+            pieces.append(model(idx[:, t : t + 1], cache=cache)[0])
+    # the whole sequence takes FlexAttention for alibi and relative, the cached steps the dense route
+    torch.testing.assert_close(torch.cat(pieces, dim=1), full, rtol=1e-4, atol=1e-4)
+    if pos in ("alibi", "relative"):
+        return  # without a cache each new length would compile FlexAttention anew: greedy decoding below
+    prompt = idx[:1, :5]
+    a = model.generate(prompt, 40, use_cache=True)  # past block_size: the window slides
+    b = model.generate(prompt, 40, use_cache=False)
+    assert a.shape == (1, 45) and torch.equal(a, b)

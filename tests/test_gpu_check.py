@@ -1,0 +1,93 @@
+"""scripts/gpu_check.py, the one command a GPU session runs, tested here at toy size on the CPU: each section
+measures and compares what it says, a section's failure or hang costs that section only, and the table shows
+every section. (The figures themselves need the GPU; the whole smoke run is ``--cpu-smoke``.)"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import sys
+
+import pytest
+from conftest import ROOT
+
+from gptlab import torch_features
+
+
+@pytest.fixture(scope="module")
+def gpu_check():
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "scripts" / "gpu_check.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["gpu_check"] = module
+    spec.loader.exec_module(module)
+    yield module
+    del sys.modules["gpu_check"]
+
+
+@pytest.fixture(scope="module")
+def smoke(gpu_check, tmp_path_factory):
+    """The measuring sections at toy size on the CPU, in this process (gpt2 without its compiled variant:
+    compiling takes tens of seconds on a CPU)."""
+    ctx = gpu_check.Context(smoke=True, out=tmp_path_factory.mktemp("gpu_check"), with_compile=False)
+    names = ("environment", "gpt2", "loss", "attention", "word2vec")
+    return {name: gpu_check.run_section(name, ctx) for name in names}
+
+
+def test_each_section_runs_at_toy_size(smoke):
+    for name, result in smoke.items():
+        assert result["status"] == "ok", (name, result.get("traceback") or result.get("error"))
+
+
+def test_the_loss_section_holds_every_impl_to_the_fp32_reference(smoke):
+    rows = {r["impl"]: r for r in smoke["loss"]["rows"]}
+    assert list(rows) == ["plain", "chunked", "torch", "liger", "cce", "chunked (64 rows)", "torch (64 rows)"]
+    for impl in ("plain", "chunked", "torch", "chunked (64 rows)", "torch (64 rows)"):
+        if impl.startswith("torch") and not torch_features.has("linear_cross_entropy"):  # torch < 2.13
+            assert rows[impl]["status"].startswith("not run: needs torch's chunked output layer")
+            continue
+        assert rows[impl]["status"] == "equal" and float(rows[impl]["grad_rel_error"]) < 1e-4
+    for impl in ("liger", "cce"):  # CUDA kernels: named, with the reason, not silently left out
+        assert rows[impl]["status"].startswith("not run: cannot run on cpu")
+    assert smoke["loss"]["auto_chooses"] == "chunked" and smoke["loss"]["fastest"] in rows
+
+
+def test_the_attention_section_compares_each_bias_scheme_across_the_two_routes(smoke):
+    rows = smoke["attention"]["rows"]
+    assert [(r["pos"], r["route"]) for r in rows] == [
+        (pos, route) for pos in ("alibi", "relative", "fire") for route in ("flex", "sdpa")
+    ]
+    assert all(r["same_loss"] and r["tokens_per_s"] > 0 for r in rows)
+    assert {r["ran"] for r in rows} == {"sdpa"}  # FlexAttention trains on CUDA only: the CPU takes SDPA
+
+
+def test_the_gpt2_and_word2vec_sections_report_rates(smoke):
+    (eager,) = smoke["gpt2"]["rows"]
+    assert eager["variant"] == "eager" and eager["tokens_per_s"] > 0 and math.isfinite(eager["final_loss"])
+    assert eager["mfu_percent"] is None  # no bf16 peak for a CPU
+    assert smoke["word2vec"]["rows"][0]["words_per_s"] > 0
+
+
+def test_the_table_shows_every_section_and_its_status(gpu_check, smoke):
+    table = gpu_check.markdown(smoke)
+    for name in smoke:
+        assert f"## {name}: ok (" in table
+    assert "| impl | status | ms_fwd_bwd |" in table and "auto_chooses: chunked" in table
+
+
+def test_a_section_that_raises_is_reported_and_the_others_go_on(gpu_check, tmp_path, monkeypatch):
+    def broken(ctx):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(gpu_check, "SECTIONS", [gpu_check.Section("broken", 5, broken)])
+    result = gpu_check.run_section("broken", gpu_check.Context(smoke=True, out=tmp_path))
+    assert result["status"] == "error" and "illegal memory access" in result["error"]
+    assert "## broken: error" in gpu_check.markdown({"broken": result})
+
+
+def test_a_section_runs_in_a_child_process_stopped_at_its_time_limit(gpu_check, tmp_path):
+    ctx = gpu_check.Context(smoke=True, out=tmp_path)
+    section = next(s for s in gpu_check.SECTIONS if s.name == "environment")
+    done = gpu_check.run_in_child(section, ctx, budget_s=120)
+    assert done["status"] == "ok" and done["info"]["device"] == "cpu (smoke)"
+    stopped = gpu_check.run_in_child(section, ctx, budget_s=0.5)  # far too little: the child is killed
+    assert stopped == {"status": "timeout", "error": "stopped after its 0.5 s", "seconds": 0.5}
