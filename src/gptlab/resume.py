@@ -285,20 +285,18 @@ class CheckRunDirectory(HydraCallback):
             )
 
     def on_run_start(self, config: Any, **kwargs: Any) -> None:
-        from gptlab.runs.identity import RunDirectoryInUse, claim_run_dir, hold_run_dir
+        from gptlab.runs.identity import RunDirectoryInUse, claim_run_dir, hold_run_dir, release_run_dir
 
         self._check(config.hydra.run.dir, "hydra.run.dir")
+        run_dir = Path(str(config.hydra.run.dir))
         try:
             # this process's claim first: of two runs started into one directory, one goes on, one stops here
-            hold_run_dir(Path(str(config.hydra.run.dir)), config.get("resume"))
+            hold_run_dir(run_dir, config.get("resume"))
             claim_run_dir(
-                Path(str(config.hydra.run.dir)),
-                config.get("resume"),
-                bool(config.get("overwrite")),
-                include_hydra=True,
-                log=log,
+                run_dir, config.get("resume"), bool(config.get("overwrite")), include_hydra=True, log=log
             )
         except RunDirectoryInUse as e:
+            release_run_dir(run_dir)  # refused: this process's own claim, if it took one, goes too
             _refuse(str(e))
 
     def on_job_end(self, config: Any, job_return: Any = None, **kwargs: Any) -> None:

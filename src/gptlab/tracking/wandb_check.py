@@ -61,6 +61,10 @@ def wandb_base_url() -> str:
     return (os.environ.get("WANDB_BASE_URL") or _setting("base_url") or DEFAULT_BASE_URL).rstrip("/")
 
 
+def _netrc_path() -> str:
+    return os.environ.get("NETRC") or os.path.join(os.path.expanduser("~"), ".netrc")
+
+
 @dataclass(frozen=True)
 class WandbKey:
     value: str
@@ -76,7 +80,7 @@ def wandb_api_key() -> WandbKey | None:
     if os.environ.get("WANDB_IDENTITY_TOKEN_FILE"):
         return WandbKey("", "WANDB_IDENTITY_TOKEN_FILE")
     host = urlparse(wandb_base_url()).hostname or "api.wandb.ai"
-    path = os.environ.get("NETRC", os.path.join(os.path.expanduser("~"), ".netrc"))
+    path = _netrc_path()
     try:
         entry = netrc.netrc(path).authenticators(host)
     except (FileNotFoundError, netrc.NetrcParseError, OSError):
@@ -160,7 +164,7 @@ def check_wandb_online(mode: str | None = None, timeout: float = CHECK_TIMEOUT_S
     if key is None:
         raise ConfigError(
             f"W&B is to log online ({why}) but no W&B API key is set (no WANDB_API_KEY, no entry for "
-            f"{urlparse(wandb_base_url()).hostname} in ~/.netrc, none in W&B's settings): the run would fail "
+            f"{urlparse(wandb_base_url()).hostname} in {_netrc_path()}, none in W&B's settings): the run would fail "
             f"at its start. To go on: {FIXES}."
         )
     if not key.value:  # an identity-token file: W&B exchanges it itself
