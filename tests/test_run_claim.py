@@ -22,14 +22,7 @@ from conftest import ROOT, TINY, run_train
 
 from gptlab.errors import ConfigError
 from gptlab.runs import Run
-from gptlab.runs.identity import (
-    Claim,
-    RunDirectoryClaimed,
-    RunDirectoryInUse,
-    claim_run_dir,
-    hold_run_dir,
-    release_run_dir,
-)
+from gptlab.runs.identity import Claim, RunDirectoryClaimed, RunDirectoryInUse, hold_run_dir, release_run_dir
 from gptlab.runs.layout import CLAIM_FILE, REPLACED_DIR
 from gptlab.tracking import wandb_check
 
@@ -207,26 +200,41 @@ def test_a_claim_is_not_taken_on_a_rank_a_launcher_started(tmp_path, monkeypatch
     assert hold_run_dir(tmp_path / "D") is None and not (tmp_path / "D" / CLAIM_FILE).exists()
 
 
-def test_a_start_that_failed_before_training_leaves_the_directory_free(tmp_path):
+@pytest.mark.slow
+def test_a_start_that_failed_before_training_leaves_the_directory_free(make_cfg, tmp_path, monkeypatch):
+    from gptlab.tasks import gpt
+    from gptlab.tracking.wandb_files import find_runs
+
     run_dir = tmp_path / "D"
-    (run_dir / "wandb" / "run-x").mkdir(parents=True)
-    (run_dir / "wandb" / "run-x" / "debug.log").write_text("failed to log in\n")
-    (run_dir / "result.json").write_text(json.dumps({"finished": False, "global_step": 0, "failed": "Err()"}))
-    (run_dir / "run.json").write_text(json.dumps({"run_id": "abc", "parts": []}))
-    aside = claim_run_dir(run_dir, None, False)
-    assert aside is not None and sorted(p.name for p in aside.iterdir()) == [
-        "result.json",
-        "run.json",
-        "wandb",
+    cfg = [
+        *TINY,
+        "tokenizer=char",
+        "trainer.max_steps=1",
+        "logger=[csv,wandb]",
+        f"paths.output_dir={run_dir}",
     ]
-    assert (aside / "wandb" / "run-x" / "debug.log").read_text() == "failed to log in\n"
-    assert not (run_dir / "wandb").exists() and not (run_dir / "result.json").exists()
-    # a run that trained is not a failed start: the same files and its resolved config are refused
-    (run_dir / "wandb" / "run-y").mkdir(parents=True)
-    (run_dir / "wandb" / "run-y" / "debug.log").write_text("\n")
-    (run_dir / "config_resolved.yaml").write_text("seed: 1\n")
-    with pytest.raises(RunDirectoryInUse, match="already holds a run"):
-        claim_run_dir(run_dir, None, False)
+
+    def broken_trainer(cfg, settings, parts, loggers):
+        for logger in loggers:
+            assert logger.experiment is not None  # opened: the W&B run and the CSV folder are written
+        raise RuntimeError("no trainer today")
+
+    # the first start opens its loggers and fails building the trainer
+    monkeypatch.setattr(gpt, "make_trainer", broken_trainer)
+    with pytest.raises(RuntimeError, match="no trainer today"):
+        gpt.run(make_cfg(*cfg))
+    failed = json.loads((run_dir / "result.json").read_text())
+    assert failed["global_step"] == 0 and not failed["finished"] and len(find_runs(run_dir / "wandb")) == 1
+    monkeypatch.undo()
+    # the same command again: it runs, and the failed start's files are set aside whole, not mixed in
+    gpt.run(make_cfg(*cfg))
+    assert Run(run_dir).result()["finished"] and len(find_runs(run_dir / "wandb")) == 1
+    (aside,) = (run_dir / REPLACED_DIR).iterdir()
+    assert json.loads((aside / "result.json").read_text()) == failed and len(find_runs(aside / "wandb")) == 1
+    assert Run(run_dir).info().run_id != json.loads((aside / "run.json").read_text())["run_id"]
+    # a run that trained is no failed start: the same command is refused
+    with pytest.raises(RunDirectoryInUse, match=f"{run_dir} already holds a run"):
+        gpt.run(make_cfg(*cfg))
 
 
 # ---- W&B online without a usable key ------------------------------------------------------------------
