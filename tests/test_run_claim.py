@@ -305,6 +305,10 @@ def test_wandb_online_with_a_key_is_checked_within_a_bound(no_wandb_login, monke
     finally:
         server.release.set()
         server.shutdown()
-    # offline and disabled need no key and ask no server
+    # offline and disabled need no key and ask no server; auto without a key is offline
     wandb_check.check_wandb_online("offline")
     wandb_check.check_wandb_online("disabled")
+    monkeypatch.delenv("WANDB_API_KEY")
+    monkeypatch.delenv("WANDB_MODE")
+    assert wandb_check.wandb_mode("auto") == "offline"
+    wandb_check.check_wandb_online("auto")

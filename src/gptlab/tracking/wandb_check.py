@@ -156,8 +156,11 @@ _working: set[tuple[str, str]] = set()
 
 def check_wandb_online(mode: str | None = None, timeout: float = CHECK_TIMEOUT_S) -> None:
     """Refuse (a :class:`ConfigError`) an online W&B run that cannot log: no key, or a key the server
-    rejects or cannot be asked about within ``timeout`` seconds. Nothing to do offline or disabled."""
-    if wandb_mode(mode) != "online":
+    rejects or cannot be asked about within ``timeout`` seconds. Nothing to do offline or disabled, nor on
+    the ranks a launcher started (rank 0 checked; only rank 0 logs to W&B)."""
+    from gptlab.runs.identity import launched_rank
+
+    if wandb_mode(mode) != "online" or launched_rank():
         return
     why = _why_online(mode)
     key = wandb_api_key()
@@ -196,10 +199,6 @@ class CheckWandb(HydraCallback):
     first job): an online W&B logger that cannot log is refused here, in seconds."""
 
     def _check(self, config: Any) -> None:
-        from gptlab.runs.identity import launched_rank
-
-        if launched_rank():  # rank 0 checked; the other ranks log nothing to W&B
-            return
         try:
             for mode in wandb_modes_of(config.get("logger")):
                 check_wandb_online(mode)
