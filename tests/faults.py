@@ -8,6 +8,10 @@ one rank does to a distributed run. GPTLAB_TEST_FAULT chooses it (read here only
   process group: start it in a session of its own) is SIGKILLed between the two renames.
 - ``kill_at_step:<n>:<overrides>``: the process is SIGKILLed after the n-th optimizer step of the (multirun)
   job whose overrides include every one of ``<overrides>`` (``pos=nope&seed=1``): a sweep dies in that job.
+- ``race_start:<folder>:<n>[:hold]``: a start raced against n - 1 others: each process waits until all n
+  have reached the run directory's check (a file each in ``<folder>``), so that they claim it at the same
+  moment; with ``hold``, one that got through waits there until ``<folder>/go`` exists (the test writes it once
+  it has seen the others refused).
 
 Lightning starts ranks > 0 by re-running this command line, so the fault is in place in every rank.
 """
@@ -97,6 +101,29 @@ elif kind == "kill_at_step":
         original_batch_end(self, trainer, pl_module, *rest)
 
     ValidateAtLastStep.on_train_batch_end = on_train_batch_end
+elif kind == "race_start":
+    import time
+
+    from gptlab.resume import CheckRunDirectory
+
+    folder, starters, hold = Path(args[0]), int(args[1]), args[2:] == ["hold"]
+    original_run_start = CheckRunDirectory.on_run_start
+
+    def wait_for(condition, what: str) -> None:
+        deadline = time.monotonic() + 300
+        while not condition():
+            if time.monotonic() > deadline:
+                raise SystemExit(f"race_start: gave up waiting for {what}")
+            time.sleep(0.01)
+
+    def on_run_start(self, config, **kwargs):
+        (folder / f"ready-{os.getpid()}").touch()
+        wait_for(lambda: len(list(folder.glob("ready-*"))) >= starters, f"{starters} starters")
+        original_run_start(self, config, **kwargs)
+        if hold:
+            wait_for((folder / "go").exists, "the go file")
+
+    CheckRunDirectory.on_run_start = on_run_start
 else:
     raise SystemExit(f"unknown GPTLAB_TEST_FAULT {kind!r}")
 

@@ -68,6 +68,9 @@ def trained(tmp_path_factory):
     finally:
         torch.set_num_threads(threads)
         other.finish()
+        # finish() returns before W&B's service has flushed and closed the runs' files (a small run's records
+        # can all still be in its buffer); the tests read those files, so wait until the service has ended
+        wandb.teardown()
     return root, run_dir, metrics
 
 

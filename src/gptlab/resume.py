@@ -89,10 +89,11 @@ def choose_run_dir(task_overrides: Any, search_root: str, default: str) -> str:
 
 def unused(directory: str) -> str:
     """``directory``, or ``directory-1``, ``-2``... when a run started in the same second already took it
-    (the default run directory is named by the second); once the job has its directory, that one. A rank
-    that a launcher started (DDP's other ranks
-    re-run the command line) takes ``directory`` as it is: rank 0 made it for all of them."""
-    from gptlab.runs.identity import launched_rank
+    (the default run directory is named by the second): the first that this process creates and claims
+    itself (:func:`gptlab.runs.identity.take_new_run_dir`); once the job has its directory, that one. A rank
+    that a launcher started (DDP's other ranks re-run the command line) takes ``directory`` as it is: rank 0
+    made it for all of them."""
+    from gptlab.runs.identity import launched_rank, take_new_run_dir
 
     if launched_rank():
         return directory
@@ -102,11 +103,7 @@ def unused(directory: str) -> str:
         own == base or (own.parent == base.parent and own.name.startswith(base.name + "-"))
     ):
         return str(own)
-    candidate, n = directory, 0
-    while Path(candidate).exists():
-        n += 1
-        candidate = f"{directory}-{n}"
-    return candidate
+    return take_new_run_dir(directory)
 
 
 def this_jobs_output_dir() -> Path | None:
@@ -288,19 +285,26 @@ class CheckRunDirectory(HydraCallback):
             )
 
     def on_run_start(self, config: Any, **kwargs: Any) -> None:
-        from gptlab.runs.identity import RunDirectoryInUse, claim_run_dir
+        from gptlab.runs.identity import RunDirectoryInUse, claim_run_dir, hold_run_dir, release_run_dir
 
         self._check(config.hydra.run.dir, "hydra.run.dir")
+        run_dir = Path(str(config.hydra.run.dir))
         try:
+            # this process's claim first: of two runs started into one directory, one goes on, one stops here
+            hold_run_dir(run_dir, config.get("resume"))
             claim_run_dir(
-                Path(str(config.hydra.run.dir)),
-                config.get("resume"),
-                bool(config.get("overwrite")),
-                include_hydra=True,
-                log=log,
+                run_dir, config.get("resume"), bool(config.get("overwrite")), include_hydra=True, log=log
             )
         except RunDirectoryInUse as e:
+            release_run_dir(run_dir)  # refused: this process's own claim, if it took one, goes too
             _refuse(str(e))
+
+    def on_job_end(self, config: Any, job_return: Any = None, **kwargs: Any) -> None:
+        """The job's claim on its directory ends with the job (the next job of a sweep, or a later command,
+        may start there), also when the task failed before it could release it."""
+        from gptlab.runs.identity import release_run_dir
+
+        release_run_dir(Path(str(config.hydra.runtime.output_dir)))
 
     def on_multirun_start(self, config: Any, **kwargs: Any) -> None:
         from gptlab.runs.identity import RunDirectoryInUse, claim_sweep_dir

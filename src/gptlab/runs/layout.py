@@ -5,6 +5,7 @@
     <run dir>/                        outputs/runs/<date>/<time>, or <sweep dir>/<job> in a multirun
       .hydra/overrides.yaml           the command's overrides (Hydra); what makes a directory a run
       run.json                        which run this is: its id, and each part (start, resumes) with its step
+      run.lock                        while a run is running: which process holds the directory (pid, host)
       config_resolved.yaml            the whole config, resolved
       result.json                     written when the run ends: its final metrics, last step, git commit
       checkpoints/last.ckpt           periodic and final; a file, or a directory for sharded strategies
@@ -41,6 +42,7 @@ OVERRIDES_FILE = f"{HYDRA_DIR}/overrides.yaml"
 CONFIG_FILE = "config_resolved.yaml"
 RESULT_FILE = "result.json"
 RUN_FILE = "run.json"  # which run this is: its id and parts (gptlab.runs.identity)
+CLAIM_FILE = "run.lock"  # the running process's exclusive claim of the directory (gptlab.runs.identity)
 REPLACED_DIR = ".replaced"  # an earlier run's files, moved aside by overwrite=true
 CHECKPOINT_DIR = "checkpoints"
 LAST_CHECKPOINT = "last.ckpt"

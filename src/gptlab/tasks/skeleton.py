@@ -25,6 +25,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from gptlab.config import RunSettings
 from gptlab.resume import check_writable
+from gptlab.runs.identity import hold_run_dir, release_run_dir
 from gptlab.runs.layout import Run, git_commit, read_run_info
 
 log = logging.getLogger("gptlab")
@@ -80,6 +81,7 @@ class RunSession:
 
         run_dir = record_run_dir(cfg)
         check_writable(run_dir)
+        hold_run_dir(run_dir, settings.resume)  # this process alone runs there (Hydra claims it first)
         if (run_dir / "checkpoints").is_dir():  # a kill mid-swap of a sharded checkpoint: swapped back first
             from gptlab.parallel.checkpoint_io import restore_interrupted_saves
 
@@ -164,6 +166,7 @@ class RunSession:
                 from gptlab.tracking.loggers import finish_wandb
 
                 finish_wandb(loggers, failed)
+            release_run_dir(self.run_dir)
 
 
 def seed_generators(seed: int) -> None:

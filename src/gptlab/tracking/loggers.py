@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import logging
-import netrc
 import os
 from pathlib import Path
-from typing import Any, Literal, cast
-from urllib.parse import urlparse
+from typing import Any
 
 import lightning as L
 from lightning.fabric.loggers.logger import rank_zero_experiment
@@ -15,36 +13,11 @@ from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger, Wand
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 
 from gptlab.runs.naming import labels_from_hydra
+from gptlab.tracking.wandb_check import check_wandb_online
+from gptlab.tracking.wandb_check import wandb_logged_in as wandb_logged_in  # its home has no Lightning
+from gptlab.tracking.wandb_check import wandb_mode as wandb_mode
 
 log = logging.getLogger(__name__)
-
-
-def wandb_logged_in() -> bool:
-    """True when W&B credentials are present (WANDB_API_KEY, or a netrc entry for the W&B host)."""
-    if os.environ.get("WANDB_API_KEY"):
-        return True
-    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname or "api.wandb.ai"
-    path = os.environ.get("NETRC", os.path.expanduser("~/.netrc"))
-    try:
-        return netrc.netrc(path).authenticators(host) is not None
-    except (FileNotFoundError, netrc.NetrcParseError, OSError):
-        return False
-
-
-def wandb_mode(mode: str | None) -> Literal["online", "offline", "disabled"]:
-    """``online``, ``offline`` or ``disabled``: the configured mode, else WANDB_MODE, else online exactly when
-    the user is logged in."""
-    allowed = ("online", "offline", "disabled")
-    if mode in (None, "auto"):
-        env = os.environ.get("WANDB_MODE")
-        if env in ("dryrun",):
-            env = "offline"
-        mode = env if env in allowed else ("online" if wandb_logged_in() else "offline")
-    if mode not in allowed:
-        from gptlab.errors import ConfigError
-
-        raise ConfigError(f"logger.wandb.mode={mode!r} is not one of {allowed} (or auto / null).")
-    return cast(Literal["online", "offline", "disabled"], mode)
 
 
 def wandb_logger(
@@ -67,6 +40,7 @@ def wandb_logger(
     :mod:`gptlab.runs.naming`): a sweep is one group, each run is named by what it varies, and every
     chosen override (``pos=rope``, ``seed=1``) is a tag, added to ``tags``."""
     resolved = wandb_mode(mode)
+    check_wandb_online(mode)  # no key, a rejected one, no server: refused now, not after a 90 s hang
     labels = labels_from_hydra()
     name = name or labels.name
     group = group or labels.group
