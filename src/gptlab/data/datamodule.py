@@ -129,6 +129,15 @@ class GPTDataModule(L.LightningDataModule):
                     f"than one window of model.block_size + 1 = {window}. Use more text or a smaller "
                     f"model.block_size (at most {max(1, self.train_set.n_tokens - 1)})."
                 )
+        layout = self.corpus.meta.get("token_files")
+        if len(self.val_set) == 0 and layout:
+            files = "val.bin" if layout == "nanoGPT" else "*_val_*.bin"
+            raise DataError(
+                f"The validation tokens of data.path={self.spec.path!r} ({files}) are {self.val_set.n_tokens}, "
+                f"fewer than one window of model.block_size + 1 = {window}: validation would measure nothing. "
+                "Write the token files again with more validation text, or lower model.block_size (at most "
+                f"{max(1, self.val_set.n_tokens - 1)})."
+            )
         if len(self.val_set) == 0:
             raise DataError(
                 f"The validation split of {self.spec.describe()} has {self.val_set.n_tokens} tokens, fewer than "
