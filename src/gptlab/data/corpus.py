@@ -170,16 +170,17 @@ def prepare(spec: DataSpec, tokenizer: str | dict[str, Any]) -> PreparedCorpus:
     if isinstance(opened, tuple):
         log.info("Token cache hit: %s", cache)
     else:
-        if isinstance(opened, DamagedCache):
-            log.warning("%s Preparing it again now.", opened)
-        _make_parent(spec, cache)
+        damage = opened if isinstance(opened, DamagedCache) else None
+        if damage is not None:
+            log.warning("%s Preparing it again now.", damage)
+        _make_parent(spec, cache, damage)
         # One preparation per cache: the ranks of a DDP run (and concurrent runs) wait for the first one.
         # The kernel releases the lock of a killed process.
-        with _locked(spec, cache):
+        with _locked(spec, cache, damage):
             opened = _open_cache(cache) if (cache / "meta.json").is_file() else None
             if not isinstance(opened, tuple):  # still missing or damaged: this process prepares it
                 if opened is not None:
-                    _remove_damaged(cache, opened)
+                    _remove_damaged(spec, cache, opened)
                 _build_cache(spec, node, cache, key_material)
                 opened = _open_cache(cache)
                 if not isinstance(opened, tuple):
@@ -208,28 +209,35 @@ def _open_cache(cache: Path) -> tuple[dict[str, Any], dict[str, TokenShards]] | 
         return e
 
 
-def _make_parent(spec: DataSpec, cache: Path) -> None:
+def _make_parent(spec: DataSpec, cache: Path, damage: DamagedCache | None = None) -> None:
     """Create the folder of the caches, or say which folder cannot be written and how to choose another."""
     try:
         cache.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise _unwritable(spec, cache.parent, e) from None
+        raise _unwritable(spec, cache.parent, e, damage) from None
 
 
-def _unwritable(spec: DataSpec, folder: Path, e: OSError) -> DataError:
+def _unwritable(spec: DataSpec, folder: Path, e: OSError, damage: DamagedCache | None = None) -> DataError:
+    fix = (
+        "Make it writable, or put the caches elsewhere with paths.cache_dir=<a writable folder> (or "
+        "data.cache_dir=<folder> for the token caches alone)."
+    )
+    if damage is not None:
+        return DataError(
+            f"{damage} It cannot be prepared again here: {folder} cannot be written ({e.strerror or e}). {fix}"
+        )
     return DataError(
         f"The token cache folder {folder} cannot be written ({e.strerror or e}): the corpus {spec.describe()} "
-        "is tokenized into it before training. Make it writable, or put the caches elsewhere with "
-        "paths.cache_dir=<a writable folder> (or data.cache_dir=<folder> for the token caches alone)."
+        f"is tokenized into it before training. {fix}"
     )
 
 
 @contextmanager
-def _locked(spec: DataSpec, cache: Path) -> Iterator[None]:
+def _locked(spec: DataSpec, cache: Path, damage: DamagedCache | None = None) -> Iterator[None]:
     try:
         lock = open(cache.parent / f"{cache.name}.lock", "w")
     except OSError as e:
-        raise _unwritable(spec, cache.parent, e) from None
+        raise _unwritable(spec, cache.parent, e, damage) from None
     with lock:
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -239,17 +247,14 @@ def _locked(spec: DataSpec, cache: Path) -> Iterator[None]:
         yield
 
 
-def _remove_damaged(cache: Path, damage: DamagedCache) -> None:
+def _remove_damaged(spec: DataSpec, cache: Path, damage: DamagedCache) -> None:
     """Move a damaged cache out of the way (a rename: a process still reading it keeps its files), then
     delete it."""
     aside = cache.parent / f"{cache.name}.damaged-{socket.gethostname()}-{os.getpid()}"
     try:
         os.replace(cache, aside)
     except OSError as e:
-        raise DataError(
-            f"{damage} It cannot be removed here ({e.strerror or e}): remove it as a user who may, or point "
-            "paths.cache_dir elsewhere."
-        ) from None
+        raise _unwritable(spec, cache.parent, e, damage) from None
     shutil.rmtree(aside, ignore_errors=True)
 
 

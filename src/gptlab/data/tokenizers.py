@@ -347,16 +347,21 @@ def check_unknowns(
             continue
         label = "validation" if split == "val" else "training"
         seen = "not seen in training" if split == "val" else "outside the vocabulary"
-        log.warning("%s: %d %s (%.1f%%) %s, encoded as %s", label, unknown, tok.unit, 100 * share, seen, UNK)
+        log.warning("%s: %d %s (%s) %s, encoded as %s", label, unknown, tok.unit, _percent(share), seen, UNK)
         if limit is not None and share > limit:
             raise ConfigError(
-                f"The {label} split of {where} has {unknown} of its {symbols} {tok.unit} ({100 * share:.1f}%) "
+                f"The {label} split of {where} has {unknown} of its {symbols} {tok.unit} ({_percent(share)}) "
                 f"{seen}, above tokenizer.max_unknown_fraction={limit} of tokenizer={tok.name}: its loss would "
                 f"be on {UNK} rather than on the text. Train on text that covers it, use tokenizer=gpt2 "
                 "(byte-level, encodes any text), or raise tokenizer.max_unknown_fraction (e.g. "
                 f"tokenizer.max_unknown_fraction={_above(share)}) to accept it."
             )
     return shares
+
+
+def _percent(share: float) -> str:
+    """49.7%, 4.13%, 0.0453%: three significant digits, so that a few unknowns never read as 0.0%."""
+    return f"{100 * share:.3g}%"
 
 
 def _above(share: float) -> str:
