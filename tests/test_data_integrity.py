@@ -100,6 +100,16 @@ def test_unknowns_are_counted_in_what_a_capped_cache_keeps(tmp_path, monkeypatch
         facts = prepared.meta["splits"][split]
         assert facts["unknown"] == int((tokens == unk).sum()) > 0
         assert facts["symbols"] == int((tokens != eot).sum())
+    share = prepared.meta["splits"]["train"]["unknown"] / prepared.meta["splits"]["train"]["symbols"]
+    with pytest.raises(ConfigError) as refused:  # the default threshold, the same cache
+        corpus.prepare(spec, {"name": "word", "max_vocab": 8})
+    assert str(refused.value).startswith(
+        f"The training split of local files {spec.path!r} has {prepared.meta['splits']['train']['unknown']} of "
+        f"its {prepared.meta['splits']['train']['symbols']} words ({100 * share:.3g}%) outside the vocabulary, "
+        "above tokenizer.max_unknown_fraction=0.1 of tokenizer=word: its loss would be on <|unk|> rather than on "
+        "the text. Keep more words (tokenizer.max_vocab=8; null keeps every word of the training text), use "
+        "tokenizer=gpt2"
+    )
 
 
 # ---- damaged caches -----------------------------------------------------------------------------------
@@ -172,8 +182,10 @@ def test_a_damaged_cache_is_found_on_open_and_prepared_again(small_cache, damage
     warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert len(warnings) == 1, warnings
     assert warnings[0].startswith(f"The token cache {folder} is damaged: {name} ")
-    assert problem in warnings[0] and f"`rm -r {folder}`" in warnings[0]
-    assert "Preparing it again now." in warnings[0] and "Traceback" not in caplog.text
+    assert problem in warnings[0] and "Traceback" not in caplog.text
+    assert warnings[0].endswith(
+        ". Preparing it again from the corpus (nothing is lost: the cache is made from it)."
+    )
     # nothing lost: the same tokens as before the damage, and a clean cache for the next run
     assert np.array_equal(prepared.train.array(), train) and np.array_equal(prepared.val.array(), val)
     read_index(folder)
@@ -215,7 +227,7 @@ def test_a_damaged_cache_that_cannot_be_removed_is_refused_with_the_command(smal
     assert proc.returncode != 0
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith(f"gptlab.errors.DataError: The token cache {folder} is damaged: val.bin has ")
-    assert f"(`rm -r {folder}`)" in last
+    assert f"Delete the damaged cache as a user who may (`rm -r {folder}`) and run again" in last
     assert f"It cannot be prepared again here: {folder.parent} cannot be written (Permission denied)" in last
     assert np.array_equal(np.fromfile(folder / "val.bin", dtype=np.uint16), val[: len(val) // 2])  # untouched
 
@@ -287,7 +299,7 @@ def test_a_read_only_empty_cache_folder_is_named_with_the_fix(tmp_path):
     )
     assert proc.stderr.strip().splitlines()[-1] == (
         f"gptlab.errors.DataError: The token cache folder {cache_dir} cannot be written (Permission denied): the "
-        "corpus embedded corpus 'pydoc_topics' is tokenized into it before training. Make it writable, or put the "
+        "tokens of embedded corpus 'pydoc_topics' are written there before training. Make it writable, or put the "
         "caches elsewhere with paths.cache_dir=<a writable folder> (or data.cache_dir=<folder> for the token "
         "caches alone)."
     )

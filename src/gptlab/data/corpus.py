@@ -172,7 +172,10 @@ def prepare(spec: DataSpec, tokenizer: str | dict[str, Any]) -> PreparedCorpus:
     else:
         damage = opened if isinstance(opened, DamagedCache) else None
         if damage is not None:
-            log.warning("%s Preparing it again now.", damage)
+            log.warning(
+                "%s. Preparing it again from the corpus (nothing is lost: the cache is made from it).",
+                damage.what,
+            )
         _make_parent(spec, cache, damage)
         # One preparation per cache: the ranks of a DDP run (and concurrent runs) wait for the first one.
         # The kernel releases the lock of a killed process.
@@ -224,11 +227,13 @@ def _unwritable(spec: DataSpec, folder: Path, e: OSError, damage: DamagedCache |
     )
     if damage is not None:
         return DataError(
-            f"{damage} It cannot be prepared again here: {folder} cannot be written ({e.strerror or e}). {fix}"
+            f"{damage.what}. It cannot be prepared again here: {folder} cannot be written ({e.strerror or e}). "
+            f"Delete the damaged cache as a user who may (`rm -r {damage.folder}`) and run again, or put the "
+            "caches elsewhere with paths.cache_dir=<a writable folder>."
         )
     return DataError(
-        f"The token cache folder {folder} cannot be written ({e.strerror or e}): the corpus {spec.describe()} "
-        f"is tokenized into it before training. {fix}"
+        f"The token cache folder {folder} cannot be written ({e.strerror or e}): the tokens of "
+        f"{spec.describe()} are written there before training. {fix}"
     )
 
 

@@ -349,11 +349,18 @@ def check_unknowns(
         seen = "not seen in training" if split == "val" else "outside the vocabulary"
         log.warning("%s: %d %s (%s) %s, encoded as %s", label, unknown, tok.unit, _percent(share), seen, UNK)
         if limit is not None and share > limit:
+            # the training split lacks words only where tokenizer.max_vocab keeps some out
+            cover = (
+                "Train on text that covers it"
+                if split == "val"
+                else f"Keep more words (tokenizer.max_vocab={getattr(options, 'max_vocab', None)}; null keeps every "
+                "word of the training text)"
+            )
             raise ConfigError(
                 f"The {label} split of {where} has {unknown} of its {symbols} {tok.unit} ({_percent(share)}) "
                 f"{seen}, above tokenizer.max_unknown_fraction={limit} of tokenizer={tok.name}: its loss would "
-                f"be on {UNK} rather than on the text. Train on text that covers it, use tokenizer=gpt2 "
-                "(byte-level, encodes any text), or raise tokenizer.max_unknown_fraction (e.g. "
+                f"be on {UNK} rather than on the text. {cover}, use tokenizer=gpt2 (byte-level, encodes any "
+                "text), or raise tokenizer.max_unknown_fraction (e.g. "
                 f"tokenizer.max_unknown_fraction={_above(share)}) to accept it."
             )
     return shares
