@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from conftest import TINY
 from test_errors import obey_file_permissions, permissions_apply
+from test_token_files import write_llmc
 
 from gptlab.data import corpus, tokenizers
 from gptlab.data.corpus import DataSpec
@@ -252,6 +253,21 @@ def test_a_truncated_nanogpt_file_is_refused_with_the_file_and_the_fix(tmp_path)
     message = str(refused.value)
     assert f"{tmp_path / 'd' / 'val.bin'} has 501 bytes, not a whole number of uint16 tokens" in message
     assert "Write it again with the preparation script that made it" in message
+
+
+def test_a_truncated_llmc_shard_is_refused_with_the_file_and_the_fix(tmp_path):
+    (tmp_path / "d").mkdir()
+    write_llmc(tmp_path / "d" / "x_train_000001.bin", np.arange(3000))
+    write_llmc(tmp_path / "d" / "x_val_000000.bin", np.arange(300))
+    truncate_to(tmp_path / "d" / "x_train_000001.bin", 0.8)
+    size = (tmp_path / "d" / "x_train_000001.bin").stat().st_size
+    with pytest.raises(DataError) as refused:
+        corpus.prepare(DataSpec(path=str(tmp_path / "d")), "gpt2")
+    assert str(refused.value) == (
+        f"{tmp_path / 'd' / 'x_train_000001.bin'}: its header says 3000 tokens (7024 bytes) but the file has {size} "
+        "bytes: the shard is truncated or was written by another tool. Write it again with the preparation "
+        "script that made it, or move it out of the folder."
+    )
 
 
 def nothing_trained(out: Path) -> bool:
