@@ -137,6 +137,7 @@ DAMAGE = {
     "truncated index.json": ("index.json", lambda p: truncate_to(p, 0.5), "cannot be read (JSONDecodeError"),
     "truncated meta.json": ("meta.json", lambda p: truncate_to(p, 0.5), "cannot be read (JSONDecodeError"),
     "missing shard": ("train_000002.bin", lambda p: p.unlink(), "is missing"),
+    "missing meta.json": ("meta.json", lambda p: p.unlink(), "is missing"),
 }
 
 

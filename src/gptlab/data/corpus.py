@@ -166,7 +166,8 @@ def prepare(spec: DataSpec, tokenizer: str | dict[str, Any]) -> PreparedCorpus:
     }
     key = hashlib.sha256(json.dumps(key_material, sort_keys=True).encode()).hexdigest()[:16]
     cache = Path(spec.cache_dir) / f"{spec.source}-{node['name']}-{key}"
-    opened = _open_cache(cache) if (cache / "meta.json").is_file() else None
+    # the folder appears whole (a rename) or not at all: one that exists without its files is damaged
+    opened = _open_cache(cache) if cache.is_dir() else None
     if isinstance(opened, tuple):
         log.info("Token cache hit: %s", cache)
     else:
@@ -180,7 +181,7 @@ def prepare(spec: DataSpec, tokenizer: str | dict[str, Any]) -> PreparedCorpus:
         # One preparation per cache: the ranks of a DDP run (and concurrent runs) wait for the first one.
         # The kernel releases the lock of a killed process.
         with _locked(spec, cache, damage):
-            opened = _open_cache(cache) if (cache / "meta.json").is_file() else None
+            opened = _open_cache(cache) if cache.is_dir() else None
             if not isinstance(opened, tuple):  # still missing or damaged: this process prepares it
                 if opened is not None:
                     _remove_damaged(spec, cache, opened)
@@ -204,6 +205,8 @@ def _open_cache(cache: Path) -> tuple[dict[str, Any], dict[str, TokenShards]] | 
         meta = json.loads((cache / "meta.json").read_text())
         if not isinstance(meta, dict) or not {"tokenizer_spec", "splits"} <= set(meta):
             raise ValueError("its keys tokenizer_spec and splits are missing")
+    except FileNotFoundError:
+        return DamagedCache(cache, "meta.json", "is missing")
     except (OSError, ValueError) as e:
         return DamagedCache(cache, "meta.json", f"cannot be read ({type(e).__name__}: {e})")
     try:

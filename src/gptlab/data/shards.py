@@ -175,6 +175,8 @@ def read_index(folder: Path, verify_bytes: int = VERIFY_BYTES) -> dict[str, Toke
                 size = path.stat().st_size
             except FileNotFoundError:
                 raise DamagedCache(folder, entry["file"], "is missing") from None
+            except OSError as e:
+                raise DamagedCache(folder, entry["file"], f"cannot be read ({e.strerror or e})") from None
             if size != expected:
                 raise DamagedCache(
                     folder,
@@ -186,7 +188,11 @@ def read_index(folder: Path, verify_bytes: int = VERIFY_BYTES) -> dict[str, Toke
     verified = [s for s in ("val", "train") if s == "val" or total <= verify_bytes]
     for split in verified:
         for entry in splits.get(split, []):
-            if "crc32" in entry and file_crc32(folder / entry["file"]) != entry["crc32"]:
+            try:
+                crc = file_crc32(folder / entry["file"]) if "crc32" in entry else None
+            except OSError as e:
+                raise DamagedCache(folder, entry["file"], f"cannot be read ({e.strerror or e})") from None
+            if crc is not None and crc != entry["crc32"]:
                 raise DamagedCache(
                     folder,
                     entry["file"],
