@@ -256,6 +256,17 @@ def test_a_truncated_nanogpt_file_is_refused_with_the_file_and_the_fix(tmp_path)
     assert "Write it again with the preparation script that made it" in message
 
 
+def test_a_missing_nanogpt_validation_file_is_named(tmp_path):
+    nanogpt(tmp_path / "d", 5000, 500)
+    (tmp_path / "d" / "val.bin").unlink()
+    with pytest.raises(DataError) as refused:
+        corpus.prepare(DataSpec(path=str(tmp_path / "d")), "gpt2")
+    assert str(refused.value) == (
+        f"data.path={str(tmp_path / 'd')!r} holds nanoGPT's train.bin but no val.bin: training needs both splits "
+        f"(nanoGPT's prepare.py writes both). Write {tmp_path / 'd' / 'val.bin'} with the same script."
+    )
+
+
 def test_a_truncated_llmc_shard_is_refused_with_the_file_and_the_fix(tmp_path):
     (tmp_path / "d").mkdir()
     write_llmc(tmp_path / "d" / "x_train_000001.bin", np.arange(3000))

@@ -260,7 +260,14 @@ def token_folder(path: str | list[str] | None) -> tuple[str, dict[str, TokenShar
     folder = Path(os.path.expanduser(path))
     if not folder.is_dir():
         return None
-    if (folder / "train.bin").is_file() and (folder / "val.bin").is_file():
+    present = [name for name in ("train.bin", "val.bin") if (folder / name).is_file()]
+    if len(present) == 1:
+        missing = "val.bin" if present == ["train.bin"] else "train.bin"
+        raise DataError(
+            f"data.path={path!r} holds nanoGPT's {present[0]} but no {missing}: training needs both splits "
+            f"(nanoGPT's prepare.py writes both). Write {folder / missing} with the same script."
+        )
+    if len(present) == 2:
         return "nanoGPT", {
             split: TokenShards([_nanogpt_file(folder / f"{split}.bin")], "uint16")
             for split in ("train", "val")
