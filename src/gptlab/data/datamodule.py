@@ -92,7 +92,8 @@ class GPTDataModule(L.LightningDataModule):
 
     def prepare_data(self) -> None:
         if self.corpus is None:  # builds the token cache once (local rank 0); a second call finds it set up
-            self._prepare()
+            # kept for setup() in this process: one open of the cache (its checks and its log lines), not two
+            self.corpus = self._prepare()
 
     def _prepare(self) -> corpus.PreparedCorpus:
         if not self.spec.streaming:
@@ -118,7 +119,8 @@ class GPTDataModule(L.LightningDataModule):
     def setup(self, stage: str | None = None) -> None:
         if self.val_set is not None:
             return
-        self.corpus = self._prepare()
+        if self.corpus is None:
+            self.corpus = self._prepare()
         window = self.block_size + 1
         self.val_set = TokenWindows(self.corpus.val, self.block_size, self.val_stride)
         if not self.spec.streaming:
