@@ -1,7 +1,8 @@
 """gptlab: controlled experiments on GPT-style decoder-only transformers.
 
 The names below load on first use (PEP 562), so that ``import gptlab.model`` stays free of Lightning,
-Hydra and W&B: only the builders need the config system.
+Hydra and W&B: only the builders and the Python API (:mod:`gptlab.api`: ``compose``, ``train``,
+``load_run``, ``compare``) need the config system.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from gptlab.errors import ConfigError, DataError
 
 if TYPE_CHECKING:
+    from gptlab.api import LoadedRun, SweepRows, TrainResult, compare, compose, load_run, train
     from gptlab.builders import build_datamodule, build_model, build_model_config, build_tokenizer
     from gptlab.model.config import GPTConfig
     from gptlab.model.gpt import GPT
@@ -23,6 +25,13 @@ __version__ = "0.1.0"
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "conf"
 
 _EXPORTS = {
+    "LoadedRun": "gptlab.api",
+    "SweepRows": "gptlab.api",
+    "TrainResult": "gptlab.api",
+    "compare": "gptlab.api",
+    "compose": "gptlab.api",
+    "load_run": "gptlab.api",
+    "train": "gptlab.api",
     "GPT": "gptlab.model.gpt",
     "GPTConfig": "gptlab.model.config",
     "build_datamodule": "gptlab.builders",
@@ -37,10 +46,17 @@ __all__ = [
     "ConfigError",
     "DataError",
     "GPTConfig",
+    "LoadedRun",
+    "SweepRows",
+    "TrainResult",
     "build_datamodule",
     "build_model",
     "build_model_config",
     "build_tokenizer",
+    "compare",
+    "compose",
+    "load_run",
+    "train",
 ]
 
 

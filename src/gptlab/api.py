@@ -1,0 +1,578 @@
+"""The Python API: compose a config, train it, load a run, compare runs, from a notebook or a script.
+
+Each call goes through what ``python train.py`` and ``scripts/compare.py`` go through, so that a run made here
+is a run like any other: Hydra composes ``conf/train.yaml`` with the same defaults and overrides, the typed
+parse (:mod:`gptlab.config`) refuses a bad value with the same message, and :func:`train` runs Hydra's job and
+the task's run skeleton (:mod:`gptlab.tasks.skeleton`): the run directory claimed, ``.hydra/``, ``run.json``,
+the loggers, ``config_resolved.yaml`` and ``result.json``. ``scripts/compare.py`` and ``resume=auto`` find it.
+
+    import gptlab
+    cfg = gptlab.compose("debug=fast", "pos=rope", "tokenizer=char", "logger=csv")
+    result = gptlab.train(cfg)                  # a new directory under outputs/runs, as train.py makes
+    result.metrics["val/loss"], result.run_dir
+    run = gptlab.load_run(result.run_dir)       # the model on the CPU, its tokenizer and config
+    run.generate("The")
+    gptlab.compare("outputs/multirun/<date>/<time>").to_frame()
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+import sys
+import weakref
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager, redirect_stderr
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from gptlab.errors import ConfigError, DataError
+
+if TYPE_CHECKING:
+    import torch
+    from hydra._internal.hydra import Hydra
+
+    from gptlab.comparison.records import RunRecord
+    from gptlab.comparison.table import Row
+    from gptlab.data.tokenizers import Tokenizer
+    from gptlab.model.gpt import GPT
+    from gptlab.runs.trained import TrainedRun
+
+#: The root config ``python train.py`` composes (conf/train.yaml).
+CONFIG_NAME = "train"
+#: Hydra's job name: the job's log file is ``<run dir>/train.log``, as for ``python train.py``.
+JOB_NAME = "train"
+
+# compose()'s overrides, by the id of the config it returned: train(cfg) records them as the run's overrides
+# (.hydra/overrides.yaml), as the command line's are. An entry goes with its config.
+_OVERRIDES: dict[int, tuple[str, ...]] = {}
+
+
+# ---- compose ------------------------------------------------------------------------------------------
+
+
+def _override_list(items: Sequence[Any]) -> list[str]:
+    """Overrides given as strings, lists of strings, or both."""
+    out: list[str] = []
+    for item in items:
+        if isinstance(item, str):
+            out.append(item)
+        elif isinstance(item, (list, tuple)) and all(isinstance(x, str) for x in item):
+            out.extend(item)
+        else:
+            raise TypeError(
+                f"an override is a string such as 'pos=rope' (or a list of them), not {type(item).__name__}: "
+                f"{item!r}"
+            )
+    return out
+
+
+@contextmanager
+def _hydra() -> Iterator[Hydra]:
+    """Hydra initialised on gptlab's config folder, as ``python train.py`` initialises it; a Hydra the caller
+    had initialised (their own ``initialize_config_dir``) is put back afterwards."""
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.initialize import get_gh_backup, restore_gh_from_backup
+
+    from gptlab import CONFIG_DIR
+    from gptlab.resume import register_resolvers
+
+    register_resolvers()  # conf/hydra chooses the run directory through them, as train.py registers them
+    backup = get_gh_backup()
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(str(CONFIG_DIR), job_name=JOB_NAME, version_base="1.3"):
+            hydra = GlobalHydra.instance().hydra
+            assert hydra is not None
+            yield hydra
+    finally:
+        restore_gh_from_backup(backup)
+
+
+def _hydra_refusal(error: Exception) -> ConfigError:
+    """Hydra's refusal of an override (a choice or key that does not exist, bad syntax) as a ConfigError
+    whose message is what ``python train.py`` prints for it."""
+    from omegaconf.errors import OmegaConfBaseException
+
+    message = str(error)
+    cause = error.__cause__
+    if isinstance(cause, OmegaConfBaseException):  # Hydra's report prints the cause under its own line
+        message += "\n" + str(cause)
+    return ConfigError(message)
+
+
+def check(cfg: DictConfig) -> None:
+    """The checks ``python train.py`` makes of a composed config before anything runs: the task exists, its
+    ``plugins`` import, and its typed config parses (:func:`gptlab.config.parse_gpt` for ``task=gpt``).
+    Raises :class:`~gptlab.errors.ConfigError` with the message the command line prints."""
+    from gptlab.tasks import task_runner
+
+    task_runner(cfg)  # an unknown task is refused here; the user's plugins are imported
+    task = cfg.get("task") or "gpt"
+    if task == "gpt":
+        from gptlab.config import parse_gpt
+
+        parse_gpt(cfg)
+    elif task == "word2vec":
+        from gptlab.tasks.word2vec import Word2VecRunConfig
+
+        Word2VecRunConfig.parse(cfg)
+
+
+def compose(*overrides: str | Sequence[str], check_config: bool = True) -> DictConfig:
+    """The config ``python train.py <overrides>`` would run, composed by Hydra from gptlab's ``conf/``
+    (:data:`gptlab.CONFIG_DIR`) with the same defaults, and checked as ``train.py`` checks it
+    (``check_config=False``: composed only).
+
+        cfg = gptlab.compose("model=tiny", "pos=rope", "trainer.max_steps=20")
+        cfg = gptlab.compose(["model=tiny", "pos=rope"])
+
+    Raises :class:`~gptlab.errors.ConfigError` for an override that ``train.py`` refuses (a choice or key
+    that does not exist, a value of the wrong type), with the message ``train.py`` prints."""
+    from hydra import compose as hydra_compose
+    from hydra.errors import HydraException
+
+    items = _override_list(overrides)
+    with _hydra():
+        try:
+            cfg = hydra_compose(CONFIG_NAME, overrides=items)
+        except HydraException as e:
+            raise _hydra_refusal(e) from e
+    if check_config:
+        check(cfg)
+    _OVERRIDES[id(cfg)] = tuple(items)
+    weakref.finalize(cfg, _OVERRIDES.pop, id(cfg), None)
+    return cfg
+
+
+# ---- a config edited after compose, as overrides --------------------------------------------------------
+
+
+def _leaves(node: Any, prefix: str = "") -> dict[str, Any]:
+    """``{dotted key: value}`` of a plain config tree; a list is a value."""
+    if isinstance(node, dict):
+        out: dict[str, Any] = {}
+        for key, value in node.items():
+            out.update(_leaves(value, f"{prefix}{key}."))
+        return out if out or not prefix else {prefix[:-1]: {}}
+    return {prefix[:-1]: node}
+
+
+def _override_value(value: Any) -> str:
+    """A value in Hydra's override grammar."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        return (
+            repr(value)
+            if math.isfinite(value)
+            else ("nan" if value != value else f"{'-' if value < 0 else ''}inf")
+        )
+    if isinstance(value, list):
+        return "[" + ",".join(_override_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ",".join(f"{k}:{_override_value(v)}" for k, v in value.items()) + "}"
+    text = str(value)
+    if text.startswith("${") and text.endswith("}"):  # an interpolation, kept as one
+        return text
+    return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+def _edits(composed: DictConfig, edited: DictConfig) -> list[str]:
+    """The overrides that turn ``composed`` into ``edited`` (a config changed in Python after compose)."""
+    before = _leaves(OmegaConf.to_container(composed, resolve=False))
+    after = _leaves(OmegaConf.to_container(edited, resolve=False))
+    removed = sorted(k for k in before if k not in after and not any(a.startswith(k + ".") for a in after))
+    if removed:
+        raise ConfigError(
+            f"the config lacks {', '.join(removed)} that compose() gave it: a key cannot be removed from the "
+            "config of a run. Compose it again with the overrides you need."
+        )
+    edits = []
+    for key, value in after.items():
+        if key not in before:
+            edits.append(f"++{key}={_override_value(value)}")
+        elif before[key] != value or type(before[key]) is not type(value):
+            edits.append(f"{key}={_override_value(value)}")
+    return edits
+
+
+def _key_of(override: str) -> str:
+    return override.lstrip("+~").split("=", 1)[0]
+
+
+def _overrides_of(cfg: DictConfig) -> list[str]:
+    """The overrides that compose ``cfg``: compose()'s, then the changes made to it in Python, checked by
+    composing them again (a run records how its config was made)."""
+    composed_with = _OVERRIDES.get(id(cfg))
+    if composed_with is None:
+        raise ConfigError(
+            "this config was not made by gptlab.compose(), so its overrides are unknown and the run could "
+            "not record them: pass gptlab.compose(...)'s config, or the overrides themselves, e.g. "
+            "gptlab.train('model=tiny', 'pos=rope')."
+        )
+    overrides = list(composed_with)
+    composed = compose(*overrides, check_config=False)
+    edits = _edits(composed, cfg)
+    if not edits:
+        return overrides
+    for edit in edits:  # in place of an override of the same key, which it replaces; else after them
+        key = _key_of(edit)
+        same = [k for k, o in enumerate(overrides) if _key_of(o) == key]
+        if same:
+            prefix = overrides[same[-1]][: len(overrides[same[-1]]) - len(overrides[same[-1]].lstrip("+~"))]
+            overrides[same[-1]] = prefix + edit.lstrip("+")
+        else:
+            overrides.append(edit)
+    again = compose(*overrides, check_config=False)
+    if OmegaConf.to_container(again, resolve=False) != OmegaConf.to_container(cfg, resolve=False):
+        raise ConfigError(
+            f"the changes made to the config after compose() cannot be written as overrides ({' '.join(edits)} "
+            "does not give the same config): pass them to gptlab.compose() instead."
+        )
+    return overrides
+
+
+# ---- train ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    """What a run reported when it ended: its ``result.json``, read back."""
+
+    run_dir: Path
+    metrics: dict[str, float]  # val/loss, val/ppl, tokens_per_second_wall, ... (a non-finite one as inf/nan)
+    step: int  # the optimizer steps done
+    finished: bool  # reached trainer.max_steps
+    stopped: bool  # stopped by a signal (resume it with resume=auto)
+    failed: str | None = None  # the error it ended with
+    run_id: str | None = None  # run.json's id
+    raw: dict[str, Any] = field(default_factory=dict, repr=False)  # result.json as written
+
+    @property
+    def val_loss(self) -> float | None:
+        """The final validation loss (nats per token); None when validation was off."""
+        return self.metrics.get("val/loss")
+
+    @classmethod
+    def read(cls, run_dir: str | Path) -> TrainResult:
+        """The result of the run in ``run_dir`` (its ``result.json``)."""
+        from gptlab.runs.layout import RESULT_FILE, Run
+
+        run_dir = Path(run_dir)
+        result = Run(run_dir).result()
+        if result is None:
+            raise DataError(
+                f"{run_dir} has no {RESULT_FILE}: the run is still running, was killed, or the directory is "
+                "not a run's (outputs/runs/<date>/<time>)."
+            )
+        metrics = {}
+        for key, value in (result.get("metrics") or {}).items():
+            try:
+                metrics[key] = float(value)  # "inf" and "nan" too
+            except (TypeError, ValueError):
+                continue
+        return cls(
+            run_dir=run_dir,
+            metrics=metrics,
+            step=int(result.get("global_step") or 0),
+            finished=bool(result.get("finished")),
+            stopped=bool(result.get("stopped_by_signal")),
+            failed=result.get("failed"),
+            run_id=result.get("run_id"),
+            raw=result,
+        )
+
+
+class _Tail:
+    """Standard error, passed through, keeping its last characters: a Hydra callback refuses a run by
+    printing ``gptlab: error: ...`` and exiting (the command line's way), which train() turns into an
+    exception that carries the message."""
+
+    def __init__(self, stream: Any, keep: int = 20_000) -> None:
+        self.stream, self.keep, self.text = stream, keep, ""
+
+    def write(self, text: str) -> int:
+        self.text = (self.text + text)[-self.keep :]
+        return self.stream.write(text)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.stream, name)
+
+
+@contextmanager
+def _refusals_as_errors() -> Iterator[None]:
+    tail = _Tail(sys.stderr)
+    try:
+        with redirect_stderr(tail):
+            yield
+    except SystemExit as e:
+        _, said, message = tail.text.rpartition("gptlab: error: ")
+        if e.code in (0, None) or not said:
+            raise
+        raise ConfigError(message.strip()) from None
+
+
+@contextmanager
+def _logging_restored() -> Iterator[None]:
+    """Hydra configures logging for the job (the console, and ``<run dir>/train.log``); in a notebook the
+    next cell must not log into the finished run's file: the handlers are put back as they were."""
+    names = ["", "hydra", "gptlab"]
+    saved = {n: (logging.getLogger(n).handlers[:], logging.getLogger(n).level) for n in names}
+    try:
+        yield
+    finally:
+        for name, (handlers, level) in saved.items():
+            logger = logging.getLogger(name)
+            for handler in logger.handlers:
+                if handler not in handlers:
+                    handler.close()
+            logger.handlers[:] = handlers
+            logger.setLevel(level)
+
+
+def _run_task(cfg: DictConfig) -> dict[str, float]:
+    """Hydra's job: the task ``cfg.task`` names, as ``python train.py`` runs it; its errors are raised (the
+    command line prints them and exits)."""
+    from gptlab.tasks import task_runner
+
+    return task_runner(cfg)(cfg)
+
+
+def _quoted_path(path: str | Path) -> str:
+    text = str(path)
+    return text if re.fullmatch(r"[\w./~+-]+", text) else _override_value(text)
+
+
+def _check_one_process(cfg: DictConfig) -> None:
+    """A run on several devices or nodes starts a process per device, each running the command again
+    (``python train.py``'s argv): from Python there is no command to run again."""
+    trainer = cfg.get("trainer") or {}
+    for key in ("devices", "num_nodes"):
+        value = trainer.get(key, 1)
+        if str(value) != "1":
+            raise ConfigError(
+                f"trainer.{key}={value}: gptlab.train() trains in this process, on one device; a run on "
+                f"several devices or nodes starts one process per device: run it with python train.py "
+                f"trainer.{key}={value} (the same overrides), then read it with gptlab.load_run()."
+            )
+
+
+def train(*config: DictConfig | str | Sequence[str], run_dir: str | Path | None = None) -> TrainResult:
+    """Train as ``python train.py <overrides>`` does, in this process, and return the run's result.
+
+        result = gptlab.train(gptlab.compose("model=tiny", "pos=rope"))
+        result = gptlab.train("model=tiny", "pos=rope", run_dir="outputs/runs/rope")
+
+    ``config``: :func:`compose`'s config (changes made to it in Python are recorded as overrides), or the
+    overrides themselves. ``run_dir``: the run directory (``hydra.run.dir``); by default a new one under
+    ``outputs/runs/<date>/<time>`` of the working directory, as ``train.py`` makes (``resume=auto``: the
+    directory of the run it continues). The run goes through Hydra's job and the task's run skeleton, so it is
+    a run like any other: ``scripts/compare.py``, :func:`load_run` and ``resume=auto`` read it.
+
+    Raises :class:`~gptlab.errors.ConfigError` for a config or run directory ``train.py`` refuses (with its
+    message), and the task's own errors (:class:`~gptlab.errors.DataError`, ...). One process: a strategy
+    that launches more (``trainer.devices=2``) is for ``python train.py``."""
+    from hydra.errors import HydraException
+
+    if len(config) == 1 and isinstance(config[0], DictConfig):
+        cfg = config[0]
+        check(cfg)  # refused here, before Hydra makes any directory
+        overrides = _overrides_of(cfg)
+    elif any(isinstance(c, DictConfig) for c in config):
+        raise TypeError("train() takes one config from gptlab.compose(), or overrides: not both")
+    else:
+        overrides = _override_list(config)
+        cfg = compose(*overrides)  # refused here, before Hydra makes any directory
+    _check_one_process(cfg)
+    if run_dir is not None:
+        overrides = [o for o in overrides if _key_of(o) != "hydra.run.dir"]
+        overrides.append(f"hydra.run.dir={_quoted_path(run_dir)}")
+    with _hydra() as hydra, _logging_restored(), _refusals_as_errors():
+        try:
+            job = hydra.run(CONFIG_NAME, task_function=_run_task, overrides=overrides)
+        except HydraException as e:
+            raise _hydra_refusal(e) from e
+    assert job.hydra_cfg is not None  # run_job sets it
+    return TrainResult.read(job.hydra_cfg.hydra.runtime.output_dir)
+
+
+# ---- load a run -----------------------------------------------------------------------------------------
+
+
+@dataclass
+class LoadedRun:
+    """A trained run: its model (in eval mode), tokenizer, config and result."""
+
+    trained: TrainedRun
+    result: TrainResult | None  # None: no result.json (a checkpoint outside a run, or a killed run)
+
+    @property
+    def model(self) -> GPT:
+        return self.trained.model
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self.trained.tokenizer
+
+    @property
+    def config(self) -> dict[str, Any]:
+        """The run's resolved config (``config_resolved.yaml``; {} for a checkpoint outside a run)."""
+        return self.trained.config
+
+    @property
+    def checkpoint(self) -> Path:
+        return self.trained.checkpoint
+
+    @property
+    def run_dir(self) -> Path | None:
+        return self.trained.run_dir
+
+    @property
+    def metrics(self) -> dict[str, float]:
+        """The run's final metrics (``result.json``); {} when it has none."""
+        return self.result.metrics if self.result else {}
+
+    def generate(
+        self,
+        prompt: str,
+        max_new_tokens: int = 64,
+        temperature: float = 0.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        seed: int = 0,
+    ) -> str:
+        """The prompt continued, as ``scripts/generate.py`` continues it: greedy at ``temperature=0``, else
+        sampled (from the ``top_k`` most likely, the ``top_p`` nucleus); it stops at the end-of-text token."""
+        import torch
+
+        tok, model = self.tokenizer, self.model
+        ids = tok.encode(prompt) or [tok.eot_id]
+        device = next(model.parameters()).device
+        out = model.generate(
+            torch.tensor([ids], device=device),
+            max_new_tokens,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            eot_id=tok.eot_id,
+            generator=torch.Generator(device=device).manual_seed(seed),
+        )
+        continuation = out[0].tolist()[len(ids) :]
+        if tok.eot_id in continuation:
+            continuation = continuation[: continuation.index(tok.eot_id)]
+        return prompt + tok.decode(continuation)
+
+
+def load_run(path: str | Path, device: str | torch.device = "cpu", which: str = "last") -> LoadedRun:
+    """A run directory (or a checkpoint) loaded as :mod:`gptlab.runs.trained` loads it for
+    ``scripts/generate.py`` and ``scripts/eval_length.py``: the model on ``device`` in eval mode, from the
+    ``last`` checkpoint (or the ``best`` by val/loss), its tokenizer, config and result."""
+    from gptlab.runs.trained import load_run as load_trained
+
+    trained = load_trained(path, device=device, which=which)
+    result = None
+    if trained.run_dir is not None:
+        try:
+            result = TrainResult.read(trained.run_dir)
+        except DataError:
+            result = None
+    return LoadedRun(trained, result)
+
+
+# ---- compare --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class SweepRows:
+    """The comparison of a sweep, one row per condition, best first (:class:`gptlab.comparison.table.Row`):
+    what ``scripts/compare.py`` tabulates. Iterate it for the rows; :meth:`to_frame` for a DataFrame."""
+
+    rows: list[Row]
+    keys: list[str]  # the keys that define a condition (pos, activation, ...)
+    table: str  # the markdown table compare.py writes
+    runs: list[RunRecord]  # every run read, finished or not
+    skipped: list[tuple[Path, str]]  # directories that could not be read, with the reason
+
+    def __iter__(self) -> Iterator[Row]:
+        return iter(self.rows)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index: int) -> Row:
+        return self.rows[index]
+
+    def records(self) -> list[dict[str, Any]]:
+        """One flat dict per condition: its keys' values, the number of runs, the mean final validation loss
+        and its spread over seeds, perplexity, throughput, MFU, parameters, the verdict against the
+        reference row, and each evaluation output (``length/ppl@2x``, ...)."""
+        out = []
+        for row in self.rows:
+            record: dict[str, Any] = {**row.choice, "condition": row.label, "runs": len(row.runs)}
+            record |= {
+                "val_loss": row.val_loss_mean,
+                "val_loss_std": row.val_loss_std,
+                "val_ppl": row.val_ppl,
+                "tokens_per_second": row.tokens_per_second,
+                "mfu": row.mfu,
+                "parameters": row.parameters,
+                "significance": row.significance,
+            }
+            for name, values in row.outputs.items():
+                record |= {f"{name}/{header}": value for header, value in values.items()}
+            out.append(record)
+        return out
+
+    def to_frame(self) -> Any:
+        """The rows as a ``pandas.DataFrame`` (:meth:`records`' columns)."""
+        try:
+            import pandas  # type: ignore[import-untyped]  # optional: not a dependency of gptlab
+        except ImportError:
+            raise ImportError(
+                "gptlab.compare(...).to_frame() needs pandas, which is not installed: pip install pandas "
+                "(or iterate the rows, or call .records())."
+            ) from None
+        return pandas.DataFrame(self.records())
+
+
+def compare(
+    sweep_dir: str | Path,
+    baseline: str | None = None,
+    ignore: Sequence[str] = (),
+    include_unfinished: bool = False,
+    source: str = "auto",
+    out_dir: str | Path | None = None,
+) -> SweepRows:
+    """The runs below ``sweep_dir`` (a sweep, ``outputs/multirun/<date>/<time>``, or any folder of runs)
+    compared as ``scripts/compare.py`` compares them: one row per condition, best first, each against the
+    best row or the ``baseline`` condition (``"pos=learned"``). ``ignore``: keys left out of the condition;
+    ``include_unfinished``: rank unfinished runs at the step they reached; ``source``: where metrics are read
+    (csv, wandb, auto). Nothing is written, unless ``out_dir`` is given: then ``comparison.md`` and its
+    figures go there, as the script writes them."""
+    from gptlab.comparison import report
+    from gptlab.comparison.table import condition_keys, markdown_table, summarize
+
+    runs, skipped = report.read_sweep(sweep_dir, source)
+    if out_dir is not None:
+        written = report.compare(
+            sweep_dir,
+            out_dir,
+            source=source,
+            baseline=baseline,
+            ignore=ignore,
+            include_unfinished=include_unfinished,
+        )
+        return SweepRows(written.rows, written.keys, written.table, runs, written.skipped)
+    keys = condition_keys(runs, Path(sweep_dir), ignore)
+    rows = summarize(runs, keys, baseline, include_unfinished=include_unfinished)
+    return SweepRows(rows, keys, markdown_table(rows, keys, reference=baseline or "best"), runs, skipped)
