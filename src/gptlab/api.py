@@ -17,6 +17,7 @@ the loggers, ``config_resolved.yaml`` and ``result.json``. ``scripts/compare.py`
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 import re
@@ -77,13 +78,14 @@ def _hydra() -> Iterator[Hydra]:
     had initialised (their own ``initialize_config_dir``) is put back afterwards."""
     from hydra import initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.utils import JobRuntime
     from hydra.initialize import get_gh_backup, restore_gh_from_backup
 
     from gptlab import CONFIG_DIR
     from gptlab.resume import register_resolvers
 
     register_resolvers()  # conf/hydra chooses the run directory through them, as train.py registers them
-    backup = get_gh_backup()
+    backup, job = get_gh_backup(), copy.deepcopy(JobRuntime.instance().conf)  # the job's name lives there
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(str(CONFIG_DIR), job_name=JOB_NAME, version_base="1.3"):
@@ -92,6 +94,7 @@ def _hydra() -> Iterator[Hydra]:
             yield hydra
     finally:
         restore_gh_from_backup(backup)
+        JobRuntime.instance().conf = job
 
 
 def _hydra_refusal(error: Exception) -> ConfigError:

@@ -1,0 +1,208 @@
+"""The Python API (gptlab.compose, train, load_run, compare) against what `python train.py` and
+`scripts/compare.py` do: the same config, the same refusals, a run directory like any other, the checkpoint's
+model, the comparison's rows. Two tiny runs (a few steps, csv logger) are trained once for the module."""
+
+from __future__ import annotations
+
+import json
+import logging
+import runpy
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from conftest import CONF, ROOT, TINY
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from omegaconf import OmegaConf
+
+import gptlab
+from gptlab.errors import ConfigError
+from gptlab.model.config import GPTConfig
+from gptlab.model.gpt import GPT
+from gptlab.runs.checkpoints import load_checkpoint, model_config_dict, model_weights
+
+SMALL = [*TINY, "tokenizer=char", "logger=csv", "trainer.max_steps=2", "trainer.val_check_interval=2"]
+
+
+def cli(args: list[str], cwd: Path, monkeypatch, capfd) -> tuple[int, str, str]:
+    """`python train.py <args>` run in this process (as the doc runner runs it): exit status, stdout, stderr."""
+    GlobalHydra.instance().clear()
+    monkeypatch.chdir(cwd)
+    monkeypatch.setattr(sys, "argv", [str(ROOT / "train.py"), *args])
+    capfd.readouterr()
+    try:
+        runpy.run_path(str(ROOT / "train.py"), run_name="__main__")
+        status = 0
+    except SystemExit as e:
+        status = e.code if isinstance(e.code, int) else 1
+    finally:
+        GlobalHydra.instance().clear()
+    out, err = capfd.readouterr()
+    return status, out, err
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, object]:
+    """Two tiny runs in one folder: rope, from compose()'s config changed in Python (trainer.max_steps 2 -> 3),
+    and learned, from overrides."""
+    root = tmp_path_factory.mktemp("api")
+    common = [*SMALL, f"paths.root_dir={root}"]
+    handlers = logging.getLogger().handlers[:]
+    cfg = gptlab.compose(*common, "pos=rope")
+    cfg.trainer.max_steps = 3
+    rope = gptlab.train(cfg, run_dir=root / "runs" / "rope")
+    learned = gptlab.train(common, "pos=learned", "trainer.max_steps=3", run_dir=root / "runs" / "learned")
+    return {"root": root, "common": common, "rope": rope, "learned": learned, "handlers": handlers}
+
+
+# ---- compose -------------------------------------------------------------------------------------------
+
+
+def test_compose_gives_the_config_train_py_runs(tmp_path, monkeypatch, capfd):
+    overrides = [
+        "model=small",
+        "pos=rope",
+        "activation=swiglu",
+        "trainer.max_steps=20",
+        "+trainer.max_time=null",
+    ]
+    status, out, err = cli([*overrides, "--cfg", "job"], tmp_path, monkeypatch, capfd)
+    assert status == 0, err
+    printed = yaml.safe_load(out)
+    composed = gptlab.compose(overrides)  # a list, or strings
+    assert OmegaConf.to_container(composed, resolve=False) == printed
+    assert composed == gptlab.compose(*overrides)
+    assert composed.pos.name == "rope" and composed.trainer.max_steps == 20
+
+
+@pytest.mark.parametrize(
+    "override",
+    [
+        "pos=rotary",  # a choice that does not exist (Hydra's refusal)
+        "trainer.max_step=5",  # a key that does not exist (Hydra's refusal)
+        "model.n_layer=abc",  # a value of the wrong type (gptlab's typed parse)
+    ],
+)
+def test_a_bad_override_is_refused_with_the_message_train_py_prints(override, tmp_path, monkeypatch, capfd):
+    with pytest.raises(ConfigError) as refused:
+        gptlab.compose("tokenizer=char", override)
+    status, _, err = cli(["tokenizer=char", "logger=csv", override], tmp_path, monkeypatch, capfd)
+    assert status != 0
+    message = str(refused.value)
+    for line in message.splitlines():
+        assert line.strip() in err, f"{line!r} is not in what train.py printed:\n{err}"
+    assert override.split("=")[0].split(".")[-1] in message
+
+
+def test_compose_leaves_the_callers_hydra_as_it_was():
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(str(CONF), job_name="mine", version_base="1.3"):
+        gptlab.compose("pos=alibi")
+        assert GlobalHydra.instance().is_initialized()
+        assert compose("train", return_hydra_config=True).hydra.job.name == "mine"
+    assert not GlobalHydra.instance().is_initialized()
+
+
+# ---- train ---------------------------------------------------------------------------------------------
+
+
+def test_train_returns_the_result_the_run_wrote(runs):
+    result = runs["rope"]
+    assert isinstance(result, gptlab.TrainResult)
+    written = json.loads((result.run_dir / "result.json").read_text())
+    assert result.metrics == written["metrics"] and result.metrics["val/loss"] == result.val_loss
+    assert (result.step, result.finished, result.stopped) == (3, True, False)
+    assert result.run_id == json.loads((result.run_dir / "run.json").read_text())["run_id"]
+
+
+def test_a_trained_run_is_a_run_like_any_other(runs):
+    """The files train.py writes; the overrides recorded where resume=auto and compare.py read them, with the
+    change made to the config in Python in place of the override it replaced."""
+    run_dir = runs["rope"].run_dir
+    assert run_dir == runs["root"] / "runs" / "rope"
+    for name in (
+        "run.json",
+        "result.json",
+        "config_resolved.yaml",
+        "csv/metrics.csv",
+        "checkpoints/last.ckpt",
+    ):
+        assert (run_dir / name).is_file(), name
+    overrides = yaml.safe_load((run_dir / ".hydra" / "overrides.yaml").read_text())
+    edited = ["trainer.max_steps=3" if o == "trainer.max_steps=2" else o for o in runs["common"]]
+    assert overrides == [*edited, "pos=rope"]
+    assert json.loads((run_dir / "run.json").read_text())["parts"][0]["overrides"] == overrides
+    assert yaml.safe_load((run_dir / "config_resolved.yaml").read_text())["trainer"]["max_steps"] == 3
+    assert (run_dir / "train.log").is_file()  # Hydra's job log, as for train.py
+
+
+def test_train_leaves_the_callers_logging_as_it_was(runs):
+    assert logging.getLogger().handlers == runs["handlers"]
+
+
+def test_a_directory_holding_a_run_is_refused_and_the_run_kept(runs):
+    run_dir = runs["rope"].run_dir
+    before = (run_dir / "result.json").read_bytes()
+    with pytest.raises(ConfigError, match="holds") as refused:
+        gptlab.train(*SMALL, f"paths.root_dir={runs['root']}", run_dir=run_dir)
+    assert str(run_dir) in str(refused.value) and "resume=auto" in str(refused.value)
+    assert (run_dir / "result.json").read_bytes() == before
+
+
+def test_a_config_not_made_by_compose_is_refused(make_cfg):
+    with pytest.raises(ConfigError, match=r"not made by gptlab.compose\(\)"):
+        gptlab.train(make_cfg("tokenizer=char"))
+
+
+def test_several_devices_are_refused_before_any_directory(tmp_path):
+    with pytest.raises(ConfigError, match=r"trainer.devices=2: .*python train.py"):
+        gptlab.train(
+            "tokenizer=char", "trainer.accelerator=cpu", "trainer.devices=2", run_dir=tmp_path / "run"
+        )
+    assert not (tmp_path / "run").exists()
+
+
+# ---- load_run ------------------------------------------------------------------------------------------
+
+
+def test_load_run_gives_the_checkpoints_model(runs):
+    run = gptlab.load_run(runs["rope"].run_dir)
+    checkpoint = load_checkpoint(runs["rope"].run_dir / "checkpoints" / "last.ckpt")
+    reference = GPT(GPTConfig.from_dict(model_config_dict(checkpoint)))
+    reference.load_state_dict(model_weights(checkpoint))
+    reference.eval()
+    batch = torch.tensor([run.tokenizer.encode("The sky is blue and")] * 2)
+    with torch.no_grad():
+        assert torch.equal(run.model(batch)[0], reference(batch)[0])
+    assert next(run.model.parameters()).device.type == "cpu" and not run.model.training
+    assert run.config["pos"]["name"] == "rope" and run.metrics == runs["rope"].metrics
+    text = run.generate("The", max_new_tokens=5)
+    assert text.startswith("The") and text == run.generate("The", max_new_tokens=5)  # greedy
+
+
+# ---- compare -------------------------------------------------------------------------------------------
+
+
+def test_compare_gives_a_row_per_condition(runs, tmp_path):
+    rows = gptlab.compare(runs["root"] / "runs")
+    assert rows.keys == ["pos"] and len(rows) == 2
+    by_pos = {row.choice["pos"]: row for row in rows}
+    for pos in ("rope", "learned"):
+        assert by_pos[pos].val_loss_mean == pytest.approx(runs[pos].metrics["val/loss"], rel=1e-6)
+    frame = rows.to_frame()
+    assert list(frame["pos"]) == [row.choice["pos"] for row in rows]
+    assert list(frame["val_loss"]) == [row.val_loss_mean for row in rows]
+    written = gptlab.compare(runs["root"] / "runs", out_dir=tmp_path)
+    assert (tmp_path / "comparison.md").read_text().count(written.table.splitlines()[0]) == 1
+    assert [r.choice for r in written] == [r.choice for r in rows]
+
+
+def test_to_frame_without_pandas_says_how_to_install_it(runs, monkeypatch):
+    rows = gptlab.compare(runs["root"] / "runs")
+    monkeypatch.setitem(sys.modules, "pandas", None)
+    with pytest.raises(ImportError, match="pip install pandas"):
+        rows.to_frame()
+    assert rows.records()[0]["pos"] == rows[0].choice["pos"]
