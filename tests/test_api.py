@@ -55,7 +55,13 @@ def runs(tmp_path_factory) -> dict[str, object]:
     cfg.trainer.max_steps = 3
     rope = gptlab.train(cfg, run_dir=root / "runs" / "rope")
     learned = gptlab.train(common, "pos=learned", "trainer.max_steps=3", run_dir=root / "runs" / "learned")
-    return {"root": root, "common": common, "rope": rope, "learned": learned, "handlers": handlers}
+    return {
+        "root": root,
+        "common": common,
+        "rope": rope,
+        "learned": learned,
+        "handlers": (handlers, logging.getLogger().handlers[:]),
+    }
 
 
 # ---- compose -------------------------------------------------------------------------------------------
@@ -140,7 +146,14 @@ def test_a_trained_run_is_a_run_like_any_other(runs):
 
 
 def test_train_leaves_the_callers_logging_as_it_was(runs):
-    assert logging.getLogger().handlers == runs["handlers"]
+    """Hydra logs a run to its train.log; once it ends, nothing more goes there (the next run's lines go to
+    the next run's log), and the caller's handlers are back."""
+    before, after = runs["handlers"]
+    assert after == before
+    rope_log = (runs["rope"].run_dir / "train.log").read_text()
+    learned_log = (runs["learned"].run_dir / "train.log").read_text()
+    assert str(runs["rope"].run_dir) in rope_log and str(runs["learned"].run_dir) not in rope_log
+    assert str(runs["learned"].run_dir) in learned_log
 
 
 def test_a_directory_holding_a_run_is_refused_and_the_run_kept(runs):
