@@ -25,6 +25,7 @@ from gptlab.model.config import GPTConfig
 from gptlab.resume import choose_run_dir, plan_resume
 from gptlab.runs import Run, digests
 from gptlab.runs.checkpoints import load_checkpoint, model_config_dict
+from gptlab.runs.trained import load_run
 from gptlab.tasks.gpt import run
 from gptlab.tracking.wandb_files import find_runs, read_run
 from gptlab.training.checkpointing import AtomicCheckpointIO, NonFiniteLossError, restore_interrupted_saves
@@ -514,6 +515,11 @@ def test_a_truncated_last_checkpoint_is_refused_naming_the_intact_ones(tmp_path,
     message = str(refused.value)
     assert f"last.ckpt is {written // 3:,} bytes instead of the {written:,} written (truncated)" in message
     assert intact in message and message.endswith(f"resume={best}.")
+    # The scripts that read a trained run (eval_length, generate, evaluate) refuse it the same way.
+    with pytest.raises(
+        CheckpointError, match=rf"{re.escape(intact)}.*in its place, e.g. {re.escape(str(best))}\.$"
+    ):
+        load_run(run_dir)
 
     # A run of a gptlab that wrote no digests: torch cannot read the file, and the message still names the
     # intact checkpoint beside it.
