@@ -4,11 +4,11 @@ A single file is written beside its target and renamed over it (``os.replace``, 
 directory (a sharded FSDP or DeepSpeed checkpoint) is written whole beside its target, then swapped in by
 two renames: the old directory aside, the new one into place. A kill between those two renames leaves the
 old directory under its aside name; `restore_interrupted_saves` puts it back before a run resumes.
-
-Each checkpoint gets its SHA-256 digest beside it (``last.ckpt.sha256``, :mod:`gptlab.runs.digests`), written by
-the process that renames the checkpoint into place (rank 0): the old digest is removed before the rename, the
-new one written after it, so a digest never describes other bytes than those beside it.
 The strategies install it as their checkpoint I/O plugin (``parallel.lightning_strategies``).
+
+Each checkpoint gets its SHA-256 digest beside it (``last.ckpt.sha256``, :mod:`gptlab.runs.digests`), written
+by the process that renames the checkpoint into place (rank 0): the old digest is removed before the rename,
+the new one written after it, so a digest never describes other bytes than those beside it.
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ from typing import Any
 
 from gptlab.errors import CheckpointError
 from gptlab.runs import digests
-from gptlab.runs.layout import DCP, DEEPSPEED, FILE, SHARDED_META_FILE, checkpoint_kind, run_of_path
+from gptlab.runs.layout import DCP, FILE, SHARDED_META_FILE, checkpoint_kind, run_of_path
 
 log = logging.getLogger(__name__)
 
@@ -223,15 +223,15 @@ def load_checkpoint(
     kind = checkpoint_kind(path)
     if kind is not None:
         verify_checkpoint(path, use_instead)
-    if kind == FILE:
         try:
-            checkpoint = _torch_load(path)
-        except CheckpointError as e:  # unreadable: say which checkpoints beside it are intact
+            if kind == FILE:
+                checkpoint = _torch_load(path)
+            elif kind == DCP:
+                checkpoint = _load_dcp(path, weights)
+            else:  # DeepSpeed's directory
+                checkpoint = _load_deepspeed(path, weights)
+        except CheckpointError as e:  # unreadable (e.g. truncated, with no digest): name the intact ones
             raise CheckpointError(f"{e}{intact_alternatives(path, use_instead)}") from e.__cause__
-    elif kind == DCP:
-        checkpoint = _load_dcp(path, weights)
-    elif kind == DEEPSPEED:
-        checkpoint = _load_deepspeed(path, weights)
     elif path.is_dir():
         raise CheckpointError(
             f"{path} is a directory but not a checkpoint (no .metadata of a distributed checkpoint, no DeepSpeed "
