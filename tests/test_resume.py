@@ -21,8 +21,11 @@ from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 
 from gptlab.errors import CheckpointError
-from gptlab.resume import choose_run_dir
-from gptlab.runs import Run
+from gptlab.model.config import GPTConfig
+from gptlab.resume import choose_run_dir, plan_resume
+from gptlab.runs import Run, digests
+from gptlab.runs.checkpoints import load_checkpoint, model_config_dict
+from gptlab.runs.trained import load_run
 from gptlab.tasks.gpt import run
 from gptlab.tracking.wandb_files import find_runs, read_run
 from gptlab.training.checkpointing import AtomicCheckpointIO, NonFiniteLossError, restore_interrupted_saves
@@ -450,6 +453,124 @@ def test_a_checkpoint_holding_python_objects_is_refused_by_name(tmp_path, cache_
     torch.save({**checkpoint, "numpy_rng": np.random.get_state()}, old)
     with pytest.raises(CheckpointError, match=rf"Checkpoint {old} cannot be read .*beyond tensors"):
         run(compose_cfg(*common, f"paths.output_dir={tmp_path / 'new'}", f"resume={old}"))
+
+
+def copy_of_run(reference_run, tmp_path: Path) -> tuple[Path, Path, Path]:
+    """A copy of the finished reference run: its directory, its last.ckpt and its best checkpoint."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(reference_run[0], run_dir)
+    checkpoints = run_dir / "checkpoints"
+    (best,) = checkpoints.glob("best-*.ckpt")
+    return run_dir, checkpoints / "last.ckpt", best
+
+
+def test_a_checkpoint_changed_after_it_was_written_is_refused_naming_the_intact_one_to_resume_from(
+    tmp_path, cache_dir, reference_run
+):
+    run_dir, last, best = copy_of_run(reference_run, tmp_path)
+    assert digests.check(last).verified and digests.check(best).verified  # each save wrote its digest
+    # 64 bytes in the middle of last.ckpt (inside the weights) changed, as a bad disk or a stray write would:
+    # the file still loads, and resumed without a word before digests.
+    middle = last.stat().st_size // 2
+    with open(last, "r+b") as f:
+        f.seek(middle)
+        original = f.read(64)
+        f.seek(middle)
+        f.write(bytes(b ^ 0xFF for b in original))
+    damaged = last.read_bytes()
+    common = [
+        *ARGS,
+        f"trainer.max_steps={MAX_STEPS + 2}",
+        "logger=none",
+        f"paths.root_dir={cache_dir}",
+        f"paths.output_dir={run_dir}",
+    ]
+    with pytest.raises(CheckpointError) as refused:
+        run(compose_cfg(*common, "resume=auto"))
+    message = str(refused.value)
+    best_step = digests.read_digest(best).step
+    assert f"Checkpoint {last} is damaged: its bytes differ from those written at step {MAX_STEPS}" in message
+    assert f"last.ckpt has the size written ({len(damaged):,} bytes) but SHA-256" in message
+    assert (
+        f"Intact checkpoints beside it (each just verified against its digest): {best} (step {best_step})."
+        in message
+    )
+    assert message.endswith(f"the same command with resume=<its path>, e.g. resume={best}.")
+    assert last.read_bytes() == damaged  # refused before anything trained or saved
+
+    # The command the message gives continues from the intact checkpoint, and the new last.ckpt has its digest.
+    run(compose_cfg(*common, f"resume={best}"))
+    assert torch.load(last, map_location="cpu", weights_only=True)["global_step"] == MAX_STEPS + 2
+    assert digests.check(last).verified and digests.check(last).step == MAX_STEPS + 2
+
+
+def test_a_truncated_last_checkpoint_is_refused_naming_the_intact_ones(tmp_path, reference_run):
+    run_dir, last, best = copy_of_run(reference_run, tmp_path)
+    written = last.stat().st_size
+    os.truncate(last, written // 3)
+    model = GPTConfig.from_dict(model_config_dict(load_checkpoint(best, weights=False)))
+    intact = f"Intact checkpoints beside it (each just verified against its digest): {best} (step "
+    with pytest.raises(CheckpointError) as refused:
+        plan_resume("auto", run_dir, model)
+    message = str(refused.value)
+    assert f"last.ckpt is {written // 3:,} bytes instead of the {written:,} written (truncated)" in message
+    assert intact in message and message.endswith(f"resume={best}.")
+    # The scripts that read a trained run (eval_length, generate, evaluate) refuse it the same way.
+    with pytest.raises(
+        CheckpointError, match=rf"{re.escape(intact)}.*in its place, e.g. {re.escape(str(best))}\.$"
+    ):
+        load_run(run_dir)
+
+    # A run of a gptlab that wrote no digests: torch cannot read the file, and the message still names the
+    # intact checkpoint beside it.
+    digests.digest_path(last).unlink()
+    with pytest.raises(CheckpointError) as refused:
+        plan_resume("auto", run_dir, model)
+    message = str(refused.value)
+    assert f"Checkpoint {last} cannot be read" in message and "it is truncated" in message
+    assert intact in message and message.endswith(f"resume={best}.")
+
+
+def test_a_sharded_checkpoint_is_verified_file_by_file(tmp_path):
+    """A distributed checkpoint directory (real shards, written by torch.distributed.checkpoint in this
+    process) gets one digest line per file; a changed or missing shard is refused by name."""
+    import torch.distributed.checkpoint as dcp
+    from lightning.pytorch.strategies import SingleDeviceStrategy
+
+    from gptlab.parallel.checkpoint_io import save_directory_atomically
+
+    target = tmp_path / "checkpoints" / "last.ckpt"
+    state = {"state_dict": {"model.w": torch.arange(4096.0)}}
+    save_directory_atomically(
+        SingleDeviceStrategy(), target, lambda staging: dcp.save(state, checkpoint_id=staging), step=6
+    )
+    manifest = digests.read_digest(target)
+    files = sorted(p.relative_to(target.parent).as_posix() for p in target.iterdir())
+    assert manifest.step == 6 and [f.name for f in manifest.files] == files
+    assert "last.ckpt/__0_0.distcp" in files
+    if shutil.which("sha256sum"):  # the digest file is sha256sum's own format
+        checked = subprocess.run(
+            ["sha256sum", "-c", "--strict", "last.ckpt.sha256"],
+            cwd=target.parent,
+            capture_output=True,
+            text=True,
+        )
+        assert checked.returncode == 0 and checked.stdout.count(": OK") == len(files), checked.stdout
+    assert torch.equal(load_checkpoint(target)["state_dict"]["model.w"], state["state_dict"]["model.w"])
+
+    shard = target / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=r"last.ckpt/__0_0.distcp has the size written .* but SHA-256"):
+        load_checkpoint(target)
+    shard.unlink()
+    with pytest.raises(CheckpointError, match=r"last.ckpt/__0_0.distcp is missing"):
+        load_checkpoint(target, weights=False)
+
+    # A checkpoint removed (a best checkpoint past save_top_k) takes its digest with it.
+    AtomicCheckpointIO().remove_checkpoint(target)
+    assert not target.exists() and not digests.digest_path(target).exists()
 
 
 @pytest.mark.slow

@@ -21,7 +21,7 @@ from hydra.experimental.callback import Callback as HydraCallback
 from omegaconf import OmegaConf
 
 from gptlab.errors import CheckpointError, ConfigError
-from gptlab.runs.checkpoints import load_checkpoint, model_config_dict
+from gptlab.runs.checkpoints import RESUME_INSTEAD, load_checkpoint, model_config_dict
 from gptlab.runs.layout import Run, checkpoint_kind, find_run_dirs, run_of_path
 
 log = logging.getLogger(__name__)
@@ -188,8 +188,9 @@ def architecture_differences(saved: dict[str, Any], current: dict[str, Any]) -> 
 def inspect_checkpoint(path: Path, model_config: Any) -> ResumePlan:
     """Check that ``path`` (a file or a sharded directory) is a readable gptlab checkpoint of the same model
     as ``model_config`` (a GPTConfig); returns what the resumed run needs from it. Checkpoints written by
-    earlier versions of gptlab hold the same keys and pass; one from elsewhere is refused here, by name."""
-    checkpoint = load_checkpoint(path, weights=False)
+    earlier versions of gptlab hold the same keys and pass; one from elsewhere is refused here, by name, as is
+    one whose bytes differ from the digest written with it (naming the intact checkpoints to resume from)."""
+    checkpoint = load_checkpoint(path, weights=False, use_instead=RESUME_INSTEAD)
     if checkpoint_kind(path) == "file" and "state_dict" not in checkpoint:
         raise CheckpointError(
             f"Checkpoint {path} is not a gptlab training checkpoint (it has no state_dict; keys: "

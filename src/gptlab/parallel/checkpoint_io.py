@@ -5,6 +5,10 @@ directory (a sharded FSDP or DeepSpeed checkpoint) is written whole beside its t
 two renames: the old directory aside, the new one into place. A kill between those two renames leaves the
 old directory under its aside name; `restore_interrupted_saves` puts it back before a run resumes.
 The strategies install it as their checkpoint I/O plugin (``parallel.lightning_strategies``).
+
+Each checkpoint gets its SHA-256 digest beside it (``last.ckpt.sha256``, :mod:`gptlab.runs.digests`), written
+by the process that renames the checkpoint into place (rank 0): the old digest is removed before the rename,
+the new one written after it, so a digest never describes other bytes than those beside it.
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ from typing import Any
 
 import torch
 from lightning.pytorch.plugins.io import TorchCheckpointIO
+
+from gptlab.runs import digests
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +47,8 @@ def fsync_dir(path: Path) -> None:
 class AtomicCheckpointIO(TorchCheckpointIO):
     """Writes each checkpoint to a temporary file in the target's folder, fsyncs it, then renames it over the
     target with ``os.replace``: a process killed mid-write leaves the previous checkpoint intact (and at
-    worst a stray ``.<name>.tmp-*`` file, which the next save of that name removes)."""
+    worst a stray ``.<name>.tmp-*`` file, which the next save of that name removes). The checkpoint's
+    digest is written beside it once it is in place."""
 
     def save_checkpoint(
         self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None
@@ -59,6 +66,8 @@ class AtomicCheckpointIO(TorchCheckpointIO):
                 torch.save(checkpoint, f)
                 f.flush()
                 os.fsync(f.fileno())
+            files = digests.compute(Path(tmp_name), name=target.name)
+            digests.remove_digest(target)
             if target.is_dir():  # a sharded checkpoint of the same name from an earlier run
                 shutil.rmtree(target)
             os.replace(tmp_name, target)
@@ -66,6 +75,18 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             Path(tmp_name).unlink(missing_ok=True)
             raise
         fsync_dir(target.parent)
+        digests.write_digest(target, files, step_of(checkpoint))
+        fsync_dir(target.parent)
+
+    def remove_checkpoint(self, path: Any) -> None:
+        digests.remove_digest(Path(path))
+        super().remove_checkpoint(path)
+
+
+def step_of(checkpoint: dict[str, Any]) -> int | None:
+    """The optimizer step a Lightning checkpoint holds, for its digest file."""
+    step = checkpoint.get("global_step")
+    return int(step) if isinstance(step, int) else None
 
 
 def _fsync_tree(root: Path) -> None:
@@ -96,10 +117,13 @@ def swap_in(staging: Path, target: Path) -> None:
         _remove(aside)
 
 
-def save_directory_atomically(strategy: Any, target: Path, write: Callable[[Path], None]) -> None:
+def save_directory_atomically(
+    strategy: Any, target: Path, write: Callable[[Path], None], step: int | None = None
+) -> None:
     """Run the collective ``write(staging)`` on every rank of ``strategy``, then (rank 0) swap the staging
-    directory in for ``target``. Barriers keep every rank's shards inside the staging directory before the
-    swap, and every rank out of the save until the swap is done."""
+    directory in for ``target`` and write its digest (one line per file). Barriers keep every rank's shards
+    inside the staging directory before the swap, and every rank out of the save until the digest is
+    written."""
     staging = target.parent / STAGING.format(name=target.name)
     if strategy.is_global_zero:
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -110,7 +134,11 @@ def save_directory_atomically(strategy: Any, target: Path, write: Callable[[Path
     strategy.barrier("gptlab_atomic_save_written")
     if strategy.is_global_zero:
         _fsync_tree(staging)
+        files = digests.compute(staging, name=target.name)
+        digests.remove_digest(target)
         swap_in(staging, target)
+        digests.write_digest(target, files, step)
+        fsync_dir(target.parent)
     strategy.barrier("gptlab_atomic_save_done")
 
 

@@ -10,6 +10,7 @@
       result.json                     written when the run ends: its final metrics, last step, git commit
       checkpoints/last.ckpt           periodic and final; a file, or a directory for sharded strategies
       checkpoints/best-step*-val*.ckpt  best by val/loss
+      checkpoints/<name>.sha256       each checkpoint's SHA-256 digest, checked before it is read (runs.digests)
       hpc_ckpt_<n>.ckpt               SLURM's preemption checkpoints
       eval_length/length.json         the length study (scripts/eval_length.py, eval_length.enabled=true)
       csv/, wandb/, tensorboard/      the loggers' files
