@@ -8,9 +8,9 @@ one rank does to a distributed run. GPTLAB_TEST_FAULT chooses it (read here only
   process group: start it in a session of its own) is SIGKILLed between the two renames.
 - ``kill_at_step:<n>:<overrides>``: the process is SIGKILLed after the n-th optimizer step of the (multirun)
   job whose overrides include every one of ``<overrides>`` (``pos=nope&seed=1``): a sweep dies in that job.
-- ``ctrl_c_twice:<n>``: the process sends itself SIGINT (a Ctrl-C) after the n-th optimizer step, and again
-  in the middle of the checkpoint save that the first one asks for, after its bytes are written and before
-  the file is renamed into place.
+- ``ctrl_c:<n>``: the process sends itself SIGINT (a Ctrl-C) after the n-th optimizer step.
+- ``ctrl_c_twice:<n>``: as ``ctrl_c``, and again in the middle of the checkpoint save that the first one asks
+  for, after its bytes are written and before the file is renamed into place.
 
 Lightning starts ranks > 0 by re-running this command line, so the fault is in place in every rank.
 """
@@ -100,7 +100,7 @@ elif kind == "kill_at_step":
         original_batch_end(self, trainer, pl_module, *rest)
 
     ValidateAtLastStep.on_train_batch_end = on_train_batch_end
-elif kind == "ctrl_c_twice":
+elif kind in ("ctrl_c", "ctrl_c_twice"):
     from gptlab.parallel import checkpoint_io
     from gptlab.training.callbacks import ValidateAtLastStep
 
@@ -122,7 +122,8 @@ elif kind == "ctrl_c_twice":
             os.kill(os.getpid(), signal.SIGINT)
 
     ValidateAtLastStep.on_train_batch_end = on_train_batch_end
-    checkpoint_io.torch.save = save
+    if kind == "ctrl_c_twice":
+        checkpoint_io.torch.save = save
 else:
     raise SystemExit(f"unknown GPTLAB_TEST_FAULT {kind!r}")
 

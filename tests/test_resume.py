@@ -658,3 +658,29 @@ def test_a_full_disk_names_the_space_and_keeps_the_last_checkpoint_and_the_metri
         assert {"train/loss", "lr", "wall_seconds"} <= set(result["metrics"])
     finally:
         subprocess.run(["umount", str(out)], check=False)
+
+
+@pytest.mark.slow
+def test_ctrl_c_in_a_sweep_stops_the_sweep_after_saving_the_job(tmp_path, cache_dir):
+    sweep = tmp_path / "sweep"
+    args = with_overrides(
+        [*ARGS, "logger=none", f"paths.root_dir={cache_dir}", "resume=auto"],
+        "trainer.max_steps=6",
+        "callbacks.last_checkpoint.every_n_train_steps=50",
+    )
+    proc = run_train(
+        ["-m", *args, "seed=0,1", f"hydra.sweep.dir={sweep}"],
+        cwd=tmp_path,
+        check=False,
+        script=ROOT / "tests" / "faults.py",
+        env={"GPTLAB_TEST_FAULT": "ctrl_c:3"},
+    )
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 130, output[-3000:]
+    assert "Ctrl-C: the sweep stops here; the same command with resume=auto and its hydra.sweep.dir" in output
+    # job 0 stopped at the step after the Ctrl-C, with its checkpoint and result; job 1 never started
+    result = Run(sweep / "0").result()
+    assert result["stopped_by_signal"] is True and result["global_step"] == 4
+    saved = torch.load(sweep / "0" / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    assert saved["global_step"] == 4
+    assert not (sweep / "1").exists()

@@ -83,8 +83,16 @@ def run(cfg: DictConfig) -> dict[str, float]:
         metrics = collect_metrics(trainer, parts, time.perf_counter() - t0)
         if trainer.is_global_zero:
             report(session, settings, parts, trainer, loggers, metrics, step, stop)
-        return metrics
-    raise AssertionError("unreachable: closing() re-raises")  # pragma: no cover
+    multirun = HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
+    if stop is not None and stop.signal == "Ctrl-C" and multirun:
+        # Ctrl-C stops the sweep, not only this job (its result and checkpoint are written): the next jobs
+        # would otherwise start one after the other.
+        log.warning(
+            "Ctrl-C: the sweep stops here; the same command with resume=auto and its hydra.sweep.dir continues "
+            "it (this job from its checkpoint)"
+        )
+        raise SystemExit(130)
+    return metrics
 
 
 def finished_result(run_dir: Path, resume: ResumePlan | None, max_steps: int) -> dict[str, Any] | None:
