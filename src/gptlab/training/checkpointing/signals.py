@@ -143,14 +143,18 @@ class StopOnSignal(L.Callback):
         for cb in trainer.checkpoint_callbacks:
             if isinstance(cb, PeriodicLastCheckpoint):
                 cb.save_now(trainer)
-                log.info(
-                    "Received %s: saved %s at step %d; continue with resume=auto",
-                    self._name(),
-                    cb.last_model_path,
-                    trainer.global_step,
-                )
+                if trainer.is_global_zero:  # one line for the run, not one per rank
+                    log.info(
+                        "Received %s: saved %s at step %d; continue with resume=auto",
+                        self._name(),
+                        cb.last_model_path,
+                        trainer.global_step,
+                    )
                 return
-        log.warning("Received a stop signal, but no callbacks.last_checkpoint is configured: nothing saved.")
+        if trainer.is_global_zero:
+            log.warning(
+                "Received a stop signal, but no callbacks.last_checkpoint is configured: nothing saved."
+            )
 
     def _save_and_requeue(self, trainer: L.Trainer) -> None:
         path = trainer._checkpoint_connector.hpc_save_path(trainer.default_root_dir)
