@@ -578,7 +578,7 @@ def test_a_second_ctrl_c_during_the_save_quits_and_leaves_the_previous_checkpoin
     # The first Ctrl-C after step 5 asks for a save at step 6; the second lands inside that save, after the
     # bytes are written and before the rename. Periodic checkpoints every 4 steps: last.ckpt holds step 4.
     args = with_overrides(
-        [*ARGS, "logger=csv", f"paths.root_dir={cache_dir}", "resume=auto"],
+        [*ARGS, "logger=[csv,tensorboard]", f"paths.root_dir={cache_dir}", "resume=auto"],
         "callbacks.last_checkpoint.every_n_train_steps=4",
         "trainer.log_every_n_steps=1",
     )
@@ -608,6 +608,11 @@ def test_a_second_ctrl_c_during_the_save_quits_and_leaves_the_previous_checkpoin
 
     run_train(args, cwd=tmp_path)
     assert logged_steps(run_dir) == list(range(MAX_STEPS))  # ...and dropped, not repeated, by the resumed run
+    # TensorBoard reads the two parts' event files as one curve, each step once
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run_dir / "tensorboard")).Reload()
+    assert [e.step for e in events.Scalars("train/loss")] == list(range(MAX_STEPS))
     assert_bit_identical(weights(checkpoints / "last.ckpt"), reference)
 
 

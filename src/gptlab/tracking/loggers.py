@@ -203,9 +203,14 @@ def csv_logger(save_dir: str, name: str = "csv", version: str | int | None = "")
     return ContinuedCSVLogger(save_dir=save_dir, name=name, version=version)
 
 
-def tensorboard_logger(save_dir: str, name: str = "tensorboard", version: str | int | None = "") -> Logger:
-    """TensorBoard event files in ``<save_dir>/<name>/`` (``tensorboard --logdir <save_dir>``)."""
-    return TensorBoardLogger(save_dir=save_dir, name=name, version=version, default_hp_metric=False)
+def tensorboard_logger(
+    save_dir: str, name: str = "tensorboard", version: str | int | None = "", purge_step: int | None = None
+) -> Logger:
+    """TensorBoard event files in ``<save_dir>/<name>/`` (``tensorboard --logdir <save_dir>``). A resumed run
+    passes ``purge_step`` (its checkpoint's step): TensorBoard hides the events an earlier part logged from
+    that step on, which this run logs again."""
+    extra: dict[str, Any] = {"purge_step": purge_step} if purge_step is not None else {}
+    return TensorBoardLogger(save_dir=save_dir, name=name, version=version, default_hp_metric=False, **extra)
 
 
 def log_text_samples(trainer: L.Trainer, columns: list[str], rows: list[list[Any]]) -> None:
@@ -252,7 +257,8 @@ def instantiate_loggers(
 ) -> list[Logger]:
     """The loggers of the ``logger`` node (each a ``_target_`` node); with ``wandb_run_id`` the W&B logger
     continues that run (a resumed run's curves go on in the same W&B run); with ``resumed_at`` (the step of
-    the checkpoint a resumed run continues from) the CSV logger drops the rows logged after it."""
+    the checkpoint a resumed run continues from) the CSV logger drops the rows logged after it, and TensorBoard
+    hides the events logged from it on."""
     from hydra.utils import instantiate
 
     loggers: list[Logger] = []
@@ -261,6 +267,8 @@ def instantiate_loggers(
             continue
         if wandb_run_id and node["_target_"] == f"{__name__}.wandb_logger":
             loggers.append(instantiate(node, id=wandb_run_id, resume="allow"))
+        elif resumed_at is not None and node["_target_"] == f"{__name__}.tensorboard_logger":
+            loggers.append(instantiate(node, purge_step=resumed_at))
         else:
             loggers.append(instantiate(node))
         if isinstance(loggers[-1], ContinuedCSVLogger):
