@@ -689,3 +689,41 @@ def test_ctrl_c_in_a_sweep_stops_the_sweep_after_saving_the_job(tmp_path, cache_
     saved = torch.load(sweep / "0" / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
     assert saved["global_step"] == 4
     assert not (sweep / "1").exists()
+
+
+def test_a_resumed_runs_result_sums_the_wall_time_and_rates_over_its_parts():
+    from gptlab.tasks.skeleton import earlier_parts, merged_metrics
+
+    # a result.json written before parts were recorded: 5,000 tokens in 100 s of wall time, 50 s of training
+    earlier = {
+        "global_step": 160,
+        "metrics": {
+            "wall_seconds": 100.0,
+            "tokens_per_second_wall": 50.0,
+            "tokens_per_second_training": 100.0,
+            "train/loss": 5.0,
+            "train/grad_norm": 0.5,
+        },
+    }
+    # this part: 5,000 more tokens in 50 s of wall time, 25 s of training; it logged no gradient norm
+    part = {
+        "from_step": 160,
+        "to_step": 320,
+        "wall_seconds": 50.0,
+        "tokens_per_second_wall": 100.0,
+        "tokens_per_second_training": 200.0,
+    }
+    latest = {"wall_seconds": 50.0, "tokens_per_second_wall": 100.0, "tokens_per_second_training": 200.0}
+    merged = merged_metrics(earlier, {**latest, "train/loss": 4.0}, part)
+    assert merged["wall_seconds"] == 150.0
+    assert merged["tokens_per_second_wall"] == pytest.approx(10_000 / 150)
+    assert merged["tokens_per_second_training"] == pytest.approx(10_000 / 75)
+    assert merged["train/loss"] == 4.0 and merged["train/grad_norm"] == 0.5  # the latest value of each
+    assert earlier_parts(earlier) == [
+        {
+            "to_step": 160,
+            "wall_seconds": 100.0,
+            "tokens_per_second_wall": 50.0,
+            "tokens_per_second_training": 100.0,
+        }
+    ]
