@@ -20,7 +20,7 @@ from conftest import CONF, ROOT, TINY, run_train
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 
-from gptlab.errors import CheckpointError
+from gptlab.errors import CheckpointError, DiskFullError
 from gptlab.model.config import GPTConfig
 from gptlab.resume import choose_run_dir, plan_resume
 from gptlab.runs import Run, digests
@@ -39,6 +39,17 @@ ARGS = [
     "optim.warmup_steps=2",
     "callbacks.last_checkpoint.every_n_train_steps=2",
 ]
+
+
+def with_overrides(args: list[str], *overrides: str) -> list[str]:
+    """``args`` with each of ``overrides`` replacing the override of the same key (Hydra takes one each)."""
+    keys = {o.split("=", 1)[0] for o in overrides}
+    return [a for a in args if a.split("=", 1)[0] not in keys] + list(overrides)
+
+
+def logged_steps(run_dir: Path, column: str = "train/loss") -> list[int]:
+    """The steps of ``csv/metrics.csv``'s rows that hold ``column``, in file order."""
+    return [int(r["step"]) for r in csv_rows(run_dir / "csv" / "metrics.csv") if r.get(column)]
 
 
 def weights(ckpt: Path) -> dict[str, torch.Tensor]:
@@ -113,7 +124,7 @@ def start_and_stop_at(args: list[str], cwd: Path, step: int, sig: int) -> subpro
 
 @pytest.mark.slow
 def test_sigkill_three_times_then_resume_ends_bit_identical(tmp_path, cache_dir, reference):
-    args = [*ARGS, "logger=none", f"paths.root_dir={cache_dir}", "resume=auto"]
+    args = [*ARGS, "logger=csv", "trainer.log_every_n_steps=1", f"paths.root_dir={cache_dir}", "resume=auto"]
     rng = random.Random()
     # From step 3 on: the first periodic checkpoint (step 2) is on disk whenever the kill lands.
     steps = sorted(rng.sample(range(3, MAX_STEPS), 3))
@@ -130,6 +141,8 @@ def test_sigkill_three_times_then_resume_ends_bit_identical(tmp_path, cache_dir,
     final = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
     assert final["global_step"] == MAX_STEPS
     assert_bit_identical(final["state_dict"], reference), f"killed at steps {steps}"
+    # every step's row once: none lost with a killed part (rows are on disk with each checkpoint), none twice
+    assert logged_steps(run_dir) == list(range(MAX_STEPS)), f"killed at steps {steps}"
 
 
 @pytest.mark.slow
@@ -140,7 +153,7 @@ def test_sigterm_through_the_cli_exits_0_then_resume_auto_continues_the_same_run
     step = random.Random().randrange(3, MAX_STEPS - 2)
     proc = start_and_stop_at(args, tmp_path, step, signal.SIGTERM)
     assert proc.returncode == 0, proc.output[-3000:]
-    stopped = int(re.search(r"Stopped by a signal at step (\d+)", proc.output).group(1))
+    stopped = int(re.search(r"Stopped by SIGTERM at step (\d+)", proc.output).group(1))
     assert step <= stopped <= step + 1
     (run_dir,) = run_dirs(tmp_path)
     saved = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
@@ -174,7 +187,13 @@ def signal_after_first_checkpoint(ckpt: Path, signum: int) -> None:
 def test_sigterm_saves_the_current_step_and_resume_continues_bit_identical(tmp_path, cache_dir, reference):
     out = tmp_path / "run"
     ckpt = out / "checkpoints" / "last.ckpt"
-    overrides = [*ARGS, "logger=wandb", f"paths.root_dir={cache_dir}", f"paths.output_dir={out}"]
+    overrides = [
+        *ARGS,
+        "logger=[csv,wandb]",
+        "trainer.log_every_n_steps=1",
+        f"paths.root_dir={cache_dir}",
+        f"paths.output_dir={out}",
+    ]
     handler_before = signal.getsignal(signal.SIGTERM)
     signal_after_first_checkpoint(ckpt, signal.SIGTERM)
     run(compose_cfg(*overrides))
@@ -185,6 +204,7 @@ def test_sigterm_saves_the_current_step_and_resume_continues_bit_identical(tmp_p
 
     run(compose_cfg(*overrides, "resume=auto"))
     assert_bit_identical(weights(ckpt), reference)
+    assert logged_steps(out) == list(range(MAX_STEPS))  # each step once
     first, second = (read_run(p) for p in find_runs(out / "wandb"))
     assert first.run_id == second.run_id == saved["wandb_run_id"]
     assert min(s for s, _ in second.metric("train/loss")) >= stopped - 1
@@ -354,7 +374,7 @@ def test_sigterm_under_ddp_stops_every_rank_and_saves(tmp_path, cache_dir):
     ]
     proc = start_and_stop_at(args, tmp_path, 4, signal.SIGTERM)
     assert proc.returncode == 0, proc.output[-3000:]
-    stopped = int(re.search(r"Stopped by a signal at step (\d+)", proc.output).group(1))
+    stopped = int(re.search(r"Stopped by SIGTERM at step (\d+)", proc.output).group(1))
     (run_dir,) = run_dirs(tmp_path)
     saved = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
     assert saved["global_step"] == stopped < MAX_STEPS
@@ -370,24 +390,36 @@ def test_sigterm_under_ddp_stops_every_rank_and_saves(tmp_path, cache_dir):
     )
 
 
-def test_resuming_a_finished_run_reports_its_validation_loss_and_trains_nothing(
+def test_resuming_a_finished_run_does_nothing_and_rewrites_nothing(
     tmp_path, cache_dir, reference_run, capsys
 ):
     finished, first = reference_run
     # a copy of the finished run: resumed here, it must not change
     shutil.copytree(finished, tmp_path, dirs_exist_ok=True)
     common = [*ARGS, "logger=csv", f"paths.root_dir={cache_dir}", f"paths.output_dir={tmp_path}"]
-    ckpt = tmp_path / "checkpoints" / "last.ckpt"
-    saved, metrics_csv = ckpt.read_bytes(), (tmp_path / "csv" / "metrics.csv").read_text()
+    ckpt, result = tmp_path / "checkpoints" / "last.ckpt", tmp_path / "result.json"
+    saved, metrics_csv, recorded = (
+        ckpt.read_bytes(),
+        (tmp_path / "csv" / "metrics.csv").read_text(),
+        result.read_bytes(),
+    )
     capsys.readouterr()
     again = run(compose_cfg(*common, f"resume={tmp_path}"))
-    assert again["val/loss"] == pytest.approx(first["val/loss"], abs=1e-6)
     out = capsys.readouterr().out
-    assert f"Final validation loss {first['val/loss']:.4f}" in out and f"Trained {MAX_STEPS} steps" in out
-    # nothing trained, saved or logged again
+    assert f"The run already finished at step {MAX_STEPS}; nothing to do" in out
+    assert f"Final validation loss {first['val/loss']:.4f}" in out and "Trained" not in out
+    # nothing trained, saved, logged or recorded again: its wall time and metrics stay the first run's
+    assert result.read_bytes() == recorded
     assert ckpt.read_bytes() == saved
     assert (tmp_path / "csv" / "metrics.csv").read_text() == metrics_csv
-    assert "train/loss" not in again
+    assert again["val/loss"] == first["val/loss"] and again["wall_seconds"] == first["wall_seconds"]
+
+    # A run killed after its last checkpoint and before its result.json: resuming validates and records it.
+    result.unlink()
+    again = run(compose_cfg(*common, f"resume={tmp_path}"))
+    assert f"Nothing left to train at step {MAX_STEPS}: validated the checkpoint" in capsys.readouterr().out
+    assert again["val/loss"] == pytest.approx(first["val/loss"], abs=1e-6)
+    assert Run(tmp_path).result()["finished"] is True and ckpt.read_bytes() == saved
 
 
 def csv_rows(path: Path) -> list[dict[str, str]]:
@@ -591,7 +623,7 @@ def test_a_stop_signal_skips_the_length_study_until_the_resumed_run_finishes(tmp
     ]
     proc = start_and_stop_at(args, tmp_path, 5, signal.SIGTERM)
     assert proc.returncode == 0, proc.output[-3000:]
-    stopped = int(re.search(r"Stopped by a signal at step (\d+)", proc.output).group(1))
+    stopped = int(re.search(r"Stopped by SIGTERM at step (\d+)", proc.output).group(1))
     assert stopped < MAX_STEPS
     assert (
         "Stopped by a signal: the length study (eval_length) is skipped; it runs when the resumed run finishes."
@@ -609,3 +641,210 @@ def test_a_stop_signal_skips_the_length_study_until_the_resumed_run_finishes(tmp
     result = Run(run_dir).result()
     assert result["stopped_by_signal"] is False and result["finished"] is True
     assert "length/loss@2x" in result["metrics"]
+
+
+@pytest.mark.slow
+def test_ctrl_c_saves_the_current_step_and_resume_ends_as_if_never_stopped(
+    tmp_path, cache_dir, reference_run
+):
+    # Periodic checkpoints every 50 steps: the step Ctrl-C stops at is saved by the stop itself.
+    args = with_overrides(
+        [*ARGS, "logger=csv", f"paths.root_dir={cache_dir}", "resume=auto"],
+        "callbacks.last_checkpoint.every_n_train_steps=50",
+        "trainer.log_every_n_steps=1",
+    )
+    proc = start_and_stop_at(args, tmp_path, 5, signal.SIGINT)
+    assert proc.returncode == 0, proc.output[-3000:]
+    assert "Ctrl-C: stopping at the end of this step, with a checkpoint saved for it" in proc.output
+    stopped = int(
+        re.search(r"Stopped by Ctrl-C at step (\d+): \S+ holds it; resume with", proc.output).group(1)
+    )
+    assert 5 <= stopped <= 6
+    assert "resume with the same command and resume=auto" in proc.output
+    (run_dir,) = run_dirs(tmp_path)
+    saved = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    assert saved["global_step"] == stopped  # nothing lost
+    result = Run(run_dir).result()
+    assert result["stopped_by_signal"] is True and result["finished"] is False
+    assert result["global_step"] == stopped and result["stop_signal"] == "Ctrl-C"
+    assert "train/loss" in result["metrics"] and "failed" not in result
+
+    proc = run_train(args, cwd=tmp_path)
+    assert (
+        f"Trained {MAX_STEPS} steps; this part, resumed at step {stopped}, trained {MAX_STEPS - stopped} in"
+        in (proc.stdout)
+    )
+    assert run_dirs(tmp_path) == [run_dir]
+    assert_bit_identical(
+        weights(run_dir / "checkpoints" / "last.ckpt"),
+        weights(reference_run[0] / "checkpoints" / "last.ckpt"),
+    )
+    assert logged_steps(run_dir) == list(range(MAX_STEPS))  # each step once
+    result = Run(run_dir).result()
+    assert result["finished"] is True and result["stopped_by_signal"] is False
+    assert result["metrics"]["val/loss"] == pytest.approx(reference_run[1]["val/loss"], abs=1e-6)
+    # the run's wall time is the sum of its two parts', each part recorded
+    parts = result["parts"]
+    assert [(p["from_step"], p["to_step"], p["status"]) for p in parts] == [
+        (0, stopped, "stopped"),
+        (stopped, MAX_STEPS, "finished"),
+    ]
+    assert result["metrics"]["wall_seconds"] == pytest.approx(sum(p["wall_seconds"] for p in parts))
+
+
+@pytest.mark.slow
+def test_a_second_ctrl_c_during_the_save_quits_and_leaves_the_previous_checkpoint(
+    tmp_path, cache_dir, reference
+):
+    # The first Ctrl-C after step 5 asks for a save at step 6; the second lands inside that save, after the
+    # bytes are written and before the rename. Periodic checkpoints every 4 steps: last.ckpt holds step 4.
+    args = with_overrides(
+        [*ARGS, "logger=[csv,tensorboard]", f"paths.root_dir={cache_dir}", "resume=auto"],
+        "callbacks.last_checkpoint.every_n_train_steps=4",
+        "trainer.log_every_n_steps=1",
+    )
+    proc = run_train(
+        args,
+        cwd=tmp_path,
+        check=False,
+        script=ROOT / "tests" / "faults.py",
+        env={"GPTLAB_TEST_FAULT": "ctrl_c_twice:5"},
+    )
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-3000:]
+    assert re.search(
+        r"Quit by a second Ctrl-C at step 6, without saving it: \S+last.ckpt holds step 4; resume with the same "
+        r"command and resume=auto \(it continues from step 4\)",
+        output,
+    ), output[-3000:]
+    (run_dir,) = run_dirs(tmp_path)
+    checkpoints = run_dir / "checkpoints"
+    assert torch.load(checkpoints / "last.ckpt", map_location="cpu", weights_only=True)["global_step"] == 4
+    assert not list(checkpoints.glob(".*tmp*"))  # the interrupted save left nothing behind
+    result = Run(run_dir).result()
+    assert (
+        result["stopped_by_signal"] is True and result["checkpoint_step"] == 4 and result["global_step"] == 6
+    )
+    assert max(logged_steps(run_dir)) >= 4  # rows past the checkpoint's step were written...
+
+    run_train(args, cwd=tmp_path)
+    assert logged_steps(run_dir) == list(range(MAX_STEPS))  # ...and dropped, not repeated, by the resumed run
+    # TensorBoard reads the two parts' event files as one curve, each step once
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run_dir / "tensorboard")).Reload()
+    assert [e.step for e in events.Scalars("train/loss")] == list(range(MAX_STEPS))
+    assert_bit_identical(weights(checkpoints / "last.ckpt"), reference)
+
+
+def test_a_full_disk_names_the_space_and_keeps_the_last_checkpoint_and_the_metrics(
+    tmp_path, cache_dir, reference_run
+):
+    """A real full filesystem: the run directory on a tmpfs with room for one checkpoint and a half. The
+    first save fits; the second, written beside the first before it replaces it, does not."""
+    size = (reference_run[0] / "checkpoints" / "last.ckpt").stat().st_size
+    out = tmp_path / "run"
+    out.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size * 3 // 2 // 4096 * 4096}", "tmpfs", str(out)],
+        capture_output=True,
+        text=True,
+    )
+    if mounted.returncode != 0:
+        pytest.skip(
+            f"cannot mount a tmpfs here (needs root outside an unprivileged container): {mounted.stderr}"
+        )
+    try:
+        cfg = compose_cfg(
+            *with_overrides(ARGS, "trainer.val_check_interval=100"),  # no best-*.ckpt before the second save
+            "logger=csv",
+            f"paths.root_dir={cache_dir}",
+            f"paths.output_dir={out}",
+        )
+        with pytest.raises(DiskFullError) as raised:
+            run(cfg)
+        message = str(raised.value)
+        checkpoints = out / "checkpoints"
+        match = re.fullmatch(
+            rf"no space left on {checkpoints}: the checkpoint last.ckpt needs about (\d+) MB, (\d+) MB free\. "
+            rf"Free space there, or start the run on another disk \(hydra.run.dir=<dir>\); the last good "
+            rf"checkpoint {checkpoints / 'last.ckpt'} is intact: once there is space, resume=auto continues "
+            r"from it\.",
+            message,
+        )
+        assert match, message
+        needed, free = int(match.group(1)), int(match.group(2))
+        assert abs(needed * 1e6 - size) < 0.1 * size and free < needed  # about the checkpoint's real size
+        # the old checkpoint is whole, no partial file is left, and result.json keeps what was logged
+        saved = torch.load(checkpoints / "last.ckpt", map_location="cpu", weights_only=True)
+        assert saved["global_step"] == 2 and [p.name for p in checkpoints.iterdir()] == ["last.ckpt"]
+        result = Run(out).result()
+        assert result["failed"].startswith("DiskFullError: no space left on") and result["global_step"] == 4
+        assert result["finished"] is False
+        assert {"train/loss", "lr", "wall_seconds"} <= set(result["metrics"])
+    finally:
+        subprocess.run(["umount", str(out)], check=False)
+
+
+@pytest.mark.slow
+def test_ctrl_c_in_a_sweep_stops_the_sweep_after_saving_the_job(tmp_path, cache_dir):
+    sweep = tmp_path / "sweep"
+    args = with_overrides(
+        [*ARGS, "logger=none", f"paths.root_dir={cache_dir}", "resume=auto"],
+        "trainer.max_steps=6",
+        "callbacks.last_checkpoint.every_n_train_steps=50",
+    )
+    proc = run_train(
+        ["-m", *args, "seed=0,1", f"hydra.sweep.dir={sweep}"],
+        cwd=tmp_path,
+        check=False,
+        script=ROOT / "tests" / "faults.py",
+        env={"GPTLAB_TEST_FAULT": "ctrl_c:3"},
+    )
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 130, output[-3000:]
+    assert "Ctrl-C: the sweep stops here; the same command with resume=auto and its hydra.sweep.dir" in output
+    # job 0 stopped at the step after the Ctrl-C, with its checkpoint and result; job 1 never started
+    result = Run(sweep / "0").result()
+    assert result["stopped_by_signal"] is True and result["global_step"] == 4
+    saved = torch.load(sweep / "0" / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    assert saved["global_step"] == 4
+    assert not (sweep / "1").exists()
+
+
+def test_a_resumed_runs_result_sums_the_wall_time_and_rates_over_its_parts():
+    from gptlab.tasks.skeleton import earlier_parts, merged_metrics
+
+    # a result.json written before parts were recorded: 5,000 tokens in 100 s of wall time, 50 s of training
+    earlier = {
+        "global_step": 160,
+        "metrics": {
+            "wall_seconds": 100.0,
+            "tokens_per_second_wall": 50.0,
+            "tokens_per_second_training": 100.0,
+            "train/loss": 5.0,
+            "train/grad_norm": 0.5,
+        },
+    }
+    # this part: 5,000 more tokens in 50 s of wall time, 25 s of training; it logged no gradient norm
+    part = {
+        "from_step": 160,
+        "to_step": 320,
+        "wall_seconds": 50.0,
+        "tokens_per_second_wall": 100.0,
+        "tokens_per_second_training": 200.0,
+    }
+    latest = {"wall_seconds": 50.0, "tokens_per_second_wall": 100.0, "tokens_per_second_training": 200.0}
+    merged = merged_metrics(earlier, {**latest, "train/loss": 4.0}, part)
+    assert merged["wall_seconds"] == 150.0
+    assert merged["tokens_per_second_wall"] == pytest.approx(10_000 / 150)
+    assert merged["tokens_per_second_training"] == pytest.approx(10_000 / 75)
+    assert merged["train/loss"] == 4.0 and merged["train/grad_norm"] == 0.5  # the latest value of each
+    assert earlier_parts(earlier) == [
+        {
+            "to_step": 160,
+            "wall_seconds": 100.0,
+            "tokens_per_second_wall": 50.0,
+            "tokens_per_second_training": 100.0,
+        }
+    ]

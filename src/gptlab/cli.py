@@ -8,7 +8,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from gptlab.errors import ConfigError, DataError, NonFiniteLossError
+from gptlab.errors import ConfigError, DataError, DiskFullError, NonFiniteLossError
 
 
 def run_task(cfg: DictConfig) -> float | None:
@@ -22,7 +22,7 @@ def run_task(cfg: DictConfig) -> float | None:
             raise
         print(f"\ngptlab: error: {e}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
-    except NonFiniteLossError as e:
+    except (NonFiniteLossError, DiskFullError) as e:
         if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
             raise
         print(f"\ngptlab: training failed: {e}", file=sys.stderr, flush=True)

@@ -225,9 +225,13 @@ class Run:
         """Write ``result.json`` whole or not at all (a temporary file renamed over it)."""
         self.path.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{RESULT_FILE}.", dir=self.path)
-        with os.fdopen(fd, "w") as f:
-            json.dump(result, f, indent=1, sort_keys=True)
-        os.replace(tmp, self.result_file)
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump(result, f, indent=1, sort_keys=True)
+            os.replace(tmp, self.result_file)
+        except BaseException:  # a full disk: no half-written file left beside the old result
+            Path(tmp).unlink(missing_ok=True)
+            raise
         return self.result_file
 
     def length_result(self) -> dict[str, Any] | None:
