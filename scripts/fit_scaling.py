@@ -3,8 +3,8 @@
 experiment=scaling_ladder`).
 
 N is the non-embedding parameter count (from each run's config), the loss the final validation loss; one
-fit per condition (the overrides besides size and seed, e.g. pos=rope), with percentile bootstrap intervals
-over runs. Writes scaling.md, scaling.json and scaling.png into the sweep directory (or --out) and prints
+fit per condition (the overrides besides size and seed, e.g. pos=rope), with profile-likelihood intervals
+(Student's t on the residual degrees of freedom). Writes scaling.md, scaling.json and scaling.png into the sweep directory (or --out) and prints
 the table (src/gptlab/comparison/scaling.py).
 """
 
@@ -25,14 +25,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--out", default=None, help="where to write scaling.md/.json/.png (default: sweep dir)"
     )
-    parser.add_argument("--resamples", type=int, default=1000, help="bootstrap resamples (1000)")
     parser.add_argument("--confidence", type=float, default=0.95, help="interval coverage (0.95)")
-    parser.add_argument("--seed", type=int, default=0, help="the bootstrap's random seed")
     args = parser.parse_args(argv)
     try:
-        fits, points, skipped, out = write_scaling(
-            args.sweep_dir, args.out, args.resamples, args.confidence, args.seed
-        )
+        fits, points, skipped, out = write_scaling(args.sweep_dir, args.out, args.confidence)
     except DataError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
