@@ -128,16 +128,24 @@ class RunSession:
             OmegaConf.save(self.cfg, self.run_dir / "config_resolved.yaml", resolve=True)
 
     def write_result(
-        self, metrics: dict[str, float], step: int, finished: bool, stopped: bool, failed: str | None = None
+        self,
+        metrics: dict[str, float],
+        step: int,
+        finished: bool,
+        stopped: bool,
+        failed: str | None = None,
+        extra: dict[str, Any] | None = None,
     ) -> None:
         """``<run dir>/result.json``: what the run reported, its last step, whether it finished (or why not),
-        which run it is (``run.json``'s id, and its W&B run's) and the commit it ran at."""
+        which run it is (``run.json``'s id, and its W&B run's) and the commit it ran at; ``extra``: the task's
+        own keys (``diverged``). JSON has no inf or nan: a non-finite metric is written as the string
+        ``"inf"``, ``"-inf"`` or ``"nan"`` (``float()`` reads it back), never left out."""
         if not self.is_global_zero:
             return
         info = read_run_info(self.run_dir)
         Run(self.run_dir).write_result(
             {
-                "metrics": {k: v for k, v in metrics.items() if math.isfinite(v)},
+                "metrics": {k: v if math.isfinite(v) else str(v) for k, v in metrics.items()},
                 "global_step": step,
                 "finished": failed is None and finished,
                 "stopped_by_signal": bool(stopped),
@@ -145,6 +153,7 @@ class RunSession:
                 "run_id": info.run_id if info else None,
                 "wandb_run_id": self.wandb_run_id(),
                 "git_commit": git_commit(),
+                **(extra or {}),
             }
         )
 
