@@ -10,8 +10,8 @@ validation loss; every run was trained on the same number of tokens, so the fit 
 budget, not a compute-optimal frontier.
 
 Runs are read with the comparison's own reader (``gptlab.comparison.report.read_sweep``); unfinished runs
-(killed, or still running) are left out. A *condition* is what the runs' overrides say besides the size and
-the seed (``pos=rope``): one curve is fitted per condition.
+(killed, or still running) and diverged ones are left out. A *condition* is what the runs' overrides say
+besides the size and the seed (``pos=rope``): one curve is fitted per condition.
 
 The fit: for a fixed alpha the model is linear in (E, A), solved by least squares with E, A >= 0; alpha is
 then the minimiser of the squared error (a grid, then a bounded scalar search). Intervals: the profile
@@ -289,6 +289,8 @@ def points_from_sweep(
             skipped.append((Path(run.path), f"unfinished ({run.describe_status()})"))
         elif run.final_val_loss is None:
             skipped.append((Path(run.path), "no validation loss"))
+        elif run.diverged:
+            skipped.append((Path(run.path), f"diverged (final validation loss {run.final_val_loss:.4g})"))
         else:
             finished.append(run)
     keys = condition_keys(finished, Path(sweep_dir), ignore=[*size_keys, *IGNORED_KEYS])
