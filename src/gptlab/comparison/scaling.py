@@ -145,7 +145,7 @@ def fit_power_law(
 
 
 def profile_intervals(
-    n: Sequence[float],
+    n: Sequence[float] | np.ndarray,
     losses: np.ndarray,
     confidence: float = 0.95,
     alpha_bounds: tuple[float, float] = ALPHA_BOUNDS,
@@ -249,6 +249,36 @@ def fit_with_intervals(n: Sequence[float], loss: Sequence[float], confidence: fl
     if fit.intervals:
         fit.interval_method = INTERVAL_METHOD.format(df=fit.n_points - 3)
     return fit
+
+
+# ---- how often the intervals hold the truth ---------------------------------------------------------------
+# The shipped ladder (experiment=scaling_ladder: non-embedding parameters at widths 32-256, 2 blocks) and a
+# truth like its RoPE fit (docs/studies.md), with seed-to-seed noise of 0.02 nats.
+LADDER_SIZES = (25_472.0, 100_096.0, 396_800.0, 1_580_032.0)
+LADDER_TRUTH = {"E": 1.7, "A": 165.0, "alpha": 0.533}
+
+
+def interval_coverage(
+    seeds: int,
+    ladders: int = 1000,
+    sizes: Sequence[float] = LADDER_SIZES,
+    truth: dict[str, float] | None = None,
+    noise: float = 0.02,
+    confidence: float = 0.95,
+    seed: int = 0,
+) -> dict[str, float]:
+    """The share of ``ladders`` synthetic ladders (``seeds`` runs per size, Gaussian noise of sd ``noise``
+    about a known ``truth``) whose ``confidence`` intervals (:func:`profile_intervals`) hold the true E, A
+    and alpha."""
+    truth = truth or LADDER_TRUTH
+    n = np.repeat(np.asarray(sizes, dtype=float), seeds)
+    clean = truth["E"] + truth["A"] * n ** -truth["alpha"]
+    losses = clean + np.random.default_rng(seed).normal(0, noise, size=(ladders, n.size))
+    found = profile_intervals(n, losses, confidence)
+    return {
+        key: float(np.mean((found[key][:, 0] <= value) & (value <= found[key][:, 1])))
+        for key, value in truth.items()
+    }
 
 
 # ---- reading a sweep --------------------------------------------------------------------------------------
@@ -377,13 +407,26 @@ def write_scaling(
     points, skipped = points_from_sweep(sweep_dir)
     if not points:
         raise DataError(f"No finished run below {sweep_dir} to fit.")
-    fits = fit_conditions(points, confidence)
     out = Path(out_dir) if out_dir else Path(sweep_dir)
+    fits = write_fits(points, skipped, out, str(sweep_dir), confidence)
+    return fits, points, skipped, out
+
+
+def write_fits(
+    points: Sequence[ScalingPoint],
+    skipped: Sequence[tuple[Path, str]],
+    out: Path,
+    title: str,
+    confidence: float = 0.95,
+) -> dict[str, PowerLawFit]:
+    """Fit ``points`` per condition and write ``scaling.md``, ``scaling.json`` (the points with them, so that
+    the fits can be made again from it alone) and ``scaling.png`` into ``out``."""
+    fits = fit_conditions(points, confidence)
     out.mkdir(parents=True, exist_ok=True)
     plot_fits(points, fits, out / "scaling.png")
     table = markdown_table(fits, confidence)
     (out / "scaling.md").write_text(
-        f"# Scaling fits: {sweep_dir}\n\nL(N) = E + A N^-alpha, N = non-embedding parameters; "
+        f"# Scaling fits: {title}\n\nL(N) = E + A N^-alpha, N = non-embedding parameters; "
         f"{confidence:.0%} profile-likelihood intervals (Student's t on the residual degrees of freedom: "
         f"the runs less 3).\n\n{table}\n\n"
         "![scaling](scaling.png)\n"
@@ -395,4 +438,4 @@ def write_scaling(
         "confidence": confidence,
     }
     (out / "scaling.json").write_text(json.dumps(payload, indent=2))
-    return fits, points, skipped, out
+    return fits
