@@ -17,7 +17,7 @@ The fit: for a fixed alpha the model is linear in (E, A), solved by least square
 then the minimiser of the squared error (a grid, then a bounded scalar search). Intervals: the profile
 likelihood with Student's t on the residual degrees of freedom (:func:`profile_intervals`). A bootstrap over
 the runs is too narrow at the ladder's design: with 2 or 3 seeds per size, resampling them understates the
-spread, and its 95% intervals covered a known truth in 73-85% of synthetic ladders; the profile intervals
+spread, and its 95% intervals covered a known truth in 69-83% of synthetic ladders; the profile intervals
 cover it in about 95% (``tests/test_scaling.py``, docs/studies.md).
 """
 
@@ -155,7 +155,7 @@ def profile_intervals(
     the sizes ``n``): each parameter's values whose best fit, the other two free (E, A >= 0, alpha in
     ``alpha_bounds``), has a squared error within ``SSE (1 + t^2 / (P - 3))`` of the best, t the two-sided
     ``confidence`` quantile of Student's t on the P - 3 residual degrees of freedom (Bates & Watts 1988,
-    "Nonlinear Regression Analysis and Its Applications", section 6.1: the profile t). ``{"E": (G, 2),
+    "Nonlinear Regression Analysis and Its Applications", chapter 6: the profile t). ``{"E": (G, 2),
     "A": (G, 2), "alpha": (G, 2)}`` of (low, high); NaN rows where P <= 3 (no residual to estimate the noise
     from).
 
