@@ -4,6 +4,7 @@ condition is a (pos, activation) pair, with two seeds each. Every figure of the 
 what the runs themselves wrote (their W&B files and eval_length/length.json)."""
 
 import csv
+import io
 import json
 import math
 import re
@@ -469,3 +470,24 @@ def test_a_baseline_that_diverged_is_refused_and_a_result_can_mark_divergence(sw
         DataError, match="--baseline 'pos=learned activation=swiglu' names a condition that diverged"
     ):
         compare(tmp_path, tmp_path / "x", baseline="pos=learned activation=swiglu")
+
+
+def test_a_metrics_file_cut_mid_line_loses_nothing(sweep, tmp_path):
+    _, sweep_dir = sweep
+    run_dir = tmp_path / "run"
+    shutil.copytree(find_run_dirs(sweep_dir)[0], run_dir)
+    path = run_dir / "csv" / "metrics.csv"
+    whole = read_run_dir(run_dir, "csv")
+    text = path.read_text()
+    last = text.rstrip("\n").rindex("\n") + 1
+    *_, final_row = csv.DictReader(io.StringIO(text))
+    assert float(final_row["val/loss"]) == whole.final_val_loss  # the last line is the final validation
+    path.write_text(text[: last + (len(text) - last) // 2])  # the writer killed in the middle of it
+    cut = read_run_dir(run_dir, "csv")
+    notes = " ".join(cut.notes)
+    # the line is left out, said so, and the run's own final validation (result.json) read in its place
+    assert "its last line is cut short (the writer stopped mid-line); left out" in notes
+    assert "before its final validation: result.json's" in notes
+    assert [s for s, _ in cut.val_loss] == [s for s, _ in whole.val_loss]
+    assert [v for _, v in cut.val_loss] == pytest.approx([v for _, v in whole.val_loss], rel=1e-6)
+    assert cut.val_ppl == pytest.approx(whole.val_ppl, rel=1e-6)

@@ -143,7 +143,7 @@ def test_a_sweep_gives_one_point_per_run_with_its_non_embedding_parameters_and_c
     assert (out / "scaling.png").stat().st_size > 10_000 and (out / "scaling.md").is_file()
 
 
-def test_unfinished_runs_are_left_out(tmp_path, monkeypatch):
+def test_unfinished_and_diverged_runs_are_left_out(tmp_path, monkeypatch):
     from gptlab.comparison import report
 
     for job, n_embd in enumerate((32, 64, 128)):
@@ -160,3 +160,9 @@ def test_unfinished_runs_are_left_out(tmp_path, monkeypatch):
     monkeypatch.setattr(report, "read_sweep", read_sweep_marking_one_unfinished)
     points, skipped = points_from_sweep(tmp_path)
     assert len(points) == 2 and [p.name for p, _ in skipped] == ["2"] and "unfinished" in skipped[0][1]
+    # a run whose result.json says it diverged
+    result = json.loads((tmp_path / "1" / "result.json").read_text())
+    (tmp_path / "1" / "result.json").write_text(json.dumps({**result, "diverged": True}))
+    points, skipped = points_from_sweep(tmp_path)
+    assert len(points) == 1 and sorted(p.name for p, _ in skipped) == ["1", "2"]
+    assert dict((p.name, why) for p, why in skipped)["1"] == "diverged (final validation loss 1.9)"

@@ -330,6 +330,7 @@ def _status(run: Run, record: RunRecord, series: dict[str, list[tuple[int, float
         )
         result = {}
     if result:
+        _final_from_result(record, result)
         record.diverged = bool(result.get("diverged"))
         record.step = int(result.get("global_step") or 0)
         if result.get("finished"):
@@ -342,6 +343,31 @@ def _status(run: Run, record: RunRecord, series: dict[str, list[tuple[int, float
     logged = [s for values in series.values() for s, _ in values]
     record.step = max(logged) + 1 if logged else 0  # Lightning logs after step n as step n - 1
     record.status = RUNNING if info is not None and info.alive() else KILLED
+
+
+def _final_from_result(record: RunRecord, result: dict[str, Any]) -> None:
+    """The run's own final validation (result.json) where the metrics it logged end before it: a metrics
+    file whose last lines were lost (a writer killed mid-line) would otherwise show an earlier validation as
+    the final one. Read at the step Lightning logs it (the last step - 1), with a note; a logged final that
+    differs from result.json's is kept, with a note."""
+    final = result_metric(result, "val/loss")
+    if final is None or not record.val_loss:
+        return
+    step, logged = record.val_loss[-1]
+    if math.isclose(logged, final, rel_tol=1e-6) or (math.isnan(logged) and math.isnan(final)):
+        return
+    at = int(result.get("global_step") or 0) - 1
+    if step >= at:
+        record.notes.append(
+            f"result.json's final val/loss ({final:.4f}) is not the one logged ({logged:.4f})"
+        )
+        return
+    record.val_loss = [*record.val_loss, (at, final)]
+    record.val_ppl = result_metric(result, "val/ppl")
+    record.notes.append(
+        f"its metrics end at step {step} ({logged:.4f}) before its final validation: result.json's ({final:.4f}, "
+        f"step {at + 1}) is read"
+    )
 
 
 def read_run_dir(run_dir: str | Path, source: str = "auto") -> RunRecord:
