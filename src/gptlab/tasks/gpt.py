@@ -307,23 +307,67 @@ def report(
             metrics.update(summary_metrics(result))
     max_steps = settings.trainer["max_steps"]
     stopped = stop is not None
-    extra = (
-        {"stop_signal": stop.signal, "checkpoint_step": stop.checkpoint_step} if stop is not None else None
+    extra: dict[str, Any] = (
+        {"stop_signal": stop.signal, "checkpoint_step": stop.checkpoint_step} if stop is not None else {}
     )
-    session.write_result(metrics, step, finished=step >= max_steps > 0, stopped=stopped, extra=extra)
+    uniform = math.log(parts.corpus.tokenizer.vocab_size)
+    divergence = divergence_of(metrics.get("val/loss"), entropy, uniform)
+    session.write_result(
+        metrics, step, finished=step >= max_steps > 0, stopped=stopped, extra={**extra, **divergence}
+    )
+    if divergence.get("diverged"):
+        log.warning(diverged_line(metrics["val/loss"], entropy, uniform))
 
 
 def validation_line(val: float | None, entropy: float | None) -> str:
     """The final validation against the corpus's unigram entropy."""
     if val is None:
         return "No validation (it is off: trainer.limit_val_batches=0)"
-    line = f"Final validation loss {val:.4f} nats (perplexity {math.exp(val):.1f})"
+    line = f"Final validation loss {val:.4f} nats (perplexity {_perplexity(val)})"
     if entropy is None:
         return line
     return (
         f"{line}; unigram entropy of the corpus {entropy:.4f} nats ({abs(entropy - val):.3f} "
         f"{'below' if val < entropy else 'above'} it)"
     )
+
+
+def diverged_line(val: float, entropy: float, uniform: float) -> str:
+    """The warning that ends a diverged run's log: the numbers that say so, and the usual fix."""
+    from gptlab.comparison.records import DIVERGENCE_MARGIN
+
+    why = (
+        f", {val:.4g} nats, is above the corpus's unigram entropy, {entropy:.4f} nats (what predicting each token "
+        f"by its frequency alone reaches), and more than {DIVERGENCE_MARGIN:g} nat above the loss of a uniform "
+        f"guess, {uniform:.4f} nats (where training starts)"
+        if math.isfinite(val)
+        else f" is {val}"
+    )
+    return (
+        f"The run diverged: its final validation loss{why}: its figures are no result. result.json says "
+        "diverged: true and scripts/compare.py marks it. Lower the learning rate (optim.lr) or lengthen the "
+        "warm-up (optim.warmup_steps)."
+    )
+
+
+def divergence_of(val_loss: float | None, entropy: float, uniform: float) -> dict[str, Any]:
+    """result.json's ``diverged`` (:func:`gptlab.comparison.records.is_diverged`) and, when it did, the
+    numbers that say so; nothing without a validation."""
+    from gptlab.comparison.records import is_diverged
+
+    if val_loss is None:
+        return {}
+    if not is_diverged(val_loss, entropy, uniform):
+        return {"diverged": False}
+    shown = val_loss if math.isfinite(val_loss) else str(val_loss)  # JSON has no inf: "inf", as in metrics
+    numbers = {"val/loss": shown, "unigram_entropy": entropy, "uniform_loss": uniform}
+    return {"diverged": True, "divergence": numbers}
+
+
+def _perplexity(loss: float) -> str:
+    """exp(loss) to one decimal; a diverged run's in three digits (1.23e+37), inf where exp overflows."""
+    ppl = math.exp(loss) if loss < 700 else math.inf
+    return f"{ppl:.1f}" if ppl < 1e6 else f"{ppl:.3g}"
 
 
 def closing_lines(

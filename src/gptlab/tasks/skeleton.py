@@ -147,8 +147,10 @@ class RunSession:
         extra: Mapping[str, Any] | None = None,
     ) -> None:
         """``<run dir>/result.json``: what the run reported, its last step, whether it finished (or why not),
-        which run it is (``run.json``'s id, and its W&B run's), the commit it ran at, and ``extra`` (more
-        fields a task records). A resumed run's result is merged with the earlier parts' (module doc)."""
+        which run it is (``run.json``'s id, and its W&B run's), the commit it ran at, and ``extra`` (the
+        task's own keys, e.g. ``diverged``). A resumed run's result is merged with the earlier parts' (module
+        doc). JSON has no inf or nan: a non-finite metric is written as the string ``"inf"``, ``"-inf"`` or
+        ``"nan"`` (``float()`` reads it back), never left out."""
         if not self.is_global_zero:
             return
         info = read_run_info(self.run_dir)
@@ -164,7 +166,12 @@ class RunSession:
             earlier = None  # the first part, or a directory's result from before run ids: not merged
         Run(self.run_dir).write_result(
             {
-                "metrics": merged_metrics(earlier, finite, part),
+                "metrics": {
+                    k: v if not isinstance(v, float) or math.isfinite(v) else str(v)
+                    for k, v in merged_metrics(
+                        earlier, {k: float(v) for k, v in metrics.items()}, part
+                    ).items()
+                },
                 "parts": [*earlier_parts(earlier), part],
                 "global_step": step,
                 "finished": failed is None and finished,
