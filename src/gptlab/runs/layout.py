@@ -40,6 +40,8 @@ import yaml
 
 HYDRA_DIR = ".hydra"
 OVERRIDES_FILE = f"{HYDRA_DIR}/overrides.yaml"
+# Hydra's files of each later part of a run (a resume), kept apart from the first part's in .hydra/.
+HYDRA_PARTS_DIR = f"{HYDRA_DIR}/parts"
 CONFIG_FILE = "config_resolved.yaml"
 RESULT_FILE = "result.json"
 RUN_FILE = "run.json"  # which run this is: its id and parts (gptlab.runs.identity)
@@ -177,6 +179,20 @@ class Run:
         if data is None:
             return []
         return [str(x) for x in data] if isinstance(data, list) else None
+
+    def part_overrides(self) -> list[list[str]]:
+        """The overrides of each later part of the run (a ``resume=`` that continued it, also one then
+        refused), oldest first: Hydra's files of those parts go to ``.hydra/parts/<time>/``, so that
+        ``.hydra/`` keeps the command the run was started with."""
+        found = []
+        for path in sorted((self.path / HYDRA_PARTS_DIR).glob("*/overrides.yaml")):
+            try:
+                data = yaml.safe_load(path.read_text())
+            except (OSError, yaml.YAMLError):
+                continue
+            if isinstance(data, list):
+                found.append([str(x) for x in data])
+        return found
 
     def choices(self) -> dict[str, str]:
         """The overrides as ``{key: value}`` (``+trainer.x=1`` -> ``trainer.x``)."""
