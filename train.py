@@ -6,9 +6,11 @@ Every option is a Hydra override; `python train.py --help` lists the config grou
 import hydra
 from omegaconf import DictConfig
 
+from gptlab.cli import register_help_resolver
 from gptlab.resume import register_resolvers
 
 register_resolvers()  # conf/hydra chooses the run directory through them (resume=auto)
+register_help_resolver()  # `--help` (conf/hydra/help/gptlab.yaml) lists Hydra's launchers through it
 
 
 @hydra.main(config_path="conf", config_name="train", version_base="1.3")

@@ -6,9 +6,25 @@ import sys
 
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from gptlab.errors import ConfigError, DataError, NonFiniteLossError
+
+
+def group_choices(group: str) -> str:
+    """The choices of a config group on Hydra's search path (e.g. ``hydra/launcher``), comma-separated: the
+    help page lists Hydra's own groups through it, read when the page is shown."""
+    from hydra.core.global_hydra import GlobalHydra
+
+    if not GlobalHydra.instance().is_initialized():
+        return ""
+    return ", ".join(sorted(GlobalHydra.instance().config_loader().get_group_options(group)))
+
+
+def register_help_resolver() -> None:
+    """``${gptlab_choices:GROUP}`` for conf/hydra/help/gptlab.yaml."""
+    if not OmegaConf.has_resolver("gptlab_choices"):
+        OmegaConf.register_new_resolver("gptlab_choices", group_choices)
 
 
 def run_task(cfg: DictConfig) -> float | None:

@@ -1,0 +1,84 @@
+"""What `python train.py` says before it trains anything: its help page, and its refusals of a mistyped
+choice or a bad value, which come before the heavy imports and leave no run folder behind."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+from conftest import CONF, ROOT
+
+
+def train_py(*args: str, cwd=ROOT, timeout: int = 120) -> subprocess.CompletedProcess:
+    """`python -X importtime train.py <args>`: its output, and (in stderr) every module it imported."""
+    return subprocess.run(
+        [sys.executable, "-X", "importtime", str(ROOT / "train.py"), *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def imported(stderr: str) -> set[str]:
+    """The top-level packages named in ``-X importtime``'s lines."""
+    return {
+        line.rsplit("|", 1)[1].strip().split(".")[0]
+        for line in stderr.splitlines()
+        if line.startswith("import time:") and "|" in line
+    }
+
+
+def without_import_times(stderr: str) -> str:
+    return "\n".join(line for line in stderr.splitlines() if not line.startswith("import time:"))
+
+
+def choices(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
+
+
+# ---- --help ----------------------------------------------------------------------------------------------
+
+
+def test_help_lists_the_groups_their_choices_the_examples_and_the_manual(tmp_path):
+    proc = train_py("--help", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    page = proc.stdout
+    assert page.startswith("gptlab:") and "powered by Hydra" not in page
+    for group in sorted(p.name for p in CONF.iterdir() if p.is_dir() and p.name != "hydra"):
+        assert f"{group}: {', '.join(choices(group))}\n" in page, group
+    # Hydra's launchers: gptlab's own (conf/hydra/launcher) and the installed plugins' basic one
+    launchers = re.search(r"^hydra/launcher: (.*?)\s{2,}", page, re.M)
+    assert launchers is not None, page
+    assert {"basic", *choices("hydra/launcher")} <= set(launchers.group(1).split(", "))
+    for example in (
+        "python train.py model=small pos=sinusoidal activation=swiglu",
+        "python train.py -m pos=learned,rope,alibi seed=0,1",
+        "python train.py model=small pos=sinusoidal resume=auto",
+        "python train.py model=small pos=rope --cfg job",
+        "python scripts/compare.py outputs/multirun/",
+    ):
+        assert example in page
+    assert "--multirun,-m" in page and "--cfg,-c" in page  # Hydra's flags
+    assert "docs/index.md" in page and "--hydra-help" in page
+    # a page, not a run: nothing heavy is imported and no run folder is made
+    assert not {"torch", "lightning", "wandb"} & imported(proc.stderr)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_help_pages_examples_compose(make_cfg):
+    page = train_py("--help").stdout
+    examples = re.findall(r"^\s+python train\.py (.*)$", page, re.M)
+    assert len(examples) == 4
+    for line in examples:
+        # a sweep's first point, and the overrides without the flags
+        overrides = [word.split(",")[0] for word in line.split() if not word.startswith("-") and "=" in word]
+        cfg = make_cfg(*overrides)
+        assert cfg.model is not None
+
+
+def test_hydras_own_help_is_one_flag_away():
+    proc = train_py("--hydra-help")
+    assert proc.returncode == 0
+    assert "hydra/launcher:" in proc.stdout and "== Flags ==" in proc.stdout
