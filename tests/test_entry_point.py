@@ -82,3 +82,33 @@ def test_hydras_own_help_is_one_flag_away():
     proc = train_py("--hydra-help")
     assert proc.returncode == 0
     assert "hydra/launcher:" in proc.stdout and "== Flags ==" in proc.stdout
+
+
+# ---- a mistyped choice -----------------------------------------------------------------------------------
+
+
+def test_a_mistyped_choice_gets_the_closest_one_and_no_search_path(tmp_path):
+    proc = train_py("pos=sinusiodal", cwd=tmp_path)
+    err = without_import_times(proc.stderr)
+    assert proc.returncode == 2, err
+    assert err.startswith("gptlab: error: Could not find 'pos/sinusiodal'"), err
+    assert f"Choose pos from: {', '.join(choices('pos'))}." in err
+    assert err.rstrip().endswith("Did you mean pos=sinusoidal?")
+    assert "Config search path" not in err and "HYDRA_FULL_ERROR" not in err
+    assert not {"torch", "lightning"} & imported(proc.stderr)
+    assert list(tmp_path.iterdir()) == []  # no run folder
+
+
+def test_a_mistyped_choice_in_a_sweep_is_refused_before_any_job_runs(tmp_path):
+    proc = train_py("-m", "activation=gelu,swiglu,gleu", "hydra/launcher=basic", cwd=tmp_path)
+    err = without_import_times(proc.stderr)
+    assert proc.returncode == 2, err
+    assert "Could not find 'activation/gleu'" in err and "Did you mean activation=gelu?" in err
+    assert not {"torch", "lightning"} & imported(proc.stderr)  # no job started
+
+
+def test_a_missing_primary_config_keeps_hydras_report_with_its_search_path(tmp_path):
+    # no group to choose from: where Hydra looked for configs is what helps (e.g. a missing --config-dir)
+    proc = train_py("--config-name", "nosuch", "--cfg", "job", cwd=tmp_path)
+    assert proc.returncode == 1
+    assert "Cannot find primary config 'nosuch'" in proc.stderr and "Config search path" in proc.stderr
