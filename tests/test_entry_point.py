@@ -112,3 +112,26 @@ def test_a_missing_primary_config_keeps_hydras_report_with_its_search_path(tmp_p
     proc = train_py("--config-name", "nosuch", "--cfg", "job", cwd=tmp_path)
     assert proc.returncode == 1
     assert "Cannot find primary config 'nosuch'" in proc.stderr and "Config search path" in proc.stderr
+
+
+# ---- a refusal before the heavy imports -----------------------------------------------------------------
+
+
+def test_a_bad_value_is_refused_before_lightning_or_wandb_is_imported(tmp_path):
+    proc = train_py("model.n_layer=-1", cwd=tmp_path)
+    err = without_import_times(proc.stderr)
+    assert proc.returncode == 2, err
+    assert "gptlab: error: model.n_layer=-1 must be a positive integer." in err
+    assert not {"lightning", "lightning_fabric", "pytorch_lightning", "wandb", "datasets"} & imported(
+        proc.stderr
+    )
+
+
+def test_the_trainer_arguments_read_from_lightnings_source_are_its_signatures():
+    import inspect
+
+    import lightning as L
+
+    from gptlab.preflight import trainer_arguments
+
+    assert set(trainer_arguments()) == set(inspect.signature(L.Trainer.__init__).parameters) - {"self"}

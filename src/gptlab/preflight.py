@@ -3,6 +3,10 @@ type error): unknown arguments, the hardware asked for, and values of the wrong 
 
 from __future__ import annotations
 
+import ast
+import functools
+import importlib.util
+from pathlib import Path
 from typing import Any, TypeGuard
 
 import torch
@@ -22,13 +26,36 @@ def check_seed(seed: Any) -> None:
         raise ConfigError(f"seed={seed!r} must be an integer (e.g. seed=1337).")
 
 
-def check_trainer_options(trainer_cfg: dict[str, Any]) -> None:
-    """Every key must be an argument of Lightning's Trainer."""
+@functools.cache
+def trainer_arguments() -> tuple[str, ...]:
+    """The argument names of Lightning's ``Trainer``, sorted. Read from the installed source of
+    ``lightning/pytorch/trainer/trainer.py`` rather than by importing Lightning, which takes seconds (7 s of a
+    refusal's 8 here): a config is checked before any heavy import. Imported only where the source cannot be
+    read that way."""
+    spec = importlib.util.find_spec("lightning")
+    if spec is not None and spec.origin is not None:
+        source = Path(spec.origin).parent / "pytorch" / "trainer" / "trainer.py"
+        try:
+            tree = ast.parse(source.read_text(encoding="utf-8"))
+        except (OSError, SyntaxError, ValueError):
+            tree = None
+        for node in tree.body if tree is not None else ():
+            if isinstance(node, ast.ClassDef) and node.name == "Trainer":
+                for item in node.body:
+                    if isinstance(item, ast.FunctionDef) and item.name == "__init__":
+                        args = item.args
+                        names = [a.arg for a in args.posonlyargs + args.args + args.kwonlyargs]
+                        return tuple(sorted(set(names) - {"self"}))
     import inspect
 
     import lightning as L
 
-    allowed = sorted(set(inspect.signature(L.Trainer.__init__).parameters) - {"self"})
+    return tuple(sorted(set(inspect.signature(L.Trainer.__init__).parameters) - {"self"}))
+
+
+def check_trainer_options(trainer_cfg: dict[str, Any]) -> None:
+    """Every key must be an argument of Lightning's Trainer."""
+    allowed = list(trainer_arguments())
     fix = "Use Lightning Trainer arguments: https://lightning.ai/docs/pytorch/stable/common/trainer.html#trainer-flags."
     check_keys(trainer_cfg, allowed, "trainer", "trainer", fix)
 
