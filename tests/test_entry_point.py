@@ -117,14 +117,15 @@ def test_a_missing_primary_config_keeps_hydras_report_with_its_search_path(tmp_p
 # ---- a refusal before the heavy imports -----------------------------------------------------------------
 
 
-def test_a_bad_value_is_refused_before_lightning_or_wandb_is_imported(tmp_path):
-    proc = train_py("model.n_layer=-1", cwd=tmp_path)
+def test_a_bad_value_is_refused_before_lightning_is_imported_and_leaves_no_run_folder(tmp_path):
+    proc = train_py("model.n_layer=-1", cwd=tmp_path)  # the default run dir: outputs/runs/<date>/<time>
     err = without_import_times(proc.stderr)
     assert proc.returncode == 2, err
     assert "gptlab: error: model.n_layer=-1 must be a positive integer." in err
     assert not {"lightning", "lightning_fabric", "pytorch_lightning", "wandb", "datasets"} & imported(
         proc.stderr
     )
+    assert list(tmp_path.iterdir()) == []  # no run folder, nor the outputs/runs/<date> folders made for it
 
 
 def test_the_trainer_arguments_read_from_lightnings_source_are_its_signatures():
@@ -135,3 +136,49 @@ def test_the_trainer_arguments_read_from_lightnings_source_are_its_signatures():
     from gptlab.preflight import trainer_arguments
 
     assert set(trainer_arguments()) == set(inspect.signature(L.Trainer.__init__).parameters) - {"self"}
+
+
+# ---- no run folder left by a refusal ----------------------------------------------------------------------
+
+
+# A refused run in the default run dir: test_a_bad_value_is_refused_before_lightning_is_imported_and_...
+
+
+def test_a_refusal_keeps_a_run_folder_that_was_there_before(tmp_path):
+    earlier = tmp_path / "earlier"
+    earlier.mkdir()
+    proc = train_py("model.n_layer=-1", f"hydra.run.dir={earlier}", cwd=tmp_path)
+    assert proc.returncode == 2
+    assert earlier.is_dir() and (earlier / ".hydra").is_dir()
+
+
+def test_a_refused_sweep_leaves_no_job_folders(tmp_path):
+    sweep = tmp_path / "sweep"
+    proc = train_py("-m", "model.n_layer=-1,-2", f"hydra.sweep.dir={sweep}", cwd=tmp_path)
+    assert "model.n_layer=-1 must be a positive integer" in proc.stderr
+    assert [p.name for p in sweep.iterdir()] == ["multirun.yaml"]
+
+
+def test_only_what_the_refused_run_wrote_in_folders_it_made_is_removed(tmp_path):
+    from gptlab.cli import NoteNewDirectories, remove_refused_run_dir
+
+    def refused_run(run_dir, *files):
+        NoteNewDirectories()._note(run_dir)  # as Hydra calls it, before the folder is made
+        (run_dir / ".hydra").mkdir(parents=True, exist_ok=True)
+        (run_dir / ".hydra" / "config.yaml").write_text("model: {}\n")
+        for name in ("train.log", *files):
+            (run_dir / name).write_text("x")
+        return remove_refused_run_dir(run_dir, "train.log")
+
+    # refused after run.json was written (a data error): the folder and the parents it made go
+    beside = tmp_path / "runs" / "other"
+    beside.mkdir(parents=True)
+    assert refused_run(tmp_path / "runs" / "day" / "a", "run.json")
+    assert not (tmp_path / "runs" / "day").exists() and beside.is_dir()
+    # anything else in it (a log file of Lightning's, a checkpoint) keeps the folder
+    assert not refused_run(tmp_path / "b", "run.json", "metrics.csv")
+    assert (tmp_path / "b" / "metrics.csv").is_file()
+    # a folder that existed before the command, also empty, stays
+    (tmp_path / "c").mkdir()
+    assert not refused_run(tmp_path / "c")
+    assert (tmp_path / "c" / "train.log").is_file()

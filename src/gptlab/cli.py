@@ -4,15 +4,19 @@ from __future__ import annotations
 
 import difflib
 import os
+import shutil
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from hydra.core.hydra_config import HydraConfig
+from hydra.experimental.callback import Callback as HydraCallback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from gptlab.errors import ConfigError, DataError, NonFiniteLossError
+from gptlab.runs.layout import HYDRA_DIR, RUN_FILE
 
 
 def group_choices(group: str) -> str:
@@ -81,12 +85,76 @@ def suggest_choices() -> None:
     hydra_utils.run_and_report = run_and_report
 
 
+# ---- a refused run leaves no folder ----------------------------------------------------------------------
+
+#: The folders this command is about to create: the run (or sweep) directory and those of its parents that do
+#: not exist yet, noted before Hydra makes them (NoteNewDirectories); a refused run removes only these.
+_new_dirs: set[Path] = set()
+
+
+def _absolute(path: Any) -> Path:
+    return Path(os.path.abspath(str(path)))  # as Hydra makes runtime.output_dir
+
+
+class NoteNewDirectories(HydraCallback):
+    """A Hydra callback, first of conf/hydra/default.yaml's: notes which of the run directory (a sweep's
+    directory, with ``-m``) and its parents do not exist yet, before anything creates them, so that a refused
+    command removes what it made and never a folder that was there before (an explicit ``hydra.run.dir`` of an
+    earlier run, ``resume=``)."""
+
+    def _note(self, path: Any) -> None:
+        _new_dirs.clear()
+        folder = _absolute(path)
+        for candidate in (folder, *folder.parents):
+            if candidate.exists():
+                break
+            _new_dirs.add(candidate)
+
+    def on_run_start(self, config: Any, **kwargs: Any) -> None:
+        self._note(config.hydra.run.dir)
+
+    def on_multirun_start(self, config: Any, **kwargs: Any) -> None:
+        self._note(config.hydra.sweep.dir)
+
+
+def remove_refused_run_dir(run_dir: Path, job_log: str) -> bool:
+    """Remove ``run_dir`` after a refusal when this command created it (it, or a folder above it, did not
+    exist when the command started) and it holds only what a refused run writes: Hydra's ``.hydra/`` and
+    job log (``job_log``), and ``run.json``. Then the emptied parents this command created. Returns whether
+    the run directory was removed."""
+    run_dir = _absolute(run_dir)
+    if not _new_dirs & {run_dir, *run_dir.parents}:
+        return False
+    try:
+        leftovers = {entry.name for entry in run_dir.iterdir()}
+    except OSError:
+        return False
+    if not leftovers <= {HYDRA_DIR, job_log, RUN_FILE}:
+        return False
+    shutil.rmtree(run_dir, ignore_errors=True)
+    for parent in run_dir.parents:
+        if parent not in _new_dirs:
+            break
+        try:
+            parent.rmdir()  # only an empty one: a sweep's other jobs, or a run started beside, stay
+        except OSError:
+            break
+    return not run_dir.exists()
+
+
+def _remove_refused_run_dir() -> None:
+    if HydraConfig.initialized():
+        hydra = HydraConfig.get()
+        remove_refused_run_dir(Path(hydra.runtime.output_dir), f"{hydra.job.name}.log")
+
+
 def run_task(cfg: DictConfig) -> float | None:
     from gptlab.tasks import task_runner
 
     try:
         metrics = task_runner(cfg)(cfg)
     except (ConfigError, DataError) as e:
+        _remove_refused_run_dir()  # nothing ran: a folder holding no metrics would only be in the way
         multirun = HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
         if multirun:
             raise
