@@ -105,6 +105,7 @@ def test_a_mistyped_choice_in_a_sweep_is_refused_before_any_job_runs(tmp_path):
     assert proc.returncode == 2, err
     assert "Could not find 'activation/gleu'" in err and "Did you mean activation=gelu?" in err
     assert not {"torch", "lightning"} & imported(proc.stderr)  # no job started
+    assert list(tmp_path.iterdir()) == []  # nor the sweep folder Hydra made for its multirun.yaml
 
 
 def test_a_missing_primary_config_keeps_hydras_report_with_its_search_path(tmp_path):

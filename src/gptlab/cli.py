@@ -70,12 +70,14 @@ def suggest_choices() -> None:
         def composed_or_refused() -> Any:
             from hydra.errors import MissingConfigException
 
+            _new_dirs.clear()  # what this command makes is noted anew (a process may run several: the docs' tests)
             try:
                 return func()
             except MissingConfigException as e:
                 message = None if os.environ.get("HYDRA_FULL_ERROR") == "1" else unknown_choice(e)
                 if message is None:
                     raise
+                _remove_refused_sweep_dir()
                 print(f"gptlab: error: {message}", file=sys.stderr, flush=True)
                 raise SystemExit(2) from None
 
@@ -122,24 +124,34 @@ def remove_refused_run_dir(run_dir: Path, job_log: str) -> bool:
     exist when the command started) and it holds only what a refused run writes: Hydra's ``.hydra/`` and
     job log (``job_log``), and ``run.json``. Then the emptied parents this command created. Returns whether
     the run directory was removed."""
-    run_dir = _absolute(run_dir)
-    if not _new_dirs & {run_dir, *run_dir.parents}:
+    return _remove_new_folder(_absolute(run_dir), {HYDRA_DIR, job_log, RUN_FILE})
+
+
+def _remove_new_folder(folder: Path, leftovers: set[str]) -> bool:
+    if not _new_dirs & {folder, *folder.parents}:
         return False
     try:
-        leftovers = {entry.name for entry in run_dir.iterdir()}
+        found = {entry.name for entry in folder.iterdir()}
     except OSError:
         return False
-    if not leftovers <= {HYDRA_DIR, job_log, RUN_FILE}:
+    if not found <= leftovers:
         return False
-    shutil.rmtree(run_dir, ignore_errors=True)
-    for parent in run_dir.parents:
+    shutil.rmtree(folder, ignore_errors=True)
+    for parent in folder.parents:
         if parent not in _new_dirs:
             break
         try:
             parent.rmdir()  # only an empty one: a sweep's other jobs, or a run started beside, stay
         except OSError:
             break
-    return not run_dir.exists()
+    return not folder.exists()
+
+
+def _remove_refused_sweep_dir() -> None:
+    """A sweep refused before its first job (a mistyped choice among its values): the sweep directory it
+    made holds only Hydra's ``multirun.yaml``."""
+    if _new_dirs:
+        _remove_new_folder(max(_new_dirs, key=lambda p: len(p.parts)), {"multirun.yaml"})
 
 
 def _remove_refused_run_dir() -> None:
