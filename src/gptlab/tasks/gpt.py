@@ -15,22 +15,24 @@ import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import lightning as L
-import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from gptlab.config import GPTRunConfig, parse_gpt
-from gptlab.data.corpus import PreparedCorpus
-from gptlab.data.datamodule import GPTDataModule
 from gptlab.planning.fit import check_memory
 from gptlab.resume import ResumePlan, plan_resume
 from gptlab.tasks.skeleton import RunSession, record_run_dir, route_lightning_logs
-from gptlab.training.checkpointing.fit import SignalStop
-from gptlab.training.module import GPTLitModule
+
+if TYPE_CHECKING:  # Lightning and the data are imported once the config is checked: a refusal comes first
+    import lightning as L
+
+    from gptlab.data.corpus import PreparedCorpus
+    from gptlab.data.datamodule import GPTDataModule
+    from gptlab.training.checkpointing.fit import SignalStop
+    from gptlab.training.module import GPTLitModule
 
 log = logging.getLogger("gptlab")
 
@@ -48,11 +50,13 @@ class Parts:
 def run(cfg: DictConfig) -> dict[str, float]:
     """Train one model as configured; returns the final metrics (``val/loss``, ``val/ppl``, ...)."""
     t0 = time.perf_counter()
-    route_lightning_logs()
     record_run_dir(cfg)  # before the config is parsed: the trainer's default_root_dir interpolates it
-    settings = parse_gpt(cfg)
+    settings = parse_gpt(cfg)  # before Lightning is imported (seconds): a refusal comes at once
     # before the run directory, the data or any weight: a run that cannot fit its device is refused
     check_memory(settings)
+    import lightning as L
+
+    route_lightning_logs()
     session = RunSession.start(
         cfg, settings.run, seed=lambda s: L.seed_everything(s, workers=True, verbose=False)
     )
@@ -132,7 +136,11 @@ def report_already_finished(run_dir: Path, result: dict[str, Any]) -> dict[str, 
 def build(settings: GPTRunConfig) -> Parts:
     """The strategy checked against the hardware and the launch, the data prepared and windowed (the
     tokenizer is a product of it: a fitted vocabulary comes from the training split), the module made."""
+    import torch
+
+    from gptlab.data.datamodule import GPTDataModule
     from gptlab.parallel import build_strategy, warn_if_cpu_oversubscribed
+    from gptlab.training.module import GPTLitModule
 
     # Subnormal floats (a softmax over strongly biased scores: ALiBi at T=1024) are many times slower on x86
     # CPUs; flushing them to zero changes nothing above 1.2e-38. ALiBi's step on one thread: 1.93x -> 1.34x
@@ -178,6 +186,8 @@ def load_initial_weights(module: GPTLitModule, source: str | None) -> None:
 
 
 def make_trainer(cfg: DictConfig, settings: GPTRunConfig, parts: Parts, loggers: list) -> L.Trainer:
+    import lightning as L
+
     from gptlab.parallel.slurm import slurm_plugins
     from gptlab.training.callbacks import ValidateAtLastStep, instantiate_callbacks
     from gptlab.training.checkpointing import fault_tolerance_callbacks
