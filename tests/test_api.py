@@ -19,7 +19,7 @@ from hydra.core.global_hydra import GlobalHydra
 from omegaconf import OmegaConf
 
 import gptlab
-from gptlab.errors import ConfigError
+from gptlab.errors import ConfigError, DataError
 from gptlab.model.config import GPTConfig
 from gptlab.model.gpt import GPT
 from gptlab.runs.checkpoints import load_checkpoint, model_config_dict, model_weights
@@ -219,3 +219,13 @@ def test_to_frame_without_pandas_says_how_to_install_it(runs, monkeypatch):
     with pytest.raises(ImportError, match="pip install pandas"):
         rows.to_frame()
     assert rows.records()[0]["pos"] == rows[0].choice["pos"]
+
+
+def test_a_run_refused_by_its_task_raises_and_leaves_no_folder(tmp_path, monkeypatch):
+    """The corpus is read after Hydra made the run directory: the task's DataError is raised as it is, and the
+    folder goes, as train.py removes it."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "empty.txt").touch()
+    with pytest.raises(DataError, match="empty.txt' is empty"):
+        gptlab.train("tokenizer=char", "logger=csv", "data.path=empty.txt", run_dir=tmp_path / "runs" / "bad")
+    assert not (tmp_path / "runs").exists()

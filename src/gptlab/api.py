@@ -82,9 +82,11 @@ def _hydra() -> Iterator[Hydra]:
     from hydra.initialize import get_gh_backup, restore_gh_from_backup
 
     from gptlab import CONFIG_DIR
+    from gptlab.cli import register_help_resolver
     from gptlab.resume import register_resolvers
 
     register_resolvers()  # conf/hydra chooses the run directory through them, as train.py registers them
+    register_help_resolver()
     backup, job = get_gh_backup(), copy.deepcopy(JobRuntime.instance().conf)  # the job's name lives there
     GlobalHydra.instance().clear()
     try:
@@ -100,8 +102,15 @@ def _hydra() -> Iterator[Hydra]:
 def _hydra_refusal(error: Exception) -> ConfigError:
     """Hydra's refusal of an override (a choice or key that does not exist, bad syntax) as a ConfigError
     whose message is what ``python train.py`` prints for it."""
+    from hydra.errors import MissingConfigException
     from omegaconf.errors import OmegaConfBaseException
 
+    from gptlab.cli import unknown_choice
+
+    if isinstance(error, MissingConfigException):  # a mistyped choice: its group's choices, the closest one
+        choices = unknown_choice(error)
+        if choices is not None:
+            return ConfigError(choices)
     message = str(error)
     cause = error.__cause__
     if isinstance(cause, OmegaConfBaseException):  # Hydra's report prints the cause under its own line
@@ -344,11 +353,19 @@ def _logging_restored() -> Iterator[None]:
 
 
 def _run_task(cfg: DictConfig) -> dict[str, float]:
-    """Hydra's job: the task ``cfg.task`` names, as ``python train.py`` runs it; its errors are raised (the
-    command line prints them and exits)."""
+    """Hydra's job: the task ``cfg.task`` names, as ``python train.py`` runs it (:func:`gptlab.cli.run_task`),
+    its errors raised where the command line prints them and exits."""
+    from hydra.core.hydra_config import HydraConfig
+
+    from gptlab.cli import remove_refused_run_dir
     from gptlab.tasks import task_runner
 
-    return task_runner(cfg)(cfg)
+    try:
+        return task_runner(cfg)(cfg)
+    except (ConfigError, DataError):
+        hydra = HydraConfig.get()  # nothing ran: the folder this call made goes, as train.py removes it
+        remove_refused_run_dir(Path(hydra.runtime.output_dir), f"{hydra.job.name}.log")
+        raise
 
 
 def _quoted_path(path: str | Path) -> str:
