@@ -229,3 +229,17 @@ def test_a_run_refused_by_its_task_raises_and_leaves_no_folder(tmp_path, monkeyp
     with pytest.raises(DataError, match="empty.txt' is empty"):
         gptlab.train("tokenizer=char", "logger=csv", "data.path=empty.txt", run_dir=tmp_path / "runs" / "bad")
     assert not (tmp_path / "runs").exists()
+
+
+def test_a_run_without_run_dir_is_where_train_py_puts_it_and_resume_auto_finds_it(tmp_path, monkeypatch):
+    """No run_dir: outputs/runs/<date>/<time> of the working directory; the same overrides with resume=auto
+    continue that run in its directory (finished: validated again, nothing trained), as from the command
+    line."""
+    monkeypatch.chdir(tmp_path)
+    overrides = [*SMALL, f"paths.root_dir={tmp_path}"]
+    first = gptlab.train(*overrides)
+    assert first.run_dir.parent.parent == tmp_path / "outputs" / "runs" and first.finished
+    again = gptlab.train(*overrides, "resume=auto")
+    assert again.run_dir == first.run_dir and again.run_id == first.run_id and again.step == first.step
+    parts = json.loads((first.run_dir / "run.json").read_text())["parts"]
+    assert [p["resumed"] for p in parts] == [False, True]
