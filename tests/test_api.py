@@ -229,6 +229,9 @@ def test_a_run_refused_by_its_task_raises_and_leaves_no_folder(tmp_path, monkeyp
     with pytest.raises(DataError, match="empty.txt' is empty"):
         gptlab.train("tokenizer=char", "logger=csv", "data.path=empty.txt", run_dir=tmp_path / "runs" / "bad")
     assert not (tmp_path / "runs").exists()
+    with pytest.raises(DataError, match="empty.txt' is empty"):  # in the default directory
+        gptlab.train("tokenizer=char", "logger=csv", "data.path=empty.txt")
+    assert not (tmp_path / "outputs" / "runs").exists()
 
 
 def test_a_run_without_run_dir_is_where_train_py_puts_it_and_resume_auto_finds_it(tmp_path, monkeypatch):
