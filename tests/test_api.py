@@ -120,7 +120,7 @@ def test_train_returns_the_result_the_run_wrote(runs):
     assert isinstance(result, gptlab.TrainResult)
     written = json.loads((result.run_dir / "result.json").read_text())
     assert result.metrics == written["metrics"] and result.metrics["val/loss"] == result.val_loss
-    assert (result.step, result.finished, result.stopped) == (3, True, False)
+    assert (result.step, result.finished, result.stopped, result.diverged) == (3, True, False, False)
     assert result.run_id == json.loads((result.run_dir / "run.json").read_text())["run_id"]
 
 

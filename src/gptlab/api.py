@@ -267,6 +267,7 @@ class TrainResult:
     finished: bool  # reached trainer.max_steps
     stopped: bool  # stopped by a signal (resume it with resume=auto)
     failed: str | None = None  # the error it ended with
+    diverged: bool = False  # its final validation loss is no result (non-finite, or above chance)
     run_id: str | None = None  # run.json's id
     raw: dict[str, Any] = field(default_factory=dict, repr=False)  # result.json as written
 
@@ -300,6 +301,7 @@ class TrainResult:
             finished=bool(result.get("finished")),
             stopped=bool(result.get("stopped_by_signal")),
             failed=result.get("failed"),
+            diverged=bool(result.get("diverged")),
             run_id=result.get("run_id"),
             raw=result,
         )
