@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import runpy
+import subprocess
 import sys
 from pathlib import Path
 
@@ -246,3 +248,15 @@ def test_a_run_without_run_dir_is_where_train_py_puts_it_and_resume_auto_finds_i
     assert again.run_dir == first.run_dir and again.run_id == first.run_id and again.step == first.step
     parts = json.loads((first.run_dir / "run.json").read_text())["parts"]
     assert [p["resumed"] for p in parts] == [False, True]
+
+
+def test_the_api_names_load_without_torch_lightning_or_hydra():
+    """`import gptlab` and its API's names stay light: what a call needs is imported by the call."""
+    code = (
+        "import sys, gptlab; gptlab.compose, gptlab.train, gptlab.load_run, gptlab.compare, gptlab.TrainResult; "
+        "print(sorted(m for m in ('torch', 'lightning', 'hydra', 'wandb') if m in sys.modules))"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]"
