@@ -210,8 +210,10 @@ def test_compare_gives_a_row_per_condition(runs, tmp_path):
     frame = rows.to_frame()
     assert list(frame["pos"]) == [row.choice["pos"] for row in rows]
     assert list(frame["val_loss"]) == [row.val_loss_mean for row in rows]
+    assert rows.report is None and not rows.unfinished and not rows.skipped
     written = gptlab.compare(runs["root"] / "runs", out_dir=tmp_path)
-    assert (tmp_path / "comparison.md").read_text().count(written.table.splitlines()[0]) == 1
+    assert written.report == tmp_path / "comparison.md" and (tmp_path / "val_loss.png").is_file()
+    assert written.table in written.report.read_text()
     assert [r.choice for r in written] == [r.choice for r in rows]
 
 

@@ -22,6 +22,7 @@ import logging
 import math
 import re
 import sys
+import tempfile
 import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, redirect_stderr
@@ -522,8 +523,9 @@ class SweepRows:
     rows: list[Row]
     keys: list[str]  # the keys that define a condition (pos, activation, ...)
     table: str  # the markdown table compare.py writes
-    runs: list[RunRecord]  # every run read, finished or not
+    unfinished: list[RunRecord]  # runs that did not finish (ranked only with include_unfinished=True)
     skipped: list[tuple[Path, str]]  # directories that could not be read, with the reason
+    report: Path | None = None  # comparison.md, when out_dir was given
 
     def __iter__(self) -> Iterator[Row]:
         return iter(self.rows)
@@ -573,28 +575,28 @@ def compare(
     ignore: Sequence[str] = (),
     include_unfinished: bool = False,
     source: str = "auto",
+    alpha: float | None = None,
     out_dir: str | Path | None = None,
 ) -> SweepRows:
     """The runs below ``sweep_dir`` (a sweep, ``outputs/multirun/<date>/<time>``, or any folder of runs)
-    compared as ``scripts/compare.py`` compares them: one row per condition, best first, each against the
-    best row or the ``baseline`` condition (``"pos=learned"``). ``ignore``: keys left out of the condition;
-    ``include_unfinished``: rank unfinished runs at the step they reached; ``source``: where metrics are read
-    (csv, wandb, auto). Nothing is written, unless ``out_dir`` is given: then ``comparison.md`` and its
-    figures go there, as the script writes them."""
+    compared by the code of ``scripts/compare.py``: one row per condition, best first, each against the best
+    row or the ``baseline`` condition (``"pos=learned"``), tested at ``alpha`` (the script's default when
+    None). ``ignore``: keys left out of the condition; ``include_unfinished``: rank unfinished runs at the
+    step they reached; ``source``: where metrics are read (csv, wandb, auto). ``out_dir``: where
+    ``comparison.md`` and its figures go, as the script writes them; by default they are not kept."""
     from gptlab.comparison import report
-    from gptlab.comparison.table import condition_keys, markdown_table, summarize
 
-    runs, skipped = report.read_sweep(sweep_dir, source)
+    options: dict[str, Any] = {"source": source, "baseline": baseline, "ignore": tuple(ignore)}
+    options["include_unfinished"] = include_unfinished
+    if alpha is not None:
+        options["alpha"] = alpha
     if out_dir is not None:
-        written = report.compare(
-            sweep_dir,
-            out_dir,
-            source=source,
-            baseline=baseline,
-            ignore=ignore,
-            include_unfinished=include_unfinished,
-        )
-        return SweepRows(written.rows, written.keys, written.table, runs, written.skipped)
-    keys = condition_keys(runs, Path(sweep_dir), ignore)
-    rows = summarize(runs, keys, baseline, include_unfinished=include_unfinished)
-    return SweepRows(rows, keys, markdown_table(rows, keys, reference=baseline or "best"), runs, skipped)
+        written = report.compare(sweep_dir, out_dir, **options)
+        kept: Path | None = written.markdown_path
+    else:  # the script's own steps, its files written where they are thrown away
+        with tempfile.TemporaryDirectory(prefix="gptlab-compare-") as scratch:
+            written = report.compare(sweep_dir, scratch, **options)
+        kept = None
+    return SweepRows(
+        written.rows, written.keys, written.table, list(written.unfinished), list(written.skipped), kept
+    )
