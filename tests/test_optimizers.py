@@ -7,6 +7,7 @@ import copy
 import csv
 import dataclasses
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -74,6 +75,12 @@ def test_each_optimizers_yaml_states_exactly_its_options_defaults(make_cfg, name
     defaults = dataclasses.asdict(optimizers.get(name).Options())
     assert node == {"name": name, **{k: list(v) if isinstance(v, tuple) else v for k, v in defaults.items()}}
     assert parse_optim(node) == Choice(name, optimizers.get(name).Options())
+
+
+def test_every_optimizer_has_a_yaml_and_cites_its_paper():
+    assert optimizers.names() == sorted(p.stem for p in (CONF / "optim").glob("*.yaml"))
+    for name in optimizers.names():
+        assert re.search(r"(19|20)\d\d", optimizers.get(name).__doc__ or ""), f"{name}: no paper cited"
 
 
 def test_muons_options_extend_adamws_and_its_yaml_does_not_repeat_them():

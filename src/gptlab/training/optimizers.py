@@ -23,7 +23,9 @@ Schedules (``optim.schedule``, :class:`ScheduleOptions`), each after ``warmup_st
 The defaults are the dataclasses' own (those of every documented run: lr 4e-3, 30 warmup steps, cosine to
 0.1 lr). ``conf/optim/<name>.yaml`` lists the same keys and values, so that Hydra takes ``optim.<key>=...``
 without ``+`` and a reader sees them; ``tests/test_optimizers.py`` holds the two equal. ``parse_optim`` is the
-one check of the ``optim`` node, at config time; the LightningModule receives its typed result.
+one check of the ``optim`` node, at config time; the LightningModule receives its typed result. A new optimizer
+is one class registered by name (its ``Options`` extending :class:`AdamWOptions` or :class:`ScheduleOptions`,
+``param_groups`` and ``build``) plus ``conf/optim/<name>.yaml``.
 
 With ``model.param=mup`` the AdamW learning rate of the hidden matrices is scaled by base width / width
 (Yang et al. 2022, "Tensor Programs V", https://arxiv.org/abs/2203.03466, table 3): see ``param_groups``.
@@ -257,8 +259,9 @@ class AdamW(Optimizer):
 
 @register("muon")
 class Muon(AdamW):
-    """``torch.optim.Muon`` on the blocks' hidden matrices at ``muon_lr``, AdamW (its options inherited) on
-    the rest, stepped as one optimizer (:class:`MuonWithAdamW`)."""
+    """``torch.optim.Muon`` (Jordan et al. 2024, https://kellerjordan.github.io/posts/muon/) on the blocks'
+    hidden matrices at ``muon_lr``, AdamW (its options inherited) on the rest, stepped as one optimizer
+    (:class:`MuonWithAdamW`): the split of Liu et al. 2025 (https://arxiv.org/abs/2502.16982)."""
 
     Options = MuonOptions
 
