@@ -36,7 +36,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import typing
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
@@ -195,7 +195,8 @@ class Optimizer:
     """Base of the family: an optimizer builds a torch optimizer over a model's parameters from its
     ``Options``, and says which runs it cannot serve (``check_run``)."""
 
-    Options: ClassVar[type] = AdamWOptions
+    #: The optimizer's options (besides ``name``): a dataclass with defaults, extending ScheduleOptions.
+    Options: ClassVar[type] = ScheduleOptions
     #: The name the ``optim`` node chooses it by (set by the registry).
     choice_name: ClassVar[str] = ""
 
@@ -481,9 +482,3 @@ def build_optimizer(
     AdamW. ``hidden_lr_scale``: muP's factor on the hidden matrices' AdamW rate; ``fused``: AdamW's fused
     kernel."""
     return get(optim.name).build(model, optim.options, hidden_lr_scale, fused)
-
-
-def group_lrs(optimizer: torch.optim.Optimizer) -> Iterable[tuple[str, float]]:
-    """(group name, current learning rate) of each param group."""
-    for i, group in enumerate(optimizer.param_groups):
-        yield str(group.get("group", i)), float(group["lr"])
