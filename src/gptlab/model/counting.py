@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from gptlab.model import norms, positional
+from gptlab.model.attention_variants import QKNorm
 from gptlab.model.config import GPTConfig
 from gptlab.model.gpt import mlp_hidden_width
 
@@ -43,6 +44,7 @@ def parameter_counts(config: GPTConfig) -> dict[str, int]:
     h, V, bias = config.n_embd, config.vocab_size, int(config.bias)
     qkv_width = (config.n_head + 2 * config.kv_heads) * config.head_dim
     attention = h * qkv_width + qkv_width * bias + h * h + h * bias
+    attention += QKNorm.parameter_count(config.attention.qk_norm, config.head_dim)
     f = mlp_hidden_width(config)
     f_in = f * (2 if config.gated else 1)
     mlp = h * f_in + f_in * bias + f * h + h * bias

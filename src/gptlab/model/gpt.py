@@ -162,7 +162,8 @@ class GPT(nn.Module):
         pos = self.transformer.pos
         x = self.transformer.wte(idx)  # (B, T, n_embd)
         x = self.transformer.drop(pos.embed(x, positions))
-        # A positional bias depends on positions only: built once here, shared by every layer.
+        # A positional bias, a window and a cap depend on positions only: built once here for each kind of
+        # layer (global, or local with its window), shared by every layer of that kind.
         k_positions = torch.arange(start + T, device=idx.device)
         dropout = self.training and self.config.dropout > 0  # FlexAttention has no dropout
         use_flex = (
@@ -170,9 +171,13 @@ class GPT(nn.Module):
             and not dropout
             and attention.flex_attention_available(idx.device, self.config.head_dim)
         )
-        bias = AttentionBias.build(pos, positions, k_positions, use_flex)
-        for block in self.transformer.h:
-            x = block(x, pos, positions, cache, bias)
+        softcap = self.config.attention.logit_softcap
+        biases: dict[int | None, AttentionBias | None] = {}
+        for i, block in enumerate(self.transformer.h):
+            window = self.config.attention.layer_window(i)
+            if window not in biases:
+                biases[window] = AttentionBias.build(pos, positions, k_positions, use_flex, window, softcap)
+            x = block(x, pos, positions, cache, biases[window])
         x = self.transformer.ln_f(x)
         if self.output_mult != 1.0:
             x = x * self.output_mult  # muP's readout multiplier 1/m on the logits, applied before the head
