@@ -1,4 +1,4 @@
-"""Weights from Hugging Face ``transformers`` checkpoints: GPT-2 and Llama, read from a local directory.
+"""Weights from Hugging Face ``transformers`` checkpoints: GPT-2, Llama and Qwen3, read from a local directory.
 
 A directory written by ``save_pretrained`` holds ``config.json`` and ``model.safetensors`` (or
 ``pytorch_model.bin``); nothing here needs ``transformers`` itself. ``load_pretrained(model, directory)``
@@ -17,6 +17,10 @@ Mappings:
   ("rotate_half"), and so does ``pos=rope`` here (``positional.rotate_half``), so the q/k rows are copied as
   they are. A rope that paired adjacent dimensions (2i, 2i+1) would need each head's rows permuted by
   ``half_to_interleaved``.
+- Qwen3 (``Qwen3ForCausalLM``): Llama's layout plus QK-norm, an RMSNorm over each head's queries and keys
+  before the rotation (``q_norm``/``k_norm`` -> ``attn.q_norm.norm``/``attn.k_norm.norm``, i.e.
+  ``attention.qk_norm=rmsnorm``), and sliding-window layers where ``layer_types`` says
+  ``sliding_attention`` (``attention.window`` with one pattern letter per layer, L where it slides).
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from torch import Tensor
 
 from gptlab.errors import ConfigError
 from gptlab.model import positional
+from gptlab.model.attention_variants import AttentionOptions
 from gptlab.model.config import GPTConfig
 from gptlab.model.gpt import GPT, mlp_hidden_width
 
@@ -132,6 +137,18 @@ def llama_options(hf: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def qwen3_options(hf: dict[str, Any]) -> dict[str, Any]:
+    """Llama's values, with QK-norm (RMSNorm at the model's epsilon) and the sliding-window layers."""
+    values = llama_options(hf)
+    attention: dict[str, Any] = {"qk_norm": "rmsnorm", "qk_norm_eps": hf.get("rms_norm_eps", 1e-6)}
+    layer_types = hf.get("layer_types") or []
+    if "sliding_attention" in layer_types and hf.get("sliding_window"):
+        attention["window"] = hf["sliding_window"]
+        attention["window_pattern"] = "".join("L" if t == "sliding_attention" else "G" for t in layer_types)
+    values["attention"] = attention
+    return values
+
+
 def check_compatible(config: GPTConfig, hf: dict[str, Any], source: str = "the checkpoint") -> None:
     """Raise a ConfigError listing every architecture value of ``config`` that differs from the checkpoint's,
     with the overrides that fix them."""
@@ -156,6 +173,16 @@ def check_compatible(config: GPTConfig, hf: dict[str, Any], source: str = "the c
         for key, value in wanted["pos"].items():
             if key != "name" and getattr(config.pos.options, key) != value:
                 problems.append((f"pos.{key}", getattr(config.pos.options, key), value))
+    ours_attention = config.attention.node()
+    theirs_attention = AttentionOptions.from_node(wanted.get("attention")).node()
+    for key, value in theirs_attention.items():
+        if key == "window_pattern" and theirs_attention["window"] is None:
+            continue  # no window: the pattern places nothing
+        same = ours_attention[key] == value
+        if isinstance(value, float) and isinstance(ours_attention[key], float):
+            same = math.isclose(ours_attention[key], value)
+        if not same:
+            problems.append((f"attention.{key}", ours_attention[key], value))
     if not positional.get(config.pos.name).extrapolates and config.block_size > wanted["block_size"]:
         problems.append(("model.block_size", config.block_size, wanted["block_size"]))
     if problems:
@@ -220,6 +247,17 @@ def llama_to_gptlab(state: dict[str, Tensor], config: GPTConfig) -> dict[str, Te
     return out
 
 
+def qwen3_to_gptlab(state: dict[str, Tensor], config: GPTConfig) -> dict[str, Tensor]:
+    """Llama's mapping plus each layer's query and key norms."""
+    out = llama_to_gptlab(state, config)
+    for i in range(config.n_layer):
+        for name in ("q_norm", "k_norm"):
+            out[f"transformer.h.{i}.attn.{name}.norm.weight"] = state[
+                f"model.layers.{i}.self_attn.{name}.weight"
+            ]
+    return out
+
+
 @dataclass(frozen=True)
 class HFFormat:
     """How one Hugging Face ``model_type`` maps onto this project's GPT."""
@@ -231,19 +269,20 @@ class HFFormat:
 FORMATS: dict[str, HFFormat] = {
     "gpt2": HFFormat(gpt2_options, gpt2_to_gptlab),
     "llama": HFFormat(llama_options, llama_to_gptlab),
+    "qwen3": HFFormat(qwen3_options, qwen3_to_gptlab),
 }
 SUPPORTED = tuple(FORMATS)
 
 
 def config_from_pretrained(directory: str | Path, **overrides: Any) -> GPTConfig:
-    """The GPTConfig of a saved Hugging Face GPT-2 or Llama, with optional overrides (e.g. block_size)."""
+    """The GPTConfig of a saved Hugging Face GPT-2, Llama or Qwen3, with optional overrides (e.g. block_size)."""
     values = model_options_from_hf(read_hf_config(directory))
     values.update(overrides)
     return GPTConfig.from_dict(values)
 
 
 def load_pretrained(model: GPT, directory: str | Path) -> GPT:
-    """Load a Hugging Face GPT-2 or Llama saved in ``directory`` into ``model`` (in place); every weight of
+    """Load a Hugging Face GPT-2, Llama or Qwen3 saved in ``directory`` into ``model`` (in place); every weight of
     the model must be covered. Returns the model."""
     hf = read_hf_config(directory)
     check_compatible(model.config, hf, f"init_from={directory}")
