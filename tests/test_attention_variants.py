@@ -333,3 +333,31 @@ def test_qwen3_weights_give_qwen3s_logits(make_cfg, tmp_path, sliding):
         plain = [o for o in overrides if not o.startswith("attention.")]
         with pytest.raises(ConfigError, match="attention.qk_norm='none' but the checkpoint has 'rmsnorm'"):
             gptlab.build_model(make_cfg(*plain))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="FlexAttention trains on CUDA only")
+@pytest.mark.parametrize("pos", ["rope", "alibi"])
+def test_flex_attention_trains_windows_and_caps_as_the_dense_route_on_cuda(pos, monkeypatch):
+    """On CUDA a windowed, capped model trains through compiled FlexAttention (the window a block mask, the
+    cap in the score_mod): its loss and every gradient equal the dense SDPA route's."""
+    from gptlab.model import attention
+
+    torch.manual_seed(0)
+    config = tiny(
+        pos=pos, n_head=4, n_kv_head=2, n_embd=128, block_size=256, attention={**ALL_ON, "window": 48}
+    )
+    flex_model = GPT(config).cuda()
+    dense_model = GPT(config).cuda()
+    dense_model.load_state_dict(flex_model.state_dict())
+    idx = torch.randint(0, 61, (2, 256), device="cuda")
+    assert attention.flex_attention_available(idx.device, config.head_dim)
+    _, flex_loss = flex_model(idx, idx)
+    flex_loss.backward()
+    monkeypatch.setattr(attention, "flex_attention_available", lambda device, head_dim=64: False)
+    _, dense_loss = dense_model(idx, idx)
+    dense_loss.backward()
+    torch.testing.assert_close(flex_loss, dense_loss, rtol=1e-4, atol=1e-5)
+    dense_grads = dict(dense_model.named_parameters())
+    for name, p in flex_model.named_parameters():
+        torch.testing.assert_close(p.grad, dense_grads[name].grad, rtol=1e-3, atol=1e-5, msg=name)
