@@ -24,6 +24,7 @@ VARIANTS = [
     ["norm=rmsnorm", "model.bias=false"],
     ["model.tie_weights=false", "pos=sinusoidal"],
     ["model.n_kv_head=1", "norm.placement=post", "activation=reglu", "model.mlp_ratio=3"],
+    ["norm.placement=sandwich", "attention=gemma2", "attention.qk_norm=layernorm", "activation=geglu"],
 ]
 
 

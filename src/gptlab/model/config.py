@@ -20,6 +20,7 @@ from gptlab.model import activations, attention_variants, norms, positional
 from gptlab.registry import Choice, check_keys
 
 PARAMETRIZATIONS = ("standard", "mup")
+NORM_PLACEMENTS = ("pre", "post", "sandwich")
 
 
 @dataclass
@@ -43,9 +44,10 @@ class GPTConfig:
     pos: Choice = field(default_factory=lambda: Choice("learned"))
     activation: Choice = field(default_factory=lambda: Choice("gelu"))
     norm: Choice = field(default_factory=lambda: Choice("layernorm"))
-    norm_placement: str = (
-        "pre"  # "pre" (GPT-2) or "post" (the original transformer): the block's, not the norm's
-    )
+    # "pre" (GPT-2), "post" (the original transformer) or "sandwich" (pre, and a norm on each sublayer's
+    # output before the residual add: Gemma 2): the block's, not the norm's
+    norm_placement: str = "pre"
+    embed_scale: float = 1.0  # the token embeddings are multiplied by it (Gemma: sqrt(n_embd))
     # QK-norm, sliding windows and the attention-logit cap (given as the ``attention`` config node).
     attention: attention_variants.AttentionOptions = field(
         default_factory=attention_variants.AttentionOptions
@@ -89,11 +91,16 @@ class GPTConfig:
             )
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"model.dropout={self.dropout} must be in [0, 1).")
-        if self.norm_placement not in ("pre", "post"):
+        if self.norm_placement not in NORM_PLACEMENTS:
             raise ConfigError(
-                f"norm.placement={self.norm_placement!r} is not one of 'pre', 'post'. Use norm.placement=pre "
-                "(normalise before each sublayer, GPT-2) or norm.placement=post (after the residual add, "
-                "the original transformer)."
+                f"norm.placement={self.norm_placement!r} is not one of 'pre', 'post', 'sandwich'. Use "
+                "norm.placement=pre (normalise before each sublayer, GPT-2), norm.placement=post (after the "
+                "residual add, the original transformer) or norm.placement=sandwich (before each sublayer and "
+                "on its output, Gemma 2)."
+            )
+        if not self.embed_scale > 0:
+            raise ConfigError(
+                f"model.embed_scale={self.embed_scale!r} must be positive (1 leaves the embeddings)."
             )
         if self.mlp_ratio is not None and self.mlp_ratio <= 0:
             raise ConfigError(f"model.mlp_ratio={self.mlp_ratio} must be positive (or null for the default).")

@@ -49,9 +49,9 @@ def parameter_counts(config: GPTConfig) -> dict[str, int]:
     f_in = f * (2 if config.gated else 1)
     mlp = h * f_in + f_in * bias + f * h + h * bias
     norm = norms.get(config.norm.name).parameter_count(h, config.norm.options)
-    per_layer = attention + mlp + 2 * norm
+    per_layer = attention + mlp + (4 if config.norm_placement == "sandwich" else 2) * norm
     embedding = V * h + positional_parameters(config)
-    final_norm = norm if config.norm_placement == "pre" else 0
+    final_norm = norm if config.norm_placement != "post" else 0
     head = 0 if config.tie_weights else V * h
     total = embedding + config.n_layer * per_layer + final_norm + head
     return {
