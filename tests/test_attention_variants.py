@@ -251,6 +251,19 @@ def test_the_model_card_names_the_variants_and_stays_as_it_was_without_them():
         assert parameter_counts(config)["total"] == GPT(config).parameter_counts()["total"]
 
 
+def test_a_local_layer_counts_the_attention_flops_of_the_keys_it_reaches():
+    """Training FLOPs per token: 12 h_total T per global layer, 12 h_total min(T, window) per local one."""
+    from gptlab.model.counting import flops_per_token
+
+    full = flops_per_token(tiny(n_layer=4), 64)
+    local = flops_per_token(tiny(n_layer=4, attention={"window": 16, "window_pattern": "LLLG"}), 64)
+    assert full["attention"] == 12 * 4 * 32 * 64
+    assert local["attention"] == 12 * 32 * (16 + 16 + 16 + 64)
+    assert local["dense"] == full["dense"]
+    # A window longer than the context reaches every key: nothing changes.
+    assert flops_per_token(tiny(n_layer=4, attention={"window": 128}), 64) == full
+
+
 @pytest.mark.parametrize(
     "overrides,card",
     [

@@ -14,7 +14,8 @@ Training FLOPs per token (Chowdhery et al. 2022, "PaLM", appendix B; the count b
 
 i.e. 2 FLOPs per multiply-add, a backward pass twice the forward, and 2 matrix products of T x head_dim per
 head and token for the attention scores and their weighted sum (counted over the full context, as is usual;
-a causal kernel skips about half of that term). Kaplan et al. 2020 keep only 6 N (non-embedding).
+a causal kernel skips about half of that term). A local layer (``attention.window``) counts min(T, window)
+keys instead of T: the keys its queries can reach. Kaplan et al. 2020 keep only 6 N (non-embedding).
 """
 
 from __future__ import annotations
@@ -81,7 +82,8 @@ def flops_per_token(config: GPTConfig, context: int | None = None) -> dict[str, 
     N = ``matmul_parameters``."""
     T = context or config.block_size
     dense = 6 * matmul_parameters(config)
-    attention = 12 * config.n_layer * config.n_head * config.head_dim * T
+    keys = sum(min(T, config.attention.layer_window(i) or T) for i in range(config.n_layer))
+    attention = 12 * keys * config.n_head * config.head_dim
     return {"training": float(dense + attention), "dense": float(dense), "attention": float(attention)}
 
 
