@@ -147,7 +147,7 @@ class GPTRunConfig:
 
 
 def parse_model(cfg: DictConfig) -> tuple[GPTConfig, bool, str | None]:
-    """The ``model``, ``pos``, ``activation`` and ``norm`` nodes as one checked GPTConfig; whether its
+    """The ``model``, ``pos``, ``activation``, ``norm`` and ``attention`` nodes as one checked GPTConfig; whether its
     vocabulary is the tokenizer's (``model.vocab_size: null``, checked with a stand-in size until the
     tokenizer exists); and ``model.init_from``."""
     from gptlab.model.config import GPTConfig
@@ -157,7 +157,8 @@ def parse_model(cfg: DictConfig) -> tuple[GPTConfig, bool, str | None]:
     from_tokenizer = values.get("vocab_size") is None
     if from_tokenizer:
         values["vocab_size"] = 1
-    config = GPTConfig.from_nodes(values, plain(cfg.pos), plain(cfg.activation), plain(cfg.norm))
+    attention = plain(cfg.attention) if "attention" in cfg else None
+    config = GPTConfig.from_nodes(values, plain(cfg.pos), plain(cfg.activation), plain(cfg.norm), attention)
     return config, from_tokenizer, init_from
 
 
