@@ -349,7 +349,10 @@ def instantiate_loggers(
 
     ``lightning=False`` (a plain loop): gptlab's own logger nodes are built by this module's factories of the
     same name, so that no Lightning is imported; a node naming any other ``_target_`` is built as it is."""
+    from hydra.errors import InstantiationException
     from hydra.utils import instantiate
+
+    from gptlab.errors import ConfigError
 
     loggers: list[Any] = []
     for _, node in nodes.items():
@@ -367,7 +370,12 @@ def instantiate_loggers(
         elif own and resumed_at is not None and factory == "tensorboard_logger":
             # Lightning's rows of step n say n - 1 (0-based), a plain loop's say n: the first step logged again
             extra["purge_step"] = resumed_at if lightning else resumed_at + 1
-        loggers.append(instantiate(node, **extra))
+        try:
+            loggers.append(instantiate(node, **extra))
+        except InstantiationException as e:
+            if isinstance(e.__cause__, ConfigError):  # a refusal (W&B online without a key) as itself
+                raise e.__cause__ from None
+            raise
     return loggers
 
 
