@@ -106,7 +106,7 @@ def test_the_csv_file_is_the_one_lightnings_csv_logger_writes(tmp_path):
         ({"train/loss": 4.25, "train/lr": 0.025}, 0),
         ({"train/loss": 3.5, "train/lr": 0.0125}, 1),
         ({"eval/score": 0.1, "train/loss": float("inf")}, 2),
-        ({"train/loss": 1 / 3}, 3),
+        ({"train/loss": torch.tensor(1 / 3), "train/steps": 4}, 3),
     ]
     files = []
     for name, factory in (("lightning", lightning_csv_logger), ("plain", plain_loggers.csv_logger)):
@@ -118,7 +118,7 @@ def test_the_csv_file_is_the_one_lightnings_csv_logger_writes(tmp_path):
         logger.finalize("success")
         files.append((tmp_path / name / "csv" / "metrics.csv").read_bytes())
     assert files[0] == files[1]
-    assert files[1].startswith(b"eval/score,step,train/loss,train/lr\r\n")
+    assert files[1].startswith(b"eval/score,step,train/loss,train/lr,train/steps\r\n")
 
 
 def test_a_resumed_plain_csv_drops_the_rows_after_the_checkpoint_and_keeps_the_earlier_ones(tmp_path):

@@ -127,7 +127,8 @@ class CSVMetricsLogger:
         OmegaConf.save(OmegaConf.create(dict(params)), Path(self.log_dir) / HPARAMS_FILE)
 
     def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
-        row: dict[str, Any] = {k: float(v) for k, v in metrics.items()}
+        # a tensor as its number, anything else as it is (an int stays an int), as Lightning's writer does
+        row: dict[str, Any] = {k: v.item() if hasattr(v, "item") else v for k, v in metrics.items()}
         row["step"] = len(self._rows) if step is None else int(step)
         self._rows.append(row)
         if len(self._rows) >= self.flush_rows:
