@@ -183,3 +183,45 @@ def test_a_tiny_run_trains_with_document_masking(make_cfg, tmp_path, caplog, ove
     assert all(torch.isfinite(torch.tensor(float(v))) for k, v in metrics.items() if "loss" in k)
     saved = OmegaConf.load(run_dir / "config_resolved.yaml")
     assert saved.data.document_mask is True
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="FlexAttention trains on CUDA only")
+@pytest.mark.parametrize("pos", ["rope", "alibi"])
+def test_flex_attention_trains_document_masks_as_the_dense_route_on_cuda(pos, monkeypatch):
+    """On CUDA a document-masked, windowed model trains through compiled FlexAttention (a block mask per
+    window): its loss and every gradient equal the dense SDPA route's, for two batches of other documents."""
+    from gptlab.model import attention
+
+    torch.manual_seed(0)
+    config = GPTConfig(
+        vocab_size=61,
+        block_size=256,
+        n_layer=2,
+        n_head=4,
+        n_kv_head=2,
+        n_embd=128,
+        pos=pos,
+        attention={"window": 48, "window_pattern": "LG"},
+    )
+    flex_model = GPT(config).cuda()
+    dense_model = GPT(config).cuda()
+    dense_model.load_state_dict(flex_model.state_dict())
+    assert attention.flex_attention_available(torch.device("cuda"), config.head_dim)
+    g = torch.Generator().manual_seed(3)
+    batches = [torch.randint(0, EOT + 1, (2, 256), generator=g).cuda() for _ in range(2)]
+    for idx in batches:
+        idx[:, ::37] = EOT  # documents of at most 37 tokens, so that every window holds several
+    flex_losses = []
+    for idx in batches:
+        _, loss = flex_model(idx, idx, doc_ids=document_ids(idx, EOT))
+        loss.backward()
+        flex_losses.append(loss.detach())
+    monkeypatch.setattr(attention, "flex_attention_available", lambda device, head_dim=64: False)
+    for idx, flex_loss in zip(batches, flex_losses):
+        _, dense_loss = dense_model(idx, idx, doc_ids=document_ids(idx, EOT))
+        dense_loss.backward()
+        torch.testing.assert_close(flex_loss, dense_loss.detach(), rtol=1e-4, atol=1e-5)
+    dense_grads = dict(dense_model.named_parameters())
+    for name, p in flex_model.named_parameters():
+        torch.testing.assert_close(p.grad, dense_grads[name].grad, rtol=1e-3, atol=1e-5, msg=name)

@@ -152,6 +152,12 @@ class GPTDataModule(L.LightningDataModule):
             return
         if self.corpus is None:
             self.corpus = self._prepare()
+        if self.document_mask and getattr(self.corpus.tokenizer, "eot_id", None) is None:
+            raise ConfigError(
+                f"data.document_mask=true with tokenizer={self.corpus.tokenizer.name}, which has no end-of-text "
+                "token: the documents of a window are found at that token. Use a tokenizer that has one "
+                "(tokenizer=gpt2, word, char), or data.document_mask=false."
+            )
         window = self.block_size + 1
         self.val_set = TokenWindows(self.corpus.val, self.block_size, self.val_stride)
         if not self.spec.streaming:
