@@ -94,6 +94,23 @@ def test_a_document_gets_the_logits_it_gets_alone_at_the_start_of_a_window(pos):
     assert (unmasked[0, len(a) :] - alone[0]).abs().max() > 1e-3
 
 
+@pytest.mark.parametrize("pos", ["alibi", "nope"])
+@torch.no_grad()
+def test_a_window_longer_than_a_query_block_is_masked_in_every_block(pos):
+    """Past QUERY_BLOCK (256) queries the CPU route attends in blocks of queries, each with its slice of the
+    (B, 1 or n_head, T, T) mask: a document deep in a long window still sees only itself."""
+    model = model_of(pos=pos, block_size=512)
+    g = torch.Generator().manual_seed(4)
+    a, b = (
+        torch.randint(0, EOT, (150,), generator=g).tolist(),
+        torch.randint(0, EOT, (200,), generator=g).tolist(),
+    )
+    window = packed(a, b)
+    logits, _ = model(window, doc_ids=document_ids(window, EOT))
+    alone, _ = model(torch.tensor([[EOT] + b]))
+    torch.testing.assert_close(logits[0, len(a) :], alone[0], rtol=1e-5, atol=1e-5)
+
+
 @torch.no_grad()
 def test_without_document_ids_a_window_is_one_sequence_and_a_cache_is_refused():
     """The default path is unchanged: one document's ids give plain causal attention's logits."""
