@@ -198,8 +198,9 @@ def dense_bias_attention(
 ) -> Tensor:
     """softmax(q k^T / sqrt(d) + mask) v in blocks of queries, each over the keys up to its last query only.
     q: (B, n_head, T, d); k, v: (B, n_kv_head, Tk, d) with the T queries the last T of the Tk positions;
-    mask: (n_head or 1, T, Tk), or (B, n_head or 1, T, Tk) per window, additive or boolean (True: attend). ``scale``: the factor on q k^T instead
-    of 1 / sqrt(d) (muP's). ``softcap``: the scores are capped first, computed explicitly (SDPA cannot)."""
+    mask: (n_head or 1, T, Tk), or (B, n_head or 1, T, Tk) per window (document masking), additive or
+    boolean (True: attend). ``scale``: the factor on q k^T instead of 1 / sqrt(d) (muP's). ``softcap``: the
+    scores are capped first, computed explicitly (SDPA cannot)."""
     T, Tk = q.size(2), k.size(2)
     if mask.is_floating_point():
         mask = mask.to(q.dtype)

@@ -146,13 +146,10 @@ class RotaryPositionalEncoding(PositionalEncoding):
 
     def rotate(self, q: Tensor, k: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
         inv_freq, mscale = self.frequencies(q.device)
-        angles = (
-            positions.to(torch.float64)[..., None] * inv_freq
-        )  # (T, rotary_dim/2) or (B, T, rotary_dim/2)
+        # (T, rotary_dim/2), or with per-document positions (B, T, rotary_dim/2)
+        angles = positions.to(torch.float64)[..., None] * inv_freq
         if angles.dim() == 3:
-            angles = angles[
-                :, None
-            ]  # per-document positions: (B, 1, T, rotary_dim/2), one set for every head
+            angles = angles[:, None]  # (B, 1, T, rotary_dim/2): the same angles for every head
         cos = (angles.cos() * mscale).to(q.dtype)
         sin = (angles.sin() * mscale).to(q.dtype)
         r = self.rotary_dim
