@@ -9,7 +9,7 @@ import random
 import numpy as np
 import pytest
 import torch
-from conftest import ROOT, TINY
+from conftest import ROOT, TINY, run_train
 
 pytest.importorskip("lm_eval")
 
@@ -192,3 +192,36 @@ def test_off_by_default_and_a_local_folder_adds_tasks(make_cfg, tmp_path):
         )
     ).downstream_eval
     assert options is not None and options.tasks == ("my_task", "gptlab_python_text")
+
+
+@pytest.mark.slow
+def test_ddp_ranks_wait_for_rank_zero_and_finish(tmp_path):
+    """Two DDP processes on CPU: rank 0 evaluates between steps while rank 1 waits at the next all-reduce;
+    the run finishes (no rank hangs), and the evaluations are logged once each."""
+    run_dir = tmp_path / "run"
+    proc = run_train(
+        [
+            *EVAL_RUN[: EVAL_RUN.index("logger=all")],
+            "trainer.max_steps=6",
+            "trainer.val_check_interval=3",
+            "logger=csv",
+            "eval_harness.enabled=true",
+            "eval_harness.every_n_steps=3",
+            "eval_harness.limit=4",
+            "strategy=ddp",
+            "trainer.accelerator=cpu",
+            "trainer.devices=2",
+            f"paths.root_dir={tmp_path}",
+            f"hydra.run.dir={run_dir}",
+        ],
+        cwd=tmp_path,
+        env={"WANDB_MODE": "offline", "OMP_NUM_THREADS": "1"},
+        timeout=600,
+    )
+    assert (proc.stdout + proc.stderr).count("downstream evaluation (") == 2  # steps 3 and 6, on rank 0 alone
+    rows = [r for r in csv_rows(run_dir) if r["eval/gptlab_python_mc/acc"]]
+    assert len(rows) == 2
+    metrics = json.loads((run_dir / "result.json").read_text())["metrics"]
+    assert metrics["eval/gptlab_python_text/bits_per_byte"] == float(
+        rows[-1]["eval/gptlab_python_text/bits_per_byte"]
+    )

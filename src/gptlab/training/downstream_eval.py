@@ -133,18 +133,15 @@ class _DropCustomDatasetNotice(logging.Filter):
 def _quiet_harness() -> Iterator[None]:
     """The harness's per-task INFO lines off during an evaluation (the callback logs one line of results);
     its warnings stay."""
-    logger = logging.getLogger("lm_eval")
+    logger, task_logger = logging.getLogger("lm_eval"), logging.getLogger("lm_eval.api.task")
     level, notice = logger.level, _DropCustomDatasetNotice()
     logger.setLevel(max(level, logging.WARNING))
-    handlers = [h for lg in (logger, logging.getLogger()) for h in lg.handlers]
-    for handler in handlers:
-        handler.addFilter(notice)
+    task_logger.addFilter(notice)  # a logger's filter sees the records logged through it
     try:
         yield
     finally:
         logger.setLevel(level)
-        for handler in handlers:
-            handler.removeFilter(notice)
+        task_logger.removeFilter(notice)
 
 
 def _rng_states() -> dict[str, Any]:
