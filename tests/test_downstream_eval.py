@@ -225,3 +225,12 @@ def test_ddp_ranks_wait_for_rank_zero_and_finish(tmp_path):
     assert metrics["eval/gptlab_python_text/bits_per_byte"] == float(
         rows[-1]["eval/gptlab_python_text/bits_per_byte"]
     )
+
+
+def test_a_task_of_lm_eval_itself_is_found_beside_the_local_ones():
+    """A hub task (its data needs the network, not tried here) is accepted by name, and the index the
+    callback evaluates with holds it as well as the shipped tasks."""
+    from gptlab.evaluation.downstream import DownstreamEvalOptions, check_tasks
+
+    manager = check_tasks(DownstreamEvalOptions(tasks=["gptlab_python_mc", "hellaswag"]))
+    assert {"gptlab_python_mc", "hellaswag"} <= set(manager.all_tasks)

@@ -104,21 +104,22 @@ def task_manager(options: DownstreamEvalOptions, include_defaults: bool = False)
     return TaskManager(include_path=options.folders, include_defaults=include_defaults)
 
 
-def check_tasks(options: DownstreamEvalOptions) -> bool:
-    """Refuse a task name the harness does not know, listing the local ones; returns whether the tasks need
-    lm-eval's own index (a task not in the local folders, e.g. ``hellaswag``, which needs the hub's data)."""
+def check_tasks(options: DownstreamEvalOptions) -> Any:
+    """The harness's task index for ``options.tasks``: the local folders' alone when they hold every task,
+    else with lm-eval's own tasks (``hellaswag``: its data then comes from the hub). A name it does not know
+    is refused, with the local ones listed."""
     local = task_manager(options)
     if all(t in local.all_tasks for t in options.tasks):
-        return False
-    known = task_manager(options, include_defaults=True).all_tasks
-    unknown = [t for t in options.tasks if t not in known]
+        return local
+    manager = task_manager(options, include_defaults=True)
+    unknown = [t for t in options.tasks if t not in manager.all_tasks]
     if unknown:
         raise ConfigError(
             f"{NODE}.tasks has {unknown}, which the harness does not know. Local tasks: "
             f"{', '.join(sorted(local.all_tasks))} (from {', '.join(options.folders)}); lm-eval's own are "
             f"listed by `lm-eval ls tasks`. Add a folder of task YAMLs with {NODE}.include_path=[DIR]."
         )
-    return True
+    return manager
 
 
 def metric_names(results: dict[str, Any]) -> dict[str, float]:

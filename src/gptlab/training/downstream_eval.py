@@ -28,7 +28,7 @@ import lightning as L
 import numpy as np
 import torch
 
-from gptlab.evaluation.downstream import DownstreamEvalOptions, metric_names, task_manager
+from gptlab.evaluation.downstream import DownstreamEvalOptions, check_tasks, metric_names
 
 if TYPE_CHECKING:
     from gptlab.config import GPTRunConfig
@@ -106,7 +106,7 @@ class DownstreamEvaluation(L.Callback):
         from gptlab.evaluation.harness import GptlabLM, _simple_evaluate
 
         if self._manager is None:  # indexed once: the folders do not change during the run
-            self._manager = task_manager(self.options)
+            self._manager = check_tasks(self.options)
         live = _LiveRun(model, getattr(pl_module, "tokenizer", None), self.train_context)
         lm = GptlabLM(run=live, batch_size=self.options.batch_size, device=str(pl_module.device))
         return _simple_evaluate(
