@@ -141,6 +141,8 @@ def final_values(run: Run) -> dict[str, float | None]:
     metrics = (run.result() or {}).get("metrics") or {}
     out: dict[str, float | None] = {}
     for key, value in metrics.items():
-        if key.startswith(PREFIX) and isinstance(value, (int, float)) and not isinstance(value, bool):
+        # three parts: word2vec's scores are eval/<name>
+        harness = key.startswith(PREFIX) and key.count("/") >= 2
+        if harness and isinstance(value, (int, float)) and not isinstance(value, bool):
             out[key] = float(value)
     return out
