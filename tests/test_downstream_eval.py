@@ -119,7 +119,7 @@ def test_result_json_holds_the_last_evaluation_and_the_table_shows_it(two_runs):
 
 
 def test_an_evaluation_leaves_the_training_state_as_it_was(make_cfg):
-    """Train mode and every random generator the harness seeds are restored: a run trains the same with
+    """Each module's train mode and every random generator the harness seeds are restored: a run trains the same with
     the evaluation on or off."""
     from gptlab.builders import build_model, build_tokenizer
     from gptlab.evaluation.downstream import DownstreamEvalOptions
@@ -132,6 +132,8 @@ def test_an_evaluation_leaves_the_training_state_as_it_was(make_cfg):
     module.model, module.tokenizer = model, tokenizer
     module.device = torch.device("cpu")
     model.train()
+    model.lm_head.eval()  # a module the user keeps in eval mode stays so
+    modes = [m.training for m in model.modules()]
     random.seed(5)
     np.random.seed(5)
     torch.manual_seed(5)
@@ -142,7 +144,7 @@ def test_an_evaluation_leaves_the_training_state_as_it_was(make_cfg):
     callback = DownstreamEvaluation(DownstreamEvalOptions(tasks=["gptlab_python_mc"], limit=2), 32)
     metrics = callback.evaluate(module)
     assert set(metrics) == {"eval/gptlab_python_mc/acc", "eval/gptlab_python_mc/acc_norm"}
-    assert model.training and all(m.training for m in model.modules())
+    assert [m.training for m in model.modules()] == modes and model.training and not model.lm_head.training
     assert (random.random(), np.random.rand(), torch.rand(1)) == before
 
 

@@ -93,14 +93,15 @@ class DownstreamEvaluation(L.Callback):
     def evaluate(self, pl_module: L.LightningModule) -> dict[str, float]:
         """``eval/<task>/<metric>`` of the model now; its training mode and the random generators unchanged."""
         model = cast(torch.nn.Module, pl_module.model)  # the plain GPT, never a strategy's wrapper
-        was_training = model.training
+        modes = [(m, m.training) for m in model.modules()]  # each module's own: the harness sets eval mode
         states = _rng_states()
         try:
             with torch.no_grad(), _quiet_harness():
                 return metric_names(self._run_harness(model, pl_module))
         finally:
             _restore_rng_states(states)
-            model.train(was_training)
+            for module, training in modes:
+                module.training = training
 
     def _run_harness(self, model: torch.nn.Module, pl_module: L.LightningModule) -> dict[str, Any]:
         from gptlab.evaluation.harness import GptlabLM, _simple_evaluate
