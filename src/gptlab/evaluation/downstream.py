@@ -67,7 +67,8 @@ class DownstreamEvalOptions:
         if missing:
             raise ConfigError(
                 f"{NODE}.include_path has {missing}, which is not a folder: name folders of task YAMLs "
-                f"(an absolute path; the shipped tasks in {SHIPPED_TASKS} are always searched)."
+                f"(a relative path is taken from the directory train.py runs in; the shipped tasks in "
+                f"{SHIPPED_TASKS} are always searched)."
             )
         object.__setattr__(self, "include_path", tuple(str(Path(p).resolve()) for p in paths))
 
