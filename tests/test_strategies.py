@@ -399,7 +399,7 @@ def test_fsdp_on_two_processes_trains_checkpoints_shards_and_resumes(tmp_path):
         "__1_0.distcp",
     ]
     full_loss = column(metrics_csv(full), "train/loss")
-    assert full_loss[5] < full_loss[0] - 1.0  # it trained
+    assert full_loss[6] < full_loss[1] - 1.0  # it trained
     # Rank 0 wrote the directory's digest: one line per file, every rank's shard included.
     listed = {f.name for f in digests.read_digest(middle).files}
     assert listed == {f"{middle.name}/{p.name}" for p in middle.iterdir()} and len(listed) == 4
@@ -411,11 +411,11 @@ def test_fsdp_on_two_processes_trains_checkpoints_shards_and_resumes(tmp_path):
     assert "Restored all states from the checkpoint" in proc.stdout + proc.stderr
     assert "without verifying" not in proc.stdout + proc.stderr  # each rank checked the shards first
     resumed_loss = column(metrics_csv(resumed), "train/loss")
-    assert sorted(resumed_loss) == [3, 4, 5]  # Lightning's 0-based steps after the third optimizer step
+    assert sorted(resumed_loss) == [4, 5, 6]  # the steps after the third
     # The sharded weights and optimizer states came back: the loss goes on from where it was, far below the
     # untrained model's.
-    assert resumed_loss[3] < full_loss[0] - 0.4
-    assert abs(resumed_loss[5] - full_loss[5]) < 0.5
+    assert resumed_loss[4] < full_loss[1] - 0.4
+    assert abs(resumed_loss[6] - full_loss[6]) < 0.5
     assert (resumed / "checkpoints" / "last.ckpt").is_dir()
 
 
@@ -468,7 +468,7 @@ def test_two_nodes_on_one_machine_train_together_under_torchrun(tmp_path):
     # Rank 0 (node 0) logs and saves; every step counted the tokens of both nodes.
     rows = metrics_csv(tmp_path / "node0")
     tokens = column(rows, "train/tokens")
-    assert tokens[3] == 4 * 2 * 4 * 32  # steps x nodes x batch x block_size
+    assert tokens[4] == 4 * 2 * 4 * 32  # steps x nodes x batch x block_size
     assert not (tmp_path / "node1" / "checkpoints").exists()
     assert (
         torch.load(tmp_path / "node0" / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] == 4

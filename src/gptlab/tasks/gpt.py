@@ -179,7 +179,7 @@ def load_initial_weights(module: GPTLitModule, source: str | None) -> None:
 
 def make_trainer(cfg: DictConfig, settings: GPTRunConfig, parts: Parts, loggers: list) -> L.Trainer:
     from gptlab.parallel.slurm import slurm_plugins
-    from gptlab.training.callbacks import ValidateAtLastStep, instantiate_callbacks
+    from gptlab.training.callbacks import LogAtGlobalStep, ValidateAtLastStep, instantiate_callbacks
     from gptlab.training.checkpointing import fault_tolerance_callbacks
 
     callbacks = instantiate_callbacks(cfg.get("callbacks") or {})
@@ -187,7 +187,7 @@ def make_trainer(cfg: DictConfig, settings: GPTRunConfig, parts: Parts, loggers:
         **settings.trainer,
         strategy=parts.strategy,
         logger=loggers or False,
-        callbacks=callbacks + fault_tolerance_callbacks() + [ValidateAtLastStep()],
+        callbacks=callbacks + fault_tolerance_callbacks() + [ValidateAtLastStep(), LogAtGlobalStep()],
         plugins=[*slurm_plugins(), *settings.strategy.plugins()] or None,
     )
 
@@ -253,7 +253,7 @@ def stop_line(stop: SignalStop, step: int) -> str:
 def collect_metrics(trainer: L.Trainer, parts: Parts, wall_seconds: float) -> dict[str, float]:
     from gptlab.training.metrics import run_rates
 
-    metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1}
+    metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1 and k != "step"}
     metrics["unigram_entropy"] = parts.corpus.unigram_entropy
     metrics["wall_seconds"] = wall_seconds
     metrics.update(run_rates(trainer, wall_seconds))

@@ -103,11 +103,11 @@ class ContinuedCSVWriter(ExperimentWriter):
     def drop_rows_after(self, resumed_at: int) -> int:
         """Remove the rows that a stopped or killed part logged after the checkpoint a resumed run continues
         from (``resumed_at``, its global step): the resumed run trains those steps again and logs them anew.
-        Lightning's ``step`` column is 0-based (the row of optimizer step n says n - 1), so the rows kept are
-        those with ``step < resumed_at``; ``samples.tsv`` (1-based steps) keeps its rows up to ``resumed_at``.
-        Returns the number of metric rows dropped; a file with nothing to drop is left untouched."""
+        Both files count steps as ``trainer.global_step`` does (the row of optimizer step n says n), so the
+        rows kept are those up to ``resumed_at``. Returns the number of metric rows dropped; a file with nothing
+        to drop is left untouched."""
         # Lightning writes metrics.csv with csv's own line ends (\r\n); samples.tsv has \n.
-        dropped = _drop_rows(Path(self.metrics_file_path), ",", "\r\n", lambda step: step < resumed_at)
+        dropped = _drop_rows(Path(self.metrics_file_path), ",", "\r\n", lambda step: step <= resumed_at)
         _drop_rows(Path(self.log_dir) / SAMPLES_FILE, "\t", "\n", lambda step: step <= resumed_at)
         return dropped
 
@@ -181,14 +181,16 @@ def tensorboard_logger(
     save_dir: str, name: str = "tensorboard", version: str | int | None = "", purge_step: int | None = None
 ) -> Logger:
     """TensorBoard event files in ``<save_dir>/<name>/`` (``tensorboard --logdir <save_dir>``). A resumed run
-    passes ``purge_step`` (its checkpoint's step): TensorBoard hides the events an earlier part logged from
-    that step on, which this run logs again."""
+    passes ``purge_step`` (the step after its checkpoint's): TensorBoard hides the events an earlier part
+    logged from that step on, which this run logs again."""
     extra: dict[str, Any] = {"purge_step": purge_step} if purge_step is not None else {}
     return TensorBoardLogger(save_dir=save_dir, name=name, version=version, default_hp_metric=False, **extra)
 
 
-def log_text_samples(trainer: L.Trainer, columns: list[str], rows: list[list[Any]]) -> None:
-    """Log generated samples with every logger that can hold text."""
+def log_text_samples(trainer: L.Trainer, columns: list[str], rows: list[list[Any]], new: int = 1) -> None:
+    """Log generated samples with every logger that can hold text: W&B the whole table, the others its last
+    ``new`` rows (those added since the last call)."""
+    added = rows[-new:]
     for logger in trainer.loggers:
         if isinstance(logger, WandbLogger):
             logger.log_text(key="samples", columns=columns, data=rows, step=trainer.global_step)
@@ -198,11 +200,15 @@ def log_text_samples(trainer: L.Trainer, columns: list[str], rows: list[list[Any
             with path.open("a") as f:
                 if path.stat().st_size == 0:
                     f.write("\t".join(columns) + "\n")
-                f.write("\t".join(str(v).replace("\t", " ").replace("\n", "\\n") for v in rows[-1]) + "\n")
+                for row in added:
+                    f.write("\t".join(str(v).replace("\t", " ").replace("\n", "\\n") for v in row) + "\n")
         elif isinstance(logger, TensorBoardLogger):
-            row = " | ".join(str(v).replace("|", "\\|").replace("\n", " ") for v in rows[-1])
             header = " | ".join(columns)
-            table = f"| {header} |\n|{'---|' * len(columns)}\n| {row} |"
+            body = "\n".join(
+                "| " + " | ".join(str(v).replace("|", "\\|").replace("\n", " ") for v in row) + " |"
+                for row in added
+            )
+            table = f"| {header} |\n|{'---|' * len(columns)}\n{body}"
             logger.experiment.add_text("samples", table, global_step=trainer.global_step)
 
 
@@ -232,7 +238,7 @@ def instantiate_loggers(
     """The loggers of the ``logger`` node (each a ``_target_`` node); with ``wandb_run_id`` the W&B logger
     continues that run (a resumed run's curves go on in the same W&B run); with ``resumed_at`` (the step of
     the checkpoint a resumed run continues from) the CSV logger drops the rows logged after it, and TensorBoard
-    hides the events logged from it on."""
+    hides the events logged after it."""
     from hydra.utils import instantiate
 
     loggers: list[Logger] = []
@@ -242,7 +248,7 @@ def instantiate_loggers(
         if wandb_run_id and node["_target_"] == f"{__name__}.wandb_logger":
             loggers.append(instantiate(node, id=wandb_run_id, resume="allow"))
         elif resumed_at is not None and node["_target_"] == f"{__name__}.tensorboard_logger":
-            loggers.append(instantiate(node, purge_step=resumed_at))
+            loggers.append(instantiate(node, purge_step=resumed_at + 1))
         else:
             loggers.append(instantiate(node))
         if isinstance(loggers[-1], ContinuedCSVLogger):
