@@ -362,6 +362,53 @@ def test_resume_auto_finds_a_run_whose_sharded_checkpoint_a_kill_left_set_aside(
     assert (restored / ".metadata").is_file() and Run(run_dir).resume_checkpoint() == restored
 
 
+def disk_bytes(folder: Path) -> int:
+    """The bytes ``folder``'s files take on disk, a file with several names counted once (as ``du`` does)."""
+    inodes = {(p.stat().st_dev, p.stat().st_ino): p.stat().st_blocks * 512 for p in folder.iterdir()}
+    return sum(inodes.values())
+
+
+def test_a_best_checkpoint_at_the_step_of_last_is_one_file_on_disk(tmp_path, cache_dir):
+    # A 5-step run validates after steps 4 and 5: its best is step 5, the step last.ckpt holds at the end.
+    out = tmp_path / "five"
+    common = [
+        *TINY,
+        "logger=csv",
+        "callbacks.sample_generation.max_new_tokens=0",
+        f"paths.root_dir={cache_dir}",
+    ]
+    run(compose_cfg(*common, "trainer.max_steps=5", f"paths.output_dir={out}"))
+    last = out / "checkpoints" / "last.ckpt"
+    (best,) = (out / "checkpoints").glob("best-*.ckpt")
+    assert best.name.startswith("best-step000005-")
+    assert disk_bytes(out / "checkpoints") < 1.05 * last.stat().st_size  # one checkpoint's bytes, not two
+    assert best.samefile(last)
+    for path in (best, last):  # each name's digest holds, as sha256sum -c in that folder would check
+        verdict = digests.check(path)
+        assert verdict.verified and verdict.step == 5, (path, verdict.problems)
+    assert load_run(out, which="best").checkpoint == best
+
+    # last.ckpt rewritten after every step: a best linked to it at its step keeps its own bytes and step.
+    out = tmp_path / "six"
+    run(
+        compose_cfg(
+            *common,
+            "trainer.max_steps=6",
+            "callbacks.last_checkpoint.every_n_train_steps=1",
+            "callbacks.model_checkpoint.save_top_k=-1",  # keep the best of step 4 beside the one of step 6
+            f"paths.output_dir={out}",
+        )
+    )
+    checkpoints = out / "checkpoints"
+    last = checkpoints / "last.ckpt"
+    four, six = (next(checkpoints.glob(f"best-step00000{n}-*.ckpt")) for n in (4, 6))
+    assert six.samefile(last) and not four.samefile(last)
+    assert load_checkpoint(four)["global_step"] == 4 and load_checkpoint(last)["global_step"] == 6
+    assert digests.check(four).verified and digests.check(four).step == 4
+    assert disk_bytes(checkpoints) < 2.1 * last.stat().st_size  # three names, two files
+    assert not list(checkpoints.glob(".*tmp*"))
+
+
 @pytest.mark.slow
 def test_sigterm_under_ddp_stops_every_rank_and_saves(tmp_path, cache_dir):
     # Two CPU processes (DDP over gloo): the signal reaches rank 0, every rank stops at the same step.
