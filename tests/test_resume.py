@@ -422,6 +422,8 @@ def test_sigterm_under_ddp_stops_every_rank_and_saves(tmp_path, cache_dir):
     proc = start_and_stop_at(args, tmp_path, 4, signal.SIGTERM)
     assert proc.returncode == 0, proc.output[-3000:]
     stopped = int(re.search(r"Stopped by SIGTERM at step (\d+)", proc.output).group(1))
+    # one line for the run, not one per process
+    assert proc.output.count("Received SIGTERM: saved") == 1 and proc.output.count("Stopped by SIGTERM") == 1
     (run_dir,) = run_dirs(tmp_path)
     saved = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
     assert saved["global_step"] == stopped < MAX_STEPS

@@ -134,6 +134,42 @@ def test_deepspeed_on_cpu_is_refused_before_any_work(tmp_path):
     assert not (tmp_path / "r" / "checkpoints").exists()
 
 
+@pytest.mark.slow
+def test_two_processes_print_each_message_once(tmp_path):
+    # DDP re-runs the command for rank 1. Pinned to one core (as `taskset -c 0` does; DDP's second process
+    # inherits it), two processes are more than the cores: the core-count warning is due, once.
+    proc = run_train(
+        [
+            *TINY,
+            "trainer.max_steps=4",
+            "trainer.val_check_interval=2",
+            "logger=csv",
+            "strategy=ddp",
+            *CPU2,
+            f"paths.root_dir={tmp_path}",
+            f"hydra.run.dir={tmp_path / 'run'}",
+        ],
+        cwd=tmp_path,
+        preexec_fn=lambda: os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}),
+    )
+    out = proc.stdout + proc.stderr
+    assert "MEMBER: 2/2" in out  # two processes trained
+    once = [
+        "trainer.devices=2 starts 2 training processes on the CPU, but this machine gives this run 1 core(s)",
+        "Windows of 33 tokens:",
+        "Data ready after",
+        "Final validation loss",
+        *(
+            f"step {n} {decoding}: 'In this case, the' -> "
+            for n in (2, 4)
+            for decoding in ("greedy", "sampled (temperature 1, top-k 40)")
+        ),
+    ]
+    assert {line: out.count(line) for line in once} == dict.fromkeys(once, 1), out[-4000:]
+    assert out.count("Token cache hit") + out.count("Preparing embedded corpus") == 1
+    assert "sync_dist" not in out  # the validation metrics are the same on every rank, and Lightning knows it
+
+
 def test_a_multirun_with_ddp_is_refused_and_points_to_ddp_spawn_and_slurm(tmp_path):
     sweep = tmp_path / "sweep"
     proc = run_train(

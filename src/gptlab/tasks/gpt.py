@@ -28,7 +28,8 @@ from gptlab.data.corpus import PreparedCorpus
 from gptlab.data.datamodule import GPTDataModule
 from gptlab.planning.fit import check_memory
 from gptlab.resume import ResumePlan, plan_resume
-from gptlab.tasks.skeleton import RunSession, record_run_dir, route_lightning_logs
+from gptlab.runs.identity import launched_rank
+from gptlab.tasks.skeleton import RunSession, quiet_launched_ranks, record_run_dir, route_lightning_logs
 from gptlab.training.checkpointing.fit import SignalStop
 from gptlab.training.module import GPTLitModule
 
@@ -49,6 +50,7 @@ def run(cfg: DictConfig) -> dict[str, float]:
     """Train one model as configured; returns the final metrics (``val/loss``, ``val/ppl``, ...)."""
     t0 = time.perf_counter()
     route_lightning_logs()
+    quiet_launched_ranks()
     record_run_dir(cfg)  # before the config is parsed: the trainer's default_root_dir interpolates it
     settings = parse_gpt(cfg)
     # before the run directory, the data or any weight: a run that cannot fit its device is refused
@@ -140,7 +142,8 @@ def build(settings: GPTRunConfig) -> Parts:
     torch.set_flush_denormal(True)
     multirun = HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
     strategy = build_strategy(settings.strategy_node, settings.trainer, multirun=multirun)
-    warn_if_cpu_oversubscribed(settings.trainer)
+    if not launched_rank():  # one warning for the run, from rank 0, not one from each process
+        warn_if_cpu_oversubscribed(settings.trainer)
     loader = settings.loader
     datamodule = GPTDataModule(
         spec=settings.data,

@@ -63,6 +63,16 @@ def route_lightning_logs() -> None:
         logger.propagate = True
 
 
+def quiet_launched_ranks() -> None:
+    """In a process a launcher started for a rank other than 0 (DDP's copies of the command), gptlab's
+    information lines (the data prepared, the windows, the run's progress) repeat rank 0's: rank 0 alone shows
+    them. Warnings and errors still come from every rank: they may be that rank's own."""
+    from gptlab.runs.identity import launched_rank
+
+    if launched_rank():
+        logging.getLogger("gptlab").setLevel(logging.WARNING)
+
+
 class RunSession:
     """One task's run: its directory, its loggers and its result."""
 
