@@ -80,6 +80,19 @@ def test_wandb_offline_run_holds_the_logged_metrics(trained):
     assert run.exit_code == 0
 
 
+def test_a_run_prints_no_library_noise(trained):
+    _, _, proc = trained
+    out = proc.stdout + proc.stderr
+    for noise in (
+        "The anonymous setting has no effect",  # wandb, for the anonymous=None Lightning passes
+        "'set_vital' is deprecated",  # torchdata's loader, under torch 2.13
+        "LeafSpec",  # Lightning's own code, under torch 2.13
+        "litlogger",  # Lightning's tip on every Trainer
+    ):
+        assert noise not in out, noise
+    assert out.count("Token cache hit") + out.count("Preparing") == 1
+
+
 def screen_lines(output: str) -> list[str]:
     """The lines a terminal shows for ``output``: a carriage return starts the line over (tqdm redraws its bars
     that way), and cursor movements (``ESC[A``) are dropped."""

@@ -75,7 +75,13 @@ class OwnRunWandbLogger(WandbLogger):
     """Lightning's WandbLogger, except that a W&B run already open in this process (a notebook's, or one an
     earlier in-process run left open) is not reused: Lightning's logger would write this run's curves into
     that run, and wandb.init (without ``reinit="create_new"``) would hand that run back. This one opens a run
-    of its own beside it."""
+    of its own beside it. Lightning passes ``anonymous=None`` to wandb.init when it is not set, which wandb
+    0.31 answers with a warning on every run ("The anonymous setting has no effect"): left out unless set."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if self._wandb_init.get("anonymous") is None:
+            self._wandb_init.pop("anonymous", None)
 
     @property
     @rank_zero_experiment
