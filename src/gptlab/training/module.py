@@ -169,8 +169,9 @@ class GPTLitModule(L.LightningModule):
         total = self.trainer.strategy.reduce(self._val_loss_sum, reduce_op="sum")
         count = self.trainer.strategy.reduce(self._val_count, reduce_op="sum")
         val_loss = (total / count.clamp_min(1)).float()
-        self.log("val/loss", val_loss, prog_bar=True, sync_dist=False)
-        self.log("val/ppl", torch.exp(val_loss), sync_dist=False)
+        # The same number on every rank already: Lightning's sync (max, exact, where a mean may round) agrees.
+        self.log("val/loss", val_loss, prog_bar=True, sync_dist=True, reduce_fx="max")
+        self.log("val/ppl", torch.exp(val_loss), sync_dist=True, reduce_fx="max")
 
     # ---- optimizer ------------------------------------------------------------------------------
     def configure_optimizers(self):
