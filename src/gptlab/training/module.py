@@ -131,10 +131,10 @@ class GPTLitModule(L.LightningModule):
         )
 
     # ---- training -------------------------------------------------------------------------------
-    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
-        x, y = batch
+    def training_step(self, batch: tuple[Tensor, ...], batch_idx: int) -> Tensor:
+        x, y, *doc_ids = batch  # doc_ids: [(B, T) document ids] under data.document_mask=true, else []
         self._batch_shape = tuple(x.shape)
-        _, loss = self.model(x, y, head_loss=self.head_loss)
+        _, loss = self.model(x, y, head_loss=self.head_loss, doc_ids=doc_ids[0] if doc_ids else None)
         check_finite_loss(loss, step=self.global_step + 1, strategy=self.trainer.strategy)
         self.log("train/loss", loss, prog_bar=True, on_step=True, on_epoch=False)
         optimizer = self.optimizers()
@@ -155,10 +155,10 @@ class GPTLitModule(L.LightningModule):
         self._val_loss_sum = torch.zeros((), device=self.device, dtype=torch.float64)
         self._val_count = torch.zeros((), device=self.device, dtype=torch.float64)
 
-    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
-        x, y = batch
+    def validation_step(self, batch: tuple[Tensor, ...], batch_idx: int) -> Tensor:
+        x, y, *doc_ids = batch
         self._batch_shape = tuple(x.shape)
-        _, loss = self.model(x, y, head_loss=self.head_loss)
+        _, loss = self.model(x, y, head_loss=self.head_loss, doc_ids=doc_ids[0] if doc_ids else None)
         n = y.numel()
         self._val_loss_sum += loss.detach().double() * n
         self._val_count += n
@@ -169,8 +169,9 @@ class GPTLitModule(L.LightningModule):
         total = self.trainer.strategy.reduce(self._val_loss_sum, reduce_op="sum")
         count = self.trainer.strategy.reduce(self._val_count, reduce_op="sum")
         val_loss = (total / count.clamp_min(1)).float()
-        self.log("val/loss", val_loss, prog_bar=True, sync_dist=False)
-        self.log("val/ppl", torch.exp(val_loss), sync_dist=False)
+        # The same number on every rank already: Lightning's sync (max, exact, where a mean may round) agrees.
+        self.log("val/loss", val_loss, prog_bar=True, sync_dist=True, reduce_fx="max")
+        self.log("val/ppl", torch.exp(val_loss), sync_dist=True, reduce_fx="max")
 
     # ---- optimizer ------------------------------------------------------------------------------
     def configure_optimizers(self):
