@@ -538,14 +538,18 @@ class SweepRows:
 
     def records(self) -> list[dict[str, Any]]:
         """One flat dict per condition: its keys' values, the number of runs, the mean final validation loss
-        and its spread over seeds, perplexity, throughput, MFU, parameters, the verdict against the
+        (``val_loss``; ``val_bpb`` where the table ranks runs of several tokenizers by bits per byte) and its
+        spread over seeds, perplexity, throughput, MFU, parameters, the verdict against the
         reference row, and each evaluation output (``length/ppl@2x``, ...)."""
         out = []
         for row in self.rows:
             record: dict[str, Any] = {**row.choice, "condition": row.label, "runs": len(row.runs)}
+            # What the table ranks by: val/loss, or (where a row says so) val/bpb for runs of several
+            # tokenizers; the column is named after it.
+            ranked_by = str(getattr(row, "metric", "val/loss")).replace("/", "_")
             record |= {
-                "val_loss": row.val_loss_mean,
-                "val_loss_std": row.val_loss_std,
+                ranked_by: row.val_loss_mean,
+                f"{ranked_by}_std": row.val_loss_std,
                 "val_ppl": row.val_ppl,
                 "tokens_per_second": row.tokens_per_second,
                 "mfu": row.mfu,
