@@ -216,7 +216,7 @@ def report(
             "unigram_entropy": entropy,
             "parameters/total": parts.module.model.parameter_counts()["total"],
             # the final validation, also when a finished run is resumed and logs nothing
-            **{k: metrics[k] for k in ("val/loss", "val/ppl") if k in metrics},
+            **{k: metrics[k] for k in ("val/loss", "val/ppl", "val/bpb") if k in metrics},
         },
     )
     print("\n".join(closing_lines(metrics, entropy, session.run_dir, trainer, loggers, step)), flush=True)
@@ -255,9 +255,10 @@ def closing_lines(
     if val is None:
         first = "No validation (it is off: trainer.limit_val_batches=0)"
     else:
+        bpb = f", {metrics['val/bpb']:.4f} bits per byte" if "val/bpb" in metrics else ""
         first = (
-            f"Final validation loss {val:.4f} nats (perplexity {math.exp(val):.1f}); unigram entropy of the "
-            f"corpus {entropy:.4f} nats ({abs(entropy - val):.3f} {'below' if val < entropy else 'above'} it)"
+            f"Final validation loss {val:.4f} nats (perplexity {math.exp(val):.1f}){bpb}; unigram entropy of "
+            f"the corpus {entropy:.4f} nats ({abs(entropy - val):.3f} {'below' if val < entropy else 'above'} it)"
         )
     rates = (
         f": {metrics['tokens_per_second_wall']:,.0f} tokens/s of wall time (start-up, data, validation and "
