@@ -465,7 +465,10 @@ class HeadLoss:
     def extras_refusal(self, impl: str) -> str | None:
         """Why ``impl`` cannot compute this loss's extra terms, with the fix; None when it can (``auto``
         takes an implementation that can)."""
-        missing = sorted(self.extras - EXTRAS.get(impl, frozenset())) if impl != "auto" else []
+        supported = EXTRAS.get(impl, frozenset())
+        missing = [m for m in ("z_loss", "final_softcap") if m in self.extras and m not in supported]
+        if impl == "auto":
+            return None
         if not missing:
             return None
         settings = " and ".join(
