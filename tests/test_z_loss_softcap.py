@@ -178,3 +178,13 @@ def test_a_tiny_run_trains_with_each_term(make_cfg, tmp_path, capsys, override):
         assert trained.model.final_softcap == 5.0
         logits, _ = trained.model(torch.zeros(1, 4, dtype=torch.long))
         assert logits.abs().max() < 5.0
+
+
+def test_the_model_card_records_the_terms():
+    from gptlab.planning.card import model_card
+
+    config = GPTConfig(vocab_size=64, block_size=8, n_layer=1, n_head=2, n_embd=16)
+    card = model_card(config, short=True, loss=HeadLoss(z_loss=1e-4, final_softcap=30))
+    assert "Loss: cross-entropy + z-loss 0.0001 x log^2 Z (PaLM; loss.z_loss" in card
+    assert "final logits softcapped to 30 x tanh(logits / 30) (Gemma 2; loss.final_softcap" in card
+    assert "Loss:" not in model_card(config, short=True, loss=HeadLoss())

@@ -481,6 +481,18 @@ class HeadLoss:
             f"Use loss.impl=chunked, plain or auto (which takes chunked), or {offs}."
         )
 
+    def describe(self) -> str | None:
+        """The model card's line for the terms this loss adds to the cross-entropy; None when it adds none."""
+        parts = []
+        if self.z_loss:
+            parts.append(f"z-loss {self.z_loss:g} x log^2 Z (PaLM; loss.z_loss, logged as train/z_loss)")
+        if self.final_softcap is not None:
+            parts.append(
+                f"final logits softcapped to {self.final_softcap:g} x tanh(logits / {self.final_softcap:g}) "
+                "(Gemma 2; loss.final_softcap, in training, evaluation and generation)"
+            )
+        return "Loss: cross-entropy + " + "; ".join(parts) if parts else None
+
     def options(self) -> dict[str, Any]:
         """The config node's values (saved with checkpoints)."""
         return {

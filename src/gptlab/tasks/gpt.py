@@ -156,7 +156,7 @@ def model_summary(module: GPTLitModule, trainer: L.Trainer | None, settings: GPT
         activation_checkpointing=settings.parallel.activation_checkpointing if settings else False,
     )
     on_cpu = trainer is None or isinstance(trainer.accelerator, CPUAccelerator)
-    return card.startup_card(module.model_config, plan, on_cpu=on_cpu)
+    return card.startup_card(module.model_config, plan, on_cpu=on_cpu, loss=module.head_loss)
 
 
 # ---- fit ----------------------------------------------------------------------------------------------
