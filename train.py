@@ -6,9 +6,12 @@ Every option is a Hydra override; `python train.py --help` lists the config grou
 import hydra
 from omegaconf import DictConfig
 
+from gptlab.cli import register_help_resolver, suggest_choices
 from gptlab.resume import register_resolvers
 
 register_resolvers()  # conf/hydra chooses the run directory through them (resume=auto)
+register_help_resolver()  # `--help` (conf/hydra/help/gptlab.yaml) lists Hydra's launchers through it
+suggest_choices()  # pos=sinusiodal: "Did you mean pos=sinusoidal?"
 
 
 @hydra.main(config_path="conf", config_name="train", version_base="1.3")

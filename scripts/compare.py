@@ -86,6 +86,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"compare: error: {e}", file=sys.stderr)
         return 2
     print(result.table)
+    for note in result.table_notes:
+        print(f"\n{note}")
     if result.unfinished:
         print(f"\nUnfinished ({'ranked above' if args.include_unfinished else 'not ranked'}):")
         for run in result.unfinished:

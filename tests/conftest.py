@@ -80,6 +80,17 @@ def make_cfg(cache_root):
     return _compose
 
 
+@pytest.fixture(scope="session", autouse=True)
+def token_caches_outside_the_checkout(tmp_path_factory) -> None:
+    """A run that names no ``paths.root_dir`` (a script, a `python train.py` subprocess) keeps its token cache
+    under this session's temporary folder, shared by its xdist workers, instead of the checkout's outputs/
+    (``GPTLAB_ROOT``: conf/paths/default.yaml). A ``DataSpec`` made in Python keeps its own default."""
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # .../pytest-N/popen-gwK: the session's folder is the parent
+        base = base.parent
+    os.environ.setdefault("GPTLAB_ROOT", str(base / "gptlab-root"))
+
+
 TINY = [
     "model.n_layer=1",
     "model.n_head=2",

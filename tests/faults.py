@@ -12,6 +12,9 @@ one rank does to a distributed run. GPTLAB_TEST_FAULT chooses it (read here only
   have reached the run directory's check (a file each in ``<folder>``), so that they claim it at the same
   moment; with ``hold``, one that got through waits there until ``<folder>/go`` exists (the test writes it once
   it has seen the others refused).
+- ``ctrl_c:<n>``: the process sends itself SIGINT (a Ctrl-C) after the n-th optimizer step.
+- ``ctrl_c_twice:<n>``: as ``ctrl_c``, and again in the middle of the checkpoint save that the first one asks
+  for, after its bytes are written and before the file is renamed into place.
 
 Lightning starts ranks > 0 by re-running this command line, so the fault is in place in every rank.
 """
@@ -124,6 +127,30 @@ elif kind == "race_start":
             wait_for((folder / "go").exists, "the go file")
 
     CheckRunDirectory.on_run_start = on_run_start
+elif kind in ("ctrl_c", "ctrl_c_twice"):
+    from gptlab.parallel import checkpoint_io
+    from gptlab.training.callbacks import ValidateAtLastStep
+
+    fault_step = int(args[0])
+    original_batch_end = ValidateAtLastStep.on_train_batch_end
+    original_torch_save = checkpoint_io.torch.save
+    first_sent = False
+
+    def on_train_batch_end(self, trainer, pl_module, *rest):
+        global first_sent
+        if trainer.global_step == fault_step:
+            first_sent = True
+            os.kill(os.getpid(), signal.SIGINT)
+        original_batch_end(self, trainer, pl_module, *rest)
+
+    def save(obj, f, *rest, **kwargs):
+        original_torch_save(obj, f, *rest, **kwargs)
+        if first_sent:
+            os.kill(os.getpid(), signal.SIGINT)
+
+    ValidateAtLastStep.on_train_batch_end = on_train_batch_end
+    if kind == "ctrl_c_twice":
+        checkpoint_io.torch.save = save
 else:
     raise SystemExit(f"unknown GPTLAB_TEST_FAULT {kind!r}")
 

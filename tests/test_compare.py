@@ -3,9 +3,13 @@ activation=gelu,swiglu seed=0,1` with the length study on, then `scripts/compare
 condition is a (pos, activation) pair, with two seeds each. Every figure of the table is checked against
 what the runs themselves wrote (their W&B files and eval_length/length.json)."""
 
+import csv
+import io
+import json
 import math
 import re
 import runpy
+import shutil
 import statistics
 import subprocess
 import sys
@@ -56,7 +60,7 @@ def test_every_run_ends_with_a_validation_at_its_last_step(sweep):
         # validations after steps 4 and 7 (Lightning logs them at 0-based steps 3 and 6)
         assert [s for s, _ in wandb_run.metric("val/loss")] == [3, 6]
         result = Run(run_dir).result()
-        assert result["global_step"] == 7 and result["finished"]
+        assert result["global_step"] == 7 and result["finished"] and result["diverged"] is False
         assert result["metrics"]["val/loss"] == pytest.approx(wandb_run.metric("val/loss")[-1][1], rel=1e-6)
         assert wandb_run.summary["val/loss"] == pytest.approx(result["metrics"]["val/loss"], rel=1e-6)
         # which run it is: run.json's id, in result.json with the W&B run's
@@ -354,3 +358,136 @@ def test_identity_from_a_composed_config():
     assert run.name == "pos=nope seed=3" and run.group == "depth_sweep" and run.job_type == "train"
     assert run.tags == ["pos=nope", "seed=3", "experiment=depth_sweep"]
     assert labels_from_hydra().name is None  # no Hydra job running: W&B picks a name
+
+
+# ---- nothing lost and nothing silently wrong ------------------------------------------------------------
+def _copy_runs(sweep_dir, dest):
+    """The sweep's run directories (and multirun.yaml) copied to ``dest``, to change without touching the
+    shared sweep; {(pos, activation, seed): run dir}."""
+    shutil.copy(sweep_dir / "multirun.yaml", dest / "multirun.yaml")
+    runs = {}
+    for run_dir in find_run_dirs(sweep_dir):
+        copy = dest / run_dir.relative_to(sweep_dir)
+        shutil.copytree(run_dir, copy)
+        o = Run(copy).choices()
+        runs[(o["pos"], o["activation"], o["seed"])] = copy
+    return runs
+
+
+def _edit_csv(run_dir, edit) -> None:
+    """Rewrite a run's csv/metrics.csv with ``edit(header, rows)`` applied to its rows (lists of strings)."""
+    path = run_dir / "csv" / "metrics.csv"
+    header, *rows = list(csv.reader(path.open()))
+    edit(header, rows)
+    with path.open("w", newline="") as f:
+        csv.writer(f).writerows([header, *rows])
+
+
+def test_inf_finals_garbled_metrics_and_impossible_mfu_are_shown_as_such(sweep, tmp_path, capsys):
+    _, sweep_dir = sweep
+    runs = _copy_runs(sweep_dir, tmp_path)
+
+    # 1. rope/swiglu seed 0 ends at inf: Lightning's CSV writer writes it as "inf"
+    def final_inf(header, rows):
+        last = max(i for i, r in enumerate(rows) if r[header.index("val/loss")])
+        earlier_ppl[:] = [r[header.index("val/ppl")] for r in rows[:last] if r[header.index("val/ppl")]]
+        rows[last][header.index("val/loss")] = rows[last][header.index("val/ppl")] = "inf"
+
+    earlier_ppl: list[str] = []
+    _edit_csv(runs[("rope", "swiglu", "0")], final_inf)
+    record = read_run_dir(runs[("rope", "swiglu", "0")])
+    assert record.final_val_loss == math.inf and record.val_ppl == math.inf and record.diverged
+
+    # 2. learned/gelu seed 1: a second writer's lines landed in the middle of one of its lines
+    garbled = runs[("learned", "gelu", "1")] / "csv" / "metrics.csv"
+    mine, theirs = garbled.read_text(), (runs[("rope", "gelu", "0")] / "csv" / "metrics.csv").read_text()
+    cut = mine.index("\n", len(mine) // 2) - 5
+    garbled.write_text(mine[:cut] + theirs + mine[cut:])
+
+    # 3. rope/gelu seed 0 measured against a peak far too low: an MFU of 137%
+    def mfu_too_high(header, rows):
+        for row in rows:
+            if row[header.index("train/mfu")]:
+                row[header.index("train/mfu")] = "1.37"
+
+    _edit_csv(runs[("rope", "gelu", "0")], mfu_too_high)
+
+    script = runpy.run_path(str(ROOT / "scripts" / "compare.py"))
+    assert script["main"]([str(tmp_path), "--source", "csv", "--out", str(tmp_path / "report")]) == 0
+    out, err = capsys.readouterr()
+    header, *rows = table_rows(out.split("\n\n")[0])
+    cells = [dict(zip(header, r)) for r in rows]
+    by_condition = {(c["pos"], c["activation"]): c for c in cells}
+    # the inf final: inf in its row, never an earlier step's value; the row is last and untested, the
+    # reference is the best of the others
+    inf_row = by_condition[("rope", "swiglu")]
+    assert cells[-1] is inf_row and inf_row["seeds"] == "2 (1 diverged)"
+    assert inf_row["val/loss"] == "inf" and inf_row["val/ppl"] == "inf"
+    assert (
+        inf_row["vs best (Holm)"] == "diverged (1 of 2 runs): not tested"
+        and inf_row["Δ vs best (95% CI)"] == "-"
+    )
+    assert not any(f"{float(p):.2f}" in inf_row["val/ppl"] for p in earlier_ppl)
+    assert cells[0]["vs best (Holm)"] == "reference" and cells[0] is not inf_row
+    assert "`diverged`: a run of the condition ended with a validation loss that is non-finite" in out
+    # the garbled file: listed as unreadable with the line that gave it away, not ranked, no row of zeros
+    assert by_condition[("learned", "gelu")]["seeds"] == "1"
+    unreadable = runs[("learned", "gelu", "1")]
+    assert re.search(
+        rf"skipped {re.escape(str(unreadable))}: metrics unreadable: .*metrics.csv line \d+ has \d+ fields",
+        err,
+    )
+    assert not any(c["val/loss"].startswith("0.0000") for c in cells)
+    # the impossible MFU: not shown as a utilisation, with the note saying why
+    assert by_condition[("rope", "gelu")]["MFU"] == "invalid (>100%)"
+    assert all(
+        c["MFU"].endswith("%") and float(c["MFU"].split("%")[0]) <= 100
+        for c in cells
+        if c is not by_condition[("rope", "gelu")]
+    )
+    assert "MFU `invalid (>100%)`: a run measured more FLOP/s than the peak" in out
+    text = (tmp_path / "report" / "comparison.md").read_text()
+    assert "| inf |" in text and "invalid (>100%)" in text and "metrics unreadable" in text
+
+    # read with the W&B files as well (auto), the garbled CSV gives way to the run's W&B file, and says so
+    auto = read_run_dir(unreadable)
+    assert auto.source == "wandb" and any(n.startswith("metrics unreadable: ") for n in auto.notes)
+    logged = read_run(find_runs(unreadable)[0]).metric("val/loss")[-1][1]
+    assert auto.final_val_loss == pytest.approx(logged, rel=1e-6)
+
+
+def test_a_baseline_that_diverged_is_refused_and_a_result_can_mark_divergence(sweep, tmp_path):
+    _, sweep_dir = sweep
+    runs = _copy_runs(sweep_dir, tmp_path)
+    # result.json says the run diverged (its final loss above the corpus's unigram entropy)
+    path = runs[("learned", "swiglu", "1")] / "result.json"
+    result = json.loads(path.read_text())
+    path.write_text(json.dumps({**result, "diverged": True}))
+    compared = compare(tmp_path, tmp_path / "report")
+    marked = [r for r in compared.rows if r.diverged]
+    assert [r.label for r in marked] == ["pos=learned activation=swiglu"] and compared.rows[-1] is marked[0]
+    with pytest.raises(
+        DataError, match="--baseline 'pos=learned activation=swiglu' names a condition that diverged"
+    ):
+        compare(tmp_path, tmp_path / "x", baseline="pos=learned activation=swiglu")
+
+
+def test_a_metrics_file_cut_mid_line_loses_nothing(sweep, tmp_path):
+    _, sweep_dir = sweep
+    run_dir = tmp_path / "run"
+    shutil.copytree(find_run_dirs(sweep_dir)[0], run_dir)
+    path = run_dir / "csv" / "metrics.csv"
+    whole = read_run_dir(run_dir, "csv")
+    text = path.read_text()
+    last = text.rstrip("\n").rindex("\n") + 1
+    *_, final_row = csv.DictReader(io.StringIO(text))
+    assert float(final_row["val/loss"]) == whole.final_val_loss  # the last line is the final validation
+    path.write_text(text[: last + (len(text) - last) // 2])  # the writer killed in the middle of it
+    cut = read_run_dir(run_dir, "csv")
+    notes = " ".join(cut.notes)
+    # the line is left out, said so, and the run's own final validation (result.json) read in its place
+    assert "its last line is cut short (the writer stopped mid-line); left out" in notes
+    assert "before its final validation: result.json's" in notes
+    assert [s for s, _ in cut.val_loss] == [s for s, _ in whole.val_loss]
+    assert [v for _, v in cut.val_loss] == pytest.approx([v for _, v in whole.val_loss], rel=1e-6)
+    assert cut.val_ppl == pytest.approx(whole.val_ppl, rel=1e-6)

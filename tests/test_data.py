@@ -111,11 +111,20 @@ def test_word_tokenizer_vocabulary_comes_from_the_training_split(tmp_path):
     docs = [f"word{i} shared ." for i in range(40)]
     for i, d in enumerate(docs):
         (tmp_path / f"{i}.txt").write_text(d)
-    prepared = corpus.prepare(DataSpec(path=str(tmp_path / "*.txt"), cache_dir=str(tmp_path / "c")), "word")
+    spec = DataSpec(path=str(tmp_path / "*.txt"), cache_dir=str(tmp_path / "c"))
+    prepared = corpus.prepare(spec, {"name": "word", "max_unknown_fraction": 0.5})
     tok = prepared.tokenizer
     val = prepared.val.array()
     assert tok.unk_id in val.tolist()  # validation words unseen in training are unknown
     assert "shared" in tok.vocab
+    # counted where the cache keeps its facts: one unknown "word{i}" per validation document of 3 words
+    facts = prepared.meta["splits"]["val"]
+    assert facts["unknown"] == (val == tok.unk_id).sum() == facts["documents"]
+    assert facts["symbols"] == 3 * facts["documents"] == len(val) - facts["documents"]
+    assert prepared.meta["splits"]["train"]["unknown"] == 0
+    # a third of the validation words unknown: above the default threshold (10%), the same cache is refused
+    with pytest.raises(ConfigError, match=r"validation split .* \(33\.3%\) not seen in training"):
+        corpus.prepare(spec, "word")
 
 
 def test_hub_dataset_by_name_loads_through_datasets(tmp_path):

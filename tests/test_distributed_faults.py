@@ -15,6 +15,8 @@ import torch
 from conftest import ROOT, TINY, run_train
 from test_strategies import CPU2, QUIET, _free_port, column, metrics_csv
 
+from gptlab.runs import digests
+
 # ---- faults on one rank ----------------------------------------------------------------------------------
 FAULTS = ROOT / "tests" / "faults.py"
 
@@ -113,6 +115,9 @@ def test_a_kill_during_a_sharded_save_keeps_the_previous_checkpoint_whole(tmp_pa
     assert "Trained 6 steps" in proc.stdout
     assert _checkpoint_step(last) == 6
     assert not staging.exists() and not aside.exists()
+    # The interrupted save had removed the old digest before its swap (so it could not describe other
+    # bytes); the new last.ckpt has its own.
+    assert digests.check(last).verified and digests.check(last).step == 6
 
 
 DEEPSPEED_GRAD_NORM = """

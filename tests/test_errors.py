@@ -343,6 +343,112 @@ def test_gpu_accelerator_on_a_machine_without_one(make_cfg, tmp_path):
     assert nothing_started(tmp_path)
 
 
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        (
+            "trainer.devices=0",
+            r"trainer.devices=0 is not a number of devices\. Use a positive integer .* -1 or auto",
+        ),
+        ("trainer.devices=-2", r"trainer.devices=-2 is not a number of devices"),
+        ("trainer.devices=1.5", r"trainer.devices=1.5 is not a number of devices"),
+        ("trainer.devices=true", r"trainer.devices=True is not a number of devices"),
+        ("trainer.devices=[0,0]", r"a list of distinct GPU indices"),
+        ("trainer.num_nodes=0", r"trainer.num_nodes=0 must be a positive integer.*trainer.num_nodes=1"),
+        ("trainer.num_nodes=1.5", r"trainer.num_nodes=1.5 must be a positive integer"),
+        (
+            "trainer.precision=bf17",
+            r"trainer.precision='bf17' is not one of Lightning's precisions: 32-true, "
+            r"bf16-mixed, .*Did you mean trainer.precision=bf16\?",
+        ),
+        (
+            "trainer.accelerator=gpux",
+            r"trainer.accelerator='gpux' is not one of auto, cpu, gpu, cuda, mps, tpu.*"
+            r"Did you mean trainer.accelerator=gpu\?",
+        ),
+        ("trainer.accelerator=tpu", r"trainer.accelerator=tpu but this machine has no torch_xla"),
+    ],
+)
+def test_trainer_arguments_lightning_would_refuse_only_after_the_data(make_cfg, tmp_path, override, message):
+    with pytest.raises(ConfigError, match=message):
+        run_in_process(make_cfg, tmp_path, override)
+    assert nothing_started(tmp_path)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        ("trainer.devices=-1", r"trainer.devices=-1 selects GPUs, but this run trains on the CPU"),
+        ("trainer.devices=[0,1]", r"trainer.devices=\[0, 1\] selects GPUs, but this run trains on the CPU"),
+        ("trainer.devices='0,1'", r"trainer.devices='0,1' selects GPUs.*trainer.devices=1"),
+        # Lightning would train in bf16 instead, unasked
+        (
+            "trainer.precision=16-mixed",
+            r"trainer.precision=16-mixed \(fp16 mixed precision\) does not run on "
+            r"the CPU.*trainer.precision=32-true",
+        ),
+        ("trainer.precision=16", r"trainer.precision=16 \(fp16 mixed precision\)"),
+        ("trainer.precision=transformer-engine", r"needs NVIDIA's transformer_engine package and a CUDA GPU"),
+    ],
+)
+def test_gpu_only_trainer_arguments_on_a_machine_without_one(make_cfg, tmp_path, override, message):
+    with pytest.raises(ConfigError, match=message):
+        run_in_process(make_cfg, tmp_path, override)
+    assert nothing_started(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "override", ["trainer.devices=auto", "trainer.devices='2'", "trainer.precision=bf16"]
+)
+def test_trainer_arguments_lightning_takes_pass(make_cfg, override):
+    from gptlab.config import parse_trainer
+
+    parse_trainer(make_cfg(override).trainer)
+
+
+def test_more_gpus_than_the_machine_has_names_how_many_there_are():
+    # the count is what torch.cuda.device_count() gives on a machine with 2 GPUs
+    from gptlab.preflight import check_devices
+
+    with pytest.raises(
+        ConfigError, match=r"trainer.devices=3 but this machine has 2 GPU device\(s\)\. Use trainer.devices=2"
+    ):
+        check_devices(3, "cuda", 2)
+    with pytest.raises(ConfigError, match=r"names GPU 2, but this machine has 2 GPU\(s\), numbered 0 to 1"):
+        check_devices([0, 2], "gpu", 2)
+    with pytest.raises(ConfigError, match=r"trainer.devices='1,3' names GPU 3"):
+        check_devices("1,3", "auto", 2)
+    for fine in (2, -1, "auto", [1], "0,1", "1"):
+        check_devices(fine, "cuda", 2)
+
+
+def test_the_precisions_are_lightnings():
+    from typing import get_args
+
+    from lightning.fabric.plugins.precision import precision
+
+    from gptlab.preflight import PRECISIONS
+
+    def flat(t) -> list:
+        return [x for a in get_args(t) for x in (flat(a) if get_args(a) else [a])]
+
+    assert sorted(map(str, PRECISIONS)) == sorted(map(str, flat(precision._PRECISION_INPUT)))
+
+
+def test_devices_0_is_refused_through_the_cli_before_the_data(tmp_path):
+    proc = run_train(
+        ["trainer.devices=0", f"paths.root_dir={tmp_path}", f"hydra.run.dir={tmp_path / 'r'}"],
+        cwd=tmp_path,
+        check=False,
+        timeout=300,
+    )
+    assert proc.returncode == 2
+    assert "gptlab: error: trainer.devices=0 is not a number of devices" in proc.stderr
+    assert "Traceback" not in proc.stderr and "MisconfigurationException" not in proc.stderr
+    assert not (tmp_path / "outputs" / "cache").exists()  # no data was read
+
+
 # strategy=deepspeed_stage_2 on a machine without CUDA, through the CLI: test_strategies.py,
 # test_deepspeed_on_cpu_is_refused_before_any_work (exit status 2, the message, no token cache, no checkpoint).
 

@@ -206,7 +206,7 @@ def test_rolling_perplexity_matches_the_model_over_windows(trained, evaluated):
     trained_run = load_run(run_dir)
     model, tok = trained_run.model, trained_run.tokenizer
     assert results["max_length"] == CONTEXT == trained_run.train_context
-    assert results["out_of_vocabulary"] == {"dropped_chars": 0, "unk_words": 0}
+    assert results["out_of_vocabulary"] == {"dropped_chars": 0, "unk_chars": 0, "unk_words": 0}
     totals = []
     for doc, sample in zip(PPL_DOCS, samples["tiny_ppl"]):
         tokens = tok.encode(doc["text"])

@@ -12,6 +12,7 @@ variants' options were typed per family (its ``hyper_parameters["model"]`` holds
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 from pathlib import Path
 
@@ -19,6 +20,7 @@ import torch
 from conftest import run_train
 
 from gptlab.model.config import GPTConfig
+from gptlab.runs import digests
 from gptlab.runs.checkpoints import load_checkpoint, model_config_dict
 
 OLD = Path(__file__).parent / "data" / "e9c3ad3_rope_rmsnorm_swiglu.ckpt"
@@ -58,7 +60,20 @@ def test_an_old_checkpoint_resumes_and_a_mismatch_is_refused_with_its_overrides(
     run = tmp_path / "b"
     done = run_train([*ARGS, "trainer.max_steps=6", f"resume={ckpt}", f"hydra.run.dir={run}"], tmp_path)
     assert "Resuming from" in done.stdout + done.stderr
+    assert (done.stdout + done.stderr).count("loaded without verifying its bytes") == 1
     result = json.loads((run / "result.json").read_text())
     assert result["finished"] and result["global_step"] == 6
     new = torch.load(run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
     assert new["hyper_parameters"]["model"]["pos"] == GPTConfig(pos="rope").pos.node()  # saved as today's
+    assert digests.check(run / "checkpoints" / "last.ckpt").verified  # written with its digest
+
+
+def test_a_checkpoint_without_a_digest_loads_with_one_line_saying_it_was_not_verified(caplog):
+    assert not digests.digest_path(OLD).exists()  # written before gptlab wrote digests
+    with caplog.at_level(logging.INFO):
+        checkpoint = load_checkpoint(OLD)
+    assert checkpoint["global_step"] == 4 and checkpoint["state_dict"]
+    assert [r.getMessage() for r in caplog.records if "digest" in r.getMessage()] == [
+        f"Checkpoint {OLD} has no digest ({OLD.name}.sha256): loaded without verifying its bytes (written by "
+        "a gptlab that wrote no digests, or by a save stopped before its digest)."
+    ]

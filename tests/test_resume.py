@@ -20,9 +20,12 @@ from conftest import CONF, ROOT, TINY, run_train
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 
-from gptlab.errors import CheckpointError
-from gptlab.resume import choose_run_dir
-from gptlab.runs import Run
+from gptlab.errors import CheckpointError, DiskFullError
+from gptlab.model.config import GPTConfig
+from gptlab.resume import choose_run_dir, plan_resume
+from gptlab.runs import Run, digests
+from gptlab.runs.checkpoints import load_checkpoint, model_config_dict
+from gptlab.runs.trained import load_run
 from gptlab.tasks.gpt import run
 from gptlab.tracking.wandb_files import find_runs, read_run
 from gptlab.training.checkpointing import AtomicCheckpointIO, NonFiniteLossError, restore_interrupted_saves
@@ -36,6 +39,17 @@ ARGS = [
     "optim.warmup_steps=2",
     "callbacks.last_checkpoint.every_n_train_steps=2",
 ]
+
+
+def with_overrides(args: list[str], *overrides: str) -> list[str]:
+    """``args`` with each of ``overrides`` replacing the override of the same key (Hydra takes one each)."""
+    keys = {o.split("=", 1)[0] for o in overrides}
+    return [a for a in args if a.split("=", 1)[0] not in keys] + list(overrides)
+
+
+def logged_steps(run_dir: Path, column: str = "train/loss") -> list[int]:
+    """The steps of ``csv/metrics.csv``'s rows that hold ``column``, in file order."""
+    return [int(r["step"]) for r in csv_rows(run_dir / "csv" / "metrics.csv") if r.get(column)]
 
 
 def weights(ckpt: Path) -> dict[str, torch.Tensor]:
@@ -110,7 +124,7 @@ def start_and_stop_at(args: list[str], cwd: Path, step: int, sig: int) -> subpro
 
 @pytest.mark.slow
 def test_sigkill_three_times_then_resume_ends_bit_identical(tmp_path, cache_dir, reference):
-    args = [*ARGS, "logger=none", f"paths.root_dir={cache_dir}", "resume=auto"]
+    args = [*ARGS, "logger=csv", "trainer.log_every_n_steps=1", f"paths.root_dir={cache_dir}", "resume=auto"]
     rng = random.Random()
     # From step 3 on: the first periodic checkpoint (step 2) is on disk whenever the kill lands.
     steps = sorted(rng.sample(range(3, MAX_STEPS), 3))
@@ -127,6 +141,8 @@ def test_sigkill_three_times_then_resume_ends_bit_identical(tmp_path, cache_dir,
     final = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
     assert final["global_step"] == MAX_STEPS
     assert_bit_identical(final["state_dict"], reference), f"killed at steps {steps}"
+    # every step's row once: none lost with a killed part (rows are on disk with each checkpoint), none twice
+    assert logged_steps(run_dir) == list(range(MAX_STEPS)), f"killed at steps {steps}"
 
 
 @pytest.mark.slow
@@ -137,7 +153,7 @@ def test_sigterm_through_the_cli_exits_0_then_resume_auto_continues_the_same_run
     step = random.Random().randrange(3, MAX_STEPS - 2)
     proc = start_and_stop_at(args, tmp_path, step, signal.SIGTERM)
     assert proc.returncode == 0, proc.output[-3000:]
-    stopped = int(re.search(r"Stopped by a signal at step (\d+)", proc.output).group(1))
+    stopped = int(re.search(r"Stopped by SIGTERM at step (\d+)", proc.output).group(1))
     assert step <= stopped <= step + 1
     (run_dir,) = run_dirs(tmp_path)
     saved = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
@@ -171,7 +187,13 @@ def signal_after_first_checkpoint(ckpt: Path, signum: int) -> None:
 def test_sigterm_saves_the_current_step_and_resume_continues_bit_identical(tmp_path, cache_dir, reference):
     out = tmp_path / "run"
     ckpt = out / "checkpoints" / "last.ckpt"
-    overrides = [*ARGS, "logger=wandb", f"paths.root_dir={cache_dir}", f"paths.output_dir={out}"]
+    overrides = [
+        *ARGS,
+        "logger=[csv,wandb]",
+        "trainer.log_every_n_steps=1",
+        f"paths.root_dir={cache_dir}",
+        f"paths.output_dir={out}",
+    ]
     handler_before = signal.getsignal(signal.SIGTERM)
     signal_after_first_checkpoint(ckpt, signal.SIGTERM)
     run(compose_cfg(*overrides))
@@ -182,6 +204,7 @@ def test_sigterm_saves_the_current_step_and_resume_continues_bit_identical(tmp_p
 
     run(compose_cfg(*overrides, "resume=auto"))
     assert_bit_identical(weights(ckpt), reference)
+    assert logged_steps(out) == list(range(MAX_STEPS))  # each step once
     first, second = (read_run(p) for p in find_runs(out / "wandb"))
     assert first.run_id == second.run_id == saved["wandb_run_id"]
     assert min(s for s, _ in second.metric("train/loss")) >= stopped - 1
@@ -351,7 +374,7 @@ def test_sigterm_under_ddp_stops_every_rank_and_saves(tmp_path, cache_dir):
     ]
     proc = start_and_stop_at(args, tmp_path, 4, signal.SIGTERM)
     assert proc.returncode == 0, proc.output[-3000:]
-    stopped = int(re.search(r"Stopped by a signal at step (\d+)", proc.output).group(1))
+    stopped = int(re.search(r"Stopped by SIGTERM at step (\d+)", proc.output).group(1))
     (run_dir,) = run_dirs(tmp_path)
     saved = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
     assert saved["global_step"] == stopped < MAX_STEPS
@@ -367,24 +390,36 @@ def test_sigterm_under_ddp_stops_every_rank_and_saves(tmp_path, cache_dir):
     )
 
 
-def test_resuming_a_finished_run_reports_its_validation_loss_and_trains_nothing(
+def test_resuming_a_finished_run_does_nothing_and_rewrites_nothing(
     tmp_path, cache_dir, reference_run, capsys
 ):
     finished, first = reference_run
     # a copy of the finished run: resumed here, it must not change
     shutil.copytree(finished, tmp_path, dirs_exist_ok=True)
     common = [*ARGS, "logger=csv", f"paths.root_dir={cache_dir}", f"paths.output_dir={tmp_path}"]
-    ckpt = tmp_path / "checkpoints" / "last.ckpt"
-    saved, metrics_csv = ckpt.read_bytes(), (tmp_path / "csv" / "metrics.csv").read_text()
+    ckpt, result = tmp_path / "checkpoints" / "last.ckpt", tmp_path / "result.json"
+    saved, metrics_csv, recorded = (
+        ckpt.read_bytes(),
+        (tmp_path / "csv" / "metrics.csv").read_text(),
+        result.read_bytes(),
+    )
     capsys.readouterr()
     again = run(compose_cfg(*common, f"resume={tmp_path}"))
-    assert again["val/loss"] == pytest.approx(first["val/loss"], abs=1e-6)
     out = capsys.readouterr().out
-    assert f"Final validation loss {first['val/loss']:.4f}" in out and f"Trained {MAX_STEPS} steps" in out
-    # nothing trained, saved or logged again
+    assert f"The run already finished at step {MAX_STEPS}; nothing to do" in out
+    assert f"Final validation loss {first['val/loss']:.4f}" in out and "Trained" not in out
+    # nothing trained, saved, logged or recorded again: its wall time and metrics stay the first run's
+    assert result.read_bytes() == recorded
     assert ckpt.read_bytes() == saved
     assert (tmp_path / "csv" / "metrics.csv").read_text() == metrics_csv
-    assert "train/loss" not in again
+    assert again["val/loss"] == first["val/loss"] and again["wall_seconds"] == first["wall_seconds"]
+
+    # A run killed after its last checkpoint and before its result.json: resuming validates and records it.
+    result.unlink()
+    again = run(compose_cfg(*common, f"resume={tmp_path}"))
+    assert f"Nothing left to train at step {MAX_STEPS}: validated the checkpoint" in capsys.readouterr().out
+    assert again["val/loss"] == pytest.approx(first["val/loss"], abs=1e-6)
+    assert Run(tmp_path).result()["finished"] is True and ckpt.read_bytes() == saved
 
 
 def csv_rows(path: Path) -> list[dict[str, str]]:
@@ -452,6 +487,124 @@ def test_a_checkpoint_holding_python_objects_is_refused_by_name(tmp_path, cache_
         run(compose_cfg(*common, f"paths.output_dir={tmp_path / 'new'}", f"resume={old}"))
 
 
+def copy_of_run(reference_run, tmp_path: Path) -> tuple[Path, Path, Path]:
+    """A copy of the finished reference run: its directory, its last.ckpt and its best checkpoint."""
+    run_dir = tmp_path / "run"
+    shutil.copytree(reference_run[0], run_dir)
+    checkpoints = run_dir / "checkpoints"
+    (best,) = checkpoints.glob("best-*.ckpt")
+    return run_dir, checkpoints / "last.ckpt", best
+
+
+def test_a_checkpoint_changed_after_it_was_written_is_refused_naming_the_intact_one_to_resume_from(
+    tmp_path, cache_dir, reference_run
+):
+    run_dir, last, best = copy_of_run(reference_run, tmp_path)
+    assert digests.check(last).verified and digests.check(best).verified  # each save wrote its digest
+    # 64 bytes in the middle of last.ckpt (inside the weights) changed, as a bad disk or a stray write would:
+    # the file still loads, and resumed without a word before digests.
+    middle = last.stat().st_size // 2
+    with open(last, "r+b") as f:
+        f.seek(middle)
+        original = f.read(64)
+        f.seek(middle)
+        f.write(bytes(b ^ 0xFF for b in original))
+    damaged = last.read_bytes()
+    common = [
+        *ARGS,
+        f"trainer.max_steps={MAX_STEPS + 2}",
+        "logger=none",
+        f"paths.root_dir={cache_dir}",
+        f"paths.output_dir={run_dir}",
+    ]
+    with pytest.raises(CheckpointError) as refused:
+        run(compose_cfg(*common, "resume=auto"))
+    message = str(refused.value)
+    best_step = digests.read_digest(best).step
+    assert f"Checkpoint {last} is damaged: its bytes differ from those written at step {MAX_STEPS}" in message
+    assert f"last.ckpt has the size written ({len(damaged):,} bytes) but SHA-256" in message
+    assert (
+        f"Intact checkpoints beside it (each just verified against its digest): {best} (step {best_step})."
+        in message
+    )
+    assert message.endswith(f"the same command with resume=<its path>, e.g. resume={best}.")
+    assert last.read_bytes() == damaged  # refused before anything trained or saved
+
+    # The command the message gives continues from the intact checkpoint, and the new last.ckpt has its digest.
+    run(compose_cfg(*common, f"resume={best}"))
+    assert torch.load(last, map_location="cpu", weights_only=True)["global_step"] == MAX_STEPS + 2
+    assert digests.check(last).verified and digests.check(last).step == MAX_STEPS + 2
+
+
+def test_a_truncated_last_checkpoint_is_refused_naming_the_intact_ones(tmp_path, reference_run):
+    run_dir, last, best = copy_of_run(reference_run, tmp_path)
+    written = last.stat().st_size
+    os.truncate(last, written // 3)
+    model = GPTConfig.from_dict(model_config_dict(load_checkpoint(best, weights=False)))
+    intact = f"Intact checkpoints beside it (each just verified against its digest): {best} (step "
+    with pytest.raises(CheckpointError) as refused:
+        plan_resume("auto", run_dir, model)
+    message = str(refused.value)
+    assert f"last.ckpt is {written // 3:,} bytes instead of the {written:,} written (truncated)" in message
+    assert intact in message and message.endswith(f"resume={best}.")
+    # The scripts that read a trained run (eval_length, generate, evaluate) refuse it the same way.
+    with pytest.raises(
+        CheckpointError, match=rf"{re.escape(intact)}.*in its place, e.g. {re.escape(str(best))}\.$"
+    ):
+        load_run(run_dir)
+
+    # A run of a gptlab that wrote no digests: torch cannot read the file, and the message still names the
+    # intact checkpoint beside it.
+    digests.digest_path(last).unlink()
+    with pytest.raises(CheckpointError) as refused:
+        plan_resume("auto", run_dir, model)
+    message = str(refused.value)
+    assert f"Checkpoint {last} cannot be read" in message and "it is truncated" in message
+    assert intact in message and message.endswith(f"resume={best}.")
+
+
+def test_a_sharded_checkpoint_is_verified_file_by_file(tmp_path):
+    """A distributed checkpoint directory (real shards, written by torch.distributed.checkpoint in this
+    process) gets one digest line per file; a changed or missing shard is refused by name."""
+    import torch.distributed.checkpoint as dcp
+    from lightning.pytorch.strategies import SingleDeviceStrategy
+
+    from gptlab.parallel.checkpoint_io import save_directory_atomically
+
+    target = tmp_path / "checkpoints" / "last.ckpt"
+    state = {"state_dict": {"model.w": torch.arange(4096.0)}}
+    save_directory_atomically(
+        SingleDeviceStrategy(), target, lambda staging: dcp.save(state, checkpoint_id=staging), step=6
+    )
+    manifest = digests.read_digest(target)
+    files = sorted(p.relative_to(target.parent).as_posix() for p in target.iterdir())
+    assert manifest.step == 6 and [f.name for f in manifest.files] == files
+    assert "last.ckpt/__0_0.distcp" in files
+    if shutil.which("sha256sum"):  # the digest file is sha256sum's own format
+        checked = subprocess.run(
+            ["sha256sum", "-c", "--strict", "last.ckpt.sha256"],
+            cwd=target.parent,
+            capture_output=True,
+            text=True,
+        )
+        assert checked.returncode == 0 and checked.stdout.count(": OK") == len(files), checked.stdout
+    assert torch.equal(load_checkpoint(target)["state_dict"]["model.w"], state["state_dict"]["model.w"])
+
+    shard = target / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=r"last.ckpt/__0_0.distcp has the size written .* but SHA-256"):
+        load_checkpoint(target)
+    shard.unlink()
+    with pytest.raises(CheckpointError, match=r"last.ckpt/__0_0.distcp is missing"):
+        load_checkpoint(target, weights=False)
+
+    # A checkpoint removed (a best checkpoint past save_top_k) takes its digest with it.
+    AtomicCheckpointIO().remove_checkpoint(target)
+    assert not target.exists() and not digests.digest_path(target).exists()
+
+
 @pytest.mark.slow
 def test_a_stop_signal_skips_the_length_study_until_the_resumed_run_finishes(tmp_path, cache_dir):
     from gptlab.runs.layout import Run
@@ -470,7 +623,7 @@ def test_a_stop_signal_skips_the_length_study_until_the_resumed_run_finishes(tmp
     ]
     proc = start_and_stop_at(args, tmp_path, 5, signal.SIGTERM)
     assert proc.returncode == 0, proc.output[-3000:]
-    stopped = int(re.search(r"Stopped by a signal at step (\d+)", proc.output).group(1))
+    stopped = int(re.search(r"Stopped by SIGTERM at step (\d+)", proc.output).group(1))
     assert stopped < MAX_STEPS
     assert (
         "Stopped by a signal: the length study (eval_length) is skipped; it runs when the resumed run finishes."
@@ -488,3 +641,210 @@ def test_a_stop_signal_skips_the_length_study_until_the_resumed_run_finishes(tmp
     result = Run(run_dir).result()
     assert result["stopped_by_signal"] is False and result["finished"] is True
     assert "length/loss@2x" in result["metrics"]
+
+
+@pytest.mark.slow
+def test_ctrl_c_saves_the_current_step_and_resume_ends_as_if_never_stopped(
+    tmp_path, cache_dir, reference_run
+):
+    # Periodic checkpoints every 50 steps: the step Ctrl-C stops at is saved by the stop itself.
+    args = with_overrides(
+        [*ARGS, "logger=csv", f"paths.root_dir={cache_dir}", "resume=auto"],
+        "callbacks.last_checkpoint.every_n_train_steps=50",
+        "trainer.log_every_n_steps=1",
+    )
+    proc = start_and_stop_at(args, tmp_path, 5, signal.SIGINT)
+    assert proc.returncode == 0, proc.output[-3000:]
+    assert "Ctrl-C: stopping at the end of this step, with a checkpoint saved for it" in proc.output
+    stopped = int(
+        re.search(r"Stopped by Ctrl-C at step (\d+): \S+ holds it; resume with", proc.output).group(1)
+    )
+    assert 5 <= stopped <= 6
+    assert "resume with the same command and resume=auto" in proc.output
+    (run_dir,) = run_dirs(tmp_path)
+    saved = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    assert saved["global_step"] == stopped  # nothing lost
+    result = Run(run_dir).result()
+    assert result["stopped_by_signal"] is True and result["finished"] is False
+    assert result["global_step"] == stopped and result["stop_signal"] == "Ctrl-C"
+    assert "train/loss" in result["metrics"] and "failed" not in result
+
+    proc = run_train(args, cwd=tmp_path)
+    assert (
+        f"Trained {MAX_STEPS} steps; this part, resumed at step {stopped}, trained {MAX_STEPS - stopped} in"
+        in (proc.stdout)
+    )
+    assert run_dirs(tmp_path) == [run_dir]
+    assert_bit_identical(
+        weights(run_dir / "checkpoints" / "last.ckpt"),
+        weights(reference_run[0] / "checkpoints" / "last.ckpt"),
+    )
+    assert logged_steps(run_dir) == list(range(MAX_STEPS))  # each step once
+    result = Run(run_dir).result()
+    assert result["finished"] is True and result["stopped_by_signal"] is False
+    assert result["metrics"]["val/loss"] == pytest.approx(reference_run[1]["val/loss"], abs=1e-6)
+    # the run's wall time is the sum of its two parts', each part recorded
+    parts = result["parts"]
+    assert [(p["from_step"], p["to_step"], p["status"]) for p in parts] == [
+        (0, stopped, "stopped"),
+        (stopped, MAX_STEPS, "finished"),
+    ]
+    assert result["metrics"]["wall_seconds"] == pytest.approx(sum(p["wall_seconds"] for p in parts))
+
+
+@pytest.mark.slow
+def test_a_second_ctrl_c_during_the_save_quits_and_leaves_the_previous_checkpoint(
+    tmp_path, cache_dir, reference
+):
+    # The first Ctrl-C after step 5 asks for a save at step 6; the second lands inside that save, after the
+    # bytes are written and before the rename. Periodic checkpoints every 4 steps: last.ckpt holds step 4.
+    args = with_overrides(
+        [*ARGS, "logger=[csv,tensorboard]", f"paths.root_dir={cache_dir}", "resume=auto"],
+        "callbacks.last_checkpoint.every_n_train_steps=4",
+        "trainer.log_every_n_steps=1",
+    )
+    proc = run_train(
+        args,
+        cwd=tmp_path,
+        check=False,
+        script=ROOT / "tests" / "faults.py",
+        env={"GPTLAB_TEST_FAULT": "ctrl_c_twice:5"},
+    )
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-3000:]
+    assert re.search(
+        r"Quit by a second Ctrl-C at step 6, without saving it: \S+last.ckpt holds step 4; resume with the same "
+        r"command and resume=auto \(it continues from step 4\)",
+        output,
+    ), output[-3000:]
+    (run_dir,) = run_dirs(tmp_path)
+    checkpoints = run_dir / "checkpoints"
+    assert torch.load(checkpoints / "last.ckpt", map_location="cpu", weights_only=True)["global_step"] == 4
+    assert not list(checkpoints.glob(".*tmp*"))  # the interrupted save left nothing behind
+    result = Run(run_dir).result()
+    assert (
+        result["stopped_by_signal"] is True and result["checkpoint_step"] == 4 and result["global_step"] == 6
+    )
+    assert max(logged_steps(run_dir)) >= 4  # rows past the checkpoint's step were written...
+
+    run_train(args, cwd=tmp_path)
+    assert logged_steps(run_dir) == list(range(MAX_STEPS))  # ...and dropped, not repeated, by the resumed run
+    # TensorBoard reads the two parts' event files as one curve, each step once
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run_dir / "tensorboard")).Reload()
+    assert [e.step for e in events.Scalars("train/loss")] == list(range(MAX_STEPS))
+    assert_bit_identical(weights(checkpoints / "last.ckpt"), reference)
+
+
+def test_a_full_disk_names_the_space_and_keeps_the_last_checkpoint_and_the_metrics(
+    tmp_path, cache_dir, reference_run
+):
+    """A real full filesystem: the run directory on a tmpfs with room for one checkpoint and a half. The
+    first save fits; the second, written beside the first before it replaces it, does not."""
+    size = (reference_run[0] / "checkpoints" / "last.ckpt").stat().st_size
+    out = tmp_path / "run"
+    out.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size * 3 // 2 // 4096 * 4096}", "tmpfs", str(out)],
+        capture_output=True,
+        text=True,
+    )
+    if mounted.returncode != 0:
+        pytest.skip(
+            f"cannot mount a tmpfs here (needs root outside an unprivileged container): {mounted.stderr}"
+        )
+    try:
+        cfg = compose_cfg(
+            *with_overrides(ARGS, "trainer.val_check_interval=100"),  # no best-*.ckpt before the second save
+            "logger=csv",
+            f"paths.root_dir={cache_dir}",
+            f"paths.output_dir={out}",
+        )
+        with pytest.raises(DiskFullError) as raised:
+            run(cfg)
+        message = str(raised.value)
+        checkpoints = out / "checkpoints"
+        match = re.fullmatch(
+            rf"no space left on {checkpoints}: the checkpoint last.ckpt needs about (\d+) MB, (\d+) MB free\. "
+            rf"Free space there, or start the run on another disk \(hydra.run.dir=<dir>\); the last good "
+            rf"checkpoint {checkpoints / 'last.ckpt'} is intact: once there is space, resume=auto continues "
+            r"from it\.",
+            message,
+        )
+        assert match, message
+        needed, free = int(match.group(1)), int(match.group(2))
+        assert abs(needed * 1e6 - size) < 0.1 * size and free < needed  # about the checkpoint's real size
+        # the old checkpoint is whole, no partial file is left, and result.json keeps what was logged
+        saved = torch.load(checkpoints / "last.ckpt", map_location="cpu", weights_only=True)
+        assert saved["global_step"] == 2 and [p.name for p in checkpoints.iterdir()] == ["last.ckpt"]
+        result = Run(out).result()
+        assert result["failed"].startswith("DiskFullError: no space left on") and result["global_step"] == 4
+        assert result["finished"] is False
+        assert {"train/loss", "lr", "wall_seconds"} <= set(result["metrics"])
+    finally:
+        subprocess.run(["umount", str(out)], check=False)
+
+
+@pytest.mark.slow
+def test_ctrl_c_in_a_sweep_stops_the_sweep_after_saving_the_job(tmp_path, cache_dir):
+    sweep = tmp_path / "sweep"
+    args = with_overrides(
+        [*ARGS, "logger=none", f"paths.root_dir={cache_dir}", "resume=auto"],
+        "trainer.max_steps=6",
+        "callbacks.last_checkpoint.every_n_train_steps=50",
+    )
+    proc = run_train(
+        ["-m", *args, "seed=0,1", f"hydra.sweep.dir={sweep}"],
+        cwd=tmp_path,
+        check=False,
+        script=ROOT / "tests" / "faults.py",
+        env={"GPTLAB_TEST_FAULT": "ctrl_c:3"},
+    )
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 130, output[-3000:]
+    assert "Ctrl-C: the sweep stops here; the same command with resume=auto and its hydra.sweep.dir" in output
+    # job 0 stopped at the step after the Ctrl-C, with its checkpoint and result; job 1 never started
+    result = Run(sweep / "0").result()
+    assert result["stopped_by_signal"] is True and result["global_step"] == 4
+    saved = torch.load(sweep / "0" / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    assert saved["global_step"] == 4
+    assert not (sweep / "1").exists()
+
+
+def test_a_resumed_runs_result_sums_the_wall_time_and_rates_over_its_parts():
+    from gptlab.tasks.skeleton import earlier_parts, merged_metrics
+
+    # a result.json written before parts were recorded: 5,000 tokens in 100 s of wall time, 50 s of training
+    earlier = {
+        "global_step": 160,
+        "metrics": {
+            "wall_seconds": 100.0,
+            "tokens_per_second_wall": 50.0,
+            "tokens_per_second_training": 100.0,
+            "train/loss": 5.0,
+            "train/grad_norm": 0.5,
+        },
+    }
+    # this part: 5,000 more tokens in 50 s of wall time, 25 s of training; it logged no gradient norm
+    part = {
+        "from_step": 160,
+        "to_step": 320,
+        "wall_seconds": 50.0,
+        "tokens_per_second_wall": 100.0,
+        "tokens_per_second_training": 200.0,
+    }
+    latest = {"wall_seconds": 50.0, "tokens_per_second_wall": 100.0, "tokens_per_second_training": 200.0}
+    merged = merged_metrics(earlier, {**latest, "train/loss": 4.0}, part)
+    assert merged["wall_seconds"] == 150.0
+    assert merged["tokens_per_second_wall"] == pytest.approx(10_000 / 150)
+    assert merged["tokens_per_second_training"] == pytest.approx(10_000 / 75)
+    assert merged["train/loss"] == 4.0 and merged["train/grad_norm"] == 0.5  # the latest value of each
+    assert earlier_parts(earlier) == [
+        {
+            "to_step": 160,
+            "wall_seconds": 100.0,
+            "tokens_per_second_wall": 50.0,
+            "tokens_per_second_training": 100.0,
+        }
+    ]

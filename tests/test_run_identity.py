@@ -41,9 +41,9 @@ def overwritten(tmp_path_factory) -> SimpleNamespace:
     root = tmp_path_factory.mktemp("overwrite")
     run_dir = root / "D"
     seen = SimpleNamespace(root=root, run_dir=run_dir)
-    # a command refused at config time leaves Hydra's .hydra/ and log, but no run: the next one starts there
+    # a command refused at config time removes the folder it made for its run: the next one starts there
     seen.typo = train(root, "model.n_head=3", f"hydra.run.dir={run_dir}", check=False)
-    seen.hydra_after_typo = (run_dir / ".hydra").is_dir()
+    seen.left_after_typo = run_dir.exists()
     seen.first = train(root, "trainer.max_steps=2", f"hydra.run.dir={run_dir}")
     paths = (run_dir / "result.json", run_dir / ".hydra" / "overrides.yaml")
     seen.before = {p: p.read_bytes() for p in paths}
@@ -62,7 +62,7 @@ def copy_run(run_dir, to):
 
 def test_a_fresh_run_into_a_run_directory_is_refused_and_overwrite_moves_the_old_run_aside(overwritten):
     run_dir = overwritten.run_dir
-    assert overwritten.typo.returncode == 2 and overwritten.hydra_after_typo
+    assert overwritten.typo.returncode == 2 and not overwritten.left_after_typo
     refused = overwritten.refused
     assert refused.returncode == 2
     message = refused.stderr

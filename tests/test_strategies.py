@@ -33,6 +33,7 @@ from gptlab.parallel import (
     warn_if_cpu_oversubscribed,
 )
 from gptlab.parallel.hardware import cpu_cores
+from gptlab.runs import digests
 from gptlab.tracking.wandb_files import find_runs, read_run
 
 STRATEGY_CHOICES = sorted(p.stem for p in (CONF / "strategy").glob("*.yaml"))
@@ -399,12 +400,16 @@ def test_fsdp_on_two_processes_trains_checkpoints_shards_and_resumes(tmp_path):
     ]
     full_loss = column(metrics_csv(full), "train/loss")
     assert full_loss[5] < full_loss[0] - 1.0  # it trained
+    # Rank 0 wrote the directory's digest: one line per file, every rank's shard included.
+    listed = {f.name for f in digests.read_digest(middle).files}
+    assert listed == {f"{middle.name}/{p.name}" for p in middle.iterdir()} and len(listed) == 4
 
     resumed = tmp_path / "resumed"
     proc = run_train(
         [*common, "trainer.max_steps=6", f"resume={middle}", f"hydra.run.dir={resumed}"], cwd=tmp_path
     )
     assert "Restored all states from the checkpoint" in proc.stdout + proc.stderr
+    assert "without verifying" not in proc.stdout + proc.stderr  # each rank checked the shards first
     resumed_loss = column(metrics_csv(resumed), "train/loss")
     assert sorted(resumed_loss) == [3, 4, 5]  # Lightning's 0-based steps after the third optimizer step
     # The sharded weights and optimizer states came back: the loss goes on from where it was, far below the

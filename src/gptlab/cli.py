@@ -2,13 +2,162 @@
 
 from __future__ import annotations
 
+import difflib
+import os
+import shutil
 import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 from hydra.core.hydra_config import HydraConfig
+from hydra.experimental.callback import Callback as HydraCallback
 from hydra.types import RunMode
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
-from gptlab.errors import ConfigError, DataError, NonFiniteLossError
+from gptlab.errors import ConfigError, DataError, DiskFullError, NonFiniteLossError
+from gptlab.runs.layout import CLAIM_FILE, HYDRA_DIR, RUN_FILE
+
+
+def group_choices(group: str) -> str:
+    """The choices of a config group on Hydra's search path (e.g. ``hydra/launcher``), comma-separated: the
+    help page lists Hydra's own groups through it, read when the page is shown."""
+    from hydra.core.global_hydra import GlobalHydra
+
+    if not GlobalHydra.instance().is_initialized():
+        return ""
+    return ", ".join(sorted(GlobalHydra.instance().config_loader().get_group_options(group)))
+
+
+def register_help_resolver() -> None:
+    """``${gptlab_choices:GROUP}`` for conf/hydra/help/gptlab.yaml."""
+    if not OmegaConf.has_resolver("gptlab_choices"):
+        OmegaConf.register_new_resolver("gptlab_choices", group_choices)
+
+
+def unknown_choice(error: Exception) -> str | None:
+    """gptlab's message for Hydra's MissingConfigException of a mistyped choice (``pos=sinusiodal``): the
+    group's choices and the closest one. None where the group itself is unknown (or the primary config is
+    missing): Hydra's own message, with its config search path, is the useful one there."""
+    missing = getattr(error, "missing_cfg_file", None) or ""
+    options = sorted(getattr(error, "options", None) or ())
+    if "/" not in missing or not options:
+        return None
+    group, choice = missing.rsplit("/", 1)
+    close = difflib.get_close_matches(choice, options, n=1)
+    return (
+        f"Could not find '{missing}': {group} has no choice {choice!r}. Choose {group} from: "
+        f"{', '.join(options)}." + (f" Did you mean {group}={close[0]}?" if close else "")
+    )
+
+
+def suggest_choices() -> None:
+    """A mistyped choice refused as gptlab refuses bad input: ``gptlab: error: ... Did you mean
+    pos=sinusoidal?``, status 2, without Hydra's config search path.
+
+    Hydra composes the config, and reports a failure to compose, inside ``hydra._internal.utils.
+    run_and_report``, before any code of the task runs; its public API has no hook there (callbacks start
+    after composition). This wraps that function so that a MissingConfigException of a known group is
+    reported here, and everything else exactly as Hydra does. Where a Hydra release lacks the function, or
+    ``HYDRA_FULL_ERROR=1`` asks for the stack trace, Hydra's report stands."""
+    from hydra._internal import utils as hydra_utils
+
+    original = getattr(hydra_utils, "run_and_report", None)
+    if original is None or getattr(original, "suggests_choices", False):
+        return
+
+    def run_and_report(func: Callable[[], Any]) -> Any:
+        def composed_or_refused() -> Any:
+            from hydra.errors import MissingConfigException
+
+            _new_dirs.clear()  # what this command makes is noted anew (a process may run several: the docs' tests)
+            try:
+                return func()
+            except MissingConfigException as e:
+                message = None if os.environ.get("HYDRA_FULL_ERROR") == "1" else unknown_choice(e)
+                if message is None:
+                    raise
+                _remove_refused_sweep_dir()
+                print(f"gptlab: error: {message}", file=sys.stderr, flush=True)
+                raise SystemExit(2) from None
+
+        return original(composed_or_refused)
+
+    run_and_report.suggests_choices = True  # type: ignore[attr-defined]
+    hydra_utils.run_and_report = run_and_report
+
+
+# ---- a refused run leaves no folder ----------------------------------------------------------------------
+
+#: The folders this command is about to create: the run (or sweep) directory and those of its parents that do
+#: not exist yet, noted before Hydra makes them (NoteNewDirectories); a refused run removes only these.
+_new_dirs: set[Path] = set()
+
+
+def _absolute(path: Any) -> Path:
+    return Path(os.path.abspath(str(path)))  # as Hydra makes runtime.output_dir
+
+
+class NoteNewDirectories(HydraCallback):
+    """A Hydra callback, first of conf/hydra/default.yaml's: notes which of the run directory (a sweep's
+    directory, with ``-m``) and its parents do not exist yet, before anything creates them, so that a refused
+    command removes what it made and never a folder that was there before (an explicit ``hydra.run.dir`` of an
+    earlier run, ``resume=``)."""
+
+    def _note(self, path: Any) -> None:
+        _new_dirs.clear()
+        folder = _absolute(path)
+        for candidate in (folder, *folder.parents):
+            if candidate.exists():
+                break
+            _new_dirs.add(candidate)
+
+    def on_run_start(self, config: Any, **kwargs: Any) -> None:
+        self._note(config.hydra.run.dir)
+
+    def on_multirun_start(self, config: Any, **kwargs: Any) -> None:
+        self._note(config.hydra.sweep.dir)
+
+
+def remove_refused_run_dir(run_dir: Path, job_log: str) -> bool:
+    """Remove ``run_dir`` after a refusal when this command created it (it, or a folder above it, did not
+    exist when the command started) and it holds only what a refused run writes: Hydra's ``.hydra/`` and
+    job log (``job_log``), and ``run.json``. Then the emptied parents this command created. Returns whether
+    the run directory was removed."""
+    return _remove_new_folder(_absolute(run_dir), {HYDRA_DIR, job_log, RUN_FILE, CLAIM_FILE})
+
+
+def _remove_new_folder(folder: Path, leftovers: set[str]) -> bool:
+    if not _new_dirs & {folder, *folder.parents}:
+        return False
+    try:
+        found = {entry.name for entry in folder.iterdir()}
+    except OSError:
+        return False
+    if not found <= leftovers:
+        return False
+    shutil.rmtree(folder, ignore_errors=True)
+    for parent in folder.parents:
+        if parent not in _new_dirs:
+            break
+        try:
+            parent.rmdir()  # only an empty one: a sweep's other jobs, or a run started beside, stay
+        except OSError:
+            break
+    return not folder.exists()
+
+
+def _remove_refused_sweep_dir() -> None:
+    """A sweep refused before its first job (a mistyped choice among its values): the sweep directory it
+    made holds only Hydra's ``multirun.yaml``."""
+    if _new_dirs:
+        _remove_new_folder(max(_new_dirs, key=lambda p: len(p.parts)), {"multirun.yaml"})
+
+
+def _remove_refused_run_dir() -> None:
+    if HydraConfig.initialized():
+        hydra = HydraConfig.get()
+        remove_refused_run_dir(Path(hydra.runtime.output_dir), f"{hydra.job.name}.log")
 
 
 def run_task(cfg: DictConfig) -> float | None:
@@ -17,12 +166,13 @@ def run_task(cfg: DictConfig) -> float | None:
     try:
         metrics = task_runner(cfg)(cfg)
     except (ConfigError, DataError) as e:
+        _remove_refused_run_dir()  # nothing ran: a folder holding no metrics would only be in the way
         multirun = HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
         if multirun:
             raise
         print(f"\ngptlab: error: {e}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
-    except NonFiniteLossError as e:
+    except (NonFiniteLossError, DiskFullError) as e:
         if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
             raise
         print(f"\ngptlab: training failed: {e}", file=sys.stderr, flush=True)

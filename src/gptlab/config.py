@@ -217,12 +217,18 @@ def parse_loss(node: Any, trainer: dict[str, Any]) -> HeadLoss:
 def parse_trainer(node: Any) -> dict[str, Any]:
     """The ``trainer`` node: Lightning's arguments, checked before Lightning sees them."""
     from gptlab.parallel import choose_precision
-    from gptlab.preflight import check_accelerator, check_trainer_options, check_trainer_values
+    from gptlab.preflight import (
+        check_accelerator,
+        check_precision,
+        check_trainer_options,
+        check_trainer_values,
+    )
 
     trainer = cast(dict[str, Any], plain(node))
     check_trainer_options(trainer)
     check_trainer_values(trainer)
-    check_accelerator(trainer)
+    check_accelerator(trainer)  # and devices, num_nodes
+    check_precision(trainer)
     trainer["precision"] = choose_precision(trainer.get("precision"), trainer.get("accelerator"))
     return trainer
 

@@ -1,7 +1,7 @@
 """Every exception gptlab raises on purpose. Each message names the bad value, what is allowed, and the fix.
 
 ``ConfigError`` and its kinds end `python train.py` with exit status 2 and the message alone (no traceback);
-``NonFiniteLossError`` ends it with status 1, as a run that started and then failed.
+``NonFiniteLossError`` and ``DiskFullError`` end it with status 1, as a run that started and then failed.
 """
 
 
@@ -26,4 +26,16 @@ class NonFiniteLossError(RuntimeError):
     bad state is stepped or saved."""
 
 
-__all__ = ["CheckpointError", "ConfigError", "DataError", "NonFiniteLossError", "WandbFileError"]
+class DiskFullError(RuntimeError):
+    """A checkpoint could not be written for want of space; the message names the place, the space needed
+    and free, and the last good checkpoint (a failed save never replaces it)."""
+
+
+__all__ = [
+    "CheckpointError",
+    "ConfigError",
+    "DataError",
+    "DiskFullError",
+    "NonFiniteLossError",
+    "WandbFileError",
+]

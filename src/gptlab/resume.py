@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,8 +22,8 @@ from hydra.experimental.callback import Callback as HydraCallback
 from omegaconf import OmegaConf
 
 from gptlab.errors import CheckpointError, ConfigError
-from gptlab.runs.checkpoints import load_checkpoint, model_config_dict
-from gptlab.runs.layout import Run, checkpoint_kind, find_run_dirs, run_of_path
+from gptlab.runs.checkpoints import RESUME_INSTEAD, load_checkpoint, model_config_dict
+from gptlab.runs.layout import HYDRA_DIR, Run, checkpoint_kind, find_run_dirs, run_of_path
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +64,9 @@ def find_run_to_continue(overrides: list[str], root: Path) -> Path | None:
         # A checkpoint set aside by a kill mid-swap counts: train.run puts it back before it resumes.
         ckpt = run.resume_checkpoint() or next(iter(run.set_aside_checkpoints()), None)
         saved = run.overrides()
-        if ckpt is None or saved is None or comparable(saved) != wanted:
+        if ckpt is None or saved is None:
+            continue
+        if comparable(saved) != wanted and all(comparable(p) != wanted for p in run.part_overrides()):
             continue
         mtime = ckpt.stat().st_mtime
         if best is None or mtime > best[0]:
@@ -188,8 +191,9 @@ def architecture_differences(saved: dict[str, Any], current: dict[str, Any]) -> 
 def inspect_checkpoint(path: Path, model_config: Any) -> ResumePlan:
     """Check that ``path`` (a file or a sharded directory) is a readable gptlab checkpoint of the same model
     as ``model_config`` (a GPTConfig); returns what the resumed run needs from it. Checkpoints written by
-    earlier versions of gptlab hold the same keys and pass; one from elsewhere is refused here, by name."""
-    checkpoint = load_checkpoint(path, weights=False)
+    earlier versions of gptlab hold the same keys and pass; one from elsewhere is refused here, by name, as is
+    one whose bytes differ from the digest written with it (naming the intact checkpoints to resume from)."""
+    checkpoint = load_checkpoint(path, weights=False, use_instead=RESUME_INSTEAD)
     if checkpoint_kind(path) == "file" and "state_dict" not in checkpoint:
         raise CheckpointError(
             f"Checkpoint {path} is not a gptlab training checkpoint (it has no state_dict; keys: "
@@ -289,6 +293,13 @@ class CheckRunDirectory(HydraCallback):
 
         self._check(config.hydra.run.dir, "hydra.run.dir")
         run_dir = Path(str(config.hydra.run.dir))
+        # A run's first command stays in its .hydra/ (on_job_start); a resume's files go beside it.
+        first = run_dir / HYDRA_DIR
+        self._first_part = {
+            name: (first / name).read_bytes()
+            for name in ("config.yaml", "hydra.yaml", "overrides.yaml")
+            if (first / name).is_file()
+        }
         try:
             # this process's claim first: of two runs started into one directory, one goes on, one stops here
             hold_run_dir(run_dir, config.get("resume"))
@@ -298,6 +309,35 @@ class CheckRunDirectory(HydraCallback):
         except RunDirectoryInUse as e:
             release_run_dir(run_dir)  # refused: this process's own claim, if it took one, goes too
             _refuse(str(e))
+
+    def on_job_start(self, config: Any, **kwargs: Any) -> None:
+        """Hydra has just written this job's ``.hydra/`` files. A later part of a run (a resume) puts them in
+        ``.hydra/parts/<time>/`` and gives the first part's back: ``.hydra/`` keeps the command that started
+        the run, which ``resume=auto`` and the comparison read, also when this part is then refused."""
+        stash: dict[str, bytes] = getattr(self, "_first_part", None) or {}
+        self._first_part = {}
+        if not stash:
+            return
+        hydra_dir = Path(str(config.hydra.runtime.output_dir)) / HYDRA_DIR
+        if not hydra_dir.is_dir() or all(
+            (hydra_dir / name).is_file() and (hydra_dir / name).read_bytes() == data
+            for name, data in stash.items()
+        ):
+            return
+        part = hydra_dir / "parts" / time.strftime("%Y-%m-%d_%H-%M-%S")
+        suffix = 0
+        while True:
+            candidate = part.with_name(f"{part.name}-{suffix}") if suffix else part
+            try:
+                candidate.mkdir(parents=True)
+                break
+            except FileExistsError:
+                suffix += 1
+        for name, data in stash.items():
+            written = hydra_dir / name
+            if written.is_file():
+                os.replace(written, candidate / name)
+            written.write_bytes(data)
 
     def on_job_end(self, config: Any, job_return: Any = None, **kwargs: Any) -> None:
         """The job's claim on its directory ends with the job (the next job of a sweep, or a later command,

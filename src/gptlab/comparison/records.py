@@ -7,12 +7,18 @@ the figures of its evaluation outputs (``eval_length/length.json``, ...) from th
 
 Every record says which run it read (``run.json``'s id), whether that run finished (``result.json``), and
 at which step it is; where a directory holds traces of more than one run (W&B files of two runs, a metrics
-file whose steps start over), the record reads one of them and says so in ``notes``.
+file whose steps start over), the record reads one of them and says so in ``notes``. A non-finite value is
+kept (a final ``val/loss`` of inf reads inf, never an earlier step's value), and a run whose final validation
+loss is non-finite or that says it diverged (:func:`is_diverged`) is marked ``diverged``. ``metrics.csv`` is checked
+before it is read (its header, every field a number, steps that only go back where training starts again):
+a garbled one (two processes writing one file) is refused with :class:`MetricsUnreadable`, never read as
+zeros.
 """
 
 from __future__ import annotations
 
 import csv
+import io
 import math
 import statistics
 from collections.abc import Callable
@@ -26,6 +32,7 @@ from gptlab.runs.naming import split_override
 from gptlab.tracking.wandb_files import find_runs, read_run
 
 SOURCES = ("auto", "csv", "wandb")
+UNREADABLE = "metrics unreadable"
 FINISHED, STOPPED, FAILED, RUNNING, KILLED = "finished", "stopped", "failed", "running", "killed"
 
 
@@ -99,6 +106,10 @@ class RunRecord:
     step: int | None = None  # optimizer steps done: result.json's, else the last logged step's
     max_steps: int | None = None
     notes: list[str] = field(default_factory=list)  # what the reader found and chose (more than one run, ...)
+    unigram_entropy: float | None = (
+        None  # of the run's corpus (result.json), the bar a trained model is below
+    )
+    diverged: bool = False  # final val/loss non-finite or above unigram_entropy (see mark_divergence)
 
     @property
     def final_val_loss(self) -> float | None:
@@ -121,12 +132,55 @@ class RunRecord:
         }.get(self.status, f"{self.status} at {where}")
 
 
-def _float(value: Any) -> float | None:
+class MetricsUnreadable(DataError):
+    """A metrics file that cannot be read as one run's metrics (garbled, cut, steps out of order)."""
+
+
+def _number(value: Any) -> float | None:
+    """``value`` as a float, inf and nan included (``"inf"``: how result.json and the CSV write them)."""
+    if isinstance(value, bool):
+        return None
     try:
-        out = float(value)
+        return float(value)
     except (TypeError, ValueError):
         return None
-    return out if math.isfinite(out) else None
+
+
+def _float(value: Any) -> float | None:
+    out = _number(value)
+    return out if out is not None and math.isfinite(out) else None
+
+
+def result_metric(result: dict[str, Any], key: str) -> float | None:
+    """One of result.json's final metrics as a float: a non-finite value, written as the string ``"inf"``,
+    ``"-inf"`` or ``"nan"`` (JSON has no such numbers), reads as that float."""
+    return _number((result.get("metrics") or {}).get(key))
+
+
+# How far above the loss of a uniform guess a run must end to count as diverged: a fresh model starts within a
+# fraction of a nat of it (one step of the tiny test model: 10.79 nats against ln 50257 = 10.82), so a smoke
+# test of a few steps ends there without having diverged.
+DIVERGENCE_MARGIN = 1.0
+
+
+def is_diverged(final_val_loss: float, unigram_entropy: float, uniform_loss: float) -> bool:
+    """Whether a run diverged: its final validation loss is non-finite, or above the corpus's unigram entropy
+    (what a model predicting each token by its frequency alone reaches) and more than
+    :data:`DIVERGENCE_MARGIN` nats above the loss of a uniform guess, ln(vocabulary size), where training
+    starts. Above the unigram entropy alone a run may simply be short (the suite's 7-step runs end at 4.5
+    nats on a corpus of unigram entropy 3.25); well above the uniform guess, training made the model worse
+    than it began (``optim.lr=10``: 259 nats)."""
+    if not math.isfinite(final_val_loss):
+        return True
+    return final_val_loss > unigram_entropy and final_val_loss > uniform_loss + DIVERGENCE_MARGIN
+
+
+def mark_divergence(record: RunRecord) -> None:
+    """``diverged`` when the run's result.json says so (:func:`is_diverged`), or its final validation loss
+    is non-finite (a run without a result, or an older one)."""
+    final = record.final_val_loss
+    if final is not None and not math.isfinite(final):
+        record.diverged = True
 
 
 def _median(values: list[float]) -> float | None:
@@ -160,13 +214,62 @@ def _series(rows: list[tuple[int, dict[str, float]]]) -> dict[str, list[tuple[in
 
 
 def _series_from_csv(path: Path, notes: list[str]) -> dict[str, list[tuple[int, float]]]:
-    rows = []
-    with path.open(newline="") as f:
-        for row in csv.DictReader(f):
-            step = int(float(row.get("step") or 0))
-            values = {k: v for k, v in ((k, _float(x)) for k, x in row.items()) if v is not None}
-            rows.append((step, {k: v for k, v in values.items() if k not in ("step", "epoch")}))
-    return _series(_one_run_of(rows, path, notes))
+    return _series(_one_run_of(read_metrics_csv(path, notes), path, notes))
+
+
+def read_metrics_csv(path: Path, notes: list[str]) -> list[tuple[int, dict[str, float]]]:
+    """The rows of a ``metrics.csv`` as (step, {column: value}), checked: a header of names with ``step``
+    among them, as many fields on every line as the header has, every field empty or a number (inf and nan
+    kept), whole non-negative steps that go back only where training starts again (:data:`START_MARKER`: a
+    resumed run, or a second run of an older gptlab). Anything else raises :class:`MetricsUnreadable` naming
+    the line: two processes appending to one file interleave their lines, and a reader that skipped what it
+    could not parse would report what is left (once, a row of zeros) as the run's metrics. A last line cut
+    short (the writer killed mid-line) is left out, with a note."""
+    text = path.read_text(errors="replace")
+    lines = list(csv.reader(io.StringIO(text)))
+    if not lines or not lines[0]:
+        raise MetricsUnreadable(f"{path} is empty")
+    header = lines[0]
+    if "step" not in header or any(not name or _number(name) is not None for name in header):
+        raise MetricsUnreadable(f"{path}: its first line is not a header with a step column: {header[:6]}")
+    if len(set(header)) != len(header):
+        raise MetricsUnreadable(f"{path}: its header names a column twice")
+    step_at, marker_at = header.index("step"), header.index(START_MARKER) if START_MARKER in header else None
+    last = len(lines) - 1
+    if last > 0 and len(lines[last]) != len(header) and not text.endswith("\n"):
+        notes.append(f"{path}: its last line is cut short (the writer stopped mid-line); left out")
+        lines = lines[:last]
+    rows: list[tuple[int, dict[str, float]]] = []
+    for number, fields in enumerate(lines[1:], start=2):
+        if not fields:
+            continue  # a blank line
+        if len(fields) != len(header):
+            raise MetricsUnreadable(
+                f"{path} line {number} has {len(fields)} fields, its header {len(header)}: lines of two "
+                "writers interleaved (two runs in one directory?)"
+            )
+        values: dict[str, float] = {}
+        for name, field_text in zip(header, fields):
+            if field_text == "":
+                continue
+            value = _number(field_text)
+            if value is None:
+                raise MetricsUnreadable(f"{path} line {number}: {name} is {field_text[:40]!r}, not a number")
+            values[name] = value
+        step = values.pop("step", None)
+        if step is None or not math.isfinite(step) or step < 0 or step != int(step):
+            raise MetricsUnreadable(
+                f"{path} line {number}: the step is {fields[step_at]!r}, not a step number"
+            )
+        starts = marker_at is not None and fields[marker_at] != ""
+        if rows and step < rows[-1][0] and not starts:
+            raise MetricsUnreadable(
+                f"{path} line {number}: the step goes back from {rows[-1][0]} to {int(step)} where no training "
+                "starts: lines of two runs interleaved (two runs in one directory?)"
+            )
+        values.pop("epoch", None)
+        rows.append((int(step), values))
+    return rows
 
 
 def _series_from_wandb(
@@ -185,7 +288,7 @@ def _series_from_wandb(
         for row in run.history:
             step = int(row.get("trainer/global_step", row.get("_step", 0)))
             values = {
-                k: _float(v) for k, v in row.items() if not k.startswith("_") and k != "trainer/global_step"
+                k: _number(v) for k, v in row.items() if not k.startswith("_") and k != "trainer/global_step"
             }
             rows.append((step, {k: v for k, v in values.items() if v is not None}))
         summary.update(run.summary)
@@ -200,8 +303,10 @@ def _fill(record: RunRecord, series: dict[str, list[tuple[int, float]]]) -> RunR
     record.val_loss = sorted(dict(series.get("val/loss", [])).items())
     ppl = sorted(dict(series.get("val/ppl", [])).items())
     record.val_ppl = ppl[-1][1] if ppl else None
-    record.tokens_per_second = _median([v for _, v in series.get("train/tokens_per_second", [])])
-    record.mfu = _median([v for _, v in series.get("train/mfu", [])])
+    record.tokens_per_second = _median(
+        [v for _, v in series.get("train/tokens_per_second", []) if math.isfinite(v)]
+    )
+    record.mfu = _median([v for _, v in series.get("train/mfu", []) if math.isfinite(v)])
     params = series.get("parameters/total")
     record.parameters = params[-1][1] if params else None
     return record
@@ -225,6 +330,8 @@ def _status(run: Run, record: RunRecord, series: dict[str, list[tuple[int, float
         )
         result = {}
     if result:
+        _final_from_result(record, result)
+        record.diverged = bool(result.get("diverged"))
         record.step = int(result.get("global_step") or 0)
         if result.get("finished"):
             record.status = FINISHED
@@ -238,6 +345,31 @@ def _status(run: Run, record: RunRecord, series: dict[str, list[tuple[int, float
     record.status = RUNNING if info is not None and info.alive() else KILLED
 
 
+def _final_from_result(record: RunRecord, result: dict[str, Any]) -> None:
+    """The run's own final validation (result.json) where the metrics it logged end before it: a metrics
+    file whose last lines were lost (a writer killed mid-line) would otherwise show an earlier validation as
+    the final one. Read at the step Lightning logs it (the last step - 1), with a note; a logged final that
+    differs from result.json's is kept, with a note."""
+    final = result_metric(result, "val/loss")
+    if final is None or not record.val_loss:
+        return
+    step, logged = record.val_loss[-1]
+    if math.isclose(logged, final, rel_tol=1e-6) or (math.isnan(logged) and math.isnan(final)):
+        return
+    at = int(result.get("global_step") or 0) - 1
+    if step >= at:
+        record.notes.append(
+            f"result.json's final val/loss ({final:.4f}) is not the one logged ({logged:.4f})"
+        )
+        return
+    record.val_loss = [*record.val_loss, (at, final)]
+    record.val_ppl = result_metric(result, "val/ppl")
+    record.notes.append(
+        f"its metrics end at step {step} ({logged:.4f}) before its final validation: result.json's ({final:.4f}, "
+        f"step {at + 1}) is read"
+    )
+
+
 def read_run_dir(run_dir: str | Path, source: str = "auto") -> RunRecord:
     """Read one run directory; raises DataError when it holds no metrics.
 
@@ -249,18 +381,25 @@ def read_run_dir(run_dir: str | Path, source: str = "auto") -> RunRecord:
     csv_files = sorted(run.path.glob("csv/**/metrics.csv")) if source in ("auto", "csv") else []
     wandb_files = find_runs(run.path) if source in ("auto", "wandb") else []
     notes: list[str] = []
+    series: dict[str, list[tuple[int, float]]] | None = None
     if csv_files:
-        series, source = _series_from_csv(csv_files[0], notes), "csv"
-    elif wandb_files:
+        try:
+            series, source = _series_from_csv(csv_files[0], notes), "csv"
+        except MetricsUnreadable as e:
+            if not wandb_files:
+                raise MetricsUnreadable(f"{UNREADABLE}: {e}") from None
+            notes.append(f"{UNREADABLE}: {e}; read the W&B run file instead")
+    if series is None and wandb_files:
         wanted = (run.result() or {}).get("wandb_run_id")
         series, source = _series_from_wandb(wandb_files, notes, wanted), "wandb"
-    else:
+    elif series is None:
         wanted = {"auto": "neither csv/metrics.csv nor a W&B run file", "csv": "no csv/metrics.csv"}
         raise DataError(f"{run.path} holds no metrics ({wanted.get(source, 'no W&B run file')})")
     record = _fill(RunRecord(path=run.path, overrides=run.choices(), source=source, notes=notes), series)
     for output in OUTPUTS:
         record.outputs[output.name] = output.read(run)
     _status(run, record, series)
+    mark_divergence(record)
     if not record.val_loss:
         raise DataError(
             f"{run.path} logged no val/loss ({record.describe_status()}: did it stop before its first "
@@ -279,7 +418,7 @@ def record_from_api_run(run: Any) -> RunRecord:
     series: dict[str, list[tuple[int, float]]] = {}
     for key in HISTORY_KEYS:
         for row in run.scan_history(keys=["trainer/global_step", key]):
-            value = _float(row.get(key))
+            value = _number(row.get(key))
             if value is not None:
                 series.setdefault(key, []).append((int(row["trainer/global_step"]), value))
     record = RunRecord(
@@ -296,6 +435,7 @@ def record_from_api_run(run: Any) -> RunRecord:
     )
     logged = [step for values in series.values() for step, _ in values]
     record.step = max(logged) + 1 if logged else None
+    mark_divergence(record)
     max_steps = (run.config.get("trainer") or {}).get("max_steps")
     record.max_steps = int(max_steps) if isinstance(max_steps, int) else None
     return record

@@ -6,11 +6,15 @@ ignore: runs of one condition differ only by seed, and are its replicates. Rows 
 mean final validation loss, best first. Each row says how far it lies from a reference condition and whether
 that is beyond seed noise (:mod:`gptlab.comparison.stats`: Welch's test, Holm-adjusted over the table): the best
 row, or a baseline given as ``pos=learned``. Only finished runs are ranked, unless asked otherwise; the
-others are listed apart with their step.
+others are listed apart with their step. A condition with a diverged run (final validation loss non-finite,
+or above the unigram entropy and far above where training starts: ``records.is_diverged``) keeps its row,
+marked, after the others: it is neither tested nor a reference. An MFU above 100% is not a utilisation (the peak it was measured against was too low) and reads
+``invalid (>100%)``, with a note under the table.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -40,6 +44,7 @@ class Row:
     outputs: dict[str, dict[str, float | None]] = field(default_factory=dict)  # output -> header -> mean
     significance: str = ""  # against the reference row: "worse, p=0.003", "cannot tell (1 seed)", ...
     contrast: Contrast | None = None  # the difference to the reference, its interval and p-values
+    mfu_invalid: bool = False  # a run's MFU above 1: measured against a peak too low to be a utilisation
 
     @property
     def length_ppl(self) -> dict[str, float | None]:
@@ -61,6 +66,11 @@ class Row:
     def unfinished(self) -> int:
         return sum(not r.finished for r in self.runs)
 
+    @property
+    def diverged(self) -> int:
+        """How many of its runs diverged (final val/loss non-finite or above where training starts)."""
+        return sum(r.diverged for r in self.runs)
+
 
 def _human(n: float) -> str:
     from gptlab.model.counting import human  # the one number formatter (1.62M)
@@ -76,10 +86,26 @@ class MetricColumn:
 
 
 # The run metrics that follow val/loss in the table, in this order.
+INVALID_MFU = "invalid (>100%)"
+MFU_NOTE = (
+    f"MFU `{INVALID_MFU}`: a run measured more FLOP/s than the peak its MFU is taken against (a peak measured "
+    "while other work shared the device), so the figure is not a utilisation and is not shown."
+)
+DIVERGED_NOTE = (
+    "`diverged`: a run of the condition ended with a validation loss that is non-finite, or above the "
+    "corpus's unigram entropy and more than a nat above a uniform guess over the vocabulary (worse than "
+    "training started); the row is listed last, and neither tested nor used as the reference."
+)
+
+
+def _mfu_cell(value: float) -> str:
+    return INVALID_MFU if value > 1 else f"{100 * value:.1f}%"
+
+
 METRIC_COLUMNS = [
     MetricColumn("val/ppl", lambda r: r.val_ppl, "{:.2f}".format),
     MetricColumn("tokens/s", lambda r: r.tokens_per_second, "{:,.0f}".format),
-    MetricColumn("MFU", lambda r: r.mfu, lambda v: f"{100 * v:.1f}%"),
+    MetricColumn("MFU", lambda r: 2.0 if r.mfu_invalid else r.mfu, _mfu_cell),
     MetricColumn("parameters", lambda r: r.parameters, _human),
 ]
 
@@ -126,6 +152,26 @@ def condition_labels(
     return keys, {r.path: label_of(condition_of(r, keys)) for r in runs}
 
 
+def _stdev(values: list[float]) -> float | None:
+    """The standard deviation over seeds; None for one seed or a non-finite value (statistics.stdev fails
+    on inf)."""
+    if len(values) < 2 or not all(math.isfinite(v) for v in values):
+        return None
+    return statistics.stdev(values)
+
+
+def table_notes(rows: list[Row]) -> list[str]:
+    """The notes under the table for its marks: diverged rows, invalid MFU."""
+    return [
+        note
+        for note, shown in (
+            (DIVERGED_NOTE, any(r.diverged for r in rows)),
+            (MFU_NOTE, any(r.mfu_invalid for r in rows)),
+        )
+        if shown
+    ]
+
+
 def _mean(values: list[float | None]) -> float | None:
     present = [v for v in values if v is not None]
     return statistics.fmean(present) if present else None
@@ -157,11 +203,12 @@ def summarize(
             Row(
                 choice=dict(zip(keys, values)),
                 runs=members,
-                val_loss_mean=statistics.fmean(losses),
-                val_loss_std=statistics.stdev(losses) if len(losses) > 1 else None,
+                val_loss_mean=sum(losses) / len(losses),  # inf for a run that ended at inf
+                val_loss_std=_stdev(losses),
                 val_ppl=_mean([r.val_ppl for r in members]),
                 tokens_per_second=_mean([r.tokens_per_second for r in members]),
                 mfu=_mean([r.mfu for r in members]),
+                mfu_invalid=any(r.mfu is not None and r.mfu > 1 for r in members),
                 parameters=_mean([r.parameters for r in members]),
                 outputs={
                     name: {h: _mean([r.outputs.get(name, {}).get(h) for r in members]) for h in headers}
@@ -169,19 +216,36 @@ def summarize(
                 },
             )
         )
-    rows.sort(key=lambda r: r.val_loss_mean)
-    reference = rows.index(reference_row(rows, baseline))
-    for row, contrast in zip(rows, contrasts([r.final_losses for r in rows], reference, alpha)):
-        row.contrast, row.significance = contrast, contrast.verdict
+    # diverged conditions last; a NaN mean sorts with them, not at random
+    rows.sort(
+        key=lambda r: (r.diverged > 0, r.val_loss_mean if r.val_loss_mean == r.val_loss_mean else math.inf)
+    )
+    for row in rows:
+        if row.diverged:
+            row.significance = f"diverged ({row.diverged} of {len(row.runs)} runs): not tested"
+    tested = [r for r in rows if not r.diverged]
+    if tested:
+        reference = tested.index(reference_row(tested, baseline, diverged=[r for r in rows if r.diverged]))
+        for row, contrast in zip(tested, contrasts([r.final_losses for r in tested], reference, alpha)):
+            row.contrast, row.significance = contrast, contrast.verdict
     return rows
 
 
-def reference_row(rows: list[Row], baseline: str | None) -> Row:
-    """The best row, or the row of the ``baseline`` condition (``"pos=learned"``, ``"pos=rope activation=gelu"``)."""
+def reference_row(rows: list[Row], baseline: str | None, diverged: Sequence[Row] = ()) -> Row:
+    """The best row, or the row of the ``baseline`` condition (``"pos=learned"``, ``"pos=rope activation=gelu"``);
+    a baseline among the ``diverged`` rows is refused."""
     if not baseline:
         return rows[0]
     wanted = dict(split_override(part) for part in baseline.split())
     matches = [r for r in rows if all(r.choice.get(k) == v for k, v in wanted.items())]
+    gone = [r for r in diverged if all(r.choice.get(k) == v for k, v in wanted.items())]
+    if not matches and len(gone) == 1:
+        raise DataError(
+            f"--baseline {baseline!r} names a condition that diverged ({gone[0].diverged} of its "
+            f"{len(gone[0].runs)} runs): nothing can be tested against it; name another, e.g. --baseline "
+            f"'{rows[0].label}'."
+        )
+    matches += gone
     if len(matches) != 1:
         choices = ", ".join(r.label for r in rows)
         raise DataError(
@@ -255,7 +319,9 @@ def markdown_table(rows: list[Row], keys: list[str], reference: str = "best") ->
             f" ± {row.val_loss_std:.4f}" if row.val_loss_std is not None else ""
         )
         metrics = [c.value(row) for c in METRIC_COLUMNS]
-        seeds = str(len(row.runs)) + (f" ({row.unfinished} unfinished)" if row.unfinished else "")
+        marks = [f"{row.unfinished} unfinished"] * bool(row.unfinished)
+        marks += [f"{row.diverged} diverged"] * bool(row.diverged)
+        seeds = str(len(row.runs)) + (f" ({', '.join(marks)})" if marks else "")
         cells = [
             str(i),
             *([_short(row.choice.get(k, "")) for k in keys] if keys else ["all"]),

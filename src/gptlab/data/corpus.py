@@ -25,6 +25,7 @@ import shutil
 import socket
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
@@ -34,6 +35,7 @@ import numpy as np
 from gptlab.data import tokenizers
 from gptlab.data.arrow_batches import BatchPlace, iter_batches
 from gptlab.data.shards import (
+    DamagedCache,
     TokenShards,
     read_index,
     token_counts,
@@ -48,7 +50,8 @@ from gptlab.errors import ConfigError, DataError
 
 log = logging.getLogger(__name__)
 
-CACHE_FORMAT = 2
+# 3: <|unk|> kept and counted per split, a CRC-32 per file in index.json
+CACHE_FORMAT = 3
 # Text per shard (one pool task): enough tasks for every process, shards a memmap-friendly size.
 MIN_TASK_CHARS = 1 << 20
 MAX_TASK_CHARS = 64 << 20
@@ -143,8 +146,11 @@ def _tokenizer_node(tokenizer: str | dict[str, Any]) -> dict[str, Any]:
 
 def prepare(spec: DataSpec, tokenizer: str | dict[str, Any]) -> PreparedCorpus:
     """The tokenized corpus, building and caching it on the first call for this fingerprint. ``tokenizer``:
-    a name or a ``conf/tokenizer`` node (its name and options)."""
+    a name or a ``conf/tokenizer`` node (its name and options). A cache found damaged (its files do not
+    match its ``index.json``) is prepared again, with a warning: it is gptlab's own, derived from the corpus,
+    so nothing is lost. A split with more unknown symbols than ``tokenizer.max_unknown_fraction`` is refused."""
     node = _tokenizer_node(tokenizer)
+    options = tokenizers.options_of(node["name"], node["options"])
     folder = token_folder(spec.path)
     if folder is not None:
         return _token_files(spec, node, *folder)
@@ -154,34 +160,110 @@ def prepare(spec: DataSpec, tokenizer: str | dict[str, Any]) -> PreparedCorpus:
         "text_field": spec.text_field,
         "val_fraction": spec.val_fraction,
         "split_seed": spec.split_seed,
-        "tokenizer": node,
+        # the threshold is checked at every open against the counts the cache keeps: not part of the key
+        "tokenizer": {**node, "options": {k: v for k, v in node["options"].items() if k not in NOT_IN_KEY}},
         "max_tokens": spec.max_tokens,
     }
     key = hashlib.sha256(json.dumps(key_material, sort_keys=True).encode()).hexdigest()[:16]
     cache = Path(spec.cache_dir) / f"{spec.source}-{node['name']}-{key}"
-    if not (cache / "meta.json").is_file():
-        cache.parent.mkdir(parents=True, exist_ok=True)
+    # the folder appears whole (a rename) or not at all: one that exists without its files is damaged
+    opened = _open_cache(cache) if cache.is_dir() else None
+    if isinstance(opened, tuple):
+        log.info("Token cache hit: %s", cache)
+    else:
+        damage = opened if isinstance(opened, DamagedCache) else None
+        if damage is not None:
+            log.warning(
+                "%s. Preparing it again from the corpus (nothing is lost: the cache is made from it).",
+                damage.what,
+            )
+        _make_parent(spec, cache, damage)
         # One preparation per cache: the ranks of a DDP run (and concurrent runs) wait for the first one.
         # The kernel releases the lock of a killed process.
-        with open(cache.parent / f"{cache.name}.lock", "w") as lock:
-            try:
-                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                log.info("Another process is preparing %s: waiting for it", cache)
-                fcntl.flock(lock, fcntl.LOCK_EX)
-            if not (cache / "meta.json").is_file():
+        with _locked(spec, cache, damage):
+            opened = _open_cache(cache) if cache.is_dir() else None
+            if not isinstance(opened, tuple):  # still missing or damaged: this process prepares it
+                if opened is not None:
+                    _remove_damaged(spec, cache, opened)
                 _build_cache(spec, node, cache, key_material)
-    else:
-        log.info("Token cache hit: %s", cache)
-    meta = json.loads((cache / "meta.json").read_text())
-    splits = read_index(cache)
-    return PreparedCorpus(
-        splits["train"],
-        splits["val"],
-        splits["train"].dtype,
-        tokenizers.from_spec(meta["tokenizer_spec"]),
-        meta,
+                opened = _open_cache(cache)
+                if not isinstance(opened, tuple):
+                    raise opened
+    meta, splits = opened
+    tok = tokenizers.from_spec(meta["tokenizer_spec"])
+    tokenizers.check_unknowns(tok, meta["splits"], options, spec.describe())
+    return PreparedCorpus(splits["train"], splits["val"], splits["train"].dtype, tok, meta)
+
+
+# Tokenizer options that do not change the tokens, so not part of a cache's key.
+NOT_IN_KEY = ("max_unknown_fraction",)
+
+
+def _open_cache(cache: Path) -> tuple[dict[str, Any], dict[str, TokenShards]] | DamagedCache:
+    """A cache's meta and checked splits, or what is wrong with it."""
+    try:
+        meta = json.loads((cache / "meta.json").read_text())
+        if not isinstance(meta, dict) or not {"tokenizer_spec", "splits"} <= set(meta):
+            raise ValueError("its keys tokenizer_spec and splits are missing")
+    except FileNotFoundError:
+        return DamagedCache(cache, "meta.json", "is missing")
+    except (OSError, ValueError) as e:
+        return DamagedCache(cache, "meta.json", f"cannot be read ({type(e).__name__}: {e})")
+    try:
+        return meta, read_index(cache)
+    except DamagedCache as e:
+        return e
+
+
+def _make_parent(spec: DataSpec, cache: Path, damage: DamagedCache | None = None) -> None:
+    """Create the folder of the caches, or say which folder cannot be written and how to choose another."""
+    try:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise _unwritable(spec, cache.parent, e, damage) from None
+
+
+def _unwritable(spec: DataSpec, folder: Path, e: OSError, damage: DamagedCache | None = None) -> DataError:
+    fix = (
+        "Make it writable, or put the caches elsewhere with paths.cache_dir=<a writable folder> (or "
+        "data.cache_dir=<folder> for the token caches alone)."
     )
+    if damage is not None:
+        return DataError(
+            f"{damage.what}. It cannot be prepared again here: {folder} cannot be written ({e.strerror or e}). "
+            f"Delete the damaged cache as a user who may (`rm -r {damage.folder}`) and run again, or put the "
+            "caches elsewhere with paths.cache_dir=<a writable folder>."
+        )
+    return DataError(
+        f"The token cache folder {folder} cannot be written ({e.strerror or e}): the tokens of "
+        f"{spec.describe()} are written there before training. {fix}"
+    )
+
+
+@contextmanager
+def _locked(spec: DataSpec, cache: Path, damage: DamagedCache | None = None) -> Iterator[None]:
+    try:
+        lock = open(cache.parent / f"{cache.name}.lock", "w")
+    except OSError as e:
+        raise _unwritable(spec, cache.parent, e, damage) from None
+    with lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("Another process is preparing %s: waiting for it", cache)
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+def _remove_damaged(spec: DataSpec, cache: Path, damage: DamagedCache) -> None:
+    """Move a damaged cache out of the way (a rename: a process still reading it keeps its files), then
+    delete it."""
+    aside = cache.parent / f"{cache.name}.damaged-{socket.gethostname()}-{os.getpid()}"
+    try:
+        os.replace(cache, aside)
+    except OSError as e:
+        raise _unwritable(spec, cache.parent, e, damage) from None
+    shutil.rmtree(aside, ignore_errors=True)
 
 
 def _token_files(spec: DataSpec, node: dict, layout: str, splits: dict[str, TokenShards]) -> PreparedCorpus:
@@ -201,6 +283,7 @@ def _token_files(spec: DataSpec, node: dict, layout: str, splits: dict[str, Toke
         )
     meta = {
         "source": f"{layout} token files in {spec.path}",
+        "token_files": layout,
         "tokenizer_spec": tok.spec(),
         "splits": {k: {"tokens": len(v), "shards": len(v.shards)} for k, v in splits.items()},
         # the validation split alone: a pass over billions of training tokens at every start costs minutes
@@ -237,13 +320,18 @@ def _build_cache(spec: DataSpec, node: dict, cache: Path, key_material: dict) ->
     cls = tokenizers.TOKENIZERS.get(node["name"])
     options = tokenizers.options_of(node["name"], node["options"])
     single, is_val, training_texts = _split_validation(spec, ds, field, lengths, keep, n_docs)
-    # a fitted vocabulary (word, char) comes from the training split alone
-    tok = cls.fit(training_texts, options) if cls.fitted else cls.create(options)
+    # a fitted vocabulary (word, char) comes from the training split alone, with an id for the symbols of
+    # the validation split it lacks
+    if cls.fitted:
+        held_out = single[1:] if single is not None else _documents(ds, field, keep & is_val)
+        tok = cls.fit(training_texts, options).covering(held_out)
+    else:
+        tok = cls.create(options)
     dtype = token_dtype(tok.vocab_size)
     total_chars = int(lengths.sum())
     num_proc = spec.num_proc or (min(os.cpu_count() or 1, 8) if total_chars > 50_000_000 else 1)
 
-    cache.parent.mkdir(parents=True, exist_ok=True)
+    _make_parent(spec, cache)
     _remove_stale(cache)
     tmp = cache.parent / f"{cache.name}.tmp-{socket.gethostname()}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)

@@ -92,7 +92,8 @@ class GPTDataModule(L.LightningDataModule):
 
     def prepare_data(self) -> None:
         if self.corpus is None:  # builds the token cache once (local rank 0); a second call finds it set up
-            self._prepare()
+            # kept for setup() in this process: one open of the cache (its checks and its log lines), not two
+            self.corpus = self._prepare()
 
     def _prepare(self) -> corpus.PreparedCorpus:
         if not self.spec.streaming:
@@ -118,7 +119,8 @@ class GPTDataModule(L.LightningDataModule):
     def setup(self, stage: str | None = None) -> None:
         if self.val_set is not None:
             return
-        self.corpus = self._prepare()
+        if self.corpus is None:
+            self.corpus = self._prepare()
         window = self.block_size + 1
         self.val_set = TokenWindows(self.corpus.val, self.block_size, self.val_stride)
         if not self.spec.streaming:
@@ -129,6 +131,15 @@ class GPTDataModule(L.LightningDataModule):
                     f"than one window of model.block_size + 1 = {window}. Use more text or a smaller "
                     f"model.block_size (at most {max(1, self.train_set.n_tokens - 1)})."
                 )
+        layout = self.corpus.meta.get("token_files")
+        if len(self.val_set) == 0 and layout:
+            files = "val.bin" if layout == "nanoGPT" else "*_val_*.bin"
+            raise DataError(
+                f"The validation tokens of data.path={self.spec.path!r} ({files}) are {self.val_set.n_tokens}, "
+                f"fewer than one window of model.block_size + 1 = {window}: validation would measure nothing. "
+                "Write the token files again with more validation text, or lower model.block_size (at most "
+                f"{max(1, self.val_set.n_tokens - 1)})."
+            )
         if len(self.val_set) == 0:
             raise DataError(
                 f"The validation split of {self.spec.describe()} has {self.val_set.n_tokens} tokens, fewer than "

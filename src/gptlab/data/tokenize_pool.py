@@ -62,6 +62,8 @@ class JobResult:
     tokens: dict[str, int]
     characters: int
     counts: np.ndarray  # (vocab_size,) token frequencies
+    symbols: dict[str, int] = field(default_factory=lambda: {"train": 0, "val": 0})  # tokens but separators
+    unknown: dict[str, int] = field(default_factory=lambda: {"train": 0, "val": 0})  # <|unk|> per split
 
 
 @dataclass
@@ -93,6 +95,8 @@ def tokenize_job(job: TokenizeJob) -> JobResult:
     counts = np.zeros(tok.vocab_size, dtype=np.int64)
     documents = {"train": 0, "val": 0}
     tokens = {"train": 0, "val": 0}
+    symbols = {"train": 0, "val": 0}
+    unknown = {"train": 0, "val": 0}
     characters = 0
     files = {split: open(out_dir / f"{split}_{job.task:06d}.bin", "wb") for split in ("train", "val")}
     try:
@@ -112,14 +116,17 @@ def tokenize_job(job: TokenizeJob) -> JobResult:
                     offset += len(x) + 1
                 files[split].write(flat.tobytes())
                 counts += np.bincount(flat, minlength=tok.vocab_size)[: tok.vocab_size]
+                if tok.unk_id is not None:
+                    unknown[split] += int(np.count_nonzero(flat == tok.unk_id))
                 documents[split] += len(docs)
                 tokens[split] += len(flat)
+                symbols[split] += len(flat) - len(docs)
                 n_batch += len(flat)
             _report(len(texts), n_batch)
     finally:
         for f in files.values():
             f.close()
-    return JobResult(job.task, documents, tokens, characters, counts)
+    return JobResult(job.task, documents, tokens, characters, counts, symbols, unknown)
 
 
 def _sub_batches(pieces: Iterator[tuple[list[str], np.ndarray]]) -> Iterator[tuple[list[str], np.ndarray]]:
@@ -170,7 +177,7 @@ def run_tokenize_jobs(
     finally:
         bar.close()
         _worker.clear()
-    return _assemble(results, out_dir, np.dtype(dtype).itemsize, max_tokens, time.perf_counter() - t0)
+    return _assemble(results, out_dir, np.dtype(dtype), max_tokens, time.perf_counter() - t0, tokenizer)
 
 
 def _run_pool(
@@ -214,10 +221,17 @@ def _run_pool(
 
 
 def _assemble(
-    results: list[JobResult], out_dir: Path, itemsize: int, max_tokens: int | None, seconds: float
+    results: list[JobResult],
+    out_dir: Path,
+    dtype: np.dtype,
+    max_tokens: int | None,
+    seconds: float,
+    tokenizer: Any,
 ) -> TokenizeResult:
     """Order the shards, cut them at ``max_tokens`` training tokens, and join the validation pieces into
-    one ``val.bin`` (the validation split is small and is read whole by evaluations)."""
+    one ``val.bin`` (the validation split is small and is read whole by evaluations). Per split: its
+    documents, tokens, ``symbols`` (tokens without the separators) and ``unknown`` (``<|unk|>`` ids)."""
+    itemsize = dtype.itemsize
     results.sort(key=lambda r: r.task)
     kept, train_total = [], 0
     for r in results:
@@ -228,7 +242,13 @@ def _assemble(
         kept.append(r)
         if max_tokens is not None and train_total + r.tokens["train"] > max_tokens:
             r.tokens["train"] = max_tokens - train_total
-            os.truncate(out_dir / f"train_{r.task:06d}.bin", r.tokens["train"] * itemsize)
+            shard = out_dir / f"train_{r.task:06d}.bin"
+            # the symbols and unknowns of the part cut off are not in the cache
+            cut = np.fromfile(shard, dtype=dtype, offset=r.tokens["train"] * itemsize)
+            r.symbols["train"] -= int(np.count_nonzero(cut != tokenizer.eot_id))
+            if tokenizer.unk_id is not None:
+                r.unknown["train"] -= int(np.count_nonzero(cut == tokenizer.unk_id))
+            os.truncate(shard, r.tokens["train"] * itemsize)
         train_total += r.tokens["train"]
     with open(out_dir / "val.bin", "wb") as val:
         for r in kept:
@@ -248,6 +268,8 @@ def _assemble(
         split: {
             "documents": sum(r.documents[split] for r in kept),
             "tokens": sum(r.tokens[split] for r in kept),
+            "symbols": sum(r.symbols[split] for r in kept),
+            "unknown": sum(r.unknown[split] for r in kept),
         }
         for split in ("train", "val")
     }

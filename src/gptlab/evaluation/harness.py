@@ -92,6 +92,7 @@ class GptlabLM(TemplateLM):
         self.generator = torch.Generator(device=self._device).manual_seed(int(seed))
         self.eot_text = self.tok.decode([self.tok.eot_id])
         self.unknown_words = 0
+        self.unknown_chars = 0  # characters a char vocabulary with <|unk|> mapped to it
         if hasattr(self.tok, "unknown_chars"):
             self.tok.unknown_chars = 0
 
@@ -108,15 +109,22 @@ class GptlabLM(TemplateLM):
         ids = self.tok.encode(string)
         unk = getattr(self.tok, "unk_id", None)
         if unk is not None:
-            self.unknown_words += ids.count(unk)
+            if getattr(self.tok, "unit", "words") == "characters":
+                self.unknown_chars += ids.count(unk)
+            else:
+                self.unknown_words += ids.count(unk)
         return ids
 
     def out_of_vocabulary(self) -> dict[str, int]:
         """What the run's vocabulary could not represent in the task texts: characters a char vocabulary
-        dropped, words a word vocabulary mapped to <|unk|> (their scores are of a different text), counted
-        over every encoding the harness asks for (a context is encoded once alone and once with its
-        continuation)."""
-        return {"dropped_chars": getattr(self.tok, "unknown_chars", 0), "unk_words": self.unknown_words}
+        without <|unk|> dropped, characters or words a vocabulary with one mapped to it (their scores are of
+        a different text), counted over every encoding the harness asks for (a context is encoded once alone
+        and once with its continuation)."""
+        return {
+            "dropped_chars": getattr(self.tok, "unknown_chars", 0),
+            "unk_chars": self.unknown_chars,
+            "unk_words": self.unknown_words,
+        }
 
     def tok_decode(self, tokens: Sequence[int]) -> str:
         return self.tok.decode(tokens)

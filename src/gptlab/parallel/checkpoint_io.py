@@ -5,10 +5,15 @@ directory (a sharded FSDP or DeepSpeed checkpoint) is written whole beside its t
 two renames: the old directory aside, the new one into place. A kill between those two renames leaves the
 old directory under its aside name; `restore_interrupted_saves` puts it back before a run resumes.
 The strategies install it as their checkpoint I/O plugin (``parallel.lightning_strategies``).
+
+Each checkpoint gets its SHA-256 digest beside it (``last.ckpt.sha256``, :mod:`gptlab.runs.digests`), written
+by the process that renames the checkpoint into place (rank 0): the old digest is removed before the rename,
+the new one written after it, so a digest never describes other bytes than those beside it.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import shutil
@@ -19,6 +24,8 @@ from typing import Any
 
 import torch
 from lightning.pytorch.plugins.io import TorchCheckpointIO
+
+from gptlab.runs import digests
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +48,8 @@ def fsync_dir(path: Path) -> None:
 class AtomicCheckpointIO(TorchCheckpointIO):
     """Writes each checkpoint to a temporary file in the target's folder, fsyncs it, then renames it over the
     target with ``os.replace``: a process killed mid-write leaves the previous checkpoint intact (and at
-    worst a stray ``.<name>.tmp-*`` file, which the next save of that name removes)."""
+    worst a stray ``.<name>.tmp-*`` file, which the next save of that name removes). The checkpoint's
+    digest is written beside it once it is in place."""
 
     def save_checkpoint(
         self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None
@@ -59,13 +67,95 @@ class AtomicCheckpointIO(TorchCheckpointIO):
                 torch.save(checkpoint, f)
                 f.flush()
                 os.fsync(f.fileno())
+            files = digests.compute(Path(tmp_name), name=target.name)
+            digests.remove_digest(target)
             if target.is_dir():  # a sharded checkpoint of the same name from an earlier run
                 shutil.rmtree(target)
             os.replace(tmp_name, target)
-        except BaseException:
+        except BaseException as e:
             Path(tmp_name).unlink(missing_ok=True)
+            full = disk_full(e, target, checkpoint) if isinstance(e, Exception) else None
+            if full is not None:
+                raise full from e
             raise
         fsync_dir(target.parent)
+        digests.write_digest(target, files, step_of(checkpoint))
+        fsync_dir(target.parent)
+
+    def remove_checkpoint(self, path: Any) -> None:
+        digests.remove_digest(Path(path))
+        super().remove_checkpoint(path)
+
+
+def step_of(checkpoint: dict[str, Any]) -> int | None:
+    """The optimizer step a Lightning checkpoint holds, for its digest file."""
+    step = checkpoint.get("global_step")
+    return int(step) if isinstance(step, int) else None
+
+
+MB = 1e6
+# torch.save's C++ writer reports a failed write as "[enforce fail at inline_container.cc:...]"; written to a
+# Python file object, the OSError (errno 28) is only in the exception's context.
+_TORCH_WRITE_FAILED = ("inline_container", "PytorchStreamWriter failed", "file write failed")
+
+
+def _errors_in_chain(error: BaseException) -> list[BaseException]:
+    chain: list[BaseException] = []
+    current: BaseException | None = error
+    while current is not None and current not in chain:
+        chain.append(current)
+        current = current.__cause__ or current.__context__
+    return chain
+
+
+def tensor_bytes(value: Any) -> int:
+    """The bytes of the tensors in a checkpoint's nested dicts and lists, each storage once (a tied embedding
+    and head share one, as ``torch.save`` writes them): about the checkpoint's size on disk."""
+    storages: dict[tuple[str, int], int] = {}
+
+    def visit(item: Any) -> None:
+        if isinstance(item, torch.Tensor):
+            storage = item.untyped_storage()
+            storages[(str(item.device), storage.data_ptr())] = storage.nbytes()
+        elif isinstance(item, dict):
+            for v in item.values():
+                visit(v)
+        elif isinstance(item, (list, tuple)):
+            for v in item:
+                visit(v)
+
+    visit(value)
+    return sum(storages.values())
+
+
+def disk_full(error: BaseException, target: Path, checkpoint: Any) -> Exception | None:
+    """A DiskFullError naming the place, the space the checkpoint needs and what is free, and the last good
+    checkpoint, when ``error`` (raised saving ``checkpoint`` to ``target``) is a full disk: errno 28 in its
+    chain, or torch's write failure with less space free than the checkpoint needs. None otherwise."""
+    from gptlab.errors import DiskFullError
+    from gptlab.runs.layout import LAST_CHECKPOINT, checkpoint_kind
+
+    chain = _errors_in_chain(error)
+    no_space = any(isinstance(e, OSError) and e.errno == errno.ENOSPC for e in chain)
+    needed = tensor_bytes(checkpoint)
+    try:
+        free = shutil.disk_usage(target.parent).free
+    except OSError:
+        return None
+    torch_write = any(any(mark in str(e) for mark in _TORCH_WRITE_FAILED) for e in chain)
+    if not (no_space or (torch_write and free < needed)):
+        return None
+    last_good = next((p for p in (target, target.parent / LAST_CHECKPOINT) if checkpoint_kind(p)), None)
+    kept = (
+        f"the last good checkpoint {last_good} is intact: once there is space, resume=auto continues from it"
+        if last_good is not None
+        else "no earlier checkpoint was written"
+    )
+    return DiskFullError(
+        f"no space left on {target.parent}: the checkpoint {target.name} needs about {needed / MB:,.0f} MB, "
+        f"{free / MB:,.0f} MB free. Free space there, or start the run on another disk "
+        f"(hydra.run.dir=<dir>); {kept}."
+    )
 
 
 def _fsync_tree(root: Path) -> None:
@@ -96,10 +186,13 @@ def swap_in(staging: Path, target: Path) -> None:
         _remove(aside)
 
 
-def save_directory_atomically(strategy: Any, target: Path, write: Callable[[Path], None]) -> None:
+def save_directory_atomically(
+    strategy: Any, target: Path, write: Callable[[Path], None], step: int | None = None
+) -> None:
     """Run the collective ``write(staging)`` on every rank of ``strategy``, then (rank 0) swap the staging
-    directory in for ``target``. Barriers keep every rank's shards inside the staging directory before the
-    swap, and every rank out of the save until the swap is done."""
+    directory in for ``target`` and write its digest (one line per file). Barriers keep every rank's shards
+    inside the staging directory before the swap, and every rank out of the save until the digest is
+    written."""
     staging = target.parent / STAGING.format(name=target.name)
     if strategy.is_global_zero:
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -110,7 +203,11 @@ def save_directory_atomically(strategy: Any, target: Path, write: Callable[[Path
     strategy.barrier("gptlab_atomic_save_written")
     if strategy.is_global_zero:
         _fsync_tree(staging)
+        files = digests.compute(staging, name=target.name)
+        digests.remove_digest(target)
         swap_in(staging, target)
+        digests.write_digest(target, files, step)
+        fsync_dir(target.parent)
     strategy.barrier("gptlab_atomic_save_done")
 
 

@@ -9,7 +9,8 @@ from typing import Any
 
 from lightning.pytorch.strategies import DeepSpeedStrategy, ModelParallelStrategy
 
-from gptlab.parallel.checkpoint_io import AtomicCheckpointIO, save_directory_atomically
+from gptlab.parallel.checkpoint_io import AtomicCheckpointIO, save_directory_atomically, step_of
+from gptlab.runs import digests
 
 
 class FullyShardedStrategy(ModelParallelStrategy):
@@ -42,6 +43,7 @@ class FullyShardedStrategy(ModelParallelStrategy):
             self,
             target,
             lambda staging: super(FullyShardedStrategy, self).save_checkpoint(checkpoint, staging),
+            step_of(checkpoint),
         )
 
 
@@ -57,7 +59,13 @@ class AtomicDeepSpeedStrategy(DeepSpeedStrategy):
             lambda staging: super(AtomicDeepSpeedStrategy, self).save_checkpoint(
                 checkpoint, staging, storage_options
             ),
+            step_of(checkpoint),
         )
+
+    def remove_checkpoint(self, filepath: Any) -> None:
+        if self.is_global_zero:
+            digests.remove_digest(Path(filepath))
+        super().remove_checkpoint(filepath)
 
     def gradient_norm_after_step(self) -> float | None:
         """The L2 norm of all gradients of the last optimizer step, before clipping, over every rank's

@@ -3,6 +3,7 @@
 - :mod:`gptlab.runs.layout`: the names of the files and folders in a run directory, finding run directories,
   and locating a run's last, best and preemption checkpoints (single files and sharded directories).
 - :mod:`gptlab.runs.checkpoints`: the one loader of checkpoints of every kind, tensors only.
+- :mod:`gptlab.runs.digests`: the SHA-256 digest written beside each checkpoint and checked before it is read.
 - :mod:`gptlab.runs.trained`: a trained model, its tokenizer and its validation tokens, rebuilt from a run.
 - :mod:`gptlab.runs.naming`: a run's identity (name, group, tags) from the Hydra overrides that made it.
 

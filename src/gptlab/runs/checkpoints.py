@@ -5,6 +5,10 @@ Everything here reads with ``weights_only=True``. A distributed checkpoint keeps
 plain pickle, which ``torch.distributed.checkpoint``'s reader unpickles unrestricted; it is read here through
 a reader whose unpickler admits only the checkpoint format's own classes.
 
+Before anything is read, the checkpoint is compared with the SHA-256 digest written beside it when it was saved
+(:mod:`gptlab.runs.digests`): one whose bytes changed since is refused, naming what differs and the intact
+checkpoints beside it. One without a digest (written before gptlab wrote them) loads, with a warning.
+
 The result is always shaped like a single-file Lightning checkpoint: ``global_step``, ``hyper_parameters``,
 ``tokenizer``, ``wandb_run_id``, ... and, when the weights are asked for, ``state_dict`` with the
 LightningModule's parameter names (``model.transformer.h.0...``).
@@ -13,6 +17,7 @@ LightningModule's parameter names (``model.transformer.h.0...``).
 from __future__ import annotations
 
 import io
+import logging
 import pickle
 import re
 import warnings
@@ -21,7 +26,14 @@ from pathlib import Path
 from typing import Any
 
 from gptlab.errors import CheckpointError
-from gptlab.runs.layout import DCP, DEEPSPEED, FILE, SHARDED_META_FILE, checkpoint_kind
+from gptlab.runs import digests
+from gptlab.runs.layout import DCP, FILE, SHARDED_META_FILE, checkpoint_kind, run_of_path
+
+log = logging.getLogger(__name__)
+
+# What a refusal tells the user to do with the intact checkpoints it lists ({path}: the first of them).
+RESUME_INSTEAD = "Continue from one: the same command with resume=<its path>, e.g. resume={path}"
+LOAD_INSTEAD = "Pass one of them in its place, e.g. {path}"
 
 # Prefixes a strategy's wrapper adds to the LightningModule's parameter names.
 _WRAPPER_PREFIXES = ("_forward_module.", "module.")
@@ -200,18 +212,26 @@ def _load_deepspeed(path: Path, weights: bool) -> dict[str, Any]:
 # ---- the loader -----------------------------------------------------------------------------------------
 
 
-def load_checkpoint(path: str | Path, weights: bool = True) -> dict[str, Any]:
+def load_checkpoint(
+    path: str | Path, weights: bool = True, use_instead: str = LOAD_INSTEAD
+) -> dict[str, Any]:
     """Read a checkpoint of any kind on the CPU: a single file, a distributed checkpoint directory, or a
-    DeepSpeed directory. ``weights=False`` skips the model's tensors of a sharded checkpoint (what resuming
-    checks needs only the step and the hyperparameters)."""
+    DeepSpeed directory, after checking it against its digest. ``weights=False`` skips the model's tensors of
+    a sharded checkpoint (what resuming checks needs only the step and the hyperparameters).
+    ``use_instead``: what a refusal says to do with the intact checkpoints it names."""
     path = Path(path)
     kind = checkpoint_kind(path)
-    if kind == FILE:
-        checkpoint = _torch_load(path)
-    elif kind == DCP:
-        checkpoint = _load_dcp(path, weights)
-    elif kind == DEEPSPEED:
-        checkpoint = _load_deepspeed(path, weights)
+    if kind is not None:
+        verify_checkpoint(path, use_instead)
+        try:
+            if kind == FILE:
+                checkpoint = _torch_load(path)
+            elif kind == DCP:
+                checkpoint = _load_dcp(path, weights)
+            else:  # DeepSpeed's directory
+                checkpoint = _load_deepspeed(path, weights)
+        except CheckpointError as e:  # unreadable (e.g. truncated, with no digest): name the intact ones
+            raise CheckpointError(f"{e}{intact_alternatives(path, use_instead)}") from e.__cause__
     elif path.is_dir():
         raise CheckpointError(
             f"{path} is a directory but not a checkpoint (no .metadata of a distributed checkpoint, no DeepSpeed "
@@ -222,6 +242,83 @@ def load_checkpoint(path: str | Path, weights: bool = True) -> dict[str, Any]:
     if "state_dict" in checkpoint:
         checkpoint["state_dict"] = {_strip_wrappers(k): v for k, v in checkpoint["state_dict"].items()}
     return checkpoint
+
+
+# ---- verifying against the digest ------------------------------------------------------------------------
+
+
+def verify_checkpoint(path: Path, use_instead: str = LOAD_INSTEAD) -> digests.Verdict:
+    """Compare ``path`` with the digest written beside it when it was saved. A difference is refused (a
+    CheckpointError naming what differs and the intact checkpoints beside it); a checkpoint without a digest
+    passes, with one warning that it was not verified.
+
+    Every process that loads a checkpoint checks it itself, each rank of a distributed run included: a rank
+    reads the bytes it will train from (on a node's own disk they may be another copy), the check needs no
+    process group (resuming is planned before one exists), and on a shared file system every rank reaches
+    the same verdict, so all of them stop together rather than one waiting for the others in a collective."""
+    verdict = digests.check(path)
+    written = f" at step {verdict.step}" if verdict.step is not None else ""
+    if verdict.problems:
+        raise CheckpointError(
+            f"Checkpoint {path} is damaged: its bytes differ from those written{written} (recorded in "
+            f"{digests.digest_path(path).name}): {'; '.join(verdict.problems)}. Not loaded (its weights "
+            f"would be silently wrong).{intact_alternatives(path, use_instead)}"
+        )
+    if not verdict.has_digest:
+        log.warning(
+            "Checkpoint %s has no digest (%s): loaded without verifying its bytes (written by a gptlab that "
+            "wrote no digests, or by a save stopped before its digest).",
+            path,
+            digests.digest_path(path).name,
+        )
+    return verdict
+
+
+def sibling_checkpoints(path: Path) -> list[Path]:
+    """The other checkpoints of the run ``path`` belongs to (its ``checkpoints/`` and SLURM's preemption
+    checkpoints) and those in the same folder."""
+    path = Path(path)
+    found = [p for p in path.parent.glob("*.ckpt") if checkpoint_kind(p)]
+    run = run_of_path(path)
+    if run is not None:
+        found += [p for p in run.checkpoint_dir.glob("*.ckpt") if checkpoint_kind(p)]
+        found += run.preemption_checkpoints()
+    unique = {p.resolve(): p for p in found}
+    unique.pop(path.resolve(), None)
+    return list(unique.values())
+
+
+def intact_alternatives(path: Path, use_instead: str = LOAD_INSTEAD) -> str:
+    """A sentence for a refusal of ``path``: the checkpoints beside it that match their digests (each one
+    checked now; the highest step first) and how to use them, then those that have no digest to check.
+    Empty when there is no other checkpoint."""
+    verdicts = [digests.check(p) for p in sibling_checkpoints(path)]
+    if not verdicts:
+        return ""
+    intact = sorted(
+        (v for v in verdicts if v.verified),
+        key=lambda v: (-(v.step if v.step is not None else -1), -v.checkpoint.stat().st_mtime),
+    )
+    unchecked = sorted(v.checkpoint for v in verdicts if not v.has_digest)
+    parts: list[str] = []
+    if intact:
+        listed = ", ".join(
+            f"{v.checkpoint}" + (f" (step {v.step})" if v.step is not None else "") for v in intact
+        )
+        parts.append(
+            f"Intact checkpoints beside it (each just verified against its digest): {listed}. "
+            + use_instead.format(path=intact[0].checkpoint)
+            + "."
+        )
+    if unchecked:
+        parts.append(f"Without a digest, so not verified: {', '.join(str(p) for p in unchecked)}.")
+    if not parts:
+        parts.append(
+            "No checkpoint beside it is intact ("
+            + ", ".join(str(v.checkpoint) for v in verdicts)
+            + " differ from their digests)."
+        )
+    return " " + " ".join(parts)
 
 
 def _strip_wrappers(key: str) -> str:

@@ -10,6 +10,7 @@
       result.json                     written when the run ends: its final metrics, last step, git commit
       checkpoints/last.ckpt           periodic and final; a file, or a directory for sharded strategies
       checkpoints/best-step*-val*.ckpt  best by val/loss
+      checkpoints/<name>.sha256       each checkpoint's SHA-256 digest, checked before it is read (runs.digests)
       hpc_ckpt_<n>.ckpt               SLURM's preemption checkpoints
       eval_length/length.json         the length study (scripts/eval_length.py, eval_length.enabled=true)
       csv/, wandb/, tensorboard/      the loggers' files
@@ -39,6 +40,8 @@ import yaml
 
 HYDRA_DIR = ".hydra"
 OVERRIDES_FILE = f"{HYDRA_DIR}/overrides.yaml"
+# Hydra's files of each later part of a run (a resume), kept apart from the first part's in .hydra/.
+HYDRA_PARTS_DIR = f"{HYDRA_DIR}/parts"
 CONFIG_FILE = "config_resolved.yaml"
 RESULT_FILE = "result.json"
 RUN_FILE = "run.json"  # which run this is: its id and parts (gptlab.runs.identity)
@@ -177,6 +180,20 @@ class Run:
             return []
         return [str(x) for x in data] if isinstance(data, list) else None
 
+    def part_overrides(self) -> list[list[str]]:
+        """The overrides of each later part of the run (a ``resume=`` that continued it, also one then
+        refused), oldest first: Hydra's files of those parts go to ``.hydra/parts/<time>/``, so that
+        ``.hydra/`` keeps the command the run was started with."""
+        found = []
+        for path in sorted((self.path / HYDRA_PARTS_DIR).glob("*/overrides.yaml")):
+            try:
+                data = yaml.safe_load(path.read_text())
+            except (OSError, yaml.YAMLError):
+                continue
+            if isinstance(data, list):
+                found.append([str(x) for x in data])
+        return found
+
     def choices(self) -> dict[str, str]:
         """The overrides as ``{key: value}`` (``+trainer.x=1`` -> ``trainer.x``)."""
         from gptlab.runs.naming import split_override
@@ -224,9 +241,13 @@ class Run:
         """Write ``result.json`` whole or not at all (a temporary file renamed over it)."""
         self.path.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{RESULT_FILE}.", dir=self.path)
-        with os.fdopen(fd, "w") as f:
-            json.dump(result, f, indent=1, sort_keys=True)
-        os.replace(tmp, self.result_file)
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump(result, f, indent=1, sort_keys=True)
+            os.replace(tmp, self.result_file)
+        except BaseException:  # a full disk: no half-written file left beside the old result
+            Path(tmp).unlink(missing_ok=True)
+            raise
         return self.result_file
 
     def length_result(self) -> dict[str, Any] | None:

@@ -15,21 +15,24 @@ import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import lightning as L
-import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from gptlab.config import GPTRunConfig, parse_gpt
-from gptlab.data.corpus import PreparedCorpus
-from gptlab.data.datamodule import GPTDataModule
 from gptlab.planning.fit import check_memory
 from gptlab.resume import ResumePlan, plan_resume
 from gptlab.tasks.skeleton import RunSession, record_run_dir, route_lightning_logs
-from gptlab.training.module import GPTLitModule
+
+if TYPE_CHECKING:  # Lightning and the data are imported once the config is checked: a refusal comes first
+    import lightning as L
+
+    from gptlab.data.corpus import PreparedCorpus
+    from gptlab.data.datamodule import GPTDataModule
+    from gptlab.training.checkpointing.fit import SignalStop
+    from gptlab.training.module import GPTLitModule
 
 log = logging.getLogger("gptlab")
 
@@ -47,40 +50,97 @@ class Parts:
 def run(cfg: DictConfig) -> dict[str, float]:
     """Train one model as configured; returns the final metrics (``val/loss``, ``val/ppl``, ...)."""
     t0 = time.perf_counter()
-    route_lightning_logs()
     record_run_dir(cfg)  # before the config is parsed: the trainer's default_root_dir interpolates it
-    settings = parse_gpt(cfg)
+    settings = parse_gpt(cfg)  # before Lightning is imported (seconds): a refusal comes at once
     # before the run directory, the data or any weight: a run that cannot fit its device is refused
     check_memory(settings)
+    import lightning as L
+
+    route_lightning_logs()
     session = RunSession.start(
         cfg, settings.run, seed=lambda s: L.seed_everything(s, workers=True, verbose=False)
     )
     parts = build(settings)
     resume = plan_resume(settings.run.resume, session.run_dir, parts.module.model_config)
+    recorded = finished_result(session.run_dir, resume, settings.trainer["max_steps"])
+    if recorded is not None:
+        return report_already_finished(session.run_dir, recorded)
     load_initial_weights(parts.module, settings.init_from)  # after the resume check: it names the model
     log.info("Data ready after %.1f s", time.perf_counter() - t0)
-    loggers = session.open_loggers(resume.wandb_run_id if resume else None)
+    session.start_step = resume.global_step if resume else 0
+    loggers = session.open_loggers(
+        resume.wandb_run_id if resume else None, resume.global_step if resume else None
+    )
     trainer: L.Trainer | None = None
-    with session.closing(loggers, step=lambda: trainer.global_step if trainer else 0):
+
+    def metrics_so_far() -> dict[str, float]:  # for result.json when the run fails
+        wall = time.perf_counter() - t0
+        return collect_metrics(trainer, parts, wall) if trainer is not None else {"wall_seconds": wall}
+
+    with session.closing(
+        loggers, step=lambda: trainer.global_step if trainer else session.start_step, metrics=metrics_so_far
+    ):
         trainer = make_trainer(cfg, settings, parts, loggers)
         session.is_global_zero = trainer.is_global_zero
         if trainer.is_global_zero:
             log.info("Run directory: %s", session.run_dir)
             log.info("\n%s", model_summary(parts.module, trainer, settings))
         session.save_config(loggers)
-        stopped, step = fit(trainer, parts, resume, settings.trainer["max_steps"])
+        stop, step = fit(trainer, parts, resume, settings.trainer["max_steps"])
         metrics = collect_metrics(trainer, parts, time.perf_counter() - t0)
         if trainer.is_global_zero:
-            report(session, settings, parts, trainer, loggers, metrics, step, stopped)
-        return metrics
-    raise AssertionError("unreachable: closing() re-raises")  # pragma: no cover
+            report(session, settings, parts, trainer, loggers, metrics, step, stop)
+    multirun = HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
+    if stop is not None and stop.signal == "Ctrl-C" and multirun:
+        # Ctrl-C stops the sweep, not only this job (its result and checkpoint are written): the next jobs
+        # would otherwise start one after the other.
+        log.warning(
+            "Ctrl-C: the sweep stops here; the same command with resume=auto and its hydra.sweep.dir continues "
+            "it (this job from its checkpoint)"
+        )
+        raise SystemExit(130)
+    return metrics
+
+
+def finished_result(run_dir: Path, resume: ResumePlan | None, max_steps: int) -> dict[str, Any] | None:
+    """The ``result.json`` of a run that ``resume`` continues and that already finished at the checkpoint's
+    step (so nothing is left to train, and its record stays as it is); None otherwise. A checkpoint at
+    ``max_steps`` without such a result (a run killed after its last save) is validated and reported."""
+    from gptlab.runs.layout import Run
+
+    if resume is None or resume.global_step < max_steps:
+        return None
+    result = Run(run_dir).result()
+    if not result or not result.get("finished") or result.get("global_step") != resume.global_step:
+        return None
+    return result
+
+
+def report_already_finished(run_dir: Path, result: dict[str, Any]) -> dict[str, float]:
+    """The closing lines of a finished run continued with nothing to train: its recorded validation, and
+    that nothing was done; returns its recorded metrics. Nothing is trained, validated, logged or written."""
+    from gptlab.runs.layout import RESULT_FILE
+
+    metrics = {k: float(v) for k, v in (result.get("metrics") or {}).items() if isinstance(v, (int, float))}
+    step = int(result["global_step"])
+    lines = [
+        f"The run already finished at step {step}; nothing to do ({run_dir / RESULT_FILE} is left as it is).",
+        validation_line(metrics.get("val/loss"), metrics.get("unigram_entropy"), metrics.get("val/bpb")),
+        f"Outputs: {run_dir}",
+    ]
+    print("\n".join(lines), flush=True)
+    return metrics
 
 
 # ---- build --------------------------------------------------------------------------------------------
 def build(settings: GPTRunConfig) -> Parts:
     """The strategy checked against the hardware and the launch, the data prepared and windowed (the
     tokenizer is a product of it: a fitted vocabulary comes from the training split), the module made."""
+    import torch
+
+    from gptlab.data.datamodule import GPTDataModule
     from gptlab.parallel import build_strategy, warn_if_cpu_oversubscribed
+    from gptlab.training.module import GPTLitModule
 
     # Subnormal floats (a softmax over strongly biased scores: ALiBi at T=1024) are many times slower on x86
     # CPUs; flushing them to zero changes nothing above 1.2e-38. ALiBi's step on one thread: 1.93x -> 1.34x
@@ -126,6 +186,8 @@ def load_initial_weights(module: GPTLitModule, source: str | None) -> None:
 
 
 def make_trainer(cfg: DictConfig, settings: GPTRunConfig, parts: Parts, loggers: list) -> L.Trainer:
+    import lightning as L
+
     from gptlab.parallel.slurm import slurm_plugins
     from gptlab.training.callbacks import ValidateAtLastStep, instantiate_callbacks
     from gptlab.training.checkpointing import fault_tolerance_callbacks
@@ -160,9 +222,12 @@ def model_summary(module: GPTLitModule, trainer: L.Trainer | None, settings: GPT
 
 
 # ---- fit ----------------------------------------------------------------------------------------------
-def fit(trainer: L.Trainer, parts: Parts, resume: ResumePlan | None, max_steps: int) -> tuple[bool, int]:
-    """Train to ``max_steps`` (continuing ``resume``); a run already there is only validated, its curves
-    untouched. Returns whether a stop signal ended training early, and the run's last step."""
+def fit(
+    trainer: L.Trainer, parts: Parts, resume: ResumePlan | None, max_steps: int
+) -> tuple[SignalStop | None, int]:
+    """Train to ``max_steps`` (continuing ``resume``); a run already there (whose ``result.json`` is missing:
+    it was killed after its last save) is only validated, its curves untouched. Returns how a stop signal
+    ended training early (None when it did not), and the run's last step."""
     from gptlab.training.checkpointing import fit as fit_with_signals
 
     if resume is not None and resume.global_step >= max_steps:
@@ -175,14 +240,24 @@ def fit(trainer: L.Trainer, parts: Parts, resume: ResumePlan | None, max_steps: 
             parts.module, datamodule=parts.datamodule, ckpt_path=str(resume.ckpt_path), verbose=False
         )
         trainer.loggers = loggers
-        return False, resume.global_step
-    stopped = fit_with_signals(trainer, parts.module, parts.datamodule, resume.ckpt_path if resume else None)
-    if stopped and trainer.is_global_zero:
-        log.info(
-            "Stopped by a signal at step %d; continue with the same command and resume=auto",
-            trainer.global_step,
-        )
-    return stopped, trainer.global_step
+        return None, resume.global_step
+    stop = fit_with_signals(trainer, parts.module, parts.datamodule, resume.ckpt_path if resume else None)
+    if stop is not None and trainer.is_global_zero:
+        log.warning("%s", stop_line(stop, trainer.global_step))
+    return stop, trainer.global_step
+
+
+def stop_line(stop: SignalStop, step: int) -> str:
+    """What a stop signal did, and how to continue."""
+    again = "resume with the same command and resume=auto"
+    if not stop.quit_at_once:
+        return f"Stopped by {stop.signal} at step {step}: {stop.checkpoint} holds it; {again}."
+    if stop.checkpoint is None:
+        return f"Quit by a second Ctrl-C at step {step}, without saving: no checkpoint was written to continue from."
+    return (
+        f"Quit by a second Ctrl-C at step {step}, without saving it: {stop.checkpoint} holds step "
+        f"{stop.checkpoint_step}; {again} (it continues from step {stop.checkpoint_step})."
+    )
 
 
 def collect_metrics(trainer: L.Trainer, parts: Parts, wall_seconds: float) -> dict[str, float]:
@@ -204,7 +279,7 @@ def report(
     loggers: list,
     metrics: dict[str, float],
     step: int,
-    stopped: bool,
+    stop: SignalStop | None,
 ) -> None:
     """The W&B summary, the closing lines, the length study (``eval_length.enabled``) and ``result.json``."""
     from gptlab.tracking.loggers import update_wandb_summary
@@ -219,9 +294,10 @@ def report(
             **{k: metrics[k] for k in ("val/loss", "val/ppl", "val/bpb") if k in metrics},
         },
     )
-    print("\n".join(closing_lines(metrics, entropy, session.run_dir, trainer, loggers, step)), flush=True)
+    lines = closing_lines(metrics, entropy, session.run_dir, trainer, loggers, step, session.start_step)
+    print("\n".join(lines), flush=True)
     if settings.length_study is not None:
-        if stopped:  # the weights are half-trained and the time before the machine goes is short
+        if stop is not None:  # the weights are half-trained and the time before the machine goes is short
             log.info(
                 "Stopped by a signal: the length study (eval_length) is skipped; it runs when the resumed run "
                 "finishes."
@@ -240,26 +316,87 @@ def report(
             )
             metrics.update(summary_metrics(result))
     max_steps = settings.trainer["max_steps"]
-    session.write_result(metrics, step, finished=step >= max_steps > 0, stopped=stopped)
+    stopped = stop is not None
+    extra: dict[str, Any] = (
+        {"stop_signal": stop.signal, "checkpoint_step": stop.checkpoint_step} if stop is not None else {}
+    )
+    uniform = math.log(parts.corpus.tokenizer.vocab_size)
+    divergence = divergence_of(metrics.get("val/loss"), entropy, uniform)
+    session.write_result(
+        metrics, step, finished=step >= max_steps > 0, stopped=stopped, extra={**extra, **divergence}
+    )
+    if divergence.get("diverged"):
+        log.warning(diverged_line(metrics["val/loss"], entropy, uniform))
+
+
+def validation_line(val: float | None, entropy: float | None, bpb: float | None = None) -> str:
+    """The final validation against the corpus's unigram entropy, and in bits per byte when measured."""
+    if val is None:
+        return "No validation (it is off: trainer.limit_val_batches=0)"
+    line = f"Final validation loss {val:.4f} nats (perplexity {_perplexity(val)})"
+    if bpb is not None:
+        line += f", {bpb:.4f} bits per byte"
+    if entropy is None:
+        return line
+    return (
+        f"{line}; unigram entropy of the corpus {entropy:.4f} nats ({abs(entropy - val):.3f} "
+        f"{'below' if val < entropy else 'above'} it)"
+    )
+
+
+def diverged_line(val: float, entropy: float, uniform: float) -> str:
+    """The warning that ends a diverged run's log: the numbers that say so, and the usual fix."""
+    from gptlab.comparison.records import DIVERGENCE_MARGIN
+
+    why = (
+        f", {val:.4g} nats, is above the corpus's unigram entropy, {entropy:.4f} nats (what predicting each token "
+        f"by its frequency alone reaches), and more than {DIVERGENCE_MARGIN:g} nat above the loss of a uniform "
+        f"guess, {uniform:.4f} nats (where training starts)"
+        if math.isfinite(val)
+        else f" is {val}"
+    )
+    return (
+        f"The run diverged: its final validation loss{why}: its figures are no result. result.json says "
+        "diverged: true and scripts/compare.py marks it. Lower the learning rate (optim.lr) or lengthen the "
+        "warm-up (optim.warmup_steps)."
+    )
+
+
+def divergence_of(val_loss: float | None, entropy: float, uniform: float) -> dict[str, Any]:
+    """result.json's ``diverged`` (:func:`gptlab.comparison.records.is_diverged`) and, when it did, the
+    numbers that say so; nothing without a validation."""
+    from gptlab.comparison.records import is_diverged
+
+    if val_loss is None:
+        return {}
+    if not is_diverged(val_loss, entropy, uniform):
+        return {"diverged": False}
+    shown = val_loss if math.isfinite(val_loss) else str(val_loss)  # JSON has no inf: "inf", as in metrics
+    numbers = {"val/loss": shown, "unigram_entropy": entropy, "uniform_loss": uniform}
+    return {"diverged": True, "divergence": numbers}
+
+
+def _perplexity(loss: float) -> str:
+    """exp(loss) to one decimal; a diverged run's in three digits (1.23e+37), inf where exp overflows."""
+    ppl = math.exp(loss) if loss < 700 else math.inf
+    return f"{ppl:.1f}" if ppl < 1e6 else f"{ppl:.3g}"
 
 
 def closing_lines(
-    metrics: dict[str, float], entropy: float, run_dir: Path, trainer: L.Trainer, loggers: list, step: int
+    metrics: dict[str, float],
+    entropy: float,
+    run_dir: Path,
+    trainer: L.Trainer,
+    loggers: list,
+    step: int,
+    start_step: int = 0,
 ) -> list[str]:
-    """The final validation against the corpus's unigram entropy, the rates, and where everything is."""
+    """The final validation against the corpus's unigram entropy, the rates, and where everything is. A
+    resumed run names the steps this part trained (``start_step`` to ``step``) and this part's time."""
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     from gptlab.tracking.loggers import logger_lines
 
-    val = metrics.get("val/loss")
-    if val is None:
-        first = "No validation (it is off: trainer.limit_val_batches=0)"
-    else:
-        bpb = f", {metrics['val/bpb']:.4f} bits per byte" if "val/bpb" in metrics else ""
-        first = (
-            f"Final validation loss {val:.4f} nats (perplexity {math.exp(val):.1f}){bpb}; unigram entropy of "
-            f"the corpus {entropy:.4f} nats ({abs(entropy - val):.3f} {'below' if val < entropy else 'above'} it)"
-        )
     rates = (
         f": {metrics['tokens_per_second_wall']:,.0f} tokens/s of wall time (start-up, data, validation and "
         f"checkpoints included); training rate {metrics['tokens_per_second_training']:,.0f} tokens/s "
@@ -267,7 +404,21 @@ def closing_lines(
         if "tokens_per_second_wall" in metrics
         else ""
     )
-    lines = [first, f"Trained {step} steps in {metrics['wall_seconds']:.0f} s{rates}", f"Outputs: {run_dir}"]
+    seconds = metrics["wall_seconds"]
+    if start_step == 0:
+        trained = f"Trained {step} steps in {seconds:.0f} s{rates}"
+    elif step > start_step:
+        trained = (
+            f"Trained {step} steps; this part, resumed at step {start_step}, trained {step - start_step} in "
+            f"{seconds:.0f} s{rates}"
+        )
+    else:
+        trained = f"Nothing left to train at step {step}: validated the checkpoint in {seconds:.0f} s"
+    lines = [
+        validation_line(metrics.get("val/loss"), entropy, metrics.get("val/bpb")),
+        trained,
+        f"Outputs: {run_dir}",
+    ]
     ckpt = trainer.checkpoint_callback
     if isinstance(ckpt, ModelCheckpoint) and ckpt.dirpath:
         lines.append(

@@ -3,11 +3,16 @@
 config saved, ``result.json`` written (also when the task raises), and the W&B run closed.
 
     session = RunSession.start(cfg, settings)
-    loggers = session.open_loggers(wandb_run_id=None)
-    with session.closing(loggers):
+    session.start_step = ...     # a resumed run: the step it continues from
+    loggers = session.open_loggers(wandb_run_id=None, resumed_at=None)
+    with session.closing(loggers, step=..., metrics=...):
         ...                      # the task's own work
         session.save_config(loggers)
         session.write_result(metrics, step=..., finished=..., stopped=...)
+
+``result.json`` describes the whole run, over all its parts (the first start and each resume): the metrics
+are the latest value of each (a part that failed keeps the values logged before it failed), ``wall_seconds``
+is the sum of the parts' wall times, and ``parts`` lists each part's steps, status and wall time.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ from __future__ import annotations
 import logging
 import math
 import random
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -67,6 +72,7 @@ class RunSession:
         self.cfg, self.settings, self.run_dir = cfg, settings, run_dir
         self.is_global_zero = not launched_rank()  # a task on many ranks sets it from its trainer
         self.loggers: list = []  # open_loggers' loggers
+        self.start_step = 0  # the step this part of the run starts from (a resumed run's checkpoint step)
 
     @classmethod
     def start(
@@ -102,15 +108,17 @@ class RunSession:
         (seed or seed_generators)(settings.seed)
         return cls(cfg, settings, run_dir)
 
-    def open_loggers(self, wandb_run_id: str | None = None) -> list:
-        """The configured loggers (``logger`` node); with ``wandb_run_id`` the W&B logger continues that run.
-        No logger configured: nothing imported (the loggers are Lightning's classes)."""
+    def open_loggers(self, wandb_run_id: str | None = None, resumed_at: int | None = None) -> list:
+        """The configured loggers (``logger`` node); with ``wandb_run_id`` the W&B logger continues that run;
+        with ``resumed_at`` (the checkpoint's step) the CSV logger drops the rows logged after that step by the
+        part that was stopped or killed, which this part logs again. No logger configured: nothing imported
+        (the loggers are Lightning's classes)."""
         nodes = self.cfg.get("logger") or {}
         if not any(node is not None and "_target_" in node for node in nodes.values()):
             return []
         from gptlab.tracking.loggers import instantiate_loggers
 
-        self.loggers = instantiate_loggers(nodes, wandb_run_id)
+        self.loggers = instantiate_loggers(nodes, wandb_run_id, resumed_at)
         return self.loggers
 
     def wandb_run_id(self) -> str | None:
@@ -130,36 +138,68 @@ class RunSession:
             OmegaConf.save(self.cfg, self.run_dir / "config_resolved.yaml", resolve=True)
 
     def write_result(
-        self, metrics: dict[str, float], step: int, finished: bool, stopped: bool, failed: str | None = None
+        self,
+        metrics: Mapping[str, float],
+        step: int,
+        finished: bool,
+        stopped: bool,
+        failed: str | None = None,
+        extra: Mapping[str, Any] | None = None,
     ) -> None:
         """``<run dir>/result.json``: what the run reported, its last step, whether it finished (or why not),
-        which run it is (``run.json``'s id, and its W&B run's) and the commit it ran at."""
+        which run it is (``run.json``'s id, and its W&B run's), the commit it ran at, and ``extra`` (the
+        task's own keys, e.g. ``diverged``). A resumed run's result is merged with the earlier parts' (module
+        doc). JSON has no inf or nan: a non-finite metric is written as the string ``"inf"``, ``"-inf"`` or
+        ``"nan"`` (``float()`` reads it back), never left out."""
         if not self.is_global_zero:
             return
         info = read_run_info(self.run_dir)
+        run_id = info.run_id if info else None
+        finite = {k: float(v) for k, v in metrics.items() if math.isfinite(v)}
+        status = (
+            "failed" if failed is not None else "stopped" if stopped else "finished" if finished else "ended"
+        )
+        part: dict[str, Any] = {"from_step": self.start_step, "to_step": step, "status": status}
+        part.update({k: finite[k] for k in PART_FIGURES if k in finite})
+        earlier = Run(self.run_dir).result()
+        if earlier is None or run_id is None or earlier.get("run_id") != run_id:
+            earlier = None  # the first part, or a directory's result from before run ids: not merged
         Run(self.run_dir).write_result(
             {
-                "metrics": {k: v for k, v in metrics.items() if math.isfinite(v)},
+                "metrics": {
+                    k: v if not isinstance(v, float) or math.isfinite(v) else str(v)
+                    for k, v in merged_metrics(
+                        earlier, {k: float(v) for k, v in metrics.items()}, part
+                    ).items()
+                },
+                "parts": [*earlier_parts(earlier), part],
                 "global_step": step,
                 "finished": failed is None and finished,
                 "stopped_by_signal": bool(stopped),
                 **({"failed": failed} if failed is not None else {}),
-                "run_id": info.run_id if info else None,
+                "run_id": run_id,
                 "wandb_run_id": self.wandb_run_id(),
                 "git_commit": git_commit(),
+                **(extra or {}),
             }
         )
 
     @contextmanager
-    def closing(self, loggers: list, step: Any = None) -> Iterator[None]:
+    def closing(
+        self,
+        loggers: list,
+        step: Callable[[], int] | None = None,
+        metrics: Callable[[], Mapping[str, float]] | None = None,
+    ) -> Iterator[None]:
         """Around the task's work: a raised error is written to ``result.json`` (the comparison lists the run
-        as failed, not killed) at ``step()``'s step, and the W&B run is closed either way."""
+        as failed, not killed) at ``step()``'s step, with ``metrics()`` (the values logged so far), and the
+        W&B run is closed either way."""
         failed = True
         try:
             yield
             failed = False
         except Exception as e:
-            self.write_result({}, int(step()) if step else 0, False, False, repr(e)[:300])
+            self._write_failure(e, step, metrics)
             raise
         finally:
             if loggers:
@@ -167,6 +207,68 @@ class RunSession:
 
                 finish_wandb(loggers, failed)
             release_run_dir(self.run_dir)
+
+    def _write_failure(
+        self,
+        error: Exception,
+        step: Callable[[], int] | None,
+        metrics: Callable[[], Mapping[str, float]] | None,
+    ) -> None:
+        """``result.json`` for a run that raised ``error``; nothing here may hide that error."""
+        from gptlab.errors import DiskFullError
+
+        reason = f"{type(error).__name__}: {error}" if isinstance(error, DiskFullError) else repr(error)[:300]
+        try:
+            known = dict(metrics()) if metrics else {}
+        except Exception as e:  # the state the metrics come from may be what broke
+            log.warning("The metrics logged before the failure could not be collected: %r", e)
+            known = {}
+        try:
+            self.write_result(known, int(step()) if step else 0, False, False, reason)
+        except OSError as e:  # a full disk may refuse result.json too
+            log.warning("%s could not be written: %s", self.run_dir / "result.json", e)
+
+
+# A part's own figures, kept per part in result.json (wall time and rates); the run's are combined from them.
+PART_FIGURES = ("wall_seconds", "tokens_per_second_wall", "tokens_per_second_training")
+
+
+def earlier_parts(earlier: Mapping[str, Any] | None) -> list[dict[str, Any]]:
+    """The parts an earlier ``result.json`` of the same run describes (one part for a result written before
+    parts were recorded)."""
+    if earlier is None:
+        return []
+    parts = earlier.get("parts")
+    if isinstance(parts, list):
+        return [dict(p) for p in parts if isinstance(p, dict)]
+    old = earlier.get("metrics") or {}
+    return [{"to_step": earlier.get("global_step"), **{k: old[k] for k in PART_FIGURES if k in old}}]
+
+
+def merged_metrics(
+    earlier: Mapping[str, Any] | None, latest: Mapping[str, float], part: Mapping[str, Any]
+) -> dict[str, float]:
+    """The run's metrics over its parts: the latest value of each, ``wall_seconds`` summed over the parts,
+    and the rates over the whole run (the tokens of all parts over their summed wall / training time)."""
+    merged = {**dict((earlier or {}).get("metrics") or {}), **latest}
+    parts = [*earlier_parts(earlier), dict(part)]
+    walls = [p.get("wall_seconds") for p in parts]
+    if len(parts) > 1 and all(isinstance(w, (int, float)) for w in walls):
+        total = float(sum(walls))  # type: ignore[arg-type]
+        merged["wall_seconds"] = total
+        rates = [
+            (p.get("tokens_per_second_wall"), p.get("tokens_per_second_training"), p["wall_seconds"])
+            for p in parts
+        ]
+        if total > 0 and all(
+            isinstance(w, (int, float)) and isinstance(t, (int, float)) and t > 0 for w, t, _ in rates
+        ):
+            tokens = [w * seconds for w, _, seconds in rates]
+            merged["tokens_per_second_wall"] = sum(tokens) / total
+            merged["tokens_per_second_training"] = sum(tokens) / sum(
+                n / t for n, (_, t, _) in zip(tokens, rates)
+            )
+    return merged
 
 
 def seed_generators(seed: int) -> None:

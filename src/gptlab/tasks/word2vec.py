@@ -97,6 +97,7 @@ def train(
         len(corpus.vocab),
         options.objective,
     )
+    session.start_step = resume.global_step if resume else 0
     loggers = session.open_loggers(resume.wandb_run_id if resume else None)
     trainer: Trainer | None = None
     with session.closing(loggers, step=lambda: trainer.global_step if trainer else 0):

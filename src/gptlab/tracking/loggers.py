@@ -100,17 +100,75 @@ class ContinuedCSVWriter(ExperimentWriter):
             header = path.read_text().partition("\n")[0].strip()
             self.metrics_keys = sorted(k for k in header.split(",") if k)
 
+    def drop_rows_after(self, resumed_at: int) -> int:
+        """Remove the rows that a stopped or killed part logged after the checkpoint a resumed run continues
+        from (``resumed_at``, its global step): the resumed run trains those steps again and logs them anew.
+        Lightning's ``step`` column is 0-based (the row of optimizer step n says n - 1), so the rows kept are
+        those with ``step < resumed_at``; ``samples.tsv`` (1-based steps) keeps its rows up to ``resumed_at``.
+        Returns the number of metric rows dropped; a file with nothing to drop is left untouched."""
+        # Lightning writes metrics.csv with csv's own line ends (\r\n); samples.tsv has \n.
+        dropped = _drop_rows(Path(self.metrics_file_path), ",", "\r\n", lambda step: step < resumed_at)
+        _drop_rows(Path(self.log_dir) / SAMPLES_FILE, "\t", "\n", lambda step: step <= resumed_at)
+        return dropped
+
+
+SAMPLES_FILE = "samples.tsv"  # SampleGeneration's text, beside metrics.csv
+
+
+def _drop_rows(path: Path, delimiter: str, line_end: str, keep: Any) -> int:
+    """Rewrite ``path`` (a table with a ``step`` column, one row a line: metric values and samples with their
+    tabs and newlines escaped) without the rows whose step ``keep`` rejects, atomically (a temporary file
+    renamed over it); the rows kept are kept byte for byte. Rows without a readable step are kept."""
+    import tempfile
+
+    if not path.is_file():
+        return 0
+    header, *rows = path.read_bytes().decode().split(line_end)
+    names = header.split(delimiter)
+    if "step" not in names:
+        return 0
+    column = names.index("step")
+
+    def kept(row: str) -> bool:
+        try:
+            return bool(keep(int(float(row.split(delimiter)[column]))))
+        except (IndexError, ValueError):
+            return True  # the empty string after the last line end among them
+
+    remaining = [row for row in rows if kept(row)]
+    if len(remaining) == len(rows):
+        return 0
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    with os.fdopen(fd, "wb") as f:
+        f.write(line_end.join([header, *remaining]).encode())
+    os.replace(tmp, path)
+    return len(rows) - len(remaining)
+
 
 class ContinuedCSVLogger(CSVLogger):
     """Lightning's CSVLogger deletes an existing ``metrics.csv`` when it starts; a resumed run continues the
-    file instead, so it holds the whole curve (rows logged again after a resume repeat their step)."""
+    file instead, so it holds the whole curve, each step once: the rows the earlier part logged after the
+    checkpoint (``resumed_at``) are dropped before the resumed run logs those steps again."""
+
+    resumed_at: int | None = None  # set by instantiate_loggers for a resumed run
 
     @property
     @rank_zero_experiment
     def experiment(self) -> Any:
         if self._experiment is None:
             self._fs.makedirs(self.root_dir, exist_ok=True)
-            self._experiment = ContinuedCSVWriter(log_dir=self.log_dir)
+            writer = ContinuedCSVWriter(log_dir=self.log_dir)
+            if self.resumed_at is not None:
+                dropped = writer.drop_rows_after(self.resumed_at)
+                if dropped:
+                    log.info(
+                        "%s: %d rows logged after step %d (the checkpoint this run resumes from) dropped; "
+                        "they are logged again as the steps are trained again",
+                        writer.metrics_file_path,
+                        dropped,
+                        self.resumed_at,
+                    )
+            self._experiment = writer
         return self._experiment
 
 
@@ -119,9 +177,14 @@ def csv_logger(save_dir: str, name: str = "csv", version: str | int | None = "")
     return ContinuedCSVLogger(save_dir=save_dir, name=name, version=version)
 
 
-def tensorboard_logger(save_dir: str, name: str = "tensorboard", version: str | int | None = "") -> Logger:
-    """TensorBoard event files in ``<save_dir>/<name>/`` (``tensorboard --logdir <save_dir>``)."""
-    return TensorBoardLogger(save_dir=save_dir, name=name, version=version, default_hp_metric=False)
+def tensorboard_logger(
+    save_dir: str, name: str = "tensorboard", version: str | int | None = "", purge_step: int | None = None
+) -> Logger:
+    """TensorBoard event files in ``<save_dir>/<name>/`` (``tensorboard --logdir <save_dir>``). A resumed run
+    passes ``purge_step`` (its checkpoint's step): TensorBoard hides the events an earlier part logged from
+    that step on, which this run logs again."""
+    extra: dict[str, Any] = {"purge_step": purge_step} if purge_step is not None else {}
+    return TensorBoardLogger(save_dir=save_dir, name=name, version=version, default_hp_metric=False, **extra)
 
 
 def log_text_samples(trainer: L.Trainer, columns: list[str], rows: list[list[Any]]) -> None:
@@ -130,7 +193,7 @@ def log_text_samples(trainer: L.Trainer, columns: list[str], rows: list[list[Any
         if isinstance(logger, WandbLogger):
             logger.log_text(key="samples", columns=columns, data=rows, step=trainer.global_step)
         elif isinstance(logger, CSVLogger):
-            path = Path(logger.log_dir) / "samples.tsv"
+            path = Path(logger.log_dir) / SAMPLES_FILE
             path.parent.mkdir(parents=True, exist_ok=True)
             with path.open("a") as f:
                 if path.stat().st_size == 0:
@@ -163,9 +226,13 @@ class WandbRunIdInCheckpoint(L.Callback):
 
 
 # ---- what a task asks of its loggers -------------------------------------------------------------------
-def instantiate_loggers(nodes: Any, wandb_run_id: str | None = None) -> list[Logger]:
+def instantiate_loggers(
+    nodes: Any, wandb_run_id: str | None = None, resumed_at: int | None = None
+) -> list[Logger]:
     """The loggers of the ``logger`` node (each a ``_target_`` node); with ``wandb_run_id`` the W&B logger
-    continues that run (a resumed run's curves go on in the same W&B run)."""
+    continues that run (a resumed run's curves go on in the same W&B run); with ``resumed_at`` (the step of
+    the checkpoint a resumed run continues from) the CSV logger drops the rows logged after it, and TensorBoard
+    hides the events logged from it on."""
     from hydra.utils import instantiate
 
     loggers: list[Logger] = []
@@ -174,8 +241,12 @@ def instantiate_loggers(nodes: Any, wandb_run_id: str | None = None) -> list[Log
             continue
         if wandb_run_id and node["_target_"] == f"{__name__}.wandb_logger":
             loggers.append(instantiate(node, id=wandb_run_id, resume="allow"))
+        elif resumed_at is not None and node["_target_"] == f"{__name__}.tensorboard_logger":
+            loggers.append(instantiate(node, purge_step=resumed_at))
         else:
             loggers.append(instantiate(node))
+        if isinstance(loggers[-1], ContinuedCSVLogger):
+            loggers[-1].resumed_at = resumed_at
     return loggers
 
 

@@ -30,7 +30,8 @@ from omegaconf import DictConfig
 
 from gptlab.errors import CheckpointError, ConfigError
 from gptlab.resume import ResumePlan
-from gptlab.runs.checkpoints import load_checkpoint
+from gptlab.runs import digests
+from gptlab.runs.checkpoints import RESUME_INSTEAD, load_checkpoint
 from gptlab.word2vec import evaluation
 from gptlab.word2vec.config import Word2VecOptions
 from gptlab.word2vec.corpus import WordCorpus
@@ -42,7 +43,7 @@ log = logging.getLogger("gptlab")
 
 def check_resume(path: Path, options: Word2VecOptions, words: list[str]) -> ResumePlan:
     """The checkpoint must be a word2vec checkpoint of the same shape, trained on the same vocabulary."""
-    checkpoint = load_checkpoint(path)
+    checkpoint = load_checkpoint(path, use_instead=RESUME_INSTEAD)
     saved = (checkpoint.get("hyper_parameters") or {}).get("word2vec")
     vocab = checkpoint.get("word2vec_vocab")
     if saved is None or vocab is None:
@@ -309,12 +310,15 @@ class Trainer:
         return checkpoint
 
     def save_checkpoint(self) -> Path:
-        """``checkpoints/last.ckpt``, written beside it and renamed: whole or not at all."""
+        """``checkpoints/last.ckpt``, written beside it and renamed: whole or not at all; its digest after it."""
         path = self.run_dir / "checkpoints" / "last.ckpt"
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
         torch.save(self.checkpoint(), tmp)
+        files = digests.compute(tmp, name=path.name)
+        digests.remove_digest(path)
         os.replace(tmp, path)
+        digests.write_digest(path, files, self.global_step)
         for lg in self.loggers:
             lg.save()
         return path

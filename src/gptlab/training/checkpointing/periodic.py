@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -34,6 +35,14 @@ class PeriodicLastCheckpoint(ModelCheckpoint):
             save_on_train_epoch_end=False,
             enable_version_counter=False,
         )
+        # The newest checkpoint written whole (or resumed from) and its step: what resume=auto continues from.
+        self.saved_path: Path | None = None
+        self.saved_step: int | None = None
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        super().on_train_start(trainer, pl_module)
+        if trainer.ckpt_path:
+            self.saved_path, self.saved_step = Path(trainer.ckpt_path), trainer.global_step
 
     def _save_last_checkpoint(self, trainer: L.Trainer, monitor_candidates: dict[str, Any]) -> None:
         # Every rank takes the same decision: the save that follows is collective for sharded strategies.
@@ -43,7 +52,12 @@ class PeriodicLastCheckpoint(ModelCheckpoint):
                 trainer.global_step,
             )
             return
+        # The loggers' buffered rows first (the CSV logger writes every 100 steps): a run killed after this
+        # save has every row up to the checkpoint's step on disk, and a resumed run drops the rows after it.
+        for logger in trainer.loggers:
+            logger.save()
         super()._save_last_checkpoint(trainer, monitor_candidates)
+        self.saved_path, self.saved_step = Path(self.last_model_path), trainer.global_step
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.save_now(trainer)

@@ -1,0 +1,185 @@
+"""What `python train.py` says before it trains anything: its help page, and its refusals of a mistyped
+choice or a bad value, which come before the heavy imports and leave no run folder behind."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+from conftest import CONF, ROOT
+
+
+def train_py(*args: str, cwd=ROOT, timeout: int = 120) -> subprocess.CompletedProcess:
+    """`python -X importtime train.py <args>`: its output, and (in stderr) every module it imported."""
+    return subprocess.run(
+        [sys.executable, "-X", "importtime", str(ROOT / "train.py"), *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def imported(stderr: str) -> set[str]:
+    """The top-level packages named in ``-X importtime``'s lines."""
+    return {
+        line.rsplit("|", 1)[1].strip().split(".")[0]
+        for line in stderr.splitlines()
+        if line.startswith("import time:") and "|" in line
+    }
+
+
+def without_import_times(stderr: str) -> str:
+    return "\n".join(line for line in stderr.splitlines() if not line.startswith("import time:"))
+
+
+def choices(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
+
+
+# ---- --help ----------------------------------------------------------------------------------------------
+
+
+def test_help_lists_the_groups_their_choices_the_examples_and_the_manual(tmp_path):
+    proc = train_py("--help", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    page = proc.stdout
+    assert page.startswith("gptlab:") and "powered by Hydra" not in page
+    for group in sorted(p.name for p in CONF.iterdir() if p.is_dir() and p.name != "hydra"):
+        assert f"{group}: {', '.join(choices(group))}\n" in page, group
+    # Hydra's launchers: gptlab's own (conf/hydra/launcher) and the installed plugins' basic one
+    launchers = re.search(r"^hydra/launcher: (.*?)\s{2,}", page, re.M)
+    assert launchers is not None, page
+    assert {"basic", *choices("hydra/launcher")} <= set(launchers.group(1).split(", "))
+    for example in (
+        "python train.py model=small pos=sinusoidal activation=swiglu",
+        "python train.py -m pos=learned,rope,alibi seed=0,1",
+        "python train.py model=small pos=sinusoidal resume=auto",
+        "python train.py model=small pos=rope --cfg job",
+        "python scripts/compare.py outputs/multirun/",
+    ):
+        assert example in page
+    assert "--multirun,-m" in page and "--cfg,-c" in page  # Hydra's flags
+    assert "docs/index.md" in page and "--hydra-help" in page
+    # a page, not a run: nothing heavy is imported and no run folder is made
+    assert not {"torch", "lightning", "wandb"} & imported(proc.stderr)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_help_pages_examples_compose(make_cfg):
+    page = train_py("--help").stdout
+    examples = re.findall(r"^\s+python train\.py (.*)$", page, re.M)
+    assert len(examples) == 4
+    for line in examples:
+        # a sweep's first point, and the overrides without the flags
+        overrides = [word.split(",")[0] for word in line.split() if not word.startswith("-") and "=" in word]
+        cfg = make_cfg(*overrides)
+        assert cfg.model is not None
+
+
+def test_hydras_own_help_is_one_flag_away():
+    proc = train_py("--hydra-help")
+    assert proc.returncode == 0
+    assert "hydra/launcher:" in proc.stdout and "== Flags ==" in proc.stdout
+
+
+# ---- a mistyped choice -----------------------------------------------------------------------------------
+
+
+def test_a_mistyped_choice_gets_the_closest_one_and_no_search_path(tmp_path):
+    proc = train_py("pos=sinusiodal", cwd=tmp_path)
+    err = without_import_times(proc.stderr)
+    assert proc.returncode == 2, err
+    assert err.startswith("gptlab: error: Could not find 'pos/sinusiodal'"), err
+    assert f"Choose pos from: {', '.join(choices('pos'))}." in err
+    assert err.rstrip().endswith("Did you mean pos=sinusoidal?")
+    assert "Config search path" not in err and "HYDRA_FULL_ERROR" not in err
+    assert not {"torch", "lightning"} & imported(proc.stderr)
+    assert list(tmp_path.iterdir()) == []  # no run folder
+
+
+def test_a_mistyped_choice_in_a_sweep_is_refused_before_any_job_runs(tmp_path):
+    proc = train_py("-m", "activation=gelu,swiglu,gleu", "hydra/launcher=basic", cwd=tmp_path)
+    err = without_import_times(proc.stderr)
+    assert proc.returncode == 2, err
+    assert "Could not find 'activation/gleu'" in err and "Did you mean activation=gelu?" in err
+    assert not {"torch", "lightning"} & imported(proc.stderr)  # no job started
+    assert list(tmp_path.iterdir()) == []  # nor the sweep folder Hydra made for its multirun.yaml
+
+
+def test_a_missing_primary_config_keeps_hydras_report_with_its_search_path(tmp_path):
+    # no group to choose from: where Hydra looked for configs is what helps (e.g. a missing --config-dir)
+    proc = train_py("--config-name", "nosuch", "--cfg", "job", cwd=tmp_path)
+    assert proc.returncode == 1
+    assert "Cannot find primary config 'nosuch'" in proc.stderr and "Config search path" in proc.stderr
+
+
+# ---- a refusal before the heavy imports -----------------------------------------------------------------
+
+
+def test_a_bad_value_is_refused_before_lightning_is_imported_and_leaves_no_run_folder(tmp_path):
+    proc = train_py("model.n_layer=-1", cwd=tmp_path)  # the default run dir: outputs/runs/<date>/<time>
+    err = without_import_times(proc.stderr)
+    assert proc.returncode == 2, err
+    assert "gptlab: error: model.n_layer=-1 must be a positive integer." in err
+    assert not {"lightning", "lightning_fabric", "pytorch_lightning", "wandb", "datasets"} & imported(
+        proc.stderr
+    )
+    assert list(tmp_path.iterdir()) == []  # no run folder, nor the outputs/runs/<date> folders made for it
+
+
+def test_the_trainer_arguments_read_from_lightnings_source_are_its_signatures():
+    import inspect
+
+    import lightning as L
+
+    from gptlab.preflight import trainer_arguments
+
+    assert set(trainer_arguments()) == set(inspect.signature(L.Trainer.__init__).parameters) - {"self"}
+
+
+# ---- no run folder left by a refusal ----------------------------------------------------------------------
+
+
+# A refused run in the default run dir: test_a_bad_value_is_refused_before_lightning_is_imported_and_...
+
+
+def test_a_refusal_keeps_a_run_folder_that_was_there_before(tmp_path):
+    earlier = tmp_path / "earlier"
+    earlier.mkdir()
+    proc = train_py("model.n_layer=-1", f"hydra.run.dir={earlier}", cwd=tmp_path)
+    assert proc.returncode == 2
+    assert earlier.is_dir() and (earlier / ".hydra").is_dir()
+
+
+def test_a_refused_sweep_leaves_no_job_folders(tmp_path):
+    sweep = tmp_path / "sweep"
+    proc = train_py("-m", "model.n_layer=-1,-2", f"hydra.sweep.dir={sweep}", cwd=tmp_path)
+    assert "model.n_layer=-1 must be a positive integer" in proc.stderr
+    assert [p.name for p in sweep.iterdir()] == ["multirun.yaml"]
+
+
+def test_only_what_the_refused_run_wrote_in_folders_it_made_is_removed(tmp_path):
+    from gptlab.cli import NoteNewDirectories, remove_refused_run_dir
+
+    def refused_run(run_dir, *files):
+        NoteNewDirectories()._note(run_dir)  # as Hydra calls it, before the folder is made
+        (run_dir / ".hydra").mkdir(parents=True, exist_ok=True)
+        (run_dir / ".hydra" / "config.yaml").write_text("model: {}\n")
+        for name in ("train.log", *files):
+            (run_dir / name).write_text("x")
+        return remove_refused_run_dir(run_dir, "train.log")
+
+    # refused after run.json was written (a data error): the folder and the parents it made go
+    beside = tmp_path / "runs" / "other"
+    beside.mkdir(parents=True)
+    assert refused_run(tmp_path / "runs" / "day" / "a", "run.json")
+    assert not (tmp_path / "runs" / "day").exists() and beside.is_dir()
+    # anything else in it (a log file of Lightning's, a checkpoint) keeps the folder
+    assert not refused_run(tmp_path / "b", "run.json", "metrics.csv")
+    assert (tmp_path / "b" / "metrics.csv").is_file()
+    # a folder that existed before the command, also empty, stays
+    (tmp_path / "c").mkdir()
+    assert not refused_run(tmp_path / "c")
+    assert (tmp_path / "c" / "train.log").is_file()
