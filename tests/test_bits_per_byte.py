@@ -55,6 +55,15 @@ def test_the_word_tokenizer_counts_the_text_it_gives_back():
     )  # the unknown word: its space alone
 
 
+def test_an_unknown_character_counts_no_byte():
+    """The character <|unk|> replaced is not in the ids: it counts 0, as <|endoftext|> does."""
+    char = tokenizers.CharTokenizer(["a", "é"], unk=True)
+    ids = char.encode("aéz")
+    assert ids[-1] == char.unk_id
+    lengths, separators = char.token_byte_lengths()
+    assert (lengths, separators) == ([1, 2, 0, 0], [0, 0, 0, 0])
+
+
 def test_gpt2_counts_a_character_split_across_tokens_once():
     gpt2 = built("gpt2")
     ids = gpt2.encode("𝄞")  # 4 bytes, more than one byte-level token
