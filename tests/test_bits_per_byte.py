@@ -132,3 +132,102 @@ def test_the_length_study_reports_bpb_from_summed_nats_and_bytes():
         assert entry["bpb"] == pytest.approx(entry["loss"] * entry["tokens"] / (entry["bytes"] * math.log(2)))
         assert length.summary_metrics(result)[f"length/bpb@{factor}x"] == entry["bpb"]
     assert "bpb" in length.format_table(result)
+
+
+# ---- the comparison: ranked by bits per byte across tokenizers ---------------------------------------------
+
+
+def record(tmp_path, tokenizer: str, seed: int, nats: float, bpb: float | None):
+    from gptlab.comparison.records import RunRecord
+
+    return RunRecord(
+        path=tmp_path / f"{tokenizer}-{seed}",
+        overrides={"tokenizer": tokenizer, "seed": str(seed)},
+        val_loss=[(10, nats)],
+        val_bpb=[(10, bpb)] if bpb is not None else [],
+    )
+
+
+def test_runs_of_different_tokenizers_are_ranked_by_bits_per_byte(tmp_path):
+    from gptlab.comparison.table import condition_keys, markdown_table, ranking_metric, summarize
+
+    # a character model has the lower nats (per character), GPT-2 the lower bits per byte
+    runs = [
+        record(tmp_path, "char", 0, 1.50, 2.20),
+        record(tmp_path, "char", 1, 1.52, 2.23),
+        record(tmp_path, "gpt2", 0, 4.10, 1.90),
+        record(tmp_path, "gpt2", 1, 4.20, 1.95),
+    ]
+    keys = condition_keys(runs)
+    assert keys == ["tokenizer"] and ranking_metric(runs) == "val/bpb"
+    rows = summarize(runs, keys, metric="val/bpb")
+    assert [r.choice["tokenizer"] for r in rows] == ["gpt2", "char"]
+    assert rows[0].val_loss_mean == pytest.approx(1.925) and rows[1].final_losses == [2.20, 2.23]
+    table = markdown_table(rows, keys)
+    assert table.splitlines()[0].startswith("| # | tokenizer | seeds | val/bpb | Δ vs best (95% CI) |")
+    assert "| 1 | gpt2 | 2 | 1.9250 ± 0.0354 |" in table
+    # one tokenizer: nats per token, as before
+    assert ranking_metric(runs[:2]) == "val/loss"
+
+
+def test_runs_of_different_tokenizers_without_bits_per_byte_are_refused(tmp_path):
+    from gptlab.comparison.table import ranking_metric
+    from gptlab.errors import DataError
+
+    runs = [record(tmp_path, "char", 0, 1.5, 2.2), record(tmp_path, "gpt2", 0, 4.1, None)]
+    with pytest.raises(DataError, match=r"The runs differ in tokenizer, so they are ranked by bits per byte"):
+        ranking_metric(runs)
+
+
+@pytest.mark.slow
+def test_a_sweep_over_two_tokenizers_is_ranked_by_bpb_in_compare_py(tmp_path, capsys):
+    """`python train.py -m tokenizer=char,gpt2`, then `scripts/compare.py`: the table ranks by val/bpb, says
+    so, and its figures are the runs' own."""
+    import csv
+    import runpy
+    import sys
+
+    from conftest import ROOT, SWEEP, run_train
+
+    tiny = [a for a in SWEEP if not a.startswith(("tokenizer=", "pos=", "activation=", "seed=", "logger="))]
+    sweep_dir = tmp_path / "multirun" / "tok"
+    run_train(
+        [
+            "-m",
+            *tiny,
+            "logger=csv",
+            "tokenizer=char,gpt2",
+            f"paths.root_dir={tmp_path}",
+            f"hydra.sweep.dir={sweep_dir}",
+        ],
+        cwd=tmp_path,
+    )
+    argv = sys.argv
+    sys.argv = ["compare.py", str(sweep_dir)]
+    try:
+        runpy.run_path(str(ROOT / "scripts" / "compare.py"), run_name="__main__")
+    except SystemExit as e:
+        assert e.code in (0, None)
+    finally:
+        sys.argv = argv
+    printed = capsys.readouterr().out
+    assert printed.startswith(
+        "Ranked by final val/bpb (bits per byte): the runs differ in tokenizer, so nats per token are on "
+        "different scales.\n| # | tokenizer | seeds | val/bpb |"
+    )
+    text = (sweep_dir / "comparison.md").read_text()
+    assert "sorted by final validation bits per byte (`val/bpb`: the runs differ in tokenizer" in text
+    assert "| # | tokenizer | seeds | val/bpb |" in text
+    assert "Validation bits per byte at each multiple of the training context" in text
+    finals = {}
+    for job in sweep_dir.iterdir():
+        metrics = next(job.glob("csv/**/metrics.csv"), None)
+        if metrics is None:
+            continue
+        rows = [r for r in csv.DictReader(open(metrics)) if r.get("val/bpb")]
+        tokenizer = "char" if "char" in (job / ".hydra" / "overrides.yaml").read_text() else "gpt2"
+        finals[tokenizer] = float(rows[-1]["val/bpb"])
+    ranked = [line.split("|")[2].strip() for line in text.splitlines() if line.startswith(("| 1 |", "| 2 |"))]
+    assert ranked[:2] == sorted(finals, key=finals.get)
+    best = ranked[0]
+    assert f"| 1 | {best} | 1 | {finals[best]:.4f} |" in text
