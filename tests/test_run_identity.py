@@ -192,3 +192,20 @@ def test_run_json_names_the_run_and_each_part(overwritten, tmp_path):
         True,
     ]
     assert Run(run_dir).result()["run_id"] == started["run_id"] and Run(run_dir).result()["global_step"] == 3
+
+
+def test_a_refused_resume_leaves_the_runs_first_command_in_place(tmp_path):
+    # resume=<run> with another model is refused; what it typed goes to .hydra/parts/, and the first command
+    # still finds the run: resume=auto with it continues (here: the run is finished, nothing to do)
+    train(tmp_path, "trainer.max_steps=2")
+    (run_dir,) = [p for p in find_run_dirs(tmp_path / "outputs") if Run(p).result()]
+    first = (run_dir / ".hydra" / "overrides.yaml").read_bytes()
+    refused = train(tmp_path, "trainer.max_steps=2", "model.n_embd=64", f"resume={run_dir}", check=False)
+    assert refused.returncode == 2, refused.stderr[-2000:]
+    assert (run_dir / ".hydra" / "overrides.yaml").read_bytes() == first
+    (part,) = (run_dir / ".hydra" / "parts").glob("*/overrides.yaml")
+    assert "model.n_embd=64" in part.read_text()
+    again = train(tmp_path, "trainer.max_steps=2", "resume=auto")
+    assert "nothing to do" in again.stdout + again.stderr
+    assert str(run_dir) in again.stdout + again.stderr
+    assert [p for p in find_run_dirs(tmp_path / "outputs") if Run(p).result()] == [run_dir]

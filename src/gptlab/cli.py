@@ -105,10 +105,13 @@ class NoteNewDirectories(HydraCallback):
     earlier run, ``resume=``)."""
 
     def _note(self, path: Any) -> None:
+        from gptlab.runs.identity import made_by_this_process
+
         _new_dirs.clear()
         folder = _absolute(path)
+        made = made_by_this_process()  # a default run directory is created when its name is resolved
         for candidate in (folder, *folder.parents):
-            if candidate.exists():
+            if candidate.exists() and candidate not in made:
                 break
             _new_dirs.add(candidate)
 

@@ -508,6 +508,16 @@ def _release_all() -> None:
         release_run_dir(where)
 
 
+#: The run directories (and the folders above them) that this process created in take_new_run_dir: a command
+#: refused at config time removes what it made (gptlab.cli), and only that.
+_made_here: set[Path] = set()
+
+
+def made_by_this_process() -> set[Path]:
+    """The folders :func:`take_new_run_dir` created in this process (absolute paths)."""
+    return set(_made_here)
+
+
 def take_new_run_dir(directory: str) -> str:
     """``directory``, or ``directory-1``, ``-2``...: the first of them that this process creates itself,
     claimed (a default run directory is named by the second, and two runs can start in one). One this
@@ -516,12 +526,15 @@ def take_new_run_dir(directory: str) -> str:
     while True:
         if held_claim(Path(candidate)) is not None:
             return candidate
-        Path(candidate).parent.mkdir(parents=True, exist_ok=True)
+        folder = Path(os.path.abspath(candidate))
+        missing = [p for p in folder.parents if not p.exists()]
+        folder.parent.mkdir(parents=True, exist_ok=True)
         try:
             os.mkdir(candidate)
         except FileExistsError:
             pass
         else:
+            _made_here.update([folder, *missing])
             try:
                 hold_run_dir(Path(candidate))
                 return candidate
