@@ -166,23 +166,19 @@ class HeadBenchmark:
         return result
 
 
-def build_plain_optimizer(model: torch.nn.Module, optim: dict, max_steps: int, mixed_precision: bool):
+def build_plain_optimizer(model: torch.nn.Module, optim, max_steps: int, mixed_precision: bool):
     """The optimizer and schedule of GPTLitModule.configure_optimizers, written out as a plain loop would."""
-    from gptlab.training.module import lr_factor, use_fused_adamw
+    from gptlab.training.module import use_fused_adamw
 
     decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
     groups = [
-        {"params": decay, "weight_decay": optim["weight_decay"]},
+        {"params": decay, "weight_decay": optim.options.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
     fused = use_fused_adamw(model) and not mixed_precision
-    opt = torch.optim.AdamW(
-        groups, lr=optim["lr"], betas=optim["betas"], eps=optim["eps"], fused=fused or None
-    )
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: lr_factor(s, optim["warmup_steps"], max_steps, optim["min_lr_ratio"])
-    )
+    opt = torch.optim.AdamW(groups, **optim.options.adamw_kwargs(), fused=fused or None)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, optim.options.factor(max_steps))
     return opt, sched
 
 
@@ -265,14 +261,15 @@ def train_benchmark(args, overrides: list[str]) -> dict:
     from gptlab.tracking.loggers import csv_logger
     from gptlab.training.callbacks import instantiate_callbacks
     from gptlab.training.metrics import device_peak_flops
-    from gptlab.training.module import GPTLitModule, check_optim
+    from gptlab.training.module import GPTLitModule
+    from gptlab.training.optimizers import parse_optim
 
     cfg = compose_config(overrides)
     L.seed_everything(cfg.seed, verbose=False)
     tokenizer = gptlab.build_tokenizer(cfg)
     model_config = gptlab.build_model_config(cfg, tokenizer)
     datamodule = gptlab.build_datamodule(cfg)
-    optim = check_optim(OmegaConf.to_container(cfg.optim, resolve=True))
+    optim = parse_optim(OmegaConf.to_container(cfg.optim, resolve=True))
     loss_cfg = OmegaConf.to_container(cfg.loss, resolve=True)
     parallel = ParallelOptions.from_config({"compile": cfg.compile})
     module = GPTLitModule(

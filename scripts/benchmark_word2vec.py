@@ -1,18 +1,22 @@
 """gptlab's word2vec against gensim's: whole processes, training rate, agreement and benchmark scores.
 
     python scripts/benchmark_word2vec.py                               # skip-gram, negative sampling, 2 threads
+    python scripts/benchmark_word2vec.py --corpus lines --logger default,csv,none --mode cbow
     python scripts/benchmark_word2vec.py --mode cbow --objective hierarchical --repeats 3
     python scripts/benchmark_word2vec.py --memory --memory-mb 100 --before /tmp/gptlab-main   # peak RSS
     python scripts/benchmark_word2vec.py --softmax                     # the full softmax's cost by vocabulary
     python scripts/benchmark_word2vec.py --objectives --min-count 30   # each objective against gensim hs=1
 
-The corpus is text8-style (one line of lower-case words separated by spaces): gensim's ``lee_background.cor``
-(300 news articles), cut into words by gptlab's word tokenizer and repeated ``--copies`` times (6: 364k
-words). Both sides read that file: ``python train.py task=word2vec data.path=<file> ...`` and a gensim script
+The corpus is text8-style (lower-case words separated by spaces): gensim's ``lee_background.cor`` (300 news
+articles), cut into words by gptlab's word tokenizer and repeated ``--copies`` times (6: 364k words), as one
+line (``--corpus line``) or as lines of 1,300 words (``--corpus lines``: 281 lines, the shape of a corpus a
+user brings). Both sides read that file: ``python train.py task=word2vec data.path=<file> ...`` and a gensim script
 (``Text8Corpus`` -> ``Word2Vec(workers=threads)`` -> ``save_word2vec_format``), each a fresh process, timed
 whole (imports, reading, vocabulary, training, writing the vectors), interleaved repeat by repeat so that
 both meet the same load; the CPU seconds of each process (user + system, all its threads and processes) are
-reported beside the wall-clock seconds, and the machine's load average before and after. The training rate
+reported beside the wall-clock seconds, and the machine's load average before and after. Our side runs with
+each logger of ``--logger`` in turn (``default``: the config's own, W&B, offline without a login; ``csv``;
+``none``), each interleaved with gensim. The training rate
 is corpus words in the vocabulary x epochs over the training time. Quality: the overlap of the 10 nearest
 neighbours of the 100 most frequent words with gensim's (seed 1337), against gensim's own seed-to-seed
 overlap (1337 vs 1338), and WordSim-353 / SimLex-999 Spearman for each.
@@ -60,7 +64,12 @@ print(json.dumps({"train_seconds": seconds, "words": words}))
 """
 
 
-def lee_corpus(path: Path, copies: int) -> Path:
+WORDS_PER_LINE = 1_300  # --corpus lines: text8's words in lines of about the length of a news article's
+
+
+def lee_corpus(path: Path, copies: int, lines: bool = False) -> Path:
+    """``lee_background.cor`` in words, ``copies`` times: one line, or (``lines``) lines of
+    :data:`WORDS_PER_LINE` words. The same words in the same order either way."""
     from gensim.test.utils import datapath
 
     from gptlab.word2vec.sampling import tokenize
@@ -70,9 +79,17 @@ def lee_corpus(path: Path, copies: int) -> Path:
         for line in f:
             words += tokenize(line)
     path.parent.mkdir(parents=True, exist_ok=True)
-    text = " ".join(words)
-    path.write_text(" ".join([text] * copies))
+    words = words * copies
+    if lines:
+        rows = [" ".join(words[i : i + WORDS_PER_LINE]) for i in range(0, len(words), WORDS_PER_LINE)]
+        path.write_text("\n".join(rows) + "\n")
+    else:
+        path.write_text(" ".join(words))
     return path
+
+
+def corpus_for(work: Path, args: argparse.Namespace) -> Path:
+    return lee_corpus(work / f"lee_x{args.copies}_{args.corpus}.txt", args.copies, args.corpus == "lines")
 
 
 def env() -> dict[str, str]:
@@ -105,10 +122,20 @@ def timed(cmd: list[str], cwd: Path, environment: dict | None = None) -> tuple[f
     return seconds, out, cpu
 
 
-def ours(corpus: Path, run_dir: Path, args: argparse.Namespace, seed: int) -> dict:
+def ours(
+    corpus: Path,
+    run_dir: Path,
+    args: argparse.Namespace,
+    seed: int,
+    logger: str | None = None,
+    root: Path = ROOT,
+) -> dict:
+    """``python train.py task=word2vec ...`` with ``logger`` (``default``: no ``logger=`` override, the
+    config's own W&B logger, offline here; by default the first of ``--logger``), in the checkout ``root``."""
+    logger = logger or args.logger.split(",")[0]
     cmd = [
         sys.executable,
-        str(ROOT / "train.py"),
+        str(root / "train.py"),
         "task=word2vec",
         f"data.path={corpus}",
         f"word2vec.mode={args.mode}",
@@ -120,10 +147,10 @@ def ours(corpus: Path, run_dir: Path, args: argparse.Namespace, seed: int) -> di
         f"word2vec.min_count={args.min_count}",
         "word2vec.evaluate=false",
         f"seed={seed}",
-        f"logger={args.logger}",
+        *([] if logger == "default" else [f"logger={logger}"]),
         f"hydra.run.dir={run_dir}",
     ]
-    seconds, _, cpu = timed(cmd, ROOT)
+    seconds, _, cpu = timed(cmd, root, {**env(), "PYTHONPATH": str(root / "src")})
     metrics = json.loads((run_dir / "metrics.json").read_text())
     return {
         "process_seconds": seconds,
@@ -194,65 +221,77 @@ def quality(ours_path: str, gensim_path: str, gensim2_path: str) -> dict:
 
 
 def speed(args: argparse.Namespace) -> dict:
+    """Whole processes, interleaved round by round: ours with each logger of ``--logger``, then gensim."""
     work = Path(tempfile.mkdtemp(prefix="w2v-bench-"))
-    corpus = lee_corpus(work / f"lee_x{args.copies}.txt", args.copies)
-    runs: dict[str, list[dict]] = {"ours": [], "gensim": []}
+    corpus = corpus_for(work, args)
+    loggers = args.logger.split(",")
+    sides = [f"logger={name}" for name in loggers]
+    checkouts = [(name, side, ROOT) for name, side in zip(loggers, sides)]
+    if args.before:  # the same command in another checkout, e.g. the code before a change
+        sides.append(f"before, logger={loggers[0]}")
+        checkouts.append((loggers[0], sides[-1], Path(args.before)))
+    runs: dict[str, list[dict]] = {**{side: [] for side in sides}, "gensim": []}
     load_before = os.getloadavg()
     for r in range(args.repeats):
-        runs["ours"].append(ours(corpus, work / f"ours{r}", args, 1337))
+        for i, (name, side, root) in enumerate(checkouts):
+            runs[side].append(ours(corpus, work / f"ours{i}_{name}_{r}", args, 1337, name, root))
         runs["gensim"].append(gensim(corpus, work / f"gensim{r}.txt", args, 1337 + r))
-        o, g = runs["ours"][-1], runs["gensim"][-1]
         print(
-            f"repeat {r}: whole process ours {o['process_seconds']:.2f} s ({o['cpu_seconds']:.2f} CPU s), "
-            f"gensim {g['process_seconds']:.2f} s ({g['cpu_seconds']:.2f} CPU s)",
+            f"round {r}: whole process "
+            + ", ".join(
+                f"{side} {runs[side][-1]['process_seconds']:.2f} s ({runs[side][-1]['cpu_seconds']:.2f} CPU s)"
+                for side in [*sides, "gensim"]
+            ),
             flush=True,
         )
     if args.repeats < 2:
         runs["gensim"].append(gensim(corpus, work / "gensim1.txt", args, 1338))
     load_after = os.getloadavg()
     med = lambda side, key: statistics.median(x[key] for x in runs[side])  # noqa: E731
-    ratios = [o["process_seconds"] / g["process_seconds"] for o, g in zip(runs["ours"], runs["gensim"])]
+    # each round's ratio: our process over the gensim process of the same round (the same load, about)
+    ratios = {
+        side: [o["process_seconds"] / g["process_seconds"] for o, g in zip(runs[side], runs["gensim"])]
+        for side in sides
+    }
+    words = len(corpus.read_text().split())
+    lines = len(corpus.read_text().splitlines())
+    columns = [*sides, "gensim"]
     result = {
-        "corpus": f"lee_background.cor x{args.copies} ({len(corpus.read_text().split()):,} words, text8-style)",
+        "corpus": f"lee_background.cor x{args.copies} ({words:,} words in {lines:,} line(s), text8-style)",
         "settings": {k: v for k, v in vars(args).items() if k not in ("json",)},
         "load_average": {"before": load_before, "after": load_after},
-        "process_seconds": {
-            "ours": med("ours", "process_seconds"),
-            "gensim": med("gensim", "process_seconds"),
-        },
-        "cpu_seconds": {"ours": med("ours", "cpu_seconds"), "gensim": med("gensim", "cpu_seconds")},
-        "train_seconds": {"ours": med("ours", "train_seconds"), "gensim": med("gensim", "train_seconds")},
-        "words_per_second": {
-            "ours": med("ours", "words_per_second"),
-            "gensim": med("gensim", "words_per_second"),
+        **{
+            key: {side: med(side, key) for side in columns}
+            for key in ("process_seconds", "cpu_seconds", "train_seconds", "words_per_second")
         },
         "process_ratios": ratios,
-        "process_ratio_median": statistics.median(ratios),
+        "process_ratio_median": {side: statistics.median(ratios[side]) for side in sides},
         "runs": runs,
         "quality": quality(
-            runs["ours"][0]["vectors"], runs["gensim"][0]["vectors"], runs["gensim"][1]["vectors"]
+            runs[sides[0]][0]["vectors"], runs["gensim"][0]["vectors"], runs["gensim"][1]["vectors"]
         ),
     }
-    q, p = result["quality"], result["process_seconds"]
+    q = result["quality"]
     parallel = f", {args.parallel}" if args.threads > 1 else ""
     print(
         f"\n{result['corpus']}; {args.mode}, {args.objective} (gensim "
         f"{'hs=1' if gensim_settings(args, 0)['hs'] else 'negative=5'}), {args.threads} thread(s){parallel}, "
         f"{args.epochs} epochs, min_count {args.min_count}, vocabulary {q['scores']['ours']['vocab_size']}; "
-        f"load average {load_before[0]:.1f} before, {load_after[0]:.1f} after"
+        f"{args.repeats} rounds; load average {load_before[0]:.1f} before, {load_after[0]:.1f} after"
     )
-    print(f"{'':34} {'gptlab':>10} {'gensim':>10}")
-    print(f"{'whole process, s (median)':34} {p['ours']:>10.2f} {p['gensim']:>10.2f}")
-    c = result["cpu_seconds"]
-    print(f"{'whole process, CPU s (median)':34} {c['ours']:>10.2f} {c['gensim']:>10.2f}")
-    t = result["train_seconds"]
-    print(f"{'training, s (median)':34} {t['ours']:>10.2f} {t['gensim']:>10.2f}")
-    w = result["words_per_second"]
-    print(f"{'training words/s (median)':34} {w['ours']:>10,.0f} {w['gensim']:>10,.0f}")
-    print(
-        f"whole process ours / gensim, per repeat: {', '.join(f'{x:.2f}' for x in ratios)}; median "
-        f"{result['process_ratio_median']:.2f}"
-    )
+    print(f"{'':34}" + "".join(f" {side:>16}" for side in columns))
+    for key, label, fmt in (
+        ("process_seconds", "whole process, s (median)", ".2f"),
+        ("cpu_seconds", "whole process, CPU s (median)", ".2f"),
+        ("train_seconds", "training, s (median)", ".2f"),
+        ("words_per_second", "training words/s (median)", ",.0f"),
+    ):
+        print(f"{label:34}" + "".join(f" {result[key][side]:>16{fmt}}" for side in columns))
+    for side in sides:
+        print(
+            f"whole process gptlab {side} / gensim, per round: {', '.join(f'{x:.2f}' for x in ratios[side])}; "
+            f"median {result['process_ratio_median'][side]:.2f}"
+        )
     for key in ("wordsim353/spearman", "simlex999/spearman"):
         s = q["scores"]
         print(
@@ -309,7 +348,7 @@ def objectives_quality(args: argparse.Namespace) -> dict:
     from gptlab.word2vec.objectives import MAX_SOFTMAX_VOCAB, OBJECTIVES
 
     work = Path(tempfile.mkdtemp(prefix="w2v-objectives-"))
-    corpus = lee_corpus(work / f"lee_x{args.copies}.txt", args.copies)
+    corpus = corpus_for(work, args)
     hs = argparse.Namespace(**{**vars(args), "gensim": "hs", "objective": "hierarchical"})
     g1 = gensim(corpus, work / "gensim_hs_1337.txt", hs, 1337)["vectors"]
     g2 = gensim(corpus, work / "gensim_hs_1338.txt", hs, 1338)["vectors"]
@@ -456,11 +495,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--epochs", type=int, default=5)
     p.add_argument("--batch-size", type=int, default=256)
     p.add_argument("--copies", type=int, default=6, help="lee_background.cor copies in the corpus")
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--logger", default="none", help="our run's logger= (none, csv, wandb)")
+    p.add_argument(
+        "--corpus", default="line", choices=["line", "lines"], help="one line, or lines of 1,300 words"
+    )
+    p.add_argument("--repeats", type=int, default=3, help="rounds: ours with each logger, then gensim")
+    p.add_argument(
+        "--logger",
+        default="default",
+        help="our runs' logger= in turn, comma-separated: default (the config's: W&B, offline here), csv, none",
+    )
     p.add_argument("--memory", action="store_true", help="peak RSS while reading a large corpus instead")
     p.add_argument("--memory-mb", type=int, default=100)
-    p.add_argument("--before", default=None, help="--memory: another checkout to measure beside this one")
+    p.add_argument(
+        "--before",
+        default=None,
+        help="another checkout to measure beside this one (speed: with the first logger)",
+    )
     p.add_argument("--softmax", action="store_true", help="the full softmax's speed by vocabulary instead")
     p.add_argument(
         "--objectives", action="store_true", help="each objective's quality against gensim hs=1 instead"

@@ -282,13 +282,15 @@ def _gpt2_rate(ctx: Context, device: Any, config: Any, batch: int, compiled: boo
     from gptlab.model.gpt import GPT
     from gptlab.model.head_loss import HeadLoss
     from gptlab.parallel.transforms import ParallelOptions, parallelize
-    from gptlab.training.optimizers import build_optimizer, check_optim
+    from gptlab.registry import Choice
+    from gptlab.training.optimizers import AdamWOptions, build_optimizer
 
     torch.manual_seed(0)
     model = GPT(config).to(device)
     if compiled:
         parallelize(model, ParallelOptions(compile=True))  # compile=true: every block
-    optimizer = build_optimizer(model, check_optim({"name": "adamw"}), fused=device.type == "cuda")
+    # lr 3e-4: the rate this check has always measured with (no schedule: the rate does not change a step's time)
+    optimizer = build_optimizer(model, Choice("adamw", AdamWOptions(lr=3e-4)), fused=device.type == "cuda")
     head = HeadLoss("auto")
     g = torch.Generator(device=device).manual_seed(0)
     x = torch.randint(0, config.vocab_size, (batch, config.block_size), device=device, generator=g)

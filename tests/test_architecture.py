@@ -166,13 +166,19 @@ def test_bias_off_dropout_and_gpt2_scaled_init():
 
 
 def sampled_combinations():
-    """Every activation once, each with a different norm, placement, key/value heads and positional scheme."""
+    """Every activation once, each with a different norm, placement, key/value heads, positional scheme and
+    attention variants."""
     pos_names = positional.names()
     for i, act in enumerate(ACTIVATION_YAMLS):
         yield dict(
             activation=act,
             norm=NORM_YAMLS[i % len(NORM_YAMLS)],
-            norm_placement=("pre", "post")[(i // 2) % 2],
+            norm_placement=("pre", "post", "sandwich")[(i // 2) % 3],
+            attention=(
+                {},
+                {"qk_norm": "rmsnorm"},
+                {"window": 4, "window_pattern": "LG", "logit_softcap": 5.0},
+            )[(i // 3) % 3],
             n_kv_head=(None, 2, 1)[i % 3],
             bias=i % 4 != 3,
             tie_weights=i % 5 != 4,

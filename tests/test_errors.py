@@ -83,7 +83,7 @@ def test_override_typos_name_the_key_and_the_fix(make_cfg):
             "trainer.val_check_interval=often",
             r"trainer.val_check_interval='often' must be a positive integer",
         ),
-        ("optim.lr=fast", r"optim.lr='fast' must be a number \(e.g. optim.lr=0.0003\)"),
+        ("optim.lr=fast", r"optim.lr='fast' must be a number \(e.g. optim.lr=0.004\)"),
         ("data.batch_size=abc", r"data.batch_size='abc' must be an integer \(got str\)"),
         ("seed=abc", r"seed='abc' must be an integer"),
     ],

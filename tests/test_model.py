@@ -178,6 +178,12 @@ def test_no_import_circle_and_the_variants_know_only_their_own_options():
             "gptlab.registry",
             "gptlab.model.positional.base",
         }, family
+    # QK-norm is built from the norm family; otherwise the attention variants stand alone too.
+    assert gptlab_imports("gptlab.model.attention_variants") <= {
+        "gptlab.errors",
+        "gptlab.registry",
+        "gptlab.model",
+    }
     graph = module_imports()
     state: dict[str, int] = {}  # 1: on the current path, 2: done
 

@@ -24,6 +24,7 @@ VARIANTS = [
     ["norm=rmsnorm", "model.bias=false"],
     ["model.tie_weights=false", "pos=sinusoidal"],
     ["model.n_kv_head=1", "norm.placement=post", "activation=reglu", "model.mlp_ratio=3"],
+    ["norm.placement=sandwich", "attention=gemma2", "attention.qk_norm=layernorm", "activation=geglu"],
 ]
 
 
@@ -106,7 +107,17 @@ def saved_activation_bytes(model: GPT, idx: torch.Tensor) -> int:
     return sum(storages.values())
 
 
-@pytest.mark.parametrize("kw", [{}, {"activation": "swiglu"}, {"n_kv_head": 1}, {"norm": "rmsnorm"}])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {},
+        {"activation": "swiglu"},
+        {"n_kv_head": 1},
+        {"norm": "rmsnorm"},
+        {"attention": {"qk_norm": "rmsnorm"}, "n_kv_head": 2},
+        {"norm_placement": "sandwich"},
+    ],
+)
 def test_activation_estimate_matches_what_autograd_keeps(kw):
     config = tiny(**kw)
     B, T = 4, 32

@@ -12,7 +12,7 @@ from gptlab.model.config import GPTConfig
 from gptlab.model.gpt import GPT
 from gptlab.model.parametrization import hidden_lr_scale
 from gptlab.training.coord_check import coordinate_check
-from gptlab.training.optimizers import build_optimizer, check_optim
+from gptlab.training.optimizers import build_optimizer, parse_optim
 
 
 def config(**kw) -> GPTConfig:
@@ -39,7 +39,7 @@ def test_mup_scales_hidden_init_and_rates_logits_and_attention_with_width():
     assert wide.output_mult == 1 / 8
     head_dim, base_head_dim = 256 / 4, 32 / 4
     assert wide.transformer.h[0].attn.scale == pytest.approx(math.sqrt(base_head_dim) / head_dim)
-    optimizer = build_optimizer(wide, check_optim({"lr": 1e-2}), hidden_lr_scale(wide.config))
+    optimizer = build_optimizer(wide, parse_optim({"lr": 1e-2}), hidden_lr_scale(wide.config))
     rates = {g["group"]: g["lr"] for g in optimizer.param_groups}
     assert rates == {"hidden": pytest.approx(1e-2 / 8), "embeddings_head": 1e-2, "gains_biases": 1e-2}
 

@@ -5,25 +5,39 @@ from __future__ import annotations
 
 import copy
 import csv
+import dataclasses
 import math
+import re
 from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from conftest import TINY, run_train
+from omegaconf import OmegaConf
 
+from gptlab.config import parse_gpt
 from gptlab.errors import ConfigError
 from gptlab.model.config import GPTConfig
 from gptlab.model.gpt import GPT
+from gptlab.registry import Choice
+from gptlab.tasks.gpt import run
+from gptlab.training import optimizers
+from gptlab.training.module import GPTLitModule
 from gptlab.training.optimizers import (
+    AdamWOptions,
+    MuonOptions,
     MuonWithAdamW,
+    ScheduleOptions,
     build_optimizer,
-    check_optim,
-    check_optimizer_strategy,
     lr_factor,
     param_groups,
+    parse_optim,
+    schedule_of,
 )
 
+CONF = Path(__file__).parents[1] / "conf"
+OLD_CHECKPOINT = Path(__file__).parent / "data" / "e9c3ad3_rope_rmsnorm_swiglu.ckpt"
 CPU2 = ["trainer.accelerator=cpu", "trainer.devices=2"]
 QUIET = ["callbacks.sample_generation.max_new_tokens=0", "trainer.log_every_n_steps=1"]
 
@@ -49,9 +63,104 @@ def newton_schulz(g: torch.Tensor, steps: int = 5) -> torch.Tensor:
     return (x.T if tall else x).float()
 
 
+# ---- the options: one source for the defaults ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", optimizers.names())
+def test_each_optimizers_yaml_states_exactly_its_options_defaults(make_cfg, name):
+    # The defaults are the Options dataclasses'; conf/optim/<name>.yaml lists the same keys (so that Hydra takes
+    # optim.<key>=... without +) with the same values. A default changed in one place and not the other, or a
+    # key in one and not the other, fails here.
+    node = OmegaConf.to_container(make_cfg(f"optim={name}").optim)
+    defaults = dataclasses.asdict(optimizers.get(name).Options())
+    assert node == {"name": name, **{k: list(v) if isinstance(v, tuple) else v for k, v in defaults.items()}}
+    assert parse_optim(node) == Choice(name, optimizers.get(name).Options())
+
+
+def test_every_optimizer_has_a_yaml_and_cites_its_paper():
+    assert optimizers.names() == sorted(p.stem for p in (CONF / "optim").glob("*.yaml"))
+    for name in optimizers.names():
+        assert re.search(r"(19|20)\d\d", optimizers.get(name).__doc__ or ""), f"{name}: no paper cited"
+
+
+def test_muons_options_extend_adamws_and_its_yaml_does_not_repeat_them():
+    assert issubclass(MuonOptions, AdamWOptions) and issubclass(AdamWOptions, ScheduleOptions)
+    adamw, muon = dataclasses.asdict(AdamWOptions()), dataclasses.asdict(MuonOptions())
+    assert {key: muon[key] for key in adamw} == adamw  # every AdamW option, with AdamW's default
+    assert set(muon) - set(adamw) == {"muon_lr", "momentum", "nesterov", "ns_steps", "adjust_lr_fn"}
+    own = yaml.safe_load((CONF / "optim" / "muon.yaml").read_text())
+    assert own["defaults"] == ["adamw", "_self_"] and not set(own) & set(adamw)  # taken from adamw.yaml
+
+
+def test_the_default_run_has_the_optimizer_of_the_readmes_run(make_cfg):
+    # `python train.py`, whose final validation loss the README quotes (4.7997), and every study in
+    # docs/studies.md: AdamW at 4e-3, betas (0.9, 0.95), eps 1e-8, weight decay 0.1 on matrices only, 30 steps
+    # of warmup, then cosine to 0.1 x lr at step 320.
+    settings = parse_gpt(make_cfg())
+    assert settings.optim == Choice(
+        "adamw",
+        AdamWOptions(
+            lr=4e-3,
+            betas=(0.9, 0.95),
+            eps=1e-8,
+            weight_decay=0.1,
+            warmup_steps=30,
+            schedule="cosine",
+            min_lr_ratio=0.1,
+        ),
+    )
+    optimizer = build_optimizer(tiny_model(), settings.optim)
+    assert isinstance(optimizer, torch.optim.AdamW)
+    assert [
+        (g["group"], g["lr"], g["weight_decay"], g["betas"], g["eps"]) for g in optimizer.param_groups
+    ] == [
+        ("matrices", 4e-3, 0.1, (0.9, 0.95), 1e-8),
+        ("gains_biases", 4e-3, 0.0, (0.9, 0.95), 1e-8),
+    ]
+    assert settings.trainer["max_steps"] == 320
+    factor = schedule_of(settings.optim, 320)
+    assert factor(0) == pytest.approx(1 / 30) and factor(29) == factor(30) == 1.0
+    assert factor(175) == pytest.approx(0.55) and factor(320) == pytest.approx(0.1)  # halfway; the end
+
+
+def test_a_checkpoint_from_an_earlier_version_reads_as_todays_default_optimizer():
+    # written at e9c3ad3 with the merged dict of that time: no name, no schedule keys
+    saved = torch.load(OLD_CHECKPOINT, map_location="cpu", weights_only=False)["hyper_parameters"]["optim"]
+    assert "name" not in saved and "schedule" not in saved
+    assert parse_optim(saved) == Choice("adamw", AdamWOptions())
+
+
+def test_a_bad_optimizer_key_is_refused_at_config_time_with_the_closest_name(make_cfg, tmp_path):
+    out = tmp_path / "run"
+    with pytest.raises(ConfigError) as refused:
+        run(make_cfg(*TINY, "optim=muon", "+optim.muon_rl=0.01", "logger=csv", f"paths.output_dir={out}"))
+    message = str(refused.value)
+    assert message.startswith(
+        "optim=muon does not take option(s) optim.muon_rl. Its options: optim.warmup_steps"
+    )
+    assert message.endswith("Did you mean optim.muon_lr?")
+    assert not (out / "checkpoints").exists() and not (out / "csv").exists()  # nothing started
+    with pytest.raises(
+        ConfigError, match=r"optim=adamw does not take option\(s\) optim.muon_lr\..*Choose optim=muon"
+    ):
+        parse_gpt(make_cfg(*TINY, "+optim.muon_lr=0.01"))
+
+
+def test_the_module_takes_the_parsed_options_and_saves_them_as_plain_values():
+    choice = parse_optim({"name": "muon", "lr": 1e-3})
+    module = GPTLitModule(model=tiny_model().config, optim=choice)
+    assert module.optim is choice  # not parsed again
+    assert module.hparams["optim"] == choice.node() and module.hparams["optim"]["betas"] == (0.9, 0.95)
+    again = GPTLitModule(model=tiny_model().config, optim=module.hparams["optim"])  # as from a checkpoint
+    assert again.optim == choice
+
+
+# ---- the parameter groups and the update ----------------------------------------------------------------
+
+
 def test_muon_takes_the_blocks_matrices_and_adamw_the_rest():
     model = tiny_model()
-    adamw, muon = param_groups(model, check_optim({"name": "muon"}))
+    adamw, muon = param_groups(model, parse_optim({"name": "muon"}))
     names = {id(p): n for n, p in model.named_parameters()}
     muon_names = {names[id(p)] for g in muon for p in g["params"]}
     adamw_names = {names[id(p)] for g in adamw for p in g["params"]}
@@ -77,7 +186,7 @@ def test_standard_adamw_keeps_the_two_groups_older_checkpoints_hold():
     x = torch.randint(0, 50, (4, 16))
     model(x, x)[1].backward()
     old.step()
-    optimizer = build_optimizer(model, check_optim({"lr": 1e-3}))
+    optimizer = build_optimizer(model, parse_optim({"lr": 1e-3}))
     assert [len(g["params"]) for g in optimizer.param_groups] == [len(matrices), len(vectors)]
     optimizer.load_state_dict(copy.deepcopy(old.state_dict()))
     assert optimizer.state[matrices[0]]["step"] == 1
@@ -86,7 +195,7 @@ def test_standard_adamw_keeps_the_two_groups_older_checkpoints_hold():
 def test_a_muon_step_is_the_newton_schulz_orthogonalised_nesterov_momentum():
     model = tiny_model()
     mu, lr, wd = 0.95, 0.05, 0.1
-    optimizer = build_optimizer(model, check_optim({"name": "muon", "muon_lr": lr, "weight_decay": wd}))
+    optimizer = build_optimizer(model, parse_optim({"name": "muon", "muon_lr": lr, "weight_decay": wd}))
     assert isinstance(optimizer, MuonWithAdamW)
     w = model.transformer.h[1].mlp.c_fc.weight  # (64, 16): a tall matrix
     buffer = torch.zeros_like(w)
@@ -113,7 +222,7 @@ def test_a_muon_step_is_the_newton_schulz_orthogonalised_nesterov_momentum():
 
 def test_the_muon_optimizer_saves_and_restores_its_state_as_one_optimizer():
     model = tiny_model()
-    optim = check_optim({"name": "muon"})
+    optim = parse_optim({"name": "muon"})
     optimizer = build_optimizer(model, optim)
     x = torch.randint(0, 50, (4, 16))
     for _ in range(2):
@@ -154,9 +263,26 @@ def test_wsd_warms_up_holds_the_peak_then_decays_over_the_last_fraction():
 @pytest.mark.parametrize(
     ("optim", "max_steps", "message"),
     [
-        ({"schedule": "linear"}, None, r"optim.schedule='linear' is not one of cosine, wsd"),
-        ({"name": "sgd"}, None, r"optim.name='sgd' is not one of adamw, muon"),
-        ({"decay_shape": "sqrt"}, None, r"optim.decay_shape='sqrt' is not one of linear, 1-sqrt"),
+        (
+            {"schedule": "linear"},
+            None,
+            r"optim.schedule='linear' must be one of cosine, wsd \(e.g. optim.schedule=cosine\)",
+        ),
+        ({"name": "sgd"}, None, r"Unknown optimizer 'sgd'. Choose one of: adamw, muon"),
+        ({"name": "adamx"}, None, r"Unknown optimizer 'adamx'.*Did you mean optim=adamw\?"),
+        ({"decay_shape": "sqrt"}, None, r"optim.decay_shape='sqrt' must be one of linear, 1-sqrt"),
+        ({"lrr": 1e-3}, None, r"optim=adamw does not take option\(s\) optim.lrr\..*Did you mean optim.lr\?"),
+        (
+            {"betas": [0.9]},
+            None,
+            r"optim.betas=\[0.9\] must be a list of 2 numbers \(e.g. optim.betas=\[0.9,0.95\]\)",
+        ),
+        ({"betas": [0.9, 1.0]}, None, r"optim.betas=\[0.9, 1.0\] must be two numbers in \[0, 1\)"),
+        (
+            {"warmup_steps": 2.5},
+            None,
+            r"optim.warmup_steps=2.5 must be an integer \(e.g. optim.warmup_steps=30\)",
+        ),
         ({"decay_fraction": 1.5}, None, r"optim.decay_fraction=1.5 must be in \(0, 1\]"),
         ({"schedule": "wsd", "warmup_steps": 90, "decay_fraction": 0.2}, 100, r"exceed the run"),
         (
@@ -164,22 +290,23 @@ def test_wsd_warms_up_holds_the_peak_then_decays_over_the_last_fraction():
             None,
             r"optim=adamw does not take option\(s\) optim.muon_lr.*Choose optim=muon for Muon's options",
         ),
-        ({"name": "muon", "adjust_lr_fn": "x"}, None, r"optim.adjust_lr_fn='x' is not one of original"),
+        ({"name": "muon", "adjust_lr_fn": "x"}, None, r"optim.adjust_lr_fn='x' must be one of original"),
+        ({"name": "muon", "nesterov": "yes"}, None, r"optim.nesterov='yes' must be true or false"),
         ({"name": "muon", "momentum": 1.0}, None, r"optim.momentum=1.0 must be in \[0, 1\)"),
     ],
 )
 def test_bad_optim_options_name_the_value_and_the_fix(optim, max_steps, message):
     with pytest.raises(ConfigError, match=message):
-        check_optim(optim, max_steps)
+        parse_optim(optim, max_steps)
 
 
 def test_muon_under_deepspeed_is_refused_with_the_reason_and_the_alternatives():
     with pytest.raises(
         ConfigError, match=r"optim=muon cannot run under strategy=deepspeed.*flat 1-D.*strategy=fsdp"
     ):
-        check_optimizer_strategy({"name": "muon"}, "deepspeed")
-    check_optimizer_strategy({"name": "muon"}, "fsdp")
-    check_optimizer_strategy({"name": "adamw"}, "deepspeed")
+        parse_optim({"name": "muon"}, strategy="deepspeed")
+    parse_optim({"name": "muon"}, strategy="fsdp")
+    parse_optim({"name": "adamw"}, strategy="deepspeed")
 
 
 def _csv(run_dir: Path) -> list[dict[str, str]]:

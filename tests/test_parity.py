@@ -147,3 +147,121 @@ def test_half_to_interleaved_pairs_each_dimension_with_its_rotary_partner():
     # rotate-half pairs (i, i + 4) of each head become adjacent rows (2i, 2i + 1)
     assert out[:8] == [0, 4, 1, 5, 2, 6, 3, 7]
     assert out[8:] == [8, 12, 9, 13, 10, 14, 11, 15]
+
+
+@pytest.mark.parametrize("sliding", [False, True])
+def test_qwen3_weights_give_qwen3s_logits(make_cfg, tmp_path, sliding):
+    """Qwen3 (QK-norm before RoPE; with use_sliding_window, windowed layers from max_window_layers on), tiny
+    and random, with its norm gains moved off 1 so that a misplaced norm shows: logits within 1e-5 through
+    ``model.init_from``."""
+    if not hasattr(transformers, "Qwen3Config"):
+        pytest.skip("this transformers has no Qwen3")
+    torch.manual_seed(0)
+    window = dict(use_sliding_window=True, sliding_window=8, max_window_layers=1) if sliding else {}
+    config = transformers.Qwen3Config(
+        vocab_size=101,
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=64,
+        rms_norm_eps=1e-6,
+        **window,
+    )
+    reference = transformers.Qwen3ForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in reference.named_parameters():
+            if name.endswith("norm.weight"):
+                p.add_(0.2 * torch.randn_like(p))
+    reference.save_pretrained(tmp_path)
+    overrides = [
+        "pos=rope",
+        "activation=swiglu",
+        "norm=rmsnorm",
+        "norm.eps=1e-6",
+        "attention.qk_norm=rmsnorm",
+        "model.bias=false",
+        "model.tie_weights=false",
+        "model.n_layer=3",
+        "model.n_head=4",
+        "model.n_kv_head=2",
+        "model.n_embd=64",
+        "model.mlp_ratio=2.5",
+        "model.block_size=64",
+        "model.vocab_size=101",
+        f"model.init_from={tmp_path}",
+    ]
+    if sliding:
+        overrides += ["attention.window=8", "attention.window_pattern=GLL"]
+    model = gptlab.build_model(make_cfg(*overrides)).eval()
+    idx = torch.randint(0, 101, (2, 48))
+    with torch.no_grad():
+        torch.testing.assert_close(model(idx)[0], reference(idx).logits, rtol=0, atol=1e-5)
+    if not sliding:  # the same weights without QK-norm are refused with the override that fixes it
+        plain = [o for o in overrides if not o.startswith("attention.")]
+        with pytest.raises(ConfigError, match="attention.qk_norm='none' but the checkpoint has 'rmsnorm'"):
+            gptlab.build_model(make_cfg(*plain))
+
+
+def test_gemma2_weights_give_gemma2s_logits(make_cfg, tmp_path):
+    """Gemma 2: sandwich norms with gains stored as w (applied as 1 + w), embeddings times sqrt(hidden), tanh
+    GeGLU, local and global layers alternating (window 8, pattern LGL over 3 layers) and the attention-logit
+    cap, tiny and random with the norm gains moved off their init: logits within 1e-5 through
+    ``model.init_from``. Its final-logit cap is off here (the output layer has none); a checkpoint with one is
+    refused."""
+    if not hasattr(transformers, "Gemma2Config"):
+        pytest.skip("this transformers has no Gemma 2")
+    torch.manual_seed(0)
+    shape = dict(
+        vocab_size=101,
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        query_pre_attn_scalar=16,
+        max_position_embeddings=64,
+        sliding_window=8,
+        attn_logit_softcapping=5.0,  # low enough to bite on these scores
+    )
+    reference = transformers.Gemma2ForCausalLM(
+        transformers.Gemma2Config(**shape, final_logit_softcapping=None)
+    )
+    reference.eval()
+    with torch.no_grad():
+        for name, p in reference.named_parameters():
+            if name.endswith("norm.weight"):
+                p.add_(0.2 * torch.randn_like(p))
+    reference.save_pretrained(tmp_path)
+    overrides = [
+        "pos=rope",
+        "activation=geglu",
+        "activation.approximate=tanh",
+        "norm=rmsnorm",
+        "norm.placement=sandwich",
+        "norm.eps=1e-6",
+        "attention.window=8",
+        "attention.window_pattern=LGL",
+        "attention.logit_softcap=5.0",
+        "+model.embed_scale=8.0",
+        "model.bias=false",
+        "model.n_layer=3",
+        "model.n_head=4",
+        "model.n_kv_head=2",
+        "model.n_embd=64",
+        "model.mlp_ratio=2.5",
+        "model.block_size=64",
+        "model.vocab_size=101",
+        f"model.init_from={tmp_path}",
+    ]
+    model = gptlab.build_model(make_cfg(*overrides)).eval()
+    idx = torch.randint(0, 101, (2, 48))
+    with torch.no_grad():
+        torch.testing.assert_close(model(idx)[0], reference(idx).logits, rtol=0, atol=1e-5)
+    capped = tmp_path / "capped"
+    transformers.Gemma2ForCausalLM(transformers.Gemma2Config(**shape)).save_pretrained(capped)
+    with pytest.raises(ConfigError, match="final_logit_softcapping=30.0 caps the output logits"):
+        hf.config_from_pretrained(capped)

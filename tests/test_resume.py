@@ -777,7 +777,9 @@ def test_a_full_disk_names_the_space_and_keeps_the_last_checkpoint_and_the_metri
         assert abs(needed * 1e6 - size) < 0.1 * size and free < needed  # about the checkpoint's real size
         # the old checkpoint is whole, no partial file is left, and result.json keeps what was logged
         saved = torch.load(checkpoints / "last.ckpt", map_location="cpu", weights_only=True)
-        assert saved["global_step"] == 2 and [p.name for p in checkpoints.iterdir()] == ["last.ckpt"]
+        names = sorted(p.name for p in checkpoints.iterdir())
+        assert saved["global_step"] == 2 and names == ["last.ckpt", "last.ckpt.sha256"]
+        assert digests.check(checkpoints / "last.ckpt").verified  # "intact", as the message says
         result = Run(out).result()
         assert result["failed"].startswith("DiskFullError: no space left on") and result["global_step"] == 4
         assert result["finished"] is False

@@ -11,7 +11,7 @@ read, any logger is opened or any weight exists; a component then receives its o
 
     from gptlab.config import parse_gpt
     run = parse_gpt(cfg)          # cfg: Hydra's composed config
-    run.model.pos.name, run.optim["lr"], run.loader.batch_size
+    run.model.pos.name, run.optim.options.lr, run.loader.batch_size
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from gptlab.errors import ConfigError
 from gptlab.preflight import check_seed
-from gptlab.registry import build_options, check_keys
+from gptlab.registry import Choice, build_options, check_keys
 
 if TYPE_CHECKING:  # the nodes' types; their modules are imported where a node is parsed (a task that does
     # not train a GPT, word2vec, reads the top level without importing Lightning)
@@ -118,7 +118,7 @@ class GPTRunConfig:
     tokenizer: dict[str, Any]  # the node: name and options (checked); a fitted vocabulary comes with the data
     data: DataSpec
     loader: LoaderOptions
-    optim: dict[str, Any]  # merged over the defaults and checked (plain values: saved with the checkpoint)
+    optim: Choice  # the optimizer and its typed options (training/optimizers.py), schedule included
     loss: HeadLoss
     trainer: dict[str, Any]  # Lightning Trainer arguments, checked; precision chosen for the hardware
     strategy: StrategyChoice
@@ -147,7 +147,7 @@ class GPTRunConfig:
 
 
 def parse_model(cfg: DictConfig) -> tuple[GPTConfig, bool, str | None]:
-    """The ``model``, ``pos``, ``activation`` and ``norm`` nodes as one checked GPTConfig; whether its
+    """The ``model``, ``pos``, ``activation``, ``norm`` and ``attention`` nodes as one checked GPTConfig; whether its
     vocabulary is the tokenizer's (``model.vocab_size: null``, checked with a stand-in size until the
     tokenizer exists); and ``model.init_from``."""
     from gptlab.model.config import GPTConfig
@@ -157,7 +157,8 @@ def parse_model(cfg: DictConfig) -> tuple[GPTConfig, bool, str | None]:
     from_tokenizer = values.get("vocab_size") is None
     if from_tokenizer:
         values["vocab_size"] = 1
-    config = GPTConfig.from_nodes(values, plain(cfg.pos), plain(cfg.activation), plain(cfg.norm))
+    attention = plain(cfg.attention) if "attention" in cfg else None
+    config = GPTConfig.from_nodes(values, plain(cfg.pos), plain(cfg.activation), plain(cfg.norm), attention)
     return config, from_tokenizer, init_from
 
 
@@ -249,15 +250,14 @@ def parse_studies(cfg: DictConfig) -> tuple[LengthEvalOptions | None, PasskeyOpt
 def parse_gpt(cfg: DictConfig) -> GPTRunConfig:
     """The typed tree of a ``task=gpt`` run, every node checked (see the module's docstring)."""
     from gptlab.parallel import ParallelOptions, check_rank_zero_evaluation, strategy_choice
-    from gptlab.training.optimizers import check_optim, check_optimizer_strategy
+    from gptlab.training.optimizers import parse_optim
 
     run = RunSettings.parse(cfg)
     trainer = parse_trainer(cfg.trainer)
     loss = parse_loss(cfg.get("loss"), trainer)
-    optim = check_optim(cast(dict[str, Any], plain(cfg.optim)), trainer["max_steps"])
     strategy_node = cast(dict[str, Any], plain(cfg.get("strategy")) or {"name": "auto"})
     strategy = strategy_choice(strategy_node)
-    check_optimizer_strategy(optim, strategy.label)
+    optim = parse_optim(cast(dict[str, Any], plain(cfg.optim)), trainer["max_steps"], strategy.label)
     model, from_tokenizer, init_from = parse_model(cfg)
     data, loader = parse_data(cfg.data)
     check_context(model, loader)

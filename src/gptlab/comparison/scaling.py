@@ -300,6 +300,8 @@ def non_embedding_parameters(run_dir: Path) -> float:
     norm = dict(cfg["norm"])
     values["norm"] = norm.pop("name")
     values.update({f"norm_{key}": value for key, value in norm.items()})
+    if cfg.get("attention"):  # QK-norm's gains are parameters too; runs from before the node have none
+        values["attention"] = dict(cfg["attention"])
     return float(parameter_counts(GPTConfig.from_dict(values))["non_embedding"])
 
 

@@ -8,7 +8,8 @@ builds the wider projection. The split is [gate | value] along the last dimensio
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
@@ -119,10 +120,15 @@ class SwiGLU(GatedLinearUnit):
 
 @register("geglu")
 class GeGLU(GatedLinearUnit):
-    """GELU(gate) * value (Shazeer 2020, "GLU Variants Improve Transformer", eq. 6), with the exact GELU."""
+    """GELU(gate) * value (Shazeer 2020, "GLU Variants Improve Transformer", eq. 6), with the exact GELU, or
+    with ``activation.approximate=tanh`` its tanh form (as Gemma's feed-forward)."""
+
+    @dataclass(frozen=True)
+    class Options:
+        approximate: Literal["none", "tanh"] = "none"
 
     def gate(self, x: Tensor) -> Tensor:
-        return F.gelu(x)
+        return F.gelu(x, approximate=self.options.approximate)
 
 
 @register("reglu")

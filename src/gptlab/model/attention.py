@@ -11,6 +11,10 @@
     upper triangle is never computed. On a CPU at T=1024, with the bias built once, the stack's training step
     was 1.2-1.5x faster than with one masked call per layer over the whole (T, T) square
     (``scripts/bench_attention.py`` times both).
+- The attention variants (model/attention_variants.py) ride on the same two routes: a sliding window is a
+  mask (the FlexAttention block mask, or a boolean / -inf mask through SDPA), built once per forward pass
+  for the local layers and once for the global ones; a logit cap is part of the score_mod on CUDA and, since
+  SDPA cannot cap, an explicit score computation elsewhere. QK-norm acts on q and k before any rotation.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from gptlab import torch_features
+from gptlab.model.attention_variants import QKNorm, SlidingWindow, softcapped_attention
 from gptlab.model.parametrization import attention_scale
 
 if TYPE_CHECKING:
@@ -73,8 +78,9 @@ def _compiled_flex_attention() -> Any:
 
 
 @functools.lru_cache(maxsize=16)
-def causal_block_mask(q_len: int, kv_len: int, device: str) -> Any:
-    """Query i (the last ``q_len`` of ``kv_len`` positions) sees keys up to its own position."""
+def causal_block_mask(q_len: int, kv_len: int, device: str, window: int | None = None) -> Any:
+    """Query i (the last ``q_len`` of ``kv_len`` positions) sees keys up to its own position, and with a
+    ``window`` only the last ``window`` of them (its own included)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     offset = kv_len - q_len
@@ -82,63 +88,99 @@ def causal_block_mask(q_len: int, kv_len: int, device: str) -> Any:
     def causal(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         return kv_idx <= q_idx + offset
 
-    return create_block_mask(causal, None, None, q_len, kv_len, device=device)
+    reach = window or 0
+
+    def causal_window(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        behind = q_idx + offset - kv_idx
+        return (behind >= 0) & (behind < reach)
+
+    mask_mod = causal if window is None else causal_window  # causal_window reads a window that is set
+    return create_block_mask(mask_mod, None, None, q_len, kv_len, device=device)
+
+
+def capped_score_mod(score_mod: ScoreMod | None, cap: float) -> ScoreMod:
+    """``score_mod`` (a positional bias, or none) after the logit cap cap * tanh(score / cap)."""
+
+    def capped(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        score = cap * torch.tanh(score / cap)
+        return score if score_mod is None else score_mod(score, b, h, q_idx, kv_idx)
+
+    return capped
 
 
 @dataclass
 class AttentionBias:
-    """A positional bias for every layer of one forward pass: either a dense (n_head, Tq, Tk) additive mask
-    with the future at -inf (SDPA), or a FlexAttention score_mod with a causal block mask."""
+    """What every layer of one kind (local, global) adds to plain causal attention in one forward pass: a
+    positional bias, a window and a logit cap. Either a dense (n_head or 1, Tq, Tk) mask for SDPA (additive,
+    the future and the positions outside the window at -inf; or boolean, True where a query may look, when
+    there is no bias), or a FlexAttention block mask with a score_mod (the cap, then the bias)."""
 
     mask: Tensor | None = None
     score_mod: ScoreMod | None = None
     block_mask: Any = None
+    softcap: float | None = None  # the dense route's logit cap (FlexAttention's is in score_mod)
 
     @classmethod
     def build(
-        cls, pos: PositionalEncoding, positions: Tensor, k_positions: Tensor, use_flex: bool
+        cls,
+        pos: PositionalEncoding,
+        positions: Tensor,
+        k_positions: Tensor,
+        use_flex: bool,
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> AttentionBias | None:
-        """None when the scheme adds no bias (attention then takes the fused causal route)."""
+        """None when there is no bias, window or cap (attention then takes the fused causal route)."""
         if use_flex:
             score_mod = pos.score_mod(positions, k_positions)
-            if score_mod is None:
+            if score_mod is None and window is None and softcap is None:
                 return None
-            mask = causal_block_mask(len(positions), len(k_positions), str(positions.device))
+            if softcap is not None:
+                score_mod = capped_score_mod(score_mod, softcap)
+            shape = (len(positions), len(k_positions), str(positions.device))
+            mask = causal_block_mask(*shape) if window is None else causal_block_mask(*shape, window)
             return cls(score_mod=score_mod, block_mask=mask)
         bias = pos.bias(positions, k_positions)  # (n_head, Tq, Tk)
-        if bias is None:
+        if bias is None and window is None and softcap is None:
             return None
-        future = k_positions[None, :] > positions[:, None]  # (Tq, Tk)
-        return cls(mask=bias.masked_fill(future, float("-inf")))
+        allowed = SlidingWindow.allowed(positions, k_positions, window)  # (Tq, Tk)
+        if bias is None:
+            return cls(mask=allowed[None], softcap=softcap)  # (1, Tq, Tk) boolean
+        return cls(mask=bias.masked_fill(~allowed, float("-inf")), softcap=softcap)
 
 
 def dense_bias_attention(
-    q: Tensor, k: Tensor, v: Tensor, mask: Tensor, dropout_p: float, gqa: bool, scale: float | None = None
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Tensor,
+    dropout_p: float,
+    gqa: bool,
+    scale: float | None = None,
+    softcap: float | None = None,
 ) -> Tensor:
     """softmax(q k^T / sqrt(d) + mask) v in blocks of queries, each over the keys up to its last query only.
-    q: (B, n_head, T, d); k, v: (B, n_kv_head, Tk, d) with the T queries the last T of the Tk positions.
-    ``scale``: the factor on q k^T instead of 1 / sqrt(d) (muP's)."""
+    q: (B, n_head, T, d); k, v: (B, n_kv_head, Tk, d) with the T queries the last T of the Tk positions;
+    mask: (n_head or 1, T, Tk), additive or boolean (True: attend). ``scale``: the factor on q k^T instead
+    of 1 / sqrt(d) (muP's). ``softcap``: the scores are capped first, computed explicitly (SDPA cannot)."""
     T, Tk = q.size(2), k.size(2)
-    mask = mask.to(q.dtype)
-    if T <= QUERY_BLOCK:
+    if mask.is_floating_point():
+        mask = mask.to(q.dtype)
+
+    def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
+        if softcap is not None:
+            return softcapped_attention(q, k, v, mask, softcap, dropout_p, gqa, scale)
         return F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, dropout_p=dropout_p, enable_gqa=gqa, scale=scale
         )
+
+    if T <= QUERY_BLOCK:
+        return attend(q, k, v, mask)
     blocks = []
     for start in range(0, T, QUERY_BLOCK):
         end = min(T, start + QUERY_BLOCK)
         keys = Tk - T + end  # keys past the block's last query are all in the future
-        blocks.append(
-            F.scaled_dot_product_attention(
-                q[:, :, start:end],
-                k[:, :, :keys],
-                v[:, :, :keys],
-                attn_mask=mask[:, start:end, :keys],
-                dropout_p=dropout_p,
-                enable_gqa=gqa,
-                scale=scale,
-            )
-        )
+        blocks.append(attend(q[:, :, start:end], k[:, :, :keys], v[:, :, :keys], mask[:, start:end, :keys]))
     return torch.cat(blocks, dim=2)  # (B, n_head, T, d)
 
 
@@ -157,6 +199,14 @@ class CausalSelfAttention(nn.Module):
         self.resid_dropout = nn.Dropout(config.dropout)
         # None: 1/sqrt(head_dim); under muP sqrt(base_head_dim)/head_dim (model/parametrization.py).
         self.scale = attention_scale(config)
+        variants = config.attention
+        self.window = variants.layer_window(layer)  # None: a global layer
+        self.softcap = variants.logit_softcap
+        self.q_norm: QKNorm | None = None
+        self.k_norm: QKNorm | None = None
+        if variants.qk_norm != "none":  # Qwen3's names, so that its weights map one to one
+            self.q_norm = QKNorm(variants.qk_norm, self.head_dim, variants.qk_norm_eps)
+            self.k_norm = QKNorm(variants.qk_norm, self.head_dim, variants.qk_norm_eps)
 
     def forward(
         self,
@@ -166,8 +216,8 @@ class CausalSelfAttention(nn.Module):
         cache: KVCache | None,
         bias: AttentionBias | None = FROM_SCHEME,
     ) -> Tensor:
-        """x: (B, T, n_embd) at ``positions``; ``bias``: the forward pass's positional bias, built once by
-        the model for every layer (None: no bias), or by default the scheme's, built here."""
+        """x: (B, T, n_embd) at ``positions``; ``bias``: the forward pass's positional bias, window and cap
+        for this layer's kind, built once by the model (None: none of them), or by default built here."""
         B, T, C = x.shape
         q, k, v = self.c_attn(x).split(
             [self.n_head * self.head_dim, self.n_kv_head * self.head_dim, self.n_kv_head * self.head_dim],
@@ -176,6 +226,8 @@ class CausalSelfAttention(nn.Module):
         q = q.view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, n_head, T, head_dim)
         k = k.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, n_kv_head, T, head_dim)
         v = v.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, n_kv_head, T, head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)  # before the rotation, as OLMo 2 and Qwen3
         q, k = pos.rotate(q, k, positions)
         if cache is not None:
             k, v = cache.update(self.layer, k, v)  # (B, n_kv_head, Tk, head_dim)
@@ -186,16 +238,17 @@ class CausalSelfAttention(nn.Module):
         gqa = self.n_kv_head != self.n_head
         if bias is FROM_SCHEME:
             end = int(positions[-1]) + 1
-            bias = AttentionBias.build(pos, positions, torch.arange(end - Tk, end, device=x.device), False)
+            k_positions = torch.arange(end - Tk, end, device=x.device)
+            bias = AttentionBias.build(pos, positions, k_positions, False, self.window, self.softcap)
 
         # softmax(q k^T * scale + bias) v, scale = 1/sqrt(head_dim) unless muP sets it
         scale = self.scale
-        if bias is not None and bias.score_mod is not None:
+        if bias is not None and bias.block_mask is not None:
             y = _compiled_flex_attention()(
                 q, k, v, score_mod=bias.score_mod, block_mask=bias.block_mask, enable_gqa=gqa, scale=scale
             )
         elif bias is not None and bias.mask is not None:
-            y = dense_bias_attention(q, k, v, bias.mask, dropout_p, gqa, scale)
+            y = dense_bias_attention(q, k, v, bias.mask, dropout_p, gqa, scale, bias.softcap)
         elif Tk == T:
             y = F.scaled_dot_product_attention(
                 q, k, v, dropout_p=dropout_p, is_causal=True, enable_gqa=gqa, scale=scale

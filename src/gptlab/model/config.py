@@ -1,11 +1,12 @@
-"""The model's configuration: its sizes and switches, and one :class:`~gptlab.registry.Choice` per variant
-family (positional scheme, activation, norm), each with that variant's typed options.
+"""The model's configuration: its sizes and switches, one :class:`~gptlab.registry.Choice` per variant
+family (positional scheme, activation, norm), each with that variant's typed options, and the attention
+variants (QK-norm, sliding windows, logit cap: ``attention``, model/attention_variants.py).
 
 Made once, and checked whole when it is made: every size, every variant name and option (the variant's own
 ``Options`` dataclass, built by its registry), and the checks that need both (a rotary scheme's even head
 dimension). A variant is given by its name, its config node (``pos={"name": "rope", "base": 500.0}``) or a
 Choice. ``to_dict`` writes plain values (saved in checkpoints, logged to W&B); ``from_dict`` reads them back,
-also as saved by earlier versions (``pos`` + ``pos_options``, ``norm_eps``, ``norm_bias``).
+also as saved by earlier versions (``pos`` + ``pos_options``, ``norm_eps``, ``norm_bias``, no ``attention``).
 """
 
 from __future__ import annotations
@@ -15,10 +16,11 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from gptlab.errors import ConfigError
-from gptlab.model import activations, norms, positional
+from gptlab.model import activations, attention_variants, norms, positional
 from gptlab.registry import Choice, check_keys
 
 PARAMETRIZATIONS = ("standard", "mup")
+NORM_PLACEMENTS = ("pre", "post", "sandwich")
 
 
 @dataclass
@@ -42,11 +44,17 @@ class GPTConfig:
     pos: Choice = field(default_factory=lambda: Choice("learned"))
     activation: Choice = field(default_factory=lambda: Choice("gelu"))
     norm: Choice = field(default_factory=lambda: Choice("layernorm"))
-    norm_placement: str = (
-        "pre"  # "pre" (GPT-2) or "post" (the original transformer): the block's, not the norm's
+    # "pre" (GPT-2), "post" (the original transformer) or "sandwich" (pre, and a norm on each sublayer's
+    # output before the residual add: Gemma 2): the block's, not the norm's
+    norm_placement: str = "pre"
+    embed_scale: float = 1.0  # the token embeddings are multiplied by it (Gemma: sqrt(n_embd))
+    # QK-norm, sliding windows and the attention-logit cap (given as the ``attention`` config node).
+    attention: attention_variants.AttentionOptions = field(
+        default_factory=attention_variants.AttentionOptions
     )
 
     def __post_init__(self) -> None:
+        self.attention = attention_variants.AttentionOptions.from_node(self.attention)
         self.pos = positional.REGISTRY.choose(self.pos)
         self.activation = activations.REGISTRY.choose(self.activation)
         norm = norms.REGISTRY.choose(self.norm)
@@ -83,11 +91,16 @@ class GPTConfig:
             )
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"model.dropout={self.dropout} must be in [0, 1).")
-        if self.norm_placement not in ("pre", "post"):
+        if self.norm_placement not in NORM_PLACEMENTS:
             raise ConfigError(
-                f"norm.placement={self.norm_placement!r} is not one of 'pre', 'post'. Use norm.placement=pre "
-                "(normalise before each sublayer, GPT-2) or norm.placement=post (after the residual add, "
-                "the original transformer)."
+                f"norm.placement={self.norm_placement!r} is not one of 'pre', 'post', 'sandwich'. Use "
+                "norm.placement=pre (normalise before each sublayer, GPT-2), norm.placement=post (after the "
+                "residual add, the original transformer) or norm.placement=sandwich (before each sublayer and "
+                "on its output, Gemma 2)."
+            )
+        if not self.embed_scale > 0:
+            raise ConfigError(
+                f"model.embed_scale={self.embed_scale!r} must be positive (1 leaves the embeddings)."
             )
         if self.mlp_ratio is not None and self.mlp_ratio <= 0:
             raise ConfigError(f"model.mlp_ratio={self.mlp_ratio} must be positive (or null for the default).")
@@ -122,19 +135,30 @@ class GPTConfig:
         return activations.get(self.activation.name).gated
 
     @classmethod
-    def from_nodes(cls, model: dict[str, Any], pos: Any, activation: Any, norm: Any) -> GPTConfig:
-        """The config of the ``model``, ``pos``, ``activation`` and ``norm`` config nodes (plain values):
-        ``norm.placement`` is taken out of the norm's node, the rest of each node is its variant's options."""
+    def from_nodes(
+        cls, model: dict[str, Any], pos: Any, activation: Any, norm: Any, attention: Any = None
+    ) -> GPTConfig:
+        """The config of the ``model``, ``pos``, ``activation``, ``norm`` and ``attention`` config nodes
+        (plain values): ``norm.placement`` is taken out of the norm's node, the rest of each node is its
+        variant's options."""
         norm = dict(norm) if not isinstance(norm, (str, Choice)) else norm
         placement = norm.pop("placement", "pre") if isinstance(norm, dict) else "pre"
         check_keys(model, _MODEL_KEYS, "model", "model")
-        return cls(**model, pos=pos, activation=activation, norm=norm, norm_placement=placement)
+        return cls(
+            **model,
+            pos=pos,
+            activation=activation,
+            norm=norm,
+            norm_placement=placement,
+            attention=attention_variants.AttentionOptions.from_node(attention),
+        )
 
     def to_dict(self) -> dict[str, Any]:
         """Plain values: the sizes and switches, and each variant as its config node."""
         values = {f.name: getattr(self, f.name) for f in fields(self)}
         for key in ("pos", "activation", "norm"):
             values[key] = getattr(self, key).node()
+        values["attention"] = self.attention.node()
         return values
 
     @classmethod
@@ -160,5 +184,7 @@ class GPTConfig:
 
 
 _MODEL_KEYS = [
-    f.name for f in fields(GPTConfig) if f.name not in ("pos", "activation", "norm", "norm_placement")
+    f.name
+    for f in fields(GPTConfig)
+    if f.name not in ("pos", "activation", "norm", "norm_placement", "attention")
 ]

@@ -14,7 +14,8 @@ Training FLOPs per token (Chowdhery et al. 2022, "PaLM", appendix B; the count b
 
 i.e. 2 FLOPs per multiply-add, a backward pass twice the forward, and 2 matrix products of T x head_dim per
 head and token for the attention scores and their weighted sum (counted over the full context, as is usual;
-a causal kernel skips about half of that term). Kaplan et al. 2020 keep only 6 N (non-embedding).
+a causal kernel skips about half of that term). A local layer (``attention.window``) counts min(T, window)
+keys instead of T: the keys its queries can reach. Kaplan et al. 2020 keep only 6 N (non-embedding).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from gptlab.model import norms, positional
+from gptlab.model.attention_variants import QKNorm
 from gptlab.model.config import GPTConfig
 from gptlab.model.gpt import mlp_hidden_width
 
@@ -43,13 +45,14 @@ def parameter_counts(config: GPTConfig) -> dict[str, int]:
     h, V, bias = config.n_embd, config.vocab_size, int(config.bias)
     qkv_width = (config.n_head + 2 * config.kv_heads) * config.head_dim
     attention = h * qkv_width + qkv_width * bias + h * h + h * bias
+    attention += QKNorm.parameter_count(config.attention.qk_norm, config.head_dim)
     f = mlp_hidden_width(config)
     f_in = f * (2 if config.gated else 1)
     mlp = h * f_in + f_in * bias + f * h + h * bias
     norm = norms.get(config.norm.name).parameter_count(h, config.norm.options)
-    per_layer = attention + mlp + 2 * norm
+    per_layer = attention + mlp + (4 if config.norm_placement == "sandwich" else 2) * norm
     embedding = V * h + positional_parameters(config)
-    final_norm = norm if config.norm_placement == "pre" else 0
+    final_norm = norm if config.norm_placement != "post" else 0
     head = 0 if config.tie_weights else V * h
     total = embedding + config.n_layer * per_layer + final_norm + head
     return {
@@ -79,7 +82,8 @@ def flops_per_token(config: GPTConfig, context: int | None = None) -> dict[str, 
     N = ``matmul_parameters``."""
     T = context or config.block_size
     dense = 6 * matmul_parameters(config)
-    attention = 12 * config.n_layer * config.n_head * config.head_dim * T
+    keys = sum(min(T, config.attention.layer_window(i) or T) for i in range(config.n_layer))
+    attention = 12 * keys * config.n_head * config.head_dim
     return {"training": float(dense + attention), "dense": float(dense), "attention": float(attention)}
 
 

@@ -51,15 +51,19 @@ class MLP(nn.Module):
 
 class Block(nn.Module):
     """One transformer layer. Pre-norm (GPT-2): x + f(norm(x)). Post-norm (the original transformer):
-    norm(x + f(x))."""
+    norm(x + f(x)). Sandwich (Ding et al. 2021, "CogView"; Gemma 2): x + norm'(f(norm(x)))."""
 
     def __init__(self, config: GPTConfig, layer: int) -> None:
         super().__init__()
-        self.pre_norm = config.norm_placement == "pre"
+        self.pre_norm = config.norm_placement in ("pre", "sandwich")
         self.ln_1 = norms.build(config.norm, config.n_embd)
         self.attn = CausalSelfAttention(config, layer)
         self.ln_2 = norms.build(config.norm, config.n_embd)
         self.mlp = MLP(config)
+        # The sandwich's norms on the sublayers' outputs; the identity otherwise.
+        sandwich = config.norm_placement == "sandwich"
+        self.ln_1_out = norms.build(config.norm, config.n_embd) if sandwich else nn.Identity()
+        self.ln_2_out = norms.build(config.norm, config.n_embd) if sandwich else nn.Identity()
 
     def forward(
         self,
@@ -70,8 +74,8 @@ class Block(nn.Module):
         bias: AttentionBias | None = FROM_SCHEME,
     ) -> Tensor:
         if self.pre_norm:
-            x = x + self.attn(self.ln_1(x), pos, positions, cache, bias)
-            x = x + self.mlp(self.ln_2(x))
+            x = x + self.ln_1_out(self.attn(self.ln_1(x), pos, positions, cache, bias))
+            x = x + self.ln_2_out(self.mlp(self.ln_2(x)))
         else:
             x = self.ln_1(x + self.attn(x, pos, positions, cache, bias))
             x = self.ln_2(x + self.mlp(x))
@@ -103,7 +107,7 @@ class GPT(nn.Module):
                 h=nn.ModuleList([Block(config, i) for i in range(config.n_layer)]),
                 # Post-norm blocks already end in a norm; a final norm is a pre-norm necessity.
                 ln_f=norms.build(config.norm, config.n_embd)
-                if config.norm_placement == "pre"
+                if config.norm_placement != "post"
                 else nn.Identity(),
             )
         )
@@ -164,8 +168,11 @@ class GPT(nn.Module):
         positions = torch.arange(start, start + T, device=idx.device)  # (T,)
         pos = self.transformer.pos
         x = self.transformer.wte(idx)  # (B, T, n_embd)
+        if self.config.embed_scale != 1.0:
+            x = x * self.config.embed_scale
         x = self.transformer.drop(pos.embed(x, positions))
-        # A positional bias depends on positions only: built once here, shared by every layer.
+        # A positional bias, a window and a cap depend on positions only: built once here for each kind of
+        # layer (global, or local with its window), shared by every layer of that kind.
         k_positions = torch.arange(start + T, device=idx.device)
         dropout = self.training and self.config.dropout > 0  # FlexAttention has no dropout
         use_flex = (
@@ -173,9 +180,13 @@ class GPT(nn.Module):
             and not dropout
             and attention.flex_attention_available(idx.device, self.config.head_dim)
         )
-        bias = AttentionBias.build(pos, positions, k_positions, use_flex)
-        for block in self.transformer.h:
-            x = block(x, pos, positions, cache, bias)
+        softcap = self.config.attention.logit_softcap
+        biases: dict[int | None, AttentionBias | None] = {}
+        for i, block in enumerate(self.transformer.h):
+            window = self.config.attention.layer_window(i)
+            if window not in biases:
+                biases[window] = AttentionBias.build(pos, positions, k_positions, use_flex, window, softcap)
+            x = block(x, pos, positions, cache, biases[window])
         x = self.transformer.ln_f(x)
         if self.output_mult != 1.0:
             x = x * self.output_mult  # muP's readout multiplier 1/m on the logits, applied before the head

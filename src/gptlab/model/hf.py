@@ -1,4 +1,5 @@
-"""Weights from Hugging Face ``transformers`` checkpoints: GPT-2 and Llama, read from a local directory.
+"""Weights from Hugging Face ``transformers`` checkpoints: GPT-2, Llama, Qwen3 and Gemma 2, read from a local
+directory.
 
 A directory written by ``save_pretrained`` holds ``config.json`` and ``model.safetensors`` (or
 ``pytorch_model.bin``); nothing here needs ``transformers`` itself. ``load_pretrained(model, directory)``
@@ -17,6 +18,16 @@ Mappings:
   ("rotate_half"), and so does ``pos=rope`` here (``positional.rotate_half``), so the q/k rows are copied as
   they are. A rope that paired adjacent dimensions (2i, 2i+1) would need each head's rows permuted by
   ``half_to_interleaved``.
+- Qwen3 (``Qwen3ForCausalLM``): Llama's layout plus QK-norm, an RMSNorm over each head's queries and keys
+  before the rotation (``q_norm``/``k_norm`` -> ``attn.q_norm.norm``/``attn.k_norm.norm``, i.e.
+  ``attention.qk_norm=rmsnorm``), and sliding-window layers where ``layer_types`` says
+  ``sliding_attention`` (``attention.window`` with one pattern letter per layer, L where it slides).
+- Gemma 2 (``Gemma2ForCausalLM``): Llama's layout with a sandwich of norms (``norm.placement=sandwich``:
+  ``post_attention_layernorm`` and ``post_feedforward_layernorm`` on the sublayers' outputs are ``ln_1_out``
+  and ``ln_2_out``, ``pre_feedforward_layernorm`` is ``ln_2``), RMSNorm gains stored as w with the gain 1 + w
+  (loaded as 1 + w), token embeddings times sqrt(hidden_size) (``embed_scale``), GeGLU with the tanh GELU,
+  windowed layers (``layer_types``) and the attention-logit cap. Its final-logit cap belongs to the output
+  layer, which has none here: a checkpoint that sets ``final_logit_softcapping`` is refused.
 """
 
 from __future__ import annotations
@@ -33,6 +44,7 @@ from torch import Tensor
 
 from gptlab.errors import ConfigError
 from gptlab.model import positional
+from gptlab.model.attention_variants import AttentionOptions
 from gptlab.model.config import GPTConfig
 from gptlab.model.gpt import GPT, mlp_hidden_width
 
@@ -132,6 +144,50 @@ def llama_options(hf: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def qwen3_options(hf: dict[str, Any]) -> dict[str, Any]:
+    """Llama's values, with QK-norm (RMSNorm at the model's epsilon) and the sliding-window layers."""
+    values = llama_options(hf)
+    attention: dict[str, Any] = {"qk_norm": "rmsnorm", "qk_norm_eps": hf.get("rms_norm_eps", 1e-6)}
+    layer_types = hf.get("layer_types") or []
+    if "sliding_attention" in layer_types and hf.get("sliding_window"):
+        attention["window"] = hf["sliding_window"]
+        attention["window_pattern"] = "".join("L" if t == "sliding_attention" else "G" for t in layer_types)
+    values["attention"] = attention
+    return values
+
+
+def gemma2_options(hf: dict[str, Any]) -> dict[str, Any]:
+    """Llama's values with Gemma 2's block: sandwich norms, scaled embeddings, tanh GeGLU, windows, the cap."""
+    if hf.get("final_logit_softcapping") is not None:
+        raise ConfigError(
+            f"Gemma 2 final_logit_softcapping={hf['final_logit_softcapping']} caps the output logits, which this "
+            "model's output layer does not do: save the checkpoint with final_logit_softcapping=None to compare "
+            "the rest."
+        )
+    n_head = hf["num_attention_heads"]
+    head_dim = hf["hidden_size"] // n_head
+    if hf.get("query_pre_attn_scalar", head_dim) != head_dim:
+        raise ConfigError(
+            f"Gemma 2 query_pre_attn_scalar={hf['query_pre_attn_scalar']} scales the scores by other than "
+            f"1/sqrt(head_dim) = 1/sqrt({head_dim}); only query_pre_attn_scalar = head_dim maps here."
+        )
+    act = hf.get("hidden_activation") or hf.get("hidden_act", "gelu_pytorch_tanh")
+    if act not in ("gelu_pytorch_tanh", "gelu"):
+        raise ConfigError(f"Gemma 2 hidden_activation={act!r} has no counterpart here.")
+    values = llama_options({**hf, "hidden_act": "gelu"})
+    values["tie_weights"] = hf.get("tie_word_embeddings", True)
+    values["activation"] = {"name": "geglu", "approximate": "tanh" if act == "gelu_pytorch_tanh" else "none"}
+    values["norm_placement"] = "sandwich"
+    values["embed_scale"] = float(hf["hidden_size"] ** 0.5)
+    attention: dict[str, Any] = {"logit_softcap": hf.get("attn_logit_softcapping")}
+    layer_types = hf.get("layer_types") or []
+    if "sliding_attention" in layer_types and hf.get("sliding_window"):
+        attention["window"] = hf["sliding_window"]
+        attention["window_pattern"] = "".join("L" if t == "sliding_attention" else "G" for t in layer_types)
+    values["attention"] = attention
+    return values
+
+
 def check_compatible(config: GPTConfig, hf: dict[str, Any], source: str = "the checkpoint") -> None:
     """Raise a ConfigError listing every architecture value of ``config`` that differs from the checkpoint's,
     with the overrides that fix them."""
@@ -148,14 +204,30 @@ def check_compatible(config: GPTConfig, hf: dict[str, Any], source: str = "the c
     for key in ("pos", "activation", "norm"):
         if getattr(config, key).name != wanted[key]["name"]:
             problems.append((key, getattr(config, key).name, wanted[key]["name"]))
-    if config.norm_placement != "pre":
-        problems.append(("norm.placement", config.norm_placement, "pre"))
+    if config.norm_placement != wanted["norm_placement"]:
+        problems.append(("norm.placement", config.norm_placement, wanted["norm_placement"]))
+    if not math.isclose(config.embed_scale, wanted.get("embed_scale", 1.0)):
+        problems.append(("+model.embed_scale", config.embed_scale, wanted["embed_scale"]))
+    if config.activation.name == wanted["activation"]["name"]:
+        for key, value in wanted["activation"].items():
+            if key != "name" and getattr(config.activation.options, key) != value:
+                problems.append((f"activation.{key}", getattr(config.activation.options, key), value))
     if not math.isclose(config.norm.options.eps, wanted["norm"]["eps"]):
         problems.append(("norm.eps", config.norm.options.eps, wanted["norm"]["eps"]))
     if config.pos.name == wanted["pos"]["name"]:
         for key, value in wanted["pos"].items():
             if key != "name" and getattr(config.pos.options, key) != value:
                 problems.append((f"pos.{key}", getattr(config.pos.options, key), value))
+    ours_attention = config.attention.node()
+    theirs_attention = AttentionOptions.from_node(wanted.get("attention")).node()
+    for key, value in theirs_attention.items():
+        if key == "window_pattern" and theirs_attention["window"] is None:
+            continue  # no window: the pattern places nothing
+        same = ours_attention[key] == value
+        if isinstance(value, float) and isinstance(ours_attention[key], float):
+            same = math.isclose(ours_attention[key], value)
+        if not same:
+            problems.append((f"attention.{key}", ours_attention[key], value))
     if not positional.get(config.pos.name).extrapolates and config.block_size > wanted["block_size"]:
         problems.append(("model.block_size", config.block_size, wanted["block_size"]))
     if problems:
@@ -220,6 +292,35 @@ def llama_to_gptlab(state: dict[str, Tensor], config: GPTConfig) -> dict[str, Te
     return out
 
 
+def qwen3_to_gptlab(state: dict[str, Tensor], config: GPTConfig) -> dict[str, Tensor]:
+    """Llama's mapping plus each layer's query and key norms."""
+    out = llama_to_gptlab(state, config)
+    for i in range(config.n_layer):
+        for name in ("q_norm", "k_norm"):
+            out[f"transformer.h.{i}.attn.{name}.norm.weight"] = state[
+                f"model.layers.{i}.self_attn.{name}.weight"
+            ]
+    return out
+
+
+def gemma2_to_gptlab(state: dict[str, Tensor], config: GPTConfig) -> dict[str, Tensor]:
+    """Llama's mapping with Gemma's four norms per layer, each gain stored as w and applied as 1 + w."""
+    renamed = dict(state)
+    for i in range(config.n_layer):
+        src = f"model.layers.{i}."
+        # Llama's post_attention_layernorm is the norm before the MLP: Gemma's pre_feedforward_layernorm.
+        renamed[f"{src}post_attention_layernorm.weight"] = state[f"{src}pre_feedforward_layernorm.weight"]
+    out = llama_to_gptlab(renamed, config)
+    for i in range(config.n_layer):
+        src, dst = f"model.layers.{i}.", f"transformer.h.{i}."
+        out[dst + "ln_1_out.weight"] = state[f"{src}post_attention_layernorm.weight"]
+        out[dst + "ln_2_out.weight"] = state[f"{src}post_feedforward_layernorm.weight"]
+    return {
+        k: v + 1.0 if k.endswith(("ln_1.weight", "ln_2.weight", "_out.weight", "ln_f.weight")) else v
+        for k, v in out.items()
+    }
+
+
 @dataclass(frozen=True)
 class HFFormat:
     """How one Hugging Face ``model_type`` maps onto this project's GPT."""
@@ -231,19 +332,21 @@ class HFFormat:
 FORMATS: dict[str, HFFormat] = {
     "gpt2": HFFormat(gpt2_options, gpt2_to_gptlab),
     "llama": HFFormat(llama_options, llama_to_gptlab),
+    "qwen3": HFFormat(qwen3_options, qwen3_to_gptlab),
+    "gemma2": HFFormat(gemma2_options, gemma2_to_gptlab),
 }
 SUPPORTED = tuple(FORMATS)
 
 
 def config_from_pretrained(directory: str | Path, **overrides: Any) -> GPTConfig:
-    """The GPTConfig of a saved Hugging Face GPT-2 or Llama, with optional overrides (e.g. block_size)."""
+    """The GPTConfig of a saved Hugging Face GPT-2, Llama, Qwen3 or Gemma 2, with optional overrides (e.g. block_size)."""
     values = model_options_from_hf(read_hf_config(directory))
     values.update(overrides)
     return GPTConfig.from_dict(values)
 
 
 def load_pretrained(model: GPT, directory: str | Path) -> GPT:
-    """Load a Hugging Face GPT-2 or Llama saved in ``directory`` into ``model`` (in place); every weight of
+    """Load a Hugging Face GPT-2, Llama, Qwen3 or Gemma 2 saved in ``directory`` into ``model`` (in place); every weight of
     the model must be covered. Returns the model."""
     hf = read_hf_config(directory)
     check_compatible(model.config, hf, f"init_from={directory}")

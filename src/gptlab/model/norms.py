@@ -2,7 +2,7 @@
 
 A norm is built from the width it normalises and its own options, the ``Options`` dataclass of its class
 (``norm.eps``, and for LayerNorm ``norm.bias``): ``RMSNorm(dim, options)``. A norm with a new option declares
-it in its ``Options`` and reads it from there; nothing else changes. ``norm.placement`` (pre or post) is the
+it in its ``Options`` and reads it from there; nothing else changes. ``norm.placement`` (pre, post or sandwich) is the
 block's, not the norm's. Each class also states how many parameters it holds (``parameter_count``), so that
 the model card can count a model without building it.
 """

@@ -70,7 +70,8 @@ def _model_lines(c: GPTConfig, counts: dict[str, int], flops: dict[str, float], 
         f"Model: {c.n_layer} layers x {c.n_head} heads{gqa} x {c.n_embd} wide, MLP {mlp_hidden_width(c)} wide, "
         f"context {c.block_size}, vocabulary {c.vocab_size}; pos={c.pos.name}, activation={c.activation.name}, "
         f"norm={c.norm.name} ({c.norm_placement}), bias {'on' if c.bias else 'off'}, head "
-        f"{'tied to' if c.tie_weights else 'separate from'} the token embedding",
+        f"{'tied to' if c.tie_weights else 'separate from'} the token embedding"
+        + ("" if c.attention.is_default else f"; attention: {c.attention.describe()}"),
         f"Parameters: total {counts['total']:,} ({human(counts['total'])}), embedding {counts['embedding']:,}, "
         f"non-embedding {counts['non_embedding']:,}",
         f"Training FLOPs per token at context {T}: {human(flops['training'])} (6N + 12 L h T: dense "

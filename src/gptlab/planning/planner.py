@@ -19,7 +19,10 @@ Memory per device, in bytes, for one optimizer step of AdamW:
   adapted to fused attention, which keeps no T x T scores): the two norm inputs 2h, the QKV input h, Q, K, V
   (h + 2 n_kv_head head_dim), the attention output h, the MLP input h, and the MLP's hidden tensors (2f, or
   4f gated: the doubled projection, f(gate) and the product), plus 1 byte per element of each dropout mask
-  when dropout > 0. For GPT-2 in 16 bits this is 34 h bytes, the paper's figure without its 5 a T term.
+  when dropout > 0; QK-norm's normalised queries and keys and their inputs, 2 (h + n_kv_head head_dim); the
+  sandwich's two output-norm inputs, 2h. For GPT-2 in 16 bits this is 34 h bytes, the paper's figure without
+  its 5 a T term. A masked or capped layer on the dense (CPU) route also keeps its T x T weights, as the bias
+  schemes' do: not counted, since on CUDA FlexAttention keeps none.
   Outside the layers: the embedding output and final-norm input (2 p h) and the logits, p V + 4 V (the loss
   is taken on an fp32 copy). Activation checkpointing keeps only each block's input (p h) plus one block's
   activations during its recomputation. Data parallelism does not shard activations: each device holds its
@@ -118,6 +121,10 @@ def activation_bytes_per_token(
     per_layer = p * (2 * h + h + (h + 2 * kv) + h + h + hidden)
     if config.dropout > 0:
         per_layer += 2 * h  # a 1-byte mask after attention and after the MLP
+    if config.attention.qk_norm != "none":
+        per_layer += p * 2 * (h + kv)  # q and k before and after their norms (no longer views of one QKV)
+    if config.norm_placement == "sandwich":
+        per_layer += p * 2 * h  # the inputs of the norms on the sublayers' outputs
     outside = 2 * p * h + p * config.vocab_size + 4 * config.vocab_size
     if activation_checkpointing:
         return L * p * h + per_layer + outside

@@ -108,24 +108,27 @@ class RunSession:
         (seed or seed_generators)(settings.seed)
         return cls(cfg, settings, run_dir)
 
-    def open_loggers(self, wandb_run_id: str | None = None, resumed_at: int | None = None) -> list:
+    def open_loggers(
+        self, wandb_run_id: str | None = None, resumed_at: int | None = None, lightning: bool = True
+    ) -> list:
         """The configured loggers (``logger`` node); with ``wandb_run_id`` the W&B logger continues that run;
         with ``resumed_at`` (the checkpoint's step) the CSV logger drops the rows logged after that step by the
-        part that was stopped or killed, which this part logs again. No logger configured: nothing imported
-        (the loggers are Lightning's classes)."""
+        part that was stopped or killed, which this part logs again. ``lightning=False``: a task whose loop is
+        not Lightning's gets gptlab's loggers written without it (:mod:`gptlab.tracking.plain_loggers`), and
+        no Lightning is imported. No logger configured: nothing imported."""
         nodes = self.cfg.get("logger") or {}
         if not any(node is not None and "_target_" in node for node in nodes.values()):
             return []
-        from gptlab.tracking.loggers import instantiate_loggers
+        from gptlab.tracking.plain_loggers import instantiate_loggers
 
-        self.loggers = instantiate_loggers(nodes, wandb_run_id, resumed_at)
+        self.loggers = instantiate_loggers(nodes, wandb_run_id, resumed_at, lightning=lightning)
         return self.loggers
 
     def wandb_run_id(self) -> str | None:
         """The id of this run's W&B run; None when it logs to none."""
         if not self.loggers:
             return None
-        from gptlab.tracking.loggers import wandb_run_id
+        from gptlab.tracking.plain_loggers import wandb_run_id
 
         return wandb_run_id(self.loggers)
 
@@ -193,7 +196,7 @@ class RunSession:
     ) -> Iterator[None]:
         """Around the task's work: a raised error is written to ``result.json`` (the comparison lists the run
         as failed, not killed) at ``step()``'s step, with ``metrics()`` (the values logged so far), and the
-        W&B run is closed either way."""
+        W&B run is closed either way (what a plain logger holds is written)."""
         failed = True
         try:
             yield
@@ -203,9 +206,9 @@ class RunSession:
             raise
         finally:
             if loggers:
-                from gptlab.tracking.loggers import finish_wandb
+                from gptlab.tracking.plain_loggers import finish_loggers
 
-                finish_wandb(loggers, failed)
+                finish_loggers(loggers, failed)
             release_run_dir(self.run_dir)
 
     def _write_failure(

@@ -2,8 +2,8 @@
 "Efficient Estimation of Word Representations in Vector Space"), written in the word2vec text format
 (``<run dir>/embeddings.txt``) and evaluated, on the same run skeleton as the language model
 (:mod:`gptlab.tasks.skeleton`): one run per directory, ``run.json``, the loggers, ``config_resolved.yaml``,
-``result.json``. The training loop is :mod:`gptlab.word2vec.task`; no Lightning is imported unless a logger
-is configured.
+``result.json``. The training loop is :mod:`gptlab.word2vec.task`; no Lightning is imported, with or without
+loggers (:mod:`gptlab.tracking.plain_loggers`).
 """
 
 from __future__ import annotations
@@ -98,17 +98,18 @@ def train(
         options.objective,
     )
     session.start_step = resume.global_step if resume else 0
-    loggers = session.open_loggers(resume.wandb_run_id if resume else None)
+    # gptlab's loggers written without Lightning: its import would cost more than training on a small corpus
+    loggers = session.open_loggers(
+        resume.wandb_run_id if resume else None, resume.global_step if resume else None, lightning=False
+    )
     trainer: Trainer | None = None
     with session.closing(loggers, step=lambda: trainer.global_step if trainer else 0):
         trainer = Trainer(
             schedule, options, device, session.run_dir, loggers, settings.run.seed, settings.log_every
         )
-        if loggers:  # saved in checkpoints: a resumed run continues the same W&B run
-            from gptlab.tracking.loggers import wandb_run_id
-
-            trainer.wandb_run_id = wandb_run_id(loggers) or trainer.wandb_run_id
-        session.save_config(loggers)
+        session.save_config(loggers)  # opens the W&B run: its id is known from here on
+        # saved in checkpoints: a resumed run continues the same W&B run
+        trainer.wandb_run_id = session.wandb_run_id()
         log.info("Run directory: %s", session.run_dir)
         metrics, stopped = fit(trainer, settings, resume)
         return report(session, settings, trainer, schedule, corpus, loggers, metrics, stopped)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 from pathlib import Path
 from typing import Any
 
@@ -12,62 +11,27 @@ from lightning.fabric.loggers.logger import rank_zero_experiment
 from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger, WandbLogger
 from lightning.pytorch.loggers.csv_logs import ExperimentWriter
 
-from gptlab.runs.naming import labels_from_hydra
-from gptlab.tracking.wandb_check import check_wandb_online
+from gptlab.tracking.plain_loggers import SAMPLES_FILE, drop_rows, wandb_init_args
 from gptlab.tracking.wandb_check import wandb_logged_in as wandb_logged_in  # its home has no Lightning
 from gptlab.tracking.wandb_check import wandb_mode as wandb_mode
 
 log = logging.getLogger(__name__)
 
 
-def wandb_logger(
-    save_dir: str,
-    project: str = "gptlab",
-    entity: str | None = None,
-    name: str | None = None,
-    group: str | None = None,
-    job_type: str | None = "train",
-    tags: list[str] | None = None,
-    id: str | None = None,
-    mode: str | None = None,
-    log_model: bool = False,
-    **kwargs: Any,
-) -> WandbLogger:
-    """A Lightning WandbLogger whose files live in the run directory. Offline runs are written under
-    ``<save_dir>/wandb/offline-run-*`` and can be uploaded later with ``wandb sync <that folder>``.
-
-    ``name``, ``group`` and ``job_type`` left null are derived from the Hydra overrides (see
-    :mod:`gptlab.runs.naming`): a sweep is one group, each run is named by what it varies, and every
-    chosen override (``pos=rope``, ``seed=1``) is a tag, added to ``tags``."""
-    resolved = wandb_mode(mode)
-    check_wandb_online(mode)  # no key, a rejected one, no server: refused now, not after a 90 s hang
-    labels = labels_from_hydra()
-    name = name or labels.name
-    group = group or labels.group
-    job_type = job_type or labels.job_type
-    tags = list(dict.fromkeys([*(tags or []), *labels.tags]))
-    # In the run's config, so the W&B UI can group runs that differ only by seed (sweep.group_key).
-    kwargs.setdefault("config", {"sweep": labels.as_config()})
-    # A run of its own even where the process has another open (wandb.init would otherwise hand that one back).
-    kwargs.setdefault("reinit", "create_new")
-    Path(save_dir).mkdir(parents=True, exist_ok=True)
-    os.environ["WANDB_MODE"] = resolved  # respected by wandb.init in this process and its children
-    os.environ.setdefault("WANDB_SILENT", "true")
-    if resolved == "online":
-        log.info("W&B: logging online to project %s", project)
+def wandb_logger(save_dir: str, log_model: bool = False, **kwargs: Any) -> WandbLogger:
+    """A Lightning WandbLogger whose files live in the run directory, its project, name, group, tags and mode
+    as :func:`gptlab.tracking.plain_loggers.wandb_init_args` derives them (the same for a plain loop's W&B
+    logger). Offline runs are written under ``<save_dir>/wandb/offline-run-*`` and can be uploaded later
+    with ``wandb sync <that folder>``."""
+    resolved, init = wandb_init_args(save_dir, **kwargs)
     return OwnRunWandbLogger(
-        save_dir=save_dir,
-        project=project,
-        entity=entity,
-        name=name,
-        group=group,
-        job_type=job_type,
-        tags=list(tags) if tags else None,
-        id=id,
+        save_dir=init.pop("dir"),
+        project=init.pop("project"),
+        name=init.pop("name"),
+        id=init.pop("id"),
         offline=resolved == "offline",
-        mode=resolved,
         log_model=log_model and resolved == "online",
-        **kwargs,
+        **init,
     )
 
 
@@ -107,42 +71,9 @@ class ContinuedCSVWriter(ExperimentWriter):
         those with ``step < resumed_at``; ``samples.tsv`` (1-based steps) keeps its rows up to ``resumed_at``.
         Returns the number of metric rows dropped; a file with nothing to drop is left untouched."""
         # Lightning writes metrics.csv with csv's own line ends (\r\n); samples.tsv has \n.
-        dropped = _drop_rows(Path(self.metrics_file_path), ",", "\r\n", lambda step: step < resumed_at)
-        _drop_rows(Path(self.log_dir) / SAMPLES_FILE, "\t", "\n", lambda step: step <= resumed_at)
+        dropped = drop_rows(Path(self.metrics_file_path), ",", "\r\n", lambda step: step < resumed_at)
+        drop_rows(Path(self.log_dir) / SAMPLES_FILE, "\t", "\n", lambda step: step <= resumed_at)
         return dropped
-
-
-SAMPLES_FILE = "samples.tsv"  # SampleGeneration's text, beside metrics.csv
-
-
-def _drop_rows(path: Path, delimiter: str, line_end: str, keep: Any) -> int:
-    """Rewrite ``path`` (a table with a ``step`` column, one row a line: metric values and samples with their
-    tabs and newlines escaped) without the rows whose step ``keep`` rejects, atomically (a temporary file
-    renamed over it); the rows kept are kept byte for byte. Rows without a readable step are kept."""
-    import tempfile
-
-    if not path.is_file():
-        return 0
-    header, *rows = path.read_bytes().decode().split(line_end)
-    names = header.split(delimiter)
-    if "step" not in names:
-        return 0
-    column = names.index("step")
-
-    def kept(row: str) -> bool:
-        try:
-            return bool(keep(int(float(row.split(delimiter)[column]))))
-        except (IndexError, ValueError):
-            return True  # the empty string after the last line end among them
-
-    remaining = [row for row in rows if kept(row)]
-    if len(remaining) == len(rows):
-        return 0
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    with os.fdopen(fd, "wb") as f:
-        f.write(line_end.join([header, *remaining]).encode())
-    os.replace(tmp, path)
-    return len(rows) - len(remaining)
 
 
 class ContinuedCSVLogger(CSVLogger):
@@ -150,7 +81,7 @@ class ContinuedCSVLogger(CSVLogger):
     file instead, so it holds the whole curve, each step once: the rows the earlier part logged after the
     checkpoint (``resumed_at``) are dropped before the resumed run logs those steps again."""
 
-    resumed_at: int | None = None  # set by instantiate_loggers for a resumed run
+    resumed_at: int | None = None  # set by csv_logger for a resumed run
 
     @property
     @rank_zero_experiment
@@ -172,9 +103,13 @@ class ContinuedCSVLogger(CSVLogger):
         return self._experiment
 
 
-def csv_logger(save_dir: str, name: str = "csv", version: str | int | None = "") -> CSVLogger:
+def csv_logger(
+    save_dir: str, name: str = "csv", version: str | int | None = "", resumed_at: int | None = None
+) -> CSVLogger:
     """Metrics as ``<save_dir>/<name>/metrics.csv``: needs nothing, read by scripts/compare.py."""
-    return ContinuedCSVLogger(save_dir=save_dir, name=name, version=version)
+    logger = ContinuedCSVLogger(save_dir=save_dir, name=name, version=version)
+    logger.resumed_at = resumed_at
+    return logger
 
 
 def tensorboard_logger(
@@ -206,16 +141,6 @@ def log_text_samples(trainer: L.Trainer, columns: list[str], rows: list[list[Any
             logger.experiment.add_text("samples", table, global_step=trainer.global_step)
 
 
-def finish_wandb(loggers: list[Logger], failed: bool) -> None:
-    """Close this job's W&B run, so that the next job of a multirun starts its own. The logger's own run is
-    closed, not ``wandb.run``: in a process that opened another run before (a notebook, a test session) the
-    global run may be that other one, and this run's last records would stay unwritten."""
-    for lg in loggers:
-        run = getattr(lg, "_experiment", None) if isinstance(lg, WandbLogger) else None
-        if run is not None:
-            run.finish(exit_code=1 if failed else 0)
-
-
 class WandbRunIdInCheckpoint(L.Callback):
     """Records the W&B run id in each checkpoint, so a resumed run continues the same W&B run."""
 
@@ -225,39 +150,7 @@ class WandbRunIdInCheckpoint(L.Callback):
                 checkpoint["wandb_run_id"] = str(lg.version)
 
 
-# ---- what a task asks of its loggers -------------------------------------------------------------------
-def instantiate_loggers(
-    nodes: Any, wandb_run_id: str | None = None, resumed_at: int | None = None
-) -> list[Logger]:
-    """The loggers of the ``logger`` node (each a ``_target_`` node); with ``wandb_run_id`` the W&B logger
-    continues that run (a resumed run's curves go on in the same W&B run); with ``resumed_at`` (the step of
-    the checkpoint a resumed run continues from) the CSV logger drops the rows logged after it, and TensorBoard
-    hides the events logged from it on."""
-    from hydra.utils import instantiate
-
-    loggers: list[Logger] = []
-    for _, node in nodes.items():
-        if node is None or "_target_" not in node:
-            continue
-        if wandb_run_id and node["_target_"] == f"{__name__}.wandb_logger":
-            loggers.append(instantiate(node, id=wandb_run_id, resume="allow"))
-        elif resumed_at is not None and node["_target_"] == f"{__name__}.tensorboard_logger":
-            loggers.append(instantiate(node, purge_step=resumed_at))
-        else:
-            loggers.append(instantiate(node))
-        if isinstance(loggers[-1], ContinuedCSVLogger):
-            loggers[-1].resumed_at = resumed_at
-    return loggers
-
-
-def wandb_run_id(loggers: list[Logger]) -> str | None:
-    """The W&B run id of the W&B logger among ``loggers``; None when there is none."""
-    for lg in loggers:
-        if isinstance(lg, WandbLogger) and lg.version:
-            return str(lg.version)
-    return None
-
-
+# ---- what the GPT task asks of its loggers (the rest: gptlab.tracking.plain_loggers) ------------------
 def update_wandb_summary(loggers: list[Logger], values: dict[str, float]) -> None:
     """Add ``values`` to the W&B run's summary (the figures its table and comparisons show)."""
     for lg in loggers:

@@ -69,7 +69,7 @@ def log_length_study_as_new_run(study: LengthStudy, run_dir: Path, config: dict[
     and group (the training run's id when it had no group), job type ``eval_length``, its config
     ``source_run_id`` and ``config``. Returns its folder (None: the run logged no W&B run, or W&B is
     disabled)."""
-    from gptlab.tracking.loggers import wandb_mode
+    from gptlab.tracking.wandb_check import wandb_mode
     from gptlab.tracking.wandb_files import find_runs, read_run
 
     files = find_runs(run_dir / "wandb")
@@ -105,7 +105,7 @@ def log_harness_results(metrics: dict[str, Any], table: StudyTable, run_dir: Pat
     W&B run folder (None when W&B is disabled)."""
     import wandb
 
-    from gptlab.tracking.loggers import wandb_mode
+    from gptlab.tracking.wandb_check import wandb_mode
     from gptlab.tracking.wandb_files import find_runs, read_run
 
     mode = wandb_mode("auto")
@@ -131,12 +131,12 @@ def log_harness_results(metrics: dict[str, Any], table: StudyTable, run_dir: Pat
 def log_scores_and_figure(
     loggers: Sequence[Any], scores: dict[str, float], figures: dict[str, Path], step: int
 ) -> None:
-    """Into the W&B run among ``loggers``, if any: ``scores`` into its summary (what its table shows) and each
-    figure as an image under its key."""
-    from lightning.pytorch.loggers import WandbLogger
+    """Into the W&B run among ``loggers`` (Lightning's or a plain loop's), if any: ``scores`` into its summary
+    (what its table shows) and each figure as an image under its key."""
+    from gptlab.tracking.plain_loggers import is_wandb_logger
 
     for logger in loggers:
-        if isinstance(logger, WandbLogger):
+        if is_wandb_logger(logger):
             logger.experiment.summary.update(scores)
             if figures:
                 import wandb

@@ -22,7 +22,8 @@ from torch import nn
 from gptlab.model.config import GPTConfig
 from gptlab.model.gpt import GPT, Block
 from gptlab.model.parametrization import hidden_lr_scale
-from gptlab.training.optimizers import build_optimizer, check_optim
+from gptlab.registry import Choice
+from gptlab.training.optimizers import AdamWOptions, build_optimizer
 
 
 @dataclass
@@ -133,7 +134,7 @@ def coordinate_check(
     base = base_width or widths[0]
     batches, vocab = char_batches(batch_size, context, steps + 1, seed)
     probe = batches[-1][:, :-1]
-    optim = check_optim({"lr": lr, "warmup_steps": 0})
+    optim = Choice("adamw", AdamWOptions(lr=lr, warmup_steps=0))
     result = CoordCheck(
         widths=list(widths),
         params=list(params),
@@ -189,7 +190,7 @@ def _setup_record(
 
 def _train_and_probe(
     config: GPTConfig,
-    optim: dict[str, Any],
+    optim: Choice,
     batches: list[torch.Tensor],
     probe: torch.Tensor,
     steps: int,

@@ -20,13 +20,13 @@ from gptlab.model.config import GPTConfig
 from gptlab.model.gpt import GPT
 from gptlab.model.head_loss import LOSS_KEYS, HeadLoss, RecordingHeadLoss
 from gptlab.model.parametrization import hidden_lr_scale
-from gptlab.registry import check_keys, import_plugins
+from gptlab.registry import Choice, check_keys, import_plugins
 from gptlab.training.checkpointing import check_finite_loss, collect_rng_states, restore_rng_states
-from gptlab.training.optimizers import OPTIM_DEFAULTS, build_optimizer, check_optim, lr_factor, schedule_of
+from gptlab.training.optimizers import build_optimizer, lr_factor, parse_optim, schedule_of
 
 log = logging.getLogger(__name__)
 
-__all__ = ["OPTIM_DEFAULTS", "GPTLitModule", "check_optim", "lr_factor", "use_fused_adamw"]
+__all__ = ["GPTLitModule", "lr_factor", "use_fused_adamw"]
 
 
 def use_fused_adamw(model: torch.nn.Module, precision_plugin: Any = None) -> bool:
@@ -57,15 +57,15 @@ def build_head_loss(loss: dict[str, Any] | None) -> HeadLoss:
 
 class GPTLitModule(L.LightningModule):
     """Trains a :class:`~gptlab.model.gpt.GPT` of config ``model`` (a GPTConfig, or its ``to_dict`` as a
-    checkpoint holds it) with the ``optim`` node's optimizer and schedule; ``loss``: how the output layer and
-    loss are computed; ``parallel``: what is applied to every block in each rank; ``tokenizer``: saved with
-    each checkpoint; ``plugins``: the user's modules that define its variants, saved so that a checkpoint
-    is read with them imported."""
+    checkpoint holds it) with the optimizer and schedule ``optim`` (the Choice that config.py's parse made, or
+    the plain node a checkpoint holds); ``loss``: how the output layer and loss are computed; ``parallel``:
+    what is applied to every block in each rank; ``tokenizer``: saved with each checkpoint; ``plugins``: the
+    user's modules that define its variants, saved so that a checkpoint is read with them imported."""
 
     def __init__(
         self,
         model: GPTConfig | dict[str, Any],
-        optim: dict[str, Any] | None = None,
+        optim: Choice | dict[str, Any] | None = None,
         loss: HeadLoss | dict[str, Any] | None = None,
         parallel: Any = None,
         tokenizer: tokenizers.Tokenizer | None = None,
@@ -74,14 +74,15 @@ class GPTLitModule(L.LightningModule):
         super().__init__()
         import_plugins(plugins)
         self.model_config = model if isinstance(model, GPTConfig) else GPTConfig.from_dict(dict(model))
-        self.optim = check_optim(dict(optim or {}))
+        # checked once, when the run's config was parsed; a plain node (a checkpoint's) is parsed here
+        self.optim = optim if isinstance(optim, Choice) else parse_optim(optim)
         # How the output layer and loss are computed (model/head_loss.py); the same loss whichever is used.
         self.head_loss = loss if isinstance(loss, HeadLoss) else build_head_loss(loss)
         # Plain values only, so a checkpoint rebuilds the module without this project's config system.
         self.save_hyperparameters(
             {
                 "model": self.model_config.to_dict(),
-                "optim": self.optim,
+                "optim": self.optim.node(),
                 "loss": self.head_loss.options(),
                 "plugins": list(plugins),
             },

@@ -1,4 +1,5 @@
-"""The ``optim=`` choices and their learning-rate schedules, checked before any weight exists.
+"""The optimizer family (``optim=adamw|muon``): one class per optimizer, registered by name, each with its typed
+``Options``, and the learning-rate schedules they share. Every option is checked before any weight exists.
 
 - ``optim=adamw``: AdamW (Loshchilov & Hutter 2019, "Decoupled Weight Decay Regularization",
   https://arxiv.org/abs/1711.05101) on every parameter, weight decay on matrices only.
@@ -7,9 +8,9 @@
   https://arxiv.org/abs/2502.16982) through ``torch.optim.Muon`` on the hidden 2-D matrices of the transformer
   blocks, and AdamW on the rest (token and position embeddings, the output head, norm gains, biases), the
   split both papers use: orthogonalising an embedding's or the head's update has no meaning for a lookup
-  table or a readout over the vocabulary.
+  table or a readout over the vocabulary. Its options extend AdamW's, which configure that AdamW part.
 
-Schedules (``optim.schedule``), each after ``warmup_steps`` of linear warmup:
+Schedules (``optim.schedule``, :class:`ScheduleOptions`), each after ``warmup_steps`` of linear warmup:
 
 - ``cosine``: cosine decay to ``min_lr_ratio * lr`` at ``trainer.max_steps`` (Loshchilov & Hutter 2017).
 - ``wsd``: warmup-stable-decay. The peak rate is held, then decays over the last ``decay_fraction`` of the
@@ -19,129 +20,344 @@ Schedules (``optim.schedule``), each after ``warmup_steps`` of linear warmup:
   Fixed Training Durations" (https://arxiv.org/abs/2405.18392), who found the 1 - sqrt cooldown over about
   20% of the steps to match or beat cosine.
 
+The defaults are the dataclasses' own (those of every documented run: lr 4e-3, 30 warmup steps, cosine to
+0.1 lr). ``conf/optim/<name>.yaml`` lists the same keys and values, so that Hydra takes ``optim.<key>=...``
+without ``+`` and a reader sees them; ``tests/test_optimizers.py`` holds the two equal. ``parse_optim`` is the
+one check of the ``optim`` node, at config time; the LightningModule receives its typed result. A new optimizer
+is one class registered by name (its ``Options`` extending :class:`AdamWOptions` or :class:`ScheduleOptions`,
+``param_groups`` and ``build``) plus ``conf/optim/<name>.yaml``.
+
 With ``model.param=mup`` the AdamW learning rate of the hidden matrices is scaled by base width / width
 (Yang et al. 2022, "Tensor Programs V", https://arxiv.org/abs/2203.03466, table 3): see ``param_groups``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from collections.abc import Callable, Iterable
-from typing import Any
+import typing
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal
 
 import torch
 from torch import nn
 
 from gptlab import torch_features
 from gptlab.errors import ConfigError
-from gptlab.registry import check_keys
+from gptlab.registry import Choice, Registry, check_keys, check_type
 
-OPTIMIZERS = ("adamw", "muon")
-SCHEDULES = ("cosine", "wsd")
-DECAY_SHAPES = ("linear", "1-sqrt")
-ADJUST_LR = ("original", "match_rms_adamw")
+REGISTRY: Registry[type[Optimizer]] = Registry("optimizer", "optim")
+register = REGISTRY.register
+get = REGISTRY.get
+names = REGISTRY.names
 
-OPTIM_DEFAULTS: dict[str, Any] = {
-    "name": "adamw",
-    "lr": 3e-4,
-    "weight_decay": 0.1,
-    "betas": (0.9, 0.95),
-    "eps": 1e-8,
-    "warmup_steps": 100,
-    "min_lr_ratio": 0.1,  # the schedule ends at min_lr_ratio * lr
-    "schedule": "cosine",
-    "decay_fraction": 0.2,  # wsd: the share of trainer.max_steps spent decaying
-    "decay_shape": "1-sqrt",  # wsd: linear or 1-sqrt
-}
-# optim=muon only: Muon's own options (the keys above configure the AdamW part and the schedule).
-MUON_DEFAULTS: dict[str, Any] = {
-    "muon_lr": 0.02,
-    "momentum": 0.95,
-    "nesterov": True,
-    "ns_steps": 5,
-    "adjust_lr_fn": "original",
-}
-
-_NUMBERS = ("lr", "weight_decay", "eps", "warmup_steps", "min_lr_ratio", "decay_fraction")
+DEFAULT = "adamw"  # the choice of a node without a name (checkpoints written before optim=muon existed)
 
 
-def _choice(key: str, value: Any, allowed: tuple[str, ...], what: str) -> None:
-    if value not in allowed:
-        raise ConfigError(
-            f"optim.{key}={value!r} is not one of {', '.join(allowed)}: {what} "
-            f"(for example optim.{key}={allowed[0]})."
-        )
+def _example(options: Any, key: str) -> str:
+    """The default of field ``key`` as a command-line override writes it: the fix a message suggests."""
+    value = next(f.default for f in dataclasses.fields(options) if f.name == key)
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, tuple):
+        return "[" + ",".join(str(v) for v in value) + "]"
+    return str(value)
 
 
-def check_optim(optim: dict[str, Any], max_steps: int | None = None) -> dict[str, Any]:
-    """The ``optim`` node merged over the defaults, or a ConfigError naming the bad value and the fix.
-    ``max_steps`` (when known) also checks that warmup and the WSD decay fit in the run."""
-    name = optim.get("name", OPTIM_DEFAULTS["name"])
-    _choice("name", name, OPTIMIZERS, "choose the optimizer with optim=adamw or optim=muon")
-    known = [*OPTIM_DEFAULTS, *(MUON_DEFAULTS if name == "muon" else ())]
-    muon_only = set(optim) & set(MUON_DEFAULTS) - set(known)
-    fix = "Choose optim=muon for Muon's options." if muon_only else ""
-    check_keys(optim, known, f"optim={name}", "optim", fix)
-    merged = {**OPTIM_DEFAULTS, **(MUON_DEFAULTS if name == "muon" else {}), **optim}
-    numbers = _NUMBERS + (("muon_lr", "momentum", "ns_steps") if name == "muon" else ())
-    for key in numbers:
-        value = merged[key]
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            default = {**OPTIM_DEFAULTS, **MUON_DEFAULTS}[key]
-            raise ConfigError(f"optim.{key}={value!r} must be a number (e.g. optim.{key}={default}).")
-    if not merged["lr"] > 0:
-        raise ConfigError(f"optim.lr={merged['lr']} must be positive (e.g. optim.lr=3e-4).")
-    if merged["warmup_steps"] < 0:
-        raise ConfigError(f"optim.warmup_steps={merged['warmup_steps']} must be >= 0.")
-    if not 0 <= merged["min_lr_ratio"] <= 1:
-        raise ConfigError(f"optim.min_lr_ratio={merged['min_lr_ratio']} must be in [0, 1].")
-    _choice("schedule", merged["schedule"], SCHEDULES, "the learning-rate schedule after warmup")
-    _choice("decay_shape", merged["decay_shape"], DECAY_SHAPES, "the shape of the WSD decay")
-    if not 0 < merged["decay_fraction"] <= 1:
-        raise ConfigError(
-            f"optim.decay_fraction={merged['decay_fraction']} must be in (0, 1]: the share of trainer.max_steps "
-            "over which optim.schedule=wsd decays (e.g. optim.decay_fraction=0.2)."
-        )
-    if max_steps and merged["schedule"] == "wsd":
-        decay = decay_steps(max_steps, merged["decay_fraction"])
-        if merged["warmup_steps"] + decay > max_steps:
+@dataclass(frozen=True)
+class ScheduleOptions:
+    """The learning-rate schedule every optimizer follows: ``warmup_steps`` of linear warmup, then ``cosine``
+    decay to ``min_lr_ratio * lr`` at ``trainer.max_steps``, or ``wsd`` (held at the peak, then a
+    ``decay_shape`` decay over the last ``decay_fraction`` of the steps)."""
+
+    warmup_steps: int = 30
+    min_lr_ratio: float = 0.1  # the schedule ends at min_lr_ratio * lr
+    schedule: Literal["cosine", "wsd"] = "cosine"
+    decay_fraction: float = 0.2  # wsd: the share of trainer.max_steps spent decaying
+    decay_shape: Literal["linear", "1-sqrt"] = "1-sqrt"  # wsd
+
+    def __post_init__(self) -> None:
+        if self.warmup_steps < 0:
+            raise ConfigError(f"optim.warmup_steps={self.warmup_steps} must be >= 0.")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ConfigError(f"optim.min_lr_ratio={self.min_lr_ratio} must be in [0, 1].")
+        if not 0 < self.decay_fraction <= 1:
             raise ConfigError(
-                f"optim.warmup_steps={merged['warmup_steps']} plus the WSD decay ({decay} steps: "
-                f"optim.decay_fraction={merged['decay_fraction']} of trainer.max_steps={max_steps}) exceed "
+                f"optim.decay_fraction={self.decay_fraction} must be in (0, 1]: the share of trainer.max_steps "
+                f"over which optim.schedule=wsd decays (e.g. optim.decay_fraction={_example(self, 'decay_fraction')})."
+            )
+
+    def check_fits(self, max_steps: int) -> None:
+        """The warmup and the WSD decay fit in a run of ``max_steps`` optimizer steps."""
+        if self.schedule != "wsd":
+            return
+        decay = decay_steps(max_steps, self.decay_fraction)
+        if self.warmup_steps + decay > max_steps:
+            raise ConfigError(
+                f"optim.warmup_steps={self.warmup_steps} plus the WSD decay ({decay} steps: "
+                f"optim.decay_fraction={self.decay_fraction} of trainer.max_steps={max_steps}) exceed "
                 "the run: shorten the warmup, lower optim.decay_fraction or raise trainer.max_steps."
             )
-    if name == "muon":
+
+    def factor(self, max_steps: int) -> Callable[[int], float]:
+        """The multiplier of the peak rate at each optimizer step of a run of ``max_steps`` steps."""
+
+        def factor(step: int) -> float:
+            return lr_factor(
+                step,
+                self.warmup_steps,
+                max_steps,
+                self.min_lr_ratio,
+                self.schedule,
+                self.decay_fraction,
+                self.decay_shape,
+            )
+
+        return factor
+
+
+@dataclass(frozen=True)
+class AdamWOptions(ScheduleOptions):
+    """``optim=adamw``: AdamW's peak rate, decoupled weight decay (on matrices only), betas and epsilon, and
+    the schedule."""
+
+    lr: float = 4e-3
+    weight_decay: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not self.lr > 0:
+            raise ConfigError(f"optim.lr={self.lr} must be positive (e.g. optim.lr={_example(self, 'lr')}).")
+        if self.weight_decay < 0:
+            raise ConfigError(
+                f"optim.weight_decay={self.weight_decay} must be >= 0 "
+                f"(e.g. optim.weight_decay={_example(self, 'weight_decay')})."
+            )
+        if not self.eps > 0:
+            raise ConfigError(
+                f"optim.eps={self.eps} must be positive (e.g. optim.eps={_example(self, 'eps')})."
+            )
+        betas = tuple(self.betas)
+        if len(betas) != 2 or not all(0 <= b < 1 for b in betas):
+            raise ConfigError(
+                f"optim.betas={list(betas)} must be two numbers in [0, 1) "
+                f"(e.g. optim.betas={_example(self, 'betas')})."
+            )
+        object.__setattr__(self, "betas", betas)  # a YAML list, kept as the tuple torch takes
+
+    def adamw_kwargs(self, fused: bool = False) -> dict[str, Any]:
+        """``torch.optim.AdamW``'s arguments (the rates and weight decay are set per param group);
+        ``fused``: its fused kernel."""
+        return {"lr": self.lr, "betas": self.betas, "eps": self.eps, **({"fused": True} if fused else {})}
+
+
+@dataclass(frozen=True)
+class MuonOptions(AdamWOptions):
+    """``optim=muon``: AdamW's options (for the embeddings, the head, gains and biases, and the schedule) and
+    Muon's own, for the blocks' hidden matrices."""
+
+    muon_lr: float = 0.02  # Keller Jordan's default with adjust_lr_fn=original
+    momentum: float = 0.95
+    nesterov: bool = True
+    ns_steps: int = 5  # Newton-Schulz iterations
+    adjust_lr_fn: Literal["original", "match_rms_adamw"] = "original"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not self.muon_lr > 0:
+            raise ConfigError(
+                f"optim.muon_lr={self.muon_lr} must be positive (e.g. optim.muon_lr={_example(self, 'muon_lr')})."
+            )
+        if not 0 <= self.momentum < 1:
+            raise ConfigError(
+                f"optim.momentum={self.momentum} must be in [0, 1) (e.g. {_example(self, 'momentum')})."
+            )
+        if not 1 <= self.ns_steps < 100:
+            raise ConfigError(
+                f"optim.ns_steps={self.ns_steps!r} must be an integer in [1, 99] (e.g. {_example(self, 'ns_steps')})."
+            )
+
+    def muon_kwargs(self) -> dict[str, Any]:
+        """``torch.optim.Muon``'s arguments."""
+        return {
+            "lr": self.muon_lr,
+            "momentum": self.momentum,
+            "nesterov": self.nesterov,
+            "ns_steps": self.ns_steps,
+            "adjust_lr_fn": self.adjust_lr_fn,
+        }
+
+
+class Optimizer:
+    """Base of the family: an optimizer builds a torch optimizer over a model's parameters from its
+    ``Options``, and says which runs it cannot serve (``check_run``)."""
+
+    #: The optimizer's options (besides ``name``): a dataclass with defaults, extending ScheduleOptions.
+    Options: ClassVar[type] = ScheduleOptions
+    #: The name the ``optim`` node chooses it by (set by the registry).
+    choice_name: ClassVar[str] = ""
+
+    @classmethod
+    def check_run(cls, options: Any, max_steps: int | None = None, strategy: str | None = None) -> None:
+        """Checks that need the run as well as the options: the schedule fits in ``trainer.max_steps``."""
+        if max_steps:
+            options.check_fits(max_steps)
+
+    @classmethod
+    def param_groups(
+        cls, model: nn.Module, options: Any, hidden_lr_scale: float = 1.0
+    ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        """(AdamW groups, Muon groups) of ``model``."""
+        raise NotImplementedError
+
+    @classmethod
+    def build(
+        cls, model: nn.Module, options: Any, hidden_lr_scale: float = 1.0, fused: bool = False
+    ) -> torch.optim.Optimizer:
+        raise NotImplementedError
+
+
+@register("adamw")
+class AdamW(Optimizer):
+    """AdamW on every parameter (Loshchilov & Hutter 2019, https://arxiv.org/abs/1711.05101); weight decay
+    on matrices, none on biases and gains.
+
+    - standard parametrisation: two groups, every matrix and every vector (the layout of checkpoints written
+      before optim=muon and muP existed, so that they resume);
+    - under muP: the hidden matrices in a group of their own at ``lr * hidden_lr_scale``."""
+
+    Options = AdamWOptions
+
+    @classmethod
+    def param_groups(
+        cls, model: nn.Module, options: Any, hidden_lr_scale: float = 1.0
+    ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        hidden, other_matrices, vectors = split_parameters(model)
+        lr, wd = options.lr, options.weight_decay
+        gains = {"params": vectors, "lr": lr, "weight_decay": 0.0, "group": "gains_biases"}
+        if hidden_lr_scale == 1.0:
+            ids = {id(p) for p in hidden + other_matrices}
+            matrices = [p for p in model.parameters() if id(p) in ids]  # in the model's order
+            groups = [{"params": matrices, "lr": lr, "weight_decay": wd, "group": "matrices"}, gains]
+        else:
+            groups = [
+                {"params": hidden, "lr": lr * hidden_lr_scale, "weight_decay": wd, "group": "hidden"},
+                {"params": other_matrices, "lr": lr, "weight_decay": wd, "group": "embeddings_head"},
+                gains,
+            ]
+        return [g for g in groups if g["params"]], []
+
+    @classmethod
+    def build(
+        cls, model: nn.Module, options: Any, hidden_lr_scale: float = 1.0, fused: bool = False
+    ) -> torch.optim.Optimizer:
+        adamw_groups, _ = cls.param_groups(model, options, hidden_lr_scale)
+        return torch.optim.AdamW(adamw_groups, **options.adamw_kwargs(fused))
+
+
+@register("muon")
+class Muon(AdamW):
+    """``torch.optim.Muon`` (Jordan et al. 2024, https://kellerjordan.github.io/posts/muon/) on the blocks'
+    hidden matrices at ``muon_lr``, AdamW (its options inherited) on the rest, stepped as one optimizer
+    (:class:`MuonWithAdamW`): the split of Liu et al. 2025 (https://arxiv.org/abs/2502.16982)."""
+
+    Options = MuonOptions
+
+    @classmethod
+    def check_run(cls, options: Any, max_steps: int | None = None, strategy: str | None = None) -> None:
+        super().check_run(options, max_steps, strategy)
         # torch.optim.Muon is in torch >= 2.9: an older one is refused here, not at the first step
         torch_features.require("muon", "optim=muon", "optim=adamw")
-        if not merged["muon_lr"] > 0:
+        # DeepSpeed's ZeRO partitions each rank's parameters as slices of one flat 1-D buffer and steps the
+        # optimizer on those slices: a Newton-Schulz iteration needs the whole 2-D matrix. (FSDP2 keeps each
+        # parameter a 2-D DTensor sharded by rows; torch's Muon multiplies those, and the products gather the
+        # shards: it runs, each rank orthogonalising whole matrices.)
+        if strategy and strategy.startswith("deepspeed"):
             raise ConfigError(
-                f"optim.muon_lr={merged['muon_lr']} must be positive (e.g. optim.muon_lr=0.02)."
+                f"optim=muon cannot run under strategy={strategy}: DeepSpeed ZeRO hands the optimizer flat 1-D "
+                "slices of the parameters, and Muon orthogonalises whole 2-D matrices. Use strategy=fsdp "
+                "(sharded) or strategy=ddp with optim=muon, or optim=adamw under DeepSpeed."
             )
-        if not 0 <= merged["momentum"] < 1:
-            raise ConfigError(f"optim.momentum={merged['momentum']} must be in [0, 1) (e.g. 0.95).")
-        if not isinstance(merged["ns_steps"], int) or not 1 <= merged["ns_steps"] < 100:
-            raise ConfigError(
-                f"optim.ns_steps={merged['ns_steps']!r} must be an integer in [1, 99] (e.g. 5)."
-            )
-        if not isinstance(merged["nesterov"], bool):
-            raise ConfigError(f"optim.nesterov={merged['nesterov']!r} must be true or false.")
-        _choice("adjust_lr_fn", merged["adjust_lr_fn"], ADJUST_LR, "how Muon scales its rate by matrix shape")
-    merged["betas"] = tuple(merged["betas"])
-    return merged
+
+    @classmethod
+    def param_groups(
+        cls, model: nn.Module, options: Any, hidden_lr_scale: float = 1.0
+    ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        hidden, other_matrices, vectors = split_parameters(model)
+        lr, wd = options.lr, options.weight_decay
+        adamw = [
+            {"params": other_matrices, "lr": lr, "weight_decay": wd, "group": "embeddings_head"},
+            {"params": vectors, "lr": lr, "weight_decay": 0.0, "group": "gains_biases"},
+        ]
+        muon = [{"params": hidden, "lr": options.muon_lr, "weight_decay": wd, "group": "hidden_muon"}]
+        return [g for g in adamw if g["params"]], [g for g in muon if g["params"]]
+
+    @classmethod
+    def build(
+        cls, model: nn.Module, options: Any, hidden_lr_scale: float = 1.0, fused: bool = False
+    ) -> torch.optim.Optimizer:
+        adamw_groups, muon_groups = cls.param_groups(model, options, hidden_lr_scale)
+        adamw_kwargs = options.adamw_kwargs(fused)
+        if not muon_groups:  # a model without hidden matrices
+            return torch.optim.AdamW(adamw_groups, **adamw_kwargs)
+        return MuonWithAdamW(adamw_groups, muon_groups, adamw_kwargs, options.muon_kwargs())
 
 
-def check_optimizer_strategy(optim: dict[str, Any], strategy: str) -> None:
-    """optim=muon under a strategy that flattens the parameters is refused, with the reason. DeepSpeed's ZeRO
-    partitions each rank's parameters as slices of one flat 1-D buffer and steps the optimizer on those
-    slices: a Newton-Schulz iteration needs the whole 2-D matrix. (FSDP2 keeps each parameter a 2-D DTensor
-    sharded by rows; torch's Muon multiplies those, and the products gather the shards: it runs, each rank
-    orthogonalising whole matrices.)"""
-    if optim.get("name") == "muon" and strategy.startswith("deepspeed"):
+def parse_optim(
+    node: Mapping[str, Any] | None = None, max_steps: int | None = None, strategy: str | None = None
+) -> Choice:
+    """The ``optim`` node as the chosen optimizer with its typed options, or a ConfigError naming the bad key
+    or value and the fix: the one check of the optimizer, at config time. ``max_steps`` and ``strategy`` (when
+    known) also check that the schedule fits in the run and that the strategy can step the optimizer."""
+    values = dict(node or {})
+    name = values.pop("name", DEFAULT)
+    cls = get(name)  # an unknown name: the registry's message, with the closest name
+    options_type = cls.Options
+    fields = _field_names(options_type)
+    # a key of another optimizer (optim.muon_lr under optim=adamw): the fix names that optimizer
+    unknown = set(values) - set(fields)
+    owners = [n for n in names() if unknown and unknown <= set(_field_names(get(n).Options))]
+    fix = f"Choose optim={owners[0]} for {get(owners[0]).__name__}'s options." if owners else ""
+    check_keys(values, fields, f"optim={name}", "optim", fix)
+    hints = typing.get_type_hints(options_type)
+    typed = {key: _typed(value, hints[key], key, options_type) for key, value in values.items()}
+    options = options_type(**typed)
+    cls.check_run(options, max_steps, strategy)
+    return Choice(name, options)
+
+
+def _field_names(options_type: type) -> list[str]:
+    """The options' keys, in the order the dataclass declares them (the schedule's first)."""
+    return [f.name for f in dataclasses.fields(options_type)]
+
+
+def _typed(value: Any, hint: Any, key: str, options_type: type) -> Any:
+    """``value`` as field ``key`` of ``options_type`` takes it (an int where a float is wanted becomes a
+    float, a list of betas a tuple), or a ConfigError with the default as the example."""
+    label = f"optim.{key}"
+    try:
+        if typing.get_origin(hint) is tuple:  # betas: given as a YAML or command-line list
+            items = typing.get_args(hint)
+            if not isinstance(value, (list, tuple)) or len(value) != len(items):
+                raise ConfigError(label)
+            return tuple(check_type(v, t, label) for v, t in zip(value, items))
+        return check_type(value, hint, label)
+    except ConfigError:
+        if typing.get_origin(hint) is tuple:
+            what = f"a list of {len(typing.get_args(hint))} numbers"
+        elif typing.get_origin(hint) is Literal:
+            what = "one of " + ", ".join(str(a) for a in typing.get_args(hint))
+        else:
+            what = _DESCRIPTIONS.get(hint, str(hint))
         raise ConfigError(
-            f"optim=muon cannot run under strategy={strategy}: DeepSpeed ZeRO hands the optimizer flat 1-D slices "
-            "of the parameters, and Muon orthogonalises whole 2-D matrices. Use strategy=fsdp (sharded) or "
-            "strategy=ddp with optim=muon, or optim=adamw under DeepSpeed."
-        )
+            f"{label}={value!r} must be {what} (e.g. {label}={_example(options_type, key)})."
+        ) from None
+
+
+_DESCRIPTIONS: dict[Any, str] = {float: "a number", int: "an integer", bool: "true or false", str: "a string"}
 
 
 # ---- schedules ----------------------------------------------------------------------------------------
@@ -179,21 +395,9 @@ def lr_factor(
     return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def schedule_of(optim: dict[str, Any], max_steps: int) -> Callable[[int], float]:
-    """``lr_factor`` bound to a checked ``optim`` node and the run's length."""
-
-    def factor(step: int) -> float:
-        return lr_factor(
-            step,
-            optim["warmup_steps"],
-            max_steps,
-            optim["min_lr_ratio"],
-            optim["schedule"],
-            optim["decay_fraction"],
-            optim["decay_shape"],
-        )
-
-    return factor
+def schedule_of(optim: Choice, max_steps: int) -> Callable[[int], float]:
+    """The schedule of a parsed ``optim`` choice over a run of ``max_steps`` steps."""
+    return optim.options.factor(max_steps)
 
 
 # ---- parameter groups ---------------------------------------------------------------------------------
@@ -204,17 +408,11 @@ def is_hidden_matrix(name: str, p: torch.Tensor) -> bool:
     return name.startswith("transformer.h.") and p.dim() == 2
 
 
-def param_groups(
-    model: nn.Module, optim: dict[str, Any], hidden_lr_scale: float = 1.0
-) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """(AdamW groups, Muon groups) for ``model``. Weight decay on matrices, none on biases and gains.
-
-    - optim=adamw, standard parametrisation: two groups, every matrix and every vector (the layout of
-      checkpoints written before optim=muon and muP existed, so that they resume);
-    - optim=adamw under muP: the hidden matrices in a group of their own at ``lr * hidden_lr_scale``;
-    - optim=muon: the hidden matrices form the Muon group at ``muon_lr``; AdamW keeps the rest."""
+def split_parameters(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter], list[nn.Parameter]]:
+    """(hidden matrices, other matrices, vectors) of ``model``'s trainable parameters; a tied head is listed
+    once, as the embedding."""
     hidden, other_matrices, vectors = [], [], []
-    for name, p in model.named_parameters():  # a tied head is listed once, as the embedding
+    for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
         if is_hidden_matrix(name, p):
@@ -223,26 +421,15 @@ def param_groups(
             other_matrices.append(p)
         else:
             vectors.append(p)
-    lr, wd = optim["lr"], optim["weight_decay"]
-    gains = {"params": vectors, "lr": lr, "weight_decay": 0.0, "group": "gains_biases"}
-    if optim["name"] == "muon":
-        adamw = [{"params": other_matrices, "lr": lr, "weight_decay": wd, "group": "embeddings_head"}, gains]
-        muon = [{"params": hidden, "lr": optim["muon_lr"], "weight_decay": wd, "group": "hidden_muon"}]
-        return [g for g in adamw if g["params"]], [g for g in muon if g["params"]]
-    if hidden_lr_scale == 1.0:
-        ids = {id(p) for p in hidden + other_matrices}
-        matrices = [p for p in model.parameters() if id(p) in ids]  # in the model's order
-        return [
-            g
-            for g in ({"params": matrices, "lr": lr, "weight_decay": wd, "group": "matrices"}, gains)
-            if g["params"]
-        ], []
-    adamw = [
-        {"params": hidden, "lr": lr * hidden_lr_scale, "weight_decay": wd, "group": "hidden"},
-        {"params": other_matrices, "lr": lr, "weight_decay": wd, "group": "embeddings_head"},
-        gains,
-    ]
-    return [g for g in adamw if g["params"]], []
+    return hidden, other_matrices, vectors
+
+
+def param_groups(
+    model: nn.Module, optim: Choice, hidden_lr_scale: float = 1.0
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(AdamW groups, Muon groups) of ``model`` under the parsed ``optim`` choice. Weight decay on matrices,
+    none on biases and gains (see :class:`AdamW` and :class:`Muon`)."""
+    return get(optim.name).param_groups(model, optim.options, hidden_lr_scale)
 
 
 class MuonWithAdamW(torch.optim.Optimizer):
@@ -289,26 +476,9 @@ class MuonWithAdamW(torch.optim.Optimizer):
 
 
 def build_optimizer(
-    model: nn.Module, optim: dict[str, Any], hidden_lr_scale: float = 1.0, fused: bool = False
+    model: nn.Module, optim: Choice, hidden_lr_scale: float = 1.0, fused: bool = False
 ) -> torch.optim.Optimizer:
-    """AdamW, or Muon with AdamW, over ``param_groups(model, optim, hidden_lr_scale)``."""
-    adamw_groups, muon_groups = param_groups(model, optim, hidden_lr_scale)
-    adamw_kwargs: dict[str, Any] = {"lr": optim["lr"], "betas": optim["betas"], "eps": optim["eps"]}
-    if fused:
-        adamw_kwargs["fused"] = True
-    if optim["name"] != "muon" or not muon_groups:
-        return torch.optim.AdamW(adamw_groups, **adamw_kwargs)
-    muon_kwargs = {
-        "lr": optim["muon_lr"],
-        "momentum": optim["momentum"],
-        "nesterov": optim["nesterov"],
-        "ns_steps": optim["ns_steps"],
-        "adjust_lr_fn": optim["adjust_lr_fn"],
-    }
-    return MuonWithAdamW(adamw_groups, muon_groups, adamw_kwargs, muon_kwargs)
-
-
-def group_lrs(optimizer: torch.optim.Optimizer) -> Iterable[tuple[str, float]]:
-    """(group name, current learning rate) of each param group."""
-    for i, group in enumerate(optimizer.param_groups):
-        yield str(group.get("group", i)), float(group["lr"])
+    """The torch optimizer of the parsed ``optim`` choice over ``model``'s parameters: AdamW, or Muon with
+    AdamW. ``hidden_lr_scale``: muP's factor on the hidden matrices' AdamW rate; ``fused``: AdamW's fused
+    kernel."""
+    return get(optim.name).build(model, optim.options, hidden_lr_scale, fused)

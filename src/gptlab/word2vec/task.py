@@ -7,7 +7,8 @@ importing Lightning alone takes longer (about 8 s here) than a whole training ru
 thousand words, and the update needs no autograd, optimizer or loader. The run directory is the one every
 task writes (``gptlab.runs``): ``checkpoints/last.ckpt`` (a Lightning-style dict: ``state_dict``,
 ``hyper_parameters``, ``global_step``), ``config_resolved.yaml``, ``result.json``, ``metrics.json`` and the
-configured loggers' files (the same Lightning logger classes, built only when a logger is configured).
+configured loggers' files, in the same places and formats as the GPT task's (gptlab's loggers written
+without Lightning: :mod:`gptlab.tracking.plain_loggers`).
 """
 
 from __future__ import annotations
@@ -350,7 +351,7 @@ def evaluate_run(
     finite = {k: v for k, v in scores.items() if not (isinstance(v, float) and math.isnan(v))}
     for lg in loggers:
         lg.log_metrics(finite, step=step)
-    if loggers:  # a logger imports Lightning; a run without one does not
+    if loggers:
         from gptlab.tracking.studies import log_scores_and_figure
 
         log_scores_and_figure(loggers, finite, {"eval/pca": plot} if plot is not None else {}, step)

@@ -1,0 +1,316 @@
+"""The attention variants (model/attention_variants.py), each by what it does: a window's reach, QK-norm's
+statistics, the logit cap's bound; that they hold under every positional scheme, over a KV cache, past the
+training context and under muP; that each is one override, checked at config time, recorded with the model
+and shown in its card. Qwen3's and Gemma 2's logits through ``model.init_from`` are in test_parity.py."""
+
+from __future__ import annotations
+
+import logging
+import math
+import warnings
+
+import pytest
+import torch
+from conftest import TINY
+
+import gptlab
+from gptlab.errors import ConfigError
+from gptlab.model import positional
+from gptlab.model.attention import AttentionBias, causal_block_mask, dense_bias_attention
+from gptlab.model.attention_variants import AttentionOptions, softcapped_attention
+from gptlab.model.config import GPTConfig
+from gptlab.model.gpt import GPT
+
+SCHEMES = positional.names()  # learned, sinusoidal, rope, xpos, alibi, relative, fire, nope
+ALL_ON = {"qk_norm": "rmsnorm", "window": 4, "window_pattern": "LG", "logit_softcap": 5.0}
+
+
+def tiny(**kw) -> GPTConfig:
+    base = dict(vocab_size=61, block_size=64, n_layer=2, n_head=4, n_embd=32)
+    return GPTConfig(**{**base, **kw})
+
+
+def model_of(**kw) -> GPT:
+    torch.manual_seed(0)
+    return GPT(tiny(**kw)).eval()
+
+
+@pytest.mark.parametrize("pos", SCHEMES)
+@torch.no_grad()
+def test_a_token_sees_exactly_its_window_under_every_scheme(pos):
+    """Two local layers of window 4: the last token's output reaches back 2 * (4 - 1) = 6 tokens. Changing the
+    token 7 back leaves it bit for bit; changing the token 6 back moves it."""
+    # Weights large enough that a token two hops back moves the output well above rounding.
+    model = model_of(pos=pos, init_std=0.3, attention={"window": 4})
+    idx = torch.randint(0, 61, (1, 24))
+    last = model(idx)[0][0, -1]
+
+    def with_token(back: int) -> torch.Tensor:
+        changed = idx.clone()
+        changed[0, -1 - back] = (changed[0, -1 - back] + 1) % 61
+        return model(changed)[0][0, -1]
+
+    assert torch.equal(with_token(7), last)
+    assert (with_token(6) - last).abs().max() > 1e-4
+    # A global layer (pattern LG: the second layer) sees the whole past again.
+    model = model_of(pos=pos, init_std=0.3, attention={"window": 4, "window_pattern": "LG"})
+    last = model(idx)[0][0, -1]
+    changed = idx.clone()
+    changed[0, 0] = (changed[0, 0] + 1) % 61
+    assert (model(changed)[0][0, -1] - last).abs().max() > 1e-4
+
+
+def test_the_pattern_repeats_over_the_depth():
+    options = AttentionOptions(window=16, window_pattern="LLG")
+    assert [options.layer_window(i) for i in range(6)] == [16, 16, None, 16, 16, None]
+    assert [AttentionOptions(window=8).layer_window(i) for i in range(3)] == [8, 8, 8]
+    assert AttentionOptions().layer_window(0) is None
+
+
+@pytest.mark.parametrize("kind", ["rmsnorm", "layernorm"])
+@torch.no_grad()
+def test_qk_norm_gives_each_heads_queries_and_keys_unit_rms_times_the_gain(kind, monkeypatch):
+    """What reaches the rotation (RoPE acts after QK-norm) is, per head and position, the norm's output:
+    (x - bias) / gain has RMS 1 (and, for LayerNorm, mean 0) over the head dimension."""
+    model = model_of(pos="rope", n_kv_head=2, attention={"qk_norm": kind})
+    for p in model.transformer.h[0].attn.q_norm.parameters():
+        p.uniform_(0.5, 2.0)  # gains (and biases) away from their init, so that they show
+    seen = []
+    scheme = model.transformer.pos
+    original = scheme.rotate
+    monkeypatch.setattr(scheme, "rotate", lambda q, k, p: seen.append((q, k)) or original(q, k, p))
+    model(torch.randint(0, 61, (2, 20)))
+    q, k = seen[0]
+    assert q.shape == (2, 4, 20, 8) and k.shape == (2, 2, 20, 8)
+    attn = model.transformer.h[0].attn
+    for x, norm in ((q, attn.q_norm.norm), (k, attn.k_norm.norm)):
+        bias = getattr(norm, "bias", None)  # LayerNorm's; RMSNorm has none
+        unit = x - bias if bias is not None else x
+        unit = unit / norm.weight
+        rms = unit.pow(2).mean(-1).sqrt()
+        torch.testing.assert_close(rms, torch.ones_like(rms), rtol=1e-3, atol=1e-3)
+        if kind == "layernorm":
+            torch.testing.assert_close(unit.mean(-1), torch.zeros_like(rms), rtol=0, atol=1e-5)
+    assert not torch.allclose(q.pow(2).mean(-1).sqrt(), torch.ones(()))  # the gain is really applied
+
+
+def test_qk_norm_composes_with_mup_at_its_scale():
+    """Under muP the scores are q.k * sqrt(base_head_dim) / head_dim: with QK-norm, the capped (explicit)
+    route with a cap too high to bite equals SDPA's route, so both use muP's scale; and at the base width the
+    muP model is the standard one."""
+    torch.manual_seed(0)
+    kw = dict(n_embd=64, n_head=4, param="mup", mup_base_width=32)
+    plain = GPT(tiny(**kw, attention={"qk_norm": "rmsnorm"})).eval()
+    capped = GPT(tiny(**kw, attention={"qk_norm": "rmsnorm", "logit_softcap": 1e6})).eval()
+    capped.load_state_dict(plain.state_dict())
+    assert plain.transformer.h[0].attn.scale == pytest.approx(math.sqrt(32 / 4) / 16)
+    idx = torch.randint(0, 61, (2, 24))
+    with torch.no_grad():
+        torch.testing.assert_close(capped(idx)[0], plain(idx)[0], rtol=0, atol=1e-5)
+    base = GPT(tiny(n_embd=32, param="mup", mup_base_width=32, attention={"qk_norm": "rmsnorm"}))
+    standard = GPT(tiny(n_embd=32, attention={"qk_norm": "rmsnorm"}))
+    standard.load_state_dict(base.state_dict())
+    with torch.no_grad():
+        torch.testing.assert_close(base(idx)[0], standard(idx)[0], rtol=0, atol=1e-6)
+
+
+@torch.no_grad()
+def test_the_cap_bounds_every_score_and_equals_the_direct_formula():
+    """With v the identity the output is the attention weights themselves: the log-weights of the keys a
+    query sees are cap * tanh(q.k / sqrt(d) / cap) up to the row's constant, and so never spread by more than
+    2 * cap, however large q.k is. Masked keys get exactly zero."""
+    torch.manual_seed(0)
+    T, d, cap = 12, 12, 2.0
+    q, k = 30 * torch.randn(1, 2, T, d), 30 * torch.randn(1, 2, T, d)  # raw scores in the hundreds
+    v = torch.eye(T).expand(1, 2, T, T)
+    allowed = torch.ones(T, T).tril().bool()[None]
+    weights = softcapped_attention(q, k, v, allowed, cap, 0.0, False, None)  # (1, 2, T, T)
+    raw = q @ k.transpose(-2, -1) / math.sqrt(d)
+    assert raw.abs().max() > 50 * cap
+    direct = cap * torch.tanh(raw / cap)
+    log_w = weights.clamp_min(1e-30).log()
+    for i in range(T):
+        seen = slice(0, i + 1)
+        spread = log_w[..., i, seen].amax(-1) - log_w[..., i, seen].amin(-1)
+        assert (spread <= 2 * cap + 1e-4).all()
+        centred = log_w[..., i, seen] - log_w[..., i, seen].mean(-1, keepdim=True)
+        expected = direct[..., i, seen] - direct[..., i, seen].mean(-1, keepdim=True)
+        torch.testing.assert_close(centred, expected, rtol=0, atol=1e-4)
+        assert (weights[..., i, i + 1 :] == 0).all()
+
+
+@pytest.mark.parametrize("pos", ["nope", "alibi"])
+@torch.no_grad()
+def test_flex_attentions_window_and_cap_equal_the_dense_route(pos):
+    """The CUDA route's block mask (causal and windowed) and score_mod (the cap, then the bias) give the dense
+    route's output; FlexAttention's forward also runs, unfused, on a CPU. Also after cached keys."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    scheme = model_of(pos=pos, block_size=64).transformer.pos
+    g = torch.Generator().manual_seed(0)
+    for T, Tk in ((40, 40), (24, 56)):
+        qp, kp = torch.arange(Tk - T, Tk), torch.arange(Tk)
+        q = 4 * torch.randn(2, 4, T, 16, generator=g)
+        k, v = (4 * torch.randn(2, 2, Tk, 16, generator=g) for _ in range(2))
+        dense = AttentionBias.build(scheme, qp, kp, use_flex=False, window=8, softcap=3.0)
+        expected = dense_bias_attention(q, k, v, dense.mask, 0.0, True, None, dense.softcap)
+        flex = AttentionBias.build(scheme, qp, kp, use_flex=True, window=8, softcap=3.0)
+        assert flex.block_mask is causal_block_mask(T, Tk, "cpu", 8)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*without torch.compile")
+            out = flex_attention(
+                q, k, v, score_mod=flex.score_mod, block_mask=flex.block_mask, enable_gqa=True
+            )
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("pos", SCHEMES)
+@torch.no_grad()
+def test_kv_cache_decoding_equals_the_whole_sequence_with_every_variant_on(pos):
+    """Windowed (alternating with global) + QK-norm + capped: the logits of a prompt and then one token at a
+    time over the cache equal one pass over the whole sequence, well past the window; greedy generation
+    with and without the cache gives the same tokens."""
+    model = model_of(pos=pos, n_kv_head=2, attention=ALL_ON)
+    idx = torch.randint(0, 61, (2, 14))
+    whole = model(idx)[0]
+    cache = gptlab.model.KVCache.empty(model.config.n_layer)
+    steps = [model(idx[:, :6], cache=cache)[0]]
+    steps += [model(idx[:, t : t + 1], cache=cache)[0] for t in range(6, 14)]
+    torch.testing.assert_close(torch.cat(steps, dim=1), whole, rtol=0, atol=1e-5)
+    prompt = idx[:, :5]
+    with_cache = model.generate(prompt, 8, use_cache=True)
+    assert torch.equal(with_cache, model.generate(prompt, 8, use_cache=False))
+
+
+@torch.no_grad()
+def test_one_local_layer_at_8x_context_is_its_window_alone():
+    """Length: a one-layer model with window 8 and a relative scheme, run at 8 times its training context
+    (the length study's longest), gives each position the logits of the 8 tokens ending there alone."""
+    model = model_of(pos="rope", n_layer=1, block_size=16, attention={"window": 8, "qk_norm": "rmsnorm"})
+    idx = torch.randint(0, 61, (1, 128))
+    long = model(idx)[0]
+    for end in (8, 77, 128):
+        alone = model(idx[:, end - 8 : end])[0][0, -1]
+        torch.testing.assert_close(long[0, end - 1], alone, rtol=0, atol=1e-5)
+
+
+def test_the_length_study_runs_a_windowed_model_at_8x():
+    import numpy as np
+
+    from gptlab.evaluation.length import evaluate_lengths
+    from gptlab.evaluation.options import LengthEvalOptions
+
+    model = model_of(pos="rope", block_size=16, attention={"window": 8, "window_pattern": "LG"})
+    tokens = np.random.default_rng(0).integers(0, 61, 16 * 8 * 2 + 1)
+    result = evaluate_lengths(model, tokens, 16, LengthEvalOptions(factors=[1, 8], rope_scalings=[]))
+    losses = [entry["loss"] for entry in result["variants"]["rope"].values()]
+    assert len(losses) == 2 and all(math.isfinite(x) for x in losses)
+
+
+# ---- config ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (["attention.qk_norm=l2"], "attention.qk_norm='l2' must be one of 'none', 'layernorm', 'rmsnorm'"),
+        (["attention.window=0"], "attention.window=0 must be a positive number of positions"),
+        (["attention.window_pattern=LGX"], "must be a string of L (local) and G (global) layers"),
+        (["attention.window_pattern=LG"], "attention.window is null: set the local layers' window too"),
+        (["attention.window=8", "attention.window_pattern=G"], "has no local layer"),
+        (["attention.logit_softcap=-1"], "attention.logit_softcap=-1.0 must be positive"),
+        (["+attention.windw=8"], "Did you mean attention.window?"),
+    ],
+)
+def test_bad_values_are_refused_at_config_time_with_the_allowed_ones(make_cfg, overrides, message):
+    with pytest.raises(ConfigError) as err:
+        gptlab.build_model_config(make_cfg(*overrides))
+    assert message in str(err.value)
+
+
+def test_the_variants_are_recorded_with_the_model_and_old_configs_read_as_plain_attention():
+    config = tiny(pos="alibi", attention=ALL_ON)
+    saved = config.to_dict()
+    assert saved["attention"] == {**AttentionOptions().node(), **ALL_ON}
+    assert GPTConfig.from_dict(saved) == config
+    saved.pop("attention")  # a checkpoint from before the node
+    assert GPTConfig.from_dict(saved).attention == AttentionOptions()
+
+
+def test_the_model_card_names_the_variants_and_stays_as_it_was_without_them():
+    from gptlab.planning.card import model_card
+
+    line = model_card(tiny(attention=ALL_ON), short=True).splitlines()[0]
+    assert line.endswith("; attention: qk-norm rmsnorm, window 4 on layers LG, logit cap 5")
+    assert "attention" not in model_card(tiny(), short=True).splitlines()[0]
+    # QK-norm's gains are counted: the card's count is the built model's.
+    from gptlab.model.counting import parameter_counts
+
+    for kind in ("rmsnorm", "layernorm"):
+        config = tiny(attention={"qk_norm": kind})
+        assert parameter_counts(config)["total"] == GPT(config).parameter_counts()["total"]
+
+
+def test_a_local_layer_counts_the_attention_flops_of_the_keys_it_reaches():
+    """Training FLOPs per token: 12 h_total T per global layer, 12 h_total min(T, window) per local one."""
+    from gptlab.model.counting import flops_per_token
+
+    full = flops_per_token(tiny(n_layer=4), 64)
+    local = flops_per_token(tiny(n_layer=4, attention={"window": 16, "window_pattern": "LLLG"}), 64)
+    assert full["attention"] == 12 * 4 * 32 * 64
+    assert local["attention"] == 12 * 32 * (16 + 16 + 16 + 64)
+    assert local["dense"] == full["dense"]
+    # A window longer than the context reaches every key: nothing changes.
+    assert flops_per_token(tiny(n_layer=4, attention={"window": 128}), 64) == full
+
+
+@pytest.mark.parametrize(
+    "overrides,card",
+    [
+        (["attention=qk_norm"], "attention: qk-norm rmsnorm"),
+        (["attention=sliding_window", "attention.window=8"], "attention: window 8 on layers L"),
+        (["attention=gemma2", "attention.window=8", "attention.qk_norm=layernorm"], "window 8 on layers LG"),
+    ],
+)
+def test_each_preset_trains_in_a_tiny_run_and_its_checkpoint_keeps_it(
+    make_cfg, tmp_path, caplog, overrides, card
+):
+    from gptlab.runs.trained import load_run
+    from gptlab.tasks.gpt import run
+
+    run_dir = tmp_path / "run"
+    args = [*TINY, "tokenizer=char", "pos=rope", "trainer.max_steps=4", "logger=csv", *overrides]
+    with caplog.at_level(logging.INFO):
+        run(make_cfg(*args, f"paths.output_dir={run_dir}"))
+    assert card in caplog.text  # the model card at the start of the run
+    trained = load_run(run_dir)
+    expected = gptlab.build_model_config(make_cfg(*args)).attention
+    assert trained.model.config.attention == expected and not expected.is_default
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="FlexAttention trains on CUDA only")
+@pytest.mark.parametrize("pos", ["rope", "alibi"])
+def test_flex_attention_trains_windows_and_caps_as_the_dense_route_on_cuda(pos, monkeypatch):
+    """On CUDA a windowed, capped model trains through compiled FlexAttention (the window a block mask, the
+    cap in the score_mod): its loss and every gradient equal the dense SDPA route's."""
+    from gptlab.model import attention
+
+    torch.manual_seed(0)
+    config = tiny(
+        pos=pos, n_head=4, n_kv_head=2, n_embd=128, block_size=256, attention={**ALL_ON, "window": 48}
+    )
+    flex_model = GPT(config).cuda()
+    dense_model = GPT(config).cuda()
+    dense_model.load_state_dict(flex_model.state_dict())
+    idx = torch.randint(0, 61, (2, 256), device="cuda")
+    assert attention.flex_attention_available(idx.device, config.head_dim)
+    _, flex_loss = flex_model(idx, idx)
+    flex_loss.backward()
+    monkeypatch.setattr(attention, "flex_attention_available", lambda device, head_dim=64: False)
+    _, dense_loss = dense_model(idx, idx)
+    dense_loss.backward()
+    torch.testing.assert_close(flex_loss, dense_loss, rtol=1e-4, atol=1e-5)
+    dense_grads = dict(dense_model.named_parameters())
+    for name, p in flex_model.named_parameters():
+        torch.testing.assert_close(p.grad, dense_grads[name].grad, rtol=1e-3, atol=1e-5, msg=name)
