@@ -1,6 +1,7 @@
 """Bits per byte: the bytes a token covers come from its tokenizer, the same text counts the same bytes under
 char, word and gpt2, and every reported bpb is the summed nats over the summed bytes, in bits."""
 
+import json
 import math
 
 import numpy as np
@@ -231,3 +232,25 @@ def test_a_sweep_over_two_tokenizers_is_ranked_by_bpb_in_compare_py(tmp_path, ca
     assert ranked[:2] == sorted(finals, key=finals.get)
     best = ranked[0]
     assert f"| 1 | {best} | 1 | {finals[best]:.4f} |" in text
+    # the length studies of the sweep, gathered by scripts/eval_length.py --sweep: in bits per byte too
+    sys.argv = ["eval_length.py", "--sweep", str(sweep_dir)]
+    try:
+        runpy.run_path(str(ROOT / "scripts" / "eval_length.py"), run_name="__main__")
+    except SystemExit as e:
+        assert e.code in (0, None)
+    finally:
+        sys.argv = argv
+    printed = capsys.readouterr().out
+    assert printed.startswith("Validation bits per byte at each multiple of the training context:\n")
+    summary = json.loads((sweep_dir / "length_summary.json").read_text())
+    assert summary["metric"] == "bpb"
+    for job in sweep_dir.iterdir():
+        if (job / "eval_length" / "length.json").is_file():
+            study = json.loads((job / "eval_length" / "length.json").read_text())
+            bpb = study["variants"][study["pos"]]["1"]["bpb"]
+            name = (
+                "tokenizer=char"
+                if "char" in (job / ".hydra" / "overrides.yaml").read_text()
+                else "tokenizer=gpt2"
+            )
+            assert summary["table"][name]["1"]["mean"] == pytest.approx(bpb)

@@ -52,6 +52,13 @@ METRICS = {"loss": "validation loss (nats)", "bpb": "validation bits per byte"}
 NOT_RECORDED = "not recorded"
 
 
+def metric_for(results: list[dict[str, Any]]) -> str:
+    """``bpb`` when the runs of ``results`` differ in tokenizer (nats per token are then on different
+    scales), else ``loss``."""
+    tokenizers = {Run(Path(r["job_dir"])).setting("tokenizer") for r in results if r.get("job_dir")}
+    return "bpb" if len(tokenizers) > 1 else "loss"
+
+
 def aggregate(results: list[dict[str, Any]], metric: str = "loss") -> dict[str, Any]:
     """{variant: {factor: {"mean", "std", "n", "errors"}}} of each entry's ``metric`` (``loss``, or ``bpb``
     across tokenizers), plus the shared factors and training context."""
@@ -185,10 +192,12 @@ def summarize(
 ) -> str:
     """The markdown table of the length results of one or more sweeps (or of ``results`` already collected
     and labelled, as the comparison passes them) in ``metric`` (``loss`` in nats, or ``bpb``); also writes
-    ``plot`` (PNG) and ``length_summary.json`` in ``out_dir`` (default: the first sweep directory)."""
+    ``plot`` (PNG) and ``length_summary.json`` in ``out_dir`` (default: the first sweep directory). ``auto``:
+    ``bpb`` when the runs differ in tokenizer (:func:`metric_for`)."""
     if isinstance(sweep_dirs, (str, Path)):
         sweep_dirs = [sweep_dirs]
-    summary = aggregate(results if results is not None else collect(sweep_dirs, ignore), metric)
+    results = results if results is not None else collect(sweep_dirs, ignore)
+    summary = aggregate(results, metric_for(results) if metric == "auto" else metric)
     out = {k: v for k, v in summary.items() if k != "by_position"}
     out["table"] = {n: {str(f): c for f, c in row.items()} for n, row in summary["table"].items()}
     folder = Path(out_dir or sweep_dirs[0])
