@@ -87,5 +87,6 @@ def build_datamodule(cfg: DictConfig) -> GPTDataModule:
         stride=loader.stride,
         val_stride=loader.val_stride,
         num_workers=loader.num_workers,
+        document_mask=loader.document_mask,
         seed=cfg.seed,
     )

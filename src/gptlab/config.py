@@ -47,13 +47,15 @@ def plain(node: Any) -> Any:
 @dataclass(frozen=True)
 class LoaderOptions:
     """The ``data`` node's loader keys: sliding windows of ``block_size`` tokens every ``stride`` tokens
-    (null: the model's context, and windows that tile the corpus), ``batch_size`` windows a step."""
+    (null: the model's context, and windows that tile the corpus), ``batch_size`` windows a step;
+    ``document_mask``: attention stays inside each document of a window, positions restart at each one."""
 
     batch_size: int = 8
     block_size: int | None = None
     stride: int | None = None
     val_stride: int | None = None
     num_workers: int = 0
+    document_mask: bool = False
 
     def __post_init__(self) -> None:
         for key in ("batch_size", "num_workers"):

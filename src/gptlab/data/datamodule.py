@@ -4,17 +4,21 @@ A window is ``block_size + 1`` consecutive tokens; the input is its first ``bloc
 target the same window shifted by one. Windows start every ``stride`` tokens: ``stride == block_size``
 tiles the corpus, a smaller stride overlaps windows (more, correlated samples), a larger one skips text.
 With ``data.streaming=true`` the training windows tile the stream as it is read (stride ``block_size``).
+
+With ``data.document_mask=true`` each batch also carries the document id of every input token
+(:class:`DocumentIds`), from which the model keeps attention inside each document and restarts positions.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 import lightning as L
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, default_collate
 
 from gptlab.data import corpus, tokenizers
 from gptlab.data.shards import TokenShards, token_counts, unigram_entropy
@@ -43,6 +47,31 @@ class TokenWindows(Dataset):
         return window[:-1], window[1:]  # input (block_size,), target (block_size,)
 
 
+def document_ids(tokens: torch.Tensor, eot_id: int) -> torch.Tensor:
+    """The document of each token of ``tokens`` (B, T): 0 for the tokens before the window's first
+    end-of-text token, then one more at each end-of-text token.
+
+    The corpus is packed as ``doc EOT doc EOT ...``, and an end-of-text token *starts* the document after
+    it, as a beginning-of-text token would: the target after it (the next document's first token) is then
+    predicted from that token alone, as in generation from ``<|endoftext|>``, and the end-of-text target
+    (the preceding document's end) from the document it ends. Every target is then predicted from exactly
+    one document's tokens. (Codebases whose tokenizers add a beginning-of-text token as well as an
+    end-of-text one assign the end-of-text token to the preceding document instead, with the same effect.)"""
+    return (tokens == eot_id).cumsum(dim=-1)
+
+
+@dataclass(frozen=True)
+class DocumentIds:
+    """The loader's collate function under ``data.document_mask=true``: the batch's (input, target) with the
+    input's document ids as a third tensor (B, T), computed in the loader's workers."""
+
+    eot_id: int
+
+    def __call__(self, samples: list[Any]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        x, y = default_collate(samples)
+        return x, y, document_ids(x, self.eot_id)
+
+
 class GPTDataModule(L.LightningDataModule):
     def __init__(
         self,
@@ -54,6 +83,7 @@ class GPTDataModule(L.LightningDataModule):
         val_stride: int | None = None,
         num_workers: int = 0,
         seed: int = 0,
+        document_mask: bool = False,
     ) -> None:
         super().__init__()
         for name, value in (("data.batch_size", batch_size), ("model.block_size", block_size)):
@@ -78,6 +108,7 @@ class GPTDataModule(L.LightningDataModule):
         self.val_stride = val_stride or block_size
         self.num_workers = num_workers
         self.seed = seed
+        self.document_mask = document_mask
         self.corpus: corpus.PreparedCorpus | None = None
         self.train_set: TokenWindows | None = None
         self.val_set: TokenWindows | None = None
@@ -121,6 +152,12 @@ class GPTDataModule(L.LightningDataModule):
             return
         if self.corpus is None:
             self.corpus = self._prepare()
+        if self.document_mask and getattr(self.corpus.tokenizer, "eot_id", None) is None:
+            raise ConfigError(
+                f"data.document_mask=true with tokenizer={self.corpus.tokenizer.name}, which has no end-of-text "
+                "token: the documents of a window are found at that token. Use a tokenizer that has one "
+                "(tokenizer=gpt2, word, char), or data.document_mask=false."
+            )
         window = self.block_size + 1
         self.val_set = TokenWindows(self.corpus.val, self.block_size, self.val_stride)
         if not self.spec.streaming:
@@ -156,6 +193,10 @@ class GPTDataModule(L.LightningDataModule):
             self.val_stride,
         )
 
+    def collate(self) -> DocumentIds | None:
+        """The loaders' collate function: the default one, or with document ids under document_mask."""
+        return DocumentIds(self.tokenizer.eot_id) if self.document_mask else None
+
     def _rank(self) -> tuple[int, int, bool]:
         from lightning.pytorch.strategies import ParallelStrategy
 
@@ -174,6 +215,7 @@ class GPTDataModule(L.LightningDataModule):
             "num_workers": self.num_workers,
             "pin_memory": torch.cuda.is_available(),
             "persistent_workers": self.num_workers > 0,
+            "collate_fn": self.collate(),
         }
         if self.spec.streaming:
             from gptlab.data.streaming import StreamingWindows
@@ -218,4 +260,5 @@ class GPTDataModule(L.LightningDataModule):
             num_workers=self.num_workers,
             pin_memory=torch.cuda.is_available(),
             persistent_workers=self.num_workers > 0,
+            collate_fn=self.collate(),
         )

@@ -15,6 +15,10 @@
   mask (the FlexAttention block mask, or a boolean / -inf mask through SDPA), built once per forward pass
   for the local layers and once for the global ones; a logit cap is part of the score_mod on CUDA and, since
   SDPA cannot cap, an explicit score computation elsewhere. QK-norm acts on q and k before any rotation.
+- Document masking (``data.document_mask=true``): the model gets each token's document id, and a query reads
+  only the keys of its own document, on top of causality and any window: a per-window FlexAttention block
+  mask on CUDA (``document_block_mask``), a (B, 1, T, T) boolean mask (or the bias at -inf outside the
+  document) through SDPA elsewhere.
 """
 
 from __future__ import annotations
@@ -98,6 +102,27 @@ def causal_block_mask(q_len: int, kv_len: int, device: str, window: int | None =
     return create_block_mask(mask_mod, None, None, q_len, kv_len, device=device)
 
 
+def same_document(doc_ids: Tensor) -> Tensor:
+    """(B, T, T): True where query i and key j of a window are in the same document; doc_ids: (B, T)."""
+    return doc_ids[:, :, None] == doc_ids[:, None, :]
+
+
+def document_block_mask(doc_ids: Tensor, window: int | None = None) -> Any:
+    """A FlexAttention block mask per window of ``doc_ids`` (B, T): query i sees key j when j <= i, both
+    are in the same document, and with a ``window`` i - j < window. Built for every batch (the documents
+    differ), once per forward pass; blocks that hold no pair of one document are skipped by the kernel."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    B, T = doc_ids.shape
+    reach = window or T
+
+    def same_document_causal(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        behind = q_idx - kv_idx
+        return (behind >= 0) & (behind < reach) & (doc_ids[b, q_idx] == doc_ids[b, kv_idx])
+
+    return create_block_mask(same_document_causal, B, None, T, T, device=str(doc_ids.device))
+
+
 def capped_score_mod(score_mod: ScoreMod | None, cap: float) -> ScoreMod:
     """``score_mod`` (a positional bias, or none) after the logit cap cap * tanh(score / cap)."""
 
@@ -113,7 +138,8 @@ class AttentionBias:
     """What every layer of one kind (local, global) adds to plain causal attention in one forward pass: a
     positional bias, a window and a logit cap. Either a dense (n_head or 1, Tq, Tk) mask for SDPA (additive,
     the future and the positions outside the window at -inf; or boolean, True where a query may look, when
-    there is no bias), or a FlexAttention block mask with a score_mod (the cap, then the bias)."""
+    there is no bias), or a FlexAttention block mask with a score_mod (the cap, then the bias). With document
+    ids the dense mask is (B, n_head or 1, Tq, Tk), each window's own, and the block mask is per window."""
 
     mask: Tensor | None = None
     score_mod: ScoreMod | None = None
@@ -129,21 +155,32 @@ class AttentionBias:
         use_flex: bool,
         window: int | None = None,
         softcap: float | None = None,
+        doc_ids: Tensor | None = None,
     ) -> AttentionBias | None:
-        """None when there is no bias, window or cap (attention then takes the fused causal route)."""
+        """None when there is no bias, window, cap or document mask (attention then takes the fused causal
+        route). ``doc_ids`` (B, T): each token's document in a whole window (no cache), or None. The bias
+        reads the window's positions: the relative schemes depend on q - k only, the same within a
+        document wherever it starts."""
         if use_flex:
             score_mod = pos.score_mod(positions, k_positions)
-            if score_mod is None and window is None and softcap is None:
+            if score_mod is None and window is None and softcap is None and doc_ids is None:
                 return None
             if softcap is not None:
                 score_mod = capped_score_mod(score_mod, softcap)
+            if doc_ids is not None:
+                return cls(score_mod=score_mod, block_mask=document_block_mask(doc_ids, window))
             shape = (len(positions), len(k_positions), str(positions.device))
             mask = causal_block_mask(*shape) if window is None else causal_block_mask(*shape, window)
             return cls(score_mod=score_mod, block_mask=mask)
         bias = pos.bias(positions, k_positions)  # (n_head, Tq, Tk)
-        if bias is None and window is None and softcap is None:
+        if bias is None and window is None and softcap is None and doc_ids is None:
             return None
         allowed = SlidingWindow.allowed(positions, k_positions, window)  # (Tq, Tk)
+        if doc_ids is not None:
+            in_document = (allowed & same_document(doc_ids))[:, None]  # (B, 1, Tq, Tk)
+            if bias is None:
+                return cls(mask=in_document, softcap=softcap)
+            return cls(mask=torch.where(in_document, bias, float("-inf")), softcap=softcap)  # (B, n_head, ..)
         if bias is None:
             return cls(mask=allowed[None], softcap=softcap)  # (1, Tq, Tk) boolean
         return cls(mask=bias.masked_fill(~allowed, float("-inf")), softcap=softcap)
@@ -161,8 +198,9 @@ def dense_bias_attention(
 ) -> Tensor:
     """softmax(q k^T / sqrt(d) + mask) v in blocks of queries, each over the keys up to its last query only.
     q: (B, n_head, T, d); k, v: (B, n_kv_head, Tk, d) with the T queries the last T of the Tk positions;
-    mask: (n_head or 1, T, Tk), additive or boolean (True: attend). ``scale``: the factor on q k^T instead
-    of 1 / sqrt(d) (muP's). ``softcap``: the scores are capped first, computed explicitly (SDPA cannot)."""
+    mask: (n_head or 1, T, Tk), or (B, n_head or 1, T, Tk) per window (document masking), additive or
+    boolean (True: attend). ``scale``: the factor on q k^T instead of 1 / sqrt(d) (muP's). ``softcap``: the
+    scores are capped first, computed explicitly (SDPA cannot)."""
     T, Tk = q.size(2), k.size(2)
     if mask.is_floating_point():
         mask = mask.to(q.dtype)
@@ -180,7 +218,7 @@ def dense_bias_attention(
     for start in range(0, T, QUERY_BLOCK):
         end = min(T, start + QUERY_BLOCK)
         keys = Tk - T + end  # keys past the block's last query are all in the future
-        blocks.append(attend(q[:, :, start:end], k[:, :, :keys], v[:, :, :keys], mask[:, start:end, :keys]))
+        blocks.append(attend(q[:, :, start:end], k[:, :, :keys], v[:, :, :keys], mask[..., start:end, :keys]))
     return torch.cat(blocks, dim=2)  # (B, n_head, T, d)
 
 

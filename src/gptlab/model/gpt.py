@@ -20,7 +20,7 @@ from gptlab.model.config import GPTConfig
 from gptlab.model.head_loss import HeadLoss, soft_cap
 from gptlab.model.parametrization import hidden_init_std, output_multiplier
 
-__all__ = ["GPT", "MLP", "Block", "CausalSelfAttention", "KVCache", "mlp_hidden_width"]
+__all__ = ["GPT", "MLP", "Block", "CausalSelfAttention", "KVCache", "document_positions", "mlp_hidden_width"]
 
 
 def mlp_hidden_width(config: GPTConfig) -> int:
@@ -158,19 +158,31 @@ class GPT(nn.Module):
         targets: Tensor | None = None,
         cache: KVCache | None = None,
         head_loss: HeadLoss | None = None,
+        doc_ids: Tensor | None = None,
     ) -> tuple[Tensor | None, Tensor | None]:
         """idx: (B, T) token ids; targets: (B, T) next-token ids (-1 is ignored).
+        ``doc_ids``: (B, T) the document of each token of a packed window, nondecreasing along T
+        (``data.document_mask=true``, gptlab.data.datamodule.document_ids): attention stays inside each
+        document, and the positions that a scheme embeds or rotates by restart at 0 at each document's first
+        token (the bias schemes read q - k, the same wherever a document starts). None: one sequence.
         Returns logits (B, T, vocab_size) and the mean cross-entropy (or None without targets). With
         ``head_loss`` and targets, the output layer and loss are computed together (model/head_loss.py) and
         the logits, never held whole, are None."""
         B, T = idx.shape
+        if doc_ids is not None and cache is not None:
+            raise ValueError(
+                "doc_ids with a KV cache: document masking applies to packed training windows; decoding "
+                "continues one document, so call it without doc_ids."
+            )
         start = cache.length if cache is not None else 0
         positions = torch.arange(start, start + T, device=idx.device)  # (T,)
+        # The positions each token is embedded and rotated at: its place in the window, or in its document.
+        token_positions = positions if doc_ids is None else document_positions(doc_ids)  # (T,) or (B, T)
         pos = self.transformer.pos
         x = self.transformer.wte(idx)  # (B, T, n_embd)
         if self.config.embed_scale != 1.0:
             x = x * self.config.embed_scale
-        x = self.transformer.drop(pos.embed(x, positions))
+        x = self.transformer.drop(pos.embed(x, token_positions))
         # A positional bias, a window and a cap depend on positions only: built once here for each kind of
         # layer (global, or local with its window), shared by every layer of that kind.
         k_positions = torch.arange(start + T, device=idx.device)
@@ -185,8 +197,10 @@ class GPT(nn.Module):
         for i, block in enumerate(self.transformer.h):
             window = self.config.attention.layer_window(i)
             if window not in biases:
-                biases[window] = AttentionBias.build(pos, positions, k_positions, use_flex, window, softcap)
-            x = block(x, pos, positions, cache, biases[window])
+                biases[window] = AttentionBias.build(
+                    pos, positions, k_positions, use_flex, window, softcap, doc_ids
+                )
+            x = block(x, pos, token_positions, cache, biases[window])
         x = self.transformer.ln_f(x)
         if self.output_mult != 1.0:
             x = x * self.output_mult  # muP's readout multiplier 1/m on the logits, applied before the head
@@ -254,6 +268,17 @@ class GPT(nn.Module):
                 break
         self.train(was_training)
         return out
+
+
+def document_positions(doc_ids: Tensor) -> Tensor:
+    """(B, T): each token's position within its document, 0 at the document's first token, from the
+    documents (B, T) of a window (nondecreasing along T; the window's first token starts a document)."""
+    T = doc_ids.size(1)
+    index = torch.arange(T, device=doc_ids.device).expand_as(doc_ids)
+    starts = torch.ones_like(doc_ids, dtype=torch.bool)
+    starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+    first = torch.where(starts, index, torch.zeros_like(index)).cummax(dim=1).values  # its document's start
+    return index - first
 
 
 def sample_next(

@@ -158,6 +158,7 @@ def build(settings: GPTRunConfig) -> Parts:
         stride=loader.stride,
         val_stride=loader.val_stride,
         num_workers=loader.num_workers,
+        document_mask=loader.document_mask,
         seed=settings.run.seed,
     )
     datamodule.prepare_data()
@@ -218,7 +219,16 @@ def model_summary(module: GPTLitModule, trainer: L.Trainer | None, settings: GPT
         activation_checkpointing=settings.parallel.activation_checkpointing if settings else False,
     )
     on_cpu = trainer is None or isinstance(trainer.accelerator, CPUAccelerator)
-    return card.startup_card(module.model_config, plan, on_cpu=on_cpu, loss=module.head_loss)
+    summary = card.startup_card(module.model_config, plan, on_cpu=on_cpu, loss=module.head_loss)
+    if settings and settings.loader.document_mask:
+        summary += f"\n{DOCUMENT_MASK_LINE}"
+    return summary
+
+
+DOCUMENT_MASK_LINE = (
+    "Documents: masked (data.document_mask=true): attention stays inside each document of a window, "
+    "positions restart at each end-of-text token, which starts the document after it"
+)
 
 
 # ---- fit ----------------------------------------------------------------------------------------------

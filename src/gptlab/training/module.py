@@ -137,11 +137,11 @@ class GPTLitModule(L.LightningModule):
         )
 
     # ---- training -------------------------------------------------------------------------------
-    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
-        x, y = batch
+    def training_step(self, batch: tuple[Tensor, ...], batch_idx: int) -> Tensor:
+        x, y, *doc_ids = batch  # doc_ids: [(B, T) document ids] under data.document_mask=true, else []
         self._batch_shape = tuple(x.shape)
         head = RecordingHeadLoss.of(self.head_loss)
-        _, loss = self.model(x, y, head_loss=head)
+        _, loss = self.model(x, y, head_loss=head, doc_ids=doc_ids[0] if doc_ids else None)
         check_finite_loss(loss, step=self.global_step + 1, strategy=self.trainer.strategy)
         # train/loss is the cross-entropy alone, comparable across runs; the z-loss is logged apart
         (terms,) = head.calls
@@ -171,11 +171,11 @@ class GPTLitModule(L.LightningModule):
         ):
             self._token_bytes = TokenBytes.of(self.tokenizer, self.device)
 
-    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
-        x, y = batch
+    def validation_step(self, batch: tuple[Tensor, ...], batch_idx: int) -> Tensor:
+        x, y, *doc_ids = batch
         self._batch_shape = tuple(x.shape)
         head = RecordingHeadLoss.of(self.head_loss)
-        self.model(x, y, head_loss=head)
+        self.model(x, y, head_loss=head, doc_ids=doc_ids[0] if doc_ids else None)
         loss = head.calls[0].cross_entropy  # nats per token, without the z-loss
         n = y.numel()
         self._val_loss_sum += loss.double() * n

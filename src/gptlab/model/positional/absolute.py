@@ -24,7 +24,7 @@ class LearnedPositionalEncoding(PositionalEncoding):
         self.wpe = nn.Embedding(block_size, self.n_embd)
 
     def embed(self, x: Tensor, positions: Tensor) -> Tensor:
-        self.check_positions(int(positions[-1]) + 1)
+        self.check_positions(self.end_of(positions))
         return x + self.wpe(positions)
 
     def position_vectors(self, n: int) -> Tensor:
@@ -80,11 +80,11 @@ class SinusoidalPositionalEncoding(PositionalEncoding):
         return scale if scale is not None else self.n_embd**-0.5
 
     def embed(self, x: Tensor, positions: Tensor) -> Tensor:
-        end = int(positions[-1]) + 1
-        if end <= self.table.size(0):
-            pe = self.table[positions]
+        if self.end_of(positions) <= self.table.size(0):
+            pe = self.table[positions]  # (T, n_embd) or, per document, (B, T, n_embd)
         else:
-            pe = sinusoidal_table(positions, self.n_embd, self.options.base).to(self.table.device)
+            pe = sinusoidal_table(positions.flatten(), self.n_embd, self.options.base).to(self.table.device)
+            pe = pe.view(*positions.shape, self.n_embd)
         return x + (pe * self.multiplier).to(x.dtype)
 
     def position_vectors(self, n: int) -> Tensor:

@@ -69,11 +69,13 @@ class PositionalEncoding(nn.Module):
 
     # ---- the three hooks ------------------------------------------------------------------------
     def embed(self, x: Tensor, positions: Tensor) -> Tensor:
-        """x: (B, T, n_embd) token embeddings; positions: (T,) absolute positions."""
+        """x: (B, T, n_embd) token embeddings; positions: (T,) absolute positions, or (B, T) each token's
+        position in its document (document masking: positions restart at each document)."""
         return x
 
     def rotate(self, q: Tensor, k: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
-        """q: (B, n_head, T, head_dim), k: (B, n_kv_head, T, head_dim), both at ``positions``."""
+        """q: (B, n_head, T, head_dim), k: (B, n_kv_head, T, head_dim), both at ``positions``: (T,), or
+        (B, T) per token as in ``embed``."""
         return q, k
 
     def bias(self, q_positions: Tensor, k_positions: Tensor) -> Tensor | None:
@@ -111,6 +113,11 @@ class PositionalEncoding(nn.Module):
         if factor < 1:
             raise ConfigError(f"context scale factor {factor} must be >= 1 (1 leaves the scheme as trained)")
         yield self
+
+    @staticmethod
+    def end_of(positions: Tensor) -> int:
+        """One past the largest of ``positions``: (T,) increasing ones, or (B, T) per-document ones."""
+        return int(positions[-1] if positions.dim() == 1 else positions.max()) + 1
 
     def check_positions(self, end: int) -> None:
         """Raise a clear error when positions up to ``end`` (exclusive) are out of the scheme's range."""

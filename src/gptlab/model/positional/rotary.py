@@ -146,7 +146,10 @@ class RotaryPositionalEncoding(PositionalEncoding):
 
     def rotate(self, q: Tensor, k: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
         inv_freq, mscale = self.frequencies(q.device)
-        angles = positions.to(torch.float64)[:, None] * inv_freq[None, :]  # (T, rotary_dim/2)
+        # (T, rotary_dim/2), or with per-document positions (B, T, rotary_dim/2)
+        angles = positions.to(torch.float64)[..., None] * inv_freq
+        if angles.dim() == 3:
+            angles = angles[:, None]  # (B, 1, T, rotary_dim/2): the same angles for every head
         cos = (angles.cos() * mscale).to(q.dtype)
         sin = (angles.sin() * mscale).to(q.dtype)
         r = self.rotary_dim
@@ -181,8 +184,10 @@ class XPosPositionalEncoding(RotaryPositionalEncoding):
         q, k = super().rotate(q, k, positions)
         r, gamma = self.rotary_dim, self.options.gamma
         zeta = (torch.arange(0, r, 2, dtype=torch.float64, device=q.device) / r + gamma) / (1 + gamma)
-        power = positions.to(torch.float64)[:, None] / self.options.scale_base  # (T, 1)
-        decay = zeta[None, :] ** power  # (T, r/2)
+        power = positions.to(torch.float64)[..., None] / self.options.scale_base  # (T, 1) or (B, T, 1)
+        decay = zeta**power  # (T, r/2) or (B, T, r/2)
+        if decay.dim() == 3:
+            decay = decay[:, None]  # per-document positions: one decay for every head
         decay = torch.cat([decay, decay], dim=-1)  # rotate_half pairs dimension i with i + r/2
         q = torch.cat([q[..., :r] * decay.to(q.dtype), q[..., r:]], dim=-1)
         k = torch.cat([k[..., :r] / decay.to(k.dtype), k[..., r:]], dim=-1)
