@@ -31,6 +31,7 @@ if TYPE_CHECKING:  # the nodes' types; their modules are imported where a node i
     # not train a GPT, word2vec, reads the top level without importing Lightning)
     from gptlab.data import tokenizers
     from gptlab.data.sources import DataSpec
+    from gptlab.evaluation.downstream import DownstreamEvalOptions
     from gptlab.evaluation.options import LengthEvalOptions, PasskeyOptions
     from gptlab.model.config import GPTConfig
     from gptlab.model.head_loss import HeadLoss
@@ -128,6 +129,7 @@ class GPTRunConfig:
     parallel: ParallelOptions
     length_study: LengthEvalOptions | None  # None: no length study after training
     passkey: PasskeyOptions | None
+    downstream_eval: DownstreamEvalOptions | None = None  # None: no harness tasks during training
 
     @property
     def block_size(self) -> int:
@@ -249,6 +251,25 @@ def parse_studies(cfg: DictConfig) -> tuple[LengthEvalOptions | None, PasskeyOpt
     return study, passkey if passkey.enabled else None
 
 
+def parse_downstream_node(
+    cfg: DictConfig, strategy: StrategyChoice, trainer: dict[str, Any]
+) -> DownstreamEvalOptions | None:
+    """The ``eval_harness`` node (harness tasks during training), refused where rank 0 cannot run the model
+    alone (sharded weights)."""
+    from gptlab.evaluation.downstream import parse_downstream
+    from gptlab.parallel.hardware import world_size
+
+    options = parse_downstream(plain(cfg.get("eval_harness")))
+    n = world_size(trainer)
+    if options is not None and n > 1 and strategy.placement(n).shards_weights:
+        raise ConfigError(
+            f"eval_harness.enabled=true runs the harness on rank 0 alone during training, but strategy="
+            f"{strategy.label} shards the weights over the {n} processes. Train with strategy=ddp, or with "
+            "eval_harness.enabled=false and run scripts/evaluate.py on the run directory afterwards."
+        )
+    return options
+
+
 def parse_gpt(cfg: DictConfig) -> GPTRunConfig:
     """The typed tree of a ``task=gpt`` run, every node checked (see the module's docstring)."""
     from gptlab.parallel import ParallelOptions, check_rank_zero_evaluation, strategy_choice
@@ -266,6 +287,7 @@ def parse_gpt(cfg: DictConfig) -> GPTRunConfig:
     study, passkey = parse_studies(cfg)
     if study is not None:
         check_rank_zero_evaluation(strategy, trainer, "eval_length.enabled=true")
+    downstream = parse_downstream_node(cfg, strategy, trainer)
     parallel = ParallelOptions.from_config(
         {k: cfg[k] for k in ("compile", "activation_checkpointing") if cfg.get(k) is not None}
     )
@@ -285,4 +307,5 @@ def parse_gpt(cfg: DictConfig) -> GPTRunConfig:
         parallel=parallel,
         length_study=study,
         passkey=passkey,
+        downstream_eval=downstream,
     )

@@ -78,10 +78,18 @@ def passkey_accuracy(run: Run) -> dict[str, float | None]:
     return long_context.read_passkey(run.path)
 
 
+def downstream_metrics(run: Run) -> dict[str, float | None]:
+    """``eval/<task>/<metric>`` of the last harness evaluation during training, from ``result.json``."""
+    from gptlab.evaluation.downstream import final_values
+
+    return final_values(run)
+
+
 # The evaluation outputs that become columns, in this order.
 OUTPUTS: list[OutputColumns] = [
     OutputColumns("length", length_perplexities, order=_factor_of),
     OutputColumns("passkey", passkey_accuracy, order=_factor_of),
+    OutputColumns("eval_harness", downstream_metrics, fmt="{:.4g}"),
 ]
 
 

@@ -192,8 +192,9 @@ def make_trainer(cfg: DictConfig, settings: GPTRunConfig, parts: Parts, loggers:
     from gptlab.parallel.slurm import slurm_plugins
     from gptlab.training.callbacks import ValidateAtLastStep, instantiate_callbacks
     from gptlab.training.checkpointing import fault_tolerance_callbacks
+    from gptlab.training.downstream_eval import downstream_callbacks
 
-    callbacks = instantiate_callbacks(cfg.get("callbacks") or {})
+    callbacks = instantiate_callbacks(cfg.get("callbacks") or {}) + downstream_callbacks(settings)
     return L.Trainer(
         **settings.trainer,
         strategy=parts.strategy,

@@ -163,6 +163,12 @@ class TrainingThroughput(ThroughputMonitor):
             self._t0s[RunningStage.TRAINING] += time.perf_counter() - self._validation_t0
             self._validation_t0 = None
 
+    def exclude_time(self, seconds: float) -> None:
+        """Leave ``seconds`` just spent between two steps outside the training time (an evaluation that
+        another callback ran: eval_harness), as a validation is."""
+        if RunningStage.TRAINING in self._t0s:
+            self._t0s[RunningStage.TRAINING] += seconds
+
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, *args):
         tokens = _batch_tokens(batch) * trainer.world_size
         self.tokens_seen += tokens
