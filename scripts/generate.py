@@ -2,10 +2,14 @@
 
     python scripts/generate.py ckpt=outputs/runs/<date>/<time> prompt="The sky is"
     python scripts/generate.py ckpt=... prompt="def" temperature=0.8 top_k=50 top_p=0.95 samples=3
+    python scripts/generate.py ckpt=... prompt="The sky is" temperature=0      # greedy
 
 `ckpt` is a run directory (its best checkpoint; which=last for the last) or a checkpoint: a .ckpt file or a
-sharded checkpoint directory (strategy=fsdp, DeepSpeed), read with tensors only. temperature=0 (the default) is greedy decoding;
-otherwise tokens are sampled, restricted to the top_k most likely and/or the top_p nucleus.
+sharded checkpoint directory (strategy=fsdp, DeepSpeed), read with tensors only. Tokens are sampled (by default
+at temperature 1 from the 40 most likely, seeded: the same command prints the same text), restricted to the
+top_k most likely and/or the top_p nucleus; temperature=0 is greedy decoding, which for a briefly trained
+model is often a run of newlines and spaces. The default prompt is the one a run's samples continue
+(conf/callbacks/default.yaml).
 """
 
 from __future__ import annotations
@@ -23,10 +27,10 @@ from gptlab.runs.trained import load_run
 @dataclass
 class Options:
     ckpt: str = "???"
-    prompt: str = "The"
+    prompt: str = "In this case, the"
     max_new_tokens: int = 64
-    temperature: float = 0.0
-    top_k: int | None = None
+    temperature: float = 1.0
+    top_k: int | None = 40
     top_p: float | None = None
     samples: int = 1
     seed: int = 0

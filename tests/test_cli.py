@@ -1,5 +1,6 @@
 """`python train.py` as a user types it, in a subprocess."""
 
+import ast
 import csv
 import json
 import math
@@ -57,11 +58,8 @@ def test_wandb_offline_run_holds_the_logged_metrics(trained):
     run = read_run(files[0])
     losses = [v for _, v in run.metric("train/loss")]
     val = run.metric("val/loss")
-    assert len(losses) >= 3 and [s for s, _ in val] == [
-        9,
-        19,
-        29,
-    ]  # Lightning's 0-based step at each validation
+    # each validation at the optimizer steps done, as in the log and the checkpoint names
+    assert len(losses) >= 3 and [s for s, _ in val] == [10, 20, 30]
     assert losses[-1] < losses[0] - 0.5  # the loss fell
     assert val[-1][1] < val[0][1]
     ppl = run.metric("val/ppl")
@@ -72,13 +70,61 @@ def test_wandb_offline_run_holds_the_logged_metrics(trained):
     assert run.config["pos"]["name"] == "learned"
     assert run.config["seed"] == 1337
     assert run.summary["unigram_entropy"] > 5
-    # the greedy continuation of the fixed prompt, one row per validation, in a W&B table file
+    # the greedy and the sampled continuation of the fixed prompt, two rows per validation, in a W&B table file
     assert run.summary["samples/_type"] == "table-file"
     table = json.loads((files[0].parent / "files" / run.summary["samples/path"]).read_text())
-    assert table["columns"] == ["step", "prompt", "completion"]
-    assert [row[0] for row in table["data"]] == [10, 20, 30]
-    assert all(row[1] == "The" and row[2] for row in table["data"])
+    assert table["columns"] == ["step", "decoding", "prompt", "completion"]
+    assert [row[0] for row in table["data"]] == [10, 10, 20, 20, 30, 30]
+    assert [row[1] for row in table["data"]] == ["greedy", "sampled (temperature 1, top-k 40)"] * 3
+    assert all(row[2] == "In this case, the" and row[3] for row in table["data"])
     assert run.exit_code == 0
+
+
+def test_a_run_prints_no_library_noise(trained):
+    _, _, proc = trained
+    out = proc.stdout + proc.stderr
+    for noise in (
+        "The anonymous setting has no effect",  # wandb, for the anonymous=None Lightning passes
+        "'set_vital' is deprecated",  # torchdata's loader, under torch 2.13
+        "LeafSpec",  # Lightning's own code, under torch 2.13
+        "litlogger",  # Lightning's tip on every Trainer
+    ):
+        assert noise not in out, noise
+    assert out.count("Token cache hit") + out.count("Preparing") == 1
+
+
+def screen_lines(output: str) -> list[str]:
+    """The lines a terminal shows for ``output``: a carriage return starts the line over (tqdm redraws its bars
+    that way), and cursor movements (``ESC[A``) are dropped."""
+    return [re.sub(r"\x1b\[[0-9;]*[A-Za-z]", "", line.split("\r")[-1]) for line in output.split("\n")]
+
+
+def test_each_validation_prints_a_greedy_and_a_seeded_sampled_continuation(trained):
+    from gptlab.runs.trained import load_run
+
+    _, run_dir, proc = trained
+    lines = screen_lines(proc.stdout)
+    printed = {}
+    for step in (10, 20, 30):
+        for decoding in ("greedy", "sampled (temperature 1, top-k 40)"):
+            mark = f" - step {step} {decoding}: 'In this case, the' -> "
+            (line,) = [line for line in lines if mark in line]  # once per validation, on a line of its own
+            assert line.startswith("[20"), line  # the log line's time stamp, no progress bar before it
+            printed[step, decoding] = ast.literal_eval(line.split(mark, 1)[1])
+    # samples.tsv holds the same text, a row each (newlines written as \n)
+    with (run_dir / "csv" / "samples.tsv").open() as f:
+        rows = list(csv.DictReader(f, delimiter="\t"))
+    assert [(int(r["step"]), r["decoding"]) for r in rows] == list(printed)
+    assert [r["completion"] for r in rows] == [t.replace("\n", "\\n") for t in printed.values()]
+    # reproducible: the final weights, the prompt and the run's seed give the printed sample again
+    trained_run = load_run(run_dir, which="last")
+    tok = trained_run.tokenizer
+    ids = torch.tensor([tok.encode("In this case, the")])
+    out = trained_run.model.generate(
+        ids, 4, temperature=1.0, top_k=40, generator=torch.Generator().manual_seed(1337)
+    )
+    assert tok.decode(out[0, ids.size(1) :].tolist()) == printed[30, "sampled (temperature 1, top-k 40)"]
+    assert tok.decode(trained_run.model.generate(ids, 4)[0, ids.size(1) :].tolist()) == printed[30, "greedy"]
 
 
 def log_time(output: str, message: str) -> datetime:
@@ -192,6 +238,7 @@ def test_generate_script_continues_a_prompt_from_a_run(trained):
             f"ckpt={run_dir}",
             "prompt=The",
             "max_new_tokens=5",
+            "temperature=0",
         ],
         capture_output=True,
         text=True,

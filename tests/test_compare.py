@@ -57,8 +57,8 @@ def test_every_run_ends_with_a_validation_at_its_last_step(sweep):
     _, sweep_dir = sweep
     for run_dir in find_run_dirs(sweep_dir):
         wandb_run = read_run(find_runs(run_dir)[0])
-        # validations after steps 4 and 7 (Lightning logs them at 0-based steps 3 and 6)
-        assert [s for s, _ in wandb_run.metric("val/loss")] == [3, 6]
+        # validations after steps 4 and 7
+        assert [s for s, _ in wandb_run.metric("val/loss")] == [4, 7]
         result = Run(run_dir).result()
         assert result["global_step"] == 7 and result["finished"] and result["diverged"] is False
         assert result["metrics"]["val/loss"] == pytest.approx(wandb_run.metric("val/loss")[-1][1], rel=1e-6)

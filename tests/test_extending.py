@@ -134,7 +134,13 @@ def test_a_variant_of_each_family_is_its_class_and_its_yaml(tmp_path):
 
     # The scripts that read a trained run import the run's plugins: generate.py, run where train.py was run
     # (the module is found in the working directory, no PYTHONPATH needed) ...
-    script = [sys.executable, str(ROOT / "scripts" / "generate.py"), f"ckpt={run}", "max_new_tokens=3"]
+    script = [
+        sys.executable,
+        str(ROOT / "scripts" / "generate.py"),
+        f"ckpt={run}",
+        "prompt=The",
+        "max_new_tokens=3",
+    ]
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     generated = subprocess.run(script, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert generated.returncode == 0, generated.stderr[-3000:]

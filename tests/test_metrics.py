@@ -217,7 +217,7 @@ def test_logged_rates_tile_the_training_time_and_leave_validation_out(tmp_path):
     fit_seconds = time.perf_counter() - t0
     with open(tmp_path / "csv" / "metrics.csv") as f:
         rows = [r for r in csv.DictReader(f) if r.get("train/tokens_per_second")]
-    assert [int(r["step"]) + 1 for r in rows] == [2, 4, 6, 8]  # a rate at every logged step, the first too
+    assert [int(r["step"]) for r in rows] == [2, 4, 6, 8]  # a rate at every logged step, the first too
     # each rate covers the 2 steps (2 x 32 tokens) since the previous one: together, the whole training time
     seconds = sum(64 / float(r["train/tokens_per_second"]) for r in rows)
     training = float(rows[-1]["train/time"])
@@ -227,3 +227,10 @@ def test_logged_rates_tile_the_training_time_and_leave_validation_out(tmp_path):
     assert pauses.validations == 2
     assert 0.3 < training < fit_seconds - 2 * 0.4
     assert 64 / float(rows[1]["train/tokens_per_second"]) > 0.3  # steps 3-4 hold the pause
+
+
+def test_measuring_the_peak_leaves_the_runs_random_stream_alone():
+    peak._measured.clear()
+    before = torch.get_rng_state()
+    peak.measure_matmul_peak("cpu")
+    assert torch.equal(torch.get_rng_state(), before)

@@ -142,7 +142,7 @@ def test_sigkill_three_times_then_resume_ends_bit_identical(tmp_path, cache_dir,
     assert final["global_step"] == MAX_STEPS
     assert_bit_identical(final["state_dict"], reference), f"killed at steps {steps}"
     # every step's row once: none lost with a killed part (rows are on disk with each checkpoint), none twice
-    assert logged_steps(run_dir) == list(range(MAX_STEPS)), f"killed at steps {steps}"
+    assert logged_steps(run_dir) == list(range(1, MAX_STEPS + 1)), f"killed at steps {steps}"
 
 
 @pytest.mark.slow
@@ -169,7 +169,7 @@ def test_sigterm_through_the_cli_exits_0_then_resume_auto_continues_the_same_run
     first, second = (read_run(p) for p in find_runs(run_dir / "wandb"))
     assert first.run_id == second.run_id == saved["wandb_run_id"]
     # the continued W&B run logs the steps after the stop, not from step 0 again
-    assert min(s for s, _ in second.metric("train/loss")) >= stopped - 1
+    assert min(s for s, _ in second.metric("train/loss")) > stopped
 
 
 def signal_after_first_checkpoint(ckpt: Path, signum: int) -> None:
@@ -204,10 +204,10 @@ def test_sigterm_saves_the_current_step_and_resume_continues_bit_identical(tmp_p
 
     run(compose_cfg(*overrides, "resume=auto"))
     assert_bit_identical(weights(ckpt), reference)
-    assert logged_steps(out) == list(range(MAX_STEPS))  # each step once
+    assert logged_steps(out) == list(range(1, MAX_STEPS + 1))  # each step once
     first, second = (read_run(p) for p in find_runs(out / "wandb"))
     assert first.run_id == second.run_id == saved["wandb_run_id"]
-    assert min(s for s, _ in second.metric("train/loss")) >= stopped - 1
+    assert min(s for s, _ in second.metric("train/loss")) == stopped + 1
 
 
 def test_sigusr1_saves_the_current_step_and_stops_cleanly(tmp_path, cache_dir):
@@ -362,6 +362,53 @@ def test_resume_auto_finds_a_run_whose_sharded_checkpoint_a_kill_left_set_aside(
     assert (restored / ".metadata").is_file() and Run(run_dir).resume_checkpoint() == restored
 
 
+def disk_bytes(folder: Path) -> int:
+    """The bytes ``folder``'s files take on disk, a file with several names counted once (as ``du`` does)."""
+    inodes = {(p.stat().st_dev, p.stat().st_ino): p.stat().st_blocks * 512 for p in folder.iterdir()}
+    return sum(inodes.values())
+
+
+def test_a_best_checkpoint_at_the_step_of_last_is_one_file_on_disk(tmp_path, cache_dir):
+    # A 5-step run validates after steps 4 and 5: its best is step 5, the step last.ckpt holds at the end.
+    out = tmp_path / "five"
+    common = [
+        *TINY,
+        "logger=csv",
+        "callbacks.sample_generation.max_new_tokens=0",
+        f"paths.root_dir={cache_dir}",
+    ]
+    run(compose_cfg(*common, "trainer.max_steps=5", f"paths.output_dir={out}"))
+    last = out / "checkpoints" / "last.ckpt"
+    (best,) = (out / "checkpoints").glob("best-*.ckpt")
+    assert best.name.startswith("best-step000005-")
+    assert disk_bytes(out / "checkpoints") < 1.05 * last.stat().st_size  # one checkpoint's bytes, not two
+    assert best.samefile(last)
+    for path in (best, last):  # each name's digest holds, as sha256sum -c in that folder would check
+        verdict = digests.check(path)
+        assert verdict.verified and verdict.step == 5, (path, verdict.problems)
+    assert load_run(out, which="best").checkpoint == best
+
+    # last.ckpt rewritten after every step: a best linked to it at its step keeps its own bytes and step.
+    out = tmp_path / "six"
+    run(
+        compose_cfg(
+            *common,
+            "trainer.max_steps=6",
+            "callbacks.last_checkpoint.every_n_train_steps=1",
+            "callbacks.model_checkpoint.save_top_k=-1",  # keep the best of step 4 beside the one of step 6
+            f"paths.output_dir={out}",
+        )
+    )
+    checkpoints = out / "checkpoints"
+    last = checkpoints / "last.ckpt"
+    four, six = (next(checkpoints.glob(f"best-step00000{n}-*.ckpt")) for n in (4, 6))
+    assert six.samefile(last) and not four.samefile(last)
+    assert load_checkpoint(four)["global_step"] == 4 and load_checkpoint(last)["global_step"] == 6
+    assert digests.check(four).verified and digests.check(four).step == 4
+    assert disk_bytes(checkpoints) < 2.1 * last.stat().st_size  # three names, two files
+    assert not list(checkpoints.glob(".*tmp*"))
+
+
 @pytest.mark.slow
 def test_sigterm_under_ddp_stops_every_rank_and_saves(tmp_path, cache_dir):
     # Two CPU processes (DDP over gloo): the signal reaches rank 0, every rank stops at the same step.
@@ -375,6 +422,8 @@ def test_sigterm_under_ddp_stops_every_rank_and_saves(tmp_path, cache_dir):
     proc = start_and_stop_at(args, tmp_path, 4, signal.SIGTERM)
     assert proc.returncode == 0, proc.output[-3000:]
     stopped = int(re.search(r"Stopped by SIGTERM at step (\d+)", proc.output).group(1))
+    # one line for the run, not one per process
+    assert proc.output.count("Received SIGTERM: saved") == 1 and proc.output.count("Stopped by SIGTERM") == 1
     (run_dir,) = run_dirs(tmp_path)
     saved = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
     assert saved["global_step"] == stopped < MAX_STEPS
@@ -447,11 +496,11 @@ def test_a_run_ends_with_a_validation_at_its_last_step(tmp_path, cache_dir, caps
     assert f"Final validation loss {val:.4f} nats" in proc.stdout and "Trained 3 steps" in proc.stdout
 
     rows = [r for r in csv_rows(out / "csv" / "metrics.csv") if r.get("val/loss")]
-    assert [int(r["step"]) for r in rows] == [2]  # Lightning's 0-based step of the third optimizer step
+    assert [int(r["step"]) for r in rows] == [3]  # the validation after the third optimizer step
     assert float(rows[-1]["val/loss"]) == pytest.approx(val, rel=1e-6)
     (wandb_file,) = find_runs(out / "wandb")
     wandb_run = read_run(wandb_file)
-    assert wandb_run.metric("val/loss") == [(2, pytest.approx(val, rel=1e-6))]
+    assert wandb_run.metric("val/loss") == [(3, pytest.approx(val, rel=1e-6))]
     assert wandb_run.summary["val/loss"] == pytest.approx(val, rel=1e-6)
     best = torch.load(next((out / "checkpoints").glob("best-*.ckpt")), map_location="cpu", weights_only=True)
     assert best["global_step"] == 3  # the best checkpoint is the validated last state
@@ -460,13 +509,13 @@ def test_a_run_ends_with_a_validation_at_its_last_step(tmp_path, cache_dir, caps
     # the task's return value carries the same number as the log (in-process, as a sweeper calls it)
     metrics = run(compose_cfg(*overrides, f"paths.output_dir={tmp_path / 'three'}"))
     rows = [r for r in csv_rows(tmp_path / "three" / "csv" / "metrics.csv") if r.get("val/loss")]
-    assert [int(r["step"]) for r in rows] == [2] and float(rows[0]["val/loss"]) == pytest.approx(
+    assert [int(r["step"]) for r in rows] == [3] and float(rows[0]["val/loss"]) == pytest.approx(
         metrics["val/loss"]
     )
     # a last step that is a validation step validates once; with validation off there is none
     metrics = run(compose_cfg(*overrides, "trainer.max_steps=4", f"paths.output_dir={tmp_path / 'four'}"))
     steps = [int(r["step"]) for r in csv_rows(tmp_path / "four" / "csv" / "metrics.csv") if r.get("val/loss")]
-    assert steps == [3]
+    assert steps == [4]
     off = run(compose_cfg(*overrides, "trainer.limit_val_batches=0", f"paths.output_dir={tmp_path / 'off'}"))
     assert "val/loss" not in off and "No validation (it is off" in capsys.readouterr().out
 
@@ -679,7 +728,7 @@ def test_ctrl_c_saves_the_current_step_and_resume_ends_as_if_never_stopped(
         weights(run_dir / "checkpoints" / "last.ckpt"),
         weights(reference_run[0] / "checkpoints" / "last.ckpt"),
     )
-    assert logged_steps(run_dir) == list(range(MAX_STEPS))  # each step once
+    assert logged_steps(run_dir) == list(range(1, MAX_STEPS + 1))  # each step once
     result = Run(run_dir).result()
     assert result["finished"] is True and result["stopped_by_signal"] is False
     assert result["metrics"]["val/loss"] == pytest.approx(reference_run[1]["val/loss"], abs=1e-6)
@@ -725,15 +774,17 @@ def test_a_second_ctrl_c_during_the_save_quits_and_leaves_the_previous_checkpoin
     assert (
         result["stopped_by_signal"] is True and result["checkpoint_step"] == 4 and result["global_step"] == 6
     )
-    assert max(logged_steps(run_dir)) >= 4  # rows past the checkpoint's step were written...
+    assert max(logged_steps(run_dir)) >= 5  # rows past the checkpoint's step were written...
 
     run_train(args, cwd=tmp_path)
-    assert logged_steps(run_dir) == list(range(MAX_STEPS))  # ...and dropped, not repeated, by the resumed run
+    assert logged_steps(run_dir) == list(
+        range(1, MAX_STEPS + 1)
+    )  # ...and dropped, not repeated, by the resumed run
     # TensorBoard reads the two parts' event files as one curve, each step once
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     events = EventAccumulator(str(run_dir / "tensorboard")).Reload()
-    assert [e.step for e in events.Scalars("train/loss")] == list(range(MAX_STEPS))
+    assert [e.step for e in events.Scalars("train/loss")] == list(range(1, MAX_STEPS + 1))
     assert_bit_identical(weights(checkpoints / "last.ckpt"), reference)
 
 

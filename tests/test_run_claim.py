@@ -95,7 +95,7 @@ def test_two_runs_started_together_into_one_directory_one_runs_and_the_other_is_
     info = Run(run_dir).info()
     assert len(info.parts) == 1 and info.parts[0]["pid"] == winner.pid
     assert Run(run_dir).result()["finished"] and Run(run_dir).result()["run_id"] == info.run_id
-    assert trained_steps(metrics_rows(run_dir)) == [0, 1]
+    assert trained_steps(metrics_rows(run_dir)) == [1, 2]
     assert not (run_dir / REPLACED_DIR).exists() and not (run_dir / CLAIM_FILE).exists()
 
     # two resumes of that run at once: one continues it, the other is refused
@@ -108,7 +108,7 @@ def test_two_runs_started_together_into_one_directory_one_runs_and_the_other_is_
     assert Run(run_dir).result()["global_step"] == 4
     # one continuation's rows after the first part's, none twice (two resumes would have logged 4 more)
     steps = trained_steps(metrics_rows(run_dir))
-    assert steps[:2] == [0, 1] and len(steps) == 4 and steps == sorted(set(steps))
+    assert steps[:2] == [1, 2] and len(steps) == 4 and steps == sorted(set(steps))
 
 
 @pytest.mark.slow
@@ -129,7 +129,7 @@ def test_two_default_run_directories_taken_in_the_same_second_both_run(tmp_path)
         (mine,) = [d for d in dirs if Run(d).info().parts[0]["pid"] == proc.pid]
         assert f"Run directory: {mine}\n" in out + err
     for d in dirs:
-        assert Run(d).result()["finished"] and trained_steps(metrics_rows(d)) == [0, 1]
+        assert Run(d).result()["finished"] and trained_steps(metrics_rows(d)) == [1, 2]
 
 
 def test_a_claim_left_by_a_killed_process_is_taken_over(tmp_path, caplog):

@@ -65,7 +65,7 @@ def test_a_spike_in_training_is_logged_and_its_update_skipped(tmp_path):
     spikes = {int(r["step"]): float(r["train/spike"]) for r in rows if r.get("train/spike")}
     count = [float(r["train/spike_count"]) for r in rows if r.get("train/spike_count")]
     skipped = [float(r["train/skipped_steps"]) for r in rows if r.get("train/skipped_steps")]
-    assert [s for s, v in spikes.items() if v > 0] == [11], spikes  # the 12th step (Lightning counts from 0)
+    assert [s for s, v in spikes.items() if v > 0] == [12], spikes  # the 12th step
     assert count[-1] == 1 and skipped[-1] == 1
     # Skipped: the weights after step 12 equal those after step 11 (saved by the script).
     before = torch.load(run_dir / "weights_step11.pt")
@@ -73,7 +73,7 @@ def test_a_spike_in_training_is_logged_and_its_update_skipped(tmp_path):
     for name, value in before.items():
         torch.testing.assert_close(after[name], value, rtol=0, atol=0, msg=name)
     loss = {int(r["step"]): float(r["train/loss"]) for r in rows if r.get("train/loss")}
-    assert all(math.isfinite(v) for v in loss.values()) and loss[13] < loss[0]
+    assert all(math.isfinite(v) for v in loss.values()) and loss[14] < loss[1]
 
 
 @pytest.mark.parametrize(

@@ -134,6 +134,42 @@ def test_deepspeed_on_cpu_is_refused_before_any_work(tmp_path):
     assert not (tmp_path / "r" / "checkpoints").exists()
 
 
+@pytest.mark.slow
+def test_two_processes_print_each_message_once(tmp_path):
+    # DDP re-runs the command for rank 1. Pinned to one core (as `taskset -c 0` does; DDP's second process
+    # inherits it), two processes are more than the cores: the core-count warning is due, once.
+    proc = run_train(
+        [
+            *TINY,
+            "trainer.max_steps=4",
+            "trainer.val_check_interval=2",
+            "logger=csv",
+            "strategy=ddp",
+            *CPU2,
+            f"paths.root_dir={tmp_path}",
+            f"hydra.run.dir={tmp_path / 'run'}",
+        ],
+        cwd=tmp_path,
+        preexec_fn=lambda: os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}),
+    )
+    out = proc.stdout + proc.stderr
+    assert "MEMBER: 2/2" in out  # two processes trained
+    once = [
+        "trainer.devices=2 starts 2 training processes on the CPU, but this machine gives this run 1 core(s)",
+        "Windows of 33 tokens:",
+        "Data ready after",
+        "Final validation loss",
+        *(
+            f"step {n} {decoding}: 'In this case, the' -> "
+            for n in (2, 4)
+            for decoding in ("greedy", "sampled (temperature 1, top-k 40)")
+        ),
+    ]
+    assert {line: out.count(line) for line in once} == dict.fromkeys(once, 1), out[-4000:]
+    assert out.count("Token cache hit") + out.count("Preparing embedded corpus") == 1
+    assert "sync_dist" not in out  # the validation metrics are the same on every rank, and Lightning knows it
+
+
 def test_a_multirun_with_ddp_is_refused_and_points_to_ddp_spawn_and_slurm(tmp_path):
     sweep = tmp_path / "sweep"
     proc = run_train(
@@ -399,7 +435,7 @@ def test_fsdp_on_two_processes_trains_checkpoints_shards_and_resumes(tmp_path):
         "__1_0.distcp",
     ]
     full_loss = column(metrics_csv(full), "train/loss")
-    assert full_loss[5] < full_loss[0] - 1.0  # it trained
+    assert full_loss[6] < full_loss[1] - 1.0  # it trained
     # Rank 0 wrote the directory's digest: one line per file, every rank's shard included.
     listed = {f.name for f in digests.read_digest(middle).files}
     assert listed == {f"{middle.name}/{p.name}" for p in middle.iterdir()} and len(listed) == 4
@@ -411,11 +447,11 @@ def test_fsdp_on_two_processes_trains_checkpoints_shards_and_resumes(tmp_path):
     assert "Restored all states from the checkpoint" in proc.stdout + proc.stderr
     assert "without verifying" not in proc.stdout + proc.stderr  # each rank checked the shards first
     resumed_loss = column(metrics_csv(resumed), "train/loss")
-    assert sorted(resumed_loss) == [3, 4, 5]  # Lightning's 0-based steps after the third optimizer step
+    assert sorted(resumed_loss) == [4, 5, 6]  # the steps after the third
     # The sharded weights and optimizer states came back: the loss goes on from where it was, far below the
     # untrained model's.
-    assert resumed_loss[3] < full_loss[0] - 0.4
-    assert abs(resumed_loss[5] - full_loss[5]) < 0.5
+    assert resumed_loss[4] < full_loss[1] - 0.4
+    assert abs(resumed_loss[6] - full_loss[6]) < 0.5
     assert (resumed / "checkpoints" / "last.ckpt").is_dir()
 
 
@@ -468,7 +504,7 @@ def test_two_nodes_on_one_machine_train_together_under_torchrun(tmp_path):
     # Rank 0 (node 0) logs and saves; every step counted the tokens of both nodes.
     rows = metrics_csv(tmp_path / "node0")
     tokens = column(rows, "train/tokens")
-    assert tokens[3] == 4 * 2 * 4 * 32  # steps x nodes x batch x block_size
+    assert tokens[4] == 4 * 2 * 4 * 32  # steps x nodes x batch x block_size
     assert not (tmp_path / "node1" / "checkpoints").exists()
     assert (
         torch.load(tmp_path / "node0" / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] == 4

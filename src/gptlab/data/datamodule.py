@@ -206,7 +206,6 @@ class GPTDataModule(L.LightningDataModule):
         return 0, 1, False
 
     def train_dataloader(self) -> DataLoader:
-        from torchdata.stateful_dataloader import StatefulDataLoader
         from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
 
         rank, world_size, distributed = self._rank()
@@ -232,7 +231,7 @@ class GPTDataModule(L.LightningDataModule):
             stream = StreamingWindows(
                 self.spec, self.tokenizer, self.block_size + 1, rank, world_size, length=windows
             )
-            return StatefulDataLoader(stream, drop_last=True, **common)
+            return stateful_loader(stream, drop_last=True, **common)
         # A stateful loader: a resumed run continues from the same batch, not from the epoch's start. Under a
         # distributed strategy the sampler must be stateful too (Lightning's own DistributedSampler has no
         # position to restore); each rank then takes every world_size-th sample of the same seeded permutation.
@@ -249,7 +248,7 @@ class GPTDataModule(L.LightningDataModule):
                 drop_last=drop_last,
             )
             options = {"sampler": sampler}
-        return StatefulDataLoader(self.train_set, drop_last=drop_last, **common, **options)
+        return stateful_loader(self.train_set, drop_last=drop_last, **common, **options)
 
     def val_dataloader(self) -> DataLoader:
         assert self.val_set is not None, "setup() builds the validation windows"
@@ -262,3 +261,16 @@ class GPTDataModule(L.LightningDataModule):
             persistent_workers=self.num_workers > 0,
             collate_fn=self.collate(),
         )
+
+
+def stateful_loader(*args: Any, **kwargs: Any) -> DataLoader:
+    """torchdata's ``StatefulDataLoader`` (it saves its position in the checkpoints). Its constructor calls
+    ``torch.set_vital``, which torch 2.13 deprecates with a warning that every run printed and that says
+    nothing about the run: that warning is silenced for this call alone."""
+    import warnings
+
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="'set_vital' is deprecated", category=UserWarning)
+        return StatefulDataLoader(*args, **kwargs)

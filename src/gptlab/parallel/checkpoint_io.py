@@ -87,6 +87,44 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         super().remove_checkpoint(path)
 
 
+def link_checkpoint(source: Path, target: Path) -> bool:
+    """Make ``target`` a second name of the checkpoint file ``source``: a hard link, made beside the target and
+    renamed over it (what was there stays whole until then), with its digest beside it (the source's, under
+    the new name). One file on disk for two names: a later save of either name writes a new file and renames
+    it into place, which leaves the other name's bytes as they were. Returns False, changing nothing, where
+    ``source`` is not a file (a sharded checkpoint) or the file system refuses hard links: the caller writes
+    ``target`` itself. A symbolic link is not a fallback: removing or rewriting its target would change it."""
+    source, target = Path(source), Path(target)
+    if not source.is_file() or source.resolve() == target.resolve():
+        return False
+    tmp = target.parent / f".{target.name}.tmp-link-{os.getpid()}"  # a stray one goes with the next save
+    try:
+        tmp.unlink(missing_ok=True)
+        os.link(source, tmp)
+    except OSError as e:
+        log.debug("no hard link from %s to %s (%s): writing it in full", source, target, e)
+        tmp.unlink(missing_ok=True)
+        return False
+    try:
+        manifest = digests.read_digest(source)
+        written = manifest.files[0] if manifest is not None and len(manifest.files) == 1 else None
+        if manifest is not None and written is not None and written.size == tmp.stat().st_size:
+            files, step = [digests.FileDigest(target.name, written.size, written.sha256)], manifest.step
+        else:  # a source without a digest: hash the bytes the link holds
+            files, step = digests.compute(tmp, name=target.name), None
+        digests.remove_digest(target)
+        if target.is_dir():  # a sharded checkpoint of the same name from an earlier run
+            shutil.rmtree(target)
+        os.replace(tmp, target)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(target.parent)
+    digests.write_digest(target, files, step)
+    fsync_dir(target.parent)
+    return True
+
+
 def step_of(checkpoint: dict[str, Any]) -> int | None:
     """The optimizer step a Lightning checkpoint holds, for its digest file."""
     step = checkpoint.get("global_step")

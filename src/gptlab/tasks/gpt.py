@@ -24,7 +24,8 @@ from omegaconf import DictConfig
 from gptlab.config import GPTRunConfig, parse_gpt
 from gptlab.planning.fit import check_memory
 from gptlab.resume import ResumePlan, plan_resume
-from gptlab.tasks.skeleton import RunSession, record_run_dir, route_lightning_logs
+from gptlab.runs.identity import launched_rank
+from gptlab.tasks.skeleton import RunSession, quiet_launched_ranks, record_run_dir, route_lightning_logs
 
 if TYPE_CHECKING:  # Lightning and the data are imported once the config is checked: a refusal comes first
     import lightning as L
@@ -50,6 +51,7 @@ class Parts:
 def run(cfg: DictConfig) -> dict[str, float]:
     """Train one model as configured; returns the final metrics (``val/loss``, ``val/ppl``, ...)."""
     t0 = time.perf_counter()
+    quiet_launched_ranks()
     record_run_dir(cfg)  # before the config is parsed: the trainer's default_root_dir interpolates it
     settings = parse_gpt(cfg)  # before Lightning is imported (seconds): a refusal comes at once
     # before the run directory, the data or any weight: a run that cannot fit its device is refused
@@ -148,7 +150,8 @@ def build(settings: GPTRunConfig) -> Parts:
     torch.set_flush_denormal(True)
     multirun = HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
     strategy = build_strategy(settings.strategy_node, settings.trainer, multirun=multirun)
-    warn_if_cpu_oversubscribed(settings.trainer)
+    if not launched_rank():  # one warning for the run, from rank 0, not one from each process
+        warn_if_cpu_oversubscribed(settings.trainer)
     loader = settings.loader
     datamodule = GPTDataModule(
         spec=settings.data,
@@ -190,7 +193,7 @@ def make_trainer(cfg: DictConfig, settings: GPTRunConfig, parts: Parts, loggers:
     import lightning as L
 
     from gptlab.parallel.slurm import slurm_plugins
-    from gptlab.training.callbacks import ValidateAtLastStep, instantiate_callbacks
+    from gptlab.training.callbacks import LogAtGlobalStep, ValidateAtLastStep, instantiate_callbacks
     from gptlab.training.checkpointing import fault_tolerance_callbacks
     from gptlab.training.downstream_eval import downstream_callbacks
 
@@ -199,7 +202,7 @@ def make_trainer(cfg: DictConfig, settings: GPTRunConfig, parts: Parts, loggers:
         **settings.trainer,
         strategy=parts.strategy,
         logger=loggers or False,
-        callbacks=callbacks + fault_tolerance_callbacks() + [ValidateAtLastStep()],
+        callbacks=callbacks + fault_tolerance_callbacks() + [ValidateAtLastStep(), LogAtGlobalStep()],
         plugins=[*slurm_plugins(), *settings.strategy.plugins()] or None,
     )
 
@@ -274,7 +277,7 @@ def stop_line(stop: SignalStop, step: int) -> str:
 def collect_metrics(trainer: L.Trainer, parts: Parts, wall_seconds: float) -> dict[str, float]:
     from gptlab.training.metrics import run_rates
 
-    metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1}
+    metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1 and k != "step"}
     metrics["unigram_entropy"] = parts.corpus.unigram_entropy
     metrics["wall_seconds"] = wall_seconds
     metrics.update(run_rates(trainer, wall_seconds))

@@ -52,15 +52,45 @@ def record_run_dir(cfg: DictConfig) -> Path:
     return run_dir
 
 
+class DropLightningTips(logging.Filter):
+    """Lightning's advertisement on every Trainer ("Tip: ... try installing litlogger"), which no setting
+    turns off; its other lines pass."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Tip: For seamless cloud logging" not in record.getMessage()
+
+
 def route_lightning_logs() -> None:
     """Lightning prints through its own console handler; Hydra already logs the root logger to the console
-    and to the run's log file. Keep one copy of each line, in both places."""
+    and to the run's log file. Keep one copy of each line, in both places, without Lightning's litlogger tip,
+    and without the deprecation warning Lightning's own code draws from torch 2.13 (``LeafSpec``) on every run:
+    that one message from that one module, nothing else."""
+    import warnings
+
     for name in ("lightning", "lightning.pytorch", "lightning.fabric"):
         logger = logging.getLogger(name)
         for handler in list(logger.handlers):
             if isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler):
                 logger.removeHandler(handler)
         logger.propagate = True
+    tips = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+    if not any(isinstance(f, DropLightningTips) for f in tips.filters):
+        tips.addFilter(DropLightningTips())
+    warnings.filterwarnings(
+        "ignore",
+        message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+        module=r"lightning\.pytorch\.utilities\._pytree",
+    )
+
+
+def quiet_launched_ranks() -> None:
+    """In a process a launcher started for a rank other than 0 (DDP's copies of the command), gptlab's
+    information lines (the data prepared, the windows, the run's progress) repeat rank 0's: rank 0 alone shows
+    them. Warnings and errors still come from every rank: they may be that rank's own."""
+    from gptlab.runs.identity import launched_rank
+
+    if launched_rank():
+        logging.getLogger("gptlab").setLevel(logging.WARNING)
 
 
 class RunSession:

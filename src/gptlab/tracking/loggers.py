@@ -39,7 +39,13 @@ class OwnRunWandbLogger(WandbLogger):
     """Lightning's WandbLogger, except that a W&B run already open in this process (a notebook's, or one an
     earlier in-process run left open) is not reused: Lightning's logger would write this run's curves into
     that run, and wandb.init (without ``reinit="create_new"``) would hand that run back. This one opens a run
-    of its own beside it."""
+    of its own beside it. Lightning passes ``anonymous=None`` to wandb.init when it is not set, which wandb
+    0.31 answers with a warning on every run ("The anonymous setting has no effect"): left out unless set."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if self._wandb_init.get("anonymous") is None:
+            self._wandb_init.pop("anonymous", None)
 
     @property
     @rank_zero_experiment
@@ -67,11 +73,11 @@ class ContinuedCSVWriter(ExperimentWriter):
     def drop_rows_after(self, resumed_at: int) -> int:
         """Remove the rows that a stopped or killed part logged after the checkpoint a resumed run continues
         from (``resumed_at``, its global step): the resumed run trains those steps again and logs them anew.
-        Lightning's ``step`` column is 0-based (the row of optimizer step n says n - 1), so the rows kept are
-        those with ``step < resumed_at``; ``samples.tsv`` (1-based steps) keeps its rows up to ``resumed_at``.
-        Returns the number of metric rows dropped; a file with nothing to drop is left untouched."""
+        Both files count steps as ``trainer.global_step`` does (the row of optimizer step n says n), so the
+        rows kept are those up to ``resumed_at``. Returns the number of metric rows dropped; a file with nothing
+        to drop is left untouched."""
         # Lightning writes metrics.csv with csv's own line ends (\r\n); samples.tsv has \n.
-        dropped = drop_rows(Path(self.metrics_file_path), ",", "\r\n", lambda step: step < resumed_at)
+        dropped = drop_rows(Path(self.metrics_file_path), ",", "\r\n", lambda step: step <= resumed_at)
         drop_rows(Path(self.log_dir) / SAMPLES_FILE, "\t", "\n", lambda step: step <= resumed_at)
         return dropped
 
@@ -116,14 +122,16 @@ def tensorboard_logger(
     save_dir: str, name: str = "tensorboard", version: str | int | None = "", purge_step: int | None = None
 ) -> Logger:
     """TensorBoard event files in ``<save_dir>/<name>/`` (``tensorboard --logdir <save_dir>``). A resumed run
-    passes ``purge_step`` (its checkpoint's step): TensorBoard hides the events an earlier part logged from
-    that step on, which this run logs again."""
+    passes ``purge_step`` (the step after its checkpoint's): TensorBoard hides the events an earlier part
+    logged from that step on, which this run logs again."""
     extra: dict[str, Any] = {"purge_step": purge_step} if purge_step is not None else {}
     return TensorBoardLogger(save_dir=save_dir, name=name, version=version, default_hp_metric=False, **extra)
 
 
-def log_text_samples(trainer: L.Trainer, columns: list[str], rows: list[list[Any]]) -> None:
-    """Log generated samples with every logger that can hold text."""
+def log_text_samples(trainer: L.Trainer, columns: list[str], rows: list[list[Any]], new: int = 1) -> None:
+    """Log generated samples with every logger that can hold text: W&B the whole table, the others its last
+    ``new`` rows (those added since the last call)."""
+    added = rows[-new:]
     for logger in trainer.loggers:
         if isinstance(logger, WandbLogger):
             logger.log_text(key="samples", columns=columns, data=rows, step=trainer.global_step)
@@ -133,11 +141,15 @@ def log_text_samples(trainer: L.Trainer, columns: list[str], rows: list[list[Any
             with path.open("a") as f:
                 if path.stat().st_size == 0:
                     f.write("\t".join(columns) + "\n")
-                f.write("\t".join(str(v).replace("\t", " ").replace("\n", "\\n") for v in rows[-1]) + "\n")
+                for row in added:
+                    f.write("\t".join(str(v).replace("\t", " ").replace("\n", "\\n") for v in row) + "\n")
         elif isinstance(logger, TensorBoardLogger):
-            row = " | ".join(str(v).replace("|", "\\|").replace("\n", " ") for v in rows[-1])
             header = " | ".join(columns)
-            table = f"| {header} |\n|{'---|' * len(columns)}\n| {row} |"
+            body = "\n".join(
+                "| " + " | ".join(str(v).replace("|", "\\|").replace("\n", " ") for v in row) + " |"
+                for row in added
+            )
+            table = f"| {header} |\n|{'---|' * len(columns)}\n{body}"
             logger.experiment.add_text("samples", table, global_step=trainer.global_step)
 
 

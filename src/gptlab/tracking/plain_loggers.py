@@ -370,7 +370,7 @@ def instantiate_loggers(
             extra["resumed_at"] = resumed_at
         elif own and resumed_at is not None and factory == "tensorboard_logger":
             # Lightning's rows of step n say n - 1 (0-based), a plain loop's say n: the first step logged again
-            extra["purge_step"] = resumed_at if lightning else resumed_at + 1
+            extra["purge_step"] = resumed_at + 1
         try:
             loggers.append(instantiate(node, **extra))
         except InstantiationException as e:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
 import lightning as L
@@ -17,48 +18,111 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class Decoding:
+    """One way to continue the prompt: greedy (``temperature`` 0) or sampled."""
+
+    temperature: float = 0.0
+    top_k: int | None = None
+    top_p: float | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0
+
+    def describe(self) -> str:
+        """``greedy``, or ``sampled`` with its settings: ``sampled (temperature 0.8, top-k 40)``."""
+        if self.greedy:
+            return "greedy"
+        parts = [f"temperature {self.temperature:g}"]
+        if self.top_k:
+            parts.append(f"top-k {self.top_k}")
+        if self.top_p is not None and 0 < self.top_p < 1:
+            parts.append(f"top-p {self.top_p:g}")
+        return f"sampled ({', '.join(parts)})"
+
+
 class SampleGeneration(L.Callback):
-    """At every validation, continues a fixed prompt and logs it as text (a growing table in W&B, a
-    ``samples.txt`` beside CSV logs, and the console log)."""
+    """At every validation (the run's last step included), continues ``prompt`` twice: greedily, and sampled
+    (``temperature``, restricted to the ``top_k`` most likely tokens and/or the ``top_p`` nucleus). A greedy
+    continuation of a barely trained model is often a run of spaces or newlines, the most likely tokens of an
+    indented corpus; the sampled one shows the words it has learnt. Its generator is seeded with ``seed`` at
+    every validation: a rerun prints the same text, and two validations differ by the model alone.
+
+    Each continuation is one log line (written above the progress bars, not glued to them) and one row of a
+    growing table (W&B), of ``samples.tsv`` beside ``metrics.csv`` (CSV) and of the TensorBoard text.
+    ``temperature`` 0 leaves the sampled continuation out."""
 
     def __init__(
         self,
         prompt: str = "The",
         max_new_tokens: int = 32,
-        temperature: float = 0.0,
-        top_k: int | None = None,
+        temperature: float = 1.0,
+        top_k: int | None = 40,
         top_p: float | None = None,
+        seed: int = 0,
     ) -> None:
+        if temperature < 0:
+            raise ConfigError(
+                f"callbacks.sample_generation.temperature={temperature} is negative: use 0 for the greedy "
+                "continuation alone, or a positive temperature (e.g. 1.0) to sample one as well."
+            )
         self.prompt = prompt
         self.max_new_tokens = max_new_tokens
-        self.temperature = temperature
-        self.top_k = top_k
-        self.top_p = top_p
+        self.decodings = [Decoding()]
+        if temperature > 0:
+            self.decodings.append(Decoding(temperature, top_k, top_p))
+        self.seed = seed
         self.rows: list[list[Any]] = []
 
-    def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+    def continuations(self, pl_module: L.LightningModule) -> list[tuple[Decoding, str]] | None:
+        """(decoding, continuation) for each decoding; None without a tokenizer or tokens to generate."""
         tokenizer = getattr(pl_module, "tokenizer", None)
-        if trainer.sanity_checking or tokenizer is None or self.max_new_tokens <= 0:
-            return
+        if tokenizer is None or self.max_new_tokens <= 0:
+            return None
         ids = tokenizer.encode(self.prompt) or [tokenizer.eot_id]
         idx = torch.tensor([ids], device=pl_module.device)
-        generator = torch.Generator(device=pl_module.device).manual_seed(trainer.global_step)
-        out = cast("GPTLitModule", pl_module).model.generate(
-            idx,
-            self.max_new_tokens,
-            temperature=self.temperature,
-            top_k=self.top_k,
-            top_p=self.top_p,
-            generator=generator,
-        )
-        completion = tokenizer.decode(out[0, len(ids) :].tolist())
-        if trainer.global_rank != 0:
+        model = cast("GPTLitModule", pl_module).model
+        out = []
+        for decoding in self.decodings:
+            generator = torch.Generator(device=pl_module.device).manual_seed(self.seed)
+            tokens = model.generate(
+                idx,
+                self.max_new_tokens,
+                temperature=decoding.temperature,
+                top_k=decoding.top_k,
+                top_p=decoding.top_p,
+                generator=generator,
+            )
+            out.append((decoding, tokenizer.decode(tokens[0, len(ids) :].tolist())))
+        return out
+
+    def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.sanity_checking:
             return
-        self.rows.append([trainer.global_step, self.prompt, completion])
-        log.info("step %d sample: %r -> %r", trainer.global_step, self.prompt, completion)
+        # Every rank generates (the model may be sharded across them); rank 0 alone logs.
+        continued = self.continuations(pl_module)
+        if continued is None or trainer.global_rank != 0:
+            return
+        step = trainer.global_step
+        lines = []
+        for decoding, completion in continued:
+            self.rows.append([step, decoding.describe(), self.prompt, completion])
+            lines.append(f"step {step} {decoding.describe()}: {self.prompt!r} -> {completion!r}")
+        log_above_progress_bars(lines)
         from gptlab.tracking.loggers import log_text_samples
 
-        log_text_samples(trainer, ["step", "prompt", "completion"], self.rows)
+        log_text_samples(trainer, ["step", "decoding", "prompt", "completion"], self.rows, len(continued))
+
+
+def log_above_progress_bars(lines: list[str], level: int = logging.INFO) -> None:
+    """Log ``lines`` each on a line of its own: the console handlers write through tqdm meanwhile, which
+    clears the progress bars, writes the line and draws the bars again below it."""
+    from tqdm.contrib.logging import logging_redirect_tqdm
+
+    with logging_redirect_tqdm(loggers=[logging.getLogger()]):
+        for line in lines:
+            log.log(level, "%s", line)
 
 
 class StepProgressBar(TQDMProgressBar):
@@ -110,6 +174,21 @@ class ValidateAtLastStep(L.Callback):
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
         if 0 < trainer.max_steps <= trainer.global_step:
             trainer.should_stop = True
+
+
+class LogAtGlobalStep(L.Callback):
+    """Every logged row at ``trainer.global_step``, the optimizer steps done: the training row and the
+    validation after the 80th step are both step 80, as in the log lines and the checkpoint names. Lightning's
+    own x value for the module's logs lags one behind within a step (its ``_batches_that_stepped`` counts the
+    step only once it is over, so the 80th step's rows say 79); a logged ``step`` value is its documented way
+    to set the x value (``LoggerConnector.log_metrics``), and ModelCheckpoint reads it as the step too."""
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        pl_module.log("step", float(trainer.global_step), on_step=True, on_epoch=False)
+
+    def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # the same number on every rank: nothing to combine (max keeps it exact, as a mean might not be)
+        pl_module.log("step", float(trainer.global_step), sync_dist=True, reduce_fx="max")
 
 
 def instantiate_callbacks(nodes: Any) -> list[L.Callback]:

@@ -215,7 +215,7 @@ class TrainingThroughput(ThroughputMonitor):
                 )
         elif mfu is not None:  # the mean over devices equals any one device's share of its own peak
             logged["train/mfu"] = mfu
-        trainer._logger_connector.log_metrics(logged, step=iter_num)  # type: ignore[arg-type]  # typed for tensors; numbers are logged as they are
+        trainer._logger_connector.log_metrics(logged, step=trainer.global_step)  # type: ignore[arg-type]  # typed for tensors; numbers are logged as they are
 
     def state_dict(self) -> dict[str, Any]:
         return {"tokens_seen": self.tokens_seen}

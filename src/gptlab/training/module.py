@@ -189,13 +189,15 @@ class GPTLitModule(L.LightningModule):
         total = self.trainer.strategy.reduce(self._val_loss_sum, reduce_op="sum")
         count = self.trainer.strategy.reduce(self._val_count, reduce_op="sum")
         val_loss = (total / count.clamp_min(1)).float()
-        self.log("val/loss", val_loss, prog_bar=True, sync_dist=False)
-        self.log("val/ppl", torch.exp(val_loss), sync_dist=False)
+        # The same number on every rank already: Lightning's sync (max, exact, where a mean may round) agrees.
+        self.log("val/loss", val_loss, prog_bar=True, sync_dist=True, reduce_fx="max")
+        self.log("val/ppl", torch.exp(val_loss), sync_dist=True, reduce_fx="max")
         if self._token_bytes is not None:
             # bits per byte from the summed nats and bytes of every scored token: comparable across tokenizers
             n_bytes = self.trainer.strategy.reduce(self._val_bytes, reduce_op="sum")
             bpb = bits_per_byte(float(total), float(n_bytes))
-            self.log("val/bpb", torch.tensor(bpb, dtype=torch.float32, device=self.device), sync_dist=False)
+            bpb_tensor = torch.tensor(bpb, dtype=torch.float32, device=self.device)
+            self.log("val/bpb", bpb_tensor, sync_dist=True, reduce_fx="max")
 
     # ---- optimizer ------------------------------------------------------------------------------
     def configure_optimizers(self):

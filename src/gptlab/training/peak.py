@@ -107,8 +107,11 @@ def measure_matmul_peak(device: torch.device | str = "cpu", dtype: torch.dtype =
     if key in _measured:
         return _measured[key]
     n = 1024 if device.type == "cpu" else 8192
-    a = torch.randn(n, n, device=device, dtype=dtype)
-    b = torch.randn(n, n, device=device, dtype=dtype)
+    # a generator of its own: timing a product must not move the run's random stream (the model's
+    # initialisation, dropout and sampling would then depend on whether and when a peak was measured)
+    generator = torch.Generator(device=device).manual_seed(0)
+    a = torch.randn(n, n, device=device, dtype=dtype, generator=generator)
+    b = torch.randn(n, n, device=device, dtype=dtype, generator=generator)
     best = float("inf")
     for _ in range(8):
         if device.type == "cuda":

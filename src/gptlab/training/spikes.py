@@ -162,7 +162,7 @@ class SpikeDetector(L.Callback):
             metrics["train/skipped_steps"] = float(self.skipped_steps)
         self._since_logged = 0
         # Lightning's own path to every logger, at the step of the row its metrics go to.
-        trainer._logger_connector.log_metrics(metrics)  # type: ignore[arg-type]  # typed for tensors; numbers are logged as they are
+        trainer._logger_connector.log_metrics(metrics, step=trainer.global_step)  # type: ignore[arg-type]  # typed for tensors; numbers are logged as they are
 
     # ---- checkpoints ----------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
