@@ -106,7 +106,7 @@ def loss_fn(case: Case) -> LossFn:
     if case.impl == "plain":
         return lambda h, w, t: plain_linear_cross_entropy(h, w, t)
     if case.impl == "ours":
-        return lambda h, w, t: ChunkedLinearCrossEntropy.apply(h, w, None, t, -1, case.chunk, True)
+        return lambda h, w, t: ChunkedLinearCrossEntropy.apply(h, w, None, t, -1, case.chunk, True)[0]
     options = nn.LinearCrossEntropyOptions(batch_chunk_size=case.chunk)  # chunk None: torch's default pick
     return lambda h, w, t: F.linear_cross_entropy(h, w, t, ignore_index=-1, options=options)
 

@@ -19,6 +19,7 @@ from pathlib import Path
 from gptlab.comparison.records import SOURCES
 from gptlab.comparison.report import compare, compare_online, update_readme
 from gptlab.comparison.stats import DEFAULT_ALPHA
+from gptlab.comparison.table import ranking_line
 from gptlab.errors import DataError
 
 
@@ -85,6 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     except DataError as e:
         print(f"compare: error: {e}", file=sys.stderr)
         return 2
+    if result.rows:
+        print(ranking_line(result.rows[0].metric))
     print(result.table)
     for note in result.table_notes:
         print(f"\n{note}")

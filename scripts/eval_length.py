@@ -48,7 +48,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
         if args.sweep:
-            table = sweep.summarize(args.sweep, plot=args.plot)
+            results = sweep.collect(args.sweep)
+            metric = sweep.metric_for(results)  # bits per byte across tokenizers
+            table = sweep.summarize(args.sweep, plot=args.plot, results=results, metric=metric)
+            print(f"{sweep.METRICS[metric].capitalize()} at each multiple of the training context:")
             print(table)
             _, conditions = condition_labels([p for d in args.sweep for p in find_run_dirs(d)])
             passkey_table = long_context.passkey_sweep_table(

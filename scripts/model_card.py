@@ -25,6 +25,7 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from gptlab.builders import build_model_config  # noqa: E402
 from gptlab.errors import ConfigError  # noqa: E402
+from gptlab.model.head_loss import HeadLoss  # noqa: E402
 from gptlab.parallel import choose_precision  # noqa: E402
 from gptlab.planning import card, planner  # noqa: E402
 from gptlab.registry import import_plugins  # noqa: E402
@@ -66,7 +67,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         import_plugins(cfg.get("plugins"))
         config = build_model_config(cfg)
-    except ConfigError as err:
+        # the terms the loss adds (z-loss, softcap); whether its kernel runs here is the run's check
+        loss = HeadLoss(**OmegaConf.to_container(cfg.loss, resolve=True))
+    except (ConfigError, ValueError) as err:
         print(f"Error: {err}", file=sys.stderr)
         return 2
     trainer = OmegaConf.to_container(cfg.trainer, resolve=True)
@@ -94,7 +97,9 @@ def main(argv: list[str] | None = None) -> int:
             activation_checkpointing=args.activation_checkpointing
             or bool(cfg.get("activation_checkpointing")),
         )
-        text = card.model_card(config, plan, device_memory=memory, device_name=device, short=args.short)
+        text = card.model_card(
+            config, plan, device_memory=memory, device_name=device, short=args.short, loss=loss
+        )
     except ConfigError as err:
         print(f"Error: {err}", file=sys.stderr)
         return 2

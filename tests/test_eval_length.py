@@ -82,6 +82,9 @@ def test_evaluation_after_training_matches_the_validation_loss_and_extends_it(tr
     assert result["variants"]["rope"]["1"]["windows"] == 32
     assert result["variants"]["rope"]["1"]["loss"] == pytest.approx(metrics["val/loss"], abs=1e-4)
     assert metrics["length/loss@1x"] == result["variants"]["rope"]["1"]["loss"]
+    # and the same bytes: bits per byte at 1x is the trainer's val/bpb
+    assert result["variants"]["rope"]["1"]["bpb"] == pytest.approx(metrics["val/bpb"], abs=1e-4)
+    assert metrics["length/bpb@1x"] == result["variants"]["rope"]["1"]["bpb"]
     assert set(result["variants"]) == {"rope", "rope+linear", "rope+ntk", "rope+yarn"}
     for entries in result["variants"].values():
         for factor, entry in entries.items():

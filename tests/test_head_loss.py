@@ -212,7 +212,8 @@ def test_on_a_cuda_machine_a_kernel_whose_package_is_missing_is_refused(installe
         ({"chunk_rows": 0}, "loss.chunk_rows=0 must be a positive integer"),
         (
             {"chunk": 64},
-            r"loss does not take option\(s\) loss.chunk. Its options: loss.impl, loss.chunk_rows",
+            r"loss does not take option\(s\) loss.chunk. Its options: loss.impl, loss.chunk_rows, loss.z_loss, "
+            "loss.final_softcap",
         ),
     ],
 )

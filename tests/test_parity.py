@@ -209,8 +209,8 @@ def test_gemma2_weights_give_gemma2s_logits(make_cfg, tmp_path):
     """Gemma 2: sandwich norms with gains stored as w (applied as 1 + w), embeddings times sqrt(hidden), tanh
     GeGLU, local and global layers alternating (window 8, pattern LGL over 3 layers) and the attention-logit
     cap, tiny and random with the norm gains moved off their init: logits within 1e-5 through
-    ``model.init_from``. Its final-logit cap is off here (the output layer has none); a checkpoint with one is
-    refused."""
+    ``model.init_from``; then with its final-logit cap, which is ``loss.final_softcap``, and refused without
+    it."""
     if not hasattr(transformers, "Gemma2Config"):
         pytest.skip("this transformers has no Gemma 2")
     torch.manual_seed(0)
@@ -262,6 +262,19 @@ def test_gemma2_weights_give_gemma2s_logits(make_cfg, tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(model(idx)[0], reference(idx).logits, rtol=0, atol=1e-5)
     capped = tmp_path / "capped"
-    transformers.Gemma2ForCausalLM(transformers.Gemma2Config(**shape)).save_pretrained(capped)
-    with pytest.raises(ConfigError, match="final_logit_softcapping=30.0 caps the output logits"):
-        hf.config_from_pretrained(capped)
+    reference = transformers.Gemma2ForCausalLM(
+        transformers.Gemma2Config(**shape, final_logit_softcapping=0.5)
+    )
+    reference.eval().save_pretrained(capped)
+    cap_overrides = [*overrides[:-1], f"model.init_from={capped}"]
+    model = gptlab.build_model(make_cfg(*cap_overrides, "loss.final_softcap=0.5")).eval()
+    with torch.no_grad():
+        logits = reference(idx).logits
+        torch.testing.assert_close(model(idx)[0], logits, rtol=0, atol=1e-5)
+    assert logits.abs().max() < 0.5 and logits.abs().max() > 0.25  # the cap bites
+    with pytest.raises(
+        ConfigError,
+        match=r"the checkpoint caps its output logits at 0.5 \(final_logit_softcapping\) and the model not at "
+        r"all: set loss.final_softcap=0.5",
+    ):
+        gptlab.build_model(make_cfg(*cap_overrides))

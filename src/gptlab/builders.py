@@ -64,8 +64,10 @@ def build_model_config(cfg: DictConfig, tokenizer: tokenizers.Tokenizer | None =
 
 
 def build_model(cfg: DictConfig, tokenizer: tokenizers.Tokenizer | None = None) -> GPT:
-    """The model of a composed config, with ``model.init_from``'s weights when set."""
+    """The model of a composed config, with ``model.init_from``'s weights when set, capping its logits where
+    ``loss.final_softcap`` says so."""
     model = GPT(build_model_config(cfg, tokenizer))
+    model.final_softcap = (plain(cfg.get("loss")) or {}).get("final_softcap")
     source = plain(cfg.model).get("init_from")
     if source:
         from gptlab.model.hf import load_pretrained

@@ -204,11 +204,11 @@ def parse_tokenizer(node: Any) -> dict[str, Any]:
 
 def parse_loss(node: Any, trainer: dict[str, Any]) -> HeadLoss:
     """The ``loss`` node, refused where its kernel cannot run (a CUDA kernel without CUDA or its package)."""
-    from gptlab.model.head_loss import HeadLoss, refusal
+    from gptlab.model.head_loss import LOSS_KEYS, HeadLoss, refusal
     from gptlab.preflight import training_device_type
 
     values = dict(plain(node) or {})
-    check_keys(values, ("impl", "chunk_rows"), "loss", "loss")
+    check_keys(values, LOSS_KEYS, "loss", "loss")
     try:
         loss = HeadLoss(**values)
     except ValueError as e:

@@ -46,8 +46,22 @@ def label(result: dict[str, Any], run: Run, condition: str) -> dict[str, Any]:
     return {**result, "seed": run.config().get("seed"), "job_dir": str(run.path), "condition": condition}
 
 
-def aggregate(results: list[dict[str, Any]]) -> dict[str, Any]:
-    """{variant: {factor: {"mean", "std", "n", "errors"}}}, plus the shared factors and training context."""
+# What a length table shows: an entry's key, and its unit.
+METRICS = {"loss": "validation loss (nats)", "bpb": "validation bits per byte"}
+# The cell of a study that measured the loss but not the metric shown (bits per byte, before gptlab had them).
+NOT_RECORDED = "not recorded"
+
+
+def metric_for(results: list[dict[str, Any]]) -> str:
+    """``bpb`` when the runs of ``results`` differ in tokenizer (nats per token are then on different
+    scales), else ``loss``."""
+    tokenizers = {Run(Path(r["job_dir"])).setting("tokenizer") for r in results if r.get("job_dir")}
+    return "bpb" if len(tokenizers) > 1 else "loss"
+
+
+def aggregate(results: list[dict[str, Any]], metric: str = "loss") -> dict[str, Any]:
+    """{variant: {factor: {"mean", "std", "n", "errors"}}} of each entry's ``metric`` (``loss``, or ``bpb``
+    across tokenizers), plus the shared factors and training context."""
     losses: dict[str, dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))
     errors: dict[str, dict[int, str]] = defaultdict(dict)
     curves: dict[str, list[np.ndarray]] = defaultdict(list)
@@ -63,10 +77,12 @@ def aggregate(results: list[dict[str, Any]]) -> dict[str, Any]:
                 scaled.add(name)
             merged = {**base, **entries}  # a scaled variant is the model as trained at 1x
             for factor, entry in merged.items():
-                if "loss" in entry:
-                    losses[name][int(factor)].append(entry["loss"])
+                if metric in entry:
+                    losses[name][int(factor)].append(entry[metric])
                 elif "error" in entry:
                     errors[name][int(factor)] = entry["error"]
+                elif "loss" in entry:  # a study from before bits per byte were measured
+                    errors[name][int(factor)] = NOT_RECORDED
             longest = max((e for e in merged.values() if "loss_by_position" in e), key=lambda e: e["context"])
             curves[name].append(np.asarray(longest["loss_by_position"]))
     table: dict[str, dict[int, dict[str, Any]]] = {}
@@ -95,6 +111,7 @@ def aggregate(results: list[dict[str, Any]]) -> dict[str, Any]:
         "by_position": by_position,
         "runs": len(results),
         "scaled": sorted(scaled),
+        "metric": metric,
     }
 
 
@@ -122,7 +139,8 @@ def format_table(summary: dict[str, Any]) -> str:
                 if cell["n"]:
                     cells.append(f"{cell['mean']:.3f} ± {cell['std']:.3f}")
                 else:
-                    cells.append("cannot run" if cell["error"] else "")
+                    error = cell["error"]
+                    cells.append((error if error == NOT_RECORDED else "cannot run") if error else "")
             lines.append(f"| {name} | {seeds} | " + " | ".join(cells) + " |")
         tables.append("\n".join(lines))
     return "\n\n".join(tables)
@@ -149,15 +167,18 @@ def plot_summary(summary: dict[str, Any], path: str | Path) -> Path:
     for ax in (left, right):
         ax.set_xscale("log", base=2)
         ax.axvline(context, color="grey", linestyle=":")
-        ax.set_ylabel("validation loss (nats)")
+    left.set_ylabel(METRICS[summary.get("metric", "loss")])
+    right.set_ylabel("validation loss (nats)")  # the loss at each position is in nats per token
     left.set_xlabel("evaluation context (tokens); dotted: training context")
-    left.set_title(f"Loss against context, mean ± std over seeds ({summary['runs']} runs)")
+    what = "Bits per byte" if summary.get("metric") == "bpb" else "Loss"
+    left.set_title(f"{what} against context, mean ± std over seeds ({summary['runs']} runs)")
     right.set_xlabel("token position (longest context each scheme ran at)")
     right.set_title("Loss by token position, mean over seeds")
     left.legend(fontsize=7, ncol=2)
     ylo = min(c["mean"] for row in summary["table"].values() for c in row.values() if c["n"])
     left.set_ylim(bottom=ylo - 0.1, top=min(left.get_ylim()[1], ylo + 3))
-    right.set_ylim(bottom=ylo - 0.3, top=min(right.get_ylim()[1], ylo + 3))
+    position_lo = min(float(np.min(c)) for c in summary["by_position"].values())
+    right.set_ylim(bottom=position_lo - 0.3, top=min(right.get_ylim()[1], position_lo + 3))
     return save_figure(fig, path, dpi=80)
 
 
@@ -167,13 +188,16 @@ def summarize(
     out_dir: str | Path | None = None,
     results: list[dict[str, Any]] | None = None,
     ignore: Sequence[str] = (),
+    metric: str = "loss",
 ) -> str:
     """The markdown table of the length results of one or more sweeps (or of ``results`` already collected
-    and labelled, as the comparison passes them); also writes ``plot`` (PNG) and ``length_summary.json`` in
-    ``out_dir`` (default: the first sweep directory)."""
+    and labelled, as the comparison passes them) in ``metric`` (``loss`` in nats, or ``bpb``); also writes
+    ``plot`` (PNG) and ``length_summary.json`` in ``out_dir`` (default: the first sweep directory). ``auto``:
+    ``bpb`` when the runs differ in tokenizer (:func:`metric_for`)."""
     if isinstance(sweep_dirs, (str, Path)):
         sweep_dirs = [sweep_dirs]
-    summary = aggregate(results if results is not None else collect(sweep_dirs, ignore))
+    results = results if results is not None else collect(sweep_dirs, ignore)
+    summary = aggregate(results, metric_for(results) if metric == "auto" else metric)
     out = {k: v for k, v in summary.items() if k != "by_position"}
     out["table"] = {n: {str(f): c for f, c in row.items()} for n, row in summary["table"].items()}
     folder = Path(out_dir or sweep_dirs[0])

@@ -100,6 +100,7 @@ class RunRecord:
     path: Path
     overrides: dict[str, str]
     val_loss: list[tuple[int, float]] = field(default_factory=list)  # (step, loss) at each validation
+    val_bpb: list[tuple[int, float]] = field(default_factory=list)  # (step, bits per byte) at each validation
     val_ppl: float | None = None
     tokens_per_second: float | None = None
     mfu: float | None = None
@@ -122,6 +123,11 @@ class RunRecord:
     @property
     def final_val_loss(self) -> float | None:
         return self.val_loss[-1][1] if self.val_loss else None
+
+    def final(self, metric: str) -> float | None:
+        """The last validation's ``val/loss`` (nats per token) or ``val/bpb`` (bits per byte)."""
+        series = self.val_bpb if metric == "val/bpb" else self.val_loss
+        return series[-1][1] if series else None
 
     @property
     def finished(self) -> bool:
@@ -309,6 +315,7 @@ def _series_from_wandb(
 def _fill(record: RunRecord, series: dict[str, list[tuple[int, float]]]) -> RunRecord:
     # One value per step: a validation logged twice at one step (a resumed run) keeps the later one.
     record.val_loss = sorted(dict(series.get("val/loss", [])).items())
+    record.val_bpb = sorted(dict(series.get("val/bpb", [])).items())
     ppl = sorted(dict(series.get("val/ppl", [])).items())
     record.val_ppl = ppl[-1][1] if ppl else None
     record.tokens_per_second = _median(

@@ -29,6 +29,7 @@ from gptlab.comparison.table import (
     condition_of,
     label_of,
     markdown_table,
+    ranking_metric,
     summarize,
     table_notes,
     unfinished_table,
@@ -135,8 +136,16 @@ def _describe(
     baseline: str | None,
     alpha: float,
     include_unfinished: bool,
+    metric: str = "val/loss",
 ) -> str:
     seeds = sorted({len(r.runs) for r in rows})
+    bpb = metric == "val/bpb"
+    ranked_by = (
+        f"sorted by final validation bits per byte (`{metric}`: the runs differ in tokenizer, so nats per token "
+        "are on different scales; bits per byte divide the summed loss by the UTF-8 bytes of the text scored"
+        if bpb
+        else "sorted by final validation loss (nats"
+    )
     reference = "baseline" if baseline else "best"
     ranked = sum(len(r.runs) for r in rows)
     defined = (
@@ -150,9 +159,10 @@ def _describe(
     return (
         f"{ranked} runs ranked{f' ({left} unfinished, listed below)' if left else ''}"
         f"{', unfinished ones included at the step they reached' if include_unfinished else ''}, "
-        f"{len(rows)} conditions, sorted by final validation loss (nats; mean ± std over "
+        f"{len(rows)} conditions, {ranked_by}; mean ± std over "
         f"{'/'.join(map(str, seeds))} seeds). {defined} `Δ vs {baseline or 'best'}`: the difference of mean "
-        f"final losses to the {reference} condition with its 95% Welch confidence interval. "
+        f"final {'bits per byte' if bpb else 'losses'} to the {reference} condition with its 95% Welch confidence "
+        "interval. "
         f"`vs {baseline or 'best'} (Holm)`: Welch's t-test against the {reference} condition, two-sided, its "
         f"p-values adjusted for the {max(len(rows) - 1, 0)} comparisons with Holm's method, at p < {alpha:g}."
     )
@@ -175,18 +185,19 @@ def write_comparison(
     unless ``include_unfinished``."""
     skipped = skipped or []
     keys = condition_keys(runs, sweep_dir, ignore)
-    rows = summarize(runs, keys, baseline, alpha, include_unfinished)
+    metric = ranking_metric([r for r in runs if r.finished or include_unfinished])
+    rows = summarize(runs, keys, baseline, alpha, include_unfinished, metric)
     ranked = [r for row in rows for r in row.runs]
     unfinished = [r for r in runs if not r.finished]
     table = markdown_table(rows, keys, reference=baseline or "best")
     out.mkdir(parents=True, exist_ok=True)
     plot_path = plot_val_loss(rows, out / "val_loss.png", title=f"Validation loss, {title}")
     marks = table_notes(rows)
-    parts = [_describe(runs, rows, keys, ignore, baseline, alpha, include_unfinished), table, *marks]
+    parts = [_describe(runs, rows, keys, ignore, baseline, alpha, include_unfinished, metric), table, *marks]
     parts += _unfinished_section(unfinished, keys, sweep_dir, include_unfinished)
     parts.append(f"![validation loss]({plot_path.name})")
     figure = _long_context_figure(rows, out, parts)
-    length_table, length_plot = _length_section(ranked, keys, out, parts)
+    length_table, length_plot = _length_section(ranked, keys, out, parts, metric)
     if provenance := _provenance(runs, sweep_dir, command):
         parts.append(provenance)
     notes = [(r.path, note) for r in runs for note in r.notes]
@@ -237,7 +248,7 @@ def _long_context_figure(rows: list[Row], out: Path, parts: list[str]) -> Path |
 
 
 def _length_section(
-    ranked: list[RunRecord], keys: list[str], out: Path, parts: list[str]
+    ranked: list[RunRecord], keys: list[str], out: Path, parts: list[str], metric: str = "val/loss"
 ) -> tuple[str | None, Path | None]:
     """Tabulate and plot the ranked runs' length evaluations into ``parts``: (table, plot), or Nones."""
     studies = [(r, Run(r.path)) for r in ranked if r.outputs.get("length")]
@@ -249,9 +260,13 @@ def _length_section(
         if (study := run.length_result()) is not None
     ]
     length_plot = out / "loss_vs_context.png"
-    length_table = lengths.summarize(results=results, plot=length_plot, out_dir=out)
+    bpb = metric == "val/bpb"  # across tokenizers, the length study's bits per byte too
+    length_table = lengths.summarize(
+        results=results, plot=length_plot, out_dir=out, metric="bpb" if bpb else "loss"
+    )
     parts += [
-        "Validation loss (nats) at each multiple of the training context, mean ± std over seeds:",
+        f"Validation {'bits per byte' if bpb else 'loss (nats)'} at each multiple of the training context, mean "
+        "± std over seeds:",
         length_table,
         f"![loss against context and by position]({length_plot.name})",
     ]

@@ -45,6 +45,9 @@ class Row:
     significance: str = ""  # against the reference row: "worse, p=0.003", "cannot tell (1 seed)", ...
     contrast: Contrast | None = None  # the difference to the reference, its interval and p-values
     mfu_invalid: bool = False  # a run's MFU above 1: measured against a peak too low to be a utilisation
+    metric: str = (
+        "val/loss"  # what val_loss_mean and val_loss_std hold: val/loss, or val/bpb across tokenizers
+    )
 
     @property
     def length_ppl(self) -> dict[str, float | None]:
@@ -60,7 +63,8 @@ class Row:
 
     @property
     def final_losses(self) -> list[float]:
-        return [r.final_val_loss for r in self.runs if r.final_val_loss is not None]
+        """The final values of the ranked metric, one per seed."""
+        return [v for r in self.runs if (v := r.final(self.metric)) is not None]
 
     @property
     def unfinished(self) -> int:
@@ -152,6 +156,39 @@ def condition_labels(
     return keys, {r.path: label_of(condition_of(r, keys)) for r in runs}
 
 
+# What the table ranks by, and in what unit.
+UNITS = {"val/loss": "nats per token", "val/bpb": "bits per byte"}
+TOKENIZER_KEY = "tokenizer"
+
+
+def ranking_metric(runs: list[RunRecord]) -> str:
+    """``val/bpb`` when the runs differ in tokenizer (nats per token are then on different scales: a
+    character scores one character, a GPT-2 token about four), else ``val/loss``. Runs of different tokenizers
+    of which one logged no bits per byte (trained before gptlab measured it) are refused: no ranking of
+    theirs would be on one scale."""
+    if len({_setting(r, TOKENIZER_KEY) for r in runs}) < 2:
+        return "val/loss"
+    missing = [r for r in runs if r.final_val_loss is not None and r.final("val/bpb") is None]
+    if missing:
+        raise DataError(
+            f"The runs differ in tokenizer, so they are ranked by bits per byte (val/bpb), but {len(missing)} of "
+            f"them logged none (e.g. {missing[0].path}; a run of an older gptlab): validate them again with "
+            "this gptlab (resume=auto on a finished run validates its checkpoint), or compare the runs of one "
+            "tokenizer at a time."
+        )
+    return "val/bpb"
+
+
+def ranking_line(metric: str) -> str:
+    """What the table ranks by, in words, for the line above it."""
+    why = (
+        ": the runs differ in tokenizer, so nats per token are on different scales"
+        if metric == "val/bpb"
+        else ""
+    )
+    return f"Ranked by final {metric} ({UNITS[metric]}){why}."
+
+
 def _stdev(values: list[float]) -> float | None:
     """The standard deviation over seeds; None for one seed or a non-finite value (statistics.stdev fails
     on inf)."""
@@ -183,10 +220,12 @@ def summarize(
     baseline: str | None = None,
     alpha: float = DEFAULT_ALPHA,
     include_unfinished: bool = False,
+    metric: str = "val/loss",
 ) -> list[Row]:
-    """One row per condition (runs equal on ``keys``), sorted by mean final validation loss, each with its
-    difference to the best row or the ``baseline`` condition (``"pos=learned"``), Holm-adjusted over the
-    table. Unfinished runs are left out unless ``include_unfinished``."""
+    """One row per condition (runs equal on ``keys``), sorted by the mean final ``metric`` (``val/loss``, or
+    ``val/bpb`` across tokenizers: :func:`ranking_metric`; ``val_loss_mean`` and ``final_losses`` then hold
+    it), each with its difference to the best row or the ``baseline`` condition (``"pos=learned"``),
+    Holm-adjusted over the table. Unfinished runs are left out unless ``include_unfinished``."""
     groups: dict[tuple, list[RunRecord]] = {}
     for run in runs:
         if run.finished or include_unfinished:
@@ -198,9 +237,10 @@ def summarize(
         )
     rows = []
     for values, members in groups.items():
-        losses = [r.final_val_loss for r in members if r.final_val_loss is not None]
+        losses = [v for r in members if (v := r.final(metric)) is not None]
         rows.append(
             Row(
+                metric=metric,
                 choice=dict(zip(keys, values)),
                 runs=members,
                 val_loss_mean=sum(losses) / len(losses),  # inf for a run that ended at inf
@@ -307,7 +347,7 @@ def markdown_table(rows: list[Row], keys: list[str], reference: str = "best") ->
         "#",
         *(keys or ["runs"]),
         "seeds",
-        "val/loss",
+        rows[0].metric if rows else "val/loss",
         f"Δ vs {reference} (95% CI)",
         f"vs {reference} (Holm)",
         *(c.header for c in METRIC_COLUMNS),

@@ -87,6 +87,17 @@ class Tokenizer:
         """Everything needed to rebuild this tokenizer (saved in checkpoints and token caches)."""
         raise NotImplementedError
 
+    def token_byte_lengths(self) -> tuple[list[int], list[int]]:
+        """For each id: the UTF-8 bytes of the text the token stands for, and the bytes of the separator that
+        the text holds before it when it follows another token of the same document (0 after
+        ``<|endoftext|>``). Bits per byte counts a scored token's bytes from these (gptlab.data.token_bytes).
+        Special tokens cover no text: 0. By default each id's decoded text, with no separator."""
+        lengths = [
+            0 if i == self.eot_id or text in (ENDOFTEXT, UNK) else len(text.encode("utf-8"))
+            for i, text in ((i, self.decode([i])) for i in range(self.vocab_size))
+        ]
+        return lengths, [0] * self.vocab_size
+
     @classmethod
     def restore(cls, spec: dict[str, Any]) -> Tokenizer:
         """The inverse of ``spec``."""
@@ -169,6 +180,14 @@ class GPT2Tokenizer(Tokenizer):
 
     def spec(self) -> dict[str, Any]:
         return {"name": self.name}
+
+    def token_byte_lengths(self) -> tuple[list[int], list[int]]:
+        # byte-level BPE: a token is a run of bytes (spaces included), possibly part of one character's bytes
+        lengths = [
+            0 if i == self.eot_id else len(self.encoding.decode_single_token_bytes(i))
+            for i in range(self.vocab_size)
+        ]
+        return lengths, [0] * self.vocab_size
 
 
 # Split on whitespace and on punctuation, keeping the punctuation as tokens: , . : ; ? _ ! " ( ) ' --
@@ -262,6 +281,16 @@ class WordTokenizer(Tokenizer):
 
     def spec(self) -> dict[str, Any]:
         return {"name": self.name, "vocab": self.vocab}
+
+    def token_byte_lengths(self) -> tuple[list[int], list[int]]:
+        # The text counted is the text ``decode`` gives back: one space before each token of a document but
+        # the punctuation that decode attaches to the word before it (the tokenizer drops whitespace, so
+        # "a  b" and "a\nb" count as "a b"). The space is the following token's. <|unk|> replaced a word whose
+        # bytes the ids no longer hold: only its space is counted.
+        attached = set(",.:;?!\"()'")
+        lengths = [0 if t in (UNK, ENDOFTEXT) else len(t.encode("utf-8")) for t in self.vocab]
+        separators = [0 if t in attached or t == ENDOFTEXT else 1 for t in self.vocab]
+        return lengths, separators
 
     @classmethod
     def restore(cls, spec: dict[str, Any]) -> WordTokenizer:

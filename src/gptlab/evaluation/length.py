@@ -1,5 +1,5 @@
-"""Length extrapolation: validation loss and perplexity at 1x, 2x, 4x, 8x the training context, and the loss
-at each token position.
+"""Length extrapolation: validation loss, perplexity and bits per byte at 1x, 2x, 4x, 8x the training context,
+and the loss at each token position.
 
 A model trained on windows of ``T`` tokens is evaluated on non-overlapping validation windows of ``f * T``
 tokens. Schemes without a bounded table run at every length; a scheme with a table (``learned``) is reported as
@@ -23,6 +23,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from gptlab.data.token_bytes import TokenBytes, bits_per_byte
+from gptlab.data.tokenizers import Tokenizer
 from gptlab.evaluation import passkey, plots
 from gptlab.evaluation.options import LengthEvalOptions
 from gptlab.model.gpt import GPT
@@ -73,11 +75,17 @@ def unsupported_reason(model: GPT, context: int) -> str | None:
 
 
 def evaluate_lengths(
-    model: GPT, tokens: np.ndarray, train_context: int, options: LengthEvalOptions | None = None
+    model: GPT,
+    tokens: np.ndarray,
+    train_context: int,
+    options: LengthEvalOptions | None = None,
+    tokenizer: Tokenizer | None = None,
 ) -> dict[str, Any]:
-    """Loss, perplexity and loss by position at each factor of ``train_context``, for the model as trained
-    and with each context-scaling method its scheme has. ``tokens``: the flat validation token ids."""
+    """Loss, perplexity, bits per byte (with the ``tokenizer`` the tokens come from) and loss by position at
+    each factor of ``train_context``, for the model as trained and with each context-scaling method its scheme
+    has. ``tokens``: the flat validation token ids."""
     options = options or LengthEvalOptions()
+    token_bytes = TokenBytes.of(tokenizer) if tokenizer is not None else None
     if options.max_tokens is not None:
         tokens = tokens[: options.max_tokens]
     was_training = model.training
@@ -97,7 +105,9 @@ def evaluate_lengths(
             for factor in options.factors:
                 if scaling is not None and factor == 1:
                     continue  # scaling by 1 is the model as trained
-                entry = _length_entry(model, tokens, name, factor, factor * train_context, scaling, options)
+                entry = _length_entry(
+                    model, tokens, name, factor, factor * train_context, scaling, options, token_bytes
+                )
                 entries[str(factor)] = entry
             result["variants"][name] = entries
     finally:
@@ -123,6 +133,7 @@ def _length_entry(
     context: int,
     scaling: str | None,
     options: LengthEvalOptions,
+    token_bytes: TokenBytes | None = None,
 ) -> dict[str, Any]:
     """One variant at one factor: its scores, or the reason it could not be evaluated."""
     entry: dict[str, Any] = {"context": context}
@@ -135,13 +146,19 @@ def _length_entry(
         log.info("%s at %dx: not evaluated: %s", name, factor, entry["error"])
     else:
         entry.update(_score_at_length(model, tokens, context, factor, scaling, options.batch_tokens))
+        if token_bytes is not None:
+            # the scored tokens are tokens[1 : tokens + 1], each after the one before it
+            scored = entry["tokens"]
+            entry["bytes"] = token_bytes.count_array(tokens[:scored], tokens[1 : scored + 1])
+            entry["bpb"] = bits_per_byte(entry["loss"] * scored, entry["bytes"])
         log.info(
-            "%s at %dx (%d tokens): loss %.4f, perplexity %.2f",
+            "%s at %dx (%d tokens): loss %.4f, perplexity %.2f%s",
             name,
             factor,
             context,
             entry["loss"],
             entry["ppl"],
+            f", {entry['bpb']:.4f} bits per byte" if "bpb" in entry else "",
         )
     return entry
 
@@ -174,6 +191,8 @@ def summary_metrics(result: dict[str, Any]) -> dict[str, float]:
             if "loss" in entry:
                 out[f"{prefix}loss@{factor}x"] = entry["loss"]
                 out[f"{prefix}ppl@{factor}x"] = entry["ppl"]
+            if "bpb" in entry:
+                out[f"{prefix}bpb@{factor}x"] = entry["bpb"]
     out.update((result.get("passkey") or {}).get("metrics", {}))
     return out
 
@@ -189,7 +208,8 @@ def format_table(result: dict[str, Any]) -> str:
             if entry is None:
                 cells.append("(as trained)")
             elif "loss" in entry:
-                cells.append(f"{entry['loss']:.3f} (ppl {entry['ppl']:.1f})")
+                bpb = f", {entry['bpb']:.3f} bpb" if "bpb" in entry else ""
+                cells.append(f"{entry['loss']:.3f} (ppl {entry['ppl']:.1f}{bpb})")
             else:
                 cells.append("cannot run")
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
@@ -212,13 +232,13 @@ def study_to_log(result: dict[str, Any], paths: Sequence[Path]) -> LengthStudy:
     """What is logged to W&B of the study: the summary metrics, a table of one row per (variant, factor), the
     plots among ``paths`` and the passkey study's table when there was one."""
     rows = [
-        [name, int(factor), entry["context"], entry.get("loss"), entry.get("ppl")]
+        [name, int(factor), entry["context"], entry.get("loss"), entry.get("ppl"), entry.get("bpb")]
         for name, entries in result["variants"].items()
         for factor, entry in entries.items()
     ]
     return LengthStudy(
         summary=summary_metrics(result),
-        table=StudyTable(columns=["variant", "factor", "context", "loss", "ppl"], rows=rows),
+        table=StudyTable(columns=["variant", "factor", "context", "loss", "ppl", "bpb"], rows=rows),
         paths=paths,
         passkey_table=passkey.results_table(result["passkey"]) if result.get("passkey") else None,
     )
@@ -243,7 +263,7 @@ def evaluate_run(
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     trained = load_run(path, device)
     tokens = held_out_tokens(trained)
-    result = evaluate_lengths(trained.model, tokens, trained.train_context, options)
+    result = evaluate_lengths(trained.model, tokens, trained.train_context, options, trained.tokenizer)
     result["checkpoint"] = str(trained.checkpoint)
     out_dir = Path(out_dir) if out_dir else (trained.run_dir or trained.checkpoint.parent) / "eval_length"
     paths = write_outputs(result, out_dir)
@@ -283,7 +303,7 @@ def after_training(
     ``<run dir>/eval_length/`` and log to the run's own W&B run when it has one. ``prepared``: the run's
     ``PreparedCorpus``; ``passkey_options``: None for no passkey study."""
     tokens = prepared.val.array()  # one flat file, header-carrying shards or a stream's held-out tokens
-    result = evaluate_lengths(model, tokens, train_context, options)
+    result = evaluate_lengths(model, tokens, train_context, options, prepared.tokenizer)
     paths = write_outputs(result, run_dir / "eval_length")
     log.info("Length extrapolation (validation loss by context):\n%s", format_table(result))
     study, more = passkey.run_study(

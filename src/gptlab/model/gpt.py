@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from gptlab.model import activations, attention, norms, positional
 from gptlab.model.attention import FROM_SCHEME, AttentionBias, CausalSelfAttention, KVCache
 from gptlab.model.config import GPTConfig
-from gptlab.model.head_loss import HeadLoss
+from gptlab.model.head_loss import HeadLoss, soft_cap
 from gptlab.model.parametrization import hidden_init_std, output_multiplier
 
 __all__ = ["GPT", "MLP", "Block", "CausalSelfAttention", "KVCache", "document_positions", "mlp_hidden_width"]
@@ -115,6 +115,9 @@ class GPT(nn.Module):
         if config.tie_weights:
             self.lm_head.weight = self.transformer.wte.weight  # the output layer reuses the embedding matrix
         self.output_mult = output_multiplier(config)
+        # Gemma 2's final-logit softcap (loss.final_softcap; model/head_loss.py), applied wherever the model
+        # produces logits; None: no cap.
+        self.final_softcap: float | None = None
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -204,8 +207,13 @@ class GPT(nn.Module):
         if cache is not None:
             cache.length += T
         if targets is not None and head_loss is not None:
+            if head_loss.final_softcap != self.final_softcap:
+                raise ValueError(
+                    f"the loss caps logits at {head_loss.final_softcap} but the model at {self.final_softcap}: "
+                    "set GPT.final_softcap to the loss's final_softcap"
+                )
             return None, head_loss(x, self.lm_head.weight, targets, self.lm_head.bias)
-        logits = self.lm_head(x)  # (B, T, vocab_size)
+        logits = soft_cap(self.lm_head(x), self.final_softcap)  # (B, T, vocab_size)
         loss = None
         if targets is not None:
             loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-1)

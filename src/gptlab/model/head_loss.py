@@ -36,7 +36,8 @@ kept ahead of ``torch`` because it was measurably faster with two threads and sm
 - chunk size: with two threads both ran faster at 512 rows than at the default 160 (``chunked`` 0.80-0.86x,
   at 67 MiB more); with one thread, CPU time, 1.00x at the default shape and 0.95x at D = 768.
 
-The loss node sets only ``impl`` and ``chunk_rows`` (``ignore_index`` is -1, no label smoothing, no z-loss):
+The loss node sets ``impl`` and ``chunk_rows``, and two terms that change what is trained, the z-loss and the
+final-logit softcap (``HeadLoss``; ``plain`` and ``chunked`` only). ``ignore_index`` is -1, no label smoothing:
 torch's function supports both the ignored targets and a (V,) bias; with label smoothing it would fall back
 to the unchunked reference path. One difference: when every target of a call is ignored, the loss is nan on
 every path, and torch's also makes the gradients nan where ``plain`` and ``chunked`` give zeros (gptlab's
@@ -45,8 +46,10 @@ loaders never ignore a target).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -68,11 +71,13 @@ def default_chunk_rows(vocab_size: int) -> int:
 
 
 class ChunkedLinearCrossEntropy(torch.autograd.Function):
-    """mean over non-ignored rows of cross_entropy(hidden @ weight^T + bias, targets), chunk by chunk.
+    """mean over non-ignored rows of cross_entropy(s, targets) + z_loss * logsumexp(s)^2, chunk by chunk, where
+    s = hidden @ weight^T + bias, capped to ``softcap * tanh(s / softcap)`` when ``softcap`` is set.
 
     hidden (N, C), weight (V, C), bias (V,) or None, targets (N,). Logits and log-sum-exp are taken in
-    fp32, and the gradients are accumulated in fp32, whatever the input dtype.
-    """
+    fp32, and the gradients are accumulated in fp32, whatever the input dtype. Returns the objective
+    (differentiable), and the mean cross-entropy and mean squared log-partition (for logging, not
+    differentiable)."""
 
     @staticmethod
     def forward(
@@ -84,12 +89,15 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         ignore_index: int,
         chunk_rows: int,
         with_grad: bool,
-    ) -> Tensor:
+        z_loss: float = 0.0,
+        softcap: float | None = None,
+    ) -> tuple[Tensor, Tensor, Tensor]:
         N = hidden.size(0)
         valid = targets != ignore_index  # (N,)
         count = valid.sum()
         safe_targets = torch.where(valid, targets, 0)
         loss_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        lse_square_sum = torch.zeros((), dtype=torch.float32, device=hidden.device)
         grad_hidden = torch.empty_like(hidden, dtype=torch.float32) if with_grad else None
         grad_weight = torch.zeros_like(weight, dtype=torch.float32) if with_grad else None
         grad_bias = torch.zeros_like(bias, dtype=torch.float32) if with_grad and bias is not None else None
@@ -98,8 +106,11 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         # 1 / count: the mean's scale, folded into each chunk's gradient
         inv_count = 1.0 / count.clamp_min(1).float()
         # One (chunk_rows, V) buffer serves every chunk: logits, then log-probabilities, then the gradient,
-        # each written over the last (no allocation per chunk).
-        buffer = torch.empty(min(chunk_rows, N), weight.size(0), dtype=torch.float32, device=hidden.device)
+        # each written over the last (no allocation per chunk). The softcap's gradient needs tanh(s / cap)
+        # beside it: a second buffer, only then.
+        rows_max = min(chunk_rows, N)
+        buffer = torch.empty(rows_max, weight.size(0), dtype=torch.float32, device=hidden.device)
+        capped = torch.empty_like(buffer) if softcap is not None and with_grad else None
         for start in range(0, N, chunk_rows):
             rows = slice(start, min(start + chunk_rows, N))
             h = hidden[rows].float()  # (n, C)
@@ -108,17 +119,36 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
                 torch.mm(h, w.t(), out=z)
             else:
                 torch.addmm(b, h, w.t(), out=z)
+            if softcap is not None:
+                if capped is None:
+                    z.div_(softcap).tanh_().mul_(softcap)
+                else:
+                    tanh = capped[: h.size(0)]
+                    torch.div(z, softcap, out=tanh).tanh_()
+                    torch.mul(tanh, softcap, out=z)
+            if z_loss:
+                # log Z = s - log p at any entry: at the row's largest logit, where log p is nearest 0
+                top, top_at = z.max(dim=1, keepdim=True)  # (n, 1)
             torch.log_softmax(z, dim=-1, out=z)  # each row is reduced before it is written: safe in place
             t = safe_targets[rows, None]  # (n, 1)
+            counted = valid[rows]
             # per-row weight of the mean: 1 / count on counted rows, 0 on ignored ones
-            scale = valid[rows].float() * inv_count  # (n,)
-            loss_sum -= (z.gather(1, t).squeeze(1) * valid[rows]).sum()
+            scale = counted.float() * inv_count  # (n,)
+            loss_sum -= (z.gather(1, t).squeeze(1) * counted).sum()
+            if z_loss:
+                lse = (top - z.gather(1, top_at)).squeeze(1)  # (n,)
+                lse_square_sum += (lse.square() * counted).sum()
             if with_grad:
                 assert grad_hidden is not None and grad_weight is not None
-                # d(loss)/d(logits) = (softmax - onehot(target)) * scale; the scale is applied to the
-                # (n, C) factors rather than to the (n, V) gradient.
+                # d(loss)/d(s) = (softmax * (1 + 2 z_loss log Z) - onehot(target)) * scale; the scale is
+                # applied to the (n, C) factors rather than to the (n, V) gradient.
                 z.exp_()
+                if z_loss:
+                    z.mul_((1.0 + 2.0 * z_loss * lse)[:, None])
                 z.scatter_add_(1, t, torch.full_like(t, -1.0, dtype=z.dtype))
+                if capped is not None:
+                    # d(cap tanh(x / cap))/dx = 1 - tanh^2
+                    z.mul_(capped[: h.size(0)].square_().neg_().add_(1.0))
                 torch.mm(z, w, out=grad_hidden[rows]).mul_(scale[:, None])  # (n, C)
                 grad_weight.addmm_(z.t(), h * scale[:, None])  # (V, C)
                 if grad_bias is not None:
@@ -126,10 +156,14 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         ctx.save_for_backward(grad_hidden, grad_weight, grad_bias)
         ctx.dtypes = (hidden.dtype, weight.dtype, bias.dtype if bias is not None else None)
         # 0 / 0 = nan when every target is ignored, as F.cross_entropy gives
-        return loss_sum / count.float()
+        cross_entropy = loss_sum / count.float()
+        lse_square = lse_square_sum / count.float()
+        objective = cross_entropy + z_loss * lse_square if z_loss else cross_entropy.clone()
+        ctx.mark_non_differentiable(cross_entropy, lse_square)
+        return objective, cross_entropy, lse_square
 
     @staticmethod
-    def backward(ctx, grad_loss: Tensor):
+    def backward(ctx, grad_loss: Tensor, *unused: Tensor):
         grad_hidden, grad_weight, grad_bias = ctx.saved_tensors
         if grad_hidden is None:
             raise RuntimeError(
@@ -145,7 +179,51 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
             grad_weight.mul_(grad_loss).to(w_dtype) if need_w else None,
             grad_bias.mul_(grad_loss).to(b_dtype) if grad_bias is not None and need_b else None,
         ]
-        return (*grads, None, None, None, None)
+        return (*grads, None, None, None, None, None, None)
+
+
+@dataclass(frozen=True)
+class LossTerms:
+    """One call's loss: ``loss`` the objective that is differentiated (the cross-entropy, plus ``z_loss``
+    times ``lse_square`` when the z-loss is on), ``cross_entropy`` the mean nats per scored token, and
+    ``lse_square`` the mean of log^2 Z over the scored rows (None when the z-loss is off). The last two are
+    detached: they are what is logged."""
+
+    loss: Tensor
+    cross_entropy: Tensor
+    lse_square: Tensor | None = None
+
+
+def soft_cap(logits: Tensor, cap: float | None) -> Tensor:
+    """Final-logit softcapping (Gemma 2, Gemma Team 2024, arXiv:2408.00118): ``cap * tanh(logits / cap)``,
+    every logit strictly inside (-cap, cap); ``cap`` None leaves the logits as they are."""
+    if cap is None:
+        return logits
+    return cap * torch.tanh(logits / cap)
+
+
+def chunked_loss_terms(
+    hidden: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    bias: Tensor | None = None,
+    ignore_index: int = -1,
+    chunk_rows: int | None = None,
+    z_loss: float = 0.0,
+    softcap: float | None = None,
+) -> LossTerms:
+    """``ChunkedLinearCrossEntropy`` on ``hidden`` (..., C) and ``targets`` (...), leading dimensions
+    flattened, ``chunk_rows`` rows at a time."""
+    hidden = hidden.reshape(-1, hidden.size(-1))
+    targets = targets.reshape(-1)
+    rows = chunk_rows or default_chunk_rows(weight.size(0))
+    with_grad = torch.is_grad_enabled() and (
+        hidden.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
+    )
+    loss, cross_entropy, lse_square = ChunkedLinearCrossEntropy.apply(
+        hidden, weight, bias, targets, ignore_index, rows, with_grad, z_loss, softcap
+    )
+    return LossTerms(loss, cross_entropy, lse_square if z_loss else None)
 
 
 def chunked_linear_cross_entropy(
@@ -155,16 +233,13 @@ def chunked_linear_cross_entropy(
     bias: Tensor | None = None,
     ignore_index: int = -1,
     chunk_rows: int | None = None,
+    z_loss: float = 0.0,
+    softcap: float | None = None,
 ) -> Tensor:
-    """The mean cross-entropy of ``hidden @ weight^T (+ bias)`` against ``targets``, ``chunk_rows`` rows at
-    a time. hidden (..., C), targets (...): leading dimensions are flattened."""
-    hidden = hidden.reshape(-1, hidden.size(-1))
-    targets = targets.reshape(-1)
-    rows = chunk_rows or default_chunk_rows(weight.size(0))
-    with_grad = torch.is_grad_enabled() and (
-        hidden.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
-    )
-    return ChunkedLinearCrossEntropy.apply(hidden, weight, bias, targets, ignore_index, rows, with_grad)
+    """The mean cross-entropy of ``hidden @ weight^T (+ bias)`` (softcapped when ``softcap`` is set) against
+    ``targets``, plus ``z_loss`` times the mean log^2 Z, ``chunk_rows`` rows at a time. hidden (..., C),
+    targets (...): leading dimensions are flattened."""
+    return chunked_loss_terms(hidden, weight, targets, bias, ignore_index, chunk_rows, z_loss, softcap).loss
 
 
 def torch_linear_cross_entropy(
@@ -191,11 +266,36 @@ def torch_linear_cross_entropy(
     )
 
 
+def plain_loss_terms(
+    hidden: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    bias: Tensor | None = None,
+    ignore_index: int = -1,
+    z_loss: float = 0.0,
+    softcap: float | None = None,
+) -> LossTerms:
+    """The whole logits, softcapped when ``softcap`` is set, then ``F.cross_entropy`` and the z-loss."""
+    logits = soft_cap(F.linear(hidden, weight, bias).flatten(0, -2).float(), softcap)  # (N, V)
+    targets = targets.reshape(-1)
+    cross_entropy = F.cross_entropy(logits, targets, ignore_index=ignore_index)
+    if not z_loss:
+        return LossTerms(cross_entropy, cross_entropy.detach())
+    counted = targets != ignore_index
+    lse_square = (torch.logsumexp(logits, dim=-1).square() * counted).sum() / counted.sum()
+    return LossTerms(cross_entropy + z_loss * lse_square, cross_entropy.detach(), lse_square.detach())
+
+
 def plain_linear_cross_entropy(
-    hidden: Tensor, weight: Tensor, targets: Tensor, bias: Tensor | None = None, ignore_index: int = -1
+    hidden: Tensor,
+    weight: Tensor,
+    targets: Tensor,
+    bias: Tensor | None = None,
+    ignore_index: int = -1,
+    z_loss: float = 0.0,
+    softcap: float | None = None,
 ) -> Tensor:
-    logits = F.linear(hidden, weight, bias)  # (..., V)
-    return F.cross_entropy(logits.flatten(0, -2).float(), targets.reshape(-1), ignore_index=ignore_index)
+    return plain_loss_terms(hidden, weight, targets, bias, ignore_index, z_loss, softcap).loss
 
 
 def _kernel_dtype(hidden: Tensor) -> torch.dtype:
@@ -290,15 +390,47 @@ def available(impl: str, device: torch.device | str, installed: Collection[str] 
     return unavailable_reason(impl, torch.device(device).type, installed) is None
 
 
+# What each implementation can add to the cross-entropy. The z-loss needs each row's log-partition log Z, the
+# softcap the logits before the softmax: ``plain`` and ``chunked`` compute both. torch's F.linear_cross_entropy
+# exposes neither. Liger-Kernel's fused linear cross-entropy has ``lse_square_scale`` (the z-loss) and
+# ``softcap`` arguments, and Cut Cross-Entropy a ``softcap`` one, but gptlab does not pass them: they run on
+# CUDA only and are not checked against ``plain`` here, so those combinations are refused rather than trusted.
+EXTRAS: dict[str, frozenset[str]] = {
+    "plain": frozenset({"z_loss", "final_softcap"}),
+    "chunked": frozenset({"z_loss", "final_softcap"}),
+}
+EXTRA_NOTES = {
+    "torch": "torch's F.linear_cross_entropy returns only the mean loss: no log Z, no hook on the logits",
+    "liger": "Liger-Kernel's fused kernel has lse_square_scale and softcap arguments, but gptlab does not pass "
+    "them (not checked against plain yet)",
+    "cce": "Cut Cross-Entropy returns no log Z and gptlab does not pass its softcap argument (not checked "
+    "against plain yet)",
+}
+
+# The keys of the ``loss`` config node.
+LOSS_KEYS = ("impl", "chunk_rows", "z_loss", "final_softcap")
+
+
 @dataclass(frozen=True)
 class HeadLoss:
-    """How the model computes its output layer and loss in training and validation (not an architecture
-    choice: every option gives the same loss and gradients). ``impl``: one of ``IMPLEMENTATIONS``;
-    ``chunk_rows``: rows of B*T per chunk for ``chunked`` and ``torch`` (null: ``default_chunk_rows``)."""
+    """How the model computes its output layer and loss in training and validation. ``impl``: one of
+    ``IMPLEMENTATIONS`` (not an architecture choice: every one gives the same loss and gradients);
+    ``chunk_rows``: rows of B*T per chunk for ``chunked`` and ``torch`` (null: ``default_chunk_rows``).
+
+    Two terms that do change the model, on ``plain`` and ``chunked`` (``auto`` takes ``chunked``):
+
+    - ``z_loss``: the z-loss of PaLM (Chowdhery et al. 2022, arXiv:2204.02311), ``z_loss * log^2 Z`` added to
+      each token's loss, Z the softmax's partition function; it keeps log Z near 0 (PaLM: 1e-4). 0 is off.
+    - ``final_softcap``: final-logit softcapping of Gemma 2 (Gemma Team 2024, arXiv:2408.00118), the logits
+      replaced by ``cap * tanh(logits / cap)`` before the softmax (Gemma 2: 30). None is off. The model
+      applies the same cap wherever it produces logits (``GPT.final_softcap``): generation and evaluation see
+      the logits training saw."""
 
     impl: str = "auto"
     chunk_rows: int | None = None
     ignore_index: int = -1
+    z_loss: float = 0.0
+    final_softcap: float | None = None
 
     def __post_init__(self) -> None:
         if self.impl not in IMPLEMENTATIONS:
@@ -307,6 +439,68 @@ class HeadLoss:
             )
         if self.chunk_rows is not None and (isinstance(self.chunk_rows, bool) or int(self.chunk_rows) < 1):
             raise ValueError(f"loss.chunk_rows={self.chunk_rows!r} must be a positive integer or null.")
+        z = self.z_loss
+        if isinstance(z, bool) or not isinstance(z, int | float) or not math.isfinite(z) or z < 0:
+            raise ValueError(
+                f"loss.z_loss={z!r} must be a number >= 0: the weight of log^2 Z in the loss (PaLM used 1e-4; "
+                "0 turns the z-loss off)."
+            )
+        cap = self.final_softcap
+        if cap is not None and (
+            isinstance(cap, bool) or not isinstance(cap, int | float) or not math.isfinite(cap) or cap <= 0
+        ):
+            raise ValueError(
+                f"loss.final_softcap={cap!r} must be a positive number (Gemma 2 used 30) or null for no cap."
+            )
+        message = self.extras_refusal(self.impl)
+        if message is not None:
+            raise ValueError(message)
+
+    @property
+    def extras(self) -> frozenset[str]:
+        """The terms beyond the cross-entropy this loss uses: ``z_loss``, ``final_softcap``."""
+        used = {"z_loss"} if self.z_loss else set()
+        return frozenset(used | ({"final_softcap"} if self.final_softcap is not None else set()))
+
+    def extras_refusal(self, impl: str) -> str | None:
+        """Why ``impl`` cannot compute this loss's extra terms, with the fix; None when it can (``auto``
+        takes an implementation that can)."""
+        supported = EXTRAS.get(impl, frozenset())
+        missing = [m for m in ("z_loss", "final_softcap") if m in self.extras and m not in supported]
+        if impl == "auto":
+            return None
+        if not missing:
+            return None
+        settings = " and ".join(
+            f"loss.z_loss={self.z_loss}" if m == "z_loss" else f"loss.final_softcap={self.final_softcap}"
+            for m in missing
+        )
+        offs = " or ".join("loss.z_loss=0" if m == "z_loss" else "loss.final_softcap=null" for m in missing)
+        return (
+            f"{settings} cannot be computed by loss.impl={impl}: {EXTRA_NOTES.get(impl, 'not supported')}. "
+            f"Use loss.impl=chunked, plain or auto (which takes chunked), or {offs}."
+        )
+
+    def describe(self) -> str | None:
+        """The model card's line for the terms this loss adds to the cross-entropy; None when it adds none."""
+        parts = []
+        if self.z_loss:
+            parts.append(f"z-loss {self.z_loss:g} x log^2 Z (PaLM; loss.z_loss, logged as train/z_loss)")
+        if self.final_softcap is not None:
+            parts.append(
+                f"final logits softcapped to {self.final_softcap:g} x tanh(logits / {self.final_softcap:g}) "
+                "(Gemma 2; loss.final_softcap, in training, evaluation and generation)"
+            )
+        return "Loss: cross-entropy + " + "; ".join(parts) if parts else None
+
+    def options(self) -> dict[str, Any]:
+        """The config node's values (saved with checkpoints)."""
+        return {
+            "impl": self.impl,
+            "chunk_rows": self.chunk_rows,
+            "z_loss": self.z_loss,
+            "final_softcap": self.final_softcap,
+        }
 
     def resolve(self, device: torch.device | str, installed: Collection[str] | None = None) -> str:
         """The implementation used on ``device`` (with the ``installed`` kernel modules, default: those
@@ -314,22 +508,59 @@ class HeadLoss:
         error that says what to install or choose instead (a run refuses it at config time: ``refusal``)."""
         if self.impl == "auto":
             order = AUTO_ORDER.get(torch.device(device).type, AUTO_ORDER["cpu"])
-            return next(impl for impl in order if available(impl, device, installed))
+            return next(
+                impl
+                for impl in order
+                if available(impl, device, installed) and self.extras_refusal(impl) is None
+            )
         message = refusal(self.impl, torch.device(device).type, installed)
         if message is not None:
             raise RuntimeError(message)
         return self.impl
 
-    def __call__(self, hidden: Tensor, weight: Tensor, targets: Tensor, bias: Tensor | None = None) -> Tensor:
+    def terms(self, hidden: Tensor, weight: Tensor, targets: Tensor, bias: Tensor | None = None) -> LossTerms:
+        """The objective, cross-entropy and z-loss of ``hidden @ weight^T (+ bias)`` against ``targets``."""
         impl = self.resolve(hidden.device)
         if impl == "plain":
-            return plain_linear_cross_entropy(hidden, weight, targets, bias, self.ignore_index)
+            return plain_loss_terms(
+                hidden, weight, targets, bias, self.ignore_index, self.z_loss, self.final_softcap
+            )
         if impl == "chunked":
-            return chunked_linear_cross_entropy(
-                hidden, weight, targets, bias, self.ignore_index, self.chunk_rows
+            return chunked_loss_terms(
+                hidden,
+                weight,
+                targets,
+                bias,
+                self.ignore_index,
+                self.chunk_rows,
+                self.z_loss,
+                self.final_softcap,
             )
         if impl == "torch":
-            return torch_linear_cross_entropy(
+            loss = torch_linear_cross_entropy(
                 hidden, weight, targets, bias, self.ignore_index, self.chunk_rows
             )
-        return (_liger if impl == "liger" else _cce)(hidden, weight, targets, bias, self.ignore_index)
+        else:
+            loss = (_liger if impl == "liger" else _cce)(hidden, weight, targets, bias, self.ignore_index)
+        return LossTerms(loss, loss.detach())
+
+    def __call__(self, hidden: Tensor, weight: Tensor, targets: Tensor, bias: Tensor | None = None) -> Tensor:
+        """The objective (what is differentiated): the mean cross-entropy, plus the z-loss when it is on."""
+        return self.terms(hidden, weight, targets, bias).loss
+
+
+@dataclass(frozen=True)
+class RecordingHeadLoss(HeadLoss):
+    """A HeadLoss that keeps each call's terms in ``calls``: the training step passes it to the model to log
+    the cross-entropy and the z-loss apart from the objective it differentiates."""
+
+    calls: list[LossTerms] = field(default_factory=list, compare=False, repr=False)
+
+    @classmethod
+    def of(cls, head_loss: HeadLoss) -> RecordingHeadLoss:
+        return cls(**head_loss.options(), ignore_index=head_loss.ignore_index)
+
+    def __call__(self, hidden: Tensor, weight: Tensor, targets: Tensor, bias: Tensor | None = None) -> Tensor:
+        terms = self.terms(hidden, weight, targets, bias)
+        self.calls.append(terms)
+        return terms.loss

@@ -26,8 +26,9 @@ Mappings:
   ``post_attention_layernorm`` and ``post_feedforward_layernorm`` on the sublayers' outputs are ``ln_1_out``
   and ``ln_2_out``, ``pre_feedforward_layernorm`` is ``ln_2``), RMSNorm gains stored as w with the gain 1 + w
   (loaded as 1 + w), token embeddings times sqrt(hidden_size) (``embed_scale``), GeGLU with the tanh GELU,
-  windowed layers (``layer_types``) and the attention-logit cap. Its final-logit cap belongs to the output
-  layer, which has none here: a checkpoint that sets ``final_logit_softcapping`` is refused.
+  windowed layers (``layer_types``) and the attention-logit cap. Its final-logit cap
+  (``final_logit_softcapping``) is ``loss.final_softcap``: a checkpoint that sets it is loaded only into a
+  model capped at the same value.
 """
 
 from __future__ import annotations
@@ -158,12 +159,6 @@ def qwen3_options(hf: dict[str, Any]) -> dict[str, Any]:
 
 def gemma2_options(hf: dict[str, Any]) -> dict[str, Any]:
     """Llama's values with Gemma 2's block: sandwich norms, scaled embeddings, tanh GeGLU, windows, the cap."""
-    if hf.get("final_logit_softcapping") is not None:
-        raise ConfigError(
-            f"Gemma 2 final_logit_softcapping={hf['final_logit_softcapping']} caps the output logits, which this "
-            "model's output layer does not do: save the checkpoint with final_logit_softcapping=None to compare "
-            "the rest."
-        )
     n_head = hf["num_attention_heads"]
     head_dim = hf["hidden_size"] // n_head
     if hf.get("query_pre_attn_scalar", head_dim) != head_dim:
@@ -350,6 +345,13 @@ def load_pretrained(model: GPT, directory: str | Path) -> GPT:
     the model must be covered. Returns the model."""
     hf = read_hf_config(directory)
     check_compatible(model.config, hf, f"init_from={directory}")
+    cap = hf.get("final_logit_softcapping")
+    if cap is not None and model.final_softcap != cap:
+        capped = f"at {model.final_softcap}" if model.final_softcap is not None else "not at all"
+        raise ConfigError(
+            f"init_from={directory}: the checkpoint caps its output logits at {cap} (final_logit_softcapping) "
+            f"and the model {capped}: set loss.final_softcap={cap}."
+        )
     state = read_hf_state_dict(directory)
     mapped = FORMATS[hf["model_type"]].to_gptlab(state, model.config)
     ours = model.state_dict()

@@ -9,6 +9,7 @@ from dataclasses import replace
 from gptlab.model.config import GPTConfig
 from gptlab.model.counting import flops_per_token, human, parameter_counts
 from gptlab.model.gpt import mlp_hidden_width
+from gptlab.model.head_loss import HeadLoss
 from gptlab.planning.planner import (
     BYTES,
     GiB,
@@ -27,13 +28,18 @@ def model_card(
     device_memory: float | None = None,
     device_name: str = "",
     short: bool = False,
+    loss: HeadLoss | None = None,
 ) -> str:
-    """The card as text: the short form (printed at training start) or the full one with every strategy."""
+    """The card as text: the short form (printed at training start) or the full one with every strategy.
+    ``loss``: the run's loss node, described when it adds a term to the cross-entropy."""
     c, plan = config, plan or TrainingPlan()
     counts = parameter_counts(c)
     flops = flops_per_token(c, plan.context)
     T = plan.context or c.block_size
     lines = _model_lines(c, counts, flops, T)
+    described = loss.describe() if loss is not None else None
+    if described:
+        lines.append(described)
     est = memory_per_device(c, plan)
     lines.append(_memory_line(est, plan, T, device_name))
     warning = advise(c, device_memory, plan) if device_memory else None
@@ -113,12 +119,14 @@ def _strategy_row(name: str, e: MemoryEstimate, device_memory: float | None) -> 
     )
 
 
-def startup_card(config: GPTConfig, plan: TrainingPlan, on_cpu: bool = True) -> str:
+def startup_card(
+    config: GPTConfig, plan: TrainingPlan, on_cpu: bool = True, loss: HeadLoss | None = None
+) -> str:
     """The short card for the start of a training run, sized against the memory of the device it runs on."""
     memory, device = device_memory_bytes("cpu" if on_cpu else "cuda")
     if plan.precision not in BYTES:  # a precision plugin's own name: count it as fp32, the safe side
         plan = replace(plan, precision="32-true")
-    return model_card(config, plan, memory, device, short=True)
+    return model_card(config, plan, memory, device, short=True, loss=loss)
 
 
 def _gib(n: float) -> str:

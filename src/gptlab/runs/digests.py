@@ -4,7 +4,7 @@
 ``sha256sum -c last.ckpt.sha256``, run in that folder, checks it by hand), with each file's size and the
 checkpoint's step as comment lines, which ``sha256sum`` skips::
 
-    # gptlab checkpoint digest, step 12. Check by hand in this folder: sha256sum -c last.ckpt.sha256
+    # gptlab checkpoint digest, step 12. Check by hand in the checkpoint's folder: sha256sum -c last.ckpt.sha256
     # bytes 192937279 last.ckpt
     9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08  last.ckpt
 
@@ -56,9 +56,18 @@ class Manifest:
     step: int | None
 
 
+#: Where the digests of checkpoints named ``*ckpt_*`` (SLURM's ``hpc_ckpt_<n>.ckpt``) go, beside them: Lightning
+#: reads the version of ``hpc_ckpt_<n>.ckpt`` from the digits of every file name in the folder holding
+#: ``ckpt_``, and would read ``hpc_ckpt_1.ckpt.sha256`` as version 1256.
+NESTED_DIGEST_DIR = "digests"
+
+
 def digest_path(checkpoint: Path) -> Path:
-    """``last.ckpt`` -> ``last.ckpt.sha256``, beside it."""
+    """``last.ckpt`` -> ``last.ckpt.sha256``, beside it; ``hpc_ckpt_1.ckpt`` ->
+    ``digests/hpc_ckpt_1.ckpt.sha256`` (:data:`NESTED_DIGEST_DIR`)."""
     checkpoint = Path(checkpoint)
+    if "ckpt_" in checkpoint.name:
+        return checkpoint.parent / NESTED_DIGEST_DIR / (checkpoint.name + DIGEST_SUFFIX)
     return checkpoint.with_name(checkpoint.name + DIGEST_SUFFIX)
 
 
@@ -94,8 +103,10 @@ def compute(checkpoint: Path, name: str | None = None) -> list[FileDigest]:
 def write_digest(checkpoint: Path, files: list[FileDigest], step: int | None = None) -> Path:
     """Write ``<checkpoint>.sha256`` whole or not at all (a temporary file, fsynced, renamed over it)."""
     target = digest_path(checkpoint)
+    target.parent.mkdir(exist_ok=True)
     header = "# gptlab checkpoint digest" + (f", step {step}" if step is not None else "")
-    lines = [f"{header}. Check by hand in this folder: sha256sum -c {target.name}"]
+    where = target.relative_to(Path(checkpoint).parent).as_posix()
+    lines = [f"{header}. Check by hand in the checkpoint's folder: sha256sum -c {where}"]
     for f in files:
         lines += [f"{_SIZE_PREFIX}{f.size} {f.name}", f"{f.sha256}  {f.name}"]
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.tmp-", dir=target.parent)

@@ -73,6 +73,8 @@ def load_run(path: str | Path, device: str | torch.device = "cpu", which: str = 
     import_plugins((checkpoint.get("hyper_parameters") or {}).get("plugins"), f"{checkpoint_path}: plugins")
     model = GPT(GPTConfig.from_dict(model_config_dict(checkpoint, checkpoint_path)))
     model.load_state_dict(model_weights(checkpoint, checkpoint_path))
+    # loss.final_softcap caps the logits the model was trained on: generation and evaluation see them too
+    model.final_softcap = ((checkpoint.get("hyper_parameters") or {}).get("loss") or {}).get("final_softcap")
     model.to(device).eval()
     if "tokenizer" not in checkpoint:
         raise CheckpointError(f"{checkpoint_path} holds no tokenizer spec; cannot rebuild its tokenizer.")

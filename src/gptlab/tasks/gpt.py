@@ -127,7 +127,7 @@ def report_already_finished(run_dir: Path, result: dict[str, Any]) -> dict[str, 
     step = int(result["global_step"])
     lines = [
         f"The run already finished at step {step}; nothing to do ({run_dir / RESULT_FILE} is left as it is).",
-        validation_line(metrics.get("val/loss"), metrics.get("unigram_entropy")),
+        validation_line(metrics.get("val/loss"), metrics.get("unigram_entropy"), metrics.get("val/bpb")),
         f"Outputs: {run_dir}",
     ]
     print("\n".join(lines), flush=True)
@@ -223,7 +223,7 @@ def model_summary(module: GPTLitModule, trainer: L.Trainer | None, settings: GPT
         activation_checkpointing=settings.parallel.activation_checkpointing if settings else False,
     )
     on_cpu = trainer is None or isinstance(trainer.accelerator, CPUAccelerator)
-    summary = card.startup_card(module.model_config, plan, on_cpu=on_cpu)
+    summary = card.startup_card(module.model_config, plan, on_cpu=on_cpu, loss=module.head_loss)
     if settings and settings.loader.document_mask:
         summary += f"\n{DOCUMENT_MASK_LINE}"
     return summary
@@ -305,7 +305,7 @@ def report(
             "unigram_entropy": entropy,
             "parameters/total": parts.module.model.parameter_counts()["total"],
             # the final validation, also when a finished run is resumed and logs nothing
-            **{k: metrics[k] for k in ("val/loss", "val/ppl") if k in metrics},
+            **{k: metrics[k] for k in ("val/loss", "val/ppl", "val/bpb") if k in metrics},
         },
     )
     lines = closing_lines(metrics, entropy, session.run_dir, trainer, loggers, step, session.start_step)
@@ -343,11 +343,13 @@ def report(
         log.warning(diverged_line(metrics["val/loss"], entropy, uniform))
 
 
-def validation_line(val: float | None, entropy: float | None) -> str:
-    """The final validation against the corpus's unigram entropy."""
+def validation_line(val: float | None, entropy: float | None, bpb: float | None = None) -> str:
+    """The final validation against the corpus's unigram entropy, and in bits per byte when measured."""
     if val is None:
         return "No validation (it is off: trainer.limit_val_batches=0)"
     line = f"Final validation loss {val:.4f} nats (perplexity {_perplexity(val)})"
+    if bpb is not None:
+        line += f", {bpb:.4f} bits per byte"
     if entropy is None:
         return line
     return (
@@ -426,7 +428,11 @@ def closing_lines(
         )
     else:
         trained = f"Nothing left to train at step {step}: validated the checkpoint in {seconds:.0f} s"
-    lines = [validation_line(metrics.get("val/loss"), entropy), trained, f"Outputs: {run_dir}"]
+    lines = [
+        validation_line(metrics.get("val/loss"), entropy, metrics.get("val/bpb")),
+        trained,
+        f"Outputs: {run_dir}",
+    ]
     ckpt = trainer.checkpoint_callback
     if isinstance(ckpt, ModelCheckpoint) and ckpt.dirpath:
         lines.append(

@@ -14,10 +14,11 @@ import torch
 from torch import Tensor
 
 from gptlab.data import tokenizers
+from gptlab.data.token_bytes import TokenBytes, bits_per_byte
 from gptlab.errors import ConfigError
 from gptlab.model.config import GPTConfig
 from gptlab.model.gpt import GPT
-from gptlab.model.head_loss import HeadLoss
+from gptlab.model.head_loss import LOSS_KEYS, HeadLoss, RecordingHeadLoss
 from gptlab.model.parametrization import hidden_lr_scale
 from gptlab.registry import Choice, check_keys, import_plugins
 from gptlab.training.checkpointing import check_finite_loss, collect_rng_states, restore_rng_states
@@ -44,9 +45,10 @@ def use_fused_adamw(model: torch.nn.Module, precision_plugin: Any = None) -> boo
 
 
 def build_head_loss(loss: dict[str, Any] | None) -> HeadLoss:
-    """The ``loss`` config node (impl, chunk_rows) as a HeadLoss, with the error a user can act on."""
+    """The ``loss`` config node (impl, chunk_rows, z_loss, final_softcap) as a HeadLoss, with the error a user
+    can act on."""
     loss = dict(loss or {})
-    check_keys(loss, ("impl", "chunk_rows"), "loss", "loss")
+    check_keys(loss, LOSS_KEYS, "loss", "loss")
     try:
         return HeadLoss(**loss)
     except ValueError as e:
@@ -81,16 +83,20 @@ class GPTLitModule(L.LightningModule):
             {
                 "model": self.model_config.to_dict(),
                 "optim": self.optim.node(),
-                "loss": {"impl": self.head_loss.impl, "chunk_rows": self.head_loss.chunk_rows},
+                "loss": self.head_loss.options(),
                 "plugins": list(plugins),
             },
             logger=False,
         )
         self.model = GPT(self.model_config)
+        # final-logit softcapping is part of the model wherever it produces logits (generation, evaluation)
+        self.model.final_softcap = self.head_loss.final_softcap
         self.tokenizer = tokenizer  # saved in checkpoints
         self.parallel: Any = parallel  # gptlab.parallel.ParallelOptions (None: none)
         self._val_loss_sum = torch.zeros(())
         self._val_count = torch.zeros(())
+        self._val_bytes = torch.zeros(())
+        self._token_bytes: TokenBytes | None = None  # the tokenizer's per-id byte counts, on this device
         self._batch_shape: tuple[int, ...] | None = None  # (B, T) of the last batch, for flops_per_batch
         self.last_train_loss: Tensor | None = None
 
@@ -134,9 +140,14 @@ class GPTLitModule(L.LightningModule):
     def training_step(self, batch: tuple[Tensor, ...], batch_idx: int) -> Tensor:
         x, y, *doc_ids = batch  # doc_ids: [(B, T) document ids] under data.document_mask=true, else []
         self._batch_shape = tuple(x.shape)
-        _, loss = self.model(x, y, head_loss=self.head_loss, doc_ids=doc_ids[0] if doc_ids else None)
+        head = RecordingHeadLoss.of(self.head_loss)
+        _, loss = self.model(x, y, head_loss=head, doc_ids=doc_ids[0] if doc_ids else None)
         check_finite_loss(loss, step=self.global_step + 1, strategy=self.trainer.strategy)
-        self.log("train/loss", loss, prog_bar=True, on_step=True, on_epoch=False)
+        # train/loss is the cross-entropy alone, comparable across runs; the z-loss is logged apart
+        (terms,) = head.calls
+        self.log("train/loss", terms.cross_entropy, prog_bar=True, on_step=True, on_epoch=False)
+        if terms.lse_square is not None:
+            self.log("train/z_loss", self.head_loss.z_loss * terms.lse_square, on_step=True, on_epoch=False)
         optimizer = self.optimizers()
         assert not isinstance(optimizer, list)  # configure_optimizers returns one optimizer
         # lr: optim.lr as scheduled (the rate of every group but muP's and Muon's hidden matrices);
@@ -154,14 +165,23 @@ class GPTLitModule(L.LightningModule):
     def on_validation_epoch_start(self) -> None:
         self._val_loss_sum = torch.zeros((), device=self.device, dtype=torch.float64)
         self._val_count = torch.zeros((), device=self.device, dtype=torch.float64)
+        self._val_bytes = torch.zeros((), device=self.device, dtype=torch.float64)
+        if self.tokenizer is not None and (
+            self._token_bytes is None or self._token_bytes.lengths.device != self.device
+        ):
+            self._token_bytes = TokenBytes.of(self.tokenizer, self.device)
 
     def validation_step(self, batch: tuple[Tensor, ...], batch_idx: int) -> Tensor:
         x, y, *doc_ids = batch
         self._batch_shape = tuple(x.shape)
-        _, loss = self.model(x, y, head_loss=self.head_loss, doc_ids=doc_ids[0] if doc_ids else None)
+        head = RecordingHeadLoss.of(self.head_loss)
+        self.model(x, y, head_loss=head, doc_ids=doc_ids[0] if doc_ids else None)
+        loss = head.calls[0].cross_entropy  # nats per token, without the z-loss
         n = y.numel()
-        self._val_loss_sum += loss.detach().double() * n
+        self._val_loss_sum += loss.double() * n
         self._val_count += n
+        if self._token_bytes is not None:
+            self._val_bytes += self._token_bytes.count(x, y).double()
         return loss
 
     def on_validation_epoch_end(self) -> None:
@@ -172,6 +192,12 @@ class GPTLitModule(L.LightningModule):
         # The same number on every rank already: Lightning's sync (max, exact, where a mean may round) agrees.
         self.log("val/loss", val_loss, prog_bar=True, sync_dist=True, reduce_fx="max")
         self.log("val/ppl", torch.exp(val_loss), sync_dist=True, reduce_fx="max")
+        if self._token_bytes is not None:
+            # bits per byte from the summed nats and bytes of every scored token: comparable across tokenizers
+            n_bytes = self.trainer.strategy.reduce(self._val_bytes, reduce_op="sum")
+            bpb = bits_per_byte(float(total), float(n_bytes))
+            bpb_tensor = torch.tensor(bpb, dtype=torch.float32, device=self.device)
+            self.log("val/bpb", bpb_tensor, sync_dist=True, reduce_fx="max")
 
     # ---- optimizer ------------------------------------------------------------------------------
     def configure_optimizers(self):
@@ -199,5 +225,6 @@ class GPTLitModule(L.LightningModule):
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         if "tokenizer" in checkpoint:
             self.tokenizer = tokenizers.from_spec(checkpoint["tokenizer"])
+            self._token_bytes = None  # rebuilt for this tokenizer at the next validation
         if "rng_states" in checkpoint:
             restore_rng_states(checkpoint["rng_states"])
