@@ -91,6 +91,18 @@ def token_caches_outside_the_checkout(tmp_path_factory) -> None:
     os.environ.setdefault("GPTLAB_ROOT", str(base / "gptlab-root"))
 
 
+@pytest.fixture(autouse=True)
+def no_hydra_job_left_behind():
+    """A test that ran a Hydra job in this process (train.py through runpy, the Python API) leaves no job
+    config behind for the next test: HydraConfig would name a finished (or refused) job's run directory."""
+    yield
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.hydra_config import HydraConfig
+
+    HydraConfig.instance().cfg = None
+    GlobalHydra.instance().clear()
+
+
 TINY = [
     "model.n_layer=1",
     "model.n_head=2",

@@ -139,7 +139,7 @@ def test_the_progress_bar_and_the_logged_rate_agree_with_each_other_and_with_wal
     _, run_dir, proc = trained
     with open(run_dir / "csv" / "metrics.csv") as f:
         rows = [r for r in csv.DictReader(f) if r.get("train/tokens_per_second")]
-    logged = {int(r["step"]) + 1: float(r["train/tokens_per_second"]) for r in rows}
+    logged = {int(r["step"]): float(r["train/tokens_per_second"]) for r in rows}
     assert sorted(logged) == [10, 20, 30]
     # the bar shows the rate last logged, from the step it is logged at
     shown = [

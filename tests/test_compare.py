@@ -299,7 +299,7 @@ class ApiRunStandIn:
         }
         self.summary = {"parameters/total": 2_000_000}
         self.path = ["me", "gptlab", f"{pos}{seed}"]
-        self.rows = [{"trainer/global_step": 10 * (i + 1) - 1, "val/loss": v} for i, v in enumerate(losses)]
+        self.rows = [{"trainer/global_step": 10 * (i + 1), "val/loss": v} for i, v in enumerate(losses)]
         self.rows.append({"trainer/global_step": 5, "train/tokens_per_second": 900.0})
 
     def scan_history(self, keys: list[str]):
@@ -322,7 +322,7 @@ def test_online_runs_group_like_local_ones(tmp_path):
     assert result.rows[0].val_loss_mean == pytest.approx(2.1)
     assert result.rows[0].tokens_per_second == 900.0 and result.rows[0].parameters == 2_000_000
     assert result.rows[1].significance == "cannot tell (1 seed)"
-    assert records[0].val_loss == [(9, 3.0), (19, 2.0)]
+    assert records[0].val_loss == [(10, 3.0), (20, 2.0)]
 
 
 def test_online_comparison_reads_the_group_through_the_wandb_api(tmp_path, monkeypatch):

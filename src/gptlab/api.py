@@ -88,7 +88,10 @@ def _hydra() -> Iterator[Hydra]:
 
     register_resolvers()  # conf/hydra chooses the run directory through them, as train.py registers them
     register_help_resolver()
+    from hydra.core.hydra_config import HydraConfig
+
     backup, job = get_gh_backup(), copy.deepcopy(JobRuntime.instance().conf)  # the job's name lives there
+    job_config = HydraConfig.instance().cfg  # a job's config (ours, when refused, lacks its output_dir)
     GlobalHydra.instance().clear()
     try:
         with initialize_config_dir(str(CONFIG_DIR), job_name=JOB_NAME, version_base="1.3"):
@@ -98,6 +101,7 @@ def _hydra() -> Iterator[Hydra]:
     finally:
         restore_gh_from_backup(backup)
         JobRuntime.instance().conf = job
+        HydraConfig.instance().cfg = job_config
 
 
 def _hydra_refusal(error: Exception) -> ConfigError:

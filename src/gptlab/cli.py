@@ -139,6 +139,7 @@ def _remove_new_folder(folder: Path, leftovers: set[str]) -> bool:
         return False
     if not found <= leftovers:
         return False
+    _close_logs_in(folder)
     shutil.rmtree(folder, ignore_errors=True)
     for parent in folder.parents:
         if parent not in _new_dirs:
@@ -148,6 +149,24 @@ def _remove_new_folder(folder: Path, leftovers: set[str]) -> bool:
         except OSError:
             break
     return not folder.exists()
+
+
+def _close_logs_in(folder: Path) -> None:
+    """Detach and close the log files (Hydra's ``train.log``) that point into ``folder`` before it goes: a
+    process that goes on (a notebook, a test running train.py in-process) would otherwise log into a file
+    whose folder no longer exists."""
+    import logging
+
+    loggers = [
+        logging.getLogger(),
+        *(v for v in logging.Logger.manager.loggerDict.values() if isinstance(v, logging.Logger)),
+    ]
+    for logger in loggers:
+        for handler in list(logger.handlers):
+            name = getattr(handler, "baseFilename", None)
+            if name and folder in Path(name).parents:
+                logger.removeHandler(handler)
+                handler.close()
 
 
 def _remove_refused_sweep_dir() -> None:

@@ -356,14 +356,14 @@ def _status(run: Run, record: RunRecord, series: dict[str, list[tuple[int, float
             record.status = STOPPED
         return
     logged = [s for values in series.values() for s, _ in values]
-    record.step = max(logged) + 1 if logged else 0  # Lightning logs after step n as step n - 1
+    record.step = max(logged) if logged else 0  # rows are logged at the optimizer steps done
     record.status = RUNNING if info is not None and info.alive() else KILLED
 
 
 def _final_from_result(record: RunRecord, result: dict[str, Any]) -> None:
     """The run's own final validation (result.json) where the metrics it logged end before it: a metrics
     file whose last lines were lost (a writer killed mid-line) would otherwise show an earlier validation as
-    the final one. Read at the step Lightning logs it (the last step - 1), with a note; a logged final that
+    the final one. Read at the run's last step, with a note; a logged final that
     differs from result.json's is kept, with a note."""
     final = result_metric(result, "val/loss")
     if final is None or not record.val_loss:
@@ -371,7 +371,7 @@ def _final_from_result(record: RunRecord, result: dict[str, Any]) -> None:
     step, logged = record.val_loss[-1]
     if math.isclose(logged, final, rel_tol=1e-6) or (math.isnan(logged) and math.isnan(final)):
         return
-    at = int(result.get("global_step") or 0) - 1
+    at = int(result.get("global_step") or 0)
     if step >= at:
         record.notes.append(
             f"result.json's final val/loss ({final:.4f}) is not the one logged ({logged:.4f})"
@@ -381,7 +381,7 @@ def _final_from_result(record: RunRecord, result: dict[str, Any]) -> None:
     record.val_ppl = result_metric(result, "val/ppl")
     record.notes.append(
         f"its metrics end at step {step} ({logged:.4f}) before its final validation: result.json's ({final:.4f}, "
-        f"step {at + 1}) is read"
+        f"step {at}) is read"
     )
 
 
@@ -449,7 +449,7 @@ def record_from_api_run(run: Any) -> RunRecord:
         state, state
     )
     logged = [step for values in series.values() for step, _ in values]
-    record.step = max(logged) + 1 if logged else None
+    record.step = max(logged) if logged else None
     mark_divergence(record)
     max_steps = (run.config.get("trainer") or {}).get("max_steps")
     record.max_steps = int(max_steps) if isinstance(max_steps, int) else None

@@ -288,6 +288,13 @@ def sibling_checkpoints(path: Path) -> list[Path]:
     return list(unique.values())
 
 
+def _same_file(a: Path, b: Path) -> bool:
+    try:
+        return Path(a).samefile(b)
+    except OSError:
+        return False
+
+
 def intact_alternatives(path: Path, use_instead: str = LOAD_INSTEAD) -> str:
     """A sentence for a refusal of ``path``: the checkpoints beside it that match their digests (each one
     checked now; the highest step first) and how to use them, then those that have no digest to check.
@@ -313,10 +320,18 @@ def intact_alternatives(path: Path, use_instead: str = LOAD_INSTEAD) -> str:
     if unchecked:
         parts.append(f"Without a digest, so not verified: {', '.join(str(p) for p in unchecked)}.")
     if not parts:
+        linked = [str(v.checkpoint) for v in verdicts if _same_file(v.checkpoint, path)]
         parts.append(
             "No checkpoint beside it is intact ("
             + ", ".join(str(v.checkpoint) for v in verdicts)
-            + " differ from their digests)."
+            + " differ from their digests"
+            + (
+                f"; {', '.join(linked)} is the same file as {Path(path).name}: a best checkpoint of the same "
+                "step is a link to it, not a copy"
+                if linked
+                else ""
+            )
+            + "). Train again: the same command with overwrite=true moves the damaged run aside."
         )
     return " " + " ".join(parts)
 

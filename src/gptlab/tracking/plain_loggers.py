@@ -369,7 +369,7 @@ def instantiate_loggers(
         elif own and resumed_at is not None and factory == "csv_logger":
             extra["resumed_at"] = resumed_at
         elif own and resumed_at is not None and factory == "tensorboard_logger":
-            # Lightning's rows of step n say n - 1 (0-based), a plain loop's say n: the first step logged again
+            # rows are logged at the optimizer steps done: the first step the resumed run logs again
             extra["purge_step"] = resumed_at + 1
         try:
             loggers.append(instantiate(node, **extra))
