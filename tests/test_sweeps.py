@@ -61,7 +61,7 @@ def test_multirun_leaves_one_run_directory_and_one_wandb_run_per_job(sweep):
         assert run.exit_code == 0
 
         val = run.metric("val/loss")
-        assert [s for s, _ in val] == [3, 6]  # validation after step 4, and at the last step, 7
+        assert [s for s, _ in val] == [4, 7]  # validation after step 4, and at the last step, 7
         assert math.isclose(run.metric("val/ppl")[-1][1], math.exp(val[-1][1]), rel_tol=1e-4)
         grad_norms = [v for _, v in run.metric("train/grad_norm")]
         assert grad_norms and all(v > 0 and math.isfinite(v) for v in grad_norms)

@@ -84,9 +84,9 @@ class DownstreamEvaluation(L.Callback):
             self.seconds[-1],
             ", ".join(f"{k[len('eval/') :]} {v:.4g}" for k, v in metrics.items()),
         )
-        # Lightning's own path to every logger, at the row its metrics of this step go to: the row val/loss of
-        # the same weights is logged in when a validation falls on this step.
-        trainer._logger_connector.log_metrics(metrics)  # type: ignore[arg-type]  # typed for tensors; numbers are logged as they are
+        # Lightning's own path to every logger, at this step (the optimizer steps done: the step val/loss of the
+        # same weights is logged at when a validation falls on it).
+        trainer._logger_connector.log_metrics(metrics, step=step)  # type: ignore[arg-type]  # typed for tensors; numbers are logged as they are
         # callback_metrics returns the dict it keeps: the values stay there for the run's result.json.
         trainer.callback_metrics.update({k: torch.tensor(v, dtype=torch.float64) for k, v in metrics.items()})
 
