@@ -58,14 +58,16 @@ class Comparison:
     table_notes: tuple[str, ...] = ()  # what the table's marks mean (diverged, invalid MFU), when it has any
 
 
-def plot_val_loss(rows: list[Row], path: Path, title: str = "") -> Path:
+def plot_val_loss(rows: list[Row], path: Path, title: str = "", metric: str = "val/loss") -> Path:
     """Validation loss against step, one line per choice: the mean over seeds at the steps every seed
-    logged, and a band of ± one standard deviation."""
+    logged, and a band of ± one standard deviation. ``metric``: the table's ranking unit (``val/bpb``, bits
+    per byte, when the runs differ in tokenizer)."""
     from gptlab.figures import pyplot, save_figure
 
+    bpb = metric == "val/bpb"
     fig, ax = pyplot().subplots(figsize=(7.5, 4.5), dpi=120)
     for row in rows:
-        curves = [dict(r.val_loss) for r in row.runs]
+        curves = [dict(r.val_bpb if bpb else r.val_loss) for r in row.runs]
         steps = sorted(set.intersection(*(set(c) for c in curves)))
         if not steps:
             continue
@@ -82,7 +84,7 @@ def plot_val_loss(rows: list[Row], path: Path, title: str = "") -> Path:
             lo, hi = [m - s for m, s in zip(means, stds)], [m + s for m, s in zip(means, stds)]
             ax.fill_between(steps, lo, hi, color=line.get_color(), alpha=0.2, linewidth=0)
     ax.set_xlabel("step")
-    ax.set_ylabel("validation loss (nats)")
+    ax.set_ylabel("validation loss (bits per byte)" if bpb else "validation loss (nats)")
     ax.set_title(title or "Validation loss: mean ± std over seeds")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
@@ -191,7 +193,7 @@ def write_comparison(
     unfinished = [r for r in runs if not r.finished]
     table = markdown_table(rows, keys, reference=baseline or "best")
     out.mkdir(parents=True, exist_ok=True)
-    plot_path = plot_val_loss(rows, out / "val_loss.png", title=f"Validation loss, {title}")
+    plot_path = plot_val_loss(rows, out / "val_loss.png", title=f"Validation loss, {title}", metric=metric)
     marks = table_notes(rows)
     parts = [_describe(runs, rows, keys, ignore, baseline, alpha, include_unfinished, metric), table, *marks]
     parts += _unfinished_section(unfinished, keys, sweep_dir, include_unfinished)
