@@ -126,8 +126,6 @@ def check_tasks(options: DownstreamEvalOptions) -> Any:
 def metric_names(results: dict[str, Any]) -> dict[str, float]:
     """``eval/<task>/<metric>`` from the harness's results (``"acc,none"`` -> ``acc``; another filter kept:
     ``exact_match/strict-match``); standard errors and non-numbers left out."""
-    from gptlab.evaluation.harness import flat_metrics
-
     out = {}
     for key, value in flat_metrics(results).items():
         name = PREFIX + key.split("/", 1)[1]
@@ -146,4 +144,18 @@ def final_values(run: Run) -> dict[str, float | None]:
         harness = key.startswith(PREFIX) and key.count("/") >= 2
         if harness and isinstance(value, (int, float)) and not isinstance(value, bool):
             out[key] = float(value)
+    return out
+
+
+def flat_metrics(results: dict[str, Any]) -> dict[str, float]:
+    """``harness/<task>/<metric>`` from the harness's ``results`` (``"acc,none"`` -> ``acc``; a filter other
+    than ``none`` is kept: ``exact_match/strict-match``)."""
+    out: dict[str, float] = {}
+    for task, metrics in results.get("results", {}).items():
+        for key, value in metrics.items():
+            if "," not in key or not isinstance(value, (int, float)) or isinstance(value, bool):
+                continue
+            metric, filt = key.split(",", 1)
+            name = metric if filt == "none" else f"{metric}/{filt}"
+            out[f"harness/{task}/{name}"] = float(value)
     return out

@@ -34,6 +34,7 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 
 from gptlab.errors import ConfigError, DataError
+from gptlab.evaluation.downstream import flat_metrics
 from gptlab.model.gpt import GPT, KVCache, sample_next
 from gptlab.tracking.studies import StudyTable, log_harness_results
 
@@ -265,20 +266,6 @@ def cut_at_stops(text: str, stops: Sequence[str]) -> str:
 
 
 # ---- running the harness on a run ---------------------------------------------------------------
-
-
-def flat_metrics(results: dict[str, Any]) -> dict[str, float]:
-    """``harness/<task>/<metric>`` from the harness's ``results`` (``"acc,none"`` -> ``acc``; a filter other
-    than ``none`` is kept: ``exact_match/strict-match``)."""
-    out: dict[str, float] = {}
-    for task, metrics in results.get("results", {}).items():
-        for key, value in metrics.items():
-            if "," not in key or not isinstance(value, (int, float)) or isinstance(value, bool):
-                continue
-            metric, filt = key.split(",", 1)
-            name = metric if filt == "none" else f"{metric}/{filt}"
-            out[f"harness/{task}/{name}"] = float(value)
-    return out
 
 
 def evaluate(
