@@ -192,7 +192,7 @@ def load_initial_weights(module: GPTLitModule, source: str | None) -> None:
 def make_trainer(cfg: DictConfig, settings: GPTRunConfig, parts: Parts, loggers: list) -> L.Trainer:
     import lightning as L
 
-    from gptlab.parallel.slurm import slurm_plugins
+    from gptlab.parallel.hardware import slurm_plugins
     from gptlab.training.callbacks import LogAtGlobalStep, ValidateAtLastStep, instantiate_callbacks
     from gptlab.training.checkpointing import fault_tolerance_callbacks
     from gptlab.training.downstream_eval import downstream_callbacks
