@@ -181,7 +181,7 @@ def test_a_tiny_run_trains_with_each_term(make_cfg, tmp_path, capsys, override):
 
 
 def test_the_model_card_records_the_terms():
-    from gptlab.planning.card import model_card
+    from gptlab.planning import model_card
 
     config = GPTConfig(vocab_size=64, block_size=8, n_layer=1, n_head=2, n_embd=16)
     card = model_card(config, short=True, loss=HeadLoss(z_loss=1e-4, final_softcap=30))

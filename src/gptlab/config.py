@@ -84,7 +84,7 @@ class RunSettings:
     overwrite: bool = False
     optimized_metric: str | None = None
     plugins: tuple[str, ...] = ()  # the user's modules of variants, recorded with the checkpoints
-    # start a run whose memory estimate exceeds what its device has (gptlab.planning.fit)
+    # start a run whose memory estimate exceeds what its device has (gptlab.planning)
     allow_over_memory: bool = False
 
     @classmethod

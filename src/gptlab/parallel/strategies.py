@@ -2,7 +2,7 @@
 checkpoints are laid out, the hardware it needs, and the Lightning strategy it builds.
 
 This is the one strategy vocabulary of the project: the trainer builds from it, the memory planner
-(`gptlab.planning.planner`) sizes a run from each choice's `placement`, and checkpoint writing follows
+(`gptlab.planning`) sizes a run from each choice's `placement`, and checkpoint writing follows
 `writes_directory`. What every choice declares is `StrategyChoice`, with what each device holds as a
 `Placement`; the choices follow it. Adding a strategy is a class here (registered by name) and a YAML in
 conf/strategy/.

@@ -22,7 +22,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from gptlab.config import GPTRunConfig, parse_gpt
-from gptlab.planning.fit import check_memory
+from gptlab.planning import check_memory
 from gptlab.resume import ResumePlan, plan_resume
 from gptlab.runs.identity import launched_rank
 from gptlab.tasks.skeleton import RunSession, quiet_launched_ranks, record_run_dir, route_lightning_logs
@@ -208,13 +208,13 @@ def make_trainer(cfg: DictConfig, settings: GPTRunConfig, parts: Parts, loggers:
 
 
 def model_summary(module: GPTLitModule, trainer: L.Trainer | None, settings: GPTRunConfig | None) -> str:
-    """The short model card (gptlab.planning.card): parameters, FLOPs per token, memory per device, and a
+    """The short model card (gptlab.planning): parameters, FLOPs per token, memory per device, and a
     warning when the run will not fit its device."""
     from lightning.pytorch.accelerators import CPUAccelerator
 
-    from gptlab.planning import card
+    from gptlab import planning
 
-    plan = card.TrainingPlan(
+    plan = planning.TrainingPlan(
         strategy=settings.strategy_node if settings else "auto",
         n_devices=trainer.world_size if trainer else 1,
         precision=str(trainer.precision) if trainer else "32-true",
@@ -223,7 +223,7 @@ def model_summary(module: GPTLitModule, trainer: L.Trainer | None, settings: GPT
         activation_checkpointing=settings.parallel.activation_checkpointing if settings else False,
     )
     on_cpu = trainer is None or isinstance(trainer.accelerator, CPUAccelerator)
-    summary = card.startup_card(module.model_config, plan, on_cpu=on_cpu, loss=module.head_loss)
+    summary = planning.startup_card(module.model_config, plan, on_cpu=on_cpu, loss=module.head_loss)
     if settings and settings.loader.document_mask:
         summary += f"\n{DOCUMENT_MASK_LINE}"
     return summary
