@@ -16,7 +16,7 @@ pytest.importorskip("lm_eval")
 from gptlab.comparison.report import compare  # noqa: E402
 from gptlab.config import parse_gpt  # noqa: E402
 from gptlab.errors import ConfigError  # noqa: E402
-from gptlab.tracking.wandb_files import find_runs, read_run  # noqa: E402
+from gptlab.tracking.wandb_runs import find_runs, read_run  # noqa: E402
 
 EVAL_RUN = [
     *TINY,

@@ -16,7 +16,7 @@ from gptlab.comparison import length_table as sweep
 from gptlab.evaluation import length
 from gptlab.model.config import GPTConfig
 from gptlab.model.gpt import GPT
-from gptlab.tracking.wandb_files import find_runs, read_run
+from gptlab.tracking.wandb_runs import find_runs, read_run
 
 TINY_RUN = [
     "tokenizer=char",

@@ -27,7 +27,7 @@ from gptlab.runs import Run, digests
 from gptlab.runs.checkpoints import load_checkpoint, model_config_dict
 from gptlab.runs.trained import load_run
 from gptlab.tasks.gpt import run
-from gptlab.tracking.wandb_files import find_runs, read_run
+from gptlab.tracking.wandb_runs import find_runs, read_run
 from gptlab.training.checkpointing import AtomicCheckpointIO, NonFiniteLossError, restore_interrupted_saves
 
 MAX_STEPS = 12

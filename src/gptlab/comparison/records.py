@@ -1,7 +1,7 @@
 """One run's choices and figures, read from its directory (or from the W&B API).
 
 What each run chose comes from ``.hydra/overrides.yaml``; its metrics from ``csv/metrics.csv`` when there is
-one, else from the W&B run file (``wandb/*/run-*.wandb``, read by :mod:`gptlab.tracking.wandb_files`); and
+one, else from the W&B run file (``wandb/*/run-*.wandb``, read by :mod:`gptlab.tracking.wandb_runs`); and
 the figures of its evaluation outputs (``eval_length/length.json``, ...) from the readers declared in
 :data:`OUTPUTS`: a new evaluation adds its columns to every comparison by adding one reader there.
 
@@ -29,7 +29,7 @@ from typing import Any
 from gptlab.errors import DataError
 from gptlab.runs.layout import Run
 from gptlab.runs.naming import split_override
-from gptlab.tracking.wandb_files import find_runs, read_run
+from gptlab.tracking.wandb_runs import find_runs, read_run
 
 SOURCES = ("auto", "csv", "wandb")
 UNREADABLE = "metrics unreadable"
@@ -427,7 +427,7 @@ HISTORY_KEYS = ("val/loss", "val/ppl", "train/tokens_per_second", "train/mfu")
 
 
 def record_from_api_run(run: Any) -> RunRecord:
-    """A run of the W&B public API (one of ``gptlab.tracking.wandb_api.group_runs``) as a RunRecord: its
+    """A run of the W&B public API (one of ``gptlab.tracking.wandb_runs.group_runs``) as a RunRecord: its
     overrides from the ``sweep`` config section that gptlab logs, its metrics from the run's history."""
     overrides = (run.config.get("sweep") or {}).get("overrides") or []
     series: dict[str, list[tuple[int, float]]] = {}
