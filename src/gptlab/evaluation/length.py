@@ -23,8 +23,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from gptlab.data.token_bytes import TokenBytes, bits_per_byte
-from gptlab.data.tokenizers import Tokenizer
+from gptlab.data.tokenizers import TokenBytes, Tokenizer, bits_per_byte
 from gptlab.evaluation import passkey, plots
 from gptlab.evaluation.options import LengthEvalOptions
 from gptlab.model.gpt import GPT

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from gptlab.data import tokenizers
-from gptlab.data.token_bytes import TokenBytes, bits_per_byte
+from gptlab.data.tokenizers import TokenBytes, bits_per_byte
 from gptlab.errors import ConfigError
 from gptlab.model.config import GPTConfig
 from gptlab.model.gpt import GPT
