@@ -235,18 +235,18 @@ def test_bad_evaluation_options_are_refused():
     ],
 )
 def test_position_pictures(pos, pictures, tmp_path):
-    from gptlab.evaluation import positions
+    from gptlab.evaluation import plots
 
     model = GPT(GPTConfig(vocab_size=5, block_size=24, n_layer=1, n_head=6, n_embd=24, pos=pos))
-    written = positions.plot_scheme(model, tmp_path)
+    written = plots.plot_scheme(model, tmp_path)
     assert {p.stem.split("_")[-1] for p in written} == pictures
     assert all(p.read_bytes()[:4] == b"\x89PNG" for p in written)
-    similarity = positions.position_similarity(model, 24)
+    similarity = plots.position_similarity(model, 24)
     if similarity is not None:
         torch.testing.assert_close(similarity.diagonal(), torch.ones(24))
     if pos == "rope":  # rotary similarity depends on i - j only: constant along each diagonal
         torch.testing.assert_close(similarity.diagonal(3)[1:], similarity.diagonal(3)[:-1].clone())
-    bias = positions.attention_bias(model, 24)
+    bias = plots.attention_bias(model, 24)
     if bias is not None:
         assert bias.shape == (6, 24, 24)
         assert torch.isnan(bias[:, 0, 1:]).all() and not torch.isnan(bias[:, 5, :6]).any()
