@@ -16,10 +16,9 @@ from torch import Tensor
 from gptlab.data import tokenizers
 from gptlab.data.tokenizers import TokenBytes, bits_per_byte
 from gptlab.errors import ConfigError
-from gptlab.model.config import GPTConfig
+from gptlab.model.config import GPTConfig, hidden_lr_scale
 from gptlab.model.gpt import GPT
 from gptlab.model.head_loss import LOSS_KEYS, HeadLoss, RecordingHeadLoss
-from gptlab.model.parametrization import hidden_lr_scale
 from gptlab.registry import Choice, check_keys, import_plugins
 from gptlab.training.checkpointing import check_finite_loss, collect_rng_states, restore_rng_states
 from gptlab.training.optimizers import build_optimizer, lr_factor, parse_optim, schedule_of
