@@ -197,7 +197,9 @@ def make_trainer(cfg: DictConfig, settings: GPTRunConfig, parts: Parts, loggers:
     from gptlab.training.checkpointing import fault_tolerance_callbacks
     from gptlab.training.downstream_eval import downstream_callbacks
 
-    callbacks = instantiate_callbacks(cfg.get("callbacks") or {}) + downstream_callbacks(settings)
+    callbacks = instantiate_callbacks(cfg.get("callbacks") or {}) + downstream_callbacks(
+        settings.downstream_eval, settings.block_size
+    )
     return L.Trainer(
         **settings.trainer,
         strategy=parts.strategy,
