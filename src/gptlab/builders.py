@@ -15,9 +15,10 @@ from typing import Any
 
 from omegaconf import DictConfig
 
-from gptlab.config import check_context, parse_data, parse_model, parse_tokenizer, plain
+from gptlab.config import check_context, parse_model, parse_tokenizer, plain
 from gptlab.data import corpus, tokenizers
 from gptlab.data.datamodule import GPTDataModule
+from gptlab.data.sources import parse_data
 from gptlab.errors import ConfigError
 from gptlab.model.config import GPTConfig
 from gptlab.model.gpt import GPT

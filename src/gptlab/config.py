@@ -2,12 +2,13 @@
 
 Every node becomes the typed object its component takes, built and checked where that component declares it:
 the model (a :class:`~gptlab.model.config.GPTConfig`, each variant a registry Choice), the corpus
-(:class:`~gptlab.data.sources.DataSpec`) and its loader (:class:`LoaderOptions`), the tokenizer's options,
-the optimizer, the output layer and loss (:class:`~gptlab.model.head_loss.HeadLoss`), the trainer's arguments,
-the parallel strategy (:class:`~gptlab.parallel.StrategyChoice`), what is applied to every block
-(:class:`~gptlab.parallel.ParallelOptions`), and the length and passkey studies. An unknown key, a value of the
-wrong type, or a combination that cannot run is a :class:`~gptlab.errors.ConfigError` here, before any data is
-read, any logger is opened or any weight exists; a component then receives its own node and nothing else.
+(:class:`~gptlab.data.sources.DataSpec`) and its loader (:class:`~gptlab.data.sources.LoaderOptions`), the
+tokenizer's options, the optimizer, the output layer and loss (:class:`~gptlab.model.head_loss.HeadLoss`), the
+trainer's arguments, the parallel strategy (:class:`~gptlab.parallel.StrategyChoice`), what is applied to
+every block (:class:`~gptlab.parallel.ParallelOptions`), and the length and passkey studies. An unknown key, a
+value of the wrong type, or a combination that cannot run is a :class:`~gptlab.errors.ConfigError` here,
+before any data is read, any logger is opened or any weight exists; a component then receives its own node and
+nothing else.
 
     from gptlab.config import parse_gpt
     run = parse_gpt(cfg)          # cfg: Hydra's composed config
@@ -25,12 +26,12 @@ from omegaconf import DictConfig, OmegaConf
 
 from gptlab.errors import ConfigError
 from gptlab.preflight import check_seed
-from gptlab.registry import Choice, build_options, check_keys
+from gptlab.registry import Choice, check_keys
 
 if TYPE_CHECKING:  # the nodes' types; their modules are imported where a node is parsed (a task that does
     # not train a GPT, word2vec, reads the top level without importing Lightning)
     from gptlab.data import tokenizers
-    from gptlab.data.sources import DataSpec
+    from gptlab.data.sources import DataSpec, LoaderOptions
     from gptlab.evaluation.downstream import DownstreamEvalOptions
     from gptlab.evaluation.options import LengthEvalOptions, PasskeyOptions
     from gptlab.model.config import GPTConfig
@@ -43,35 +44,6 @@ def plain(node: Any) -> Any:
     if isinstance(node, DictConfig):
         return OmegaConf.to_container(node, resolve=True)
     return node
-
-
-@dataclass(frozen=True)
-class LoaderOptions:
-    """The ``data`` node's loader keys: sliding windows of ``block_size`` tokens every ``stride`` tokens
-    (null: the model's context, and windows that tile the corpus), ``batch_size`` windows a step;
-    ``document_mask``: attention stays inside each document of a window, positions restart at each one."""
-
-    batch_size: int = 8
-    block_size: int | None = None
-    stride: int | None = None
-    val_stride: int | None = None
-    num_workers: int = 0
-    document_mask: bool = False
-
-    def __post_init__(self) -> None:
-        for key in ("batch_size", "num_workers"):
-            value = getattr(self, key)
-            if value < (1 if key == "batch_size" else 0):
-                raise ConfigError(f"data.{key}={value!r} must be a positive integer.")
-        for key in ("block_size", "stride", "val_stride"):
-            value = getattr(self, key)
-            if value is not None and value <= 0:
-                raise ConfigError(
-                    f"data.{key}={value!r} must be a positive integer, or null for model.block_size."
-                )
-
-
-LOADER_KEYS = tuple(f.name for f in dataclasses.fields(LoaderOptions))
 
 
 @dataclass(frozen=True)
@@ -166,20 +138,6 @@ def parse_model(cfg: DictConfig) -> tuple[GPTConfig, bool, str | None]:
     return config, from_tokenizer, init_from
 
 
-def parse_data(node: Any) -> tuple[DataSpec, LoaderOptions]:
-    """The ``data`` node: the corpus (DataSpec) and the loader's keys."""
-    from gptlab.data.sources import DataSpec
-
-    spec_keys = tuple(f.name for f in dataclasses.fields(DataSpec))
-    values = dict(plain(node) or {})
-    check_keys(values, spec_keys + LOADER_KEYS, "data", "data")
-    spec = build_options(DataSpec, {k: v for k, v in values.items() if k in spec_keys}, "data", "data")
-    loader = build_options(
-        LoaderOptions, {k: v for k, v in values.items() if k in LOADER_KEYS}, "data", "data"
-    )
-    return spec, loader
-
-
 def check_context(model: GPTConfig, loader: LoaderOptions) -> int:
     """The training context (``data.block_size``, else the model's), refused past a learned position table."""
     from gptlab.model import positional
@@ -272,6 +230,7 @@ def parse_downstream_node(
 
 def parse_gpt(cfg: DictConfig) -> GPTRunConfig:
     """The typed tree of a ``task=gpt`` run, every node checked (see the module's docstring)."""
+    from gptlab.data.sources import parse_data
     from gptlab.parallel import ParallelOptions, check_rank_zero_evaluation, strategy_choice
     from gptlab.training.optimizers import parse_optim
 

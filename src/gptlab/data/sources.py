@@ -2,7 +2,8 @@
 ``datasets``: the embedded default corpus (the Python reference text of the standard library's
 ``pydoc_data.topics``, real English prose that needs no network), local files (txt, jsonl/json, parquet,
 csv: a file, a glob or a folder) and hub datasets by name, either whole (an Arrow table on disk) or as a
-stream (``datasets``' IterableDataset, for corpora larger than the disk).
+stream (``datasets``' IterableDataset, for corpora larger than the disk). The rest of the ``data`` node is the
+loader's (`LoaderOptions`); `parse_data` reads the node into both.
 
 A dataset on disk is read back batch by batch, in bounded memory (`iter_batches`, `read_batch`): it is a list
 of Arrow stream files that ``datasets`` memory-maps, and iterating the memory map would leave every page of
@@ -14,6 +15,7 @@ their places (`BatchPlace`), never the texts.
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import hashlib
 import os
@@ -23,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from gptlab.errors import ConfigError, DataError
+from gptlab.registry import build_options, check_keys
 
 BUILTIN_CORPORA = ("pydoc_topics",)
 FILE_BUILDERS = {
@@ -92,6 +95,52 @@ class DataSpec:
         if self.path:
             return f"local files {self.path!r}"
         return f"embedded corpus {self.builtin!r}"
+
+
+@dataclass(frozen=True)
+class LoaderOptions:
+    """The ``data`` node's loader keys: sliding windows of ``block_size`` tokens every ``stride`` tokens
+    (null: the model's context, and windows that tile the corpus), ``batch_size`` windows a step;
+    ``document_mask``: attention stays inside each document of a window, positions restart at each one."""
+
+    batch_size: int = 8
+    block_size: int | None = None
+    stride: int | None = None
+    val_stride: int | None = None
+    num_workers: int = 0
+    document_mask: bool = False
+
+    def __post_init__(self) -> None:
+        for key in ("batch_size", "num_workers"):
+            value = getattr(self, key)
+            if value < (1 if key == "batch_size" else 0):
+                raise ConfigError(f"data.{key}={value!r} must be a positive integer.")
+        for key in ("block_size", "stride", "val_stride"):
+            value = getattr(self, key)
+            if value is not None and value <= 0:
+                raise ConfigError(
+                    f"data.{key}={value!r} must be a positive integer, or null for model.block_size."
+                )
+
+
+LOADER_KEYS = tuple(f.name for f in dataclasses.fields(LoaderOptions))
+
+
+def parse_data(node: Any) -> tuple[DataSpec, LoaderOptions]:
+    """The ``data`` node (Hydra's, or plain values as a run directory's config holds them): the corpus
+    (DataSpec) and the loader's keys, each checked."""
+    if node is not None and not isinstance(node, dict):  # Hydra's node: its values, interpolations resolved
+        from omegaconf import OmegaConf
+
+        node = OmegaConf.to_container(node, resolve=True)
+    spec_keys = tuple(f.name for f in dataclasses.fields(DataSpec))
+    values = dict(node or {})
+    check_keys(values, spec_keys + LOADER_KEYS, "data", "data")
+    spec = build_options(DataSpec, {k: v for k, v in values.items() if k in spec_keys}, "data", "data")
+    loader = build_options(
+        LoaderOptions, {k: v for k, v in values.items() if k in LOADER_KEYS}, "data", "data"
+    )
+    return spec, loader
 
 
 def builtin_documents(name: str) -> list[str]:
