@@ -8,10 +8,10 @@ Hydra and W&B: only the builders and the Python API (:mod:`gptlab.api`: ``compos
 from __future__ import annotations
 
 import importlib
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from gptlab.errors import ConfigError, DataError
+from gptlab.registry import CONFIG_DIR
 
 if TYPE_CHECKING:
     from gptlab.api import LoadedRun, SweepRows, TrainResult, compare, compose, load_run, train
@@ -20,9 +20,6 @@ if TYPE_CHECKING:
     from gptlab.model.gpt import GPT
 
 __version__ = "0.1.0"
-
-#: The Hydra config folder of a source checkout (an editable install).
-CONFIG_DIR = Path(__file__).resolve().parents[2] / "conf"
 
 _EXPORTS = {
     "LoadedRun": "gptlab.api",

@@ -82,8 +82,8 @@ def _hydra() -> Iterator[Hydra]:
     from hydra.core.utils import JobRuntime
     from hydra.initialize import get_gh_backup, restore_gh_from_backup
 
-    from gptlab import CONFIG_DIR
     from gptlab.cli import register_help_resolver
+    from gptlab.registry import CONFIG_DIR
     from gptlab.resume import register_resolvers
 
     register_resolvers()  # conf/hydra chooses the run directory through them, as train.py registers them

@@ -11,17 +11,16 @@ conf/strategy/.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 import torch
 
 from gptlab.errors import ConfigError
 from gptlab.parallel.hardware import launched_externally, world_size
-from gptlab.registry import NoOptions, Registry, build_options
+from gptlab.registry import CONFIG_DIR, NoOptions, Registry, build_options
 
 STRATEGIES: Registry[type[StrategyChoice]] = Registry("strategy", "strategy")
-STRATEGY_CONFIGS = Path(__file__).resolve().parents[3] / "conf" / "strategy"
+STRATEGY_CONFIGS = CONFIG_DIR / "strategy"
 
 
 @dataclass(frozen=True)
