@@ -364,6 +364,9 @@ def advise(config: GPTConfig, device_memory: float, plan: TrainingPlan = Trainin
     return f"{head} No strategy fits it on devices of this size; shrink the model or the context."
 
 
+# Whether the run as configured fits the device it will train on.
+
+
 class OverMemoryError(ConfigError):
     """A run whose estimated memory exceeds what its device has, refused before it starts."""
 
@@ -508,6 +511,9 @@ def refusal(
             "scripts/model_card.py with the same overrides)."
         )
     return f"{head} {fix} If the estimate is wrong for this run, allow_over_memory=true starts it anyway."
+
+
+# The model card.
 
 
 def model_card(

@@ -279,6 +279,9 @@ def restore_interrupted_saves(checkpoint_dir: Path) -> list[Path]:
     return restored
 
 
+# The Lightning strategies that the sharded choices build: their checkpoint directories swapped in whole.
+
+
 class FullyShardedStrategy(ModelParallelStrategy):
     """Lightning's ModelParallelStrategy with every rank in the data-parallel dimension (no tensor
     parallelism), carrying the FSDP options that `gptlab.parallel.transforms.parallelize` reads in

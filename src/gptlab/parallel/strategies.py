@@ -101,6 +101,9 @@ class StrategyChoice:
         return [] if self.writes_directory() else [AtomicCheckpointIO()]
 
 
+# The choices.
+
+
 @STRATEGIES.register("auto")
 class AutoStrategy(StrategyChoice):
     """Lightning's choice: one device, or DDP when several are configured."""
