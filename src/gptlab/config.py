@@ -26,7 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from gptlab.errors import ConfigError
 from gptlab.preflight import check_seed
-from gptlab.registry import Choice, check_keys
+from gptlab.registry import Choice
 
 if TYPE_CHECKING:  # the nodes' types; their modules are imported where a node is parsed (a task that does
     # not train a GPT, word2vec, reads the top level without importing Lightning)
@@ -162,15 +162,10 @@ def parse_tokenizer(node: Any) -> dict[str, Any]:
 
 def parse_loss(node: Any, trainer: dict[str, Any]) -> HeadLoss:
     """The ``loss`` node, refused where its kernel cannot run (a CUDA kernel without CUDA or its package)."""
-    from gptlab.model.head_loss import LOSS_KEYS, HeadLoss, refusal
+    from gptlab.model.head_loss import HeadLoss, refusal
     from gptlab.preflight import training_device_type
 
-    values = dict(plain(node) or {})
-    check_keys(values, LOSS_KEYS, "loss", "loss")
-    try:
-        loss = HeadLoss(**values)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
+    loss = HeadLoss.from_node(plain(node))
     message = refusal(loss.impl, training_device_type(trainer))
     if message is not None:
         raise ConfigError(message)
