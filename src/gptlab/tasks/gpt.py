@@ -17,14 +17,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hydra.core.hydra_config import HydraConfig
-from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from gptlab.config import GPTRunConfig, parse_gpt
 from gptlab.planning import check_memory
 from gptlab.resume import ResumePlan, plan_resume
 from gptlab.runs.identity import launched_rank
+from gptlab.runs.naming import is_multirun
 from gptlab.tasks.skeleton import RunSession, quiet_launched_ranks, record_run_dir, route_lightning_logs
 
 if TYPE_CHECKING:  # Lightning and the data are imported once the config is checked: a refusal comes first
@@ -92,8 +91,7 @@ def run(cfg: DictConfig) -> dict[str, float]:
         metrics = collect_metrics(trainer, parts, time.perf_counter() - t0)
         if trainer.is_global_zero:
             report(session, settings, parts, trainer, loggers, metrics, step, stop)
-    multirun = HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
-    if stop is not None and stop.signal == "Ctrl-C" and multirun:
+    if stop is not None and stop.signal == "Ctrl-C" and is_multirun():
         # Ctrl-C stops the sweep, not only this job (its result and checkpoint are written): the next jobs
         # would otherwise start one after the other.
         log.warning(
@@ -148,8 +146,7 @@ def build(settings: GPTRunConfig) -> Parts:
     # CPUs; flushing them to zero changes nothing above 1.2e-38. ALiBi's step on one thread: 1.93x -> 1.34x
     # the fused causal one (scripts/bench_attention.py). Threads started later inherit the setting.
     torch.set_flush_denormal(True)
-    multirun = HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
-    strategy = build_strategy(settings.strategy_node, settings.trainer, multirun=multirun)
+    strategy = build_strategy(settings.strategy_node, settings.trainer, multirun=is_multirun())
     if not launched_rank():  # one warning for the run, from rank 0, not one from each process
         warn_if_cpu_oversubscribed(settings.trainer)
     loader = settings.loader
