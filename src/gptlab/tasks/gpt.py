@@ -51,7 +51,7 @@ def run(cfg: DictConfig) -> dict[str, float]:
     """Train one model as configured; returns the final metrics (``val/loss``, ``val/ppl``, ...)."""
     t0 = time.perf_counter()
     quiet_launched_ranks()
-    record_run_dir(cfg)  # before the config is parsed: the trainer's default_root_dir interpolates it
+    run_dir = record_run_dir(cfg)  # before the parse: the trainer's default_root_dir interpolates it
     settings = parse_gpt(cfg)  # before Lightning is imported (seconds): a refusal comes at once
     # before the run directory, the data or any weight: a run that cannot fit its device is refused
     check_memory(settings)
@@ -59,7 +59,7 @@ def run(cfg: DictConfig) -> dict[str, float]:
 
     route_lightning_logs()
     session = RunSession.start(
-        cfg, settings.run, seed=lambda s: L.seed_everything(s, workers=True, verbose=False)
+        cfg, settings.run, run_dir, seed=lambda s: L.seed_everything(s, workers=True, verbose=False)
     )
     parts = build(settings)
     resume = plan_resume(settings.run.resume, session.run_dir, parts.module.model_config)
