@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from gptlab import planning  # noqa: E402
-from gptlab.builders import build_model_config  # noqa: E402
+from gptlab.api import build_model_config  # noqa: E402
 from gptlab.errors import ConfigError  # noqa: E402
 from gptlab.model.head_loss import HeadLoss  # noqa: E402
 from gptlab.parallel import choose_precision  # noqa: E402

@@ -121,7 +121,7 @@ def test_result_json_holds_the_last_evaluation_and_the_table_shows_it(two_runs):
 def test_an_evaluation_leaves_the_training_state_as_it_was(make_cfg):
     """Each module's train mode and every random generator the harness seeds are restored: a run trains the same with
     the evaluation on or off."""
-    from gptlab.builders import build_model, build_tokenizer
+    from gptlab.api import build_model, build_tokenizer
     from gptlab.evaluation.downstream import DownstreamEvalOptions
     from gptlab.training.downstream_eval import DownstreamEvaluation
 

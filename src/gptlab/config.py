@@ -109,17 +109,22 @@ class GPTRunConfig:
         return self.loader.block_size or self.model.block_size
 
     def with_vocabulary(self, tokenizer: tokenizers.Tokenizer) -> GPTConfig:
-        """The model config for ``tokenizer``: its size when ``model.vocab_size`` is null, else checked
-        against it."""
-        if self.vocab_from_tokenizer:
-            return dataclasses.replace(self.model, vocab_size=tokenizer.vocab_size)
-        if tokenizer.vocab_size > self.model.vocab_size:
-            raise ConfigError(
-                f"tokenizer={tokenizer.name} has {tokenizer.vocab_size} ids but model.vocab_size="
-                f"{self.model.vocab_size}: the embedding table has no row for the larger ids. Set "
-                f"model.vocab_size={tokenizer.vocab_size} or larger, or null to take the tokenizer's size."
-            )
-        return self.model
+        """The model config for ``tokenizer`` (:func:`with_vocabulary`)."""
+        return with_vocabulary(self.model, self.vocab_from_tokenizer, tokenizer)
+
+
+def with_vocabulary(model: GPTConfig, from_tokenizer: bool, tokenizer: tokenizers.Tokenizer) -> GPTConfig:
+    """``model`` (as :func:`parse_model` returns it) for ``tokenizer``: its size when ``model.vocab_size`` is
+    null (``from_tokenizer``), else checked against it."""
+    if from_tokenizer:
+        return dataclasses.replace(model, vocab_size=tokenizer.vocab_size)
+    if tokenizer.vocab_size > model.vocab_size:
+        raise ConfigError(
+            f"tokenizer={tokenizer.name} has {tokenizer.vocab_size} ids but model.vocab_size="
+            f"{model.vocab_size}: the embedding table has no row for the larger ids. Set "
+            f"model.vocab_size={tokenizer.vocab_size} or larger, or null to take the tokenizer's size."
+        )
+    return model
 
 
 def parse_model(cfg: DictConfig) -> tuple[GPTConfig, bool, str | None]:

@@ -138,7 +138,6 @@ def build(settings: GPTRunConfig) -> Parts:
     tokenizer is a product of it: a fitted vocabulary comes from the training split), the module made."""
     import torch
 
-    from gptlab.data.datamodule import GPTDataModule
     from gptlab.parallel import build_strategy, warn_if_cpu_oversubscribed
     from gptlab.training.module import GPTLitModule
 
@@ -149,18 +148,7 @@ def build(settings: GPTRunConfig) -> Parts:
     strategy = build_strategy(settings.strategy_node, settings.trainer, multirun=is_multirun())
     if not launched_rank():  # one warning for the run, from rank 0, not one from each process
         warn_if_cpu_oversubscribed(settings.trainer)
-    loader = settings.loader
-    datamodule = GPTDataModule(
-        spec=settings.data,
-        tokenizer=settings.tokenizer,
-        block_size=settings.block_size,
-        batch_size=loader.batch_size,
-        stride=loader.stride,
-        val_stride=loader.val_stride,
-        num_workers=loader.num_workers,
-        document_mask=loader.document_mask,
-        seed=settings.run.seed,
-    )
+    datamodule = make_datamodule(settings)
     datamodule.prepare_data()
     datamodule.setup("fit")
     corpus = datamodule.corpus
@@ -176,6 +164,24 @@ def build(settings: GPTRunConfig) -> Parts:
         plugins=settings.run.plugins,
     )
     return Parts(datamodule, corpus, module, strategy)
+
+
+def make_datamodule(settings: GPTRunConfig) -> GPTDataModule:
+    """The run's data: ``settings``' corpus and tokenizer, windowed and batched as its loader keys say."""
+    from gptlab.data.datamodule import GPTDataModule
+
+    loader = settings.loader
+    return GPTDataModule(
+        spec=settings.data,
+        tokenizer=settings.tokenizer,
+        block_size=settings.block_size,
+        batch_size=loader.batch_size,
+        stride=loader.stride,
+        val_stride=loader.val_stride,
+        num_workers=loader.num_workers,
+        document_mask=loader.document_mask,
+        seed=settings.run.seed,
+    )
 
 
 def load_initial_weights(module: GPTLitModule, source: str | None) -> None:
