@@ -221,6 +221,15 @@ def test_bad_evaluation_options_are_refused():
         length.LengthEvalOptions.from_dict({"enabled": True, "factor": [2]})
 
 
+def test_eval_length_enabled_is_true_or_false(make_cfg):
+    """A value Hydra reads as a string is refused, not taken as on."""
+    from gptlab.config import parse_gpt
+    from gptlab.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"eval_length.enabled='sometimes' must be true or false"):
+        parse_gpt(make_cfg("eval_length.enabled=sometimes"))
+
+
 @pytest.mark.parametrize(
     "pos,pictures",
     [

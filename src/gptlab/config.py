@@ -197,13 +197,17 @@ def parse_trainer(node: Any) -> dict[str, Any]:
 
 
 def parse_studies(cfg: DictConfig) -> tuple[LengthEvalOptions | None, PasskeyOptions | None]:
+    """The ``eval_length`` node and its ``passkey`` node, each parsed once here (None: that study is off)."""
     from gptlab.evaluation.options import LengthEvalOptions, PasskeyOptions
 
     node = dict(plain(cfg.get("eval_length")) or {})
-    enabled = bool(node.pop("enabled", False))
-    passkey_node = dict(node.pop("passkey", None) or {})
+    enabled = node.get("enabled", False)
+    if not isinstance(enabled, bool):
+        raise ConfigError(
+            f"eval_length.enabled={enabled!r} must be true or false (e.g. eval_length.enabled=true)."
+        )
     study = LengthEvalOptions.from_dict(node)  # checked also when off: a typo fails now, not at the end
-    passkey = PasskeyOptions.from_dict(passkey_node)
+    passkey = PasskeyOptions.from_dict(node.get("passkey"))
     if not enabled:
         return None, None
     return study, passkey if passkey.enabled else None
