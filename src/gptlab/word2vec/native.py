@@ -10,7 +10,8 @@ vector and gradient computed from the tables as they were before the batch (the 
 step on the batch's summed loss, as the test of :mod:`gptlab.word2vec.fast` checks for both), then the updates
 added; only the order of float additions differs.
 
-The library is built once per source and compiler into ``$XDG_CACHE_HOME/gptlab`` (``~/.cache/gptlab``),
+The library is built once per source, compiler and processor (it is compiled for this processor's instructions)
+into ``$XDG_CACHE_HOME/gptlab`` (``~/.cache/gptlab``),
 written beside its name and renamed (two processes building at once each write a whole file), and reused by
 every later run: about half a second the first time.
 """
@@ -22,6 +23,7 @@ import hashlib
 import logging
 import math
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
@@ -122,7 +124,7 @@ def library() -> ctypes.CDLL | None:
     if path is None:
         log.info("word2vec: no C compiler (%s) found; CBOW runs the numpy step", compiler)
     else:
-        key = hashlib.sha256("\0".join([SOURCE, path, *FLAGS]).encode()).hexdigest()[:16]
+        key = hashlib.sha256("\0".join([SOURCE, path, *FLAGS, _cpu()]).encode()).hexdigest()[:16]
         target = cache_dir() / f"word2vec-cbow-{key}.so"
         try:
             if not target.is_file():
@@ -132,6 +134,18 @@ def library() -> ctypes.CDLL | None:
             log.info("word2vec: the C step could not be built (%s); CBOW runs the numpy step", e)
     _loaded[compiler] = lib
     return lib
+
+
+def _cpu() -> str:
+    """What ``-march=native`` compiles for: the processor's model and flags. A home directory shared by
+    machines of different processors (a cluster's) then holds one library per kind, never one built for
+    instructions this processor lacks."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            info = [line for line in f if line.startswith(("model name", "flags", "Features"))]
+        return "".join(dict.fromkeys(info))  # the lines of one processor (each core repeats them)
+    except OSError:
+        return platform.processor() or platform.machine()
 
 
 def _build(compiler: str, target: Path) -> None:
