@@ -318,8 +318,10 @@ def speed_all(args: argparse.Namespace) -> dict:
 
 def summary_table(results: dict[str, dict]) -> str:
     """Model, logger, whole-process seconds (medians), the ratio per round, CPU seconds, and quality."""
+    width = max(len(side.removeprefix("logger=")) for r in results.values() for side in r["process_ratios"])
+    width = max(width, 6)
     head = (
-        f"{'model':9} {'logger':8} {'gptlab s':>9} {'gensim s':>9} {'ratio min/med/max':>18} "
+        f"{'model':9} {'logger':{width}} {'gptlab s':>9} {'gensim s':>9} {'ratio min/med/max':>18} "
         f"{'CPU s gptlab/gensim':>20} {'WordSim g/G':>12} {'SimLex g/G':>12} {'overlap/floor':>14}"
     )
     lines = [head, "-" * len(head)]
@@ -329,7 +331,7 @@ def summary_table(results: dict[str, dict]) -> str:
         for side, ratios in r["process_ratios"].items():
             logger = side.removeprefix("logger=")
             lines.append(
-                f"{mode:9} {logger:8} {r['process_seconds'][side]:>9.2f} {r['process_seconds']['gensim']:>9.2f} "
+                f"{mode:9} {logger:{width}} {r['process_seconds'][side]:>9.2f} {r['process_seconds']['gensim']:>9.2f} "
                 f"{min(ratios):>6.2f}/{statistics.median(ratios):.2f}/{max(ratios):.2f} "
                 f"{r['cpu_seconds'][side]:>10.2f}/{r['cpu_seconds']['gensim']:<9.2f} "
                 f"{s['ours']['wordsim353/spearman']:>+6.3f}/{s['gensim']['wordsim353/spearman']:<+6.3f} "
