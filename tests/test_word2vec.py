@@ -507,13 +507,22 @@ def test_a_stopped_run_resumes_and_ends_with_the_uninterrupted_vectors(tmp_path,
     np.testing.assert_allclose(b.vectors, a.vectors, atol=1e-5)
 
 
-@pytest.mark.parametrize("parallel", ["processes", "threads"])
-def test_hogwild_workers_train_every_step_of_the_schedule_once(tmp_path, make_cfg, parallel):
+@pytest.mark.parametrize(
+    "mode,parallel",
+    [("skipgram", "processes"), ("skipgram", "threads"), ("cbow", "processes"), ("cbow", "threads")],
+)
+def test_hogwild_workers_train_every_step_of_the_schedule_once(tmp_path, make_cfg, mode, parallel):
     """Two workers (forked processes on shared tables, or threads) train the steps and words one worker
-    trains, and move the shared vectors the parent then writes."""
+    trains, and move the shared vectors the parent then writes (CBOW: its C step, in each worker)."""
     from gptlab.tasks.word2vec import run
 
-    base = [*SMALL[:-1], "word2vec.epochs=2", "word2vec.evaluate=false", "logger=none"]
+    base = [
+        *SMALL[:-1],
+        f"word2vec.mode={mode}",
+        "word2vec.epochs=2",
+        "word2vec.evaluate=false",
+        "logger=none",
+    ]
     one = run(make_cfg(*base, "word2vec.threads=1", f"paths.output_dir={tmp_path / 'one'}"))
     two = run(
         make_cfg(
