@@ -129,9 +129,15 @@ def library() -> ctypes.CDLL | None:
         try:
             if not target.is_file():
                 _build(path, target)
+                log.info("word2vec: CBOW's C step built into %s (once per machine)", target)
             lib = _bind(ctypes.CDLL(str(target)))
-        except (OSError, subprocess.CalledProcessError) as e:
-            log.info("word2vec: the C step could not be built (%s); CBOW runs the numpy step", e)
+        except (OSError, subprocess.SubprocessError) as e:  # a failed or timed-out build, an unloadable file
+            detail = getattr(e, "stderr", None) or b""
+            log.info(
+                "word2vec: the C step could not be built (%s%s); CBOW runs the numpy step",
+                e,
+                f": {detail.decode(errors='replace').strip()[-500:]}" if detail else "",
+            )
     _loaded[compiler] = lib
     return lib
 
