@@ -1,7 +1,7 @@
 """gptlab's word2vec against gensim's: whole processes, training rate, agreement and benchmark scores.
 
-    python scripts/benchmark_word2vec.py                               # skip-gram, negative sampling, 2 threads
-    python scripts/benchmark_word2vec.py --corpus lines --logger default,csv,none --mode cbow
+    python scripts/benchmark_word2vec.py                               # skip-gram and CBOW, default logger
+    python scripts/benchmark_word2vec.py --logger default,csv,none --mode cbow --corpus line
     python scripts/benchmark_word2vec.py --mode cbow --objective hierarchical --repeats 3
     python scripts/benchmark_word2vec.py --memory --memory-mb 100 --before /tmp/gptlab-main   # peak RSS
     python scripts/benchmark_word2vec.py --softmax                     # the full softmax's cost by vocabulary
@@ -9,8 +9,10 @@
 
 The corpus is text8-style (lower-case words separated by spaces): gensim's ``lee_background.cor`` (300 news
 articles), cut into words by gptlab's word tokenizer and repeated ``--copies`` times (6: 364k words), as one
-line (``--corpus line``) or as lines of 1,300 words (``--corpus lines``: 281 lines, the shape of a corpus a
-user brings). Both sides read that file: ``python train.py task=word2vec data.path=<file> ...`` and a gensim script
+line (``--corpus line``) or as lines of 1,300 words (``--corpus lines``, the default: 281 lines, the shape of a
+corpus a user brings). ``--mode skipgram,cbow`` (the default) measures both models, one after the other, and
+ends with one table: per model and logger, the whole process's seconds on both sides, their ratio round by
+round (min / median / max), and the quality figures beside. Both sides read that file: ``python train.py task=word2vec data.path=<file> ...`` and a gensim script
 (``Text8Corpus`` -> ``Word2Vec(workers=threads)`` -> ``save_word2vec_format``), each a fresh process, timed
 whole (imports, reading, vocabulary, training, writing the vectors), interleaved repeat by repeat so that
 both meet the same load; the CPU seconds of each process (user + system, all its threads and processes) are
@@ -304,6 +306,46 @@ def speed(args: argparse.Namespace) -> dict:
     return result
 
 
+def speed_all(args: argparse.Namespace) -> dict:
+    """:func:`speed` for each model of ``--mode``, then one table of them all."""
+    results = {}
+    for mode in args.mode.split(","):
+        results[mode] = speed(argparse.Namespace(**{**vars(args), "mode": mode}))
+        print(flush=True)
+    print(summary_table(results))
+    return results
+
+
+def summary_table(results: dict[str, dict]) -> str:
+    """Model, logger, whole-process seconds (medians), the ratio per round, CPU seconds, and quality."""
+    width = max(len(side.removeprefix("logger=")) for r in results.values() for side in r["process_ratios"])
+    width = max(width, 6)
+    head = (
+        f"{'model':9} {'logger':{width}} {'gptlab s':>9} {'gensim s':>9} {'ratio min/med/max':>18} "
+        f"{'CPU s gptlab/gensim':>20} {'WordSim g/G':>12} {'SimLex g/G':>12} {'overlap/floor':>14}"
+    )
+    lines = [head, "-" * len(head)]
+    for mode, r in results.items():
+        q = r["quality"]
+        s = q["scores"]
+        for side, ratios in r["process_ratios"].items():
+            logger = side.removeprefix("logger=")
+            lines.append(
+                f"{mode:9} {logger:{width}} {r['process_seconds'][side]:>9.2f} {r['process_seconds']['gensim']:>9.2f} "
+                f"{min(ratios):>6.2f}/{statistics.median(ratios):.2f}/{max(ratios):.2f} "
+                f"{r['cpu_seconds'][side]:>10.2f}/{r['cpu_seconds']['gensim']:<9.2f} "
+                f"{s['ours']['wordsim353/spearman']:>+6.3f}/{s['gensim']['wordsim353/spearman']:<+6.3f} "
+                f"{s['ours']['simlex999/spearman']:>+6.3f}/{s['gensim']['simlex999/spearman']:<+6.3f} "
+                f"{q['overlap_ours_gensim']:>7.3f}/{q['overlap_gensim_gensim']:.3f}"
+            )
+    lines.append(
+        "ratio: gptlab's whole process over gensim's in the same round; g/G: gptlab / gensim (seed 1337); "
+        "overlap: of the 10 nearest neighbours of the 100 most frequent words, gptlab with gensim / gensim's "
+        "two seeds (the floor); quality from the first logger's first round"
+    )
+    return "\n".join(lines)
+
+
 def hierarchical_over_gensims_tree(corpus: Path, out: Path, args: argparse.Namespace, seed: int) -> str:
     """Our hierarchical softmax, trained in this process (one thread) over the Huffman tree gensim builds
     for the same corpus: the codes and inner nodes of each word as gensim's vocabulary gives them."""
@@ -481,7 +523,11 @@ def softmax_cost(args: argparse.Namespace) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--mode", default="skipgram", choices=["skipgram", "cbow"])
+    p.add_argument(
+        "--mode",
+        default="skipgram,cbow",
+        help="skipgram, cbow, or both comma-separated (speed: each in turn)",
+    )
     p.add_argument("--objective", default="negative", choices=["negative", "hierarchical", "softmax"])
     p.add_argument("--min-count", type=int, default=5)
     p.add_argument(
@@ -496,7 +542,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-size", type=int, default=256)
     p.add_argument("--copies", type=int, default=6, help="lee_background.cor copies in the corpus")
     p.add_argument(
-        "--corpus", default="line", choices=["line", "lines"], help="one line, or lines of 1,300 words"
+        "--corpus", default="lines", choices=["line", "lines"], help="one line, or lines of 1,300 words"
     )
     p.add_argument("--repeats", type=int, default=3, help="rounds: ours with each logger, then gensim")
     p.add_argument(
@@ -517,6 +563,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--json", default=None, help="write the result here as JSON")
     args = p.parse_args(argv)
+    modes = args.mode.split(",")
+    if not modes or any(m not in ("skipgram", "cbow") for m in modes):
+        p.error(f"--mode {args.mode}: give skipgram, cbow or skipgram,cbow")
+    if len(modes) > 1 and (args.memory or args.softmax or args.objectives):
+        args.mode = modes[0]  # these measure one model: the first
     if args.memory:
         result = memory(args)
     elif args.softmax:
@@ -524,7 +575,7 @@ def main(argv: list[str] | None = None) -> int:
     elif args.objectives:
         result = objectives_quality(args)
     else:
-        result = speed(args)
+        result = speed_all(args)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(result, indent=1, default=str))

@@ -199,3 +199,32 @@ def test_wandb_online_without_a_key_is_refused_for_word2vec_too(tmp_path, make_c
         )
     assert "logger=csv" in str(refused.value)
     assert not list((tmp_path / "run").glob("checkpoints/*"))  # refused before training
+
+
+def test_a_wandb_run_opened_in_the_background_gets_every_record_in_order(tmp_path):
+    """open_in_background: the run id is known at once, the config and metrics logged while W&B starts are
+    all in the run, in order, once it is finished; an error of wandb.init is raised where the run is next
+    needed, not lost in the thread."""
+    lg = plain_loggers.wandb_logger(str(tmp_path), project="bg", mode="offline")
+    lg.open_in_background()
+    run_id = lg.version
+    assert run_id and len(run_id) == 8
+    lg.log_hyperparams({"word2vec": {"dim": 16}})
+    for step in range(1, 6):
+        lg.log_metrics({"train/loss": 1.0 / step}, step=step)
+    lg.finalize("success")
+    plain_loggers.finish_loggers([lg], failed=False)
+    import wandb
+
+    wandb.teardown()  # the service process writes the run's file after finish() returns: wait for it
+    (path,) = find_runs(tmp_path / "wandb")
+    run = read_run(path)
+    assert run.run_id == run_id and run.exit_code == 0
+    assert run.metric("train/loss") == [(s, pytest.approx(1.0 / s)) for s in range(1, 6)]
+    assert run.config["word2vec"] in ({"dim": 16}, {"value": {"dim": 16}})
+
+    broken = plain_loggers.WandbRunLogger({"dir": str(tmp_path / "broken"), "mode": "offline", "no_such": 1})
+    broken.open_in_background()
+    with pytest.raises(TypeError, match="no_such"):  # at the first call after the thread ended
+        broken.log_metrics({"train/loss": 1.0}, step=1)
+        broken.finalize("success")

@@ -5,6 +5,7 @@ reads, a resume that ends where an uninterrupted run ends, evaluation and the ge
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import runpy
@@ -22,7 +23,7 @@ from conftest import ROOT, TINY, run_train
 from gptlab.data.corpus import DataSpec
 from gptlab.errors import ConfigError, DataError
 from gptlab.tracking.wandb_runs import find_runs, read_run
-from gptlab.word2vec import evaluation, fast, objectives, reference, sampling
+from gptlab.word2vec import evaluation, fast, native, objectives, reference, sampling
 from gptlab.word2vec.config import Word2VecOptions
 from gptlab.word2vec.corpus import read_corpus
 from gptlab.word2vec.model import Word2Vec
@@ -169,7 +170,14 @@ def test_fast_update_is_one_sgd_step_of_the_autograd_reference(mode, name):
     loss.backward()
     expected_in = reference_model.input.weight.detach() - lr * reference_model.input.weight.grad.to_dense()
     expected_out = reference_model.output.weight.detach() - lr * reference_model.output.weight.grad.to_dense()
-    for step in (fast.numpy_step, fast.torch_step):
+    steps = [fast.numpy_step, fast.torch_step]
+    if mode == "cbow" and name != "softmax":
+        lib = native.library()
+        assert lib is not None, "cc builds CBOW's C step on this machine"
+        steps.append(
+            lambda tables, batch, lr, mode, with_loss: native.cbow_step(lib, tables, batch, lr, with_loss)
+        )
+    for step in steps:
         if step is fast.numpy_step and name == "softmax":
             continue  # the full softmax has the torch step only
         tables = fast.Tables(12, objective.output_rows, 6, seed=0)
@@ -224,6 +232,17 @@ def test_full_softmax_is_refused_for_large_vocabularies():
         Word2VecOptions(objective="nce")
 
 
+def test_without_a_c_compiler_cbow_runs_the_numpy_step(monkeypatch, caplog):
+    """No compiler: library() says so and gives None (the trainer then runs the numpy step); a compiler
+    builds the library once and later calls reuse it."""
+    monkeypatch.setenv("CC", "no-such-cc-for-gptlab")
+    with caplog.at_level(logging.INFO, logger="gptlab"):
+        assert native.library() is None
+    assert "no C compiler (no-such-cc-for-gptlab)" in caplog.text
+    monkeypatch.delenv("CC")
+    assert native.library() is native.library() is not None
+
+
 def test_options_are_checked_with_the_fix_in_the_message():
     with pytest.raises(ConfigError, match="word2vec.mode='glove'"):
         Word2VecOptions(mode="glove")
@@ -231,6 +250,8 @@ def test_options_are_checked_with_the_fix_in_the_message():
         Word2VecOptions.from_dict({"windw": 3})
     with pytest.raises(ConfigError, match="lr_min"):
         Word2VecOptions(lr=0.01, lr_min=0.1)
+    with pytest.raises(ConfigError, match="word2vec.native='yes' must be true"):
+        Word2VecOptions(native="yes")  # type: ignore[arg-type]
 
 
 def test_an_epochs_batches_train_every_kept_window_once_in_blocks_ordered_by_radius():
@@ -486,13 +507,22 @@ def test_a_stopped_run_resumes_and_ends_with_the_uninterrupted_vectors(tmp_path,
     np.testing.assert_allclose(b.vectors, a.vectors, atol=1e-5)
 
 
-@pytest.mark.parametrize("parallel", ["processes", "threads"])
-def test_hogwild_workers_train_every_step_of_the_schedule_once(tmp_path, make_cfg, parallel):
+@pytest.mark.parametrize(
+    "mode,parallel",
+    [("skipgram", "processes"), ("skipgram", "threads"), ("cbow", "processes"), ("cbow", "threads")],
+)
+def test_hogwild_workers_train_every_step_of_the_schedule_once(tmp_path, make_cfg, mode, parallel):
     """Two workers (forked processes on shared tables, or threads) train the steps and words one worker
-    trains, and move the shared vectors the parent then writes."""
+    trains, and move the shared vectors the parent then writes (CBOW: its C step, in each worker)."""
     from gptlab.tasks.word2vec import run
 
-    base = [*SMALL[:-1], "word2vec.epochs=2", "word2vec.evaluate=false", "logger=none"]
+    base = [
+        *SMALL[:-1],
+        f"word2vec.mode={mode}",
+        "word2vec.epochs=2",
+        "word2vec.evaluate=false",
+        "logger=none",
+    ]
     one = run(make_cfg(*base, "word2vec.threads=1", f"paths.output_dir={tmp_path / 'one'}"))
     two = run(
         make_cfg(
@@ -588,13 +618,16 @@ def test_benchmarks_report_scores_and_coverage():
     assert m["vocab_size"] == len(words)
 
 
-def test_our_skipgram_agrees_with_gensim_about_as_well_as_gensim_agrees_with_itself(tmp_path, make_cfg):
+@pytest.mark.parametrize("mode", ["skipgram", "cbow"])
+def test_our_vectors_agree_with_gensim_about_as_well_as_gensim_agrees_with_itself(tmp_path, make_cfg, mode):
     """On the embedded corpus with the same words and settings, the 10 nearest neighbours of the frequent words
-    overlap with gensim's at least 0.7 times as much as two gensim seeds overlap with each other."""
+    overlap with gensim's at least 0.7 times as much as two gensim seeds overlap with each other (CBOW: its C
+    step, against gensim's cbow_mean=1)."""
     from gptlab.tasks.word2vec import run
 
     cfg = make_cfg(
         "task=word2vec",
+        f"word2vec.mode={mode}",
         "word2vec.dim=32",
         "word2vec.epochs=3",
         "word2vec.evaluate=false",

@@ -102,6 +102,10 @@ def train(
     loggers = session.open_loggers(
         resume.wandb_run_id if resume else None, resume.global_step if resume else None, lightning=False
     )
+    for lg in loggers:
+        # W&B's import, service and wandb.init (one to two seconds) overlap the training
+        if hasattr(lg, "open_in_background"):
+            lg.open_in_background()
     trainer: Trainer | None = None
     with session.closing(loggers, step=lambda: trainer.global_step if trainer else 0):
         trainer = Trainer(

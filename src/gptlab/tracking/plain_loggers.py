@@ -27,8 +27,11 @@ import csv
 import json
 import logging
 import os
+import secrets
+import string
 import sys
 import tempfile
+import threading
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -217,45 +220,104 @@ class WandbRunLogger:
     """A W&B run opened by ``wandb.init`` when first used, always a run of its own (``reinit="create_new"``:
     a run the process already has open, a notebook's or an earlier in-process run's, is left as it is and
     gets none of this run's records). Metrics are logged with ``trainer/global_step`` as their step metric, as
-    Lightning's WandbLogger logs them, so both kinds of run read alike (:mod:`gptlab.tracking.wandb_runs`)."""
+    Lightning's WandbLogger logs them, so both kinds of run read alike (:mod:`gptlab.tracking.wandb_runs`).
+
+    :meth:`open_in_background` opens the run in a thread instead: importing wandb, starting its service
+    process and ``wandb.init`` take one to two seconds, longer than word2vec's training on a small corpus, and
+    they then overlap the training. The config and metrics logged meanwhile are held and sent in order once
+    the run is open; whatever needs the run itself (``experiment``, ``finalize``) waits for it, and an error
+    of ``wandb.init`` is raised there."""
 
     def __init__(self, init: Mapping[str, Any]) -> None:
         self._wandb_init = dict(init)
         self._experiment: Any = None
         self.save_dir = str(self._wandb_init.get("dir"))
         self.name = self._wandb_init.get("project")
+        self._opening: threading.Thread | None = None
+        self._open_error: BaseException | None = None
+        self._held: list[tuple[str, dict[str, Any]]] = []  # ("config" | "log", values) while opening
+
+    def _open(self) -> None:
+        import wandb
+
+        run = wandb.init(**{**self._wandb_init, "reinit": "create_new"})
+        run.define_metric("trainer/global_step")
+        run.define_metric("*", step_metric="trainer/global_step", step_sync=True)
+        self._experiment = run
+
+    def open_in_background(self) -> None:
+        """Start opening the run in a thread (see the class doc). Its id is chosen here when the run is new
+        (8 characters of [a-z0-9], as wandb's own), so :attr:`version` is known at once."""
+        if self._experiment is not None or self._opening is not None:
+            return
+        if not self._wandb_init.get("id"):
+            alphabet = string.ascii_lowercase + string.digits
+            self._wandb_init["id"] = "".join(secrets.choice(alphabet) for _ in range(8))
+
+        def open_run() -> None:
+            try:
+                self._open()
+            except BaseException as e:  # raised in the caller's thread by _wait
+                self._open_error = e
+
+        self._opening = threading.Thread(target=open_run, name="gptlab-wandb-init", daemon=True)
+        self._opening.start()
+
+    def _still_opening(self) -> bool:
+        return self._opening is not None and self._opening.is_alive()
+
+    def _wait(self) -> None:
+        """Wait for a run being opened in the background, then send what was held, in order."""
+        if self._opening is None:
+            return
+        self._opening.join()
+        self._opening = None
+        if self._open_error is not None:
+            error, self._open_error, self._held = self._open_error, None, []
+            raise error
+        held, self._held = self._held, []
+        for kind, values in held:
+            if kind == "config":
+                self._experiment.config.update(values, allow_val_change=True)
+            else:
+                self._experiment.log(values)
 
     @property
     def experiment(self) -> Any:
+        self._wait()
         if self._experiment is None:
-            import wandb
-
-            run = wandb.init(**{**self._wandb_init, "reinit": "create_new"})
-            run.define_metric("trainer/global_step")
-            run.define_metric("*", step_metric="trainer/global_step", step_sync=True)
-            self._experiment = run
+            self._open()
         return self._experiment
 
     @property
     def version(self) -> str | None:
-        """The W&B run id: the open run's, else the one it was asked to continue."""
+        """The W&B run id: the open run's, else the one it was asked to continue (or was given)."""
         run_id = self._experiment.id if self._experiment is not None else self._wandb_init.get("id")
         return str(run_id) if run_id else None
 
     def log_hyperparams(self, params: Mapping[str, Any]) -> None:
-        self.experiment.config.update(_json_safe(dict(params)), allow_val_change=True)
+        values = _json_safe(dict(params))
+        if self._still_opening():
+            self._held.append(("config", values))
+        else:
+            self.experiment.config.update(values, allow_val_change=True)
 
     def log_metrics(self, metrics: Mapping[str, float], step: int | None = None) -> None:
         values = dict(metrics)
         if step is not None:
             values["trainer/global_step"] = step
-        self.experiment.log(values)
+        if self._still_opening():
+            self._held.append(("log", values))
+        else:
+            self.experiment.log(values)
 
     def save(self) -> None:
         pass  # W&B writes its records as they come
 
     def finalize(self, status: str) -> None:
-        pass  # the run is closed by finish_wandb, with the run's exit status
+        """Wait for a run being opened and send what it holds; the run itself is closed by finish_loggers,
+        with the run's exit status."""
+        self._wait()
 
 
 def _json_safe(params: dict[str, Any]) -> dict[str, Any]:

@@ -37,6 +37,7 @@ class Word2VecOptions:
     threads: int | None = None
     parallel: str = "processes"
     device: str = "auto"
+    native: bool = True
     evaluate: bool = True
     plot_words: list[str] | None = None
     neighbour_words: list[str] | None = None
@@ -83,6 +84,10 @@ class Word2VecOptions:
         if self.parallel not in PARALLEL:
             raise ConfigError(
                 f"word2vec.parallel={self.parallel!r} is not one of {PARALLEL} (processes: forked workers on shared tables)."
+            )
+        if not isinstance(self.native, bool):
+            raise ConfigError(
+                f"word2vec.native={self.native!r} must be true (CBOW's C step where a C compiler is found) or false."
             )
         steps = self.max_steps
         if steps is not None and (not isinstance(steps, int) or steps < 1):

@@ -90,34 +90,13 @@ def numpy_step(
     """``torch_step`` for the sigmoid objectives on a CPU, the same arithmetic on numpy views of the tables,
     with few temporaries (the elementwise work is done in place)."""
     t = batch.outputs
+    if mode == "cbow":
+        return _numpy_cbow_step(tables, batch, lr, with_loss)
     w_in, w_out = tables.input.numpy(), tables.output.numpy()
     present = batch.inputs >= 0  # (G, C)
     idx = np.maximum(batch.inputs, 0)
     dim = w_in.shape[1]
     u = w_out.take(t.rows, axis=0)  # (G, M, d)
-    if mode == "cbow":
-        # the mean of each window's context rows without the (G, C, d) gather: embedding_bag over the
-        # present slots (about 1.3x the padded gather's speed here)
-        valid = idx[present]  # (P,)
-        counts = present.sum(1)  # (G,)
-        offsets = np.zeros(len(counts), dtype=np.int64)
-        np.cumsum(counts[:-1], out=offsets[1:])
-        hidden = F.embedding_bag(
-            torch.from_numpy(valid), tables.input, torch.from_numpy(offsets), mode="mean"
-        ).numpy()  # (G, d)
-        scores = np.matmul(u, hidden[:, :, None])[:, :, 0]  # (G, M)
-        loss = _np_loss(scores, t.labels, t.mask) if with_loss else None
-        grad = _step_sizes(scores, t.labels, t.mask, lr)  # (G, M)
-        d_hidden = np.matmul(grad[:, None, :], u)[:, 0, :]  # (G, d)
-        d_u = grad[:, :, None] * hidden[:, None, :]  # (G, M, d)
-        # the whole gradient of h to every context word, as word2vec.c and gensim (cbow_mean=1) apply it
-        tables.input.index_add_(
-            0, torch.from_numpy(valid), torch.from_numpy(np.repeat(d_hidden, counts, axis=0))
-        )
-        tables.output.index_add_(
-            0, torch.from_numpy(t.rows.reshape(-1)), torch.from_numpy(d_u.reshape(-1, dim))
-        )
-        return loss
     x = w_in.take(idx, axis=0)  # (G, C, d)
     scores = np.matmul(x, u.transpose(0, 2, 1))  # (G, C, M)
     mask = present[:, :, None] * t.mask[:, None, :]  # (G, C, M)
@@ -129,6 +108,32 @@ def numpy_step(
     # index_add_ without alpha: with one it scales a copy of the source first (about 2.5x slower here)
     tables.input.index_add_(0, torch.from_numpy(idx.reshape(-1)), torch.from_numpy(d_x.reshape(-1, dim)))
     tables.output.index_add_(0, torch.from_numpy(t.rows.reshape(-1)), torch.from_numpy(d_u.reshape(-1, dim)))
+    return loss
+
+
+def _numpy_cbow_step(tables: Tables, batch: WindowBatch, lr: float, with_loss: bool) -> float | None:
+    """CBOW's step: each window's hidden vector is the mean of its present context rows (``cbow_mean=1``),
+    scored against its output rows; the whole gradient of the mean goes to every context word, as
+    word2vec.c and gensim apply it. Only the present slots are gathered and updated (their (row, slot)
+    pairs in row order, so that each window's slots are contiguous: embedding_bag's bags)."""
+    t = batch.outputs
+    window, slot = np.nonzero(batch.inputs >= 0)  # the present slots, window by window
+    valid = torch.from_numpy(batch.inputs[window, slot])  # (P,)
+    counts = np.bincount(window, minlength=len(batch.inputs))  # (G,); an empty bag's mean is zero
+    offsets = np.zeros(len(counts), dtype=np.int64)
+    np.cumsum(counts[:-1], out=offsets[1:])
+    # torch.embedding_bag itself (mode 1: mean), without the argument checks of F.embedding_bag
+    hidden_t = torch.embedding_bag(tables.input, valid, torch.from_numpy(offsets), False, 1)[0]  # (G, d)
+    hidden = hidden_t.numpy()
+    u = tables.output.numpy().take(t.rows, axis=0)  # (G, M, d)
+    scores = np.matmul(u, hidden[:, :, None])[:, :, 0]  # (G, M)
+    loss = _np_loss(scores, t.labels, t.mask) if with_loss else None
+    grad = _step_sizes(scores, t.labels, t.mask, lr)  # (G, M)
+    d_hidden = np.matmul(grad[:, None, :], u)[:, 0, :]  # (G, d)
+    # the outer products in torch: about 2x numpy's broadcast multiply on these shapes here
+    d_u = torch.from_numpy(grad)[:, :, None] * hidden_t[:, None, :]  # (G, M, d)
+    tables.input.index_add_(0, valid, torch.from_numpy(np.repeat(d_hidden, counts, axis=0)))
+    tables.output.index_add_(0, torch.from_numpy(t.rows.reshape(-1)), d_u.view(-1, d_u.shape[2]))
     return loss
 
 

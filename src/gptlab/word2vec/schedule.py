@@ -97,8 +97,12 @@ class Schedule:
             width = self.objective.width(plan.ids[start:stop])
             if width is not None:
                 key = key * (int(width.max(initial=0)) + 1) + width
-            order = start + np.argsort(key, kind="stable")
-            context = sampling.context_matrix(plan, start, stop, self.options.window)[order - start]
+            context = sampling.context_matrix(plan, start, stop, self.options.window)
+            # CBOW with negative sampling has no key: its windows stay in text order, and are not copied
+            order: slice | np.ndarray = slice(start, stop)
+            if self.options.mode == "skipgram" or width is not None:
+                order = start + np.argsort(key, kind="stable")
+                context = context[order - start]
             rng = np.random.default_rng([self.seed, epoch, chunk, block, 1])
             assert plan.span is not None
             b = Block(
@@ -107,7 +111,7 @@ class Schedule:
                 plan.ids[order],
                 plan.radius[order],
                 plan.span[order],
-                self.objective.draw(len(order), rng),
+                self.objective.draw(stop - start, rng),
             )
             self._block = b
         return b

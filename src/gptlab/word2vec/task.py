@@ -13,6 +13,7 @@ without Lightning: :mod:`gptlab.tracking.plain_loggers`).
 
 from __future__ import annotations
 
+import functools
 import gc
 import json
 import logging
@@ -164,6 +165,14 @@ class Trainer:
         self.threads = (
             1 if device.type != "cpu" or self.model is not None else options.threads or os.cpu_count() or 1
         )
+        # CBOW's SGD step in C on a CPU (gptlab.word2vec.native), loaded here: forked workers inherit it
+        self.native: Any = None
+        if options.native and options.mode == "cbow" and not self.softmax:
+            if device.type == "cpu" and self.model is None:
+                from gptlab.word2vec import native
+
+                lib = native.library()
+                self.native = None if lib is None else functools.partial(native.cbow_step, lib)
         self.global_step = 0
         self.wandb_run_id: str | None = None
         self.received: int | None = None
@@ -181,6 +190,8 @@ class Trainer:
         lr = self.learning_rate(batch.progress)
         if len(batch.target) == 0:
             return 0.0 if with_loss else None
+        if self.native is not None:
+            return self.native(self.tables, batch, lr, with_loss)
         if self.model is None:
             return sgd_step(self.tables, batch, lr, self.options.mode, self.softmax, with_loss)
         device = self.tables.device

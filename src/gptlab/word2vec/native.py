@@ -1,0 +1,211 @@
+"""CBOW's step for the sigmoid objectives on a CPU as one C loop, compiled on first use with the machine's C
+compiler and loaded through ctypes; where there is no compiler (or ``word2vec.native=false``) the numpy step
+(:func:`gptlab.word2vec.fast.numpy_step`) runs instead.
+
+Why: CBOW does little arithmetic per window (one mean of its context rows, one score per output row), and the
+numpy step spends most of its time on what lies between its calls: a batch's rows gathered into temporaries,
+products written out and read back to be scattered into the tables, a few dozen calls per batch. The C loop
+reads and writes each table row in place, once per use. It is the same step: every score, step size, hidden
+vector and gradient computed from the tables as they were before the batch (the autograd reference's one SGD
+step on the batch's summed loss, as the test of :mod:`gptlab.word2vec.fast` checks for both), then the updates
+added; only the order of float additions differs.
+
+The library is built once per source, compiler and processor (it is compiled for this processor's instructions)
+into ``$XDG_CACHE_HOME/gptlab`` (``~/.cache/gptlab``),
+written beside its name and renamed (two processes building at once each write a whole file), and reused by
+every later run: about half a second the first time.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import math
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from gptlab.word2vec.fast import Tables, WindowBatch
+
+log = logging.getLogger("gptlab")
+
+SOURCE = r"""
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+static float dot(const float *a, const float *b, int64_t d) {
+    float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+    for (int64_t k = 0; k < d; k++) s += a[k] * b[k];
+    return s;
+}
+
+static void axpy(float *y, float a, const float *x, int64_t d) {
+#pragma omp simd
+    for (int64_t k = 0; k < d; k++) y[k] += a * x[k];
+}
+
+/* -log sigma(x), stably */
+static double softplus_neg(double x) { return x > 0 ? log1p(exp(-x)) : -x + log1p(exp(x)); }
+
+/* One CBOW step on G windows: inputs (G, C) context rows of w_in, -1 for an empty slot; rows, labels, mask
+   (G, M) the output rows of w_out each window is scored against. Everything is computed from the tables
+   before the step, then added. Returns the summed loss when want_loss; NAN when out of memory. */
+double w2v_cbow_step(float *w_in, float *w_out, int64_t dim, const int64_t *inputs, int64_t g_count,
+                     int64_t c_slots, const int64_t *rows, const float *labels, const float *mask,
+                     int64_t m_cols, float lr, int want_loss) {
+    double loss = 0.0;
+    /* each window's hidden vector, its gradient, and its output rows' step sizes */
+    float *hidden = malloc(sizeof(float) * (2 * g_count * dim + g_count * m_cols));
+    if (hidden == NULL) return NAN;
+    float *d_hidden = hidden + g_count * dim, *grad = d_hidden + g_count * dim;
+    for (int64_t g = 0; g < g_count; g++) {
+        float *h = hidden + g * dim, *dh = d_hidden + g * dim;
+        memset(h, 0, sizeof(float) * dim);
+        memset(dh, 0, sizeof(float) * dim);
+        int64_t n = 0;
+        for (int64_t c = 0; c < c_slots; c++) {
+            int64_t i = inputs[g * c_slots + c];
+            if (i >= 0) { axpy(h, 1.0f, w_in + i * dim, dim); n++; }
+        }
+        if (n > 1) {
+            float inv = 1.0f / (float)n;
+            for (int64_t k = 0; k < dim; k++) h[k] *= inv;
+        }
+        for (int64_t m = 0; m < m_cols; m++) {
+            int64_t j = g * m_cols + m;
+            const float *u = w_out + rows[j] * dim;
+            float s = dot(u, h, dim);
+            if (want_loss && mask[j] != 0.0f) loss += mask[j] * softplus_neg(s * (2.0f * labels[j] - 1.0f));
+            float clipped = s > 30.0f ? 30.0f : (s < -30.0f ? -30.0f : s);
+            float step = (labels[j] - 1.0f / (1.0f + expf(-clipped))) * mask[j] * lr;
+            grad[j] = step;
+            if (step != 0.0f) axpy(dh, step, u, dim);
+        }
+    }
+    for (int64_t g = 0; g < g_count; g++) {
+        for (int64_t m = 0; m < m_cols; m++) {
+            int64_t j = g * m_cols + m;
+            if (grad[j] != 0.0f) axpy(w_out + rows[j] * dim, grad[j], hidden + g * dim, dim);
+        }
+        for (int64_t c = 0; c < c_slots; c++) {
+            int64_t i = inputs[g * c_slots + c];
+            if (i >= 0) axpy(w_in + i * dim, 1.0f, d_hidden + g * dim, dim);
+        }
+    }
+    free(hidden);
+    return loss;
+}
+"""
+
+FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-fPIC", "-shared")
+_loaded: dict[str, ctypes.CDLL | None] = {}
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "gptlab"
+
+
+def library() -> ctypes.CDLL | None:
+    """The compiled step, built on first use (and cached on disk); None where it cannot be built."""
+    compiler = os.environ.get("CC", "cc")
+    if compiler in _loaded:
+        return _loaded[compiler]
+    lib = None
+    path = shutil.which(compiler)
+    if path is None:
+        log.info("word2vec: no C compiler (%s) found; CBOW runs the numpy step", compiler)
+    else:
+        key = hashlib.sha256("\0".join([SOURCE, path, *FLAGS, _cpu()]).encode()).hexdigest()[:16]
+        target = cache_dir() / f"word2vec-cbow-{key}.so"
+        try:
+            if not target.is_file():
+                _build(path, target)
+                log.info("word2vec: CBOW's C step built into %s (once per machine)", target)
+            lib = _bind(ctypes.CDLL(str(target)))
+        except (OSError, subprocess.SubprocessError) as e:  # a failed or timed-out build, an unloadable file
+            detail = getattr(e, "stderr", None) or b""
+            log.info(
+                "word2vec: the C step could not be built (%s%s); CBOW runs the numpy step",
+                e,
+                f": {detail.decode(errors='replace').strip()[-500:]}" if detail else "",
+            )
+    _loaded[compiler] = lib
+    return lib
+
+
+def _cpu() -> str:
+    """What ``-march=native`` compiles for: the processor's model and flags. A home directory shared by
+    machines of different processors (a cluster's) then holds one library per kind, never one built for
+    instructions this processor lacks."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            info = [line for line in f if line.startswith(("model name", "flags", "Features"))]
+        return "".join(dict.fromkeys(info))  # the lines of one processor (each core repeats them)
+    except OSError:
+        return platform.processor() or platform.machine()
+
+
+def _build(compiler: str, target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        source = Path(tmp) / "word2vec_cbow.c"
+        source.write_text(SOURCE)
+        built = Path(tmp) / target.name
+        subprocess.run(
+            [compiler, *FLAGS, "-o", str(built), str(source), "-lm"],
+            check=True,
+            capture_output=True,
+            timeout=120,
+        )
+        os.replace(built, target)  # whole or not at all, also when another process builds it too
+
+
+def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
+    p, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+    fn = lib.w2v_cbow_step
+    fn.argtypes = [p, p, i64, p, i64, i64, p, p, p, i64, f32, ctypes.c_int]
+    fn.restype = ctypes.c_double
+    return lib
+
+
+def _pointer(a: np.ndarray) -> int:
+    return int(a.__array_interface__["data"][0])
+
+
+def cbow_step(
+    lib: ctypes.CDLL, tables: Tables, batch: WindowBatch, lr: float, with_loss: bool = False
+) -> float | None:
+    """:func:`gptlab.word2vec.fast.numpy_step` for CBOW (negative sampling or hierarchical softmax), in C.
+    The tables must be contiguous float32 CPU tensors (as :class:`Tables` makes them)."""
+    t = batch.outputs
+    inputs = np.ascontiguousarray(batch.inputs, dtype=np.int64)
+    rows = np.ascontiguousarray(t.rows, dtype=np.int64)
+    labels = np.ascontiguousarray(t.labels, dtype=np.float32)
+    mask = np.ascontiguousarray(t.mask, dtype=np.float32)
+    g_count, c_slots = inputs.shape
+    loss = lib.w2v_cbow_step(
+        tables.input.data_ptr(),
+        tables.output.data_ptr(),
+        tables.input.shape[1],
+        _pointer(inputs),
+        g_count,
+        c_slots,
+        _pointer(rows),
+        _pointer(labels),
+        _pointer(mask),
+        rows.shape[1],
+        lr,
+        int(with_loss),
+    )
+    if math.isnan(loss):
+        raise MemoryError("word2vec's C step could not allocate its scratch space")
+    return loss if with_loss else None
