@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT / "src"))
 
 import hydra  # noqa: E402
 
-from gptlab.resume import register_resolvers  # noqa: E402
+from gptlab.runs.resume import register_resolvers  # noqa: E402
 
 register_resolvers()
 kind, *args = os.environ["GPTLAB_TEST_FAULT"].split(":")
@@ -107,7 +107,7 @@ elif kind == "kill_at_step":
 elif kind == "race_start":
     import time
 
-    from gptlab.resume import CheckRunDirectory
+    from gptlab.runs.resume import CheckRunDirectory
 
     folder, starters, hold = Path(args[0]), int(args[1]), args[2:] == ["hold"]
     original_run_start = CheckRunDirectory.on_run_start

@@ -23,7 +23,7 @@ from omegaconf import OmegaConf
 from gptlab.builders import build_datamodule, build_model_config, build_tokenizer
 from gptlab.errors import ConfigError, DataError
 from gptlab.preflight import check_trainer_options
-from gptlab.resume import CheckpointError, plan_resume
+from gptlab.runs.resume import CheckpointError, plan_resume
 from gptlab.tasks.gpt import run
 
 TEXT = (Path(__import__("pydoc_data.topics").topics.__file__)).read_text()[:40_000]

@@ -20,15 +20,15 @@ from conftest import CONF, ROOT, TINY, run_train
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 
-from gptlab.errors import CheckpointError, DiskFullError
+from gptlab.errors import CheckpointError, DiskFullError, NonFiniteLossError
 from gptlab.model.config import GPTConfig
-from gptlab.resume import choose_run_dir, plan_resume
+from gptlab.parallel.checkpoint_io import AtomicCheckpointIO, restore_interrupted_saves
 from gptlab.runs import Run, digests
 from gptlab.runs.checkpoints import load_checkpoint, model_config_dict
+from gptlab.runs.resume import choose_run_dir, plan_resume
 from gptlab.runs.trained import load_run
 from gptlab.tasks.gpt import run
 from gptlab.tracking.wandb_files import find_runs, read_run
-from gptlab.training.checkpointing import AtomicCheckpointIO, NonFiniteLossError, restore_interrupted_saves
 
 MAX_STEPS = 12
 # A tiny run that checkpoints every 2 steps and validates every 4; the loss must not reach its floor, so
@@ -240,7 +240,7 @@ def test_resume_from_an_explicit_checkpoint_continues_in_its_run_directory(tmp_p
 
 WRITER = """
 import sys, torch
-from gptlab.training.checkpointing import AtomicCheckpointIO
+from gptlab.parallel.checkpoint_io import AtomicCheckpointIO
 AtomicCheckpointIO().save_checkpoint({"state_dict": {"w": torch.ones(48 * 2**20)}}, sys.argv[1])
 """
 

@@ -83,7 +83,7 @@ def test_resume_checks_a_distributed_checkpoint_before_training(trained, make_cf
     root, _, _, sharded = trained
     run_dir = root / "fsdp"
     from gptlab.builders import build_model_config, build_tokenizer
-    from gptlab.resume import plan_resume
+    from gptlab.runs.resume import plan_resume
 
     cfg = make_cfg(*TINY, "tokenizer=char", "pos=rope")
     plan = plan_resume(str(sharded), run_dir, build_model_config(cfg, build_tokenizer(cfg)))

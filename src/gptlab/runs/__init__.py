@@ -7,7 +7,7 @@
 - :mod:`gptlab.runs.trained`: a trained model, its tokenizer and its validation tokens, rebuilt from a run.
 - :mod:`gptlab.runs.naming`: a run's identity (name, group, tags) from the Hydra overrides that made it.
 
-Resuming (:mod:`gptlab.resume`), the analysis of sweeps (:mod:`gptlab.comparison`) and the scripts read runs
+Resuming (:mod:`gptlab.runs.resume`), the analysis of sweeps (:mod:`gptlab.comparison`) and the scripts read runs
 only through this package. Importing it costs no torch: the loaders import it when called.
 """
 

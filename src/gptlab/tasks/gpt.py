@@ -23,8 +23,8 @@ from omegaconf import DictConfig
 
 from gptlab.config import GPTRunConfig, parse_gpt
 from gptlab.planning.fit import check_memory
-from gptlab.resume import ResumePlan, plan_resume
 from gptlab.runs.identity import launched_rank
+from gptlab.runs.resume import ResumePlan, plan_resume
 from gptlab.tasks.skeleton import RunSession, quiet_launched_ranks, record_run_dir, route_lightning_logs
 
 if TYPE_CHECKING:  # Lightning and the data are imported once the config is checked: a refusal comes first
@@ -32,7 +32,7 @@ if TYPE_CHECKING:  # Lightning and the data are imported once the config is chec
 
     from gptlab.data.corpus import PreparedCorpus
     from gptlab.data.datamodule import GPTDataModule
-    from gptlab.training.checkpointing.fit import SignalStop
+    from gptlab.training.checkpointing import SignalStop
     from gptlab.training.module import GPTLitModule
 
 log = logging.getLogger("gptlab")

@@ -29,9 +29,9 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from gptlab.config import RunSettings
-from gptlab.resume import check_writable
 from gptlab.runs.identity import hold_run_dir, release_run_dir
 from gptlab.runs.layout import Run, git_commit, read_run_info
+from gptlab.runs.resume import check_writable
 
 log = logging.getLogger("gptlab")
 

@@ -19,7 +19,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from gptlab.config import RunSettings
-from gptlab.resume import ResumePlan, checkpoint_to_resume
+from gptlab.runs.resume import ResumePlan, checkpoint_to_resume
 from gptlab.tasks.skeleton import RunSession, record_run_dir
 from gptlab.word2vec import objectives
 from gptlab.word2vec.config import Word2VecOptions

@@ -30,9 +30,9 @@ import torch
 from omegaconf import DictConfig
 
 from gptlab.errors import CheckpointError, ConfigError
-from gptlab.resume import ResumePlan
 from gptlab.runs import digests
 from gptlab.runs.checkpoints import RESUME_INSTEAD, load_checkpoint
+from gptlab.runs.resume import ResumePlan
 from gptlab.word2vec import evaluation
 from gptlab.word2vec.config import Word2VecOptions
 from gptlab.word2vec.corpus import WordCorpus
