@@ -25,7 +25,7 @@ from gptlab.model.config import GPTConfig
 from gptlab.parallel.checkpoint_io import AtomicCheckpointIO, restore_interrupted_saves
 from gptlab.runs import Run, digests
 from gptlab.runs.checkpoints import load_checkpoint, model_config_dict
-from gptlab.runs.resume import choose_run_dir, plan_resume
+from gptlab.runs.resume import checkpoint_to_resume, choose_run_dir, plan_resume
 from gptlab.runs.trained import load_run
 from gptlab.tasks.gpt import run
 from gptlab.tracking.wandb_files import find_runs, read_run
@@ -592,7 +592,7 @@ def test_a_truncated_last_checkpoint_is_refused_naming_the_intact_ones(tmp_path,
     model = GPTConfig.from_dict(model_config_dict(load_checkpoint(best, weights=False)))
     intact = f"Intact checkpoints beside it (each just verified against its digest): {best} (step "
     with pytest.raises(CheckpointError) as refused:
-        plan_resume("auto", run_dir, model)
+        plan_resume(checkpoint_to_resume("auto", run_dir), model)
     message = str(refused.value)
     assert f"last.ckpt is {written // 3:,} bytes instead of the {written:,} written (truncated)" in message
     assert intact in message and message.endswith(f"resume={best}.")
@@ -606,7 +606,7 @@ def test_a_truncated_last_checkpoint_is_refused_naming_the_intact_ones(tmp_path,
     # intact checkpoint beside it.
     digests.digest_path(last).unlink()
     with pytest.raises(CheckpointError) as refused:
-        plan_resume("auto", run_dir, model)
+        plan_resume(checkpoint_to_resume("auto", run_dir), model)
     message = str(refused.value)
     assert f"Checkpoint {last} cannot be read" in message and "it is truncated" in message
     assert intact in message and message.endswith(f"resume={best}.")

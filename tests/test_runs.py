@@ -83,14 +83,18 @@ def test_resume_checks_a_distributed_checkpoint_before_training(trained, make_cf
     root, _, _, sharded = trained
     run_dir = root / "fsdp"
     from gptlab.builders import build_model_config, build_tokenizer
-    from gptlab.runs.resume import plan_resume
+    from gptlab.runs.resume import checkpoint_to_resume, plan_resume
 
     cfg = make_cfg(*TINY, "tokenizer=char", "pos=rope")
-    plan = plan_resume(str(sharded), run_dir, build_model_config(cfg, build_tokenizer(cfg)))
+    plan = plan_resume(
+        checkpoint_to_resume(str(sharded), run_dir), build_model_config(cfg, build_tokenizer(cfg))
+    )
     assert plan.global_step == 8 and plan.ckpt_path == sharded
     other = make_cfg(*TINY, "tokenizer=char", "pos=rope", "model.n_layer=2")
     with pytest.raises(CheckpointError, match="n_layer: 1 in the checkpoint, 2 now"):
-        plan_resume(str(sharded), run_dir, build_model_config(other, build_tokenizer(other)))
+        plan_resume(
+            checkpoint_to_resume(str(sharded), run_dir), build_model_config(other, build_tokenizer(other))
+        )
 
 
 def script(name: str, *args: str) -> subprocess.CompletedProcess:

@@ -15,9 +15,10 @@ from typing import Any
 import numpy as np
 
 from gptlab.evaluation import passkey
+from gptlab.runs import layout
 
-LENGTH_FILE = Path("eval_length") / "length.json"
-PASSKEY_FILE = Path("eval_length") / passkey.RESULT_FILE
+LENGTH_FILE = Path(layout.EVAL_LENGTH_DIR) / layout.LENGTH_FILE
+PASSKEY_FILE = Path(layout.EVAL_LENGTH_DIR) / passkey.RESULT_FILE
 
 
 def factor_of(key: str) -> float:

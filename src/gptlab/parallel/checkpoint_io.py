@@ -6,7 +6,7 @@ two renames: the old directory aside, the new one into place. A kill between tho
 old directory under its aside name; `restore_interrupted_saves` puts it back before a run resumes.
 The strategies install it as their checkpoint I/O plugin (``parallel.lightning_strategies``).
 
-Each checkpoint gets its SHA-256 digest beside it (``last.ckpt.sha256``, :mod:`gptlab.runs.digests`), written
+Each checkpoint gets its SHA-256 digest beside it (``<name>.ckpt.sha256``, :mod:`gptlab.runs.digests`), written
 by the process that renames the checkpoint into place (rank 0): the old digest is removed before the rename,
 the new one written after it, so a digest never describes other bytes than those beside it.
 """

@@ -24,6 +24,7 @@ from omegaconf import DictConfig
 from gptlab.config import GPTRunConfig, parse_gpt
 from gptlab.planning.fit import check_memory
 from gptlab.runs.identity import launched_rank
+from gptlab.runs.layout import LAST_CHECKPOINT
 from gptlab.runs.resume import ResumePlan, plan_resume
 from gptlab.tasks.skeleton import RunSession, quiet_launched_ranks, record_run_dir, route_lightning_logs
 
@@ -63,7 +64,7 @@ def run(cfg: DictConfig) -> dict[str, float]:
         cfg, settings.run, seed=lambda s: L.seed_everything(s, workers=True, verbose=False)
     )
     parts = build(settings)
-    resume = plan_resume(settings.run.resume, session.run_dir, parts.module.model_config)
+    resume = plan_resume(session.resume_from, parts.module.model_config)
     recorded = finished_result(session.run_dir, resume, settings.trainer["max_steps"])
     if recorded is not None:
         return report_already_finished(session.run_dir, recorded)
@@ -436,6 +437,6 @@ def closing_lines(
     ckpt = trainer.checkpoint_callback
     if isinstance(ckpt, ModelCheckpoint) and ckpt.dirpath:
         lines.append(
-            f"  checkpoints: {ckpt.dirpath} (last.ckpt, best by val/loss: {Path(ckpt.best_model_path).name})"
+            f"  checkpoints: {ckpt.dirpath} ({LAST_CHECKPOINT}, best by val/loss: {Path(ckpt.best_model_path).name})"
         )
     return lines + logger_lines(loggers)

@@ -51,6 +51,14 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from gptlab.errors import ConfigError, NonFiniteLossError
 from gptlab.parallel import slurm
 from gptlab.parallel.checkpoint_io import link_checkpoint
+from gptlab.runs.layout import (
+    BEST_FILENAME,
+    BEST_PREFIX,
+    LAST_CHECKPOINT,
+    LAST_CHECKPOINT_PATH,
+    BestScores,
+    write_best_scores,
+)
 from gptlab.tracking.loggers import WandbRunIdInCheckpoint
 
 log = logging.getLogger(__name__)
@@ -80,7 +88,7 @@ def check_finite_loss(loss: torch.Tensor, step: int, strategy: Any = None) -> No
         where = f" on rank{'s' if len(bad) > 1 else ''} {ranks} of {len(losses)}"
     raise NonFiniteLossError(
         f"The training loss is {bad[0][1]} at step {step}{where}: training stopped on every rank before this "
-        "step's update, and checkpoints/last.ckpt still holds the last finite state. Lower optim.lr, raise "
+        f"step's update, and {LAST_CHECKPOINT_PATH} still holds the last finite state. Lower optim.lr, raise "
         "optim.warmup_steps, or keep gradient clipping on (trainer.gradient_clip_val), then start again or "
         "resume."
     )
@@ -141,10 +149,14 @@ def restore_rng_states(states: dict[str, Any]) -> None:
 
 
 class PeriodicLastCheckpoint(ModelCheckpoint):
-    """``<dirpath>/last.ckpt``, rewritten every ``every_n_train_steps`` optimizer steps and when training
-    ends, so a SIGKILL loses at most that many steps. It is always the same file (or, for a sharded
-    strategy, directory; no ``last-v1.ckpt``), and a state holding a NaN or infinite parameter on any rank
-    is never written over it."""
+    """The last checkpoint (:func:`gptlab.runs.layout.last_checkpoint`), rewritten every
+    ``every_n_train_steps`` optimizer steps and when training ends, so a SIGKILL loses at most that many
+    steps. It is always the same file (or, for a sharded strategy, directory; no ``-v1`` version), and a
+    state holding a NaN or infinite parameter on any rank is never written over it."""
+
+    # Lightning names it CHECKPOINT_NAME_LAST + FILE_EXTENSION: the name gptlab.runs.layout gives it.
+    CHECKPOINT_NAME_LAST = Path(LAST_CHECKPOINT).stem
+    FILE_EXTENSION = Path(LAST_CHECKPOINT).suffix
 
     def __init__(self, dirpath: str, every_n_train_steps: int = 50) -> None:
         if not isinstance(every_n_train_steps, int) or every_n_train_steps <= 0:
@@ -173,8 +185,9 @@ class PeriodicLastCheckpoint(ModelCheckpoint):
         # Every rank takes the same decision: the save that follows is collective for sharded strategies.
         if not state_is_finite(trainer.lightning_module, trainer.strategy):
             log.warning(
-                "Step %d: the model holds NaN or infinite parameters; last.ckpt keeps the last finite state.",
+                "Step %d: the model holds NaN or infinite parameters; %s keeps the last finite state.",
                 trainer.global_step,
+                LAST_CHECKPOINT,
             )
             return
         # The loggers' buffered rows first (the CSV logger writes every 100 steps): a run killed after this
@@ -194,23 +207,48 @@ class PeriodicLastCheckpoint(ModelCheckpoint):
         self.save_now(trainer)
 
     def save_now(self, trainer: L.Trainer) -> None:
-        """Write last.ckpt for the current step unless it already holds it."""
+        """Write the last checkpoint for the current step unless it already holds it."""
         if self._last_global_step_saved != trainer.global_step:
             self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
 
 
 class BestCheckpoint(ModelCheckpoint):
-    """Lightning's ModelCheckpoint (``callbacks.model_checkpoint``: the best by val/loss), except that a best
-    saved at the step ``last.ckpt`` holds is a hard link to last.ckpt, not a second copy of the same step:
-    a 5-step run keeps one file, where it kept two of 192 MB each with model=small. A later save of
-    last.ckpt writes a new file and renames it into place, so the best keeps its bytes (and its digest).
-    Where hard links fail (or a checkpoint is a sharded directory) the best is written in full, as before."""
+    """Lightning's ModelCheckpoint (``callbacks.model_checkpoint``: the best by val/loss), except that:
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        # The newest best written by this process and its step: last.ckpt, saved at that step, links to it.
+    - a best saved at the step the last checkpoint holds is a hard link to it, not a second copy of the same
+      step: a 5-step run keeps one file, where it kept two of 192 MB each with model=small. A later save of
+      the last checkpoint writes a new file and renames it into place, so the best keeps its bytes (and its
+      digest). Where hard links fail (or a checkpoint is a sharded directory) the best is written in full;
+    - after each save, the score of every best checkpoint kept is written to ``checkpoints/best.json``
+      (:func:`gptlab.runs.layout.write_best_scores`): readers rank the best checkpoints by it, so the file
+      name's format (``filename``, by default :data:`gptlab.runs.layout.BEST_FILENAME`) is free to change;
+      it must start with ``best-``, the prefix by which a run's best checkpoints are found."""
+
+    def __init__(self, dirpath: str | None = None, filename: str | None = None, **kwargs: Any) -> None:
+        filename = BEST_FILENAME if filename is None else str(filename)
+        if not filename.startswith(BEST_PREFIX):
+            raise ConfigError(
+                f"callbacks.model_checkpoint.filename={filename!r} must start with {BEST_PREFIX!r}: a run's best "
+                f"checkpoints are found by that prefix. Use e.g. callbacks.model_checkpoint.filename="
+                f"'{BEST_PREFIX}{{step}}', or null for gptlab's default ({BEST_FILENAME!r})."
+            )
+        super().__init__(dirpath=dirpath, filename=filename, **kwargs)
+        # The newest best written by this process and its step: the last checkpoint, saved at that step, links
+        # to it.
         self.saved_path: Path | None = None
         self.saved_step: int | None = None
+
+    def _update_best_and_save(
+        self, current: torch.Tensor, trainer: L.Trainer, monitor_candidates: dict[str, torch.Tensor]
+    ) -> None:
+        super()._update_best_and_save(current, trainer, monitor_candidates)
+        if trainer.is_global_zero and self.dirpath:
+            scores = {
+                Path(path).name: float(score)
+                for path, score in self.best_k_models.items()
+                if score is not None
+            }
+            write_best_scores(self.dirpath, BestScores(str(self.monitor), self.mode, scores))
 
     def _save_checkpoint(self, trainer: L.Trainer, filepath: str) -> None:
         last = next(
