@@ -219,7 +219,7 @@ class BestCheckpoint(ModelCheckpoint):
       step: a 5-step run keeps one file, where it kept two of 192 MB each with model=small. A later save of
       the last checkpoint writes a new file and renames it into place, so the best keeps its bytes (and its
       digest). Where hard links fail (or a checkpoint is a sharded directory) the best is written in full;
-    - after each save, the score of every best checkpoint kept is written to ``checkpoints/best.json``
+    - after each save, the score of every best checkpoint kept is written beside them
       (:func:`gptlab.runs.layout.write_best_scores`): readers rank the best checkpoints by it, so the file
       name's format (``filename``, by default :data:`gptlab.runs.layout.BEST_FILENAME`) is free to change;
       it must start with ``best-``, the prefix by which a run's best checkpoints are found."""
