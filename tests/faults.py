@@ -29,6 +29,7 @@ sys.path.insert(0, str(ROOT / "src"))
 
 import hydra  # noqa: E402
 
+from gptlab.runs.layout import LAST_CHECKPOINT  # noqa: E402
 from gptlab.runs.resume import register_resolvers  # noqa: E402
 
 register_resolvers()
@@ -62,7 +63,7 @@ elif kind == "kill_in_save":
     def save(state, path):
         global saves
         original_save(state, path)
-        if "last.ckpt" in str(path):
+        if LAST_CHECKPOINT in str(path):
             saves += 1
             if saves == fault_save:
                 os.kill(os.getpid(), signal.SIGKILL)
@@ -81,8 +82,8 @@ elif kind == "kill_mid_swap":
 
     def swap_in(staging, target):
         global swaps
-        swaps += target.name == "last.ckpt"
-        if swaps == fault_swap and target.name == "last.ckpt":
+        swaps += target.name == LAST_CHECKPOINT
+        if swaps == fault_swap and target.name == LAST_CHECKPOINT:
             os.rename(target, target.parent / atomic.ASIDE.format(name=target.name))
             os.killpg(0, signal.SIGKILL)
         original_swap_in(staging, target)

@@ -23,6 +23,7 @@ from omegaconf import OmegaConf
 from gptlab.builders import build_datamodule, build_model_config, build_tokenizer
 from gptlab.errors import ConfigError, DataError
 from gptlab.preflight import check_trainer_options
+from gptlab.runs.layout import last_checkpoint
 from gptlab.runs.resume import CheckpointError, checkpoint_to_resume, plan_resume
 from gptlab.tasks.gpt import run
 
@@ -468,7 +469,7 @@ def trained(tmp_path_factory):
             "train", overrides=[*args, f"paths.root_dir={root}", f"paths.output_dir={root / 'run'}"]
         )
     run(cfg)
-    return root, args, root / "run" / "checkpoints" / "last.ckpt"
+    return root, args, last_checkpoint(root / "run")
 
 
 def test_checkpoint_from_a_different_architecture_through_the_cli(trained):
