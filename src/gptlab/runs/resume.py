@@ -25,6 +25,7 @@ from gptlab.errors import CheckpointError, ConfigError
 from gptlab.runs.checkpoints import RESUME_INSTEAD, load_checkpoint, model_config_dict
 from gptlab.runs.layout import (
     HYDRA_DIR,
+    HYDRA_PARTS_DIR,
     LAST_CHECKPOINT_PATH,
     Run,
     checkpoint_dir,
@@ -388,7 +389,7 @@ class CheckRunDirectory(HydraCallback):
             for name, data in stash.items()
         ):
             return
-        part = hydra_dir / "parts" / time.strftime("%Y-%m-%d_%H-%M-%S")
+        part = hydra_dir.parent / HYDRA_PARTS_DIR / time.strftime("%Y-%m-%d_%H-%M-%S")
         suffix = 0
         while True:
             candidate = part.with_name(f"{part.name}-{suffix}") if suffix else part
