@@ -23,7 +23,7 @@ from gptlab.comparison import length_table as sweep
 from gptlab.comparison.table import condition_labels
 from gptlab.errors import ConfigError, DataError
 from gptlab.evaluation import length, long_context
-from gptlab.evaluation.options import DEFAULT_FACTORS
+from gptlab.evaluation.options import DEFAULT_FACTORS, PasskeyOptions
 from gptlab.runs import find_run_dirs
 
 
@@ -66,20 +66,18 @@ def main(argv: list[str] | None = None) -> int:
         options = length.LengthEvalOptions(
             factors=args.factors, max_tokens=args.max_tokens, batch_tokens=args.batch_tokens
         )
-        passkey_node = None
+        passkey_options = None
         if not args.no_passkey:
-            passkey_node = {
-                "depths": args.passkey_depths,
-                "trials": args.passkey_trials,
-                "seed": args.passkey_seed,
-            }
+            passkey_options = PasskeyOptions(
+                depths=args.passkey_depths, trials=args.passkey_trials, seed=args.passkey_seed
+            )
         result, paths = length.evaluate_run(
             args.path,
             options,
             out_dir=args.out,
             use_wandb=not args.no_wandb,
             device=args.device,
-            passkey_node=passkey_node,
+            passkey_options=passkey_options,
         )
     except (ConfigError, DataError) as e:
         print(f"eval_length: error: {e}", file=sys.stderr)

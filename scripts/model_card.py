@@ -23,11 +23,11 @@ from omegaconf import OmegaConf
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from gptlab.builders import build_model_config  # noqa: E402
+from gptlab import planning  # noqa: E402
+from gptlab.api import build_model_config  # noqa: E402
 from gptlab.errors import ConfigError  # noqa: E402
 from gptlab.model.head_loss import HeadLoss  # noqa: E402
 from gptlab.parallel import choose_precision  # noqa: E402
-from gptlab.planning import card, planner  # noqa: E402
 from gptlab.registry import import_plugins  # noqa: E402
 
 
@@ -84,11 +84,11 @@ def main(argv: list[str] | None = None) -> int:
     strategy = args.strategy or OmegaConf.to_container(cfg.strategy, resolve=True)
     micro_batch = args.micro_batch or int(cfg.data.get("batch_size", 1))
     if args.device_memory:
-        memory, device = args.device_memory * planner.GiB, f"{args.device_memory:g} GiB per device (given)"
+        memory, device = args.device_memory * planning.GiB, f"{args.device_memory:g} GiB per device (given)"
     else:
-        memory, device = planner.device_memory_bytes(trainer.get("accelerator"))
+        memory, device = planning.device_memory_bytes(trainer.get("accelerator"))
     try:
-        plan = card.TrainingPlan(
+        plan = planning.TrainingPlan(
             strategy=strategy,
             n_devices=devices,
             precision=precision,
@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
             activation_checkpointing=args.activation_checkpointing
             or bool(cfg.get("activation_checkpointing")),
         )
-        text = card.model_card(
+        text = planning.model_card(
             config, plan, device_memory=memory, device_name=device, short=args.short, loss=loss
         )
     except ConfigError as err:

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from gptlab.errors import ConfigError
-from gptlab.evaluation.positions import plot_scheme
+from gptlab.evaluation.plots import plot_scheme
 from gptlab.model import positional
 from gptlab.model.config import GPTConfig
 from gptlab.model.gpt import GPT

@@ -238,7 +238,7 @@ def test_the_variants_are_recorded_with_the_model_and_old_configs_read_as_plain_
 
 
 def test_the_model_card_names_the_variants_and_stays_as_it_was_without_them():
-    from gptlab.planning.card import model_card
+    from gptlab.planning import model_card
 
     line = model_card(tiny(attention=ALL_ON), short=True).splitlines()[0]
     assert line.endswith("; attention: qk-norm rmsnorm, window 4 on layers LG, logit cap 5")

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from gptlab.data import tokenizers
-from gptlab.data.token_bytes import TokenBytes, bits_per_byte
+from gptlab.data.tokenizers import TokenBytes, bits_per_byte
 from gptlab.evaluation import length
 from gptlab.model.config import GPTConfig
 from gptlab.model.gpt import GPT

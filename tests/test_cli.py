@@ -11,7 +11,7 @@ import pytest
 import torch
 from conftest import TINY, run_train
 
-from gptlab.tracking.wandb_files import find_runs, read_run
+from gptlab.tracking.wandb_runs import find_runs, read_run
 
 
 @pytest.fixture(scope="module")

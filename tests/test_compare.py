@@ -24,7 +24,7 @@ from gptlab.comparison.stats import contrasts, difference_interval, holm, verdic
 from gptlab.errors import DataError
 from gptlab.runs import Run, find_run_dirs
 from gptlab.runs.naming import identity, is_sweep_value, swept_keys_of
-from gptlab.tracking.wandb_files import find_runs, read_run
+from gptlab.tracking.wandb_runs import find_runs, read_run
 
 
 @pytest.fixture(scope="module")
@@ -327,7 +327,7 @@ def test_online_runs_group_like_local_ones(tmp_path):
 
 def test_online_comparison_reads_the_group_through_the_wandb_api(tmp_path, monkeypatch):
     from gptlab.comparison.report import compare_online
-    from gptlab.tracking import wandb_api
+    from gptlab.tracking import wandb_runs
 
     asked = []
 
@@ -335,7 +335,7 @@ def test_online_comparison_reads_the_group_through_the_wandb_api(tmp_path, monke
         asked.append((project, group))
         return [ApiRunStandIn("rope", 0, [3.0, 2.0]), ApiRunStandIn("learned", 0, [3.2, 2.5])]
 
-    monkeypatch.setattr(wandb_api, "group_runs", group_runs)
+    monkeypatch.setattr(wandb_runs, "group_runs", group_runs)
     result = compare_online("me/gptlab", "pos_sweep", tmp_path)
     assert asked == [("me/gptlab", "pos_sweep")]
     assert [r.choice["pos"] for r in result.rows] == ["rope", "learned"]

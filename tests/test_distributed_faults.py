@@ -127,7 +127,7 @@ os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1], RANK="0", WO
 import deepspeed
 from gptlab.model.config import GPTConfig
 from gptlab.model.gpt import GPT
-from gptlab.parallel.lightning_strategies import AtomicDeepSpeedStrategy
+from gptlab.parallel.checkpoint_io import AtomicDeepSpeedStrategy
 
 torch.manual_seed(0)
 config = GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=16, vocab_size=64)

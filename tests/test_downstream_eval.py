@@ -16,7 +16,7 @@ pytest.importorskip("lm_eval")
 from gptlab.comparison.report import compare  # noqa: E402
 from gptlab.config import parse_gpt  # noqa: E402
 from gptlab.errors import ConfigError  # noqa: E402
-from gptlab.tracking.wandb_files import find_runs, read_run  # noqa: E402
+from gptlab.tracking.wandb_runs import find_runs, read_run  # noqa: E402
 
 EVAL_RUN = [
     *TINY,
@@ -121,7 +121,7 @@ def test_result_json_holds_the_last_evaluation_and_the_table_shows_it(two_runs):
 def test_an_evaluation_leaves_the_training_state_as_it_was(make_cfg):
     """Each module's train mode and every random generator the harness seeds are restored: a run trains the same with
     the evaluation on or off."""
-    from gptlab.builders import build_model, build_tokenizer
+    from gptlab.api import build_model, build_tokenizer
     from gptlab.evaluation.downstream import DownstreamEvalOptions
     from gptlab.training.downstream_eval import DownstreamEvaluation
 

@@ -20,7 +20,7 @@ from hydra.core.global_hydra import GlobalHydra
 from hydra.errors import ConfigCompositionException, MissingConfigException
 from omegaconf import OmegaConf
 
-from gptlab.builders import build_datamodule, build_model_config, build_tokenizer
+from gptlab.api import build_datamodule, build_model_config, build_tokenizer
 from gptlab.errors import ConfigError, DataError
 from gptlab.preflight import check_trainer_options
 from gptlab.runs.layout import last_checkpoint

@@ -17,7 +17,7 @@ from gptlab.evaluation import length
 from gptlab.model.config import GPTConfig
 from gptlab.model.gpt import GPT
 from gptlab.runs.layout import last_checkpoint
-from gptlab.tracking.wandb_files import find_runs, read_run
+from gptlab.tracking.wandb_runs import find_runs, read_run
 
 TINY_RUN = [
     "tokenizer=char",
@@ -222,6 +222,15 @@ def test_bad_evaluation_options_are_refused():
         length.LengthEvalOptions.from_dict({"enabled": True, "factor": [2]})
 
 
+def test_eval_length_enabled_is_true_or_false(make_cfg):
+    """A value Hydra reads as a string is refused, not taken as on."""
+    from gptlab.config import parse_gpt
+    from gptlab.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"eval_length.enabled='sometimes' must be true or false"):
+        parse_gpt(make_cfg("eval_length.enabled=sometimes"))
+
+
 @pytest.mark.parametrize(
     "pos,pictures",
     [
@@ -236,18 +245,18 @@ def test_bad_evaluation_options_are_refused():
     ],
 )
 def test_position_pictures(pos, pictures, tmp_path):
-    from gptlab.evaluation import positions
+    from gptlab.evaluation import plots
 
     model = GPT(GPTConfig(vocab_size=5, block_size=24, n_layer=1, n_head=6, n_embd=24, pos=pos))
-    written = positions.plot_scheme(model, tmp_path)
+    written = plots.plot_scheme(model, tmp_path)
     assert {p.stem.split("_")[-1] for p in written} == pictures
     assert all(p.read_bytes()[:4] == b"\x89PNG" for p in written)
-    similarity = positions.position_similarity(model, 24)
+    similarity = plots.position_similarity(model, 24)
     if similarity is not None:
         torch.testing.assert_close(similarity.diagonal(), torch.ones(24))
     if pos == "rope":  # rotary similarity depends on i - j only: constant along each diagonal
         torch.testing.assert_close(similarity.diagonal(3)[1:], similarity.diagonal(3)[:-1].clone())
-    bias = positions.attention_bias(model, 24)
+    bias = plots.attention_bias(model, 24)
     if bias is not None:
         assert bias.shape == (6, 24, 24)
         assert torch.isnan(bias[:, 0, 1:]).all() and not torch.isnan(bias[:, 5, :6]).any()

@@ -27,7 +27,7 @@ from torch import nn
 from gptlab.errors import ConfigError
 from gptlab.model import activations, norms
 from gptlab.model.positional import PositionalEncoding, register
-from gptlab.parallel.base import STRATEGIES, StrategyChoice
+from gptlab.parallel.strategies import STRATEGIES, StrategyChoice
 
 
 @norms.register("scalenorm")

@@ -17,7 +17,7 @@ pytest.importorskip("lm_eval")
 
 from gptlab.evaluation import harness  # noqa: E402
 from gptlab.runs.trained import load_run  # noqa: E402
-from gptlab.tracking.wandb_files import find_runs, read_run  # noqa: E402
+from gptlab.tracking.wandb_runs import find_runs, read_run  # noqa: E402
 
 CONTEXT = 32
 TINY_RUN = [

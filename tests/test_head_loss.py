@@ -16,7 +16,7 @@ from gptlab.model.head_loss import (
     refusal,
     torch_linear_cross_entropy,
 )
-from gptlab.training.module import GPTLitModule, build_head_loss
+from gptlab.training.module import GPTLitModule
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 # loss.impl=torch: F.linear_cross_entropy with its options, in torch >= 2.13 (an older torch refuses it at config
@@ -219,7 +219,7 @@ def test_on_a_cuda_machine_a_kernel_whose_package_is_missing_is_refused(installe
 )
 def test_bad_loss_options_are_refused_with_the_fix(loss, expected):
     with pytest.raises(ConfigError, match=expected):
-        build_head_loss(loss)
+        HeadLoss.from_node(loss)
 
 
 def test_the_lightning_module_uses_the_configured_head():

@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from gptlab import planning
 from gptlab.config import parse_gpt
 from gptlab.errors import ConfigError
-from gptlab.planning import planner
-from gptlab.planning.fit import OverMemoryError, check_memory, training_plan
+from gptlab.planning import OverMemoryError, check_memory, training_plan
 from gptlab.tasks.gpt import run
 
 GiB = 1024**3
@@ -31,7 +31,7 @@ def test_gpt3_is_refused_in_seconds_before_anything_exists(make_cfg, tmp_path):
         run(cfg)  # the task's own entry, as `python train.py model=gpt3` calls it
     seconds = time.perf_counter() - t0
     message = str(refused.value)
-    available = planner.available_host_memory() / GiB
+    available = planning.available_host_memory() / GiB
     assert message.startswith(
         "This run needs about 3,761.4 GiB per device (174.60B parameters, strategy=auto"
     )
@@ -54,7 +54,7 @@ def test_allow_over_memory_lets_the_run_past_the_check(make_cfg, caplog):
         check_memory(refused)
     allowed = parse_gpt(make_cfg("model=gpt3", "allow_over_memory=true"))
     assert allowed.run.allow_over_memory is True
-    with caplog.at_level("WARNING", logger="gptlab.planning.fit"):
+    with caplog.at_level("WARNING", logger="gptlab.planning"):
         estimate = check_memory(allowed)  # passes, and still says what the run needs
     assert estimate.total > 3_000 * GiB
     assert "allow_over_memory=true: this run needs about 3,761.4 GiB per device" in caplog.text
@@ -82,7 +82,7 @@ def test_the_vocabulary_learned_from_the_data_is_checked_again(make_cfg):
     check_memory(settings)
     check_memory(settings, vocab_size=50257)
     # logits and their fp32 copy: 8 bytes per token and id; 8 x 128 tokens
-    too_many = int(2 * planner.available_host_memory() / (8 * 8 * 128))
+    too_many = int(2 * planning.available_host_memory() / (8 * 8 * 128))
     with pytest.raises(OverMemoryError, match="This run needs about"):
         check_memory(settings, vocab_size=too_many)
 
@@ -91,7 +91,7 @@ def test_the_vocabulary_learned_from_the_data_is_checked_again(make_cfg):
 def test_what_would_fit_is_a_set_of_overrides_that_fits(make_cfg):
     """Each suggestion, applied as the overrides it names, gives the plan whose estimate fits."""
     settings = parse_gpt(make_cfg("model=gpt2-medium", "data.batch_size=256"))
-    memory = planner.available_host_memory()
+    memory = planning.available_host_memory()
     with pytest.raises(OverMemoryError) as refused:
         check_memory(settings)
     message = str(refused.value)
@@ -106,9 +106,9 @@ def test_what_would_fit_is_a_set_of_overrides_that_fits(make_cfg):
             assert batch * accumulate == 256
         fixed = parse_gpt(make_cfg("model=gpt2-medium", "data.batch_size=256", *overrides))
         estimate = check_memory(fixed)  # not refused
-        assert estimate.total <= planner.FIT_FRACTION * memory
+        assert estimate.total <= planning.FIT_FRACTION * memory
         plan, _ = training_plan(fixed)
-        assert planner.memory_per_device(fixed.model, plan) == estimate
+        assert planning.memory_per_device(fixed.model, plan) == estimate
 
 
 def test_fitting_options_on_a_given_device():
@@ -116,13 +116,13 @@ def test_fitting_options_on_a_given_device():
     from gptlab.model.config import GPTConfig
 
     config = GPTConfig(vocab_size=50257, block_size=1024, n_layer=24, n_head=16, n_embd=1024)
-    plan = planner.TrainingPlan(micro_batch=64)
-    assert not planner.memory_per_device(config, plan).fits(16 * GiB)
-    options = planner.fitting_options(config, 16 * GiB, plan, ["fsdp", "deepspeed_stage_2"])
+    plan = planning.TrainingPlan(micro_batch=64)
+    assert not planning.memory_per_device(config, plan).fits(16 * GiB)
+    options = planning.fitting_options(config, 16 * GiB, plan, ["fsdp", "deepspeed_stage_2"])
     names = [o for o, _ in options]
     # the largest micro-batch that fits, with as many sequences per optimizer step
     assert names[0] == "data.batch_size=4 trainer.accumulate_grad_batches=16"
-    assert not planner.memory_per_device(config, replace(plan, micro_batch=8)).fits(16 * GiB)
+    assert not planning.memory_per_device(config, replace(plan, micro_batch=8)).fits(16 * GiB)
     assert names[1].endswith("activation_checkpointing=true")
     for _, estimate in options:
         assert estimate.fits(16 * GiB)

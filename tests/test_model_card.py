@@ -9,12 +9,12 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 import gptlab
+from gptlab import planning
 from gptlab.errors import ConfigError
 from gptlab.model import counting, positional
 from gptlab.model.config import GPTConfig
 from gptlab.model.gpt import GPT
 from gptlab.parallel import strategy_choice
-from gptlab.planning import planner
 
 GiB = 1024**3
 PRESETS = sorted(p.stem for p in (CONF / "model").glob("*.yaml"))
@@ -122,15 +122,15 @@ def test_activation_estimate_matches_what_autograd_keeps(kw):
     config = tiny(**kw)
     B, T = 4, 32
     measured = saved_activation_bytes(GPT(config), torch.randint(0, 97, (B, T)))
-    estimate = planner.memory_per_device(
-        config, planner.TrainingPlan("auto", 1, "32-true", micro_batch=B, context=T)
+    estimate = planning.memory_per_device(
+        config, planning.TrainingPlan("auto", 1, "32-true", micro_batch=B, context=T)
     ).activations
     assert abs(estimate / measured - 1) < 0.12, (estimate, measured)
 
 
 def test_activations_of_gpt2_in_16_bits_are_korthikantis_34_sbh():
     config = GPTConfig(vocab_size=50257, block_size=1024, n_layer=12, n_head=12, n_embd=768, dropout=0.1)
-    per_token = planner.activation_bytes_per_token(config, 2)
+    per_token = planning.activation_bytes_per_token(config, 2)
     outside = 2 * 2 * 768 + 2 * 50257 + 4 * 50257
     assert per_token - outside == 12 * 34 * 768
 
@@ -138,72 +138,72 @@ def test_activations_of_gpt2_in_16_bits_are_korthikantis_34_sbh():
 def test_strategies_shard_what_zero_says():
     config = tiny()
     n = counting.parameter_counts(config)["total"]
-    single = planner.memory_per_device(config, planner.TrainingPlan("auto", 1, "32-true"))
+    single = planning.memory_per_device(config, planning.TrainingPlan("auto", 1, "32-true"))
     assert (single.weights, single.gradients, single.optimizer) == (4 * n, 4 * n, 8 * n)
-    ddp = planner.memory_per_device(config, planner.TrainingPlan("ddp", 8, "32-true"))
+    ddp = planning.memory_per_device(config, planning.TrainingPlan("ddp", 8, "32-true"))
     assert ddp.total > single.total  # every replica whole, plus the gradient buckets
-    z1 = planner.memory_per_device(config, planner.TrainingPlan("deepspeed_stage_1", 8, "bf16-mixed"))
-    z2 = planner.memory_per_device(config, planner.TrainingPlan("deepspeed_stage_2", 8, "bf16-mixed"))
-    z3 = planner.memory_per_device(config, planner.TrainingPlan("deepspeed_stage_3", 8, "bf16-mixed"))
+    z1 = planning.memory_per_device(config, planning.TrainingPlan("deepspeed_stage_1", 8, "bf16-mixed"))
+    z2 = planning.memory_per_device(config, planning.TrainingPlan("deepspeed_stage_2", 8, "bf16-mixed"))
+    z3 = planning.memory_per_device(config, planning.TrainingPlan("deepspeed_stage_3", 8, "bf16-mixed"))
     # ZeRO (Rajbhandari et al. 2020), mixed precision: 2 + 2 + 12 bytes per parameter, sharded stage by stage.
     assert (z1.weights, z1.gradients, z1.optimizer) == (2 * n, 2 * n, 12 * n / 8)
     assert (z2.weights, z2.gradients, z2.optimizer) == (2 * n, 2 * n / 8, 12 * n / 8)
     assert (z3.weights, z3.gradients, z3.optimizer) == (2 * n / 8, 2 * n / 8, 12 * n / 8)
-    fsdp = planner.memory_per_device(config, planner.TrainingPlan("fsdp", 8, "bf16-mixed"))
+    fsdp = planning.memory_per_device(config, planning.TrainingPlan("fsdp", 8, "bf16-mixed"))
     assert fsdp.weights == 4 * n / 8 and fsdp.optimizer == 8 * n / 8
-    offload = planner.memory_per_device(
-        config, planner.TrainingPlan("deepspeed_stage_3_offload", 8, "bf16-mixed")
+    offload = planning.memory_per_device(
+        config, planning.TrainingPlan("deepspeed_stage_3_offload", 8, "bf16-mixed")
     )
     assert offload.optimizer == 0 and offload.weights == 0 and offload.host == pytest.approx(14 * n / 8)
     # Activations grow with the micro-batch and are never sharded by data parallelism.
     assert (
-        planner.memory_per_device(config, planner.TrainingPlan("fsdp", 8, micro_batch=4)).activations
+        planning.memory_per_device(config, planning.TrainingPlan("fsdp", 8, micro_batch=4)).activations
         == 4 * single.activations
     )
     with pytest.raises(ConfigError, match="Unknown strategy 'zero4'"):
-        planner.memory_per_device(config, planner.TrainingPlan("zero4"))
+        planning.memory_per_device(config, planning.TrainingPlan("zero4"))
 
 
 def test_the_planner_reads_each_strategy_choice_that_training_builds():
     # Every conf/strategy choice, by its YAML name or as the config node training receives.
-    for name in planner.strategy_choices():
-        assert planner.memory_per_device(tiny(), planner.TrainingPlan(name, 4)).strategy == name
+    for name in planning.strategy_choices():
+        assert planning.memory_per_device(tiny(), planning.TrainingPlan(name, 4)).strategy == name
     node = {"name": "deepspeed", "stage": 3, "offload_optimizer": True, "offload_parameters": True}
     assert (
-        planner.memory_per_device(tiny(), planner.TrainingPlan(node, 4)).strategy
+        planning.memory_per_device(tiny(), planning.TrainingPlan(node, 4)).strategy
         == "deepspeed_stage_3_offload"
     )
     # auto: the single device's placement on one device, DDP's on several.
     assert not strategy_choice("auto").placement(1).distributed
     assert strategy_choice("auto").placement(4) == strategy_choice("ddp").placement(4)
     # An option changes what each device holds: FSDP's cpu_offload moves the shards to the host.
-    offloaded = planner.memory_per_device(
-        tiny(), planner.TrainingPlan({"name": "fsdp", "cpu_offload": True}, 8)
+    offloaded = planning.memory_per_device(
+        tiny(), planning.TrainingPlan({"name": "fsdp", "cpu_offload": True}, 8)
     )
     assert offloaded.weights == offloaded.gradients == offloaded.optimizer == 0 and offloaded.host > 0
     # The table lists each distinct placement once, named as a user types it.
-    names = [name for name, _ in planner.distinct_choices(8)]
+    names = [name for name, _ in planning.distinct_choices(8)]
     assert names[0] == "ddp" and "auto" not in names and "ddp_spawn" not in names
     assert {"fsdp", "deepspeed_stage_1", "deepspeed_stage_3_offload"} <= set(names)
-    assert [name for name, _ in planner.distinct_choices(1)][0] == "auto"
+    assert [name for name, _ in planning.distinct_choices(1)][0] == "auto"
 
 
 def test_a_run_that_does_not_fit_names_the_strategy_that_would(make_cfg):
     gpt2_xl = gptlab.build_model_config(make_cfg("model=gpt2-xl"))
     # 1.56B parameters x 16 bytes of training state = 23 GiB: not on one 16 GiB device, nor replicated on 8.
     assert (
-        planner.advise(gpt2_xl, 80 * GiB, planner.TrainingPlan("auto", 1, "bf16-mixed", micro_batch=1))
+        planning.advise(gpt2_xl, 80 * GiB, planning.TrainingPlan("auto", 1, "bf16-mixed", micro_batch=1))
         is None
     )
-    warning = planner.advise(gpt2_xl, 16 * GiB, planner.TrainingPlan("ddp", 8, "bf16-mixed", micro_batch=1))
+    warning = planning.advise(gpt2_xl, 16 * GiB, planning.TrainingPlan("ddp", 8, "bf16-mixed", micro_batch=1))
     assert warning.startswith("WARNING") and "strategy=deepspeed_stage_1 would fit" in warning
-    fit = planner.memory_per_device(
-        gpt2_xl, planner.TrainingPlan("deepspeed_stage_1", 8, "bf16-mixed", micro_batch=1)
+    fit = planning.memory_per_device(
+        gpt2_xl, planning.TrainingPlan("deepspeed_stage_1", 8, "bf16-mixed", micro_batch=1)
     )
     assert fit.fits(16 * GiB)
     # GPT-3 on one GPU: the warning says how many devices a sharded run needs.
     gpt3 = gptlab.build_model_config(make_cfg("model=gpt3"))
-    warning = planner.advise(gpt3, 80 * GiB, planner.TrainingPlan("auto", 1, "bf16-mixed", micro_batch=1))
+    warning = planning.advise(gpt3, 80 * GiB, planning.TrainingPlan("auto", 1, "bf16-mixed", micro_batch=1))
     assert "devices" in warning and "strategy=" in warning
 
 

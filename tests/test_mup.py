@@ -8,9 +8,8 @@ import pytest
 import torch
 
 from gptlab.errors import ConfigError
-from gptlab.model.config import GPTConfig
+from gptlab.model.config import GPTConfig, hidden_lr_scale
 from gptlab.model.gpt import GPT
-from gptlab.model.parametrization import hidden_lr_scale
 from gptlab.training.coord_check import coordinate_check
 from gptlab.training.optimizers import build_optimizer, parse_optim
 

@@ -17,7 +17,7 @@ from gptlab.data.tokenizers import CharTokenizer, GPT2Tokenizer, WordTokenizer
 from gptlab.evaluation import long_context, passkey
 from gptlab.model.config import GPTConfig
 from gptlab.model.gpt import GPT
-from gptlab.tracking.wandb_files import find_runs, read_run
+from gptlab.tracking.wandb_runs import find_runs, read_run
 
 CHARS = CharTokenizer.from_texts([string.printable])
 

@@ -21,7 +21,7 @@ from conftest import ROOT
 from gptlab.comparison.records import read_metrics_csv
 from gptlab.errors import ConfigError
 from gptlab.tracking import plain_loggers, wandb_check
-from gptlab.tracking.wandb_files import find_runs, read_run
+from gptlab.tracking.wandb_runs import find_runs, read_run
 
 W2V = [
     "task=word2vec",

@@ -29,7 +29,7 @@ from gptlab.runs.layout import last_checkpoint
 from gptlab.runs.resume import checkpoint_to_resume, choose_run_dir, plan_resume
 from gptlab.runs.trained import load_run
 from gptlab.tasks.gpt import run
-from gptlab.tracking.wandb_files import find_runs, read_run
+from gptlab.tracking.wandb_runs import find_runs, read_run
 
 MAX_STEPS = 12
 # A tiny run that checkpoints every 2 steps and validates every 4; the loss must not reach its floor, so

@@ -203,7 +203,7 @@ def test_a_claim_is_not_taken_on_a_rank_a_launcher_started(tmp_path, monkeypatch
 @pytest.mark.slow
 def test_a_start_that_failed_before_training_leaves_the_directory_free(make_cfg, tmp_path, monkeypatch):
     from gptlab.tasks import gpt
-    from gptlab.tracking.wandb_files import find_runs
+    from gptlab.tracking.wandb_runs import find_runs
 
     run_dir = tmp_path / "D"
     cfg = [

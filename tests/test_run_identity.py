@@ -18,7 +18,7 @@ from gptlab.comparison.records import read_run_dir
 from gptlab.comparison.report import compare
 from gptlab.runs import Run, find_run_dirs
 from gptlab.runs.layout import REPLACED_DIR, last_checkpoint
-from gptlab.tracking.wandb_files import find_runs, read_run
+from gptlab.tracking.wandb_runs import find_runs, read_run
 
 FAST = [*TINY, "tokenizer=char", "trainer.val_check_interval=1", "logger=[csv,wandb]"]
 

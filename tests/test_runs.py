@@ -82,7 +82,7 @@ def test_a_distributed_checkpoint_loads_the_same_model_as_the_file(trained, tmp_
 def test_resume_checks_a_distributed_checkpoint_before_training(trained, make_cfg):
     root, _, _, sharded = trained
     run_dir = root / "fsdp"
-    from gptlab.builders import build_model_config, build_tokenizer
+    from gptlab.api import build_model_config, build_tokenizer
     from gptlab.runs.resume import checkpoint_to_resume, plan_resume
 
     cfg = make_cfg(*TINY, "tokenizer=char", "pos=rope")

@@ -35,7 +35,7 @@ from gptlab.parallel import (
 from gptlab.parallel.hardware import cpu_cores
 from gptlab.runs import digests
 from gptlab.runs.layout import last_checkpoint
-from gptlab.tracking.wandb_files import find_runs, read_run
+from gptlab.tracking.wandb_runs import find_runs, read_run
 
 STRATEGY_CHOICES = sorted(p.stem for p in (CONF / "strategy").glob("*.yaml"))
 CPU2 = ["trainer.accelerator=cpu", "trainer.devices=2"]

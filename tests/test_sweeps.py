@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 
 from gptlab.comparison.report import compare
 from gptlab.runs.layout import last_checkpoint
-from gptlab.tracking.wandb_files import find_runs, read_run
+from gptlab.tracking.wandb_runs import find_runs, read_run
 
 # A tiny character-level model: a job trains in seconds.
 FAST = [*TINY, "tokenizer=char", "trainer.log_every_n_steps=2"]

@@ -21,7 +21,7 @@ from conftest import ROOT, TINY, run_train
 
 from gptlab.data.corpus import DataSpec
 from gptlab.errors import ConfigError, DataError
-from gptlab.tracking.wandb_files import find_runs, read_run
+from gptlab.tracking.wandb_runs import find_runs, read_run
 from gptlab.word2vec import evaluation, fast, objectives, reference, sampling
 from gptlab.word2vec.config import Word2VecOptions
 from gptlab.word2vec.corpus import read_corpus

@@ -13,7 +13,7 @@ from gptlab.errors import ConfigError
 from gptlab.model.config import GPTConfig
 from gptlab.model.gpt import GPT
 from gptlab.model.head_loss import HeadLoss, chunked_loss_terms, plain_loss_terms
-from gptlab.training.module import GPTLitModule, build_head_loss
+from gptlab.training.module import GPTLitModule
 from tests.conftest import TINY
 
 TOL = dict(rtol=1e-5, atol=1e-6)
@@ -133,7 +133,7 @@ def test_the_module_gives_the_model_the_cap_and_logs_the_cross_entropy_apart():
 )
 def test_bad_combinations_are_refused_at_config_time(loss, expected):
     with pytest.raises(ConfigError, match=expected):
-        build_head_loss(loss)
+        HeadLoss.from_node(loss)
 
 
 def test_auto_takes_a_head_that_computes_the_terms():
@@ -181,7 +181,7 @@ def test_a_tiny_run_trains_with_each_term(make_cfg, tmp_path, capsys, override):
 
 
 def test_the_model_card_records_the_terms():
-    from gptlab.planning.card import model_card
+    from gptlab.planning import model_card
 
     config = GPTConfig(vocab_size=64, block_size=8, n_layer=1, n_head=2, n_embd=16)
     card = model_card(config, short=True, loss=HeadLoss(z_loss=1e-4, final_softcap=30))

@@ -1,28 +1,36 @@
 """gptlab: controlled experiments on GPT-style decoder-only transformers.
 
 The names below load on first use (PEP 562), so that ``import gptlab.model`` stays free of Lightning,
-Hydra and W&B: only the builders and the Python API (:mod:`gptlab.api`: ``compose``, ``train``,
-``load_run``, ``compare``) need the config system.
+Hydra and W&B: only the Python API (:mod:`gptlab.api`: ``compose``, ``train``, ``load_run``, ``compare`` and
+the builders of a run's parts) needs the config system.
 """
 
 from __future__ import annotations
 
 import importlib
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from gptlab.errors import ConfigError, DataError
+from gptlab.registry import CONFIG_DIR
 
 if TYPE_CHECKING:
-    from gptlab.api import LoadedRun, SweepRows, TrainResult, compare, compose, load_run, train
-    from gptlab.builders import build_datamodule, build_model, build_model_config, build_tokenizer
+    from gptlab.api import (
+        LoadedRun,
+        SweepRows,
+        TrainResult,
+        build_datamodule,
+        build_model,
+        build_model_config,
+        build_tokenizer,
+        compare,
+        compose,
+        load_run,
+        train,
+    )
     from gptlab.model.config import GPTConfig
     from gptlab.model.gpt import GPT
 
 __version__ = "0.1.0"
-
-#: The Hydra config folder of a source checkout (an editable install).
-CONFIG_DIR = Path(__file__).resolve().parents[2] / "conf"
 
 _EXPORTS = {
     "LoadedRun": "gptlab.api",
@@ -34,10 +42,10 @@ _EXPORTS = {
     "train": "gptlab.api",
     "GPT": "gptlab.model.gpt",
     "GPTConfig": "gptlab.model.config",
-    "build_datamodule": "gptlab.builders",
-    "build_model": "gptlab.builders",
-    "build_model_config": "gptlab.builders",
-    "build_tokenizer": "gptlab.builders",
+    "build_datamodule": "gptlab.api",
+    "build_model": "gptlab.api",
+    "build_model_config": "gptlab.api",
+    "build_tokenizer": "gptlab.api",
 }
 
 __all__ = [

@@ -13,6 +13,13 @@ the loggers, ``config_resolved.yaml`` and ``result.json``. ``scripts/compare.py`
     run = gptlab.load_run(result.run_dir)       # the model on the CPU, its tokenizer and config
     run.generate("The")
     gptlab.compare("outputs/multirun/<date>/<time>").to_frame()
+
+The parts of a run, built from a composed config by the parse and the steps ``python train.py`` takes, so that
+a part built here is the part it trains:
+
+    tokenizer = gptlab.build_tokenizer(cfg)
+    model = gptlab.build_model(cfg, tokenizer)   # gptlab.build_model_config(cfg, tokenizer): its GPTConfig
+    datamodule = gptlab.build_datamodule(cfg)
 """
 
 from __future__ import annotations
@@ -40,7 +47,10 @@ if TYPE_CHECKING:
 
     from gptlab.comparison.records import RunRecord
     from gptlab.comparison.table import Row
+    from gptlab.data.datamodule import GPTDataModule
+    from gptlab.data.sources import DataSpec
     from gptlab.data.tokenizers import Tokenizer
+    from gptlab.model.config import GPTConfig
     from gptlab.model.gpt import GPT
     from gptlab.runs.trained import TrainedRun
 
@@ -82,8 +92,8 @@ def _hydra() -> Iterator[Hydra]:
     from hydra.core.utils import JobRuntime
     from hydra.initialize import get_gh_backup, restore_gh_from_backup
 
-    from gptlab import CONFIG_DIR
     from gptlab.cli import register_help_resolver
+    from gptlab.registry import CONFIG_DIR
     from gptlab.runs.resume import register_resolvers
 
     register_resolvers()  # conf/hydra chooses the run directory through them, as train.py registers them
@@ -165,6 +175,75 @@ def compose(*overrides: str | Sequence[str], check_config: bool = True) -> DictC
     _OVERRIDES[id(cfg)] = tuple(items)
     weakref.finalize(cfg, _OVERRIDES.pop, id(cfg), None)
     return cfg
+
+
+# ---- the parts of a run ---------------------------------------------------------------------------------
+
+
+def _data_spec(data: Any) -> DataSpec:
+    """The corpus of the ``data`` node (the whole config is accepted too)."""
+    from gptlab.data.sources import parse_data
+
+    if isinstance(data, DictConfig) and "data" in data and "model" in data:
+        data = data.data
+    return parse_data(data)[0]
+
+
+def build_tokenizer(node: Any, data: Any = None) -> Tokenizer:
+    """The tokenizer of the ``tokenizer`` node (or of the whole config). One with a fixed vocabulary is
+    built at once; one that learns its vocabulary (``fitted``) is a product of preparing the corpus of the
+    ``data`` node, taken from the token cache. A training run takes it from its datamodule instead."""
+    from gptlab.config import parse_tokenizer
+    from gptlab.data import corpus, tokenizers
+
+    if isinstance(node, DictConfig) and "tokenizer" in node:
+        node, data = node.tokenizer, node.get("data") if data is None else data
+    values = parse_tokenizer(node)
+    cls = tokenizers.TOKENIZERS.get(values["name"])
+    if not cls.fitted:
+        return cls.create(tokenizers.options_of(values["name"], values))
+    if data is None:
+        raise ConfigError(
+            f"tokenizer={values['name']} learns its vocabulary from a corpus: pass the data node."
+        )
+    return corpus.prepare(_data_spec(data), values).tokenizer
+
+
+def build_model_config(cfg: DictConfig, tokenizer: Tokenizer | None = None) -> GPTConfig:
+    """The GPTConfig of a composed config; ``model.vocab_size: null`` takes the tokenizer's size (built here
+    when not given), a fixed size is checked against ``tokenizer`` when given."""
+    from gptlab.config import parse_model, with_vocabulary
+
+    config, from_tokenizer, _ = parse_model(cfg)
+    if from_tokenizer:
+        tokenizer = tokenizer or build_tokenizer(cfg)
+    return with_vocabulary(config, from_tokenizer, tokenizer) if tokenizer is not None else config
+
+
+def build_model(cfg: DictConfig, tokenizer: Tokenizer | None = None) -> GPT:
+    """The model of a composed config, with ``model.init_from``'s weights when set, capping its logits where
+    ``loss.final_softcap`` says so."""
+    from gptlab.config import plain
+    from gptlab.model.gpt import GPT
+    from gptlab.model.head_loss import HeadLoss
+
+    model = GPT(build_model_config(cfg, tokenizer))
+    model.final_softcap = HeadLoss.from_node(plain(cfg.get("loss"))).final_softcap
+    source = plain(cfg.model).get("init_from")
+    if source:
+        from gptlab.model.hf import load_pretrained
+
+        load_pretrained(model, source)
+    return model
+
+
+def build_datamodule(cfg: DictConfig) -> GPTDataModule:
+    """The datamodule ``python train.py`` would train on: the config parsed whole, as the run parses it
+    (:func:`gptlab.config.parse_gpt`), then its data made by the task's own step."""
+    from gptlab.config import parse_gpt
+    from gptlab.tasks.gpt import make_datamodule
+
+    return make_datamodule(parse_gpt(cfg))
 
 
 # ---- a config edited after compose, as overrides --------------------------------------------------------

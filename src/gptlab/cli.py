@@ -12,11 +12,11 @@ from typing import Any
 
 from hydra.core.hydra_config import HydraConfig
 from hydra.experimental.callback import Callback as HydraCallback
-from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from gptlab.errors import ConfigError, DataError, DiskFullError, NonFiniteLossError
 from gptlab.runs.layout import CLAIM_FILE, HYDRA_DIR, RUN_FILE
+from gptlab.runs.naming import is_multirun
 
 
 def group_choices(group: str) -> str:
@@ -189,13 +189,12 @@ def run_task(cfg: DictConfig) -> float | None:
         metrics = task_runner(cfg)(cfg)
     except (ConfigError, DataError) as e:
         _remove_refused_run_dir()  # nothing ran: a folder holding no metrics would only be in the way
-        multirun = HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
-        if multirun:
+        if is_multirun():
             raise
         print(f"\ngptlab: error: {e}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
     except (NonFiniteLossError, DiskFullError) as e:
-        if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
+        if is_multirun():
             raise
         print(f"\ngptlab: training failed: {e}", file=sys.stderr, flush=True)
         raise SystemExit(1) from None

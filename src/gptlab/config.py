@@ -2,12 +2,13 @@
 
 Every node becomes the typed object its component takes, built and checked where that component declares it:
 the model (a :class:`~gptlab.model.config.GPTConfig`, each variant a registry Choice), the corpus
-(:class:`~gptlab.data.sources.DataSpec`) and its loader (:class:`LoaderOptions`), the tokenizer's options,
-the optimizer, the output layer and loss (:class:`~gptlab.model.head_loss.HeadLoss`), the trainer's arguments,
-the parallel strategy (:class:`~gptlab.parallel.StrategyChoice`), what is applied to every block
-(:class:`~gptlab.parallel.ParallelOptions`), and the length and passkey studies. An unknown key, a value of the
-wrong type, or a combination that cannot run is a :class:`~gptlab.errors.ConfigError` here, before any data is
-read, any logger is opened or any weight exists; a component then receives its own node and nothing else.
+(:class:`~gptlab.data.sources.DataSpec`) and its loader (:class:`~gptlab.data.sources.LoaderOptions`), the
+tokenizer's options, the optimizer, the output layer and loss (:class:`~gptlab.model.head_loss.HeadLoss`), the
+trainer's arguments, the parallel strategy (:class:`~gptlab.parallel.StrategyChoice`), what is applied to
+every block (:class:`~gptlab.parallel.ParallelOptions`), and the length and passkey studies. An unknown key, a
+value of the wrong type, or a combination that cannot run is a :class:`~gptlab.errors.ConfigError` here,
+before any data is read, any logger is opened or any weight exists; a component then receives its own node and
+nothing else.
 
     from gptlab.config import parse_gpt
     run = parse_gpt(cfg)          # cfg: Hydra's composed config
@@ -25,12 +26,12 @@ from omegaconf import DictConfig, OmegaConf
 
 from gptlab.errors import ConfigError
 from gptlab.preflight import check_seed
-from gptlab.registry import Choice, build_options, check_keys
+from gptlab.registry import Choice
 
 if TYPE_CHECKING:  # the nodes' types; their modules are imported where a node is parsed (a task that does
     # not train a GPT, word2vec, reads the top level without importing Lightning)
     from gptlab.data import tokenizers
-    from gptlab.data.sources import DataSpec
+    from gptlab.data.sources import DataSpec, LoaderOptions
     from gptlab.evaluation.downstream import DownstreamEvalOptions
     from gptlab.evaluation.options import LengthEvalOptions, PasskeyOptions
     from gptlab.model.config import GPTConfig
@@ -46,35 +47,6 @@ def plain(node: Any) -> Any:
 
 
 @dataclass(frozen=True)
-class LoaderOptions:
-    """The ``data`` node's loader keys: sliding windows of ``block_size`` tokens every ``stride`` tokens
-    (null: the model's context, and windows that tile the corpus), ``batch_size`` windows a step;
-    ``document_mask``: attention stays inside each document of a window, positions restart at each one."""
-
-    batch_size: int = 8
-    block_size: int | None = None
-    stride: int | None = None
-    val_stride: int | None = None
-    num_workers: int = 0
-    document_mask: bool = False
-
-    def __post_init__(self) -> None:
-        for key in ("batch_size", "num_workers"):
-            value = getattr(self, key)
-            if value < (1 if key == "batch_size" else 0):
-                raise ConfigError(f"data.{key}={value!r} must be a positive integer.")
-        for key in ("block_size", "stride", "val_stride"):
-            value = getattr(self, key)
-            if value is not None and value <= 0:
-                raise ConfigError(
-                    f"data.{key}={value!r} must be a positive integer, or null for model.block_size."
-                )
-
-
-LOADER_KEYS = tuple(f.name for f in dataclasses.fields(LoaderOptions))
-
-
-@dataclass(frozen=True)
 class RunSettings:
     """What every task reads at the top level: which task, the seed, and which run it continues."""
 
@@ -84,7 +56,7 @@ class RunSettings:
     overwrite: bool = False
     optimized_metric: str | None = None
     plugins: tuple[str, ...] = ()  # the user's modules of variants, recorded with the checkpoints
-    # start a run whose memory estimate exceeds what its device has (gptlab.planning.fit)
+    # start a run whose memory estimate exceeds what its device has (gptlab.planning)
     allow_over_memory: bool = False
 
     @classmethod
@@ -137,17 +109,22 @@ class GPTRunConfig:
         return self.loader.block_size or self.model.block_size
 
     def with_vocabulary(self, tokenizer: tokenizers.Tokenizer) -> GPTConfig:
-        """The model config for ``tokenizer``: its size when ``model.vocab_size`` is null, else checked
-        against it."""
-        if self.vocab_from_tokenizer:
-            return dataclasses.replace(self.model, vocab_size=tokenizer.vocab_size)
-        if tokenizer.vocab_size > self.model.vocab_size:
-            raise ConfigError(
-                f"tokenizer={tokenizer.name} has {tokenizer.vocab_size} ids but model.vocab_size="
-                f"{self.model.vocab_size}: the embedding table has no row for the larger ids. Set "
-                f"model.vocab_size={tokenizer.vocab_size} or larger, or null to take the tokenizer's size."
-            )
-        return self.model
+        """The model config for ``tokenizer`` (:func:`with_vocabulary`)."""
+        return with_vocabulary(self.model, self.vocab_from_tokenizer, tokenizer)
+
+
+def with_vocabulary(model: GPTConfig, from_tokenizer: bool, tokenizer: tokenizers.Tokenizer) -> GPTConfig:
+    """``model`` (as :func:`parse_model` returns it) for ``tokenizer``: its size when ``model.vocab_size`` is
+    null (``from_tokenizer``), else checked against it."""
+    if from_tokenizer:
+        return dataclasses.replace(model, vocab_size=tokenizer.vocab_size)
+    if tokenizer.vocab_size > model.vocab_size:
+        raise ConfigError(
+            f"tokenizer={tokenizer.name} has {tokenizer.vocab_size} ids but model.vocab_size="
+            f"{model.vocab_size}: the embedding table has no row for the larger ids. Set "
+            f"model.vocab_size={tokenizer.vocab_size} or larger, or null to take the tokenizer's size."
+        )
+    return model
 
 
 def parse_model(cfg: DictConfig) -> tuple[GPTConfig, bool, str | None]:
@@ -164,20 +141,6 @@ def parse_model(cfg: DictConfig) -> tuple[GPTConfig, bool, str | None]:
     attention = plain(cfg.attention) if "attention" in cfg else None
     config = GPTConfig.from_nodes(values, plain(cfg.pos), plain(cfg.activation), plain(cfg.norm), attention)
     return config, from_tokenizer, init_from
-
-
-def parse_data(node: Any) -> tuple[DataSpec, LoaderOptions]:
-    """The ``data`` node: the corpus (DataSpec) and the loader's keys."""
-    from gptlab.data.sources import DataSpec
-
-    spec_keys = tuple(f.name for f in dataclasses.fields(DataSpec))
-    values = dict(plain(node) or {})
-    check_keys(values, spec_keys + LOADER_KEYS, "data", "data")
-    spec = build_options(DataSpec, {k: v for k, v in values.items() if k in spec_keys}, "data", "data")
-    loader = build_options(
-        LoaderOptions, {k: v for k, v in values.items() if k in LOADER_KEYS}, "data", "data"
-    )
-    return spec, loader
 
 
 def check_context(model: GPTConfig, loader: LoaderOptions) -> int:
@@ -204,15 +167,10 @@ def parse_tokenizer(node: Any) -> dict[str, Any]:
 
 def parse_loss(node: Any, trainer: dict[str, Any]) -> HeadLoss:
     """The ``loss`` node, refused where its kernel cannot run (a CUDA kernel without CUDA or its package)."""
-    from gptlab.model.head_loss import LOSS_KEYS, HeadLoss, refusal
+    from gptlab.model.head_loss import HeadLoss, refusal
     from gptlab.preflight import training_device_type
 
-    values = dict(plain(node) or {})
-    check_keys(values, LOSS_KEYS, "loss", "loss")
-    try:
-        loss = HeadLoss(**values)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
+    loss = HeadLoss.from_node(plain(node))
     message = refusal(loss.impl, training_device_type(trainer))
     if message is not None:
         raise ConfigError(message)
@@ -239,13 +197,17 @@ def parse_trainer(node: Any) -> dict[str, Any]:
 
 
 def parse_studies(cfg: DictConfig) -> tuple[LengthEvalOptions | None, PasskeyOptions | None]:
+    """The ``eval_length`` node and its ``passkey`` node, each parsed once here (None: that study is off)."""
     from gptlab.evaluation.options import LengthEvalOptions, PasskeyOptions
 
     node = dict(plain(cfg.get("eval_length")) or {})
-    enabled = bool(node.pop("enabled", False))
-    passkey_node = dict(node.pop("passkey", None) or {})
+    enabled = node.get("enabled", False)
+    if not isinstance(enabled, bool):
+        raise ConfigError(
+            f"eval_length.enabled={enabled!r} must be true or false (e.g. eval_length.enabled=true)."
+        )
     study = LengthEvalOptions.from_dict(node)  # checked also when off: a typo fails now, not at the end
-    passkey = PasskeyOptions.from_dict(passkey_node)
+    passkey = PasskeyOptions.from_dict(node.get("passkey"))
     if not enabled:
         return None, None
     return study, passkey if passkey.enabled else None
@@ -272,6 +234,7 @@ def parse_downstream_node(
 
 def parse_gpt(cfg: DictConfig) -> GPTRunConfig:
     """The typed tree of a ``task=gpt`` run, every node checked (see the module's docstring)."""
+    from gptlab.data.sources import parse_data
     from gptlab.parallel import ParallelOptions, check_rank_zero_evaluation, strategy_choice
     from gptlab.training.optimizers import parse_optim
 

@@ -23,9 +23,14 @@ import sys
 import types
 import typing
 from collections.abc import Callable, Collection, Mapping, Sequence
+from pathlib import Path
 from typing import Any, Generic, Literal, TypeVar, Union
 
 from gptlab.errors import ConfigError
+
+#: The Hydra config folder of a source checkout (an editable install): one folder per config group, one YAML
+#: per choice of it, each registered variant's among them.
+CONFIG_DIR = Path(__file__).resolve().parents[2] / "conf"
 
 T = TypeVar("T")
 

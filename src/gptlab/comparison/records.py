@@ -1,7 +1,7 @@
 """One run's choices and figures, read from its directory (or from the W&B API).
 
 What each run chose comes from ``.hydra/overrides.yaml``; its metrics from ``csv/metrics.csv`` when there is
-one, else from the W&B run file (``wandb/*/run-*.wandb``, read by :mod:`gptlab.tracking.wandb_files`); and
+one, else from the W&B run file (``wandb/*/run-*.wandb``, read by :mod:`gptlab.tracking.wandb_runs`); and
 the figures of its evaluation outputs (``eval_length/length.json``, ...) from the readers declared in
 :data:`OUTPUTS`: a new evaluation adds its columns to every comparison by adding one reader there.
 
@@ -27,9 +27,10 @@ from pathlib import Path
 from typing import Any
 
 from gptlab.errors import DataError
+from gptlab.evaluation import long_context
 from gptlab.runs.layout import Run
 from gptlab.runs.naming import split_override
-from gptlab.tracking.wandb_files import find_runs, read_run
+from gptlab.tracking.wandb_runs import find_runs, read_run
 
 SOURCES = ("auto", "csv", "wandb")
 UNREADABLE = "metrics unreadable"
@@ -49,32 +50,13 @@ class OutputColumns:
     order: Callable[[str], Any] = str
 
 
-def _factor_of(header: str) -> float:
-    """``"ppl@2x"`` -> 2.0."""
-    return float(header.split("@", 1)[1].rstrip("x"))
-
-
 def length_perplexities(run: Run) -> dict[str, float | None]:
-    """``ppl@1x``, ``ppl@2x``, ... of the scheme as trained, from ``eval_length/length.json``; None where
-    the scheme cannot run at that length."""
-    result = run.length_result()
-    if not result:
-        return {}
-    entries = (result.get("variants") or {}).get(result.get("pos"), {})
-    out: dict[str, float | None] = {}
-    for factor in result.get("factors", []):
-        entry = entries.get(str(factor), {})
-        ppl = entry.get("ppl")
-        if ppl is None and entry.get("loss") is not None:
-            ppl = math.exp(entry["loss"])
-        out[f"ppl@{factor}x"] = _float(ppl)
-    return out
+    """``ppl@1x``, ``ppl@2x``, ... of the scheme as trained, from ``eval_length/length.json``."""
+    return long_context.read_length_study(run.path)
 
 
 def passkey_accuracy(run: Run) -> dict[str, float | None]:
     """``passkey@1x``, ... (retrieval accuracy over depths) from ``eval_length/passkey.json``."""
-    from gptlab.evaluation import long_context
-
     return long_context.read_passkey(run.path)
 
 
@@ -87,8 +69,8 @@ def downstream_metrics(run: Run) -> dict[str, float | None]:
 
 # The evaluation outputs that become columns, in this order.
 OUTPUTS: list[OutputColumns] = [
-    OutputColumns("length", length_perplexities, order=_factor_of),
-    OutputColumns("passkey", passkey_accuracy, order=_factor_of),
+    OutputColumns("length", length_perplexities, order=long_context.factor_of),
+    OutputColumns("passkey", passkey_accuracy, order=long_context.factor_of),
     OutputColumns("eval_harness", downstream_metrics, fmt="{:.4g}"),
 ]
 
@@ -427,7 +409,7 @@ HISTORY_KEYS = ("val/loss", "val/ppl", "train/tokens_per_second", "train/mfu")
 
 
 def record_from_api_run(run: Any) -> RunRecord:
-    """A run of the W&B public API (one of ``gptlab.tracking.wandb_api.group_runs``) as a RunRecord: its
+    """A run of the W&B public API (one of ``gptlab.tracking.wandb_runs.group_runs``) as a RunRecord: its
     overrides from the ``sweep`` config section that gptlab logs, its metrics from the run's history."""
     overrides = (run.config.get("sweep") or {}).get("overrides") or []
     series: dict[str, list[tuple[int, float]]] = {}

@@ -328,7 +328,7 @@ def compare_online(
 ) -> Comparison:
     """Compare the runs of one W&B group (``project`` as ``entity/project``) through the W&B API; needs the
     network and a login."""
-    from gptlab.tracking.wandb_api import group_runs
+    from gptlab.tracking.wandb_runs import group_runs
 
     api_runs = group_runs(project, group)
     runs = [r for r in map(record_from_api_run, api_runs) if r.val_loss]

@@ -33,7 +33,6 @@ from typing import Any, cast
 import numpy as np
 
 from gptlab.data import tokenizers
-from gptlab.data.arrow_batches import BatchPlace, iter_batches
 from gptlab.data.shards import (
     DamagedCache,
     TokenShards,
@@ -44,7 +43,7 @@ from gptlab.data.shards import (
     unigram_entropy,
     write_index,
 )
-from gptlab.data.sources import DataSpec, load_documents, source_fingerprint
+from gptlab.data.sources import BatchPlace, DataSpec, iter_batches, load_documents, source_fingerprint
 from gptlab.data.tokenize_pool import TokenizeJob, TokenizeResult, run_tokenize_jobs
 from gptlab.errors import ConfigError, DataError
 

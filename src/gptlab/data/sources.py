@@ -2,19 +2,30 @@
 ``datasets``: the embedded default corpus (the Python reference text of the standard library's
 ``pydoc_data.topics``, real English prose that needs no network), local files (txt, jsonl/json, parquet,
 csv: a file, a glob or a folder) and hub datasets by name, either whole (an Arrow table on disk) or as a
-stream (``datasets``' IterableDataset, for corpora larger than the disk).
+stream (``datasets``' IterableDataset, for corpora larger than the disk). The rest of the ``data`` node is the
+loader's (`LoaderOptions`); `parse_data` reads the node into both.
+
+A dataset on disk is read back batch by batch, in bounded memory (`iter_batches`, `read_batch`): it is a list
+of Arrow stream files that ``datasets`` memory-maps, and iterating the memory map would leave every page of
+the corpus resident in the process that read it (and count in its memory), so the files are read with
+ordinary reads instead, one record batch at a time. The byte offset of every batch is noted on the first
+pass, so that a tokenizing process can later read exactly its own batches and the main process hands it only
+their places (`BatchPlace`), never the texts.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import hashlib
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from gptlab.errors import ConfigError, DataError
+from gptlab.registry import build_options, check_keys
 
 BUILTIN_CORPORA = ("pydoc_topics",)
 FILE_BUILDERS = {
@@ -84,6 +95,52 @@ class DataSpec:
         if self.path:
             return f"local files {self.path!r}"
         return f"embedded corpus {self.builtin!r}"
+
+
+@dataclass(frozen=True)
+class LoaderOptions:
+    """The ``data`` node's loader keys: sliding windows of ``block_size`` tokens every ``stride`` tokens
+    (null: the model's context, and windows that tile the corpus), ``batch_size`` windows a step;
+    ``document_mask``: attention stays inside each document of a window, positions restart at each one."""
+
+    batch_size: int = 8
+    block_size: int | None = None
+    stride: int | None = None
+    val_stride: int | None = None
+    num_workers: int = 0
+    document_mask: bool = False
+
+    def __post_init__(self) -> None:
+        for key in ("batch_size", "num_workers"):
+            value = getattr(self, key)
+            if value < (1 if key == "batch_size" else 0):
+                raise ConfigError(f"data.{key}={value!r} must be a positive integer.")
+        for key in ("block_size", "stride", "val_stride"):
+            value = getattr(self, key)
+            if value is not None and value <= 0:
+                raise ConfigError(
+                    f"data.{key}={value!r} must be a positive integer, or null for model.block_size."
+                )
+
+
+LOADER_KEYS = tuple(f.name for f in dataclasses.fields(LoaderOptions))
+
+
+def parse_data(node: Any) -> tuple[DataSpec, LoaderOptions]:
+    """The ``data`` node (Hydra's, or plain values as a run directory's config holds them): the corpus
+    (DataSpec) and the loader's keys, each checked."""
+    if node is not None and not isinstance(node, dict):  # Hydra's node: its values, interpolations resolved
+        from omegaconf import OmegaConf
+
+        node = OmegaConf.to_container(node, resolve=True)
+    spec_keys = tuple(f.name for f in dataclasses.fields(DataSpec))
+    values = dict(node or {})
+    check_keys(values, spec_keys + LOADER_KEYS, "data", "data")
+    spec = build_options(DataSpec, {k: v for k, v in values.items() if k in spec_keys}, "data", "data")
+    loader = build_options(
+        LoaderOptions, {k: v for k, v in values.items() if k in LOADER_KEYS}, "data", "data"
+    )
+    return spec, loader
 
 
 def builtin_documents(name: str) -> list[str]:
@@ -217,3 +274,60 @@ def source_fingerprint(spec: DataSpec) -> dict[str, Any]:
         assert spec.path is not None
         return {"files": [(f, os.path.getsize(f), os.stat(f).st_mtime_ns) for f in resolve_files(spec.path)]}
     return {"hub": spec.name, "config": spec.config_name, "split": spec.split, "revision": spec.revision}
+
+
+# Reading a dataset's text column batch by batch.
+
+ROWS = 4096  # documents per batch of an in-memory dataset
+
+
+@dataclass(frozen=True)
+class BatchPlace:
+    """Where one record batch of the text column lies: the file, the byte offset of its message, its rows."""
+
+    file: str
+    offset: int
+    rows: int
+
+
+def on_disk(ds: Any) -> bool:
+    return bool(ds.cache_files) and getattr(ds, "_indices", None) is None
+
+
+def iter_batches(ds: Any, field: str) -> Iterator[tuple[Any, BatchPlace | None]]:
+    """The text column as Arrow arrays, in order, each with its place on disk (None in memory)."""
+    import pyarrow as pa
+
+    if not on_disk(ds):
+        for table in ds.with_format("arrow").iter(batch_size=ROWS):
+            yield table.column("text"), None
+        return
+    for entry in ds.cache_files:
+        name = entry["filename"]
+        with pa.OSFile(name) as source:
+            reader = pa.ipc.open_stream(source)
+            while True:
+                offset = source.tell()
+                try:
+                    batch = reader.read_next_batch()
+                except StopIteration:
+                    break
+                yield batch.column(field), BatchPlace(name, offset, batch.num_rows)
+
+
+_schemas: dict[str, Any] = {}
+
+
+def read_batch(place: BatchPlace, field: str) -> Any:
+    """The text column of the record batch at ``place``."""
+    import pyarrow as pa
+
+    if place.file not in _schemas:
+        with pa.OSFile(place.file) as source:
+            _schemas[place.file] = pa.ipc.open_stream(source).schema
+    with pa.OSFile(place.file) as source:
+        source.seek(place.offset)
+        batch = pa.ipc.read_record_batch(pa.ipc.read_message(source), _schemas[place.file])
+    if batch.num_rows != place.rows:
+        raise RuntimeError(f"{place.file} changed while it was being read (offset {place.offset})")
+    return batch.column(field)

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from gptlab.data.arrow_batches import BatchPlace, read_batch
+from gptlab.data.sources import BatchPlace, read_batch
 
 SUB_BATCH = 256  # documents per tiktoken call and per progress report
 

@@ -1,4 +1,4 @@
 """Evaluations of one trained model, after its training: loss against context length and by position
-(``length``), passkey retrieval (``passkey``, ``long_context``), the lm-eval backend (``harness``), pictures of
-the positional schemes (``positions``) and the studies' figures (``plots``). Comparing many runs is
+(``length``), passkey retrieval (``passkey``, ``long_context``), the lm-eval backend (``harness``), and the
+figures (``plots``): the studies', and pictures of the positional schemes. Comparing many runs is
 :mod:`gptlab.comparison`."""

@@ -23,8 +23,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from gptlab.data.token_bytes import TokenBytes, bits_per_byte
-from gptlab.data.tokenizers import Tokenizer
+from gptlab.data.tokenizers import TokenBytes, Tokenizer, bits_per_byte
 from gptlab.evaluation import passkey, plots
 from gptlab.evaluation.options import LengthEvalOptions
 from gptlab.model.gpt import GPT
@@ -253,11 +252,11 @@ def evaluate_run(
     out_dir: str | Path | None = None,
     use_wandb: bool = True,
     device: str | None = None,
-    passkey_node: dict[str, Any] | None = None,
+    passkey_options: passkey.PasskeyOptions | None = None,
 ) -> tuple[dict[str, Any], list[Path]]:
     """Evaluate a run directory or checkpoint; writes JSON and plots to ``out_dir`` (default
     ``<run dir>/eval_length``) and, when the run logged to W&B, a W&B run in the same group.
-    ``passkey_node``: options of the passkey study (gptlab.evaluation.passkey); None skips it."""
+    ``passkey_options``: the passkey study's (gptlab.evaluation.passkey); None skips it."""
     from gptlab.runs.trained import held_out_tokens, load_run
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -267,13 +266,13 @@ def evaluate_run(
     result["checkpoint"] = str(trained.checkpoint)
     out_dir = Path(out_dir) if out_dir else (trained.run_dir or trained.checkpoint.parent) / EVAL_LENGTH_DIR
     paths = write_outputs(result, out_dir)
-    if passkey_node is not None:
+    if passkey_options is not None:
         study, more = passkey.run_study(
             trained.model,
             trained.tokenizer,
             trained.train_context,
             result["factors"],
-            passkey_node,
+            passkey_options,
             out_dir,
             (options or LengthEvalOptions()).rope_scalings,
         )

@@ -15,25 +15,33 @@ from typing import Any
 import numpy as np
 
 from gptlab.evaluation import passkey
-from gptlab.runs import layout
+from gptlab.runs.layout import EVAL_LENGTH_DIR, Run
 
-LENGTH_FILE = Path(layout.EVAL_LENGTH_DIR) / layout.LENGTH_FILE
-PASSKEY_FILE = Path(layout.EVAL_LENGTH_DIR) / passkey.RESULT_FILE
+PASSKEY_FILE = Path(EVAL_LENGTH_DIR) / passkey.RESULT_FILE
 
 
 def factor_of(key: str) -> float:
-    """``"ppl@2x"`` / ``"passkey@2x"`` -> 2.0."""
-    return float(key.split("@", 1)[1][:-1])
+    """The multiple of the training context a column or series key names: ``"ppl@2x"``, ``"passkey@2x"``
+    -> 2.0 (what the comparison table sorts its columns by, and the figures' x axis)."""
+    return float(key.split("@", 1)[1].rstrip("x"))
 
 
 def read_length_study(run_dir: str | Path) -> dict[str, float | None]:
-    """{"ppl@1x": 8.2, "ppl@2x": None, ...} of the scheme as trained; None where it cannot run."""
-    path = Path(run_dir) / LENGTH_FILE
-    if not path.is_file():
+    """{"ppl@1x": 8.2, "ppl@2x": None, ...}: the validation perplexity of the scheme as trained at each
+    length of the run's study (``eval_length/length.json``); None where the scheme cannot run at that length
+    (past a learned table) or the loss is not finite. Empty without a study."""
+    result = Run(Path(run_dir)).length_result()
+    if not result:
         return {}
-    data = json.loads(path.read_text())
-    entries = data.get("variants", {}).get(data.get("pos"), {})
-    return {f"ppl@{factor}x": entry.get("ppl") for factor, entry in entries.items()}
+    entries = (result.get("variants") or {}).get(result.get("pos"), {})
+    out: dict[str, float | None] = {}
+    for factor in result.get("factors", []):
+        entry = entries.get(str(factor), {})
+        ppl, loss = entry.get("ppl"), entry.get("loss")
+        if ppl is None and isinstance(loss, int | float):  # a study that wrote the loss alone
+            ppl = math.exp(loss) if loss < 700 else math.inf
+        out[f"ppl@{factor}x"] = float(ppl) if isinstance(ppl, int | float) and math.isfinite(ppl) else None
+    return out
 
 
 def read_passkey(run_dir: str | Path) -> dict[str, float | None]:
@@ -67,10 +75,9 @@ def mean_or_none(values: Sequence[float | None]) -> float | None:
 
 def read_loss_by_position(run_dir: str | Path) -> list[float] | None:
     """The loss at each position of the longest context the scheme as trained ran at."""
-    path = Path(run_dir) / LENGTH_FILE
-    if not path.is_file():
+    data = Run(Path(run_dir)).length_result()
+    if not data:
         return None
-    data = json.loads(path.read_text())
     runs = [e for e in data.get("variants", {}).get(data.get("pos"), {}).values() if "loss_by_position" in e]
     return max(runs, key=lambda e: e["context"])["loss_by_position"] if runs else None
 

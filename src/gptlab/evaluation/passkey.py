@@ -345,15 +345,14 @@ def run_study(
     tokenizer: Tokenizer,
     train_context: int,
     factors: Sequence[int],
-    node: Any,
+    options: PasskeyOptions | None,
     out_dir: Path,
     scalings: Sequence[str] = (),
 ) -> tuple[dict[str, Any] | None, list[Path]]:
-    """The length study's passkey part: ``node`` is ``eval_length.passkey``, as its options or its plain
-    values (None or enabled=false: off); ``scalings``: the length study's context scalings (those the scheme
+    """The length study's passkey part: ``options`` are ``eval_length.passkey``'s, as the run's config parsed
+    them (None or enabled=false: off); ``scalings``: the length study's context scalings (those the scheme
     has are run too)."""
-    options = node if isinstance(node, PasskeyOptions) else PasskeyOptions.from_dict(node or {})
-    if node is None or not options.enabled:
+    if options is None or not options.enabled:
         return None, []
     result = evaluate_passkey(model, tokenizer, train_context, factors, options, scalings)
     return result, write_outputs(result, out_dir)

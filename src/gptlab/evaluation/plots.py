@@ -1,4 +1,14 @@
-"""The length study's and the passkey study's figures (matplotlib, drawn to files only)."""
+"""The evaluations' figures (matplotlib, drawn to files only): the length study's and the passkey study's, and
+pictures of what a positional scheme adds (`plot_scheme`): the position table as a heatmap, the
+position-to-position similarity it induces, and the attention bias per head.
+
+Each picture of a scheme asks the scheme what it does, not which scheme it is:
+
+- a scheme that adds position vectors (learned, sinusoidal): the table (positions x dimensions) and the cosine
+  similarity of its rows;
+- a rotary scheme (rope, xpos): the similarity of one fixed vector rotated to each position;
+- a scheme with an attention bias (alibi, relative, fire): the bias on the score of query i on key j, per head.
+"""
 
 from __future__ import annotations
 
@@ -8,8 +18,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
+from torch import Tensor
 
 from gptlab.figures import binned, pyplot, save_figure
+from gptlab.model.gpt import GPT
 
 
 def plot_length_result(result: dict[str, Any], out_dir: Path) -> list[Path]:
@@ -92,3 +105,91 @@ def plot_passkey_heatmap(
     ax.set_title(f"pos={result['pos']}: passkey accuracy" + (" (not run)" if "error" in result else ""))
     fig.colorbar(image, ax=ax, label="accuracy")
     return save_figure(fig, path, dpi=100)
+
+
+# What a positional scheme adds.
+
+
+@torch.no_grad()
+def position_table(model: GPT, n: int) -> Tensor | None:
+    """The (n, n_embd) vectors added to the token embeddings at positions 0..n-1, or None."""
+    table = model.transformer.pos.position_vectors(n)
+    return None if table is None else table.detach().float().cpu()
+
+
+@torch.no_grad()
+def position_similarity(model: GPT, n: int) -> Tensor | None:
+    """(n, n) cosine similarity between positions: of the table rows, or for rotary schemes of one all-ones
+    query rotated to each position (per head dimension), or None for schemes without either."""
+    table = position_table(model, n)
+    if table is None and model.transformer.pos.is_rotary:
+        ones = torch.ones(1, 1, n, model.config.head_dim)
+        table, _ = model.transformer.pos.rotate(ones, ones, torch.arange(n))
+        table = table[0, 0].float().cpu()  # (n, head_dim)
+    if table is None:
+        return None
+    unit = table / table.norm(dim=-1, keepdim=True).clamp_min(1e-12)
+    return unit @ unit.T
+
+
+@torch.no_grad()
+def attention_bias(model: GPT, n: int) -> Tensor | None:
+    """(n_head, n, n) bias on the score of query i (rows) on key j (columns); the future is NaN."""
+    positions = torch.arange(n, device=next(model.parameters()).device)
+    bias = model.transformer.pos.bias(positions, positions)
+    if bias is None:
+        return None
+    bias = bias.detach().float().cpu()
+    future = positions[None, :].cpu() > positions[:, None].cpu()
+    return bias.masked_fill(future, float("nan"))
+
+
+def plot_scheme(
+    model: GPT, out_dir: str | Path, n: int | None = None, label: str | None = None
+) -> list[Path]:
+    """Every picture that applies to the model's scheme, as ``<label>_{table,similarity,bias}.png``."""
+    plt = pyplot()
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    n = n or model.config.block_size
+    label = label or model.config.pos.name
+    written = []
+
+    table = position_table(model, n)
+    if table is not None:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        image = ax.imshow(table.T, aspect="auto", cmap="RdBu_r", interpolation="nearest")
+        ax.set_xlabel("position")
+        ax.set_ylabel("embedding dimension")
+        ax.set_title(f"pos={model.config.pos.name}: position vectors")
+        fig.colorbar(image, ax=ax)
+        written.append(save_figure(fig, out_dir / f"{label}_table.png", dpi=72))
+
+    similarity = position_similarity(model, n)
+    if similarity is not None:
+        fig, ax = plt.subplots(figsize=(5, 4.2))
+        image = ax.imshow(similarity, cmap="viridis", vmin=-1, vmax=1, interpolation="nearest")
+        ax.set_xlabel("position j")
+        ax.set_ylabel("position i")
+        ax.set_title(f"pos={model.config.pos.name}: cosine similarity of positions")
+        fig.colorbar(image, ax=ax)
+        written.append(save_figure(fig, out_dir / f"{label}_similarity.png", dpi=72))
+
+    bias = attention_bias(model, n)
+    if bias is not None:
+        heads = bias.size(0)
+        cols = min(4, heads)
+        rows = math.ceil(heads / cols)
+        fig, axes = plt.subplots(rows, cols, figsize=(3 * cols, 2.8 * rows), squeeze=False)
+        for h, ax in enumerate(axes.flat):
+            if h >= heads:
+                ax.axis("off")
+                continue
+            image = ax.imshow(bias[h], cmap="magma", interpolation="nearest")
+            ax.set_title(f"head {h}", fontsize=9)
+            ax.set_xlabel("key j", fontsize=8)
+            ax.set_ylabel("query i", fontsize=8)
+            fig.colorbar(image, ax=ax, fraction=0.046)
+        fig.suptitle(f"pos={model.config.pos.name}: attention bias per head")
+        written.append(save_figure(fig, out_dir / f"{label}_bias.png", dpi=72))
+    return written

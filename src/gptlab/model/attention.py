@@ -33,7 +33,7 @@ from torch import Tensor, nn
 
 from gptlab import torch_features
 from gptlab.model.attention_variants import QKNorm, SlidingWindow, softcapped_attention
-from gptlab.model.parametrization import attention_scale
+from gptlab.model.config import attention_scale
 
 if TYPE_CHECKING:
     from gptlab.model.config import GPTConfig
@@ -235,7 +235,7 @@ class CausalSelfAttention(nn.Module):
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.dropout = config.dropout
         self.resid_dropout = nn.Dropout(config.dropout)
-        # None: 1/sqrt(head_dim); under muP sqrt(base_head_dim)/head_dim (model/parametrization.py).
+        # None: 1/sqrt(head_dim); under muP sqrt(base_head_dim)/head_dim (model/config.py).
         self.scale = attention_scale(config)
         variants = config.attention
         self.window = variants.layer_window(layer)  # None: a global layer

@@ -124,7 +124,7 @@ class QKNorm(nn.Module):
     Transformers"; Dehghani et al. 2023, "Scaling Vision Transformers to 22 Billion Parameters", LayerNorm;
     OLMo team 2024, "2 OLMo 2 Furious", and Qwen team 2025, "Qwen3 Technical Report", RMSNorm).
 
-    Under muP the scores are then scaled by 1/head_dim (model/parametrization.py): unit-RMS q and k of an
+    Under muP the scores are then scaled by 1/head_dim (model/config.py): unit-RMS q and k of an
     aligned pair give q.k of order head_dim, so the scaled score stays of order one at every width."""
 
     def __init__(self, kind: str, head_dim: int, eps: float) -> None:

@@ -7,11 +7,29 @@ Made once, and checked whole when it is made: every size, every variant name and
 dimension). A variant is given by its name, its config node (``pos={"name": "rope", "base": 500.0}``) or a
 Choice. ``to_dict`` writes plain values (saved in checkpoints, logged to W&B); ``from_dict`` reads them back,
 also as saved by earlier versions (``pos`` + ``pos_options``, ``norm_eps``, ``norm_bias``, no ``attention``).
+
+How weights are initialised and scaled with width follows from the config too (``param``: the standard
+parametrisation, or muP; the functions at the end of this module).
+muP, the maximal update parametrisation (Yang et al. 2022, "Tensor Programs V: Tuning Large Neural Networks
+via Zero-Shot Hyperparameter Transfer", https://arxiv.org/abs/2203.03466, table 3 for Adam), makes each
+layer's activations and their updates keep their scale as the width grows, so that hyperparameters tuned on
+a narrow model carry over to a wide one. With width multiplier m = n_embd / mup_base_width:
+
+- hidden matrices (the blocks' attention and MLP weights): initial std ``init_std / sqrt(m)`` (variance
+  proportional to 1 / fan_in) and Adam learning rate ``lr / m``;
+- input weights (token and position embeddings), biases and norm gains: unchanged init and learning rate;
+- the output logits are multiplied by ``1 / m`` (the readout multiplier; with a tied head the shared matrix
+  keeps the embedding's init and rate, as in the ``mup`` package's shared readout);
+- attention scores are scaled by ``1 / head_dim`` instead of ``1 / sqrt(head_dim)``: written
+  ``sqrt(base_head_dim) / head_dim`` so that at the base width the model is the standard one.
+
+At m = 1 every rule is the identity: a muP model at its base width is the standard model.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -36,8 +54,8 @@ class GPTConfig:
     tie_weights: bool = True  # the output head reuses the token embedding matrix
     mlp_ratio: float | None = None  # None: 4 for plain activations, the gated default for gated ones
     init_std: float = 0.02
-    # standard, or mup (model/parametrization.py): init, learning rates, logits and attention scaled with the
-    # width relative to mup_base_width (Yang et al. 2022, "Tensor Programs V").
+    # standard, or mup (the functions at the end of this module): init, learning rates, logits and attention
+    # scaled with the width relative to mup_base_width (Yang et al. 2022, "Tensor Programs V").
     param: str = "standard"
     mup_base_width: int = 128
     # The variants: each a Choice of its registry (given as a name or a config node, made a Choice here).
@@ -188,3 +206,38 @@ _MODEL_KEYS = [
     for f in fields(GPTConfig)
     if f.name not in ("pos", "activation", "norm", "norm_placement", "attention")
 ]
+
+# The parametrisation: how weights are initialised and scaled with width.
+
+
+def is_mup(config: GPTConfig) -> bool:
+    return config.param == "mup"
+
+
+def width_multiplier(config: GPTConfig) -> float:
+    """m = n_embd / mup_base_width under muP, 1 in the standard parametrisation."""
+    return config.n_embd / config.mup_base_width if is_mup(config) else 1.0
+
+
+def hidden_init_std(config: GPTConfig) -> float:
+    """The initial std of a hidden matrix: ``init_std`` standard, ``init_std / sqrt(m)`` under muP."""
+    return config.init_std / math.sqrt(width_multiplier(config))
+
+
+def hidden_lr_scale(config: GPTConfig) -> float:
+    """The factor on Adam's learning rate for hidden matrices: 1 standard, ``1 / m`` under muP."""
+    return 1.0 / width_multiplier(config)
+
+
+def output_multiplier(config: GPTConfig) -> float:
+    """The factor on the logits: 1 standard, ``1 / m`` under muP."""
+    return 1.0 / width_multiplier(config)
+
+
+def attention_scale(config: GPTConfig) -> float | None:
+    """The factor on q.k: None (SDPA's 1/sqrt(head_dim)) standard; ``sqrt(base_head_dim) / head_dim`` under
+    muP, which is 1/sqrt(head_dim) at the base width and falls as 1/head_dim with width."""
+    if not is_mup(config):
+        return None
+    base_head_dim = config.mup_base_width / config.n_head
+    return math.sqrt(base_head_dim) / config.head_dim

@@ -16,9 +16,8 @@ from torch import Tensor, nn
 
 from gptlab.model import activations, attention, norms, positional
 from gptlab.model.attention import FROM_SCHEME, AttentionBias, CausalSelfAttention, KVCache
-from gptlab.model.config import GPTConfig
+from gptlab.model.config import GPTConfig, hidden_init_std, output_multiplier
 from gptlab.model.head_loss import HeadLoss, soft_cap
-from gptlab.model.parametrization import hidden_init_std, output_multiplier
 
 __all__ = ["GPT", "MLP", "Block", "CausalSelfAttention", "KVCache", "document_positions", "mlp_hidden_width"]
 
@@ -122,7 +121,7 @@ class GPT(nn.Module):
 
     def reset_parameters(self) -> None:
         # Embeddings (and a tied head) at init_std; the blocks' matrices at init_std, or init_std / sqrt(m)
-        # under muP (model/parametrization.py).
+        # under muP (model/config.py).
         std = self.config.init_std
         hidden_std = hidden_init_std(self.config)
         for name, p in self.named_parameters():

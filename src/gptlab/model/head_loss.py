@@ -47,7 +47,7 @@ loaders never ignore a target).
 from __future__ import annotations
 
 import math
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,6 +56,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from gptlab import torch_features
+from gptlab.errors import ConfigError
+from gptlab.registry import check_keys
 
 IMPLEMENTATIONS = ("auto", "chunked", "torch", "plain", "liger", "cce")
 
@@ -455,6 +457,18 @@ class HeadLoss:
         message = self.extras_refusal(self.impl)
         if message is not None:
             raise ValueError(message)
+
+    @classmethod
+    def from_node(cls, node: Mapping[str, Any] | None) -> HeadLoss:
+        """The ``loss`` config node (``LOSS_KEYS``; absent: the defaults), its unknown keys and bad values
+        refused with the fix. Where its kernel can run is the run's question (:func:`gptlab.config.parse_loss`):
+        a checkpoint's node is read on any device."""
+        values = dict(node or {})
+        check_keys(values, LOSS_KEYS, "loss", "loss")
+        try:
+            return cls(**values)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
 
     @property
     def extras(self) -> frozenset[str]:

@@ -1,15 +1,15 @@
 """Running one model on many devices, applied from outside the model.
 
-- `hardware`: precision by device, processes per node, the CPU-core check.
-- `base`, `strategies`: the `strategy=` choices (typed options, what each device holds, checkpoint layout,
-  hardware checks) and building Lightning's strategy from one; `lightning_strategies`: the Lightning
-  subclasses they build (atomic sharded checkpoints, DeepSpeed's gradient norm).
+- `hardware`: precision by device, processes per node, the CPU-core check, and SLURM (the job to requeue
+  after its warning signal).
+- `strategies`: the `strategy=` choices (typed options, what each device holds, checkpoint layout, hardware
+  checks) and building Lightning's strategy from one.
+- `checkpoint_io`: checkpoints that a kill leaves whole, and the Lightning strategy subclasses the choices
+  build (atomic sharded checkpoints, DeepSpeed's gradient norm).
 - `transforms`: activation checkpointing, `torch.compile` and FSDP2 sharding of each block, in each rank.
 - memory per device and the model card, from the same choices, are `gptlab.planning`.
-- `slurm`: the job to requeue after SLURM's warning signal.
 """
 
-from gptlab.parallel.base import STRATEGIES, Placement, StrategyChoice
 from gptlab.parallel.hardware import (
     choose_precision,
     devices_per_node,
@@ -17,6 +17,9 @@ from gptlab.parallel.hardware import (
     world_size,
 )
 from gptlab.parallel.strategies import (
+    STRATEGIES,
+    Placement,
+    StrategyChoice,
     build_strategy,
     check_launch,
     check_rank_zero_evaluation,

@@ -45,7 +45,7 @@ def parallelize(model: GPT, options: ParallelOptions, strategy: Any = None, prec
         for block in blocks:
             block.compile()
     if strategy is not None and not isinstance(strategy, str):
-        from gptlab.parallel.lightning_strategies import FullyShardedStrategy
+        from gptlab.parallel.checkpoint_io import FullyShardedStrategy
 
         if isinstance(strategy, FullyShardedStrategy):
             shard(model, strategy, precision)

@@ -162,21 +162,33 @@ def _display_dir(path: str) -> str:
         return str(p)
 
 
+def is_multirun(hc: Any = None) -> bool:
+    """Whether a Hydra job is one job of a sweep (``python train.py -m``): the current job's by default, or
+    the one of a ``hydra`` config node passed in. False outside Hydra."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    if hc is None:
+        if not HydraConfig.initialized():
+            return False
+        hc = HydraConfig.get()
+    # a node of compose(..., return_hydra_config=True) holds the mode's name, a running job's the enum
+    return str(hc.get("mode")) in (str(RunMode.MULTIRUN), RunMode.MULTIRUN.name)
+
+
 def labels_from_hydra(hc: Any = None) -> RunLabels:
     """The identity of a Hydra job from its ``hydra`` config node: the current job's by default, or one
     passed in (``compose(..., return_hydra_config=True).hydra``). Empty outside Hydra."""
     from hydra.core.hydra_config import HydraConfig
-    from hydra.types import RunMode
 
     if hc is None:
         if not HydraConfig.initialized():
             return RunLabels()
         hc = HydraConfig.get()
     overrides = list(hc.overrides.task)
-    multirun = str(hc.get("mode")) in (str(RunMode.MULTIRUN), "MULTIRUN")
     choices = dict(hc.runtime.choices)
     experiment = choices.get("experiment")
-    if not multirun:
+    if not is_multirun(hc):
         return identity(overrides, experiment=experiment)
     sweep_dir = str(hc.sweep.dir)
     raw = OmegaConf.to_container(hc.sweeper.params, resolve=False) if hc.sweeper.get("params") else {}

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -162,24 +163,26 @@ def enter_run(
     include_hydra: bool = False,
     log: Any = None,
     pick_checkpoint: bool = True,
+    repair: Callable[[Path], object] | None = None,
 ) -> RunEntry:
     """The one entry of a run into its directory, for a new run and a resumed one alike: whether it
     continues the run there (:func:`gptlab.runs.identity.continues_a_run`) is decided here, once, and the
     directory claimed accordingly: held by this process (a live holder refused by name), and, for a run that
     does not continue the one there, made its own (:func:`gptlab.runs.identity.claim_run_dir`: refused, or
-    the old files moved aside). With ``pick_checkpoint`` (the task's entry; Hydra's callback enters before
-    the job without it) a sharded checkpoint that a kill left set aside mid-swap is put back first, then the
-    checkpoint to continue from is chosen (:func:`checkpoint_to_resume`: an unusable ``resume=`` is refused
+    the old files moved aside). ``repair`` runs on the checkpoint folder once this process holds the
+    directory: the task passes the checkpoint I/O's ``restore_interrupted_saves``, which puts back a sharded
+    checkpoint that a kill left set aside mid-swap (a function passed in: the checkpoint writes belong to
+    :mod:`gptlab.parallel`, a floor above this package). With ``pick_checkpoint`` (the task's entry; Hydra's
+    callback enters before the job without it) the checkpoint to continue from is then chosen (:func:`checkpoint_to_resume`: an unusable ``resume=`` is refused
     here, before any data is read). Holding and claiming twice in one process (Hydra's callback, then the
     task) is harmless: the second finds the directory held and already this run's."""
-    from gptlab.parallel.checkpoint_io import restore_interrupted_saves
     from gptlab.runs.identity import claim_run_dir, continues_a_run, hold_run_dir, launched_rank
 
     run_dir = Path(run_dir)
     continued = continues_a_run(resume, run_dir)
     hold_run_dir(run_dir, continued)
-    if pick_checkpoint and checkpoint_dir(run_dir).is_dir():
-        restore_interrupted_saves(checkpoint_dir(run_dir))
+    if repair is not None and checkpoint_dir(run_dir).is_dir():
+        repair(checkpoint_dir(run_dir))
     if not continued and not launched_rank():
         claim_run_dir(run_dir, resume, overwrite, include_hydra=include_hydra, log=log)
     checkpoint = checkpoint_to_resume(resume, run_dir) if pick_checkpoint else None

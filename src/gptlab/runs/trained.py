@@ -86,7 +86,7 @@ def held_out_tokens(trained: TrainedRun) -> np.ndarray:
     """The run's validation split as a flat array of token ids: from its token cache (rebuilt if missing), its
     token folder (nanoGPT's or llm.c's files) or its stream's held-out documents."""
 
-    from gptlab.config import parse_data
+    from gptlab.data.sources import parse_data
 
     data = trained.config.get("data")
     if not data:

@@ -17,14 +17,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hydra.core.hydra_config import HydraConfig
-from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from gptlab.config import GPTRunConfig, parse_gpt
-from gptlab.planning.fit import check_memory
+from gptlab.planning import check_memory
 from gptlab.runs.identity import launched_rank
 from gptlab.runs.layout import LAST_CHECKPOINT
+from gptlab.runs.naming import is_multirun
 from gptlab.runs.resume import ResumePlan, plan_resume
 from gptlab.tasks.skeleton import RunSession, quiet_launched_ranks, record_run_dir, route_lightning_logs
 
@@ -53,7 +52,7 @@ def run(cfg: DictConfig) -> dict[str, float]:
     """Train one model as configured; returns the final metrics (``val/loss``, ``val/ppl``, ...)."""
     t0 = time.perf_counter()
     quiet_launched_ranks()
-    record_run_dir(cfg)  # before the config is parsed: the trainer's default_root_dir interpolates it
+    run_dir = record_run_dir(cfg)  # before the parse: the trainer's default_root_dir interpolates it
     settings = parse_gpt(cfg)  # before Lightning is imported (seconds): a refusal comes at once
     # before the run directory, the data or any weight: a run that cannot fit its device is refused
     check_memory(settings)
@@ -61,7 +60,7 @@ def run(cfg: DictConfig) -> dict[str, float]:
 
     route_lightning_logs()
     session = RunSession.start(
-        cfg, settings.run, seed=lambda s: L.seed_everything(s, workers=True, verbose=False)
+        cfg, settings.run, run_dir, seed=lambda s: L.seed_everything(s, workers=True, verbose=False)
     )
     parts = build(settings)
     resume = plan_resume(session.resume_from, parts.module.model_config)
@@ -93,8 +92,7 @@ def run(cfg: DictConfig) -> dict[str, float]:
         metrics = collect_metrics(trainer, parts, time.perf_counter() - t0)
         if trainer.is_global_zero:
             report(session, settings, parts, trainer, loggers, metrics, step, stop)
-    multirun = HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
-    if stop is not None and stop.signal == "Ctrl-C" and multirun:
+    if stop is not None and stop.signal == "Ctrl-C" and is_multirun():
         # Ctrl-C stops the sweep, not only this job (its result and checkpoint are written): the next jobs
         # would otherwise start one after the other.
         log.warning(
@@ -141,7 +139,6 @@ def build(settings: GPTRunConfig) -> Parts:
     tokenizer is a product of it: a fitted vocabulary comes from the training split), the module made."""
     import torch
 
-    from gptlab.data.datamodule import GPTDataModule
     from gptlab.parallel import build_strategy, warn_if_cpu_oversubscribed
     from gptlab.training.module import GPTLitModule
 
@@ -149,22 +146,10 @@ def build(settings: GPTRunConfig) -> Parts:
     # CPUs; flushing them to zero changes nothing above 1.2e-38. ALiBi's step on one thread: 1.93x -> 1.34x
     # the fused causal one (scripts/bench_attention.py). Threads started later inherit the setting.
     torch.set_flush_denormal(True)
-    multirun = HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
-    strategy = build_strategy(settings.strategy_node, settings.trainer, multirun=multirun)
+    strategy = build_strategy(settings.strategy_node, settings.trainer, multirun=is_multirun())
     if not launched_rank():  # one warning for the run, from rank 0, not one from each process
         warn_if_cpu_oversubscribed(settings.trainer)
-    loader = settings.loader
-    datamodule = GPTDataModule(
-        spec=settings.data,
-        tokenizer=settings.tokenizer,
-        block_size=settings.block_size,
-        batch_size=loader.batch_size,
-        stride=loader.stride,
-        val_stride=loader.val_stride,
-        num_workers=loader.num_workers,
-        document_mask=loader.document_mask,
-        seed=settings.run.seed,
-    )
+    datamodule = make_datamodule(settings)
     datamodule.prepare_data()
     datamodule.setup("fit")
     corpus = datamodule.corpus
@@ -182,6 +167,24 @@ def build(settings: GPTRunConfig) -> Parts:
     return Parts(datamodule, corpus, module, strategy)
 
 
+def make_datamodule(settings: GPTRunConfig) -> GPTDataModule:
+    """The run's data: ``settings``' corpus and tokenizer, windowed and batched as its loader keys say."""
+    from gptlab.data.datamodule import GPTDataModule
+
+    loader = settings.loader
+    return GPTDataModule(
+        spec=settings.data,
+        tokenizer=settings.tokenizer,
+        block_size=settings.block_size,
+        batch_size=loader.batch_size,
+        stride=loader.stride,
+        val_stride=loader.val_stride,
+        num_workers=loader.num_workers,
+        document_mask=loader.document_mask,
+        seed=settings.run.seed,
+    )
+
+
 def load_initial_weights(module: GPTLitModule, source: str | None) -> None:
     """``model.init_from``: a Hugging Face GPT-2 or Llama directory's weights, checked against the config."""
     if source:
@@ -193,12 +196,14 @@ def load_initial_weights(module: GPTLitModule, source: str | None) -> None:
 def make_trainer(cfg: DictConfig, settings: GPTRunConfig, parts: Parts, loggers: list) -> L.Trainer:
     import lightning as L
 
-    from gptlab.parallel.slurm import slurm_plugins
+    from gptlab.parallel.hardware import slurm_plugins
     from gptlab.training.callbacks import LogAtGlobalStep, ValidateAtLastStep, instantiate_callbacks
     from gptlab.training.checkpointing import fault_tolerance_callbacks
     from gptlab.training.downstream_eval import downstream_callbacks
 
-    callbacks = instantiate_callbacks(cfg.get("callbacks") or {}) + downstream_callbacks(settings)
+    callbacks = instantiate_callbacks(cfg.get("callbacks") or {}) + downstream_callbacks(
+        settings.downstream_eval, settings.block_size
+    )
     return L.Trainer(
         **settings.trainer,
         strategy=parts.strategy,
@@ -209,13 +214,13 @@ def make_trainer(cfg: DictConfig, settings: GPTRunConfig, parts: Parts, loggers:
 
 
 def model_summary(module: GPTLitModule, trainer: L.Trainer | None, settings: GPTRunConfig | None) -> str:
-    """The short model card (gptlab.planning.card): parameters, FLOPs per token, memory per device, and a
+    """The short model card (gptlab.planning): parameters, FLOPs per token, memory per device, and a
     warning when the run will not fit its device."""
     from lightning.pytorch.accelerators import CPUAccelerator
 
-    from gptlab.planning import card
+    from gptlab import planning
 
-    plan = card.TrainingPlan(
+    plan = planning.TrainingPlan(
         strategy=settings.strategy_node if settings else "auto",
         n_devices=trainer.world_size if trainer else 1,
         precision=str(trainer.precision) if trainer else "32-true",
@@ -224,7 +229,7 @@ def model_summary(module: GPTLitModule, trainer: L.Trainer | None, settings: GPT
         activation_checkpointing=settings.parallel.activation_checkpointing if settings else False,
     )
     on_cpu = trainer is None or isinstance(trainer.accelerator, CPUAccelerator)
-    summary = card.startup_card(module.model_config, plan, on_cpu=on_cpu, loss=module.head_loss)
+    summary = planning.startup_card(module.model_config, plan, on_cpu=on_cpu, loss=module.head_loss)
     if settings and settings.loader.document_mask:
         summary += f"\n{DOCUMENT_MASK_LINE}"
     return summary

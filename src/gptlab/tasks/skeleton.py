@@ -2,7 +2,9 @@
 ``run.json`` written, the seed set, the loggers opened (a resumed run continues its W&B run), the resolved
 config saved, ``result.json`` written (also when the task raises), and the W&B run closed.
 
-    session = RunSession.start(cfg, settings)
+    run_dir = record_run_dir(cfg)   # first: the nodes that interpolate paths.output_dir are read later
+    settings = ...                  # the task's typed config
+    session = RunSession.start(cfg, settings, run_dir)
     session.start_step = ...     # a resumed run: the step it continues from
     loggers = session.open_loggers(wandb_run_id=None, resumed_at=None)
     with session.closing(loggers, step=..., metrics=...):
@@ -45,7 +47,8 @@ def run_dir_of(cfg: DictConfig) -> Path:
 
 def record_run_dir(cfg: DictConfig) -> Path:
     """The run directory, recorded as ``paths.output_dir`` before any node that interpolates it (the
-    trainer's ``default_root_dir``, the loggers' ``save_dir``) is read. A task calls it first."""
+    trainer's ``default_root_dir``, the loggers' ``save_dir``) is read. A task calls it first, once, and hands
+    the directory to :meth:`RunSession.start`."""
     run_dir = run_dir_of(cfg)
     with open_dict(cfg):
         cfg.paths.output_dir = str(run_dir)
@@ -107,21 +110,28 @@ class RunSession:
 
     @classmethod
     def start(
-        cls, cfg: DictConfig, settings: RunSettings, seed: Callable[[int], Any] | None = None
+        cls, cfg: DictConfig, settings: RunSettings, run_dir: Path, seed: Callable[[int], Any] | None = None
     ) -> RunSession:
-        """The run directory (``record_run_dir``) checked writable and claimed for this run alone (a
+        """The run directory (``record_run_dir``, which the task called first) checked writable and claimed
+        for this run alone (a
         directory holding another run is refused, or moved aside with ``overwrite=true``; ``run.json`` names
         the run and this part of it); the seed set everywhere (by ``seed``, e.g. Lightning's
         seed_everything, which also seeds loader workers; by default Python's, NumPy's and torch's
         generators)."""
         from gptlab.runs.identity import launched_rank, record_start
 
-        run_dir = record_run_dir(cfg)
         check_writable(run_dir)
         # The run's one entry (Hydra's callback entered first, without choosing a checkpoint). Inside a Hydra
         # job .hydra/ is this run's own: Hydra wrote it after CheckRunDirectory had checked.
+        from gptlab.parallel.checkpoint_io import restore_interrupted_saves
+
         entry = enter_run(
-            run_dir, settings.resume, settings.overwrite, include_hydra=not HydraConfig.initialized(), log=log
+            run_dir,
+            settings.resume,
+            settings.overwrite,
+            include_hydra=not HydraConfig.initialized(),
+            log=log,
+            repair=restore_interrupted_saves,  # a kill mid-swap of a sharded checkpoint: swapped back first
         )
         if not launched_rank():
             overrides = list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []

@@ -61,11 +61,11 @@ class Word2VecRunConfig:
 def run(cfg: DictConfig) -> dict[str, float]:
     """Train word2vec as configured; returns the final metrics (loss, words/s, benchmark scores)."""
     t0 = time.perf_counter()
-    record_run_dir(cfg)  # before the config is parsed: nodes interpolate paths.output_dir
+    run_dir = record_run_dir(cfg)  # before the config is parsed: nodes interpolate paths.output_dir
     settings = Word2VecRunConfig.parse(cfg)
     options = settings.options
     device = pick_device(options)
-    session = RunSession.start(cfg, settings.run)
+    session = RunSession.start(cfg, settings.run, run_dir)
     threads = torch.get_num_threads()
     if device.type == "cpu":
         # Parallel over batches (worker threads), each operation on one core: word2vec's operations are

@@ -217,7 +217,7 @@ class WandbRunLogger:
     """A W&B run opened by ``wandb.init`` when first used, always a run of its own (``reinit="create_new"``:
     a run the process already has open, a notebook's or an earlier in-process run's, is left as it is and
     gets none of this run's records). Metrics are logged with ``trainer/global_step`` as their step metric, as
-    Lightning's WandbLogger logs them, so both kinds of run read alike (:mod:`gptlab.tracking.wandb_files`)."""
+    Lightning's WandbLogger logs them, so both kinds of run read alike (:mod:`gptlab.tracking.wandb_runs`)."""
 
     def __init__(self, init: Mapping[str, Any]) -> None:
         self._wandb_init = dict(init)

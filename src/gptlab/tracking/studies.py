@@ -70,7 +70,7 @@ def log_length_study_as_new_run(study: LengthStudy, run_dir: Path, config: dict[
     ``source_run_id`` and ``config``. Returns its folder (None: the run logged no W&B run, or W&B is
     disabled)."""
     from gptlab.tracking.wandb_check import wandb_mode
-    from gptlab.tracking.wandb_files import find_runs, read_run
+    from gptlab.tracking.wandb_runs import find_runs, read_run
 
     files = find_runs(run_dir / "wandb")
     if not files:
@@ -106,7 +106,7 @@ def log_harness_results(metrics: dict[str, Any], table: StudyTable, run_dir: Pat
     import wandb
 
     from gptlab.tracking.wandb_check import wandb_mode
-    from gptlab.tracking.wandb_files import find_runs, read_run
+    from gptlab.tracking.wandb_runs import find_runs, read_run
 
     mode = wandb_mode("auto")
     if mode == "disabled":

@@ -49,7 +49,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from gptlab.errors import ConfigError, NonFiniteLossError
-from gptlab.parallel import slurm
+from gptlab.parallel import hardware
 from gptlab.parallel.checkpoint_io import link_checkpoint
 from gptlab.runs.layout import (
     BEST_FILENAME,
@@ -364,7 +364,7 @@ class StopOnSignal(L.Callback):
         # collective), then which kind, so all of them take the same branch.
         if not trainer.strategy.reduce_boolean_decision(self.received is not None, all=False):
             return
-        requeue = slurm.under_slurm() and trainer.strategy.reduce_boolean_decision(
+        requeue = hardware.under_slurm() and trainer.strategy.reduce_boolean_decision(
             self.received == getattr(signal, "SIGUSR1", None), all=False
         )
         if requeue:
@@ -411,9 +411,9 @@ class StopOnSignal(L.Callback):
                 "SLURM signal: saved %s at step %d; requeueing job %s",
                 path,
                 trainer.global_step,
-                slurm.slurm_job_id(),
+                hardware.slurm_job_id(),
             )
-            slurm.requeue_job()
+            hardware.requeue_job()
         # Stop here, as SLURM is about to: no end-of-run validation or checkpoint that the requeued job would
         # find beside its own.
         raise SystemExit(0)

@@ -19,9 +19,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from gptlab.model.config import GPTConfig
+from gptlab.model.config import GPTConfig, hidden_lr_scale
 from gptlab.model.gpt import GPT, Block
-from gptlab.model.parametrization import hidden_lr_scale
 from gptlab.registry import Choice
 from gptlab.training.optimizers import AdamWOptions, build_optimizer
 

@@ -22,7 +22,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 import lightning as L
 import numpy as np
@@ -30,17 +30,15 @@ import torch
 
 from gptlab.evaluation.downstream import DownstreamEvalOptions, check_tasks, metric_names
 
-if TYPE_CHECKING:
-    from gptlab.config import GPTRunConfig
-
 log = logging.getLogger(__name__)
 
 
-def downstream_callbacks(settings: GPTRunConfig) -> list[L.Callback]:
-    """The callback of ``eval_harness`` when it is enabled (none otherwise)."""
-    if settings.downstream_eval is None:
+def downstream_callbacks(options: DownstreamEvalOptions | None, train_context: int) -> list[L.Callback]:
+    """The callback of the ``eval_harness`` node when it is enabled (none otherwise), for a model trained
+    at ``train_context`` tokens."""
+    if options is None:
         return []
-    return [DownstreamEvaluation(settings.downstream_eval, settings.block_size)]
+    return [DownstreamEvaluation(options, train_context)]
 
 
 @dataclass

@@ -14,13 +14,12 @@ import torch
 from torch import Tensor
 
 from gptlab.data import tokenizers
-from gptlab.data.token_bytes import TokenBytes, bits_per_byte
+from gptlab.data.tokenizers import TokenBytes, bits_per_byte
 from gptlab.errors import ConfigError
-from gptlab.model.config import GPTConfig
+from gptlab.model.config import GPTConfig, hidden_lr_scale
 from gptlab.model.gpt import GPT
-from gptlab.model.head_loss import LOSS_KEYS, HeadLoss, RecordingHeadLoss
-from gptlab.model.parametrization import hidden_lr_scale
-from gptlab.registry import Choice, check_keys, import_plugins
+from gptlab.model.head_loss import HeadLoss, RecordingHeadLoss
+from gptlab.registry import Choice, import_plugins
 from gptlab.training.checkpointing import check_finite_loss, collect_rng_states, restore_rng_states
 from gptlab.training.optimizers import build_optimizer, lr_factor, parse_optim, schedule_of
 
@@ -42,17 +41,6 @@ def use_fused_adamw(model: torch.nn.Module, precision_plugin: Any = None) -> boo
         type(p.data) is torch.Tensor and p.device.type == "cpu" and p.dtype == torch.float32
         for p in model.parameters()
     )
-
-
-def build_head_loss(loss: dict[str, Any] | None) -> HeadLoss:
-    """The ``loss`` config node (impl, chunk_rows, z_loss, final_softcap) as a HeadLoss, with the error a user
-    can act on."""
-    loss = dict(loss or {})
-    check_keys(loss, LOSS_KEYS, "loss", "loss")
-    try:
-        return HeadLoss(**loss)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
 
 
 class GPTLitModule(L.LightningModule):
@@ -77,7 +65,7 @@ class GPTLitModule(L.LightningModule):
         # checked once, when the run's config was parsed; a plain node (a checkpoint's) is parsed here
         self.optim = optim if isinstance(optim, Choice) else parse_optim(optim)
         # How the output layer and loss are computed (model/head_loss.py); the same loss whichever is used.
-        self.head_loss = loss if isinstance(loss, HeadLoss) else build_head_loss(loss)
+        self.head_loss = loss if isinstance(loss, HeadLoss) else HeadLoss.from_node(loss)
         # Plain values only, so a checkpoint rebuilds the module without this project's config system.
         self.save_hyperparameters(
             {

@@ -154,8 +154,7 @@ def text_blocks(spec: DataSpec) -> Iterator[tuple[str, bool]]:
         for path in files:
             yield from _text_file_blocks(path)
         return
-    from gptlab.data.arrow_batches import iter_batches
-    from gptlab.data.sources import load_documents
+    from gptlab.data.sources import iter_batches, load_documents
 
     ds = load_documents(spec)
     for column, _ in iter_batches(ds, "text"):

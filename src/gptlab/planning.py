@@ -1,10 +1,11 @@
-"""The memory a training run needs per device, before it runs: the planner behind the model card.
+"""Planning a run before it starts: the memory it needs per device, whether that fits the device it will
+train on, and the model card that prints both with the parameter and FLOP counts.
 
 Pure arithmetic on a :class:`GPTConfig` and a `strategy=` choice (no weights, no processes), so it answers for a
-175B model on a laptop. What each device holds comes from the choice's own `placement`
+175B model on a laptop, in milliseconds. What each device holds comes from the choice's own `placement`
 (`gptlab.parallel.strategies`), the one description of each strategy that training also builds from.
 
-Memory per device, in bytes, for one optimizer step of AdamW:
+**The estimate** (`memory_per_device`): memory per device, in bytes, for one optimizer step of AdamW:
 
 - weights, gradients, optimizer state per parameter by precision (``BYTES``): fp32 4 + 4 + 8 (two moments);
   mixed precision with fp32 master weights 4 + 4 + 8 (Lightning's autocast, FSDP) or, under DeepSpeed,
@@ -30,21 +31,41 @@ Memory per device, in bytes, for one optimizer step of AdamW:
 
 Estimates, not measurements: allocator slack, the CUDA context (about 0.5-1 GiB) and temporary buffers come
 on top, so a run is called a fit only below 90% of the device memory.
+
+
+**The fit** (`check_memory`). The estimate for the run as configured (model, `strategy=`, devices, precision,
+micro-batch, context, activation checkpointing) is compared with what the device has: a CUDA GPU's memory, or
+on a CPU the RAM available now, shared by the run's processes on this machine. A run estimated above
+``FIT_FRACTION`` of it is refused with a :class:`OverMemoryError` that names the estimate, the device and the
+changes that would fit, instead of being killed by the kernel's out-of-memory killer minutes later with no
+word. ``allow_over_memory=true`` runs it anyway, for when the estimate is wrong.
+
+**The card** (`model_card`): what a model is (parameters, FLOPs per token) and what training it takes (memory
+per device under each `strategy=` choice, and whether the run fits its devices). Printed at the start of every
+training run (`startup_card`, short form) and by `scripts/model_card.py` (full form).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import os
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from gptlab.errors import ConfigError
 from gptlab.model.config import GPTConfig
-from gptlab.model.counting import parameter_counts
+from gptlab.model.counting import flops_per_token, human, parameter_counts
 from gptlab.model.gpt import mlp_hidden_width
+from gptlab.model.head_loss import HeadLoss
 from gptlab.parallel.strategies import Placement, StrategyChoice, strategy_choice, strategy_choices
+
+if TYPE_CHECKING:
+    from gptlab.config import GPTRunConfig
+
+log = logging.getLogger(__name__)
 
 GiB = 1024**3
 FIT_FRACTION = 0.9  # the share of device memory an estimate may fill and still be called a fit
@@ -341,3 +362,269 @@ def advise(config: GPTConfig, device_memory: float, plan: TrainingPlan = Trainin
                     )
             devices *= 2
     return f"{head} No strategy fits it on devices of this size; shrink the model or the context."
+
+
+# Whether the run as configured fits the device it will train on.
+
+
+class OverMemoryError(ConfigError):
+    """A run whose estimated memory exceeds what its device has, refused before it starts."""
+
+
+@dataclass(frozen=True)
+class DeviceMemory:
+    """What one training process may use: ``bytes`` of ``kind`` ("cuda" or "cpu"), described for a message."""
+
+    kind: str
+    bytes: float
+    description: str
+
+
+def training_plan(settings: GPTRunConfig) -> tuple[TrainingPlan, int]:
+    """The run's plan as the planner takes it, and its processes on this machine."""
+    from gptlab.parallel.hardware import devices_per_node
+
+    trainer = settings.trainer
+    try:
+        local = max(1, devices_per_node(trainer))
+    except (TypeError, ValueError):  # a malformed trainer.devices: Lightning names it
+        local = 1
+    nodes = trainer.get("num_nodes") or 1
+    precision = str(trainer.get("precision"))
+    plan = TrainingPlan(
+        strategy=settings.strategy,
+        n_devices=local * (int(nodes) if isinstance(nodes, int) else 1),
+        precision=precision if precision in BYTES else "32-true",  # a plugin's own name: fp32, the safe side
+        micro_batch=settings.loader.batch_size,
+        context=settings.block_size,
+        activation_checkpointing=settings.parallel.activation_checkpointing,
+    )
+    return plan, local
+
+
+def device_memory(device_type: str, processes: int) -> DeviceMemory:
+    """The memory one training process has: its GPU's, or its share of the host's available RAM."""
+    if device_type == "cuda":
+        total, name = device_memory_bytes("cuda")
+        name = name.split(",")[0]  # the description's size is said here
+        return DeviceMemory("cuda", total, f"the GPU has {total / GiB:,.1f} GiB ({name})")
+    available = available_host_memory()
+    share = (
+        f", shared by {processes} training processes: {available / processes / GiB:,.1f} GiB each"
+        if processes > 1
+        else ""
+    )
+    return DeviceMemory(
+        "cpu", available / processes, f"this machine has {available / GiB:,.1f} GiB of RAM available{share}"
+    )
+
+
+def runnable_strategies(settings: GPTRunConfig, n_devices: int) -> list[str]:
+    """The `strategy=` choices that can run on this run's hardware (their own check passes)."""
+    from gptlab.parallel import strategy_choice
+
+    names = []
+    for name, _ in distinct_choices(n_devices):
+        try:
+            strategy_choice(name).check(settings.trainer)
+        except ConfigError:
+            continue
+        names.append(name)
+    return names
+
+
+def check_memory(settings: GPTRunConfig, vocab_size: int | None = None) -> MemoryEstimate:
+    """Refuse the run (:class:`OverMemoryError`) when its estimated memory per device exceeds what its device
+    has, unless ``allow_over_memory=true``. ``vocab_size``: the tokenizer's, once known; before it is, a
+    vocabulary taken from the tokenizer counts as one id, so the estimate is a lower bound and a refusal is
+    certain. Returns the estimate."""
+    from gptlab.preflight import training_device_type
+
+    if int(os.environ.get("LOCAL_RANK", "0") or 0) != 0:
+        # a process that Lightning or torchrun started beside local rank 0, which decided for this machine
+        # (its free memory now counts what the others hold: it would answer otherwise)
+        return memory_per_device(settings.model, training_plan(settings)[0])
+    model = settings.model
+    if vocab_size is not None:
+        model = dataclasses.replace(model, vocab_size=vocab_size)
+    plan, local = training_plan(settings)
+    estimate = memory_per_device(model, plan)
+    kind = training_device_type(settings.trainer)
+    if kind not in ("cuda", "cpu"):
+        return estimate  # no figure for other devices (MPS shares the host's memory in its own way)
+    device = device_memory(kind, local)
+    needed = estimate.total + (estimate.host if kind == "cpu" else 0.0)
+    if needed <= FIT_FRACTION * device.bytes:
+        return estimate
+    if settings.run.allow_over_memory:
+        log.warning(
+            "allow_over_memory=true: this run needs about %s per device, more than %.0f%% of the %s its "
+            "device has; starting it anyway",
+            _gib(needed, 1),
+            100 * FIT_FRACTION,
+            _gib(device.bytes, 1),
+        )
+        return estimate
+    accumulate = settings.trainer.get("accumulate_grad_batches") or 1
+    strategies = runnable_strategies(settings, plan.n_devices)
+    raise OverMemoryError(refusal(model, plan, estimate, device, strategies, int(accumulate)))
+
+
+def refusal(
+    model: Any,
+    plan: TrainingPlan,
+    estimate: MemoryEstimate,
+    device: DeviceMemory,
+    strategies: list[str],
+    accumulate: int = 1,
+) -> str:
+    """The message: the estimate and its parts, the device, what would fit, and the escape."""
+    parts = (
+        f"weights {_gib(estimate.weights, 1)}, gradients {_gib(estimate.gradients, 1)}, AdamW "
+        f"{_gib(estimate.optimizer, 1)}, activations {_gib(estimate.activations, 1)}"
+    )
+    if estimate.buffers:
+        parts += f", buffers {_gib(estimate.buffers, 1)}"
+    if estimate.host:
+        parts += f"; offloaded to the host {_gib(estimate.host, 1)}"
+    checkpointing = ", activation checkpointing" if plan.activation_checkpointing else ""
+    head = (
+        f"This run needs about {_gib(estimate.total + (estimate.host if device.kind == 'cpu' else 0), 1)} per "
+        f"device ({human(parameter_counts(model)['total'])} parameters, strategy={estimate.strategy} on "
+        f"{estimate.n_devices} device(s), {estimate.precision}, micro-batch {estimate.micro_batch} x "
+        f"{estimate.context}{checkpointing}: {parts}), but {device.description} "
+        f"(a run may plan on {FIT_FRACTION:.0%} of it)."
+    )
+    options = fitting_options(
+        model, device.bytes, plan, strategies, host_is_device=device.kind == "cpu", accumulate=accumulate
+    )
+    if options:
+        fix = (
+            "Would fit: "
+            + "; or ".join(f"{overrides} ({_gib(e.total, 1)} per device)" for overrides, e in options)
+            + "."
+        )
+    else:
+        fix = (
+            "Nothing fits on this device, whatever the micro-batch, strategy or activation checkpointing: use "
+            "more or larger devices, or a smaller model or context (the memory under every strategy: python "
+            "scripts/model_card.py with the same overrides)."
+        )
+    return f"{head} {fix} If the estimate is wrong for this run, allow_over_memory=true starts it anyway."
+
+
+# The model card.
+
+
+def model_card(
+    config: GPTConfig,
+    plan: TrainingPlan | None = None,
+    device_memory: float | None = None,
+    device_name: str = "",
+    short: bool = False,
+    loss: HeadLoss | None = None,
+) -> str:
+    """The card as text: the short form (printed at training start) or the full one with every strategy.
+    ``loss``: the run's loss node, described when it adds a term to the cross-entropy."""
+    c, plan = config, plan or TrainingPlan()
+    counts = parameter_counts(c)
+    flops = flops_per_token(c, plan.context)
+    T = plan.context or c.block_size
+    lines = _model_lines(c, counts, flops, T)
+    described = loss.describe() if loss is not None else None
+    if described:
+        lines.append(described)
+    est = memory_per_device(c, plan)
+    lines.append(_memory_line(est, plan, T, device_name))
+    warning = advise(c, device_memory, plan) if device_memory else None
+    if short:
+        return "\n".join(lines + ([warning] if warning else []))
+
+    lines.append(
+        f"Compute-optimal training tokens (about 20 per parameter, Hoffmann et al. 2022): "
+        f"{human(20 * counts['total'])}, {20 * counts['total'] * flops['training']:.2e} FLOPs"
+    )
+    lines.append("")
+    for with_checkpointing in (False, True):
+        lines += _strategy_table(
+            c, replace(plan, activation_checkpointing=with_checkpointing), T, device_memory
+        )
+    if device_memory:
+        lines.append(f"Device: {device_name or f'{device_memory / GiB:,.0f} GiB'}")
+        lines.append(
+            warning or f"strategy={est.strategy} fits: {_gib(est.total)} of {_gib(device_memory)} per device."
+        )
+    return "\n".join(lines)
+
+
+def _model_lines(c: GPTConfig, counts: dict[str, int], flops: dict[str, float], T: int) -> list[str]:
+    """The card's first lines: the architecture, the parameter counts and the training FLOPs per token."""
+    gqa = f", {c.kv_heads} key/value heads" if c.kv_heads != c.n_head else ""
+    return [
+        f"Model: {c.n_layer} layers x {c.n_head} heads{gqa} x {c.n_embd} wide, MLP {mlp_hidden_width(c)} wide, "
+        f"context {c.block_size}, vocabulary {c.vocab_size}; pos={c.pos.name}, activation={c.activation.name}, "
+        f"norm={c.norm.name} ({c.norm_placement}), bias {'on' if c.bias else 'off'}, head "
+        f"{'tied to' if c.tie_weights else 'separate from'} the token embedding"
+        + ("" if c.attention.is_default else f"; attention: {c.attention.describe()}"),
+        f"Parameters: total {counts['total']:,} ({human(counts['total'])}), embedding {counts['embedding']:,}, "
+        f"non-embedding {counts['non_embedding']:,}",
+        f"Training FLOPs per token at context {T}: {human(flops['training'])} (6N + 12 L h T: dense "
+        f"{human(flops['dense'])}, attention {human(flops['attention'])})",
+    ]
+
+
+def _memory_line(est: MemoryEstimate, plan: TrainingPlan, T: int, device_name: str) -> str:
+    """The one-line memory breakdown per device of the chosen strategy."""
+    checkpointing = ", activation checkpointing" if plan.activation_checkpointing else ""
+    return (
+        f"Memory per device ({est.strategy}, {plan.n_devices} device(s), {plan.precision}, micro-batch "
+        f"{plan.micro_batch} x "
+        f"{T}{checkpointing}): {_gib(est.total)} = weights {_gib(est.weights)} + gradients {_gib(est.gradients)} + AdamW "
+        f"{_gib(est.optimizer)} + activations {_gib(est.activations)}"
+        + (f" + buffers {_gib(est.buffers)}" if est.buffers else "")
+        + (f"; on the host {_gib(est.host)}" if est.host else "")
+        + (f"; device: {device_name}" if device_name else "")
+    )
+
+
+def _strategy_table(c: GPTConfig, plan: TrainingPlan, T: int, device_memory: float | None) -> list[str]:
+    """The memory table of every distinct strategy (title, header, one row each, a blank line)."""
+    lines = [
+        f"Memory per device over {plan.n_devices} device(s), {plan.precision}, micro-batch {plan.micro_batch} x {T}"
+        + (", activation checkpointing" if plan.activation_checkpointing else "")
+        + " (GiB):",
+        f"{'strategy':<26} {'weights':>10} {'grads':>10} {'AdamW':>10} {'activ.':>10} {'buffers':>10} {'total':>10}",
+    ]
+    for name, _ in distinct_choices(plan.n_devices):
+        e = memory_per_device(c, replace(plan, strategy=name))
+        lines.append(_strategy_row(name, e, device_memory))
+    lines.append("")
+    return lines
+
+
+def _strategy_row(name: str, e: MemoryEstimate, device_memory: float | None) -> str:
+    """One strategy's row of the memory table, with whether it fits the device when its memory is known."""
+    fit = ""
+    if device_memory:
+        fit = "  fits" if e.fits(device_memory) else "  too big"
+    return (
+        f"{name:<26} {e.weights / GiB:>10,.2f} {e.gradients / GiB:>10,.2f} {e.optimizer / GiB:>10,.2f} "
+        f"{e.activations / GiB:>10,.2f} {e.buffers / GiB:>10,.2f} {e.total / GiB:>10,.2f}{fit}"
+    )
+
+
+def startup_card(
+    config: GPTConfig, plan: TrainingPlan, on_cpu: bool = True, loss: HeadLoss | None = None
+) -> str:
+    """The short card for the start of a training run, sized against the memory of the device it runs on."""
+    memory, device = device_memory_bytes("cpu" if on_cpu else "cuda")
+    if plan.precision not in BYTES:  # a precision plugin's own name: count it as fp32, the safe side
+        plan = replace(plan, precision="32-true")
+    return model_card(config, plan, memory, device, short=True, loss=loss)
+
+
+def _gib(n: float, decimals: int = 2) -> str:
+    """``n`` bytes in GiB, or in MiB below a unit of the last decimal (the card 2 decimals, a refusal 1)."""
+    if n >= 10**-decimals * GiB:
+        return f"{n / GiB:,.{decimals}f} GiB"
+    return f"{n / 2**20:,.{decimals - 1}f} MiB"

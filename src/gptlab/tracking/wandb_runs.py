@@ -1,4 +1,5 @@
-"""Read a W&B run back from its local ``run-*.wandb`` file (offline runs, or the local copy of online ones).
+"""Read W&B runs back: from a run's local ``run-*.wandb`` file (offline runs, or the local copy of online ones),
+or through the W&B public API (online runs of a group; needs the network and a login).
 
 W&B keeps no readable copy of an offline run's metrics and its API cannot see offline runs, so this reads
 the transaction log itself. The file is a LevelDB-style log: a 7-byte header (``:W&B``, magic 0xBEE1,
@@ -141,3 +142,11 @@ def find_runs(root: str | os.PathLike) -> list[Path]:
     found = glob.glob(os.path.join(str(root), "**", "run-*.wandb"), recursive=True)
     # wandb/latest-run is a link to the newest run folder: count each run once.
     return sorted(Path(p) for p in found if "latest-run" not in Path(p).parts)
+
+
+def group_runs(project: str, group: str) -> Any:
+    """The runs of one W&B group (``project`` as ``entity/project``): ``wandb.apis.public.Run`` objects,
+    fetched lazily as they are iterated."""
+    import wandb
+
+    return wandb.Api().runs(project, filters={"group": group})
