@@ -21,6 +21,7 @@ from gptlab.model.gpt import GPT
 from gptlab.parallel.checkpoint_io import AtomicCheckpointIO
 from gptlab.runs import digests
 from gptlab.runs.checkpoints import load_checkpoint
+from gptlab.runs.layout import LAST_CHECKPOINT
 
 
 def small_checkpoint() -> dict:
@@ -50,7 +51,7 @@ def main() -> None:
     io = AtomicCheckpointIO()
     rows: dict[str, list[float]] = {"save": [], "digest": [], "load": [], "verify": []}
     with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "last.ckpt"
+        path = Path(tmp) / LAST_CHECKPOINT
         for _ in range(args.repeats):
             rows["save"].append(seconds(lambda: io.save_checkpoint(checkpoint, path)))  # digest included
             rows["digest"].append(seconds(lambda: digests.compute(path)))  # the part the digest adds

@@ -29,7 +29,8 @@ sys.path.insert(0, str(ROOT / "src"))
 
 import hydra  # noqa: E402
 
-from gptlab.resume import register_resolvers  # noqa: E402
+from gptlab.runs.layout import LAST_CHECKPOINT  # noqa: E402
+from gptlab.runs.resume import register_resolvers  # noqa: E402
 
 register_resolvers()
 kind, *args = os.environ["GPTLAB_TEST_FAULT"].split(":")
@@ -62,7 +63,7 @@ elif kind == "kill_in_save":
     def save(state, path):
         global saves
         original_save(state, path)
-        if "last.ckpt" in str(path):
+        if LAST_CHECKPOINT in str(path):
             saves += 1
             if saves == fault_save:
                 os.kill(os.getpid(), signal.SIGKILL)
@@ -81,8 +82,8 @@ elif kind == "kill_mid_swap":
 
     def swap_in(staging, target):
         global swaps
-        swaps += target.name == "last.ckpt"
-        if swaps == fault_swap and target.name == "last.ckpt":
+        swaps += target.name == LAST_CHECKPOINT
+        if swaps == fault_swap and target.name == LAST_CHECKPOINT:
             os.rename(target, target.parent / atomic.ASIDE.format(name=target.name))
             os.killpg(0, signal.SIGKILL)
         original_swap_in(staging, target)
@@ -107,7 +108,7 @@ elif kind == "kill_at_step":
 elif kind == "race_start":
     import time
 
-    from gptlab.resume import CheckRunDirectory
+    from gptlab.runs.resume import CheckRunDirectory
 
     folder, starters, hold = Path(args[0]), int(args[1]), args[2:] == ["hold"]
     original_run_start = CheckRunDirectory.on_run_start

@@ -13,7 +13,7 @@ sys.path.insert(0, str(ROOT / "src"))
 import hydra  # noqa: E402
 import torch  # noqa: E402
 
-from gptlab.resume import register_resolvers  # noqa: E402
+from gptlab.runs.resume import register_resolvers  # noqa: E402
 from gptlab.training.module import GPTLitModule  # noqa: E402
 
 register_resolvers()

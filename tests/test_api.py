@@ -25,6 +25,7 @@ from gptlab.errors import ConfigError, DataError
 from gptlab.model.config import GPTConfig
 from gptlab.model.gpt import GPT
 from gptlab.runs.checkpoints import load_checkpoint, model_config_dict, model_weights
+from gptlab.runs.layout import last_checkpoint
 
 SMALL = [*TINY, "tokenizer=char", "logger=csv", "trainer.max_steps=2", "trainer.val_check_interval=2"]
 
@@ -185,7 +186,7 @@ def test_several_devices_are_refused_before_any_directory(tmp_path):
 
 def test_load_run_gives_the_checkpoints_model(runs):
     run = gptlab.load_run(runs["rope"].run_dir)
-    checkpoint = load_checkpoint(runs["rope"].run_dir / "checkpoints" / "last.ckpt")
+    checkpoint = load_checkpoint(last_checkpoint(runs["rope"].run_dir))
     reference = GPT(GPTConfig.from_dict(model_config_dict(checkpoint)))
     reference.load_state_dict(model_weights(checkpoint))
     reference.eval()

@@ -16,6 +16,7 @@ from conftest import ROOT, TINY, run_train
 from test_strategies import CPU2, QUIET, _free_port, column, metrics_csv
 
 from gptlab.runs import digests
+from gptlab.runs.layout import last_checkpoint
 
 # ---- faults on one rank ----------------------------------------------------------------------------------
 FAULTS = ROOT / "tests" / "faults.py"
@@ -57,7 +58,7 @@ def test_a_nan_loss_on_one_rank_stops_every_rank_at_the_same_step(tmp_path, stra
     assert err.count(message) == 2, err[-3000:]
     assert "Lower optim.lr" in err
     # The last checkpoint is the finite state of step 2, and a run resumes from it.
-    last = run_dir / "checkpoints" / "last.ckpt"
+    last = last_checkpoint(run_dir)
     assert _checkpoint_step(last) == 2
     resumed = tmp_path / "resumed"
     proc = run_train(
@@ -65,7 +66,7 @@ def test_a_nan_loss_on_one_rank_stops_every_rank_at_the_same_step(tmp_path, stra
     )
     assert "Restored all states from the checkpoint" in proc.stdout + proc.stderr
     assert "Trained 4 steps" in proc.stdout
-    assert _checkpoint_step(resumed / "checkpoints" / "last.ckpt") == 4
+    assert _checkpoint_step(last_checkpoint(resumed)) == 4
 
 
 @pytest.mark.slow
@@ -192,7 +193,7 @@ def test_deepspeed_on_a_gpu_logs_the_gradient_norm_and_resumes_from_its_director
     # ZeRO-2/3 keep gradients out of p.grad: the norm comes from the DeepSpeed engine, every step.
     norms = column(metrics_csv(first), "train/grad_norm")
     assert sorted(norms) == [0, 1, 2, 3] and all(0 < v < float("inf") for v in norms.values())
-    last = first / "checkpoints" / "last.ckpt"
+    last = last_checkpoint(first)
     assert last.is_dir() and not (first / "checkpoints" / ".last.ckpt.tmp-dir").exists()
     proc = run_train(
         [*common, "trainer.max_steps=6", f"resume={last}", f"hydra.run.dir={tmp_path / 'second'}"],

@@ -492,7 +492,7 @@ def compose_overrides(overrides: list[str]) -> None:
 
 @pytest.mark.parametrize("page", [page_name(p) for p in PAGES])
 def test_every_command_names_options_scripts_and_flags_that_exist(page):
-    from gptlab.resume import register_resolvers
+    from gptlab.runs.resume import register_resolvers
 
     register_resolvers()
     GlobalHydra.instance().clear()
@@ -682,7 +682,7 @@ def reference_problem(span: str) -> str | None:
 
 @pytest.mark.parametrize("page", [page_name(p) for p in PAGES])
 def test_the_prose_names_files_objects_and_options_that_exist(page):
-    from gptlab.resume import register_resolvers
+    from gptlab.runs.resume import register_resolvers
 
     register_resolvers()
     problems = []

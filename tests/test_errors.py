@@ -23,7 +23,8 @@ from omegaconf import OmegaConf
 from gptlab.api import build_datamodule, build_model_config, build_tokenizer
 from gptlab.errors import ConfigError, DataError
 from gptlab.preflight import check_trainer_options
-from gptlab.resume import CheckpointError, plan_resume
+from gptlab.runs.layout import last_checkpoint
+from gptlab.runs.resume import CheckpointError, checkpoint_to_resume, plan_resume
 from gptlab.tasks.gpt import run
 
 TEXT = (Path(__import__("pydoc_data.topics").topics.__file__)).read_text()[:40_000]
@@ -468,7 +469,7 @@ def trained(tmp_path_factory):
             "train", overrides=[*args, f"paths.root_dir={root}", f"paths.output_dir={root / 'run'}"]
         )
     run(cfg)
-    return root, args, root / "run" / "checkpoints" / "last.ckpt"
+    return root, args, last_checkpoint(root / "run")
 
 
 def test_checkpoint_from_a_different_architecture_through_the_cli(trained):
@@ -491,7 +492,7 @@ def test_checkpoint_differences_are_all_listed(trained, make_cfg):
     root, args, ckpt = trained
     cfg = make_cfg(*TINY, "model.n_layer=2", "pos=sinusoidal")
     with pytest.raises(CheckpointError) as e:
-        plan_resume(str(ckpt), root, build_model_config(cfg))
+        plan_resume(checkpoint_to_resume(str(ckpt), root), build_model_config(cfg))
     message = str(e.value)
     assert "model.n_layer: 1 in the checkpoint, 2 now" in message
     assert "pos: 'learned' in the checkpoint, 'sinusoidal' now" in message
@@ -515,4 +516,4 @@ def test_unreadable_checkpoint_names_the_file(trained, make_cfg, tmp_path, damag
         message = rf"resume={bad}: no such file or directory.*resume=auto"
     model_config = build_model_config(make_cfg(*TINY), build_tokenizer(make_cfg(*TINY)))
     with pytest.raises(CheckpointError, match=message):
-        plan_resume(str(bad), tmp_path, model_config)
+        plan_resume(checkpoint_to_resume(str(bad), tmp_path), model_config)

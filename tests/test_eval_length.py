@@ -16,6 +16,7 @@ from gptlab.comparison import length_table as sweep
 from gptlab.evaluation import length
 from gptlab.model.config import GPTConfig
 from gptlab.model.gpt import GPT
+from gptlab.runs.layout import last_checkpoint
 from gptlab.tracking.wandb_runs import find_runs, read_run
 
 TINY_RUN = [
@@ -122,7 +123,7 @@ def test_script_evaluates_a_checkpoint_and_logs_a_wandb_run_in_the_same_group(tr
         [
             sys.executable,
             str(ROOT / "scripts" / "eval_length.py"),
-            str(run_dir / "checkpoints" / "last.ckpt"),
+            str(last_checkpoint(run_dir)),
             "--factors",
             "1",
             "2",

@@ -13,6 +13,8 @@ import textwrap
 import torch
 from conftest import ROOT, TINY, run_train
 
+from gptlab.runs.layout import last_checkpoint
+
 VARIANTS = '''
 """Throwaway variants: one class each, registered by name."""
 import math
@@ -124,7 +126,7 @@ def test_a_variant_of_each_family_is_its_class_and_its_yaml(tmp_path):
     )
     assert "Final validation loss" in proc.stdout
     assert json.loads((run / "result.json").read_text())["finished"]
-    saved = torch.load(run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+    saved = torch.load(last_checkpoint(run), map_location="cpu", weights_only=False)
     model = saved["hyper_parameters"]["model"]
     assert model["pos"] == {"name": "clipped", "max_distance": 8}
     assert model["activation"] == {"name": "mish"}

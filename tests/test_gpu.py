@@ -21,6 +21,7 @@ from gptlab.model.attention import KVCache
 from gptlab.model.config import GPTConfig
 from gptlab.model.gpt import GPT
 from gptlab.model.head_loss import HeadLoss, plain_linear_cross_entropy
+from gptlab.runs.layout import last_checkpoint
 from gptlab.tasks.gpt import run
 
 pytestmark = pytest.mark.gpu
@@ -179,7 +180,7 @@ def test_a_resume_on_the_gpu_with_deterministic_algorithms_is_bit_identical(tmp_
     middle = next((full / "checkpoints").glob("best-step000020-*.ckpt"))
     resumed = tmp_path / "resumed"
     run_train([*common, f"resume={middle}", f"hydra.run.dir={resumed}"], cwd=tmp_path, env=env)
-    a, b = weights(full / "checkpoints" / "last.ckpt"), weights(resumed / "checkpoints" / "last.ckpt")
+    a, b = weights(last_checkpoint(full)), weights(last_checkpoint(resumed))
     assert a.keys() == b.keys()
     assert [k for k in a if not torch.equal(a[k], b[k])] == []
 

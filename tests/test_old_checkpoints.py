@@ -22,6 +22,7 @@ from conftest import run_train
 from gptlab.model.config import GPTConfig
 from gptlab.runs import digests
 from gptlab.runs.checkpoints import load_checkpoint, model_config_dict
+from gptlab.runs.layout import last_checkpoint
 
 OLD = Path(__file__).parent / "data" / "e9c3ad3_rope_rmsnorm_swiglu.ckpt"
 ARGS = [
@@ -63,9 +64,9 @@ def test_an_old_checkpoint_resumes_and_a_mismatch_is_refused_with_its_overrides(
     assert (done.stdout + done.stderr).count("loaded without verifying its bytes") == 1
     result = json.loads((run / "result.json").read_text())
     assert result["finished"] and result["global_step"] == 6
-    new = torch.load(run / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+    new = torch.load(last_checkpoint(run), map_location="cpu", weights_only=False)
     assert new["hyper_parameters"]["model"]["pos"] == GPTConfig(pos="rope").pos.node()  # saved as today's
-    assert digests.check(run / "checkpoints" / "last.ckpt").verified  # written with its digest
+    assert digests.check(last_checkpoint(run)).verified  # written with its digest
 
 
 def test_a_checkpoint_without_a_digest_loads_with_one_line_saying_it_was_not_verified(caplog):

@@ -8,6 +8,7 @@ from conftest import TINY
 import gptlab
 from gptlab.errors import ConfigError
 from gptlab.model import hf, positional
+from gptlab.runs.layout import last_checkpoint
 
 transformers = pytest.importorskip("transformers")
 
@@ -89,9 +90,7 @@ def test_a_training_run_starts_from_the_saved_gpt2_weights(make_cfg, tmp_path, g
     args = [*TINY, *GPT2_OVERRIDES, "model.block_size=32", f"model.init_from={directory}"]
     args += ["trainer.max_steps=2", "optim.lr=1e-12", "optim.warmup_steps=0", "logger=csv"]
     run(make_cfg(*args, f"paths.output_dir={run_dir}"))
-    state = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)[
-        "state_dict"
-    ]
+    state = torch.load(last_checkpoint(run_dir), map_location="cpu", weights_only=False)["state_dict"]
     ref = reference.state_dict()
     torch.testing.assert_close(state["model.transformer.wte.weight"], ref["transformer.wte.weight"])
     torch.testing.assert_close(state["model.transformer.pos.wpe.weight"], ref["transformer.wpe.weight"][:32])

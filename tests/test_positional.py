@@ -11,6 +11,7 @@ from gptlab.errors import ConfigError
 from gptlab.model import positional
 from gptlab.model.config import GPTConfig
 from gptlab.model.gpt import GPT, KVCache
+from gptlab.runs.layout import last_checkpoint
 
 POS_YAMLS = sorted(p.stem for p in (CONF / "pos").glob("*.yaml"))
 UNBOUNDED = [name for name in positional.names() if positional.get(name).extrapolates]
@@ -339,7 +340,7 @@ def test_every_pos_yaml_trains_through_the_cli(tmp_path):
     jobs = sorted((tmp_path / "sweep").glob("[0-9]*"), key=lambda p: int(p.name))
     assert len(jobs) == len(POS_YAMLS), proc.stdout[-2000:]
     for job, name in zip(jobs, POS_YAMLS):
-        ckpt = torch.load(job / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+        ckpt = torch.load(last_checkpoint(job), map_location="cpu", weights_only=False)
         assert ckpt["hyper_parameters"]["model"]["pos"]["name"] == name
         assert ckpt["global_step"] == 3
         rows = (job / "csv" / "metrics.csv").read_text().splitlines()

@@ -20,15 +20,16 @@ from conftest import CONF, ROOT, TINY, run_train
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 
-from gptlab.errors import CheckpointError, DiskFullError
+from gptlab.errors import CheckpointError, DiskFullError, NonFiniteLossError
 from gptlab.model.config import GPTConfig
-from gptlab.resume import choose_run_dir, plan_resume
+from gptlab.parallel.checkpoint_io import AtomicCheckpointIO, restore_interrupted_saves
 from gptlab.runs import Run, digests
 from gptlab.runs.checkpoints import load_checkpoint, model_config_dict
+from gptlab.runs.layout import last_checkpoint
+from gptlab.runs.resume import checkpoint_to_resume, choose_run_dir, plan_resume
 from gptlab.runs.trained import load_run
 from gptlab.tasks.gpt import run
 from gptlab.tracking.wandb_runs import find_runs, read_run
-from gptlab.training.checkpointing import AtomicCheckpointIO, NonFiniteLossError, restore_interrupted_saves
 
 MAX_STEPS = 12
 # A tiny run that checkpoints every 2 steps and validates every 4; the loss must not reach its floor, so
@@ -89,7 +90,7 @@ def reference_run(tmp_path_factory, cache_dir) -> tuple[Path, dict]:
 @pytest.fixture(scope="module")
 def reference(reference_run):
     """The uninterrupted run's final weights."""
-    return weights(reference_run[0] / "checkpoints" / "last.ckpt")
+    return weights(last_checkpoint(reference_run[0]))
 
 
 def start_and_stop_at(args: list[str], cwd: Path, step: int, sig: int) -> subprocess.Popen:
@@ -132,13 +133,13 @@ def test_sigkill_three_times_then_resume_ends_bit_identical(tmp_path, cache_dir,
         proc = start_and_stop_at(args, tmp_path, step, signal.SIGKILL)
         assert proc.returncode == -signal.SIGKILL, proc.output[-3000:]
         (run_dir,) = run_dirs(tmp_path)  # every restart continued the same run directory
-        saved = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+        saved = torch.load(last_checkpoint(run_dir), map_location="cpu", weights_only=True)
         # at most every_n_train_steps=2 steps lost
         assert step - 2 <= saved["global_step"] <= step + 1, (steps, saved["global_step"])
     proc = run_train(args, cwd=tmp_path)
     assert "Resuming from" in proc.stdout + proc.stderr
     (run_dir,) = run_dirs(tmp_path)
-    final = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    final = torch.load(last_checkpoint(run_dir), map_location="cpu", weights_only=True)
     assert final["global_step"] == MAX_STEPS
     assert_bit_identical(final["state_dict"], reference), f"killed at steps {steps}"
     # every step's row once: none lost with a killed part (rows are on disk with each checkpoint), none twice
@@ -156,7 +157,7 @@ def test_sigterm_through_the_cli_exits_0_then_resume_auto_continues_the_same_run
     stopped = int(re.search(r"Stopped by SIGTERM at step (\d+)", proc.output).group(1))
     assert step <= stopped <= step + 1
     (run_dir,) = run_dirs(tmp_path)
-    saved = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    saved = torch.load(last_checkpoint(run_dir), map_location="cpu", weights_only=True)
     assert saved["global_step"] == stopped  # nothing lost, not even the steps since the periodic save
 
     proc = run_train(args, cwd=tmp_path)
@@ -164,7 +165,7 @@ def test_sigterm_through_the_cli_exits_0_then_resume_auto_continues_the_same_run
         f"Resuming from {run_dir / 'checkpoints' / 'last.ckpt'} (step {stopped})" in proc.stdout + proc.stderr
     )
     assert run_dirs(tmp_path) == [run_dir]  # continued in its own directory, no new one
-    assert_bit_identical(weights(run_dir / "checkpoints" / "last.ckpt"), reference)
+    assert_bit_identical(weights(last_checkpoint(run_dir)), reference)
 
     first, second = (read_run(p) for p in find_runs(run_dir / "wandb"))
     assert first.run_id == second.run_id == saved["wandb_run_id"]
@@ -186,7 +187,7 @@ def signal_after_first_checkpoint(ckpt: Path, signum: int) -> None:
 
 def test_sigterm_saves_the_current_step_and_resume_continues_bit_identical(tmp_path, cache_dir, reference):
     out = tmp_path / "run"
-    ckpt = out / "checkpoints" / "last.ckpt"
+    ckpt = last_checkpoint(out)
     overrides = [
         *ARGS,
         "logger=[csv,wandb]",
@@ -212,7 +213,7 @@ def test_sigterm_saves_the_current_step_and_resume_continues_bit_identical(tmp_p
 
 def test_sigusr1_saves_the_current_step_and_stops_cleanly(tmp_path, cache_dir):
     out = tmp_path / "run"
-    ckpt = out / "checkpoints" / "last.ckpt"
+    ckpt = last_checkpoint(out)
     signal_after_first_checkpoint(ckpt, signal.SIGUSR1)
     metrics = run(compose_cfg(*ARGS, "logger=none", f"paths.root_dir={cache_dir}", f"paths.output_dir={out}"))
     saved = torch.load(ckpt, map_location="cpu", weights_only=True)
@@ -228,25 +229,25 @@ def test_resume_from_an_explicit_checkpoint_continues_in_its_run_directory(tmp_p
     assert proc.returncode == -signal.SIGKILL
     (run_dir,) = run_dirs(tmp_path)
     kept = run_dir / "checkpoints" / "kept.ckpt"
-    os.replace(run_dir / "checkpoints" / "last.ckpt", kept)
+    os.replace(last_checkpoint(run_dir), kept)
     step = torch.load(kept, map_location="cpu", weights_only=True)["global_step"]
     assert 0 < step < MAX_STEPS
 
     proc = run_train([*args, f"resume={kept}"], cwd=tmp_path)
     assert f"Resuming from {kept} (step {step})" in proc.stdout + proc.stderr
     assert run_dirs(tmp_path) == [run_dir]  # continued in the checkpoint's run directory
-    assert_bit_identical(weights(run_dir / "checkpoints" / "last.ckpt"), reference)
+    assert_bit_identical(weights(last_checkpoint(run_dir)), reference)
 
 
 WRITER = """
 import sys, torch
-from gptlab.training.checkpointing import AtomicCheckpointIO
+from gptlab.parallel.checkpoint_io import AtomicCheckpointIO
 AtomicCheckpointIO().save_checkpoint({"state_dict": {"w": torch.ones(48 * 2**20)}}, sys.argv[1])
 """
 
 
 def test_a_kill_during_a_checkpoint_write_leaves_the_previous_checkpoint(tmp_path):
-    ckpt = tmp_path / "checkpoints" / "last.ckpt"
+    ckpt = last_checkpoint(tmp_path)
     good = {"state_dict": {"w": torch.arange(10.0)}, "global_step": 4}
     AtomicCheckpointIO().save_checkpoint(good, ckpt)
 
@@ -288,7 +289,7 @@ def test_non_finite_loss_stops_with_the_step_and_keeps_the_last_finite_checkpoin
         NonFiniteLossError, match=r"The training loss is (nan|inf) at step 2\b.*Lower optim.lr"
     ):
         run(cfg)
-    saved = torch.load(out / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    saved = torch.load(last_checkpoint(out), map_location="cpu", weights_only=True)
     assert saved["global_step"] == 1
     assert all(torch.isfinite(t).all() for t in saved["state_dict"].values())
 
@@ -325,7 +326,7 @@ def test_resume_auto_picks_the_newest_run_with_the_same_overrides(runs_under_out
     assert choose_run_dir([*base, "seed=3", "resume=auto"], str(outputs), default) == default
     assert choose_run_dir(overrides, str(outputs), default) == default
     # an explicit checkpoint or run directory continues in its own run directory
-    ckpt = single / "checkpoints" / "last.ckpt"
+    ckpt = last_checkpoint(single)
     assert choose_run_dir([f"resume={ckpt}"], str(outputs), default) == str(single)
     assert choose_run_dir([f"resume={single}"], str(outputs), default) == str(single)
 
@@ -354,11 +355,11 @@ def test_resume_auto_finds_a_run_whose_sharded_checkpoint_a_kill_left_set_aside(
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
     (run_dir,) = run_dirs(tmp_path)
     aside = run_dir / "checkpoints" / ".last.ckpt.old"
-    assert (aside / ".metadata").is_file() and not (run_dir / "checkpoints" / "last.ckpt").exists()
+    assert (aside / ".metadata").is_file() and not (last_checkpoint(run_dir)).exists()
     outputs, default = tmp_path / "outputs", str(tmp_path / "outputs" / "runs" / "new")
     assert choose_run_dir([*args, "resume=auto"], str(outputs), default) == str(run_dir)
-    assert restore_interrupted_saves(run_dir / "checkpoints") == [run_dir / "checkpoints" / "last.ckpt"]
-    restored = run_dir / "checkpoints" / "last.ckpt"
+    assert restore_interrupted_saves(run_dir / "checkpoints") == [last_checkpoint(run_dir)]
+    restored = last_checkpoint(run_dir)
     assert (restored / ".metadata").is_file() and Run(run_dir).resume_checkpoint() == restored
 
 
@@ -378,7 +379,7 @@ def test_a_best_checkpoint_at_the_step_of_last_is_one_file_on_disk(tmp_path, cac
         f"paths.root_dir={cache_dir}",
     ]
     run(compose_cfg(*common, "trainer.max_steps=5", f"paths.output_dir={out}"))
-    last = out / "checkpoints" / "last.ckpt"
+    last = last_checkpoint(out)
     (best,) = (out / "checkpoints").glob("best-*.ckpt")
     assert best.name.startswith("best-step000005-")
     assert disk_bytes(out / "checkpoints") < 1.05 * last.stat().st_size  # one checkpoint's bytes, not two
@@ -425,7 +426,7 @@ def test_sigterm_under_ddp_stops_every_rank_and_saves(tmp_path, cache_dir):
     # one line for the run, not one per process
     assert proc.output.count("Received SIGTERM: saved") == 1 and proc.output.count("Stopped by SIGTERM") == 1
     (run_dir,) = run_dirs(tmp_path)
-    saved = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    saved = torch.load(last_checkpoint(run_dir), map_location="cpu", weights_only=True)
     assert saved["global_step"] == stopped < MAX_STEPS
     # Resumed, the run ends bit-identical to the same two-process run never interrupted: the distributed
     # sampler's position is restored with the loader state.
@@ -434,9 +435,7 @@ def test_sigterm_under_ddp_stops_every_rank_and_saves(tmp_path, cache_dir):
     ref_dir.mkdir()
     run_train(args, cwd=ref_dir)
     (ref_run,) = run_dirs(ref_dir)
-    assert_bit_identical(
-        weights(run_dir / "checkpoints" / "last.ckpt"), weights(ref_run / "checkpoints" / "last.ckpt")
-    )
+    assert_bit_identical(weights(last_checkpoint(run_dir)), weights(last_checkpoint(ref_run)))
 
 
 def test_resuming_a_finished_run_does_nothing_and_rewrites_nothing(
@@ -446,7 +445,7 @@ def test_resuming_a_finished_run_does_nothing_and_rewrites_nothing(
     # a copy of the finished run: resumed here, it must not change
     shutil.copytree(finished, tmp_path, dirs_exist_ok=True)
     common = [*ARGS, "logger=csv", f"paths.root_dir={cache_dir}", f"paths.output_dir={tmp_path}"]
-    ckpt, result = tmp_path / "checkpoints" / "last.ckpt", tmp_path / "result.json"
+    ckpt, result = last_checkpoint(tmp_path), tmp_path / "result.json"
     saved, metrics_csv, recorded = (
         ckpt.read_bytes(),
         (tmp_path / "csv" / "metrics.csv").read_text(),
@@ -527,9 +526,7 @@ def test_a_checkpoint_holding_python_objects_is_refused_by_name(tmp_path, cache_
     import numpy as np
 
     common = [*ARGS, f"trainer.max_steps={MAX_STEPS + 2}", "logger=none", f"paths.root_dir={cache_dir}"]
-    checkpoint = torch.load(
-        reference_run[0] / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True
-    )
+    checkpoint = torch.load(last_checkpoint(reference_run[0]), map_location="cpu", weights_only=True)
     old = tmp_path / "old.ckpt"
     torch.save({**checkpoint, "numpy_rng": np.random.get_state()}, old)
     with pytest.raises(CheckpointError, match=rf"Checkpoint {old} cannot be read .*beyond tensors"):
@@ -592,7 +589,7 @@ def test_a_truncated_last_checkpoint_is_refused_naming_the_intact_ones(tmp_path,
     model = GPTConfig.from_dict(model_config_dict(load_checkpoint(best, weights=False)))
     intact = f"Intact checkpoints beside it (each just verified against its digest): {best} (step "
     with pytest.raises(CheckpointError) as refused:
-        plan_resume("auto", run_dir, model)
+        plan_resume(checkpoint_to_resume("auto", run_dir), model)
     message = str(refused.value)
     assert f"last.ckpt is {written // 3:,} bytes instead of the {written:,} written (truncated)" in message
     assert intact in message and message.endswith(f"resume={best}.")
@@ -606,7 +603,7 @@ def test_a_truncated_last_checkpoint_is_refused_naming_the_intact_ones(tmp_path,
     # intact checkpoint beside it.
     digests.digest_path(last).unlink()
     with pytest.raises(CheckpointError) as refused:
-        plan_resume("auto", run_dir, model)
+        plan_resume(checkpoint_to_resume("auto", run_dir), model)
     message = str(refused.value)
     assert f"Checkpoint {last} cannot be read" in message and "it is truncated" in message
     assert intact in message and message.endswith(f"resume={best}.")
@@ -620,7 +617,7 @@ def test_a_sharded_checkpoint_is_verified_file_by_file(tmp_path):
 
     from gptlab.parallel.checkpoint_io import save_directory_atomically
 
-    target = tmp_path / "checkpoints" / "last.ckpt"
+    target = last_checkpoint(tmp_path)
     state = {"state_dict": {"model.w": torch.arange(4096.0)}}
     save_directory_atomically(
         SingleDeviceStrategy(), target, lambda staging: dcp.save(state, checkpoint_id=staging), step=6
@@ -711,7 +708,7 @@ def test_ctrl_c_saves_the_current_step_and_resume_ends_as_if_never_stopped(
     assert 5 <= stopped <= 6
     assert "resume with the same command and resume=auto" in proc.output
     (run_dir,) = run_dirs(tmp_path)
-    saved = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    saved = torch.load(last_checkpoint(run_dir), map_location="cpu", weights_only=True)
     assert saved["global_step"] == stopped  # nothing lost
     result = Run(run_dir).result()
     assert result["stopped_by_signal"] is True and result["finished"] is False
@@ -725,8 +722,8 @@ def test_ctrl_c_saves_the_current_step_and_resume_ends_as_if_never_stopped(
     )
     assert run_dirs(tmp_path) == [run_dir]
     assert_bit_identical(
-        weights(run_dir / "checkpoints" / "last.ckpt"),
-        weights(reference_run[0] / "checkpoints" / "last.ckpt"),
+        weights(last_checkpoint(run_dir)),
+        weights(last_checkpoint(reference_run[0])),
     )
     assert logged_steps(run_dir) == list(range(1, MAX_STEPS + 1))  # each step once
     result = Run(run_dir).result()
@@ -793,7 +790,7 @@ def test_a_full_disk_names_the_space_and_keeps_the_last_checkpoint_and_the_metri
 ):
     """A real full filesystem: the run directory on a tmpfs with room for one checkpoint and a half. The
     first save fits; the second, written beside the first before it replaces it, does not."""
-    size = (reference_run[0] / "checkpoints" / "last.ckpt").stat().st_size
+    size = (last_checkpoint(reference_run[0])).stat().st_size
     out = tmp_path / "run"
     out.mkdir()
     mounted = subprocess.run(
@@ -860,7 +857,7 @@ def test_ctrl_c_in_a_sweep_stops_the_sweep_after_saving_the_job(tmp_path, cache_
     # job 0 stopped at the step after the Ctrl-C, with its checkpoint and result; job 1 never started
     result = Run(sweep / "0").result()
     assert result["stopped_by_signal"] is True and result["global_step"] == 4
-    saved = torch.load(sweep / "0" / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    saved = torch.load(last_checkpoint(sweep / "0"), map_location="cpu", weights_only=True)
     assert saved["global_step"] == 4
     assert not (sweep / "1").exists()
 

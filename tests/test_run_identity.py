@@ -17,7 +17,7 @@ from conftest import ROOT, TINY, run_train
 from gptlab.comparison.records import read_run_dir
 from gptlab.comparison.report import compare
 from gptlab.runs import Run, find_run_dirs
-from gptlab.runs.layout import REPLACED_DIR
+from gptlab.runs.layout import REPLACED_DIR, last_checkpoint
 from gptlab.tracking.wandb_runs import find_runs, read_run
 
 FAST = [*TINY, "tokenizer=char", "trainer.val_check_interval=1", "logger=[csv,wandb]"]
@@ -85,7 +85,7 @@ def test_a_fresh_run_into_a_run_directory_is_refused_and_overwrite_moves_the_old
     assert len(find_runs(run_dir)) == 1
     # the first run is whole, set aside: its result, its checkpoints, its overrides
     aside = overwritten.aside
-    assert Run(aside).result()["global_step"] == 2 and (aside / "checkpoints" / "last.ckpt").is_file()
+    assert Run(aside).result()["global_step"] == 2 and (last_checkpoint(aside)).is_file()
     assert "trainer.max_steps=2" in (aside / ".hydra" / "overrides.yaml").read_text()
     assert Run(aside).info().run_id != Run(run_dir).info().run_id
 

@@ -20,7 +20,7 @@ from hydra.core.global_hydra import GlobalHydra
 from gptlab.errors import CheckpointError
 from gptlab.runs import Run, find_run_dirs, run_of_path
 from gptlab.runs.checkpoints import load_checkpoint
-from gptlab.runs.layout import checkpoint_kind
+from gptlab.runs.layout import checkpoint_kind, last_checkpoint
 from gptlab.runs.trained import load_run
 
 
@@ -42,7 +42,7 @@ def trained(tmp_path_factory):
     args = [*TINY, "tokenizer=char", "pos=rope", "logger=none", f"paths.root_dir={root}"]
     run(compose_cfg(*args, f"paths.output_dir={run_dir}"))
     run_train([*args, "strategy=fsdp", "trainer.accelerator=cpu", f"hydra.run.dir={root / 'fsdp'}"], cwd=root)
-    return root, run_dir, run_dir / "checkpoints" / "last.ckpt", root / "fsdp" / "checkpoints" / "last.ckpt"
+    return root, run_dir, last_checkpoint(run_dir), last_checkpoint(root / "fsdp")
 
 
 def test_the_layout_of_a_run(trained):
@@ -83,14 +83,18 @@ def test_resume_checks_a_distributed_checkpoint_before_training(trained, make_cf
     root, _, _, sharded = trained
     run_dir = root / "fsdp"
     from gptlab.api import build_model_config, build_tokenizer
-    from gptlab.resume import plan_resume
+    from gptlab.runs.resume import checkpoint_to_resume, plan_resume
 
     cfg = make_cfg(*TINY, "tokenizer=char", "pos=rope")
-    plan = plan_resume(str(sharded), run_dir, build_model_config(cfg, build_tokenizer(cfg)))
+    plan = plan_resume(
+        checkpoint_to_resume(str(sharded), run_dir), build_model_config(cfg, build_tokenizer(cfg))
+    )
     assert plan.global_step == 8 and plan.ckpt_path == sharded
     other = make_cfg(*TINY, "tokenizer=char", "pos=rope", "model.n_layer=2")
     with pytest.raises(CheckpointError, match="n_layer: 1 in the checkpoint, 2 now"):
-        plan_resume(str(sharded), run_dir, build_model_config(other, build_tokenizer(other)))
+        plan_resume(
+            checkpoint_to_resume(str(sharded), run_dir), build_model_config(other, build_tokenizer(other))
+        )
 
 
 def script(name: str, *args: str) -> subprocess.CompletedProcess:
@@ -190,7 +194,7 @@ def test_a_checkpoint_sharded_by_fsdp_on_two_processes_gives_the_runs_validation
         cwd=tmp_path,
         env={"OMP_NUM_THREADS": "1"},
     )
-    last = run_dir / "checkpoints" / "last.ckpt"
+    last = last_checkpoint(run_dir)
     assert checkpoint_kind(last) == "dcp" and len(list(last.glob("*.distcp"))) == 2
     val = Run(run_dir).result()["metrics"]["val/loss"]
     proc = script("eval_length.py", str(last), "--factors", "1", "--max-tokens", "513", "--no-wandb")

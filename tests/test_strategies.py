@@ -34,6 +34,7 @@ from gptlab.parallel import (
 )
 from gptlab.parallel.hardware import cpu_cores
 from gptlab.runs import digests
+from gptlab.runs.layout import last_checkpoint
 from gptlab.tracking.wandb_runs import find_runs, read_run
 
 STRATEGY_CHOICES = sorted(p.stem for p in (CONF / "strategy").glob("*.yaml"))
@@ -364,7 +365,7 @@ def test_a_preempted_slurm_job_saves_requeues_and_resumes_in_the_same_run_direct
     proc = run_train(args, cwd=tmp_path, env=env)
     out = proc.stdout + proc.stderr
     assert "Restored all states from the checkpoint" in out and "hpc_ckpt_1.ckpt" in out
-    last = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+    last = torch.load(last_checkpoint(run_dir), map_location="cpu", weights_only=False)
     assert last["global_step"] == max_steps
     assert f"Trained {max_steps} steps" in proc.stdout
 
@@ -406,8 +407,8 @@ def test_two_ddp_processes_give_the_loss_curve_of_one_process_with_the_same_glob
         assert abs(a - b) < 1e-5, (step, a, b)
     assert one[-1][1] < one[0][1]  # it trained
 
-    w_one = torch.load(tmp_path / "one" / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
-    w_two = torch.load(run_dirs[0] / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+    w_one = torch.load(last_checkpoint(tmp_path / "one"), map_location="cpu", weights_only=False)
+    w_two = torch.load(last_checkpoint(run_dirs[0]), map_location="cpu", weights_only=False)
     for name, value in w_one["state_dict"].items():
         torch.testing.assert_close(value, w_two["state_dict"][name], rtol=0, atol=1e-5, msg=name)
 
@@ -452,7 +453,7 @@ def test_fsdp_on_two_processes_trains_checkpoints_shards_and_resumes(tmp_path):
     # untrained model's.
     assert resumed_loss[4] < full_loss[1] - 0.4
     assert abs(resumed_loss[6] - full_loss[6]) < 0.5
-    assert (resumed / "checkpoints" / "last.ckpt").is_dir()
+    assert (last_checkpoint(resumed)).is_dir()
 
 
 def _free_port() -> int:
@@ -506,9 +507,7 @@ def test_two_nodes_on_one_machine_train_together_under_torchrun(tmp_path):
     tokens = column(rows, "train/tokens")
     assert tokens[4] == 4 * 2 * 4 * 32  # steps x nodes x batch x block_size
     assert not (tmp_path / "node1" / "checkpoints").exists()
-    assert (
-        torch.load(tmp_path / "node0" / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] == 4
-    )
+    assert torch.load(last_checkpoint(tmp_path / "node0"), weights_only=False)["global_step"] == 4
 
 
 @pytest.mark.slow
@@ -534,7 +533,7 @@ def test_a_multirun_with_ddp_spawn_writes_one_run_directory_per_job(tmp_path):
     assert jobs == ["0", "1"], proc.stdout[-2000:]
     for job, seed in (("0", 1), ("1", 2)):
         assert OmegaConf.load(sweep / job / "config_resolved.yaml").seed == seed
-        assert (sweep / job / "checkpoints" / "last.ckpt").is_file()
+        assert (last_checkpoint(sweep / job)).is_file()
         assert (sweep / job / "csv" / "metrics.csv").is_file()
     assert not (tmp_path / "multirun").exists() and not (tmp_path / "outputs" / "multirun").exists()
 

@@ -20,6 +20,7 @@ from gptlab.data.sources import DataSpec
 from gptlab.data.streaming import StreamingWindows, held_out, held_out_shards
 from gptlab.data.tokenizers import GPT2Tokenizer
 from gptlab.errors import ConfigError
+from gptlab.runs.layout import last_checkpoint
 from gptlab.tasks.gpt import run
 
 
@@ -124,13 +125,13 @@ def test_a_run_stopped_and_resumed_ends_bit_identical_to_an_uninterrupted_one(tm
         monkeypatch.setattr(corpus, "MIN_TASK_CHARS", 1000)
         common += ["data.streaming=false", "data.num_proc=2"]
     run(compose_cfg(*common, f"paths.output_dir={tmp_path / 'ref'}"))
-    reference = torch.load(tmp_path / "ref" / "checkpoints" / "last.ckpt", weights_only=True)
+    reference = torch.load(last_checkpoint(tmp_path / "ref"), weights_only=True)
     if source == "sharded cache":
         (index,) = tmp_path.glob("**/index.json")
         assert len(json.loads(index.read_text())["splits"]["train"]) > 1
 
     out = tmp_path / "run"
-    ckpt = out / "checkpoints" / "last.ckpt"
+    ckpt = last_checkpoint(out)
 
     def stop_after_first_checkpoint():
         deadline = time.monotonic() + 120
@@ -262,4 +263,4 @@ def test_a_streaming_run_with_two_loader_workers_trains_on_a_one_file_corpus(tmp
         )
     )
     assert np.isfinite(metrics["val/loss"])
-    assert torch.load(tmp_path / "run" / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == 4
+    assert torch.load(last_checkpoint(tmp_path / "run"), weights_only=True)["global_step"] == 4

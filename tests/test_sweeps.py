@@ -11,6 +11,7 @@ from conftest import ROOT, TINY, run_train
 from omegaconf import OmegaConf
 
 from gptlab.comparison.report import compare
+from gptlab.runs.layout import last_checkpoint
 from gptlab.tracking.wandb_runs import find_runs, read_run
 
 # A tiny character-level model: a job trains in seconds.
@@ -41,7 +42,7 @@ def test_multirun_leaves_one_run_directory_and_one_wandb_run_per_job(sweep):
         files = find_runs(job / "wandb")
         assert len(files) == 1, f"job {job.name}: {files}"
         runs[job.name] = read_run(files[0])
-        assert (job / "checkpoints" / "last.ckpt").is_file()
+        assert (last_checkpoint(job)).is_file()
     assert len({r.run_id for r in runs.values()}) == len(JOBS)  # one run per job, not one reused run
 
     for job, choice in JOBS.items():

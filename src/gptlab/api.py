@@ -94,7 +94,7 @@ def _hydra() -> Iterator[Hydra]:
 
     from gptlab.cli import register_help_resolver
     from gptlab.registry import CONFIG_DIR
-    from gptlab.resume import register_resolvers
+    from gptlab.runs.resume import register_resolvers
 
     register_resolvers()  # conf/hydra chooses the run directory through them, as train.py registers them
     register_help_resolver()

@@ -27,7 +27,7 @@ from gptlab.data.tokenizers import TokenBytes, Tokenizer, bits_per_byte
 from gptlab.evaluation import passkey, plots
 from gptlab.evaluation.options import LengthEvalOptions
 from gptlab.model.gpt import GPT
-from gptlab.runs.layout import LENGTH_FILE
+from gptlab.runs.layout import EVAL_LENGTH_DIR, LENGTH_FILE
 from gptlab.tracking.studies import LengthStudy, StudyTable, log_length_study, log_length_study_as_new_run
 
 log = logging.getLogger(__name__)
@@ -264,7 +264,7 @@ def evaluate_run(
     tokens = held_out_tokens(trained)
     result = evaluate_lengths(trained.model, tokens, trained.train_context, options, trained.tokenizer)
     result["checkpoint"] = str(trained.checkpoint)
-    out_dir = Path(out_dir) if out_dir else (trained.run_dir or trained.checkpoint.parent) / "eval_length"
+    out_dir = Path(out_dir) if out_dir else (trained.run_dir or trained.checkpoint.parent) / EVAL_LENGTH_DIR
     paths = write_outputs(result, out_dir)
     if passkey_options is not None:
         study, more = passkey.run_study(
@@ -303,7 +303,7 @@ def after_training(
     ``PreparedCorpus``; ``passkey_options``: None for no passkey study."""
     tokens = prepared.val.array()  # one flat file, header-carrying shards or a stream's held-out tokens
     result = evaluate_lengths(model, tokens, train_context, options, prepared.tokenizer)
-    paths = write_outputs(result, run_dir / "eval_length")
+    paths = write_outputs(result, run_dir / EVAL_LENGTH_DIR)
     log.info("Length extrapolation (validation loss by context):\n%s", format_table(result))
     study, more = passkey.run_study(
         model,
@@ -311,7 +311,7 @@ def after_training(
         train_context,
         options.factors,
         passkey_options,
-        run_dir / "eval_length",
+        run_dir / EVAL_LENGTH_DIR,
         options.rope_scalings,
     )
     result["passkey"], paths = study, paths + more

@@ -9,7 +9,7 @@ writes one file; the sharded strategies are Lightning's with their directory sav
 (`FullyShardedStrategy`, `AtomicDeepSpeedStrategy`, at the end of this module; the DeepSpeed one also
 reports the gradient norm that ZeRO keeps out of ``p.grad``).
 
-Each checkpoint gets its SHA-256 digest beside it (``last.ckpt.sha256``, :mod:`gptlab.runs.digests`), written
+Each checkpoint gets its SHA-256 digest beside it (``<name>.ckpt.sha256``, :mod:`gptlab.runs.digests`), written
 by the process that renames the checkpoint into place (rank 0): the old digest is removed before the rename,
 the new one written after it, so a digest never describes other bytes than those beside it.
 """

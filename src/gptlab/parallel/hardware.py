@@ -2,7 +2,7 @@
 
 SLURM sends SIGUSR1 before it preempts a job or its time runs out (`#SBATCH --signal=USR1@<seconds>`).
 Lightning's own handler saves from inside the signal handler, in the middle of a step and in each rank at
-its own moment; here the signal is one of those `gptlab.training.checkpointing.signals.StopOnSignal` handles:
+its own moment; here the signal is one of those `gptlab.training.checkpointing.StopOnSignal` handles:
 every rank saves together at the next step boundary, then rank 0 requeues the job (`requeue_job`), and the
 environment plugin (`slurm_plugins`) leaves SIGUSR1 to this project.
 """

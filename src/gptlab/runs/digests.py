@@ -1,15 +1,16 @@
 """A SHA-256 digest beside every checkpoint, written when it is saved and checked before it is read.
 
-``checkpoints/last.ckpt`` gets ``checkpoints/last.ckpt.sha256``, in ``sha256sum``'s own format (so
-``sha256sum -c last.ckpt.sha256``, run in that folder, checks it by hand), with each file's size and the
-checkpoint's step as comment lines, which ``sha256sum`` skips::
+``checkpoints/<name>.ckpt`` gets ``checkpoints/<name>.ckpt.sha256``, in ``sha256sum``'s own format (so
+``sha256sum -c <name>.ckpt.sha256``, run in that folder, checks it by hand), with each file's size and the
+checkpoint's step as comment lines, which ``sha256sum`` skips (here for the last checkpoint of a run,
+:func:`gptlab.runs.layout.last_checkpoint`)::
 
-    # gptlab checkpoint digest, step 12. Check by hand in the checkpoint's folder: sha256sum -c last.ckpt.sha256
-    # bytes 192937279 last.ckpt
-    9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08  last.ckpt
+    # gptlab checkpoint digest, step 12. Check by hand in the checkpoint's folder: sha256sum -c <name>.ckpt.sha256
+    # bytes 192937279 <name>.ckpt
+    9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08  <name>.ckpt
 
 A sharded checkpoint (a directory: a distributed checkpoint's shards, or DeepSpeed's files) gets one line
-per file in it (``last.ckpt/__0_0.distcp``, ...): the digest file is the directory's manifest.
+per file in it (``<name>.ckpt/__0_0.distcp``, ...): the digest file is the directory's manifest.
 
 The order of a save keeps a digest from ever refusing a good checkpoint: the old digest is removed before the
 new checkpoint is renamed into place, and the new digest is written (to a temporary file, renamed) after it.
@@ -31,17 +32,18 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from gptlab.runs.layout import DIGEST_SUFFIX, NESTED_DIGEST_DIR
+
 log = logging.getLogger(__name__)
 
-DIGEST_SUFFIX = ".sha256"
 _CHUNK = 8 << 20  # bytes read at a time: large reads, bounded memory
 _SIZE_PREFIX = "# bytes "
 
 
 @dataclass(frozen=True)
 class FileDigest:
-    """One file of a checkpoint: its name as the digest file lists it (``last.ckpt``, or
-    ``last.ckpt/__0_0.distcp`` inside a directory), its size and its SHA-256."""
+    """One file of a checkpoint: its name as the digest file lists it (``<name>.ckpt``, or
+    ``<name>.ckpt/__0_0.distcp`` inside a directory), its size and its SHA-256."""
 
     name: str
     size: int
@@ -56,14 +58,8 @@ class Manifest:
     step: int | None
 
 
-#: Where the digests of checkpoints named ``*ckpt_*`` (SLURM's ``hpc_ckpt_<n>.ckpt``) go, beside them: Lightning
-#: reads the version of ``hpc_ckpt_<n>.ckpt`` from the digits of every file name in the folder holding
-#: ``ckpt_``, and would read ``hpc_ckpt_1.ckpt.sha256`` as version 1256.
-NESTED_DIGEST_DIR = "digests"
-
-
 def digest_path(checkpoint: Path) -> Path:
-    """``last.ckpt`` -> ``last.ckpt.sha256``, beside it; ``hpc_ckpt_1.ckpt`` ->
+    """``<name>.ckpt`` -> ``<name>.ckpt.sha256``, beside it; ``hpc_ckpt_1.ckpt`` ->
     ``digests/hpc_ckpt_1.ckpt.sha256`` (:data:`NESTED_DIGEST_DIR`)."""
     checkpoint = Path(checkpoint)
     if "ckpt_" in checkpoint.name:

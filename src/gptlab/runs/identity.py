@@ -167,13 +167,14 @@ def refusal(run_dir: Path, found: list[Path], key: str = "hydra.run.dir") -> str
 def claim_run_dir(
     run_dir: Path, resume: Any, overwrite: bool, include_hydra: bool = False, log: Any = None
 ) -> Path | None:
-    """Make sure a starting run is the only run in ``run_dir``: nothing to do for a run that continues
-    (``resume`` with a checkpoint there) or where no run started training; otherwise a
+    """Make sure a starting run that does not continue the run in ``run_dir`` (:func:`continues_a_run`,
+    decided once by :func:`gptlab.runs.resume.enter_run`) is the only run there: nothing to do where no run
+    started training; otherwise a
     :class:`RunDirectoryInUse`, or, with ``overwrite`` (or ``resume=auto`` finding nothing to continue), the
     old files moved aside (with ``include_hydra``, before Hydra writes, its ``.hydra/`` and log too).
     Returns the folder they were moved to, if any."""
     run_dir = Path(run_dir)
-    if launched_rank() or continues_a_run(resume, run_dir):
+    if launched_rank():
         return None
     found = previous_run_files(run_dir)
     if not found:
@@ -443,8 +444,8 @@ def claimed_message(run_dir: Path, other: Claim, key: str = "hydra.run.dir") -> 
     )
 
 
-def _new_claim(run_dir: Path, resume: Any) -> Claim:
-    info = read_run_info(run_dir) if continues_a_run(resume, run_dir) else None
+def _new_claim(run_dir: Path, continued: bool) -> Claim:
+    info = read_run_info(run_dir) if continued else None
     return Claim(
         pid=os.getpid(),
         host=socket.gethostname(),
@@ -463,8 +464,9 @@ def _command_line() -> str:
     return f"python {line}" if argv[0].endswith(".py") else line
 
 
-def hold_run_dir(run_dir: Path, resume: Any = None, key: str = "hydra.run.dir") -> Claim | None:
-    """Claim ``run_dir`` for this process (creating it), before the run writes anything there; a
+def hold_run_dir(run_dir: Path, continued: bool = False, key: str = "hydra.run.dir") -> Claim | None:
+    """Claim ``run_dir`` for this process (creating it), before the run writes anything there (a run that
+    ``continued`` the one there announces that run's id); a
     :class:`RunDirectoryClaimed` naming the other process when a live one holds it. Holding it already is
     fine (Hydra's callback claims first, the task again). A claim whose process is gone is taken over.
     On ranks a launcher started: nothing (they join the run rank 0 claimed), None."""
@@ -475,7 +477,7 @@ def hold_run_dir(run_dir: Path, resume: Any = None, key: str = "hydra.run.dir") 
     where = run_dir.absolute().resolve()
     if where in _held:
         return _held[where].claim
-    claim = _new_claim(run_dir, resume)
+    claim = _new_claim(run_dir, continued)
     path = run_dir / CLAIM_FILE
     for _ in range(50):
         fd = _publish(path, claim)

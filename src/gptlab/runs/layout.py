@@ -9,9 +9,10 @@
       config_resolved.yaml            the whole config, resolved
       result.json                     written when the run ends: its final metrics, last step, git commit
       checkpoints/last.ckpt           periodic and final; a file, or a directory for sharded strategies
-      checkpoints/best-step*-val*.ckpt  best by val/loss
+      checkpoints/best-step*-val*.ckpt  best by val/loss (BEST_FILENAME; a hard link to last.ckpt at its step)
+      checkpoints/best.json           each best checkpoint's score (val/loss), as the run measured it
       checkpoints/<name>.sha256       each checkpoint's SHA-256 digest, checked before it is read (runs.digests)
-      hpc_ckpt_<n>.ckpt               SLURM's preemption checkpoints
+      hpc_ckpt_<n>.ckpt               SLURM's preemption checkpoints (digests in digests/)
       eval_length/length.json         the length study (scripts/eval_length.py, eval_length.enabled=true)
       csv/, wandb/, tensorboard/      the loggers' files
       .replaced/<time>/               an earlier run's files, moved aside by a run started with overwrite=true
@@ -19,7 +20,10 @@
 A checkpoint is one of three kinds: a single ``torch.save`` file; a directory in PyTorch's distributed
 checkpoint format (``.metadata``, one ``__<rank>_0.distcp`` per rank, and Lightning's ``meta.pt``), written by
 ``strategy=fsdp``; or a DeepSpeed checkpoint directory (``latest`` and ``<tag>/mp_rank_*_model_states.pt``).
-Nothing here imports torch.
+This module is the one owner of these names: every reader and writer of a run directory builds its paths
+here (:func:`last_checkpoint`, :func:`result_file`, ...), and the best checkpoint's loss is read from what the
+run recorded (:func:`best_scores`), never parsed back out of its file name. Nothing here imports torch at
+import time.
 """
 
 from __future__ import annotations
@@ -51,7 +55,19 @@ CHECKPOINT_DIR = "checkpoints"
 LAST_CHECKPOINT = "last.ckpt"
 BEST_PREFIX = "best-"
 BEST_GLOB = f"{BEST_PREFIX}*.ckpt"
+# The best checkpoint's name: Lightning's ModelCheckpoint ``filename`` format, the step and the monitored metric
+# filled in (``best-step000080-val5.432``). callbacks.model_checkpoint.filename may change it as long as it
+# starts with BEST_PREFIX (gptlab.training.checkpointing.BestCheckpoint checks): nothing reads the name back.
+BEST_FILENAME = BEST_PREFIX + "step{step:06d}-val{val/loss:.3f}"
+# Beside the best checkpoints: the monitored metric, its mode and each best checkpoint's score, written by
+# BestCheckpoint after each save ({"monitor": "val/loss", "mode": "min", "scores": {"<name>.ckpt": 5.4321}}).
+BEST_SCORES_FILE = "best.json"
 HPC_GLOB = "hpc_ckpt_*.ckpt"  # Lightning's SLURM requeue checkpoints, in the run directory itself
+DIGEST_SUFFIX = ".sha256"  # a checkpoint's SHA-256 digest: <name>.ckpt.sha256 (gptlab.runs.digests)
+#: Where the digests of checkpoints named ``*ckpt_*`` (SLURM's ``hpc_ckpt_<n>.ckpt``) go, beside them: Lightning
+#: reads the version of ``hpc_ckpt_<n>.ckpt`` from the digits of every file name in the folder holding
+#: ``ckpt_``, and would read ``hpc_ckpt_1.ckpt.sha256`` as version 1256.
+NESTED_DIGEST_DIR = "digests"
 EVAL_LENGTH_DIR = "eval_length"
 LENGTH_FILE = "length.json"
 # Lightning's name for the non-tensor part of a sharded checkpoint directory (step, loops, hyperparameters).
@@ -62,6 +78,42 @@ DCP_METADATA_FILE = ".metadata"
 SKIP_DIRS = frozenset({"cache", "wandb", "checkpoints", "csv", "tensorboard", HYDRA_DIR, "__pycache__"})
 
 FILE, DCP, DEEPSPEED = "file", "dcp", "deepspeed"
+
+
+# ---- where things are, for a run directory ------------------------------------------------------------------
+def checkpoint_dir(run_dir: str | Path) -> Path:
+    """``<run_dir>/checkpoints``."""
+    return Path(run_dir) / CHECKPOINT_DIR
+
+
+def last_checkpoint(run_dir: str | Path) -> Path:
+    """``<run_dir>/checkpoints/last.ckpt``, whether or not it is there yet (:meth:`Run.last_checkpoint`
+    returns it only when it holds a checkpoint)."""
+    return checkpoint_dir(run_dir) / LAST_CHECKPOINT
+
+
+def best_scores_file(checkpoints: str | Path) -> Path:
+    """``<checkpoints>/best.json``: the scores of the best checkpoints in the folder ``checkpoints``."""
+    return Path(checkpoints) / BEST_SCORES_FILE
+
+
+def result_file(run_dir: str | Path) -> Path:
+    """``<run_dir>/result.json``."""
+    return Path(run_dir) / RESULT_FILE
+
+
+def run_file(run_dir: str | Path) -> Path:
+    """``<run_dir>/run.json``."""
+    return Path(run_dir) / RUN_FILE
+
+
+def length_file(run_dir: str | Path) -> Path:
+    """``<run_dir>/eval_length/length.json``."""
+    return Path(run_dir) / EVAL_LENGTH_DIR / LENGTH_FILE
+
+
+# A relative path for messages that tell the user where to look (``checkpoints/last.ckpt``).
+LAST_CHECKPOINT_PATH = f"{CHECKPOINT_DIR}/{LAST_CHECKPOINT}"
 
 
 def checkpoint_kind(path: Path) -> str | None:
@@ -79,10 +131,63 @@ def checkpoint_kind(path: Path) -> str | None:
     return None
 
 
-def _val_loss_in_name(path: Path) -> float:
-    """``best-step000080-val5.432.ckpt`` -> 5.432 (inf when the name holds none)."""
-    match = re.search(r"val(-?\d+(?:\.\d+)?)", path.name)
-    return float(match.group(1)) if match else float("inf")
+@dataclass(frozen=True)
+class BestScores:
+    """What ``checkpoints/best.json`` holds: the metric the best checkpoints are ranked by, whether lower is
+    better, and each one's score by file name."""
+
+    monitor: str
+    mode: str  # "min" or "max"
+    scores: dict[str, float]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"monitor": self.monitor, "mode": self.mode, "scores": self.scores}
+
+
+def write_best_scores(checkpoints: str | Path, best: BestScores) -> Path:
+    """Write ``<checkpoints>/best.json`` whole (a temporary file renamed over it)."""
+    path = best_scores_file(checkpoints)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(best.to_json(), indent=1, sort_keys=True))
+    os.replace(tmp, path)
+    return path
+
+
+def read_best_scores(checkpoints: str | Path) -> BestScores | None:
+    """``<checkpoints>/best.json``, or None when the run wrote none (one from before gptlab recorded it)."""
+    data = _read_json(best_scores_file(checkpoints))
+    if data is None or not isinstance(data.get("scores"), dict):
+        return None
+    scores = {}
+    for name, score in data["scores"].items():
+        try:
+            scores[str(name)] = float(score)
+        except (TypeError, ValueError):
+            continue
+    return BestScores(str(data.get("monitor") or ""), "max" if data.get("mode") == "max" else "min", scores)
+
+
+def score_in_checkpoint(path: Path) -> float | None:
+    """The score that a best checkpoint file holds for itself, in Lightning's ModelCheckpoint state (its
+    ``best_k_models``): for runs written before ``best.json``. None when it holds none (a sharded directory,
+    or a best that is a second name of the last checkpoint, saved before that best was known)."""
+    if checkpoint_kind(path) != FILE:
+        return None
+    import torch  # only here: listing a run's files costs no torch
+
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception:  # unreadable here: the loader names the problem when the checkpoint is read
+        return None
+    states = checkpoint.get("callbacks") if isinstance(checkpoint, dict) else None
+    for key, state in (states or {}).items():
+        if "ModelCheckpoint" not in str(key) and "BestCheckpoint" not in str(key):
+            continue
+        for saved, score in ((state or {}).get("best_k_models") or {}).items():
+            if Path(str(saved)).name == path.name and score is not None:
+                return float(score)
+    return None
 
 
 def _job_order(root: Path, path: Path) -> tuple:
@@ -154,11 +259,11 @@ class Run:
 
     @property
     def result_file(self) -> Path:
-        return self.path / RESULT_FILE
+        return result_file(self.path)
 
     @property
     def checkpoint_dir(self) -> Path:
-        return self.path / CHECKPOINT_DIR
+        return checkpoint_dir(self.path)
 
     @property
     def eval_length_dir(self) -> Path:
@@ -252,16 +357,19 @@ class Run:
 
     def length_result(self) -> dict[str, Any] | None:
         """The length study's output (``eval_length/length.json``), or None."""
-        return _read_json(self.eval_length_dir / LENGTH_FILE)
+        return _read_json(length_file(self.path))
 
     # ---- checkpoints -----------------------------------------------------------------------------
     def last_checkpoint(self) -> Path | None:
-        path = self.checkpoint_dir / LAST_CHECKPOINT
+        """``checkpoints/last.ckpt`` when it holds a checkpoint, else None."""
+        path = last_checkpoint(self.path)
         return path if checkpoint_kind(path) else None
 
     def best_checkpoints(self) -> list[Path]:
-        """``best-*.ckpt`` of this run, best (lowest val/loss in the name) first; checkpoints older than the
-        run's start (``run.json``) are another run's and left out, with a warning."""
+        """``best-*.ckpt`` of this run, best first: by the score the run recorded for each (``best.json``;
+        for runs written before it, the score in the checkpoint's own state), newest first among equals and
+        after those with a score; checkpoints older than the run's start (``run.json``) are another run's and
+        left out, with a warning."""
         found = [p for p in self.checkpoint_dir.glob(BEST_GLOB) if checkpoint_kind(p)]
         started = self._started()
         if started is not None:
@@ -274,7 +382,21 @@ class Run:
                     time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started)),
                 )
                 found = [p for p in found if p not in foreign]
-        return sorted(found, key=lambda p: (_val_loss_in_name(p), -p.stat().st_mtime))
+        return sorted(found, key=lambda p: (self._rank_of_best(p), -p.stat().st_mtime))
+
+    def best_score(self, path: Path) -> float | None:
+        """The score (``val/loss``) the run recorded for its best checkpoint ``path``; None when unknown."""
+        recorded = read_best_scores(self.checkpoint_dir)
+        if recorded is not None and Path(path).name in recorded.scores:
+            return recorded.scores[Path(path).name]
+        return score_in_checkpoint(Path(path))
+
+    def _rank_of_best(self, path: Path) -> float:
+        score = self.best_score(path)
+        if score is None or score != score:  # unknown or NaN: after every known score
+            return float("inf")
+        recorded = read_best_scores(self.checkpoint_dir)
+        return -score if recorded is not None and recorded.mode == "max" else score
 
     def _started(self) -> float | None:
         """When the run's first part started (``run.json``), seconds since the epoch; None when unknown."""

@@ -21,7 +21,7 @@ from gptlab.model.config import GPTConfig
 from gptlab.model.gpt import GPT
 from gptlab.registry import import_plugins
 from gptlab.runs.checkpoints import load_checkpoint, model_config_dict, model_weights
-from gptlab.runs.layout import CONFIG_FILE, Run, checkpoint_kind, run_of_path
+from gptlab.runs.layout import BEST_GLOB, CONFIG_FILE, LAST_CHECKPOINT_PATH, Run, checkpoint_kind, run_of_path
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +47,7 @@ class TrainedRun:
 
 def find_checkpoint(path: str | Path, which: str = "last") -> tuple[Path, Run | None]:
     """(checkpoint, its run or None) for a run directory or a checkpoint (file or sharded directory). In a
-    run directory ``which="last"`` takes ``checkpoints/last.ckpt`` and ``which="best"`` the best by
+    run directory ``which="last"`` takes the last checkpoint and ``which="best"`` the best by
     val/loss, each falling back to the other."""
     path = Path(path)
     if checkpoint_kind(path):
@@ -58,7 +58,7 @@ def find_checkpoint(path: str | Path, which: str = "last") -> tuple[Path, Run | 
         found = run.checkpoint(which)
         if found is None:
             raise CheckpointError(
-                f"{path} holds no checkpoint (checkpoints/last.ckpt or best-*.ckpt): pass a run directory written "
+                f"{path} holds no checkpoint ({LAST_CHECKPOINT_PATH} or {BEST_GLOB}): pass a run directory written "
                 "by `python train.py` (outputs/runs/<date>/<time>) or a checkpoint."
             )
         return found, run if Run.is_run_dir(path) else None

@@ -21,9 +21,10 @@ from omegaconf import DictConfig
 
 from gptlab.config import GPTRunConfig, parse_gpt
 from gptlab.planning import check_memory
-from gptlab.resume import ResumePlan, plan_resume
 from gptlab.runs.identity import launched_rank
+from gptlab.runs.layout import LAST_CHECKPOINT
 from gptlab.runs.naming import is_multirun
+from gptlab.runs.resume import ResumePlan, plan_resume
 from gptlab.tasks.skeleton import RunSession, quiet_launched_ranks, record_run_dir, route_lightning_logs
 
 if TYPE_CHECKING:  # Lightning and the data are imported once the config is checked: a refusal comes first
@@ -31,7 +32,7 @@ if TYPE_CHECKING:  # Lightning and the data are imported once the config is chec
 
     from gptlab.data.corpus import PreparedCorpus
     from gptlab.data.datamodule import GPTDataModule
-    from gptlab.training.checkpointing.fit import SignalStop
+    from gptlab.training.checkpointing import SignalStop
     from gptlab.training.module import GPTLitModule
 
 log = logging.getLogger("gptlab")
@@ -62,7 +63,7 @@ def run(cfg: DictConfig) -> dict[str, float]:
         cfg, settings.run, run_dir, seed=lambda s: L.seed_everything(s, workers=True, verbose=False)
     )
     parts = build(settings)
-    resume = plan_resume(settings.run.resume, session.run_dir, parts.module.model_config)
+    resume = plan_resume(session.resume_from, parts.module.model_config)
     recorded = finished_result(session.run_dir, resume, settings.trainer["max_steps"])
     if recorded is not None:
         return report_already_finished(session.run_dir, recorded)
@@ -441,6 +442,6 @@ def closing_lines(
     ckpt = trainer.checkpoint_callback
     if isinstance(ckpt, ModelCheckpoint) and ckpt.dirpath:
         lines.append(
-            f"  checkpoints: {ckpt.dirpath} (last.ckpt, best by val/loss: {Path(ckpt.best_model_path).name})"
+            f"  checkpoints: {ckpt.dirpath} ({LAST_CHECKPOINT}, best by val/loss: {Path(ckpt.best_model_path).name})"
         )
     return lines + logger_lines(loggers)

@@ -31,9 +31,9 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from gptlab.config import RunSettings
-from gptlab.resume import check_writable
-from gptlab.runs.identity import hold_run_dir, release_run_dir
-from gptlab.runs.layout import Run, git_commit, read_run_info
+from gptlab.runs.identity import release_run_dir
+from gptlab.runs.layout import Run, git_commit, read_run_info, result_file
+from gptlab.runs.resume import check_writable, enter_run
 
 log = logging.getLogger("gptlab")
 
@@ -106,6 +106,7 @@ class RunSession:
         self.is_global_zero = not launched_rank()  # a task on many ranks sets it from its trainer
         self.loggers: list = []  # open_loggers' loggers
         self.start_step = 0  # the step this part of the run starts from (a resumed run's checkpoint step)
+        self.resume_from: Path | None = None  # the checkpoint that resume= chose (RunEntry.checkpoint)
 
     @classmethod
     def start(
@@ -117,29 +118,28 @@ class RunSession:
         the run and this part of it); the seed set everywhere (by ``seed``, e.g. Lightning's
         seed_everything, which also seeds loader workers; by default Python's, NumPy's and torch's
         generators)."""
-        from gptlab.runs.identity import claim_run_dir, continues_a_run, launched_rank, record_start
+        from gptlab.runs.identity import launched_rank, record_start
 
         check_writable(run_dir)
-        hold_run_dir(run_dir, settings.resume)  # this process alone runs there (Hydra claims it first)
-        if (run_dir / "checkpoints").is_dir():  # a kill mid-swap of a sharded checkpoint: swapped back first
-            from gptlab.parallel.checkpoint_io import restore_interrupted_saves
+        # The run's one entry (Hydra's callback entered first, without choosing a checkpoint). Inside a Hydra
+        # job .hydra/ is this run's own: Hydra wrote it after CheckRunDirectory had checked.
+        from gptlab.parallel.checkpoint_io import restore_interrupted_saves
 
-            restore_interrupted_saves(run_dir / "checkpoints")
+        entry = enter_run(
+            run_dir,
+            settings.resume,
+            settings.overwrite,
+            include_hydra=not HydraConfig.initialized(),
+            log=log,
+            repair=restore_interrupted_saves,  # a kill mid-swap of a sharded checkpoint: swapped back first
+        )
         if not launched_rank():
-            continued = continues_a_run(settings.resume, run_dir)
-            if not continued:
-                # Inside a Hydra job .hydra/ is this run's own: Hydra wrote it after CheckRunDirectory had checked.
-                claim_run_dir(
-                    run_dir,
-                    settings.resume,
-                    settings.overwrite,
-                    include_hydra=not HydraConfig.initialized(),
-                    log=log,
-                )
             overrides = list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
-            record_start(run_dir, continued, [str(o) for o in overrides], settings.task)
+            record_start(run_dir, entry.continued, [str(o) for o in overrides], settings.task)
         (seed or seed_generators)(settings.seed)
-        return cls(cfg, settings, run_dir)
+        session = cls(cfg, settings, run_dir)
+        session.resume_from = entry.checkpoint
+        return session
 
     def open_loggers(
         self, wandb_run_id: str | None = None, resumed_at: int | None = None, lightning: bool = True
@@ -262,7 +262,7 @@ class RunSession:
         try:
             self.write_result(known, int(step()) if step else 0, False, False, reason)
         except OSError as e:  # a full disk may refuse result.json too
-            log.warning("%s could not be written: %s", self.run_dir / "result.json", e)
+            log.warning("%s could not be written: %s", result_file(self.run_dir), e)
 
 
 # A part's own figures, kept per part in result.json (wall time and rates); the run's are combined from them.

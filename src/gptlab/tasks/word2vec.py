@@ -19,7 +19,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from gptlab.config import RunSettings
-from gptlab.resume import ResumePlan, checkpoint_to_resume
+from gptlab.runs.resume import ResumePlan
 from gptlab.tasks.skeleton import RunSession, record_run_dir
 from gptlab.word2vec import objectives
 from gptlab.word2vec.config import Word2VecOptions
@@ -87,7 +87,7 @@ def train(
         options.objective, corpus.vocab.counts, options.negatives, options.noise_power
     )
     schedule = Schedule(corpus, options, objective, settings.run.seed, options.max_steps)
-    ckpt = checkpoint_to_resume(settings.run.resume, session.run_dir)
+    ckpt = session.resume_from
     resume = check_resume(ckpt, options, corpus.vocab.words) if ckpt else None
     log.info(
         "Data ready after %.1f s (peak memory %.0f MiB): %d words, vocabulary %d, objective %s",

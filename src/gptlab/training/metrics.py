@@ -86,7 +86,7 @@ class TrainingThroughput(ThroughputMonitor):
     The training rate (``train/tokens_per_second``, the progress bar's ``tok/s``) is tokens trained per
     second of training time: the wall time of the fit less validation. Validation is timed from its start to
     the next training step, so its sample generation and the best-checkpoint save are left out with it;
-    everything else between two steps counts (loading data, logging, the periodic ``last.ckpt``). Each
+    everything else between two steps counts (loading data, logging, the periodic last checkpoint). Each
     logged rate covers the steps since the previous logged one (``window`` steps), so the rates tile the
     training time without a gap: ``train/time`` (training seconds so far) and ``train/lengths`` (tokens so
     far on this device) give the rate over any stretch. ``training_seconds`` and ``run_tokens`` are this

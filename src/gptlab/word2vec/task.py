@@ -5,7 +5,7 @@ vectors. The task itself (``python train.py task=word2vec``, on the run skeleton
 Training is a plain loop around the fast update (``gptlab.word2vec.fast``), not a Lightning Trainer:
 importing Lightning alone takes longer (about 8 s here) than a whole training run on a corpus of a few hundred
 thousand words, and the update needs no autograd, optimizer or loader. The run directory is the one every
-task writes (``gptlab.runs``): ``checkpoints/last.ckpt`` (a Lightning-style dict: ``state_dict``,
+task writes (``gptlab.runs.layout``): the last checkpoint (a Lightning-style dict: ``state_dict``,
 ``hyper_parameters``, ``global_step``), ``config_resolved.yaml``, ``result.json``, ``metrics.json`` and the
 configured loggers' files, in the same places and formats as the GPT task's (gptlab's loggers written
 without Lightning: :mod:`gptlab.tracking.plain_loggers`).
@@ -31,9 +31,9 @@ import torch
 from omegaconf import DictConfig
 
 from gptlab.errors import CheckpointError, ConfigError
-from gptlab.resume import ResumePlan
-from gptlab.runs import digests
+from gptlab.runs import digests, layout
 from gptlab.runs.checkpoints import RESUME_INSTEAD, load_checkpoint
+from gptlab.runs.resume import ResumePlan
 from gptlab.word2vec import evaluation
 from gptlab.word2vec.config import Word2VecOptions
 from gptlab.word2vec.corpus import WordCorpus
@@ -322,8 +322,8 @@ class Trainer:
         return checkpoint
 
     def save_checkpoint(self) -> Path:
-        """``checkpoints/last.ckpt``, written beside it and renamed: whole or not at all; its digest after it."""
-        path = self.run_dir / "checkpoints" / "last.ckpt"
+        """The run's last checkpoint, written beside it and renamed: whole or not at all; its digest after it."""
+        path = layout.last_checkpoint(self.run_dir)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
         torch.save(self.checkpoint(), tmp)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,13 +24,30 @@ from omegaconf import OmegaConf
 
 from gptlab.errors import CheckpointError, ConfigError
 from gptlab.runs.checkpoints import RESUME_INSTEAD, load_checkpoint, model_config_dict
-from gptlab.runs.layout import HYDRA_DIR, Run, checkpoint_kind, find_run_dirs, run_of_path
+from gptlab.runs.layout import (
+    HYDRA_DIR,
+    HYDRA_PARTS_DIR,
+    LAST_CHECKPOINT_PATH,
+    Run,
+    checkpoint_dir,
+    checkpoint_kind,
+    find_run_dirs,
+    run_of_path,
+)
 
 log = logging.getLogger(__name__)
 
 RESUME_KEYS = ("resume=", "+resume=", "++resume=")
 
-__all__ = ["CheckpointError", "ResumePlan", "choose_run_dir", "plan_resume", "register_resolvers"]
+__all__ = [
+    "CheckpointError",
+    "ResumePlan",
+    "RunEntry",
+    "choose_run_dir",
+    "enter_run",
+    "plan_resume",
+    "register_resolvers",
+]
 
 
 # ---- which run ---------------------------------------------------------------------------------------
@@ -125,6 +143,52 @@ def register_resolvers() -> None:
         OmegaConf.register_new_resolver("gptlab_run_dir", choose_run_dir)
 
 
+# ---- entering the run directory: once per part of a run ----------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RunEntry:
+    """How this part of a run entered its directory, decided once (:func:`enter_run`)."""
+
+    run_dir: Path
+    continued: bool  # it continues the run already there: run.json gets a part, the claim that run's id
+    checkpoint: Path | None  # what ``resume=`` selects to load; None for a new run
+
+
+def enter_run(
+    run_dir: Path,
+    resume: Any,
+    overwrite: bool,
+    *,
+    include_hydra: bool = False,
+    log: Any = None,
+    pick_checkpoint: bool = True,
+    repair: Callable[[Path], object] | None = None,
+) -> RunEntry:
+    """The one entry of a run into its directory, for a new run and a resumed one alike: whether it
+    continues the run there (:func:`gptlab.runs.identity.continues_a_run`) is decided here, once, and the
+    directory claimed accordingly: held by this process (a live holder refused by name), and, for a run that
+    does not continue the one there, made its own (:func:`gptlab.runs.identity.claim_run_dir`: refused, or
+    the old files moved aside). ``repair`` runs on the checkpoint folder once this process holds the
+    directory: the task passes the checkpoint I/O's ``restore_interrupted_saves``, which puts back a sharded
+    checkpoint that a kill left set aside mid-swap (a function passed in: the checkpoint writes belong to
+    :mod:`gptlab.parallel`, a floor above this package). With ``pick_checkpoint`` (the task's entry; Hydra's
+    callback enters before the job without it) the checkpoint to continue from is then chosen (:func:`checkpoint_to_resume`: an unusable ``resume=`` is refused
+    here, before any data is read). Holding and claiming twice in one process (Hydra's callback, then the
+    task) is harmless: the second finds the directory held and already this run's."""
+    from gptlab.runs.identity import claim_run_dir, continues_a_run, hold_run_dir, launched_rank
+
+    run_dir = Path(run_dir)
+    continued = continues_a_run(resume, run_dir)
+    hold_run_dir(run_dir, continued)
+    if repair is not None and checkpoint_dir(run_dir).is_dir():
+        repair(checkpoint_dir(run_dir))
+    if not continued and not launched_rank():
+        claim_run_dir(run_dir, resume, overwrite, include_hydra=include_hydra, log=log)
+    checkpoint = checkpoint_to_resume(resume, run_dir) if pick_checkpoint else None
+    return RunEntry(run_dir, continued, checkpoint)
+
+
 # ---- which checkpoint, and is it usable ----------------------------------------------------------------
 
 
@@ -149,7 +213,7 @@ def checkpoint_to_resume(resume: Any, run_dir: Path) -> Path | None:
         ckpt = Run(path).resume_checkpoint()
         if ckpt is None:
             raise CheckpointError(
-                f"resume={resume}: the directory holds no checkpoints/last.ckpt to continue from. Give a "
+                f"resume={resume}: the directory holds no {LAST_CHECKPOINT_PATH} to continue from. Give a "
                 "checkpoint (resume=<run>/checkpoints/<name>.ckpt), another run directory, or resume=auto."
             )
         return ckpt
@@ -226,9 +290,9 @@ def inspect_checkpoint(path: Path, model_config: Any) -> ResumePlan:
     )
 
 
-def plan_resume(resume: Any, run_dir: Path, model_config: Any) -> ResumePlan | None:
-    """Everything a resumed run needs, checked before any training: None for a new run."""
-    ckpt = checkpoint_to_resume(resume, run_dir)
+def plan_resume(ckpt: Path | None, model_config: Any) -> ResumePlan | None:
+    """Everything a resumed run needs from its checkpoint (:attr:`RunEntry.checkpoint`), checked before any
+    training: None for a new run."""
     if ckpt is None:
         return None
     plan = inspect_checkpoint(ckpt, model_config)
@@ -289,7 +353,7 @@ class CheckRunDirectory(HydraCallback):
             )
 
     def on_run_start(self, config: Any, **kwargs: Any) -> None:
-        from gptlab.runs.identity import RunDirectoryInUse, claim_run_dir, hold_run_dir, release_run_dir
+        from gptlab.runs.identity import RunDirectoryInUse, release_run_dir
 
         self._check(config.hydra.run.dir, "hydra.run.dir")
         run_dir = Path(str(config.hydra.run.dir))
@@ -302,9 +366,13 @@ class CheckRunDirectory(HydraCallback):
         }
         try:
             # this process's claim first: of two runs started into one directory, one goes on, one stops here
-            hold_run_dir(run_dir, config.get("resume"))
-            claim_run_dir(
-                run_dir, config.get("resume"), bool(config.get("overwrite")), include_hydra=True, log=log
+            enter_run(
+                run_dir,
+                config.get("resume"),
+                bool(config.get("overwrite")),
+                include_hydra=True,
+                log=log,
+                pick_checkpoint=False,
             )
         except RunDirectoryInUse as e:
             release_run_dir(run_dir)  # refused: this process's own claim, if it took one, goes too
@@ -324,7 +392,7 @@ class CheckRunDirectory(HydraCallback):
             for name, data in stash.items()
         ):
             return
-        part = hydra_dir / "parts" / time.strftime("%Y-%m-%d_%H-%M-%S")
+        part = hydra_dir.parent / HYDRA_PARTS_DIR / time.strftime("%Y-%m-%d_%H-%M-%S")
         suffix = 0
         while True:
             candidate = part.with_name(f"{part.name}-{suffix}") if suffix else part
