@@ -22,11 +22,11 @@ from hydra.core.global_hydra import GlobalHydra
 
 from gptlab.errors import CheckpointError, DiskFullError, NonFiniteLossError
 from gptlab.model.config import GPTConfig
-from gptlab.parallel.checkpoint_io import AtomicCheckpointIO, restore_interrupted_saves
+from gptlab.parallel.checkpoint_io import AtomicCheckpointIO
 from gptlab.runs import Run, digests
 from gptlab.runs.checkpoints import load_checkpoint, model_config_dict
 from gptlab.runs.layout import last_checkpoint
-from gptlab.runs.resume import checkpoint_to_resume, choose_run_dir, plan_resume
+from gptlab.runs.resume import checkpoint_to_resume, choose_run_dir, plan_resume, restore_interrupted_saves
 from gptlab.runs.trained import load_run
 from gptlab.tasks.gpt import run
 from gptlab.tracking.wandb_runs import find_runs, read_run

@@ -30,11 +30,9 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.strategies import DeepSpeedStrategy, ModelParallelStrategy
 
 from gptlab.runs import digests
+from gptlab.runs.layout import ASIDE, STAGING, remove_path
 
 log = logging.getLogger(__name__)
-
-STAGING = ".{name}.tmp-dir"  # a directory being written
-ASIDE = ".{name}.old"  # the previous directory, during the swap
 
 
 def fsync_dir(path: Path) -> None:
@@ -208,24 +206,17 @@ def _fsync_tree(root: Path) -> None:
     fsync_dir(root)
 
 
-def _remove(path: Path) -> None:
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path)
-    elif path.exists() or path.is_symlink():
-        path.unlink()
-
-
 def swap_in(staging: Path, target: Path) -> None:
     """Move the finished ``staging`` directory to ``target``, replacing what is there."""
     aside = target.parent / ASIDE.format(name=target.name)
     if aside.exists():
-        _remove(aside)
+        remove_path(aside)
     if target.exists():
         os.rename(target, aside)
     os.rename(staging, target)
     fsync_dir(target.parent)
     if aside.exists():
-        _remove(aside)
+        remove_path(aside)
 
 
 def save_directory_atomically(
@@ -239,7 +230,7 @@ def save_directory_atomically(
     if strategy.is_global_zero:
         target.parent.mkdir(parents=True, exist_ok=True)
         if staging.exists():  # left by a save that was killed
-            _remove(staging)
+            remove_path(staging)
     strategy.barrier("gptlab_atomic_save_start")
     write(staging)
     strategy.barrier("gptlab_atomic_save_written")
@@ -251,32 +242,6 @@ def save_directory_atomically(
         digests.write_digest(target, files, step)
         fsync_dir(target.parent)
     strategy.barrier("gptlab_atomic_save_done")
-
-
-def restore_interrupted_saves(checkpoint_dir: Path) -> list[Path]:
-    """Undo what a kill during a directory swap or a save left in ``checkpoint_dir``: a checkpoint set
-    aside and not replaced is put back; unfinished staging directories are removed. Returns the
-    checkpoints put back."""
-    restored: list[Path] = []
-    if not checkpoint_dir.is_dir():
-        return restored
-    for aside in checkpoint_dir.glob(".*.old"):
-        target = checkpoint_dir / aside.name[1 : -len(".old")]
-        try:
-            if target.exists():
-                _remove(aside)  # the swap finished; only the cleanup was lost
-            else:
-                os.rename(aside, target)
-                restored.append(target)
-                log.warning("A save was interrupted mid-swap: restored the previous %s", target)
-        except FileNotFoundError:  # another rank got there first
-            continue
-    for staging in checkpoint_dir.glob(".*.tmp-dir"):
-        try:
-            _remove(staging)
-        except FileNotFoundError:
-            continue
-    return restored
 
 
 # The Lightning strategies that the sharded choices build: their checkpoint directories swapped in whole.

@@ -32,6 +32,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import socket
 import subprocess
 import tempfile
@@ -73,6 +74,9 @@ LENGTH_FILE = "length.json"
 # Lightning's name for the non-tensor part of a sharded checkpoint directory (step, loops, hyperparameters).
 SHARDED_META_FILE = "meta.pt"
 DCP_METADATA_FILE = ".metadata"
+# A sharded checkpoint directory is written beside its target, then swapped in (gptlab.parallel.checkpoint_io):
+STAGING = ".{name}.tmp-dir"  # a directory being written
+ASIDE = ".{name}.old"  # the previous directory, during the swap
 
 # Folders that never hold run directories.
 SKIP_DIRS = frozenset({"cache", "wandb", "checkpoints", "csv", "tensorboard", HYDRA_DIR, "__pycache__"})
@@ -485,3 +489,11 @@ def run_of_path(path: str | Path) -> Run | None:
         if Run.is_run_dir(candidate) or (candidate / HYDRA_DIR).is_dir():
             return Run(candidate)
     return None
+
+
+def remove_path(path: Path) -> None:
+    """Remove a file, a link or a directory tree, whichever ``path`` is; nothing where there is nothing."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif path.exists() or path.is_symlink():
+        path.unlink()

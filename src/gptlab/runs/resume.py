@@ -14,7 +14,6 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,13 +24,16 @@ from omegaconf import OmegaConf
 from gptlab.errors import CheckpointError, ConfigError
 from gptlab.runs.checkpoints import RESUME_INSTEAD, load_checkpoint, model_config_dict
 from gptlab.runs.layout import (
+    ASIDE,
     HYDRA_DIR,
     HYDRA_PARTS_DIR,
     LAST_CHECKPOINT_PATH,
+    STAGING,
     Run,
     checkpoint_dir,
     checkpoint_kind,
     find_run_dirs,
+    remove_path,
     run_of_path,
 )
 
@@ -155,6 +157,33 @@ class RunEntry:
     checkpoint: Path | None  # what ``resume=`` selects to load; None for a new run
 
 
+def restore_interrupted_saves(checkpoint_dir: Path) -> list[Path]:
+    """Undo what a kill during a directory swap or a save left in ``checkpoint_dir``: a checkpoint set
+    aside and not replaced is put back; unfinished staging directories are removed. Returns the
+    checkpoints put back."""
+    restored: list[Path] = []
+    if not checkpoint_dir.is_dir():
+        return restored
+    aside_suffix = ASIDE.format(name="")[1:]  # ".old"
+    for aside in checkpoint_dir.glob(ASIDE.format(name="*")):
+        target = checkpoint_dir / aside.name[1 : -len(aside_suffix)]
+        try:
+            if target.exists():
+                remove_path(aside)  # the swap finished; only the cleanup was lost
+            else:
+                os.rename(aside, target)
+                restored.append(target)
+                log.warning("A save was interrupted mid-swap: restored the previous %s", target)
+        except FileNotFoundError:  # another rank got there first
+            continue
+    for staging in checkpoint_dir.glob(STAGING.format(name="*")):
+        try:
+            remove_path(staging)
+        except FileNotFoundError:
+            continue
+    return restored
+
+
 def enter_run(
     run_dir: Path,
     resume: Any,
@@ -163,16 +192,13 @@ def enter_run(
     include_hydra: bool = False,
     log: Any = None,
     pick_checkpoint: bool = True,
-    repair: Callable[[Path], object] | None = None,
 ) -> RunEntry:
     """The one entry of a run into its directory, for a new run and a resumed one alike: whether it
     continues the run there (:func:`gptlab.runs.identity.continues_a_run`) is decided here, once, and the
     directory claimed accordingly: held by this process (a live holder refused by name), and, for a run that
     does not continue the one there, made its own (:func:`gptlab.runs.identity.claim_run_dir`: refused, or
-    the old files moved aside). ``repair`` runs on the checkpoint folder once this process holds the
-    directory: the task passes the checkpoint I/O's ``restore_interrupted_saves``, which puts back a sharded
-    checkpoint that a kill left set aside mid-swap (a function passed in: the checkpoint writes belong to
-    :mod:`gptlab.parallel`, a floor above this package). With ``pick_checkpoint`` (the task's entry; Hydra's
+    the old files moved aside). Once this process holds the directory, a
+    sharded checkpoint that a kill left set aside mid-swap is put back (:func:`restore_interrupted_saves`). With ``pick_checkpoint`` (the task's entry; Hydra's
     callback enters before the job without it) the checkpoint to continue from is then chosen (:func:`checkpoint_to_resume`: an unusable ``resume=`` is refused
     here, before any data is read). Holding and claiming twice in one process (Hydra's callback, then the
     task) is harmless: the second finds the directory held and already this run's."""
@@ -181,8 +207,7 @@ def enter_run(
     run_dir = Path(run_dir)
     continued = continues_a_run(resume, run_dir)
     hold_run_dir(run_dir, continued)
-    if repair is not None and checkpoint_dir(run_dir).is_dir():
-        repair(checkpoint_dir(run_dir))
+    restore_interrupted_saves(checkpoint_dir(run_dir))
     if not continued and not launched_rank():
         claim_run_dir(run_dir, resume, overwrite, include_hydra=include_hydra, log=log)
     checkpoint = checkpoint_to_resume(resume, run_dir) if pick_checkpoint else None

@@ -123,15 +123,12 @@ class RunSession:
         check_writable(run_dir)
         # The run's one entry (Hydra's callback entered first, without choosing a checkpoint). Inside a Hydra
         # job .hydra/ is this run's own: Hydra wrote it after CheckRunDirectory had checked.
-        from gptlab.parallel.checkpoint_io import restore_interrupted_saves
-
         entry = enter_run(
             run_dir,
             settings.resume,
             settings.overwrite,
             include_hydra=not HydraConfig.initialized(),
             log=log,
-            repair=restore_interrupted_saves,  # a kill mid-swap of a sharded checkpoint: swapped back first
         )
         if not launched_rank():
             overrides = list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
