@@ -11,8 +11,8 @@ fp32, without compilation, on the same device. nanoGPT is given `--gradient_accu
 one of its iterations is one optimizer step of 8 x 128 tokens, as gptlab's.
 
 Speed (the default): each program is timed as a whole process from outside, at `--short` and `--long` steps,
-evaluating only at its start (nanoGPT) and end (both): start-up, data, the evaluations and the last
-checkpoint are in both runs and cancel, so `(wall_long - wall_short) / (long - short)` is the wall time of one
+evaluating only at its start (nanoGPT, over one batch) and end (both): start-up, data, the evaluations and
+the last checkpoint are in both runs and cancel, so `(wall_long - wall_short) / (long - short)` is the wall time of one
 training step, and 1,024 tokens over it the rate. The processes are interleaved (all short runs, then all long
 runs, the order rotating each round) after an untimed run of each; `scripts/benchmark.py --per-step` does the
 timing. Prints each process's wall time, the medians and ranges, gptlab's rate over nanoGPT's round by round,
@@ -76,8 +76,10 @@ def gptlab_overrides(data: Path, device: str, overrides: list[str]) -> list[str]
 
 
 def nanogpt_argv(
-    data: Path, out: Path, steps: int, device: str, eval_iters: int, eval_interval: int
+    data: Path, out: Path, steps: int, device: str, eval_iters: int, eval_interval: int, decay_steps: int
 ) -> list[str]:
+    """nanoGPT's command line for ``steps`` iterations; its cosine decay ends at ``decay_steps``, which must
+    be past the 30 warmup iterations (nanoGPT divides by their difference)."""
     flags = {
         **SHAPE,
         **SCHEDULE,
@@ -85,7 +87,7 @@ def nanogpt_argv(
         "out_dir": str(out),
         "gradient_accumulation_steps": 1,
         "max_iters": steps,
-        "lr_decay_iters": steps,
+        "lr_decay_iters": decay_steps,
         "eval_interval": eval_interval,
         "eval_iters": eval_iters,
         "log_interval": 1,
@@ -121,8 +123,9 @@ def speed(args, data: Path, device: str) -> None:
     gptlab = gptlab_program(gptlab_name(), ROOT, gptlab_overrides(data, device, args.overrides))
     nano = Program(
         nanogpt_name(args.nanogpt),
-        # evaluations at the first step and the last only: in both runs, so they cancel
-        lambda steps, out: nanogpt_argv(data, out, steps, args.device, args.eval_iters, steps),
+        # Evaluations at the first iteration and the last only, over one batch: in both runs, so they cancel.
+        # One schedule for both lengths (its decay ends with the long run), as the rate does not depend on it.
+        lambda steps, out: nanogpt_argv(data, out, steps, args.device, 1, steps, args.long),
         args.nanogpt,
         SHAPE["batch_size"] * SHAPE["block_size"],
     )
@@ -191,7 +194,7 @@ def tiled_val_loss(nanogpt: Path, out: Path, data: Path) -> float:
 def run_nanogpt(
     nanogpt: Path, data: Path, out: Path, steps: int, device: str, eval_iters: int
 ) -> dict[str, float]:
-    cmd = nanogpt_argv(data, out, steps, device, eval_iters, eval_interval=80)
+    cmd = nanogpt_argv(data, out, steps, device, eval_iters, eval_interval=80, decay_steps=steps)
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=nanogpt, capture_output=True, text=True)
     wall = time.perf_counter() - t0
