@@ -502,13 +502,14 @@ def per_step_summary(
     programs: list[Program], walls: dict[str, dict[int, list[float]]], short: int, long: int
 ) -> dict:
     """Seconds per step and tokens per second of each program in each round, their medians and ranges, and
-    each program's rate against the first program's in the same round."""
+    each program's rate against the first program's in the same round. A round whose long run took no longer
+    than its short run (the machine's load changed between them) has no rate (inf) and is left out of the
+    medians, and so is its ratio."""
     first = programs[0].name
     figures: dict[str, dict] = {}
     for program in programs:
         w = walls[program.name]
         seconds = [(b - a) / (long - short) for a, b in zip(w[short], w[long])]
-        # a long run that took no longer than its short run (a disturbed pair) has no rate: inf, not a number
         rates = [program.tokens_per_step / s if s > 0 else math.inf for s in seconds]
         figures[program.name] = {
             "tokens_per_step": program.tokens_per_step,
@@ -516,16 +517,17 @@ def per_step_summary(
             "wall_seconds_long": w[long],
             "seconds_per_step": seconds,
             "tokens_per_second": rates,
-            "seconds_per_step_median": statistics.median(seconds),
-            "tokens_per_second_median": statistics.median(rates),
+            "seconds_per_step_median": _median([s for s in seconds if s > 0]),
+            "tokens_per_second_median": _median([r for r in rates if math.isfinite(r)]),
         }
     for program in programs:
         f = figures[program.name]
         # how many times this program's rate the first one's is, round by round (1 for the first itself)
         f["first_over_this"] = [
-            a / b for a, b in zip(figures[first]["tokens_per_second"], f["tokens_per_second"])
+            a / b if math.isfinite(a) and math.isfinite(b) else math.nan
+            for a, b in zip(figures[first]["tokens_per_second"], f["tokens_per_second"])
         ]
-        f["first_over_this_median"] = statistics.median(f["first_over_this"])
+        f["first_over_this_median"] = _median([r for r in f["first_over_this"] if math.isfinite(r)])
     return {
         "mode": "per_step",
         "short_steps": short,
@@ -535,7 +537,14 @@ def per_step_summary(
     }
 
 
+def _median(values: list[float]) -> float:
+    return statistics.median(values) if values else math.nan
+
+
 def _range(values: list[float], fmt: str) -> str:
+    values = [v for v in values if math.isfinite(v)]
+    if not values:
+        return "none"
     return (
         f"{fmt.format(min(values))}-{fmt.format(max(values))}" if len(values) > 1 else fmt.format(values[0])
     )

@@ -97,9 +97,12 @@ def test_a_round_whose_long_run_was_not_longer_says_it_has_no_rate(benchmark):
     programs = [benchmark.Program("gptlab", lambda s, o: [], ROOT, tokens_per_step=1024)]
     walls = {"gptlab": {30: [10.0, 20.0], 130: [30.0, 19.0]}}
     result = benchmark.per_step_summary(programs, walls, short=30, long=130)
+    # the disturbed round is left out of the medians, not counted as a rate
+    assert result["programs"]["gptlab"]["tokens_per_second_median"] == pytest.approx(1024 / 0.2)
     result["machine"] = "a CPU"
     report = benchmark.per_step_report(result, "cmd")
     assert "Round 2: gptlab's long run took no longer than its short run" in report
+    assert "| gptlab | 5,120 (5,120) | 0.200 | - |" in report
 
 
 def test_tokens_per_step_come_from_the_composed_config(benchmark):
