@@ -1,8 +1,24 @@
-"""Time gptlab's Lightning training step against a plain PyTorch loop, in one process, interleaved.
+"""Time gptlab's Lightning training step against a plain PyTorch loop, in one process, interleaved; or time
+`python train.py` per step from whole processes.
 
     python scripts/benchmark.py                                  # the default model and data
     python scripts/benchmark.py model=small pos=rope compile=true --rounds 6 --steps 5
     python scripts/benchmark.py --head --rows 8192               # the output layer + loss alone
+    python scripts/benchmark.py --per-step                       # `python train.py`, seconds per step
+    python scripts/benchmark.py --per-step --against 17a87d9     # ... against an older build (a git ref)
+
+Per step (``--per-step``): the whole ``python train.py <overrides>`` process is timed from outside at two step
+counts, ``--short`` and ``--long`` (``trainer.max_steps``), everything else equal, with one validation at the
+end of each (``trainer.val_check_interval`` = the run's steps): start-up, data preparation, the final
+validation and the final checkpoint are in both and cancel out, so ``(wall_long - wall_short) / (long -
+short)`` is the wall time of one training step as the user's run takes it (its callbacks, logging and periodic
+checkpoints included), and tokens per second is the tokens of a step over that. With ``--against REF`` the
+same is timed for that commit, exported with ``git archive`` into a temporary folder and run there with its
+own ``src/`` (its own config: tokens per step are read from each build's composed config). The processes are
+interleaved, all short runs then all long runs, in an order that rotates each round, so that the programs
+share the machine's load; an untimed run of each program first fills the token cache and the file cache.
+Prints every process's wall time, the per-round figures, the medians with their range and the ratio of each
+program's rate to the first's, one JSON object, and last a Markdown table to paste.
 
 Training: one Lightning ``Trainer.fit`` (the run's own callbacks and a CSV logger; no validation or
 checkpoints) and a plain loop (forward, backward, gradient clipping, AdamW step with the same schedule) over
@@ -26,15 +42,23 @@ import argparse
 import copy
 import json
 import math
+import os
 import resource
+import shlex
+import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def compose_config(overrides: list[str]):
@@ -399,26 +423,315 @@ def train_benchmark(args, overrides: list[str]) -> dict:
     return result
 
 
+# ---- per step, from whole processes ---------------------------------------------------------------------
+
+
+@dataclass
+class Program:
+    """A training program timed as whole processes: ``argv(steps, out)`` is its command line for a run of
+    ``steps`` optimizer steps that writes into the folder ``out``, run in ``cwd`` with ``env`` added to this
+    process's environment."""
+
+    name: str
+    argv: Callable[[int, Path], list[str]]
+    cwd: Path
+    tokens_per_step: int
+    env: dict[str, str] = field(default_factory=dict)
+
+    def run(self, steps: int, out: Path) -> float:
+        """Wall seconds of one whole run of ``steps`` steps. Its folder is removed afterwards (each run
+        writes checkpoints)."""
+        argv = self.argv(steps, out)
+        t0 = time.perf_counter()
+        proc = subprocess.run(
+            argv, cwd=self.cwd, env={**os.environ, **self.env}, capture_output=True, text=True
+        )
+        wall = time.perf_counter() - t0
+        shutil.rmtree(out, ignore_errors=True)
+        if proc.returncode:
+            raise SystemExit(
+                f"{self.name}: `{shlex.join(argv)}` (in {self.cwd}) exited with {proc.returncode}:\n"
+                f"{(proc.stdout + proc.stderr)[-3000:]}"
+            )
+        return wall
+
+
+@dataclass
+class PerStepTiming:
+    """Wall seconds per training step of each program, from whole processes at ``short`` and ``long`` steps:
+    what both runs share (start-up, data, the final validation and checkpoint) cancels in the difference.
+    Each round runs every program's short run, then every long run, the programs' order rotating by one
+    each round."""
+
+    programs: list[Program]
+    short: int
+    long: int
+    rounds: int
+    out: Path
+    warmup: bool = True
+
+    def run(self) -> dict:
+        if not 0 < self.short < self.long:
+            raise SystemExit(f"--short {self.short} --long {self.long}: need 0 < --short < --long")
+        if self.rounds < 1:
+            raise SystemExit(f"--rounds {self.rounds}: need at least one round")
+        load_before = os.getloadavg()[0]
+        if self.warmup:  # fills the token cache and the file cache; not counted
+            for program in self.programs:
+                wall = program.run(self.short, self.out / "warmup")
+                print(f"warm-up: {program.name}, {self.short} steps: {wall:.1f} s (not counted)", flush=True)
+        walls: dict[str, dict[int, list[float]]] = {
+            p.name: {self.short: [], self.long: []} for p in self.programs
+        }
+        for r in range(self.rounds):
+            k = r % len(self.programs)
+            for steps in (self.short, self.long):
+                for i, program in enumerate(self.programs[k:] + self.programs[:k]):
+                    wall = program.run(steps, self.out / f"round{r}-{steps}-{i}")
+                    walls[program.name][steps].append(wall)
+                    print(
+                        f"round {r + 1}/{self.rounds}: {program.name}, {steps} steps: {wall:.1f} s",
+                        flush=True,
+                    )
+        result = per_step_summary(self.programs, walls, self.short, self.long)
+        result["load_average"] = [load_before, os.getloadavg()[0]]
+        return result
+
+
+def per_step_summary(
+    programs: list[Program], walls: dict[str, dict[int, list[float]]], short: int, long: int
+) -> dict:
+    """Seconds per step and tokens per second of each program in each round, their medians and ranges, and
+    each program's rate against the first program's in the same round. A round whose long run took no longer
+    than its short run (the machine's load changed between them) has no rate (inf) and is left out of the
+    medians, and so is its ratio."""
+    first = programs[0].name
+    figures: dict[str, dict] = {}
+    for program in programs:
+        w = walls[program.name]
+        seconds = [(b - a) / (long - short) for a, b in zip(w[short], w[long])]
+        rates = [program.tokens_per_step / s if s > 0 else math.inf for s in seconds]
+        figures[program.name] = {
+            "tokens_per_step": program.tokens_per_step,
+            "wall_seconds_short": w[short],
+            "wall_seconds_long": w[long],
+            "seconds_per_step": seconds,
+            "tokens_per_second": rates,
+            "seconds_per_step_median": _median([s for s in seconds if s > 0]),
+            "tokens_per_second_median": _median([r for r in rates if math.isfinite(r)]),
+        }
+    for program in programs:
+        f = figures[program.name]
+        # how many times this program's rate the first one's is, round by round (1 for the first itself)
+        f["first_over_this"] = [
+            a / b if math.isfinite(a) and math.isfinite(b) else math.nan
+            for a, b in zip(figures[first]["tokens_per_second"], f["tokens_per_second"])
+        ]
+        f["first_over_this_median"] = _median([r for r in f["first_over_this"] if math.isfinite(r)])
+    return {
+        "mode": "per_step",
+        "short_steps": short,
+        "long_steps": long,
+        "rounds": len(walls[first][short]),
+        "programs": figures,
+    }
+
+
+def _median(values: list[float]) -> float:
+    return statistics.median(values) if values else math.nan
+
+
+def _range(values: list[float], fmt: str) -> str:
+    values = [v for v in values if math.isfinite(v)]
+    if not values:
+        return "none"
+    return (
+        f"{fmt.format(min(values))}-{fmt.format(max(values))}" if len(values) > 1 else fmt.format(values[0])
+    )
+
+
+def per_step_report(result: dict, command: str) -> str:
+    """The per-round lines, and the Markdown table with the command and the machine under it."""
+    programs = result["programs"]
+    first = next(iter(programs))
+    lines = [f"\n{'round':>5} {'program':<28} {'short s':>8} {'long s':>8} {'s/step':>8} {'tokens/s':>9}"]
+    for r in range(result["rounds"]):
+        for name, f in programs.items():
+            lines.append(
+                f"{r + 1:>5} {name:<28} {f['wall_seconds_short'][r]:>8.1f} {f['wall_seconds_long'][r]:>8.1f} "
+                f"{f['seconds_per_step'][r]:>8.3f} {f['tokens_per_second'][r]:>9,.0f}"
+            )
+    lines += [
+        "",
+        f"| program | tokens/s, median (range) | s/step, median | {first} is (range) |",
+        "|---|---:|---:|---:|",
+    ]
+    for name, f in programs.items():
+        ratio = (
+            "-"
+            if name == first
+            else f"{f['first_over_this_median']:.2f}x ({_range(f['first_over_this'], '{:.2f}')})"
+        )
+        lines.append(
+            f"| {name} | {f['tokens_per_second_median']:,.0f} ({_range(f['tokens_per_second'], '{:,.0f}')}) "
+            f"| {f['seconds_per_step_median']:.3f} | {ratio} |"
+        )
+    for name, f in programs.items():
+        for r, seconds in enumerate(f["seconds_per_step"]):
+            if seconds <= 0:
+                lines.append(
+                    f"\nRound {r + 1}: {name}'s long run took no longer than its short run: the machine's load "
+                    "changed between them, and the round has no rate. Run more rounds, or at a quieter moment."
+                )
+    load = result.get("load_average")
+    lines.append(
+        f"\nWall time per step of whole processes, ({result['long_steps']} - {result['short_steps']} steps), "
+        f"{result['rounds']} interleaved rounds; {result['machine']}"
+        + (f"; load average {load[0]:.1f} before, {load[1]:.1f} after" if load else "")
+        + f". Command: `{command}`"
+    )
+    return "\n".join(lines)
+
+
+def machine_description() -> str:
+    """The CPU (model, cores, torch threads) and the GPU if there is one: the card the figures came from."""
+    cpu = "CPU"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    text = f"{cpu}, {os.cpu_count()} cores, torch threads {torch.get_num_threads()}"
+    if torch.cuda.is_available():
+        text += f", {torch.cuda.get_device_name(0)}"
+    return text
+
+
+def git(*args: str) -> str:
+    return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
+
+
+def export_build(ref: str, into: Path) -> tuple[Path, str]:
+    """The commit ``ref`` names, exported (``git archive``: its tracked files, no git metadata) into a new
+    folder under ``into``; returns the folder and the short commit."""
+    try:
+        commit = git("rev-parse", "--short", f"{ref}^{{commit}}")
+    except subprocess.CalledProcessError as e:
+        raise SystemExit(f"--against {ref}: not a commit of {ROOT}: {e.stderr.strip()}") from None
+    folder = into / f"build-{commit}"
+    folder.mkdir(parents=True)
+    archive = subprocess.run(["git", "archive", commit], cwd=ROOT, capture_output=True, check=True)
+    subprocess.run(["tar", "-x", "-C", str(folder)], input=archive.stdout, check=True)
+    return folder, commit
+
+
+def gptlab_program(name: str, root: Path, overrides: list[str]) -> Program:
+    """``python train.py <overrides>`` of the checkout ``root`` with its own ``src/``, validating once, at its
+    last step, and writing its run into the folder it is given."""
+    env = {
+        "PYTHONPATH": os.pathsep.join(p for p in (str(root / "src"), os.environ.get("PYTHONPATH")) if p),
+        "WANDB_MODE": os.environ.get("WANDB_MODE", "offline"),
+    }
+    proc = subprocess.run(
+        [sys.executable, "train.py", *overrides, "--cfg", "job", "--resolve"],
+        cwd=root,
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+    )
+    if proc.returncode:
+        raise SystemExit(f"{name}: the overrides {overrides} do not compose:\n{proc.stderr[-3000:]}")
+    import yaml
+
+    cfg = yaml.safe_load(proc.stdout)
+    data, trainer = cfg["data"], cfg["trainer"]
+    devices = trainer.get("devices", 1)
+    if not isinstance(devices, int):
+        raise SystemExit(f"--per-step: trainer.devices={devices!r}: give the number of devices")
+    tokens = (
+        int(data["batch_size"])
+        * int(data.get("block_size") or cfg["model"]["block_size"])
+        * int(trainer.get("accumulate_grad_batches") or 1)
+        * devices
+        * int(trainer.get("num_nodes") or 1)
+    )
+
+    def argv(steps: int, out: Path) -> list[str]:
+        return [
+            sys.executable,
+            "train.py",
+            *overrides,
+            f"trainer.max_steps={steps}",
+            f"trainer.val_check_interval={steps}",
+            f"hydra.run.dir={out}",
+        ]
+
+    return Program(name, argv, root, tokens, env)
+
+
+def per_step_benchmark(args, overrides: list[str]) -> tuple[dict, str]:
+    taken = [o for o in overrides if o.split("=", 1)[0].lstrip("+~") in PER_STEP_KEYS]
+    if taken:
+        raise SystemExit(f"--per-step sets {', '.join(PER_STEP_KEYS)} itself: leave out {taken}")
+    here = git("rev-parse", "--short", "HEAD")
+    if git("status", "--porcelain", "--untracked-files=no"):
+        here += " + changes"
+    with tempfile.TemporaryDirectory(prefix="gptlab-per-step-") as tmp:
+        programs = [gptlab_program(f"gptlab {here}", ROOT, overrides)]
+        for ref in args.against:
+            folder, commit = export_build(ref, Path(tmp))
+            programs.append(gptlab_program(f"gptlab {commit}", folder, overrides))
+        result = PerStepTiming(
+            programs, args.short, args.long, args.rounds or 2, Path(tmp) / "runs", warmup=not args.no_warmup
+        ).run()
+    result["machine"] = machine_description()
+    result["overrides"] = overrides
+    command = shlex.join(["python", "scripts/benchmark.py", *sys.argv[1:]])
+    return result, per_step_report(result, command)
+
+
+PER_STEP_KEYS = ("trainer.max_steps", "trainer.val_check_interval", "hydra.run.dir")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--rounds", type=int, default=5, help="timed rounds (each: Lightning, then plain)")
+    parser.add_argument("--rounds", type=int, default=None, help="timed rounds (default 5; --per-step: 2)")
     parser.add_argument("--steps", type=int, default=4, help="optimizer steps per loop per round")
     parser.add_argument("--warmup", type=int, default=1, help="rounds not counted (start-up, compilation)")
     parser.add_argument("--progress-bar", action="store_true", help="show Lightning's progress bar")
     parser.add_argument("--head", action="store_true", help="time the output layer + loss alone")
     parser.add_argument("--rows", type=int, default=8192, help="--head: rows of B*T")
     parser.add_argument("--impls", default="plain,chunked", help="--head: implementations to compare")
+    parser.add_argument(
+        "--per-step", action="store_true", help="time `python train.py` per step from whole processes"
+    )
+    parser.add_argument("--short", type=int, default=30, help="--per-step: steps of the short runs")
+    parser.add_argument("--long", type=int, default=130, help="--per-step: steps of the long runs")
+    parser.add_argument(
+        "--against", action="append", default=[], metavar="REF", help="--per-step: also time this commit"
+    )
+    parser.add_argument(
+        "--no-warmup", action="store_true", help="--per-step: no untimed run of each program first"
+    )
     args, overrides = parser.parse_known_args(argv)
     bad = [o for o in overrides if o.startswith("-")]
     if bad:
         parser.error(f"unknown option(s) {bad}; Hydra overrides are written key=value")
-    if args.head:
-        result = HeadBenchmark(args.rows, args.impls.split(","), args.rounds, overrides).run()
+    report = None
+    if args.per_step:
+        result, report = per_step_benchmark(args, overrides)
+    elif args.head:
+        result = HeadBenchmark(args.rows, args.impls.split(","), args.rounds or 5, overrides).run()
     else:
+        args.rounds = args.rounds or 5
         result = train_benchmark(args, overrides)
     print(json.dumps({k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in result.items()}))
+    if report is not None:
+        print(report)  # last: the table to paste
     return 0
 
 
