@@ -11,6 +11,20 @@ from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def load_script(name: str):
+    """``scripts/<name>.py`` imported as the module ``name`` (scripts are not a package), registered in
+    ``sys.modules`` so that its dataclasses and pickling resolve; the caller removes it when done."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
 CONF = ROOT / "conf"
 
 # Tests never touch the network or a real W&B account.

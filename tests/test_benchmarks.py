@@ -4,23 +4,18 @@ step from whole processes at two step counts, interleaved in rotating order, wit
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, TINY
+from conftest import ROOT, TINY, load_script
 
 
 @pytest.fixture(scope="module")
 def benchmark():
-    spec = importlib.util.spec_from_file_location("benchmark", ROOT / "scripts" / "benchmark.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["benchmark"] = module
-    spec.loader.exec_module(module)
-    yield module
+    yield load_script("benchmark")
     del sys.modules["benchmark"]
 
 

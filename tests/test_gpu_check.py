@@ -4,23 +4,18 @@ every section. (The figures themselves need the GPU; the whole smoke run is ``--
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import sys
 
 import pytest
-from conftest import ROOT
+from conftest import load_script
 
 from gptlab import torch_features
 
 
 @pytest.fixture(scope="module")
 def gpu_check():
-    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "scripts" / "gpu_check.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["gpu_check"] = module
-    spec.loader.exec_module(module)
-    yield module
+    yield load_script("gpu_check")
     del sys.modules["gpu_check"]
 
 

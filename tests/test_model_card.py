@@ -2,9 +2,11 @@
 memory against the tensors autograd really keeps, and the memory arithmetic of each strategy, read from the
 same strategy choices that training builds."""
 
+import sys
+
 import pytest
 import torch
-from conftest import CONF, ROOT
+from conftest import CONF, load_script
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -208,11 +210,8 @@ def test_a_run_that_does_not_fit_names_the_strategy_that_would(make_cfg):
 
 
 def test_model_card_script_reports_gpt3(capsys):
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("model_card", ROOT / "scripts" / "model_card.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_script("model_card")
+    del sys.modules["model_card"]
     from hydra.core.global_hydra import GlobalHydra
 
     GlobalHydra.instance().clear()

@@ -144,6 +144,19 @@ def attention_bias(model: GPT, n: int) -> Tensor | None:
     return bias.masked_fill(future, float("nan"))
 
 
+def _heatmap(
+    values: Any, path: Path, figsize: tuple[float, float], labels: tuple[str, str], title: str, **imshow: Any
+) -> Path:
+    """One matrix drawn as an image with its colour bar (x label, y label), saved to ``path``."""
+    fig, ax = pyplot().subplots(figsize=figsize)
+    image = ax.imshow(values, interpolation="nearest", **imshow)
+    ax.set_xlabel(labels[0])
+    ax.set_ylabel(labels[1])
+    ax.set_title(title)
+    fig.colorbar(image, ax=ax)
+    return save_figure(fig, path, dpi=72)
+
+
 def plot_scheme(
     model: GPT, out_dir: str | Path, n: int | None = None, label: str | None = None
 ) -> list[Path]:
@@ -157,23 +170,32 @@ def plot_scheme(
 
     table = position_table(model, n)
     if table is not None:
-        fig, ax = plt.subplots(figsize=(6, 4))
-        image = ax.imshow(table.T, aspect="auto", cmap="RdBu_r", interpolation="nearest")
-        ax.set_xlabel("position")
-        ax.set_ylabel("embedding dimension")
-        ax.set_title(f"pos={model.config.pos.name}: position vectors")
-        fig.colorbar(image, ax=ax)
-        written.append(save_figure(fig, out_dir / f"{label}_table.png", dpi=72))
+        written.append(
+            _heatmap(
+                table.T,
+                out_dir / f"{label}_table.png",
+                (6, 4),
+                ("position", "embedding dimension"),
+                f"pos={model.config.pos.name}: position vectors",
+                aspect="auto",
+                cmap="RdBu_r",
+            )
+        )
 
     similarity = position_similarity(model, n)
     if similarity is not None:
-        fig, ax = plt.subplots(figsize=(5, 4.2))
-        image = ax.imshow(similarity, cmap="viridis", vmin=-1, vmax=1, interpolation="nearest")
-        ax.set_xlabel("position j")
-        ax.set_ylabel("position i")
-        ax.set_title(f"pos={model.config.pos.name}: cosine similarity of positions")
-        fig.colorbar(image, ax=ax)
-        written.append(save_figure(fig, out_dir / f"{label}_similarity.png", dpi=72))
+        written.append(
+            _heatmap(
+                similarity,
+                out_dir / f"{label}_similarity.png",
+                (5, 4.2),
+                ("position j", "position i"),
+                f"pos={model.config.pos.name}: cosine similarity of positions",
+                cmap="viridis",
+                vmin=-1,
+                vmax=1,
+            )
+        )
 
     bias = attention_bias(model, n)
     if bias is not None:
