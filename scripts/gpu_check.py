@@ -521,8 +521,9 @@ def section_strategies(ctx: Context) -> dict[str, Any]:
             )
             want, got = _csv_column(full, "train/loss"), _csv_column(resumed, "train/loss")
             val_want, val_got = _csv_column(full, "val/loss"), _csv_column(resumed, "val/loss")
-            last = steps - 1
-            worst = max(abs(got[s] - want[s]) for s in range(middle, steps))
+            # Rows are numbered by optimizer steps done: the resumed run logs steps middle+1 .. steps.
+            last = steps
+            worst = max(abs(got[s] - want[s]) for s in range(middle + 1, steps + 1))
             equal = worst <= 1e-4 and abs(val_got[last] - val_want[last]) <= 1e-4
             row.update(
                 checkpoint="directory (sharded)" if checkpoint.is_dir() else "file",

@@ -86,3 +86,18 @@ def test_a_section_runs_in_a_child_process_stopped_at_its_time_limit(gpu_check, 
     assert done["status"] == "ok" and done["info"]["device"] == "cpu (smoke)"
     stopped = gpu_check.run_in_child(section, ctx, budget_s=0.5)  # far too little: the child is killed
     assert stopped == {"status": "timeout", "error": "stopped after its 0.5 s", "seconds": 0.5}
+
+
+@pytest.mark.slow
+def test_the_strategies_section_resumes_ddp_and_fsdp_to_the_uninterrupted_loss(gpu_check, tmp_path):
+    """strategy=ddp and strategy=fsdp on one CPU process (gloo): real train.py runs, one interrupted at its
+    middle checkpoint and resumed, compared row by row with the uninterrupted run (the GPU session's check of
+    resume over NCCL, at toy size)."""
+    ctx = gpu_check.Context(smoke=True, out=tmp_path, with_compile=False)
+    result = gpu_check.run_section("strategies", ctx)
+    assert result["status"] == "ok", result.get("traceback") or result.get("error") or result.get("rows")
+    rows = {r["strategy"]: r for r in result["rows"]}
+    assert set(rows) == {"ddp", "fsdp"}
+    for row in rows.values():
+        assert row["same_loss"] is True and row["val_loss_resumed"] == row["val_loss_uninterrupted"], row
+    assert rows["fsdp"]["checkpoint"] == "directory (sharded)"
