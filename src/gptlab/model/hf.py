@@ -145,14 +145,20 @@ def llama_options(hf: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def window_options(hf: dict[str, Any]) -> dict[str, Any]:
+    """The sliding-window layers of a Hugging Face config (``layer_types``, ``sliding_window``) as the
+    attention node's ``window`` and ``window_pattern`` (L local, G global, one letter a layer); none without."""
+    layer_types = hf.get("layer_types") or []
+    if "sliding_attention" not in layer_types or not hf.get("sliding_window"):
+        return {}
+    pattern = "".join("L" if t == "sliding_attention" else "G" for t in layer_types)
+    return {"window": hf["sliding_window"], "window_pattern": pattern}
+
+
 def qwen3_options(hf: dict[str, Any]) -> dict[str, Any]:
     """Llama's values, with QK-norm (RMSNorm at the model's epsilon) and the sliding-window layers."""
     values = llama_options(hf)
-    attention: dict[str, Any] = {"qk_norm": "rmsnorm", "qk_norm_eps": hf.get("rms_norm_eps", 1e-6)}
-    layer_types = hf.get("layer_types") or []
-    if "sliding_attention" in layer_types and hf.get("sliding_window"):
-        attention["window"] = hf["sliding_window"]
-        attention["window_pattern"] = "".join("L" if t == "sliding_attention" else "G" for t in layer_types)
+    attention = {"qk_norm": "rmsnorm", "qk_norm_eps": hf.get("rms_norm_eps", 1e-6), **window_options(hf)}
     values["attention"] = attention
     return values
 
@@ -174,11 +180,7 @@ def gemma2_options(hf: dict[str, Any]) -> dict[str, Any]:
     values["activation"] = {"name": "geglu", "approximate": "tanh" if act == "gelu_pytorch_tanh" else "none"}
     values["norm_placement"] = "sandwich"
     values["embed_scale"] = float(hf["hidden_size"] ** 0.5)
-    attention: dict[str, Any] = {"logit_softcap": hf.get("attn_logit_softcapping")}
-    layer_types = hf.get("layer_types") or []
-    if "sliding_attention" in layer_types and hf.get("sliding_window"):
-        attention["window"] = hf["sliding_window"]
-        attention["window_pattern"] = "".join("L" if t == "sliding_attention" else "G" for t in layer_types)
+    attention = {"logit_softcap": hf.get("attn_logit_softcapping"), **window_options(hf)}
     values["attention"] = attention
     return values
 
