@@ -182,6 +182,28 @@ def test_kv_cache_decoding_equals_the_whole_sequence_with_every_variant_on(pos):
     assert torch.equal(with_cache, model.generate(prompt, 8, use_cache=False))
 
 
+@pytest.mark.parametrize("pos", ["rope", "alibi", "relative", "fire"])
+@torch.no_grad()
+def test_a_local_layers_cache_holds_its_window_alone_and_decodes_as_the_whole_sequence(pos):
+    """Window 4 on layers LLG, 30 tokens: a prompt longer than the window, a chunk of 5 and then one token at a
+    time. Each local layer's cache ends holding the last 4 positions, the global layer all 30, and every
+    step's logits equal one pass over the whole sequence (the kept keys keep their absolute positions for
+    the rotation and for the biases); greedy generation with and without the cache gives the same tokens."""
+    window, total = 4, 30
+    model = model_of(pos=pos, n_layer=3, n_kv_head=2, attention={"window": window, "window_pattern": "LLG"})
+    idx = torch.randint(0, 61, (2, total), generator=torch.Generator().manual_seed(1))
+    whole = model(idx)[0]
+    cache = gptlab.model.KVCache.empty(model.config.n_layer)
+    steps = [model(idx[:, :7], cache=cache)[0], model(idx[:, 7:12], cache=cache)[0]]
+    steps += [model(idx[:, t : t + 1], cache=cache)[0] for t in range(12, total)]
+    torch.testing.assert_close(torch.cat(steps, dim=1), whole, rtol=0, atol=1e-5)
+    held = [tuple(k.shape) + tuple(v.shape) for k, v in cache.layers]  # type: ignore[misc]
+    assert held == [(2, 2, window, 8) * 2, (2, 2, window, 8) * 2, (2, 2, total, 8) * 2]
+    prompt = idx[:, :3]
+    with_cache = model.generate(prompt, total - 3, use_cache=True)
+    assert torch.equal(with_cache, model.generate(prompt, total - 3, use_cache=False))
+
+
 @torch.no_grad()
 def test_one_local_layer_at_8x_context_is_its_window_alone():
     """Length: a one-layer model with window 8 and a relative scheme, run at 8 times its training context

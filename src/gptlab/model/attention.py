@@ -46,7 +46,14 @@ FROM_SCHEME: Any = object()
 
 @dataclass
 class KVCache:
-    """Keys and values of the tokens seen so far, one (k, v) pair per layer, for incremental decoding."""
+    """Keys and values of the tokens seen so far, one (k, v) pair per layer, for incremental decoding.
+
+    A local layer (a sliding window of W positions) keeps only the keys and values of the last W positions:
+    no later query can read further back, so its cache is bounded by W however long the generation runs.
+    A global layer keeps every position. The keys kept are always the most recent ones, in order, so a
+    layer holding n of them holds positions ``length - n .. length - 1``; the keys were rotated (RoPE) at
+    their absolute positions before they were cached, and the bias schemes read those positions back
+    through :meth:`first_key_position`."""
 
     layers: list[tuple[Tensor, Tensor] | None] = field(default_factory=list)
     length: int = 0  # tokens already in the cache
@@ -55,12 +62,24 @@ class KVCache:
     def empty(cls, n_layer: int) -> KVCache:
         return cls(layers=[None] * n_layer)
 
-    def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    def first_key_position(self, window: int | None) -> int:
+        """The absolute position of the first key that a layer with ``window`` (None: global) holds now,
+        before the next step's tokens are added."""
+        return 0 if window is None else max(0, self.length - window)
+
+    def update(self, layer: int, k: Tensor, v: Tensor, window: int | None = None) -> tuple[Tensor, Tensor]:
+        """The layer's keys and values for this step: the cached ones followed by the step's own ``k``,
+        ``v`` (B, n_kv_head, T, head_dim). A local layer (``window`` W) then keeps the last W positions of
+        them; the step itself still reads every key it returns (its first query may reach W - 1 back)."""
         past = self.layers[layer]
         if past is not None:
             k = torch.cat([past[0], k], dim=2)
             v = torch.cat([past[1], v], dim=2)
-        self.layers[layer] = (k, v)
+        if window is not None and k.size(2) > window:
+            # A view of this step's keys: the next step's concatenation copies it and frees the rest.
+            self.layers[layer] = (k[:, :, -window:], v[:, :, -window:])
+        else:
+            self.layers[layer] = (k, v)
         return k, v
 
 
@@ -268,7 +287,7 @@ class CausalSelfAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)  # before the rotation, as OLMo 2 and Qwen3
         q, k = pos.rotate(q, k, positions)
         if cache is not None:
-            k, v = cache.update(self.layer, k, v)  # (B, n_kv_head, Tk, head_dim)
+            k, v = cache.update(self.layer, k, v, self.window)  # (B, n_kv_head, Tk, head_dim)
         Tk = k.size(2)
         dropout_p = self.dropout if self.training else 0.0
         # Grouped-query attention (Ainslie et al. 2023): query head i reads K/V head i // (n_head /

@@ -183,8 +183,8 @@ class GPT(nn.Module):
             x = x * self.config.embed_scale
         x = self.transformer.drop(pos.embed(x, token_positions))
         # A positional bias, a window and a cap depend on positions only: built once here for each kind of
-        # layer (global, or local with its window), shared by every layer of that kind.
-        k_positions = torch.arange(start + T, device=idx.device)
+        # layer (global, or local with its window), shared by every layer of that kind. The keys of a layer
+        # are the cached ones (a local layer's cache holds its last `window` positions only) and this step's.
         dropout = self.training and self.config.dropout > 0  # FlexAttention has no dropout
         use_flex = (
             cache is None
@@ -196,6 +196,8 @@ class GPT(nn.Module):
         for i, block in enumerate(self.transformer.h):
             window = self.config.attention.layer_window(i)
             if window not in biases:
+                first_key = cache.first_key_position(window) if cache is not None else 0
+                k_positions = torch.arange(first_key, start + T, device=idx.device)
                 biases[window] = AttentionBias.build(
                     pos, positions, k_positions, use_flex, window, softcap, doc_ids
                 )
