@@ -17,8 +17,12 @@
   SDPA cannot cap, an explicit score computation elsewhere. QK-norm acts on q and k before any rotation.
 - Document masking (``data.document_mask=true``): the model gets each token's document id, and a query reads
   only the keys of its own document, on top of causality and any window: a per-window FlexAttention block
-  mask on CUDA (``document_block_mask``), a (B, 1, T, T) boolean mask (or the bias at -inf outside the
-  document) through SDPA elsewhere.
+  mask on CUDA (``document_block_mask``), a (B, 1, T, T) boolean mask through SDPA elsewhere. With a bias the
+  per-head bias (n_head, T, T) and the per-window document mask (B, 1, T, T) stay apart and are combined one
+  block of queries at a time: the (B, n_head, T, T) floats of both at once are never held, nor their
+  gradient (``scripts/document_mask_memory.py`` measures the step's memory). The exception is a bias without
+  a gradient (ALiBi) in a training step, which SDPA's CPU kernel keeps for the backward in every layer: there
+  one combined mask, shared by the layers, holds least.
 """
 
 from __future__ import annotations
@@ -158,9 +162,15 @@ class AttentionBias:
     positional bias, a window and a logit cap. Either a dense (n_head or 1, Tq, Tk) mask for SDPA (additive,
     the future and the positions outside the window at -inf; or boolean, True where a query may look, when
     there is no bias), or a FlexAttention block mask with a score_mod (the cap, then the bias). With document
-    ids the dense mask is (B, n_head or 1, Tq, Tk), each window's own, and the block mask is per window."""
+    ids and no bias the dense mask is a (B, 1, Tq, Tk) boolean, each window's own; with a bias it stays the
+    bias (n_head, Tq, Tk), and ``document`` (B, 1, Tq, Tk) says which pairs share a document (except for a
+    bias without a gradient in a training step: one (B, n_head, Tq, Tk) mask, see ``build``). The block
+    mask is per window."""
 
     mask: Tensor | None = None
+    document: Tensor | None = (
+        None  # (B, 1, Tq, Tk) True where query and key share a document; with a bias only
+    )
     score_mod: ScoreMod | None = None
     block_mask: Any = None
     softcap: float | None = None  # the dense route's logit cap (FlexAttention's is in score_mod)
@@ -199,6 +209,15 @@ class AttentionBias:
             in_document = (allowed & same_document(doc_ids))[:, None]  # (B, 1, Tq, Tk)
             if bias is None:
                 return cls(mask=in_document, softcap=softcap)
+            if bias.requires_grad or not torch.is_grad_enabled() or softcap is not None:
+                # Per head and per window apart, combined one block of queries at a time in each layer and
+                # dropped after it: one (B, n_head, Tq, Tk) tensor would be B times the bias (and its
+                # gradient as large again).
+                mask = bias.masked_fill(~allowed, float("-inf"))
+                return cls(mask=mask, document=in_document, softcap=softcap)
+            # A bias without a gradient (ALiBi) in a training step: SDPA's fused CPU kernel keeps the mask
+            # it is given for its backward, so blocks combined in each layer would be held once per layer;
+            # one combined mask is held once, by every layer.
             return cls(mask=torch.where(in_document, bias, float("-inf")), softcap=softcap)  # (B, n_head, ..)
         if bias is None:
             return cls(mask=allowed[None], softcap=softcap)  # (1, Tq, Tk) boolean
@@ -214,17 +233,22 @@ def dense_bias_attention(
     gqa: bool,
     scale: float | None = None,
     softcap: float | None = None,
+    document: Tensor | None = None,
 ) -> Tensor:
     """softmax(q k^T / sqrt(d) + mask) v in blocks of queries, each over the keys up to its last query only.
     q: (B, n_head, T, d); k, v: (B, n_kv_head, Tk, d) with the T queries the last T of the Tk positions;
     mask: (n_head or 1, T, Tk), or (B, n_head or 1, T, Tk) per window (document masking), additive or
     boolean (True: attend). ``scale``: the factor on q k^T instead of 1 / sqrt(d) (muP's). ``softcap``: the
-    scores are capped first, computed explicitly (SDPA cannot)."""
+    scores are capped first, computed explicitly (SDPA cannot). ``document``: (B, 1, T, Tk), True where a
+    query and a key share a document; each block's additive mask is -inf outside it, built for that block
+    only."""
     T, Tk = q.size(2), k.size(2)
     if mask.is_floating_point():
         mask = mask.to(q.dtype)
 
-    def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
+    def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, document: Tensor | None) -> Tensor:
+        if document is not None:
+            mask = torch.where(document, mask, float("-inf"))  # (B, n_head, block, keys)
         if softcap is not None:
             return softcapped_attention(q, k, v, mask, softcap, dropout_p, gqa, scale)
         return F.scaled_dot_product_attention(
@@ -232,12 +256,17 @@ def dense_bias_attention(
         )
 
     if T <= QUERY_BLOCK:
-        return attend(q, k, v, mask)
+        return attend(q, k, v, mask, document)
     blocks = []
     for start in range(0, T, QUERY_BLOCK):
         end = min(T, start + QUERY_BLOCK)
         keys = Tk - T + end  # keys past the block's last query are all in the future
-        blocks.append(attend(q[:, :, start:end], k[:, :, :keys], v[:, :, :keys], mask[..., start:end, :keys]))
+        in_document = None if document is None else document[..., start:end, :keys]
+        blocks.append(
+            attend(
+                q[:, :, start:end], k[:, :, :keys], v[:, :, :keys], mask[..., start:end, :keys], in_document
+            )
+        )
     return torch.cat(blocks, dim=2)  # (B, n_head, T, d)
 
 
@@ -305,7 +334,7 @@ class CausalSelfAttention(nn.Module):
                 q, k, v, score_mod=bias.score_mod, block_mask=bias.block_mask, enable_gqa=gqa, scale=scale
             )
         elif bias is not None and bias.mask is not None:
-            y = dense_bias_attention(q, k, v, bias.mask, dropout_p, gqa, scale, bias.softcap)
+            y = dense_bias_attention(q, k, v, bias.mask, dropout_p, gqa, scale, bias.softcap, bias.document)
         elif Tk == T:
             y = F.scaled_dot_product_attention(
                 q, k, v, dropout_p=dropout_p, is_causal=True, enable_gqa=gqa, scale=scale
