@@ -204,6 +204,56 @@ def test_a_local_layers_cache_holds_its_window_alone_and_decodes_as_the_whole_se
     assert torch.equal(with_cache, model.generate(prompt, total - 3, use_cache=False))
 
 
+def test_a_sequence_through_flex_attention_is_padded_to_a_multiple_of_its_block():
+    from gptlab.model.attention import flex_padded_length
+
+    assert [flex_padded_length(n) for n in (1, 127, 128, 129, 1000)] == [128, 128, 128, 256, 1024]
+    # Never past a position table (pos=learned): a table of 200 positions runs 129..200 at 200.
+    assert [flex_padded_length(n, 200) for n in (5, 150, 200)] == [128, 200, 200]
+    assert (
+        model_of(pos="alibi").takes_flex_attention
+        and model_of(pos="rope", attention=ALL_ON).takes_flex_attention
+    )
+    assert not model_of(pos="rope").takes_flex_attention  # every layer takes SDPA's fused causal kernel
+
+
+@pytest.mark.slow  # one compilation of FlexAttention, 20-40 s on a CPU
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda",
+            marks=[
+                pytest.mark.gpu,
+                pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+            ],
+        ),
+    ],
+)
+@torch.no_grad()
+def test_decoding_without_a_cache_through_flex_attention_compiles_once_not_per_token(device, monkeypatch):
+    """Greedy decoding without a KV cache runs the whole sequence at each of its 21 lengths (3 to 23): through
+    compiled FlexAttention (forced on a CPU, where it runs forward only) that is one compiled graph, not one
+    per length (torch._dynamo's count), and the tokens and logits are the dense SDPA route's."""
+    from torch._dynamo.utils import counters
+
+    from gptlab.model import attention
+
+    torch.manual_seed(0)
+    model = GPT(tiny(pos="alibi", n_layer=1, n_head=4, n_embd=64, block_size=256)).to(device).eval()
+    prompt = torch.randint(0, 61, (2, 3), device=device)
+    monkeypatch.setattr(attention, "flex_attention_available", lambda device, head_dim=64: True)
+    torch._dynamo.reset()
+    counters.clear()
+    flex_tokens = model.generate(prompt, 20, use_cache=False)
+    flex_logits = model(flex_tokens)[0]
+    assert counters["stats"]["unique_graphs"] == 1
+    monkeypatch.setattr(attention, "flex_attention_available", lambda device, head_dim=64: False)
+    assert torch.equal(flex_tokens, model.generate(prompt, 20, use_cache=False))
+    torch.testing.assert_close(flex_logits, model(flex_tokens)[0], rtol=1e-4, atol=1e-4)
+
+
 @torch.no_grad()
 def test_one_local_layer_at_8x_context_is_its_window_alone():
     """Length: a one-layer model with window 8 and a relative scheme, run at 8 times its training context

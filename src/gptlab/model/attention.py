@@ -100,8 +100,22 @@ def flex_attention_available(device: torch.device, head_dim: int = 64) -> bool:
 def _compiled_flex_attention() -> Any:
     from torch.nn.attention.flex_attention import flex_attention
 
-    # Eager FlexAttention is a slow reference; compiled, it is a fused Triton kernel.
+    # Eager FlexAttention is a slow reference; compiled, it is a fused Triton kernel. Compiled for static
+    # shapes: each new sequence length compiles anew, so the model runs whole sequences at a multiple of
+    # FLEX_LENGTH_BUCKET (GPT.forward, ``flex_padded_length``).
     return torch.compile(flex_attention, dynamic=False)
+
+
+#: FlexAttention's block size (its default): a sequence run through it is padded to a multiple of this many
+#: positions, which costs no extra kernel block and compiles once per multiple instead of once per length.
+FLEX_LENGTH_BUCKET = 128
+
+
+def flex_padded_length(length: int, max_positions: int | None = None) -> int:
+    """``length`` rounded up to a multiple of FLEX_LENGTH_BUCKET, but not past a scheme's position table
+    (``max_positions``; a table of a length that is not a multiple compiles once more, at that length)."""
+    padded = -(-length // FLEX_LENGTH_BUCKET) * FLEX_LENGTH_BUCKET
+    return max(length, min(padded, max_positions)) if max_positions is not None else padded
 
 
 @functools.lru_cache(maxsize=16)
