@@ -182,6 +182,78 @@ def test_kv_cache_decoding_equals_the_whole_sequence_with_every_variant_on(pos):
     assert torch.equal(with_cache, model.generate(prompt, 8, use_cache=False))
 
 
+@pytest.mark.parametrize("pos", ["rope", "alibi", "relative", "fire"])
+@torch.no_grad()
+def test_a_local_layers_cache_holds_its_window_alone_and_decodes_as_the_whole_sequence(pos):
+    """Window 4 on layers LLG, 30 tokens: a prompt longer than the window, a chunk of 5 and then one token at a
+    time. Each local layer's cache ends holding the last 4 positions, the global layer all 30, and every
+    step's logits equal one pass over the whole sequence (the kept keys keep their absolute positions for
+    the rotation and for the biases); greedy generation with and without the cache gives the same tokens."""
+    window, total = 4, 30
+    model = model_of(pos=pos, n_layer=3, n_kv_head=2, attention={"window": window, "window_pattern": "LLG"})
+    idx = torch.randint(0, 61, (2, total), generator=torch.Generator().manual_seed(1))
+    whole = model(idx)[0]
+    cache = gptlab.model.KVCache.empty(model.config.n_layer)
+    steps = [model(idx[:, :7], cache=cache)[0], model(idx[:, 7:12], cache=cache)[0]]
+    steps += [model(idx[:, t : t + 1], cache=cache)[0] for t in range(12, total)]
+    torch.testing.assert_close(torch.cat(steps, dim=1), whole, rtol=0, atol=1e-5)
+    held = [tuple(k.shape) + tuple(v.shape) for k, v in cache.layers]  # type: ignore[misc]
+    assert held == [(2, 2, window, 8) * 2, (2, 2, window, 8) * 2, (2, 2, total, 8) * 2]
+    prompt = idx[:, :3]
+    with_cache = model.generate(prompt, total - 3, use_cache=True)
+    assert torch.equal(with_cache, model.generate(prompt, total - 3, use_cache=False))
+
+
+def test_a_sequence_through_flex_attention_is_padded_to_a_multiple_of_its_block():
+    from gptlab.model.attention import flex_padded_length
+
+    assert [flex_padded_length(n) for n in (1, 127, 128, 129, 1000)] == [128, 128, 128, 256, 1024]
+    # Never past a position table (pos=learned): a table of 200 positions runs 129..200 at 200.
+    assert [flex_padded_length(n, 200) for n in (5, 150, 200)] == [128, 200, 200]
+    assert (
+        model_of(pos="alibi").takes_flex_attention
+        and model_of(pos="rope", attention=ALL_ON).takes_flex_attention
+    )
+    assert not model_of(pos="rope").takes_flex_attention  # every layer takes SDPA's fused causal kernel
+
+
+@pytest.mark.slow  # one compilation of FlexAttention, 20-40 s on a CPU
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda",
+            marks=[
+                pytest.mark.gpu,
+                pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+            ],
+        ),
+    ],
+)
+@torch.no_grad()
+def test_decoding_without_a_cache_through_flex_attention_compiles_once_not_per_token(device, monkeypatch):
+    """Greedy decoding without a KV cache runs the whole sequence at each of its 21 lengths (3 to 23): through
+    compiled FlexAttention (forced on a CPU, where it runs forward only) that is one compiled graph, not one
+    per length (torch._dynamo's count), and the tokens and logits are the dense SDPA route's."""
+    from torch._dynamo.utils import counters
+
+    from gptlab.model import attention
+
+    torch.manual_seed(0)
+    model = GPT(tiny(pos="alibi", n_layer=1, n_head=4, n_embd=64, block_size=256)).to(device).eval()
+    prompt = torch.randint(0, 61, (2, 3), device=device)
+    monkeypatch.setattr(attention, "flex_attention_available", lambda device, head_dim=64: True)
+    torch._dynamo.reset()
+    counters.clear()
+    flex_tokens = model.generate(prompt, 20, use_cache=False)
+    flex_logits = model(flex_tokens)[0]
+    assert counters["stats"]["unique_graphs"] == 1
+    monkeypatch.setattr(attention, "flex_attention_available", lambda device, head_dim=64: False)
+    assert torch.equal(flex_tokens, model.generate(prompt, 20, use_cache=False))
+    torch.testing.assert_close(flex_logits, model(flex_tokens)[0], rtol=1e-4, atol=1e-4)
+
+
 @torch.no_grad()
 def test_one_local_layer_at_8x_context_is_its_window_alone():
     """Length: a one-layer model with window 8 and a relative scheme, run at 8 times its training context

@@ -125,6 +125,57 @@ def test_without_document_ids_a_window_is_one_sequence_and_a_cache_is_refused():
         model(idx, cache=KVCache.empty(2), doc_ids=torch.zeros_like(idx))
 
 
+@pytest.mark.parametrize("pos", ["alibi", "relative", "fire"])
+@pytest.mark.parametrize("window", [None, 6])
+def test_a_bias_and_the_document_mask_kept_apart_give_the_combined_masks_output_and_gradients(
+    pos, window, monkeypatch
+):
+    """The dense route keeps the per-head bias (n_head, T, T) and the per-window document mask (B, 1, T, T)
+    apart and combines them one block of queries at a time (blocks of 16 here, so that a window of 40 takes
+    three): the output and the gradients of q, k, v and the scheme's own parameters equal those of the one
+    (B, n_head, T, T) mask with the bias at -inf outside each document, within 1e-6. ALiBi's bias, which has
+    no gradient, is kept apart outside a training step only."""
+    from gptlab.model import attention
+
+    monkeypatch.setattr(attention, "QUERY_BLOCK", 16)
+    scheme = model_of(pos=pos).transformer.pos
+    g = torch.Generator().manual_seed(0)
+    T = 40
+    tokens = torch.randint(0, EOT, (2, T), generator=g)
+    tokens[0, 13], tokens[0, 31], tokens[1, 22] = EOT, EOT, EOT
+    ids = document_ids(tokens, EOT)
+    positions = torch.arange(T)
+    inputs = [
+        torch.randn(2, 4, T, 16, generator=g),
+        *(torch.randn(2, 2, T, 16, generator=g) for _ in range(2)),
+    ]
+    upstream = torch.randn(2, 4, T, 16, generator=g)
+
+    def output_and_grads(kept_apart: bool) -> list[torch.Tensor]:
+        scheme.zero_grad()
+        q, k, v = (t.clone().requires_grad_() for t in inputs)
+        with torch.set_grad_enabled(pos != "alibi"):  # ALiBi's bias kept apart: outside a training step
+            built = AttentionBias.build(scheme, positions, positions, False, window, None, ids)
+        assert built.mask is not None and built.document is not None
+        assert built.mask.shape == (4, T, T) and built.document.shape == (2, 1, T, T)
+        if kept_apart:
+            out = dense_bias_attention(q, k, v, built.mask, 0.0, True, document=built.document)
+        else:
+            combined = torch.where(built.document, built.mask, float("-inf"))  # (B, n_head, T, T)
+            out = dense_bias_attention(q, k, v, combined, 0.0, True)
+        (out * upstream).sum().backward()
+        grads = [q.grad, k.grad, v.grad] + [p.grad for p in scheme.parameters()]
+        return [out.detach()] + [grad for grad in grads if grad is not None]
+
+    apart, combined = output_and_grads(True), output_and_grads(False)
+    if pos == "alibi":  # in a training step SDPA keeps the mask in every layer: one combined mask is built
+        built = AttentionBias.build(scheme, positions, positions, False, window, None, ids)
+        assert built.mask is not None and built.mask.shape == (2, 4, T, T) and built.document is None
+    assert len(apart) == len(combined) == 4 + len(list(scheme.parameters()))
+    for got, expected in zip(apart, combined):
+        torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
+
+
 @pytest.mark.parametrize("pos", ["nope", "alibi"])
 @torch.no_grad()
 def test_the_flex_attention_document_block_mask_equals_the_dense_route(pos):
@@ -143,7 +194,7 @@ def test_the_flex_attention_document_block_mask_equals_the_dense_route(pos):
     k, v = (4 * torch.randn(2, 2, T, 16, generator=g) for _ in range(2))
     for window in (None, 8):
         dense = AttentionBias.build(scheme, positions, positions, False, window, None, ids)
-        expected = dense_bias_attention(q, k, v, dense.mask, 0.0, True, None, dense.softcap)
+        expected = dense_bias_attention(q, k, v, dense.mask, 0.0, True, None, dense.softcap, dense.document)
         flex = AttentionBias.build(scheme, positions, positions, True, window, None, ids)
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*without torch.compile")

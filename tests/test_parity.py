@@ -208,7 +208,7 @@ def test_gemma2_weights_give_gemma2s_logits(make_cfg, tmp_path):
     """Gemma 2: sandwich norms with gains stored as w (applied as 1 + w), embeddings times sqrt(hidden), tanh
     GeGLU, local and global layers alternating (window 8, pattern LGL over 3 layers) and the attention-logit
     cap, tiny and random with the norm gains moved off their init: logits within 1e-5 through
-    ``model.init_from``; then with its final-logit cap, which is ``loss.final_softcap``, and refused without
+    ``model.init_from``, whole and decoded over the bounded KV cache; then with its final-logit cap, which is ``loss.final_softcap``, and refused without
     it."""
     if not hasattr(transformers, "Gemma2Config"):
         pytest.skip("this transformers has no Gemma 2")
@@ -259,7 +259,16 @@ def test_gemma2_weights_give_gemma2s_logits(make_cfg, tmp_path):
     model = gptlab.build_model(make_cfg(*overrides)).eval()
     idx = torch.randint(0, 101, (2, 48))
     with torch.no_grad():
-        torch.testing.assert_close(model(idx)[0], reference(idx).logits, rtol=0, atol=1e-5)
+        expected = reference(idx).logits
+        torch.testing.assert_close(model(idx)[0], expected, rtol=0, atol=1e-5)
+        # Decoding over the KV cache, each local layer holding its last 8 positions only, 40 tokens past
+        # the window: the same logits.
+        cache = gptlab.model.KVCache.empty(3)
+        steps = [model(idx[:, :8], cache=cache)[0]] + [
+            model(idx[:, t : t + 1], cache=cache)[0] for t in range(8, 48)
+        ]
+        torch.testing.assert_close(torch.cat(steps, dim=1), expected, rtol=0, atol=1e-5)
+        assert [k.size(2) for k, _ in cache.layers] == [8, 48, 8]
     capped = tmp_path / "capped"
     reference = transformers.Gemma2ForCausalLM(
         transformers.Gemma2Config(**shape, final_logit_softcapping=0.5)

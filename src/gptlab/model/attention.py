@@ -17,8 +17,12 @@
   SDPA cannot cap, an explicit score computation elsewhere. QK-norm acts on q and k before any rotation.
 - Document masking (``data.document_mask=true``): the model gets each token's document id, and a query reads
   only the keys of its own document, on top of causality and any window: a per-window FlexAttention block
-  mask on CUDA (``document_block_mask``), a (B, 1, T, T) boolean mask (or the bias at -inf outside the
-  document) through SDPA elsewhere.
+  mask on CUDA (``document_block_mask``), a (B, 1, T, T) boolean mask through SDPA elsewhere. With a bias the
+  per-head bias (n_head, T, T) and the per-window document mask (B, 1, T, T) stay apart and are combined one
+  block of queries at a time: the (B, n_head, T, T) floats of both at once are never held, nor their
+  gradient (``scripts/document_mask_memory.py`` measures the step's memory). The exception is a bias without
+  a gradient (ALiBi) in a training step, which SDPA's CPU kernel keeps for the backward in every layer: there
+  one combined mask, shared by the layers, holds least.
 """
 
 from __future__ import annotations
@@ -46,7 +50,14 @@ FROM_SCHEME: Any = object()
 
 @dataclass
 class KVCache:
-    """Keys and values of the tokens seen so far, one (k, v) pair per layer, for incremental decoding."""
+    """Keys and values of the tokens seen so far, one (k, v) pair per layer, for incremental decoding.
+
+    A local layer (a sliding window of W positions) keeps only the keys and values of the last W positions:
+    no later query can read further back, so its cache is bounded by W however long the generation runs.
+    A global layer keeps every position. The keys kept are always the most recent ones, in order, so a
+    layer holding n of them holds positions ``length - n .. length - 1``; the keys were rotated (RoPE) at
+    their absolute positions before they were cached, and the bias schemes read those positions back
+    through :meth:`first_key_position`."""
 
     layers: list[tuple[Tensor, Tensor] | None] = field(default_factory=list)
     length: int = 0  # tokens already in the cache
@@ -55,12 +66,24 @@ class KVCache:
     def empty(cls, n_layer: int) -> KVCache:
         return cls(layers=[None] * n_layer)
 
-    def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    def first_key_position(self, window: int | None) -> int:
+        """The absolute position of the first key that a layer with ``window`` (None: global) holds now,
+        before the next step's tokens are added."""
+        return 0 if window is None else max(0, self.length - window)
+
+    def update(self, layer: int, k: Tensor, v: Tensor, window: int | None = None) -> tuple[Tensor, Tensor]:
+        """The layer's keys and values for this step: the cached ones followed by the step's own ``k``,
+        ``v`` (B, n_kv_head, T, head_dim). A local layer (``window`` W) then keeps the last W positions of
+        them; the step itself still reads every key it returns (its first query may reach W - 1 back)."""
         past = self.layers[layer]
         if past is not None:
             k = torch.cat([past[0], k], dim=2)
             v = torch.cat([past[1], v], dim=2)
-        self.layers[layer] = (k, v)
+        if window is not None and k.size(2) > window:
+            # A view of this step's keys: the next step's concatenation copies it and frees the rest.
+            self.layers[layer] = (k[:, :, -window:], v[:, :, -window:])
+        else:
+            self.layers[layer] = (k, v)
         return k, v
 
 
@@ -77,8 +100,22 @@ def flex_attention_available(device: torch.device, head_dim: int = 64) -> bool:
 def _compiled_flex_attention() -> Any:
     from torch.nn.attention.flex_attention import flex_attention
 
-    # Eager FlexAttention is a slow reference; compiled, it is a fused Triton kernel.
+    # Eager FlexAttention is a slow reference; compiled, it is a fused Triton kernel. Compiled for static
+    # shapes: each new sequence length compiles anew, so the model runs whole sequences at a multiple of
+    # FLEX_LENGTH_BUCKET (GPT.forward, ``flex_padded_length``).
     return torch.compile(flex_attention, dynamic=False)
+
+
+#: FlexAttention's block size (its default): a sequence run through it is padded to a multiple of this many
+#: positions, which costs no extra kernel block and compiles once per multiple instead of once per length.
+FLEX_LENGTH_BUCKET = 128
+
+
+def flex_padded_length(length: int, max_positions: int | None = None) -> int:
+    """``length`` rounded up to a multiple of FLEX_LENGTH_BUCKET, but not past a scheme's position table
+    (``max_positions``; a table of a length that is not a multiple compiles once more, at that length)."""
+    padded = -(-length // FLEX_LENGTH_BUCKET) * FLEX_LENGTH_BUCKET
+    return max(length, min(padded, max_positions)) if max_positions is not None else padded
 
 
 @functools.lru_cache(maxsize=16)
@@ -139,9 +176,15 @@ class AttentionBias:
     positional bias, a window and a logit cap. Either a dense (n_head or 1, Tq, Tk) mask for SDPA (additive,
     the future and the positions outside the window at -inf; or boolean, True where a query may look, when
     there is no bias), or a FlexAttention block mask with a score_mod (the cap, then the bias). With document
-    ids the dense mask is (B, n_head or 1, Tq, Tk), each window's own, and the block mask is per window."""
+    ids and no bias the dense mask is a (B, 1, Tq, Tk) boolean, each window's own; with a bias it stays the
+    bias (n_head, Tq, Tk), and ``document`` (B, 1, Tq, Tk) says which pairs share a document (except for a
+    bias without a gradient in a training step: one (B, n_head, Tq, Tk) mask, see ``build``). The block
+    mask is per window."""
 
     mask: Tensor | None = None
+    document: Tensor | None = (
+        None  # (B, 1, Tq, Tk) True where query and key share a document; with a bias only
+    )
     score_mod: ScoreMod | None = None
     block_mask: Any = None
     softcap: float | None = None  # the dense route's logit cap (FlexAttention's is in score_mod)
@@ -180,6 +223,15 @@ class AttentionBias:
             in_document = (allowed & same_document(doc_ids))[:, None]  # (B, 1, Tq, Tk)
             if bias is None:
                 return cls(mask=in_document, softcap=softcap)
+            if bias.requires_grad or not torch.is_grad_enabled() or softcap is not None:
+                # Per head and per window apart, combined one block of queries at a time in each layer and
+                # dropped after it: one (B, n_head, Tq, Tk) tensor would be B times the bias (and its
+                # gradient as large again).
+                mask = bias.masked_fill(~allowed, float("-inf"))
+                return cls(mask=mask, document=in_document, softcap=softcap)
+            # A bias without a gradient (ALiBi) in a training step: SDPA's fused CPU kernel keeps the mask
+            # it is given for its backward, so blocks combined in each layer would be held once per layer;
+            # one combined mask is held once, by every layer.
             return cls(mask=torch.where(in_document, bias, float("-inf")), softcap=softcap)  # (B, n_head, ..)
         if bias is None:
             return cls(mask=allowed[None], softcap=softcap)  # (1, Tq, Tk) boolean
@@ -195,17 +247,22 @@ def dense_bias_attention(
     gqa: bool,
     scale: float | None = None,
     softcap: float | None = None,
+    document: Tensor | None = None,
 ) -> Tensor:
     """softmax(q k^T / sqrt(d) + mask) v in blocks of queries, each over the keys up to its last query only.
     q: (B, n_head, T, d); k, v: (B, n_kv_head, Tk, d) with the T queries the last T of the Tk positions;
     mask: (n_head or 1, T, Tk), or (B, n_head or 1, T, Tk) per window (document masking), additive or
     boolean (True: attend). ``scale``: the factor on q k^T instead of 1 / sqrt(d) (muP's). ``softcap``: the
-    scores are capped first, computed explicitly (SDPA cannot)."""
+    scores are capped first, computed explicitly (SDPA cannot). ``document``: (B, 1, T, Tk), True where a
+    query and a key share a document; each block's additive mask is -inf outside it, built for that block
+    only."""
     T, Tk = q.size(2), k.size(2)
     if mask.is_floating_point():
         mask = mask.to(q.dtype)
 
-    def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
+    def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, document: Tensor | None) -> Tensor:
+        if document is not None:
+            mask = torch.where(document, mask, float("-inf"))  # (B, n_head, block, keys)
         if softcap is not None:
             return softcapped_attention(q, k, v, mask, softcap, dropout_p, gqa, scale)
         return F.scaled_dot_product_attention(
@@ -213,12 +270,17 @@ def dense_bias_attention(
         )
 
     if T <= QUERY_BLOCK:
-        return attend(q, k, v, mask)
+        return attend(q, k, v, mask, document)
     blocks = []
     for start in range(0, T, QUERY_BLOCK):
         end = min(T, start + QUERY_BLOCK)
         keys = Tk - T + end  # keys past the block's last query are all in the future
-        blocks.append(attend(q[:, :, start:end], k[:, :, :keys], v[:, :, :keys], mask[..., start:end, :keys]))
+        in_document = None if document is None else document[..., start:end, :keys]
+        blocks.append(
+            attend(
+                q[:, :, start:end], k[:, :, :keys], v[:, :, :keys], mask[..., start:end, :keys], in_document
+            )
+        )
     return torch.cat(blocks, dim=2)  # (B, n_head, T, d)
 
 
@@ -268,7 +330,7 @@ class CausalSelfAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)  # before the rotation, as OLMo 2 and Qwen3
         q, k = pos.rotate(q, k, positions)
         if cache is not None:
-            k, v = cache.update(self.layer, k, v)  # (B, n_kv_head, Tk, head_dim)
+            k, v = cache.update(self.layer, k, v, self.window)  # (B, n_kv_head, Tk, head_dim)
         Tk = k.size(2)
         dropout_p = self.dropout if self.training else 0.0
         # Grouped-query attention (Ainslie et al. 2023): query head i reads K/V head i // (n_head /
@@ -286,7 +348,7 @@ class CausalSelfAttention(nn.Module):
                 q, k, v, score_mod=bias.score_mod, block_mask=bias.block_mask, enable_gqa=gqa, scale=scale
             )
         elif bias is not None and bias.mask is not None:
-            y = dense_bias_attention(q, k, v, bias.mask, dropout_p, gqa, scale, bias.softcap)
+            y = dense_bias_attention(q, k, v, bias.mask, dropout_p, gqa, scale, bias.softcap, bias.document)
         elif Tk == T:
             y = F.scaled_dot_product_attention(
                 q, k, v, dropout_p=dropout_p, is_causal=True, enable_gqa=gqa, scale=scale

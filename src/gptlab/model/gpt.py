@@ -173,6 +173,21 @@ class GPT(nn.Module):
                 "doc_ids with a KV cache: document masking applies to packed training windows; decoding "
                 "continues one document, so call it without doc_ids."
             )
+        dropout = self.training and self.config.dropout > 0  # FlexAttention has no dropout
+        use_flex = (
+            cache is None
+            and not dropout
+            and attention.flex_attention_available(idx.device, self.config.head_dim)
+        )
+        if use_flex and targets is None and doc_ids is None and self.takes_flex_attention:
+            padded = attention.flex_padded_length(T, self.transformer.pos.max_positions)
+            if padded > T:
+                # Compiled FlexAttention has static shapes: each new length would compile anew, and decoding
+                # without a cache is a new length every token. Tokens appended at the end cannot change the
+                # logits of the T before them (causality), so run at the bucket's length and keep T.
+                logits, _ = self(F.pad(idx, (0, padded - T)))
+                assert logits is not None
+                return logits[:, :T], None
         start = cache.length if cache is not None else 0
         positions = torch.arange(start, start + T, device=idx.device)  # (T,)
         # The positions each token is embedded and rotated at: its place in the window, or in its document.
@@ -183,19 +198,15 @@ class GPT(nn.Module):
             x = x * self.config.embed_scale
         x = self.transformer.drop(pos.embed(x, token_positions))
         # A positional bias, a window and a cap depend on positions only: built once here for each kind of
-        # layer (global, or local with its window), shared by every layer of that kind.
-        k_positions = torch.arange(start + T, device=idx.device)
-        dropout = self.training and self.config.dropout > 0  # FlexAttention has no dropout
-        use_flex = (
-            cache is None
-            and not dropout
-            and attention.flex_attention_available(idx.device, self.config.head_dim)
-        )
+        # layer (global, or local with its window), shared by every layer of that kind. The keys of a layer
+        # are the cached ones (a local layer's cache holds its last `window` positions only) and this step's.
         softcap = self.config.attention.logit_softcap
         biases: dict[int | None, AttentionBias | None] = {}
         for i, block in enumerate(self.transformer.h):
             window = self.config.attention.layer_window(i)
             if window not in biases:
+                first_key = cache.first_key_position(window) if cache is not None else 0
+                k_positions = torch.arange(first_key, start + T, device=idx.device)
                 biases[window] = AttentionBias.build(
                     pos, positions, k_positions, use_flex, window, softcap, doc_ids
                 )
@@ -217,6 +228,15 @@ class GPT(nn.Module):
         if targets is not None:
             loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-1)
         return logits, loss
+
+    @property
+    def takes_flex_attention(self) -> bool:
+        """Whether some layer attends through FlexAttention where it is available: a positional bias, a
+        window or a logit cap (otherwise every layer takes SDPA's fused causal kernel)."""
+        variants = self.config.attention
+        return (
+            self.transformer.pos.has_bias or variants.window is not None or variants.logit_softcap is not None
+        )
 
     # ---- decoding -------------------------------------------------------------------------------
     @torch.no_grad()

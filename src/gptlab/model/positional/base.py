@@ -96,6 +96,11 @@ class PositionalEncoding(nn.Module):
         return add_bias
 
     # ---- capabilities ---------------------------------------------------------------------------
+    @property
+    def has_bias(self) -> bool:
+        """Whether the scheme adds an attention bias (it implements ``bias``)."""
+        return type(self).bias is not PositionalEncoding.bias
+
     def position_vectors(self, n: int) -> Tensor | None:
         """The (n, n_embd) vectors ``embed`` adds at positions 0..n-1, or None when it adds none."""
         return None
