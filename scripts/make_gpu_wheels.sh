@@ -38,6 +38,7 @@ PACKAGES=(
   pydantic-core==2.50.5
   annotated-types==0.8.0
   typing-inspection==0.4.5
+  typing-extensions==4.16.0  # pydantic 2.14 needs >= 4.16; the image's own may be older: this one shadows it
   cwevals==0.0.1b1
   distro==1.9.0
   sniffio==1.3.1
