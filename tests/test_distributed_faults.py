@@ -12,6 +12,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import time
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -289,6 +290,28 @@ def test_a_watcher_reports_a_lost_rank_where_the_main_thread_waits_on(tmp_path):
     assert (
         not Path(f"/proc/{waiting}").exists() or "Z" in Path(f"/proc/{waiting}/stat").read_text().split()[2]
     )
+
+
+def test_a_stopped_rank_is_named_when_a_collective_times_out():
+    from gptlab.parallel.ranks import stuck_ranks, timed_out
+
+    # gloo's words for a collective that waited out the process group's timeout
+    assert timed_out(RuntimeError("Application timeout caused pair closure"))
+    assert timed_out(RuntimeError("[../gloo/transport/tcp/pair.cc:446] Timed out waiting 20000ms for recv"))
+    assert not timed_out(RuntimeError("Connection reset by peer"))
+    stopped, running = (subprocess.Popen(["sleep", "60"]) for _ in range(2))
+    try:
+        stopped.send_signal(signal.SIGSTOP)
+        deadline = time.monotonic() + 60  # the kernel stops it at once; the state reads so at once
+        while Path(f"/proc/{stopped.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "T":
+            assert time.monotonic() < deadline, "the process was not stopped"
+        assert stuck_ranks([(1, stopped.pid), (2, running.pid)]) == [
+            f"rank 1 (pid {stopped.pid}) is stopped (SIGSTOP, or a debugger)"
+        ]
+    finally:
+        for proc in (stopped, running):
+            proc.kill()
+            proc.wait()
 
 
 def test_the_command_that_continues_a_run_is_the_one_typed_with_resume_auto():

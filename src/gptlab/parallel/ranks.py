@@ -28,6 +28,7 @@ So, for the ranks Lightning starts on one node by re-running the command line (`
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import shlex
@@ -116,6 +117,7 @@ class _State:
     def watch(self, watcher: RankWatcher | None) -> None:
         """A new watch (a process that trains twice watches anew)."""
         self.watcher = watcher
+        self.children: list[tuple[int, subprocess.Popen]] = []  # (rank, process) of those this one started
         self.lost: LostRank | None = None
         self.seen = threading.Event()
         self.reporting = threading.Lock()
@@ -246,7 +248,24 @@ def watch_children(
             except subprocess.TimeoutExpired:
                 log.warning("Process %d did not end after SIGKILL within 30 s", proc.pid)
 
-    return start(RankWatcher(check, kill_the_others, **kwargs))
+    atexit.register(end_children, procs)
+    watcher = start(RankWatcher(check, kill_the_others, **kwargs))
+    _state.children = [(first_rank + i, proc) for i, proc in enumerate(procs)]
+    return watcher
+
+
+def end_children(procs: list[subprocess.Popen], wait_s: float = ORPHAN_GRACE_S + 5.0) -> None:
+    """When rank 0 exits: the ranks it started that are still there after ``wait_s`` (they end by themselves
+    when training ends, or, once rank 0 is gone, by their watch) are killed: one that is stuck, or stopped,
+    would otherwise hold its memory and devices for ever."""
+    deadline = time.monotonic() + wait_s
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            log.warning("Rank process %d is still there after rank 0 ended: killed", proc.pid)
+            proc.kill()
+            proc.wait()
 
 
 def watch_launcher(launcher_pid: int, launcher_rank: int, world_size: int, **kwargs: Any) -> RankWatcher:
@@ -260,6 +279,42 @@ def watch_launcher(launcher_pid: int, launcher_rank: int, world_size: int, **kwa
 
     kwargs.setdefault("grace_s", ORPHAN_GRACE_S)
     return start(RankWatcher(check, **kwargs))
+
+
+def timed_out(error: BaseException) -> bool:
+    """Whether ``error``, or one in its chain, is a collective that waited out the process group's timeout
+    (gloo says "Application timeout caused pair closure" or "Timed out waiting ..."; NCCL's watchdog ends
+    the process instead)."""
+    seen: BaseException | None = error
+    while seen is not None:
+        if isinstance(seen, RuntimeError) and "timeout" in str(seen).lower().replace("timed out", "timeout"):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
+#: /proc/<pid>/stat states of a process that cannot answer: stopped, stopped by a tracer, in a wait the
+#: kernel does not interrupt (a hung file system or device).
+STUCK_STATES = {
+    "T": "is stopped (SIGSTOP, or a debugger)",
+    "t": "is stopped by a debugger",
+    "D": ("is in a wait the kernel does not interrupt (a hung file system or device)"),
+}
+
+
+def stuck_ranks(children: list[tuple[int, int]] | None = None) -> list[str]:
+    """Of the ranks this process started (``(rank, pid)`` pairs; by default those it watches), those that
+    the kernel shows stopped or in an uninterruptible wait, in words: ``rank 1 (pid 4242) is stopped ...``."""
+    pairs = children if children is not None else [(r, p.pid) for r, p in _state.children]
+    found = []
+    for rank, pid in pairs:
+        try:
+            state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):  # gone, or no /proc (not Linux)
+            continue
+        if state in STUCK_STATES:
+            found.append(f"rank {rank} (pid {pid}) {STUCK_STATES[state]}")
+    return found
 
 
 def pid_alive(pid: int) -> bool:

@@ -271,9 +271,11 @@ def fit(
         stop = fit_with_signals(trainer, parts.module, parts.datamodule, resume.ckpt_path if resume else None)
     except Exception as e:
         lost = ranks.lost_during(e)
-        if lost is None:
-            raise
-        raise RankLostError(lost_rank_message(trainer, lost)) from e
+        if lost is not None:
+            raise RankLostError(lost_rank_message(trainer, lost)) from e
+        if trainer.world_size > 1 and ranks.timed_out(e):
+            raise RankLostError(timeout_message(trainer, e)) from e
+        raise
     ranks.training_over()
     if stop is not None and trainer.is_global_zero:
         log.warning("%s", stop_line(stop, trainer.global_step))
@@ -298,21 +300,49 @@ def watch_lost_ranks(
 def lost_rank_message(trainer: L.Trainer, lost: LostRank) -> str:
     """A lost rank, by name and how it ended; the step reached; the last checkpoint written whole (or none);
     and the command that continues the run."""
+    who = "the run" if trainer.is_global_zero else f"rank {trainer.global_rank}"
+    return (
+        f"{lost.summary()} at step {trainer.global_step}: {who} cannot go on without it, and stopped."
+        f"{lost.hint()} {continue_line(trainer)}"
+    )
+
+
+def timeout_message(trainer: L.Trainer, error: Exception) -> str:
+    """A collective that waited out ``strategy.timeout_s``: the ranks that are stuck where this process can
+    see them, the last checkpoint and the command that continues the run."""
+    from gptlab.parallel.ranks import stuck_ranks
+
+    timeout = getattr(trainer.strategy, "_timeout", None)
+    seconds = f"={timeout.total_seconds():g}" if timeout is not None else ""
+    stuck = stuck_ranks() if trainer.is_global_zero else []
+    why = (
+        "; ".join(stuck)
+        if stuck
+        else "a rank is alive but not answering (stuck in its own code: a data loader, a file system), or one "
+        "on another node is unreachable"
+    )
+    return (
+        f"Rank {trainer.global_rank} of {trainer.world_size} waited strategy.timeout_s{seconds} s in a "
+        f"collective for the other ranks at step {trainer.global_step}, in vain ({type(error).__name__}: "
+        f"{error}): {why}. The run stopped, and the ranks it started were ended. {continue_line(trainer)} "
+        "(Where a rank legitimately takes longer, e.g. writing a large checkpoint to a slow disk, raise "
+        "strategy.timeout_s.)"
+    )
+
+
+def continue_line(trainer: L.Trainer) -> str:
+    """The last checkpoint written whole (or that there is none) and the command that continues the run."""
     from gptlab.parallel.ranks import continue_command
     from gptlab.training.checkpointing import PeriodicLastCheckpoint
 
     last = next((cb for cb in trainer.checkpoint_callbacks if isinstance(cb, PeriodicLastCheckpoint)), None)
-    who = "the run" if trainer.is_global_zero else f"rank {trainer.global_rank}"
     if last is not None and last.saved_path is not None:
         kept = (
             f"The last intact checkpoint is {last.saved_path} (step {last.saved_step}); continue from it with"
         )
     else:
         kept = "No checkpoint was written before it; start the run again with"
-    return (
-        f"{lost.summary()} at step {trainer.global_step}: {who} cannot go on without it, and stopped."
-        f"{lost.hint()} {kept}: {continue_command()}"
-    )
+    return f"{kept}: {continue_command()}"
 
 
 def stop_line(stop: SignalStop, step: int) -> str:
