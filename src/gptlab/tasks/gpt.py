@@ -276,7 +276,8 @@ def fit(
         if trainer.world_size > 1 and ranks.timed_out(e):
             raise RankLostError(timeout_message(trainer, e)) from e
         raise
-    ranks.training_over()
+    finally:  # also for a SystemExit (Lightning's, after a KeyboardInterrupt): this thread reports from here
+        ranks.training_over()
     if stop is not None and trainer.is_global_zero:
         log.warning("%s", stop_line(stop, trainer.global_step))
     return stop, trainer.global_step
