@@ -5,8 +5,9 @@ others are left in or before a collective that cannot complete. What they see de
 over gloo on one machine the dead process's sockets are reset and the survivors' next collective raises a
 ``Connection reset by peer`` that names no rank; NCCL learns nothing and waits until the process group's
 timeout (Lightning passes 30 minutes); a rank that is alive but stuck, or a node that vanished, is waited
-for until that timeout on any transport. Lightning's own observer of the ranks it starts kills every
-process five seconds after a child fails, without a word, before the run can record anything.
+for until that timeout on any transport. Lightning's own observer of the ranks it starts SIGKILLs every
+process up to five seconds after a child fails, with one line in the log file and none on the console,
+before the run can record anything (``result.json`` is not written).
 
 So, for the ranks Lightning starts on one node by re-running the command line (``ddp``, ``fsdp``,
 ``deepspeed_*``; :class:`WatchedLauncher` replaces Lightning's observer):
