@@ -314,6 +314,21 @@ def test_a_stopped_rank_is_named_when_a_collective_times_out():
             proc.wait()
 
 
+def test_a_rank_that_ddp_spawn_reports_ended_is_named_as_a_watched_one():
+    from torch.multiprocessing import ProcessExitedException
+
+    from gptlab.parallel.ranks import spawned_rank_lost
+
+    # what torch.multiprocessing's join raises in the launching process (its message and fields)
+    report = ProcessExitedException("process 1 terminated with signal SIGKILL", 1, 4242, -9, "SIGKILL")
+    try:
+        raise RuntimeError("while fitting") from report
+    except RuntimeError as e:
+        lost = spawned_rank_lost(e, world_size=2)
+    assert lost is not None and lost.summary() == "Rank 1 of 2 (pid 4242) was killed by SIGKILL (signal 9)"
+    assert spawned_rank_lost(RuntimeError("Connection reset by peer"), world_size=2) is None
+
+
 def test_the_command_that_continues_a_run_is_the_one_typed_with_resume_auto():
     from gptlab.parallel.ranks import LostRank, continue_command
 

@@ -282,6 +282,19 @@ def watch_launcher(launcher_pid: int, launcher_rank: int, world_size: int, **kwa
     return start(RankWatcher(check, **kwargs))
 
 
+def spawned_rank_lost(error: BaseException, world_size: int) -> LostRank | None:
+    """The rank that ``error`` says ended, where it is ``torch.multiprocessing``'s report of a spawned rank
+    (``ddp_spawn``: its join ends the other ranks itself); None for any other error."""
+    from torch.multiprocessing import ProcessExitedException
+
+    seen: BaseException | None = error
+    while seen is not None:
+        if isinstance(seen, ProcessExitedException):
+            return LostRank(seen.error_index, world_size, seen.error_pid, seen.exit_code)
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
 def timed_out(error: BaseException) -> bool:
     """Whether ``error``, or one in its chain, is a collective that waited out the process group's timeout
     (gloo says "Application timeout caused pair closure" or "Timed out waiting ..."; NCCL's watchdog ends

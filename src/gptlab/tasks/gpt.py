@@ -270,7 +270,7 @@ def fit(
     try:
         stop = fit_with_signals(trainer, parts.module, parts.datamodule, resume.ckpt_path if resume else None)
     except Exception as e:
-        lost = ranks.lost_during(e)
+        lost = ranks.lost_during(e) or ranks.spawned_rank_lost(e, trainer.world_size)
         if lost is not None:
             raise RankLostError(lost_rank_message(trainer, lost)) from e
         if trainer.world_size > 1 and ranks.timed_out(e):
@@ -302,9 +302,11 @@ def lost_rank_message(trainer: L.Trainer, lost: LostRank) -> str:
     """A lost rank, by name and how it ended; the step reached; the last checkpoint written whole (or none);
     and the command that continues the run."""
     who = "the run" if trainer.is_global_zero else f"rank {trainer.global_rank}"
+    # ddp_spawn's launching process trains no step itself: its trainer's step stays 0
+    at = f" at step {trainer.global_step}" if trainer.global_step else ""
     return (
-        f"{lost.summary()} at step {trainer.global_step}: {who} cannot go on without it, and stopped."
-        f"{lost.hint()} {continue_line(trainer)}"
+        f"{lost.summary()}{at}: {who} cannot go on without it, and stopped.{lost.hint()} "
+        f"{continue_line(trainer)}"
     )
 
 
@@ -334,13 +336,18 @@ def timeout_message(trainer: L.Trainer, error: Exception) -> str:
 def continue_line(trainer: L.Trainer) -> str:
     """The last checkpoint written whole (or that there is none) and the command that continues the run."""
     from gptlab.parallel.ranks import continue_command
+    from gptlab.runs import digests
     from gptlab.training.checkpointing import PeriodicLastCheckpoint
 
     last = next((cb for cb in trainer.checkpoint_callbacks if isinstance(cb, PeriodicLastCheckpoint)), None)
-    if last is not None and last.saved_path is not None:
-        kept = (
-            f"The last intact checkpoint is {last.saved_path} (step {last.saved_step}); continue from it with"
-        )
+    path, step = (last.saved_path, last.saved_step) if last is not None else (None, None)
+    if path is None and last is not None and last.dirpath:  # written by ranks spawned from this process
+        on_disk = Path(last.dirpath) / LAST_CHECKPOINT
+        verdict = digests.check(on_disk) if on_disk.exists() else None
+        if verdict is not None and verdict.verified:
+            path, step = on_disk, verdict.step
+    if path is not None:
+        kept = f"The last intact checkpoint is {path} (step {step}); continue from it with"
     else:
         kept = "No checkpoint was written before it; start the run again with"
     return f"{kept}: {continue_command()}"
