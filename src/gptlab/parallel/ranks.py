@@ -13,10 +13,11 @@ So, for the ranks Lightning starts on one node by re-running the command line (`
 ``deepspeed_*``; :class:`WatchedLauncher` replaces Lightning's observer):
 
 - rank 0 watches the processes it started (:func:`watch_children`, a daemon thread polling their exit
-  status): when one ends with a non-zero status or a signal, the others are killed (they can only wait), and
-  the main thread, whose next or current collective fails, reports the lost rank by name
-  (:func:`lost_during`: a :class:`~gptlab.errors.RankLostError`, recorded in ``result.json``). Where the main
-  thread cannot fail (NCCL waits on), the watcher reports after :data:`REPORT_GRACE_S` and ends the process.
+  status): when one ends with a non-zero status or a signal, the main thread, whose next or current
+  collective fails, reports the lost rank by name (:func:`lost_during`: a :class:`~gptlab.errors.RankLostError`,
+  recorded in ``result.json``). Where the main thread cannot fail (NCCL waits on), the watcher reports after
+  :data:`REPORT_GRACE_S` and ends the process. Either way the ranks it started that are left are ended with it
+  (:func:`end_children`).
 - every other rank watches the process that started it (:func:`watch_launcher`: its parent pid): when
   rank 0 is gone (killed, crashed, or failed while this rank waited), this rank stops as well, instead of
   waiting in a collective as an orphan. A polling thread is used rather than ``prctl(PR_SET_PDEATHSIG)``:
@@ -178,18 +179,19 @@ def _main_reports() -> None:
 
 class RankWatcher(threading.Thread):
     """A daemon thread that polls ``check`` (the lost rank, or None) every ``poll_s``; once a rank is lost it
-    calls ``on_lost`` at once, then leaves the main thread ``grace_s`` to report it before it reports itself
-    (:func:`describe`, the task's ``record``, the message on stderr) and ends the process with status 1."""
+    leaves the main thread ``grace_s`` to report it, else it reports it itself (:func:`describe`, the task's
+    ``record``, the message on stderr), calls ``before_exit`` and ends the process with status 1 (``atexit``
+    handlers do not run then)."""
 
     def __init__(
         self,
         check: Callable[[], LostRank | None],
-        on_lost: Callable[[LostRank], None] = lambda lost: None,
+        before_exit: Callable[[], None] = lambda: None,
         poll_s: float = POLL_S,
         grace_s: float = REPORT_GRACE_S,
     ) -> None:
         super().__init__(daemon=True, name="gptlab-rank-watcher")
-        self.check, self.on_lost, self.poll_s, self.grace_s = check, on_lost, poll_s, grace_s
+        self.check, self.before_exit, self.poll_s, self.grace_s = check, before_exit, poll_s, grace_s
 
     def run(self) -> None:
         lost = None
@@ -199,7 +201,6 @@ class RankWatcher(threading.Thread):
                 return
             lost = self.check()
         _state.lost = lost
-        self.on_lost(lost)
         _state.seen.set()
         deadline = time.monotonic() + self.grace_s
         while time.monotonic() < deadline and _state.reporter is None:
@@ -216,6 +217,7 @@ class RankWatcher(threading.Thread):
                 log.warning("The failure could not be recorded: %r", e)
         print(f"\ngptlab: training failed: {error}", file=sys.stderr, flush=True)
         sys.stdout.flush()
+        self.before_exit()
         os._exit(1)
 
 
@@ -229,8 +231,9 @@ def watch_children(
     procs: list[subprocess.Popen], first_rank: int, world_size: int, **kwargs: Any
 ) -> RankWatcher:
     """Rank ``first_rank - 1``'s watch over the processes it started (``procs[i]`` is rank ``first_rank +
-    i``): the first to end with a non-zero status or a signal is the lost rank, and the others are killed
-    (they could only wait for it)."""
+    i``): the first to end with a non-zero status or a signal is the lost rank. The others are ended when this
+    process ends (:func:`end_children`): over gloo they fail by themselves with their own message, and where they
+    would wait on (NCCL) they see this process gone."""
 
     def check() -> LostRank | None:
         for i, proc in enumerate(procs):
@@ -239,18 +242,8 @@ def watch_children(
                 return LostRank(first_rank + i, world_size, proc.pid, code)
         return None
 
-    def kill_the_others(lost: LostRank) -> None:
-        for proc in procs:
-            if proc.pid != lost.pid and proc.poll() is None:
-                proc.kill()
-        for proc in procs:
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                log.warning("Process %d did not end after SIGKILL within 30 s", proc.pid)
-
     atexit.register(end_children, procs)
-    watcher = start(RankWatcher(check, kill_the_others, **kwargs))
+    watcher = start(RankWatcher(check, lambda: end_children(procs, wait_s=0.0), **kwargs))
     _state.children = [(first_rank + i, proc) for i, proc in enumerate(procs)]
     return watcher
 
@@ -258,7 +251,8 @@ def watch_children(
 def end_children(procs: list[subprocess.Popen], wait_s: float = ORPHAN_GRACE_S + 5.0) -> None:
     """When rank 0 exits: the ranks it started that are still there after ``wait_s`` (they end by themselves
     when training ends, or, once rank 0 is gone, by their watch) are killed: one that is stuck, or stopped,
-    would otherwise hold its memory and devices for ever."""
+    would otherwise hold its memory and devices for ever. Where rank 0's watcher ends it (it waited its grace
+    already), at once."""
     deadline = time.monotonic() + wait_s
     for proc in procs:
         try:
