@@ -8,6 +8,11 @@ one rank does to a distributed run. GPTLAB_TEST_FAULT chooses it (read here only
   process group: start it in a session of its own) is SIGKILLed between the two renames.
 - ``kill_at_step:<n>:<overrides>``: the process is SIGKILLed after the n-th optimizer step of the (multirun)
   job whose overrides include every one of ``<overrides>`` (``pos=nope&seed=1``): a sweep dies in that job.
+- ``die_at_step:<rank>:<n>[:stop|:hang]``: that rank alone is SIGKILLed after its n-th optimizer step (as
+  the kernel's out-of-memory killer ends one process of a run); the other ranks are left to notice. With
+  ``stop`` it is SIGSTOPped instead: alive but stuck (a hung file system, a lost node), answering nothing.
+  With ``hang`` the other ranks' main threads then wait for ever, as in an NCCL collective whose peer is
+  gone (over gloo their next collective would fail at once).
 - ``race_start:<folder>:<n>[:hold]``: a start raced against n - 1 others: each process waits until all n
   have reached the run directory's check (a file each in ``<folder>``), so that they claim it at the same
   moment; with ``hold``, one that got through waits there until ``<folder>/go`` exists (the test writes it once
@@ -102,6 +107,23 @@ elif kind == "kill_at_step":
             HydraConfig.get().overrides.task
         ):
             os.kill(os.getpid(), signal.SIGKILL)
+        original_batch_end(self, trainer, pl_module, *rest)
+
+    ValidateAtLastStep.on_train_batch_end = on_train_batch_end
+elif kind == "die_at_step":
+    import threading
+
+    from gptlab.training.callbacks import ValidateAtLastStep
+
+    fault_rank, fault_step = int(args[0]), int(args[1])
+    fault_signal = signal.SIGSTOP if args[2:] == ["stop"] else signal.SIGKILL
+    original_batch_end = ValidateAtLastStep.on_train_batch_end
+
+    def on_train_batch_end(self, trainer, pl_module, *rest):
+        if trainer.global_step == fault_step and trainer.global_rank == fault_rank:
+            os.kill(os.getpid(), fault_signal)
+        elif trainer.global_step == fault_step and args[2:] == ["hang"]:
+            threading.Event().wait()
         original_batch_end(self, trainer, pl_module, *rest)
 
     ValidateAtLastStep.on_train_batch_end = on_train_batch_end

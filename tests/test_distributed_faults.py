@@ -1,13 +1,19 @@
 """What a fault on one rank does to a distributed run (CPU processes, gloo): a NaN loss on one rank stops
-every rank at the same step; a kill during a sharded save leaves the previous checkpoint whole; and the
-gradient norm DeepSpeed ZeRO keeps out of ``p.grad``. Faults are injected by tests/faults.py."""
+every rank at the same step; a kill during a sharded save leaves the previous checkpoint whole; a rank that
+is killed stops the run with its name, and a killed rank 0 leaves no rank behind; and the gradient norm
+DeepSpeed ZeRO keeps out of ``p.grad``. Faults are injected by tests/faults.py."""
 
 from __future__ import annotations
 
+import json
 import os
+import re
+import shlex
 import signal
 import subprocess
 import sys
+import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -119,6 +125,227 @@ def test_a_kill_during_a_sharded_save_keeps_the_previous_checkpoint_whole(tmp_pa
     # The interrupted save had removed the old digest before its swap (so it could not describe other
     # bytes); the new last.ckpt has its own.
     assert digests.check(last).verified and digests.check(last).step == 6
+
+
+# ---- a rank lost ------------------------------------------------------------------------------------------
+def processes_of(run_dir: Path) -> list[int]:
+    """The pids of the live processes whose command line names ``run_dir`` (a run's ranks)."""
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            text = cmdline.read_bytes().decode(errors="replace")
+            state = (cmdline.parent / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if str(run_dir) in text and state != "Z":
+            found.append(int(cmdline.parent.name))
+    return found
+
+
+@contextmanager
+def no_rank_left_behind(run_dir: Path):
+    """Asserts, on the way out, that no process of the run is left; kills any that is (a failed test leaves
+    no orphan on the machine either)."""
+    try:
+        yield
+    finally:
+        left = processes_of(run_dir)
+        for pid in left:
+            os.kill(pid, signal.SIGKILL)
+    assert not left, f"processes of the run left behind: {left}"
+
+
+def failure_message(stderr: str) -> str:
+    found = re.findall(r"^gptlab: training failed: (.*)$", stderr, flags=re.MULTILINE)
+    assert len(found) == 1, stderr[-3000:]
+    return found[0]
+
+
+@pytest.mark.slow
+def test_a_killed_rank_stops_the_run_with_its_name_and_resume_auto_finishes_it(tmp_path):
+    run_dir = tmp_path / "run"
+    common = [
+        *TINY,
+        *QUIET,
+        "strategy=ddp",
+        *CPU2,
+        "trainer.max_steps=6",
+        "callbacks.last_checkpoint.every_n_train_steps=2",
+        "trainer.val_check_interval=6",
+        "logger=csv",
+        f"paths.root_dir={tmp_path}",
+        f"hydra.run.dir={run_dir}",
+    ]
+    # Rank 1 is SIGKILLed after its third step (the out-of-memory killer's way); rank 0's next collective
+    # fails (over gloo), or, where it would wait on (NCCL), its watcher ends it (the next test's way).
+    with no_rank_left_behind(run_dir):
+        proc = run_train(
+            common,
+            cwd=tmp_path,
+            script=FAULTS,
+            env={"GPTLAB_TEST_FAULT": "die_at_step:1:3"},
+            check=False,
+            timeout=300,
+        )
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    message = failure_message(proc.stderr)
+    assert re.match(
+        r"Rank 1 of 2 \(pid \d+\) was killed by SIGKILL \(signal 9\) at step 3: the run cannot go on without "
+        r"it, and stopped\. SIGKILL is what the kernel's out-of-memory killer sends",
+        message,
+    ), message
+    last = last_checkpoint(run_dir)
+    assert f"The last intact checkpoint is {last} (step 2); continue from it with: " in message
+    assert _checkpoint_step(last) == 2
+    command = message.rsplit("continue from it with: ", 1)[1]
+    assert shlex.split(command) == ["python", str(FAULTS), *common, "resume=auto"]
+    assert "Traceback" not in proc.stderr  # gloo's "Connection reset by peer" is not shown
+    result = json.loads((run_dir / "result.json").read_text())
+    assert result["failed"] == f"RankLostError: {message}"
+    assert not result["finished"] and result["global_step"] == 3
+    assert [p["status"] for p in result["parts"]] == ["failed"]
+
+    # The command it prints continues from step 2 and finishes (train.py in place of the fault script).
+    proc = run_train([*common, "resume=auto"], cwd=tmp_path)
+    assert "Restored all states from the checkpoint" in proc.stdout + proc.stderr
+    assert "Trained 6 steps; this part, resumed at step 2, trained 4" in proc.stdout
+    result = json.loads((run_dir / "result.json").read_text())
+    assert result["finished"] and result["global_step"] == 6
+    assert [(p["from_step"], p["to_step"], p["status"]) for p in result["parts"]] == [
+        (0, 3, "failed"),
+        (2, 6, "finished"),
+    ]
+
+
+@pytest.mark.slow
+def test_the_rank_a_killed_rank_0_started_stops_and_says_why(tmp_path):
+    run_dir = tmp_path / "run"
+    common = [
+        *TINY,
+        *QUIET,
+        "strategy=fsdp",
+        *CPU2,
+        "trainer.max_steps=6",
+        "callbacks.last_checkpoint.every_n_train_steps=2",
+        "trainer.val_check_interval=6",
+        "logger=csv",
+        f"paths.root_dir={tmp_path}",
+        f"hydra.run.dir={run_dir}",
+    ]
+    # Rank 0 is SIGKILLed after its third step, and rank 1's main thread then waits for ever, as in an NCCL
+    # collective (over gloo it would fail at once): rank 1's watcher sees its parent gone and ends it. The
+    # run returns only once rank 1 has closed the output it shares with rank 0.
+    with no_rank_left_behind(run_dir):
+        proc = run_train(
+            common,
+            cwd=tmp_path,
+            script=FAULTS,
+            env={"GPTLAB_TEST_FAULT": "die_at_step:0:3:hang"},
+            check=False,
+            timeout=300,
+        )
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
+    message = failure_message(proc.stderr)
+    assert re.match(
+        r"Rank 0 of 2 \(pid \d+\), which started this process, ended \(how, only its parent could tell\) at "
+        r"step 3: rank 1 cannot go on without it, and stopped\.",
+        message,
+    ), message
+    last = last_checkpoint(run_dir)
+    assert f"The last intact checkpoint is {last} (step 2)" in message
+    assert shlex.split(message.rsplit("with: ", 1)[1]) == ["python", str(FAULTS), *common, "resume=auto"]
+
+
+LOST_WHILE_WAITING = """
+import subprocess, sys, threading
+from gptlab.parallel import ranks
+
+segfault = "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)"
+children = [subprocess.Popen([sys.executable, "-c", code]) for code in (segfault, "import time; time.sleep(600)")]
+print("waiting", children[1].pid, flush=True)
+ranks.set_reporter(lambda lost: lost.summary(), lambda error: print("recorded", error, flush=True))
+ranks.watch_children(children, first_rank=1, world_size=3, grace_s=1.0)
+threading.Event().wait()  # the main thread waits on, as in an NCCL collective whose peer is gone
+"""
+
+
+@pytest.mark.slow
+def test_a_watcher_reports_a_lost_rank_where_the_main_thread_waits_on(tmp_path):
+    script = tmp_path / "lost.py"
+    script.write_text(LOST_WHILE_WAITING)
+    proc = subprocess.run(
+        [sys.executable, str(script)],
+        env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    waiting = int(lines[0].split()[1])
+    # The lost rank named and how it ended, recorded by the task's recorder and printed, and the rank still
+    # waiting killed (it could only wait for the lost one).
+    assert re.fullmatch(r"recorded Rank 1 of 3 \(pid \d+\) was killed by SIGSEGV \(signal 11\)", lines[1])
+    assert lines[1].removeprefix("recorded ") in failure_message(proc.stderr)
+    assert (
+        not Path(f"/proc/{waiting}").exists() or "Z" in Path(f"/proc/{waiting}/stat").read_text().split()[2]
+    )
+
+
+def test_a_stopped_rank_is_named_when_a_collective_times_out():
+    from gptlab.parallel.ranks import stuck_ranks, timed_out
+
+    # gloo's words for a collective that waited out the process group's timeout
+    assert timed_out(RuntimeError("Application timeout caused pair closure"))
+    assert timed_out(RuntimeError("[../gloo/transport/tcp/pair.cc:446] Timed out waiting 20000ms for recv"))
+    assert not timed_out(RuntimeError("Connection reset by peer"))
+    stopped, running = (subprocess.Popen(["sleep", "60"]) for _ in range(2))
+    try:
+        stopped.send_signal(signal.SIGSTOP)
+        deadline = time.monotonic() + 60  # the kernel stops it at once; the state reads so at once
+        while Path(f"/proc/{stopped.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "T":
+            assert time.monotonic() < deadline, "the process was not stopped"
+        assert stuck_ranks([(1, stopped.pid), (2, running.pid)]) == [
+            f"rank 1 (pid {stopped.pid}) is stopped (SIGSTOP, or a debugger)"
+        ]
+    finally:
+        for proc in (stopped, running):
+            proc.kill()
+            proc.wait()
+
+
+def test_a_rank_that_ddp_spawn_reports_ended_is_named_as_a_watched_one():
+    from torch.multiprocessing import ProcessExitedException
+
+    from gptlab.parallel.ranks import spawned_rank_lost
+
+    # what torch.multiprocessing's join raises in the launching process (its message and fields)
+    report = ProcessExitedException("process 1 terminated with signal SIGKILL", 1, 4242, -9, "SIGKILL")
+    try:
+        raise RuntimeError("while fitting") from report
+    except RuntimeError as e:
+        lost = spawned_rank_lost(e, world_size=2)
+    assert lost is not None and lost.summary() == "Rank 1 of 2 (pid 4242) was killed by SIGKILL (signal 9)"
+    assert spawned_rank_lost(RuntimeError("Connection reset by peer"), world_size=2) is None
+
+
+def test_the_command_that_continues_a_run_is_the_one_typed_with_resume_auto():
+    from gptlab.parallel.ranks import LostRank, continue_command
+
+    typed = ["train.py", "model=small", "resume=outputs/runs/a", "hydra.run.dir=outputs/runs/a b"]
+    assert (
+        continue_command(typed) == "python train.py model=small 'hydra.run.dir=outputs/runs/a b' resume=auto"
+    )
+    # a rank Lightning started: the three overrides it appended are not the user's
+    started = [
+        *typed,
+        'hydra.run.dir="outputs/runs/a b"',
+        "hydra.job.name=train_ddp_process_1",
+        "hydra.output_subdir=null",
+    ]
+    assert continue_command(started) == continue_command(typed)
+    assert LostRank(2, 4, 99, 3).how() == "exited with status 3"
+    assert LostRank(2, 4, 99, -6).how() == "was killed by SIGABRT (signal 6)"
 
 
 DEEPSPEED_GRAD_NORM = """

@@ -115,6 +115,26 @@ def test_bad_strategy_options_name_the_fix():
         ParallelOptions.from_config({"compile": "yes"})
 
 
+def test_the_process_group_timeout_is_a_strategy_option(make_cfg):
+    from datetime import timedelta
+
+    cpu = {"accelerator": "cpu", "devices": 2, "num_nodes": 1}
+    for choice in ("ddp", "ddp_spawn", "fsdp"):
+        cfg = make_cfg(f"strategy={choice}", "trainer.accelerator=cpu", "trainer.devices=2")
+        built = build_strategy(OmegaConf.to_container(cfg.strategy, resolve=True), cpu)
+        assert built._timeout == timedelta(seconds=600)  # not Lightning's 30 minutes
+        cfg = make_cfg(f"strategy={choice}", "strategy.timeout_s=45")
+        built = build_strategy(OmegaConf.to_container(cfg.strategy, resolve=True), cpu)
+        assert built._timeout == timedelta(seconds=45)
+    for choice in ("ddp", "fsdp", "deepspeed"):  # refused before the hardware is looked at
+        with pytest.raises(
+            ConfigError, match=r"strategy.timeout_s=0.0: the seconds a rank waits .* positive"
+        ):
+            build_strategy({"name": choice, "timeout_s": 0}, cpu)
+    with pytest.raises(ConfigError, match=r"strategy.timeout_s='ten' must be a number"):
+        build_strategy({"name": "ddp", "timeout_s": "ten"}, cpu)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="tests the refusal on a machine without CUDA")
 def test_deepspeed_on_cpu_is_refused_before_any_work(tmp_path):
     proc = run_train(

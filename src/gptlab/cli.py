@@ -14,7 +14,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.experimental.callback import Callback as HydraCallback
 from omegaconf import DictConfig, OmegaConf
 
-from gptlab.errors import ConfigError, DataError, DiskFullError, NonFiniteLossError
+from gptlab.errors import ConfigError, DataError, DiskFullError, NonFiniteLossError, RankLostError
 from gptlab.runs.layout import CLAIM_FILE, HYDRA_DIR, RUN_FILE
 from gptlab.runs.naming import is_multirun
 
@@ -193,7 +193,7 @@ def run_task(cfg: DictConfig) -> float | None:
             raise
         print(f"\ngptlab: error: {e}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
-    except (NonFiniteLossError, DiskFullError) as e:
+    except (NonFiniteLossError, DiskFullError, RankLostError) as e:
         if is_multirun():
             raise
         print(f"\ngptlab: training failed: {e}", file=sys.stderr, flush=True)

@@ -1,7 +1,8 @@
 """Every exception gptlab raises on purpose. Each message names the bad value, what is allowed, and the fix.
 
 ``ConfigError`` and its kinds end `python train.py` with exit status 2 and the message alone (no traceback);
-``NonFiniteLossError`` and ``DiskFullError`` end it with status 1, as a run that started and then failed.
+``NonFiniteLossError``, ``DiskFullError`` and ``RankLostError`` end it with status 1, as a run that started and
+then failed.
 """
 
 
@@ -31,11 +32,17 @@ class DiskFullError(RuntimeError):
     and free, and the last good checkpoint (a failed save never replaces it)."""
 
 
+class RankLostError(RuntimeError):
+    """A process of a distributed run ended (killed, crashed) or its launching process is gone; the message
+    names the rank and how it ended, the last intact checkpoint and the command that continues the run."""
+
+
 __all__ = [
     "CheckpointError",
     "ConfigError",
     "DataError",
     "DiskFullError",
     "NonFiniteLossError",
+    "RankLostError",
     "WandbFileError",
 ]

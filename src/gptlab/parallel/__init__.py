@@ -6,6 +6,8 @@
   checks) and building Lightning's strategy from one.
 - `checkpoint_io`: checkpoints that a kill leaves whole, and the Lightning strategy subclasses the choices
   build (atomic sharded checkpoints, DeepSpeed's gradient norm).
+- `ranks`: a rank that is lost: rank 0 watches the ranks it started and each watches rank 0, so a process
+  that dies stops the run with its name; the process group's timeout bounds the wait for one that hangs.
 - `transforms`: activation checkpointing, `torch.compile` and FSDP2 sharding of each block, in each rank.
 - memory per device and the model card, from the same choices, are `gptlab.planning`.
 """

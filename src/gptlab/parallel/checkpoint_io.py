@@ -29,6 +29,7 @@ import torch
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.strategies import DeepSpeedStrategy, ModelParallelStrategy
 
+from gptlab.parallel.ranks import WatchedRanks
 from gptlab.runs import digests
 from gptlab.runs.layout import ASIDE, STAGING, remove_path
 
@@ -247,10 +248,10 @@ def save_directory_atomically(
 # The Lightning strategies that the sharded choices build: their checkpoint directories swapped in whole.
 
 
-class FullyShardedStrategy(ModelParallelStrategy):
+class FullyShardedStrategy(WatchedRanks, ModelParallelStrategy):
     """Lightning's ModelParallelStrategy with every rank in the data-parallel dimension (no tensor
     parallelism), carrying the FSDP options that `gptlab.parallel.transforms.parallelize` reads in
-    `configure_model`."""
+    `configure_model`; its ranks on a node are watched (`gptlab.parallel.ranks`)."""
 
     def __init__(self, reshard_after_forward: bool, hybrid: bool, cpu_offload: bool, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -281,9 +282,10 @@ class FullyShardedStrategy(ModelParallelStrategy):
         )
 
 
-class AtomicDeepSpeedStrategy(DeepSpeedStrategy):
-    """Lightning's DeepSpeedStrategy whose checkpoint directories are written atomically, and which
-    reports the global gradient norm the DeepSpeed engine computed in its last step."""
+class AtomicDeepSpeedStrategy(WatchedRanks, DeepSpeedStrategy):
+    """Lightning's DeepSpeedStrategy whose checkpoint directories are written atomically, which reports
+    the global gradient norm the DeepSpeed engine computed in its last step, and whose ranks on a node are
+    watched (`gptlab.parallel.ranks`)."""
 
     def save_checkpoint(self, checkpoint: dict, filepath: Any, storage_options: Any | None = None) -> None:
         target = Path(self.broadcast(filepath))

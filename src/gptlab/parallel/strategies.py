@@ -11,6 +11,7 @@ conf/strategy/.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, ClassVar, Literal
 
 import torch
@@ -101,6 +102,27 @@ class StrategyChoice:
         return [] if self.writes_directory() else [AtomicCheckpointIO()]
 
 
+# How long a rank waits in a collective for the others (torch's process-group timeout), by default: NCCL's own
+# default and Megatron-LM's. Lightning passes 30 minutes, which a stuck rank holds every GPU idle for. A lost
+# rank on this node is noticed within seconds without it (gptlab.parallel.ranks); the timeout bounds the wait
+# for a rank that is alive but stuck, or on another node. A rank's longest legitimate wait is for rank 0
+# writing a single-file checkpoint (ddp), or for the slowest rank to start and join.
+DEFAULT_TIMEOUT_S = 600.0
+
+
+def check_timeout(label: str, timeout_s: float) -> None:
+    if not timeout_s > 0:
+        raise ConfigError(
+            f"strategy.timeout_s={timeout_s!r}: the seconds a rank waits in a collective for the others must be "
+            f"positive (strategy={label}). The default is {DEFAULT_TIMEOUT_S:g}; raise it when a checkpoint "
+            "takes longer than that to write."
+        )
+
+
+def process_group_timeout(timeout_s: float) -> timedelta:
+    return timedelta(seconds=timeout_s)
+
+
 # The choices.
 
 
@@ -123,6 +145,7 @@ class AutoStrategy(StrategyChoice):
 class DDPOptions:
     find_unused_parameters: bool = False
     process_group_backend: str | None = None  # None: nccl on GPUs, gloo on CPUs
+    timeout_s: float = DEFAULT_TIMEOUT_S  # how long a rank waits in a collective for the others
 
 
 @STRATEGIES.register("ddp")
@@ -140,13 +163,17 @@ class DDP(StrategyChoice):
     def placement(self, n_devices: int) -> Placement:
         return REPLICATED
 
-    def build(self, trainer_cfg: dict[str, Any]) -> Any:
-        from lightning.pytorch.strategies import DDPStrategy
+    def check(self, trainer_cfg: dict[str, Any]) -> None:
+        check_timeout(self.label, self.options.timeout_s)
 
-        return DDPStrategy(
+    def build(self, trainer_cfg: dict[str, Any]) -> Any:
+        from gptlab.parallel.ranks import WatchedDDPStrategy
+
+        return WatchedDDPStrategy(
             start_method=self.start_method,
             find_unused_parameters=self.options.find_unused_parameters,
             process_group_backend=self.options.process_group_backend,
+            timeout=process_group_timeout(self.options.timeout_s),
         )
 
 
@@ -168,6 +195,7 @@ class FSDPOptions:
     cpu_offload: bool = False
     save_distributed_checkpoint: bool = True
     process_group_backend: str | None = None
+    timeout_s: float = DEFAULT_TIMEOUT_S
 
 
 @STRATEGIES.register("fsdp")
@@ -200,6 +228,7 @@ class FSDP(StrategyChoice):
         return self.options.save_distributed_checkpoint
 
     def check(self, trainer_cfg: dict[str, Any]) -> None:
+        check_timeout(self.label, self.options.timeout_s)
         if self.options.cpu_offload and (
             trainer_cfg.get("accelerator") == "cpu" or not torch.cuda.is_available()
         ):
@@ -223,6 +252,7 @@ class FSDP(StrategyChoice):
             cpu_offload=o.cpu_offload,
             save_distributed_checkpoint=o.save_distributed_checkpoint,
             process_group_backend=o.process_group_backend,
+            timeout=process_group_timeout(o.timeout_s),
         )
 
 
@@ -231,6 +261,7 @@ class DeepSpeedOptions:
     stage: int = 2
     offload_optimizer: bool = False
     offload_parameters: bool = False
+    timeout_s: float = DEFAULT_TIMEOUT_S
 
 
 @STRATEGIES.register("deepspeed")
@@ -270,6 +301,7 @@ class DeepSpeed(StrategyChoice):
         return True
 
     def check(self, trainer_cfg: dict[str, Any]) -> None:
+        check_timeout(self.label, self.options.timeout_s)
         stage = self.options.stage
         if stage not in (1, 2, 3):
             raise ConfigError(f"strategy.stage={stage!r}: DeepSpeed ZeRO stages are 1, 2 and 3.")
@@ -301,7 +333,10 @@ class DeepSpeed(StrategyChoice):
 
         o = self.options
         return AtomicDeepSpeedStrategy(
-            stage=o.stage, offload_optimizer=o.offload_optimizer, offload_parameters=o.offload_parameters
+            stage=o.stage,
+            offload_optimizer=o.offload_optimizer,
+            offload_parameters=o.offload_parameters,
+            timeout=process_group_timeout(o.timeout_s),
         )
 
 

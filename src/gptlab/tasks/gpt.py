@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -32,6 +33,7 @@ if TYPE_CHECKING:  # Lightning and the data are imported once the config is chec
 
     from gptlab.data.corpus import PreparedCorpus
     from gptlab.data.datamodule import GPTDataModule
+    from gptlab.parallel.ranks import LostRank
     from gptlab.training.checkpointing import SignalStop
     from gptlab.training.module import GPTLitModule
 
@@ -88,6 +90,7 @@ def run(cfg: DictConfig) -> dict[str, float]:
             log.info("Run directory: %s", session.run_dir)
             log.info("\n%s", model_summary(parts.module, trainer, settings))
         session.save_config(loggers)
+        watch_lost_ranks(session, trainer, lambda: trainer.global_step, metrics_so_far)
         stop, step = fit(trainer, parts, resume, settings.trainer["max_steps"])
         metrics = collect_metrics(trainer, parts, time.perf_counter() - t0)
         if trainer.is_global_zero:
@@ -261,10 +264,93 @@ def fit(
         )
         trainer.loggers = loggers
         return None, resume.global_step
-    stop = fit_with_signals(trainer, parts.module, parts.datamodule, resume.ckpt_path if resume else None)
+    from gptlab.errors import RankLostError
+    from gptlab.parallel import ranks
+
+    try:
+        stop = fit_with_signals(trainer, parts.module, parts.datamodule, resume.ckpt_path if resume else None)
+    except Exception as e:
+        lost = ranks.lost_during(e) or ranks.spawned_rank_lost(e, trainer.world_size)
+        if lost is not None:
+            raise RankLostError(lost_rank_message(trainer, lost)) from e
+        if trainer.world_size > 1 and ranks.timed_out(e):
+            raise RankLostError(timeout_message(trainer, e)) from e
+        raise
+    finally:  # also for a SystemExit (Lightning's, after a KeyboardInterrupt): this thread reports from here
+        ranks.training_over()
     if stop is not None and trainer.is_global_zero:
         log.warning("%s", stop_line(stop, trainer.global_step))
     return stop, trainer.global_step
+
+
+def watch_lost_ranks(
+    session: RunSession, trainer: L.Trainer, step: Callable[[], int], metrics: Callable[[], dict[str, float]]
+) -> None:
+    """What a watcher of the ranks (:mod:`gptlab.parallel.ranks`) says and records about a lost rank where
+    this process's main thread waits on in a collective and cannot."""
+    from gptlab.parallel import ranks
+    from gptlab.runs.identity import release_run_dir
+
+    def record(error: Exception) -> None:  # what closing() does for a run that raised
+        session.write_failure(error, step, metrics)
+        release_run_dir(session.run_dir)
+
+    ranks.set_reporter(lambda lost: lost_rank_message(trainer, lost), record)
+
+
+def lost_rank_message(trainer: L.Trainer, lost: LostRank) -> str:
+    """A lost rank, by name and how it ended; the step reached; the last checkpoint written whole (or none);
+    and the command that continues the run."""
+    who = "the run" if trainer.is_global_zero else f"rank {trainer.global_rank}"
+    # ddp_spawn's launching process trains no step itself: its trainer's step stays 0
+    at = f" at step {trainer.global_step}" if trainer.global_step else ""
+    return (
+        f"{lost.summary()}{at}: {who} cannot go on without it, and stopped.{lost.hint()} "
+        f"{continue_line(trainer)}"
+    )
+
+
+def timeout_message(trainer: L.Trainer, error: Exception) -> str:
+    """A collective that waited out ``strategy.timeout_s``: the ranks that are stuck where this process can
+    see them, the last checkpoint and the command that continues the run."""
+    from gptlab.parallel.ranks import stuck_ranks
+
+    timeout = getattr(trainer.strategy, "_timeout", None)
+    seconds = f"={timeout.total_seconds():g}" if timeout is not None else ""
+    stuck = stuck_ranks() if trainer.is_global_zero else []
+    why = (
+        "; ".join(stuck)
+        if stuck
+        else "a rank is alive but not answering (stuck in its own code: a data loader, a file system), or one "
+        "on another node is unreachable"
+    )
+    return (
+        f"Rank {trainer.global_rank} of {trainer.world_size} waited strategy.timeout_s{seconds} s in a "
+        f"collective for the other ranks at step {trainer.global_step}, in vain ({type(error).__name__}: "
+        f"{error}): {why}. The run stopped, and the ranks it started were ended. {continue_line(trainer)} "
+        "(Where a rank legitimately takes longer, e.g. writing a large checkpoint to a slow disk, raise "
+        "strategy.timeout_s.)"
+    )
+
+
+def continue_line(trainer: L.Trainer) -> str:
+    """The last checkpoint written whole (or that there is none) and the command that continues the run."""
+    from gptlab.parallel.ranks import continue_command
+    from gptlab.runs import digests
+    from gptlab.training.checkpointing import PeriodicLastCheckpoint
+
+    last = next((cb for cb in trainer.checkpoint_callbacks if isinstance(cb, PeriodicLastCheckpoint)), None)
+    path, step = (last.saved_path, last.saved_step) if last is not None else (None, None)
+    if path is None and last is not None and last.dirpath:  # written by ranks spawned from this process
+        on_disk = Path(last.dirpath) / LAST_CHECKPOINT
+        verdict = digests.check(on_disk) if on_disk.exists() else None
+        if verdict is not None and verdict.verified:
+            path, step = on_disk, verdict.step
+    if path is not None:
+        kept = f"The last intact checkpoint is {path} (step {step}); continue from it with"
+    else:
+        kept = "No checkpoint was written before it; start the run again with"
+    return f"{kept}: {continue_command()}"
 
 
 def stop_line(stop: SignalStop, step: int) -> str:

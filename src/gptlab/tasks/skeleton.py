@@ -232,7 +232,7 @@ class RunSession:
             yield
             failed = False
         except Exception as e:
-            self._write_failure(e, step, metrics)
+            self.write_failure(e, step, metrics)
             raise
         finally:
             if loggers:
@@ -241,16 +241,19 @@ class RunSession:
                 finish_loggers(loggers, failed)
             release_run_dir(self.run_dir)
 
-    def _write_failure(
+    def write_failure(
         self,
         error: Exception,
         step: Callable[[], int] | None,
         metrics: Callable[[], Mapping[str, float]] | None,
     ) -> None:
-        """``result.json`` for a run that raised ``error``; nothing here may hide that error."""
-        from gptlab.errors import DiskFullError
+        """``result.json`` for a run that raised ``error`` (or, for a lost rank, whose watcher reports it where
+        the main thread waits on: :mod:`gptlab.parallel.ranks`); nothing here may hide that error."""
+        from gptlab.errors import DiskFullError, RankLostError
 
-        reason = f"{type(error).__name__}: {error}" if isinstance(error, DiskFullError) else repr(error)[:300]
+        # gptlab's own messages whole (they name the fix); anything else as its repr, cut short
+        whole = isinstance(error, (DiskFullError, RankLostError))
+        reason = f"{type(error).__name__}: {error}" if whole else repr(error)[:300]
         try:
             known = dict(metrics()) if metrics else {}
         except Exception as e:  # the state the metrics come from may be what broke

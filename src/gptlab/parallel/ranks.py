@@ -1,0 +1,399 @@
+"""A rank that is lost: how the other processes of a run notice it, stop, and say so.
+
+When one process of a distributed run dies (the kernel's out-of-memory killer, a segfault, a kill), the
+others are left in or before a collective that cannot complete. What they see depends on the transport:
+over gloo on one machine the dead process's sockets are reset and the survivors' next collective raises a
+``Connection reset by peer`` that names no rank; NCCL learns nothing and waits until the process group's
+timeout (Lightning passes 30 minutes); a rank that is alive but stuck, or a node that vanished, is waited
+for until that timeout on any transport. Lightning's own observer of the ranks it starts SIGKILLs every
+process up to five seconds after a child fails, with one line in the log file and none on the console,
+before the run can record anything (``result.json`` is not written).
+
+So, for the ranks Lightning starts on one node by re-running the command line (``ddp``, ``fsdp``,
+``deepspeed_*``; :class:`WatchedLauncher` replaces Lightning's observer):
+
+- rank 0 watches the processes it started (:func:`watch_children`, a daemon thread polling their exit
+  status): when one ends with a non-zero status or a signal, the main thread, whose next or current
+  collective fails, reports the lost rank by name (:func:`lost_during`: a :class:`~gptlab.errors.RankLostError`,
+  recorded in ``result.json``). Where the main thread cannot fail (NCCL waits on), the watcher reports after
+  :data:`REPORT_GRACE_S` and ends the process. Either way the ranks it started that are left are ended with it
+  (:func:`end_children`).
+- every other rank watches the process that started it (:func:`watch_launcher`: its parent pid): when
+  rank 0 is gone (killed, crashed, or failed while this rank waited), this rank stops as well, instead of
+  waiting in a collective as an orphan. A polling thread is used rather than ``prctl(PR_SET_PDEATHSIG)``:
+  that signal would end the process without a word (a handler cannot run while the main thread waits in
+  C++), it fires when the *thread* that started the child ends, and it exists on Linux only.
+- the process group's timeout is a strategy option (``strategy.timeout_s``): it bounds the wait for a rank
+  that is stuck rather than dead, and for ranks on other nodes (started by SLURM or torchrun, not watched
+  here).
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies.launchers.launcher import _Launcher
+from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+
+log = logging.getLogger("gptlab")
+
+#: Set by rank 0 for the processes it starts: its pid, so that each knows which parent to watch.
+LAUNCHER_PID_ENV = "GPTLAB_LAUNCHER_PID"
+POLL_S = 0.5
+#: How long rank 0's watcher leaves the main thread to report a lost rank itself (its collective fails at once
+#: over gloo; a step, or a checkpoint being written, finishes first) before it reports and ends the process.
+REPORT_GRACE_S = 15.0
+#: The same for a rank whose launching process is gone: it has nothing to finish (rank 0 writes the run's
+#: files), only its own error to print first where its collective fails.
+ORPHAN_GRACE_S = 5.0
+#: How long the main thread, whose collective failed, waits for its watcher to see which rank is gone.
+NOTICE_WAIT_S = 5.0
+
+
+@dataclass(frozen=True)
+class LostRank:
+    """A process of the run that is gone: its global rank, pid, and how it ended (``returncode`` as
+    ``subprocess`` gives it: negative for a signal; None where this process cannot know, a parent)."""
+
+    rank: int
+    world_size: int
+    pid: int
+    returncode: int | None
+    parent: bool = False  # the process that started this one (rank 0 seen from a rank it started)
+
+    def how(self) -> str:
+        """How it ended, in words: ``was killed by SIGKILL (signal 9)``, ``exited with status 3``."""
+        code = self.returncode
+        if code is None:
+            return "ended (how, only its parent could tell)"
+        if code < 0:
+            try:
+                name = signal.Signals(-code).name
+            except ValueError:
+                name = f"signal {-code}"
+            return f"was killed by {name} (signal {-code})"
+        return f"exited with status {code}"
+
+    def hint(self) -> str:
+        """What the way it ended usually means."""
+        if self.returncode == -signal.SIGKILL:
+            return (
+                " SIGKILL is what the kernel's out-of-memory killer sends: `dmesg | grep -i -e oom -e killed` "
+                "says whether it did (then lower data.batch_size, or use activation_checkpointing=true)."
+            )
+        if self.returncode == -signal.SIGSEGV:
+            return " A segmentation fault: its own output above shows where."
+        if self.returncode is not None and self.returncode > 0:
+            return " Its own error is printed above, before this message."
+        return ""
+
+    def summary(self) -> str:
+        """``Rank 1 of 2 (pid 4242) was killed by SIGKILL (signal 9)``."""
+        started = ", which started this process," if self.parent else ""
+        return f"Rank {self.rank} of {self.world_size} (pid {self.pid}){started} {self.how()}"
+
+
+class _State:
+    """This process's watch: the lost rank once seen, and who reports it: the main thread or the watcher,
+    whichever takes ``reporting`` first (the other stands down)."""
+
+    def __init__(self) -> None:
+        # Set by the task: the message for a lost rank (step, checkpoint, command) and how to record it.
+        self.describe: Callable[[LostRank], str] | None = None
+        self.record: Callable[[Exception], None] | None = None
+        self.watch(None)
+
+    def watch(self, watcher: RankWatcher | None) -> None:
+        """A new watch (a process that trains twice watches anew)."""
+        self.watcher = watcher
+        self.children: list[tuple[int, subprocess.Popen]] = []  # (rank, process) of those this one started
+        self.lost: LostRank | None = None
+        self.seen = threading.Event()
+        self.reporting = threading.Lock()
+        self.reporter: str | None = None  # "main" or "watcher", once one took the report
+
+    def take_report(self, who: str) -> bool:
+        """Whether ``who`` reports (it took the report now, or had it already)."""
+        if self.reporting.acquire(blocking=False):
+            self.reporter = who
+        return self.reporter == who
+
+
+_state = _State()
+
+
+def set_reporter(describe: Callable[[LostRank], str], record: Callable[[Exception], None]) -> None:
+    """What the task says about a lost rank (``describe``) and how it records the failure (``record``:
+    ``result.json``), for the watcher to use where the main thread cannot."""
+    _state.describe, _state.record = describe, record
+
+
+def describe(lost: LostRank) -> str:
+    if _state.describe is not None:
+        return _state.describe(lost)
+    return f"{lost.summary()}; the run cannot go on without it.{lost.hint()}"
+
+
+def lost_during(error: BaseException) -> LostRank | None:
+    """Called by the main thread when training raised ``error``: the lost rank that explains it (waiting up
+    to :data:`NOTICE_WAIT_S` for the watcher to see the process gone), or None when no rank is lost (the
+    error is the run's own) or this process watches none. From here on the main thread reports: the watcher
+    stands down (or, if it already took over, this thread waits for it to end the process)."""
+    from gptlab.errors import ConfigError, DataError, DiskFullError, NonFiniteLossError
+
+    if _state.watcher is None:
+        return None
+    # gptlab's own errors explain themselves (a NaN loss stops every rank, each with its message: a rank that
+    # ended first is no lost rank)
+    own = isinstance(error, (ConfigError, DataError, DiskFullError, NonFiniteLossError))
+    if not own:
+        _state.seen.wait(NOTICE_WAIT_S)
+    _main_reports()
+    return None if own else _state.lost
+
+
+def training_over() -> None:
+    """The main thread is past training (it ended, or its error is being reported): a process that ends
+    from here on is no lost rank for this process's watcher to report."""
+    if _state.watcher is not None:
+        _main_reports()
+
+
+def _main_reports() -> None:
+    while not _state.take_report("main"):
+        time.sleep(60)  # the watcher took the report: it ends the process
+
+
+class RankWatcher(threading.Thread):
+    """A daemon thread that polls ``check`` (the lost rank, or None) every ``poll_s``; once a rank is lost it
+    leaves the main thread ``grace_s`` to report it, else it reports it itself (:func:`describe`, the task's
+    ``record``, the message on stderr), calls ``before_exit`` and ends the process with status 1 (``atexit``
+    handlers do not run then)."""
+
+    def __init__(
+        self,
+        check: Callable[[], LostRank | None],
+        before_exit: Callable[[], None] = lambda: None,
+        poll_s: float = POLL_S,
+        grace_s: float = REPORT_GRACE_S,
+    ) -> None:
+        super().__init__(daemon=True, name="gptlab-rank-watcher")
+        self.check, self.before_exit, self.poll_s, self.grace_s = check, before_exit, poll_s, grace_s
+
+    def run(self) -> None:
+        lost = None
+        while lost is None:
+            time.sleep(self.poll_s)
+            if _state.reporter == "main":
+                return
+            lost = self.check()
+        _state.lost = lost
+        _state.seen.set()
+        deadline = time.monotonic() + self.grace_s
+        while time.monotonic() < deadline and _state.reporter is None:
+            time.sleep(self.poll_s)
+        if not _state.take_report("watcher"):
+            return
+        from gptlab.errors import RankLostError
+
+        error = RankLostError(describe(lost))
+        if _state.record is not None:
+            try:
+                _state.record(error)
+            except Exception as e:  # the report below must still come out
+                log.warning("The failure could not be recorded: %r", e)
+        print(f"\ngptlab: training failed: {error}", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        self.before_exit()
+        os._exit(1)
+
+
+def start(watcher: RankWatcher) -> RankWatcher:
+    _state.watch(watcher)
+    watcher.start()
+    return watcher
+
+
+def watch_children(
+    procs: list[subprocess.Popen], first_rank: int, world_size: int, **kwargs: Any
+) -> RankWatcher:
+    """Rank ``first_rank - 1``'s watch over the processes it started (``procs[i]`` is rank ``first_rank +
+    i``): the first to end with a non-zero status or a signal is the lost rank. The others are ended when this
+    process ends (:func:`end_children`): over gloo they fail by themselves with their own message, and where they
+    would wait on (NCCL) they see this process gone."""
+
+    def check() -> LostRank | None:
+        for i, proc in enumerate(procs):
+            code = proc.poll()
+            if code:
+                return LostRank(first_rank + i, world_size, proc.pid, code)
+        return None
+
+    atexit.register(end_children, procs)
+    watcher = start(RankWatcher(check, lambda: end_children(procs, wait_s=0.0), **kwargs))
+    _state.children = [(first_rank + i, proc) for i, proc in enumerate(procs)]
+    return watcher
+
+
+def end_children(procs: list[subprocess.Popen], wait_s: float = ORPHAN_GRACE_S + 5.0) -> None:
+    """When rank 0 exits: the ranks it started that are still there after ``wait_s`` (they end by themselves
+    when training ends, or, once rank 0 is gone, by their watch) are killed: one that is stuck, or stopped,
+    would otherwise hold its memory and devices for ever. Where rank 0's watcher ends it (it waited its grace
+    already), at once."""
+    deadline = time.monotonic() + wait_s
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            log.warning("Rank process %d is still there after rank 0 ended: killed", proc.pid)
+            proc.kill()
+            proc.wait()
+
+
+def watch_launcher(launcher_pid: int, launcher_rank: int, world_size: int, **kwargs: Any) -> RankWatcher:
+    """A started rank's watch over the process that started it (``launcher_pid``, rank ``launcher_rank``):
+    once this process has another parent, that one is gone."""
+
+    def check() -> LostRank | None:
+        if os.getppid() == launcher_pid:
+            return None
+        return LostRank(launcher_rank, world_size, launcher_pid, None, parent=True)
+
+    kwargs.setdefault("grace_s", ORPHAN_GRACE_S)
+    return start(RankWatcher(check, **kwargs))
+
+
+def spawned_rank_lost(error: BaseException, world_size: int) -> LostRank | None:
+    """The rank that ``error`` says ended, where it is ``torch.multiprocessing``'s report of a spawned rank
+    (``ddp_spawn``: its join ends the other ranks itself); None for any other error."""
+    from torch.multiprocessing import ProcessExitedException
+
+    seen: BaseException | None = error
+    while seen is not None:
+        if isinstance(seen, ProcessExitedException):
+            return LostRank(seen.error_index, world_size, seen.error_pid, seen.exit_code)
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
+def timed_out(error: BaseException) -> bool:
+    """Whether ``error``, or one in its chain, is a collective that waited out the process group's timeout
+    (gloo says "Application timeout caused pair closure" or "Timed out waiting ..."; NCCL's watchdog ends
+    the process instead)."""
+    seen: BaseException | None = error
+    while seen is not None:
+        if isinstance(seen, RuntimeError) and "timeout" in str(seen).lower().replace("timed out", "timeout"):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
+#: /proc/<pid>/stat states of a process that cannot answer: stopped, stopped by a tracer, in a wait the
+#: kernel does not interrupt (a hung file system or device).
+STUCK_STATES = {
+    "T": "is stopped (SIGSTOP, or a debugger)",
+    "t": "is stopped by a debugger",
+    "D": ("is in a wait the kernel does not interrupt (a hung file system or device)"),
+}
+
+
+def stuck_ranks(children: list[tuple[int, int]] | None = None) -> list[str]:
+    """Of the ranks this process started (``(rank, pid)`` pairs; by default those it watches), those that
+    the kernel shows stopped or in an uninterruptible wait, in words: ``rank 1 (pid 4242) is stopped ...``."""
+    pairs = children if children is not None else [(r, p.pid) for r, p in _state.children]
+    found = []
+    for rank, pid in pairs:
+        try:
+            state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):  # gone, or no /proc (not Linux)
+            continue
+        if state in STUCK_STATES:
+            found.append(f"rank {rank} (pid {pid}) {STUCK_STATES[state]}")
+    return found
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def continue_command(argv: list[str] | None = None) -> str:
+    """The command that continues this run: the one typed, with ``resume=auto`` for any ``resume=`` it had.
+    A rank Lightning started has three overrides appended to the command (the run directory, the job's
+    name, no output subdirectory): they are left out."""
+    args = list(sys.argv if argv is None else argv)
+    rest = args[1:]
+    if len(rest) >= 3 and rest[-2].startswith("hydra.job.name=train_ddp_process_"):
+        rest = rest[:-3]
+    rest = [a for a in rest if a.lstrip("+").split("=", 1)[0] != "resume"]
+    return shlex.join(["python", args[0], *rest, "resume=auto"])
+
+
+class WatchedLauncher(_SubprocessScriptLauncher):
+    """Lightning's launcher that re-runs the command line for ranks 1..N-1 of a node, with this module's
+    watches in place of Lightning's observer: rank 0 watches the processes it started, and each of them
+    watches rank 0."""
+
+    def launch(self, function: Callable, *args: Any, trainer: Any = None, **kwargs: Any) -> Any:
+        env = self.cluster_environment
+        env.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)
+        node_first = env.node_rank() * self.num_processes
+        world = self.num_processes * self.num_nodes
+        if not env.creates_processes_externally:
+            os.environ[LAUNCHER_PID_ENV] = str(os.getpid())
+            try:
+                self._call_children_scripts()
+            finally:
+                del os.environ[LAUNCHER_PID_ENV]  # for these children only, not for any started later
+            if self.procs:
+                watch_children(self.procs, node_first + 1, world)
+        else:
+            launcher = os.environ.get(LAUNCHER_PID_ENV)
+            if launcher and (os.getppid() == int(launcher) or not pid_alive(int(launcher))):
+                watch_launcher(int(launcher), node_first, world)
+        _set_num_threads_if_needed(num_processes=self.num_processes)
+        return function(*args, **kwargs)
+
+
+class WatchedRanks:
+    """Mixin for a Lightning strategy whose ranks on a node are started by re-running the command line:
+    they run under :class:`WatchedLauncher`."""
+
+    _launcher: _Launcher | None
+
+    def _configure_launcher(self) -> None:
+        super()._configure_launcher()  # type: ignore[misc]
+        launcher = self._launcher
+        if type(launcher) is _SubprocessScriptLauncher:
+            self._launcher = WatchedLauncher(
+                launcher.cluster_environment, launcher.num_processes, launcher.num_nodes
+            )
+        elif launcher is None and os.environ.get(LAUNCHER_PID_ENV):
+            # A rank started by re-running the command line, under a strategy that gives such a rank no
+            # launcher (ModelParallelStrategy): it gets one, which only starts its watch of rank 0.
+            strategy: Any = self
+            self._launcher = WatchedLauncher(
+                strategy.cluster_environment, strategy.num_processes, strategy.num_nodes
+            )
+
+
+class WatchedDDPStrategy(WatchedRanks, DDPStrategy):
+    """Lightning's DDPStrategy with the ranks it starts on a node watched (:class:`WatchedLauncher`)."""
