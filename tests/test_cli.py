@@ -195,7 +195,7 @@ def test_second_run_reuses_the_token_cache(trained):
 @pytest.mark.parametrize(
     "override,expected",
     [
-        ("trainer.max_step=5", "Key 'max_step' is not in struct"),
+        ("trainer.max_step=5", "gptlab: error: trainer has no key 'max_step' (trainer.max_step=5)."),
         ("pos=rotary", "Could not find 'pos/rotary'"),
         ("activation=gleu", "Could not find 'activation/gleu'"),
         ("model.n_head=3", "n_embd=32 is not divisible by model.n_head=3"),
