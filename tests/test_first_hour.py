@@ -6,9 +6,11 @@ from __future__ import annotations
 import csv
 import json
 import re
+import sys
 import warnings
 
-from conftest import TINY
+import pytest
+from conftest import TINY, load_script
 
 import gptlab
 
@@ -42,3 +44,42 @@ def test_a_short_epoch_logs_at_every_interval_without_lightnings_warning_or_noti
     with open(tmp_path / "run" / "csv" / "metrics.csv") as f:
         logged = [int(float(row["step"])) for row in csv.DictReader(f) if row.get("train/loss")]
     assert logged == [8, 16]  # every log_every_n_steps steps, across the epochs
+
+
+@pytest.mark.parametrize(
+    "script,argv,closest",
+    [
+        ("compare", ["--basline", "pos=learned"], "--baseline"),
+        ("eval_length", ["run", "--facors", "1"], "--factors"),
+        ("evaluate", ["run", "--log-smaples"], "--log-samples"),
+        ("fit_scaling", ["--confidance", "0.9"], "--confidence"),
+        ("model_card", ["--precison", "bf16-mixed"], "--precision"),
+        ("plot_positions", ["--positons", "64"], "--positions"),
+        ("eval_embeddings", ["--against-gensin"], "--against-gensim"),
+        ("coord_check", ["--widhts", "64"], "--widths"),
+    ],
+)
+def test_a_scripts_mistyped_flag_is_refused_with_the_closest_one(script, argv, closest, capsys):
+    module = load_script(script)
+    try:
+        with pytest.raises(SystemExit) as ended:
+            module.main(argv)
+    finally:
+        sys.modules.pop(script, None)
+    err = capsys.readouterr().err
+    assert ended.value.code == 2
+    last = err.rstrip().splitlines()[-1]
+    typo = next(arg for arg in argv if arg.startswith("--"))
+    assert f": error: unrecognized arguments: {typo}" in last, err  # after the program name
+    assert last.endswith(f". Did you mean {closest}?"), err
+
+
+def test_the_model_card_names_the_closest_choice_and_key_as_train_py_does(capsys):
+    module = load_script("model_card")
+    try:
+        assert module.main(["modle=small"]) == 2
+        assert capsys.readouterr().err.rstrip().endswith("Did you mean model=small?")
+        assert module.main(["pos=rop"]) == 2
+        assert capsys.readouterr().err.rstrip().endswith("Did you mean pos=rope?")
+    finally:
+        sys.modules.pop("model_card", None)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import argparse
 import difflib
 import os
+import shlex
 import shutil
 import sys
 from collections.abc import Callable
@@ -17,6 +19,39 @@ from omegaconf import DictConfig, OmegaConf
 from gptlab.errors import ConfigError, DataError, DiskFullError, NonFiniteLossError
 from gptlab.runs.layout import CLAIM_FILE, HYDRA_DIR, RUN_FILE
 from gptlab.runs.naming import is_multirun
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """The scripts' argument parser: argparse's, whose refusal of an option it does not know names the
+    closest one it does (``--basline``: "Did you mean --baseline?"), as ``train.py`` does for a mistyped
+    choice or key."""
+
+    def parse_args(self, args: Any = None, namespace: Any = None) -> Any:
+        parsed, extras = self.parse_known_args(args, namespace)
+        self._refuse(extras)
+        return parsed
+
+    def parse_intermixed_args(self, args: Any = None, namespace: Any = None) -> Any:
+        parsed, extras = self.parse_known_intermixed_args(args, namespace)
+        self._refuse(extras)
+        return parsed
+
+    def _refuse(self, extras: list[str]) -> None:
+        if not extras:
+            return
+        flags = [flag for action in self._actions for flag in action.option_strings if flag.startswith("--")]
+        close = {}  # each mistyped flag: the closest flag the script takes
+        for extra in extras:
+            name = extra.split("=", 1)[0]
+            match = difflib.get_close_matches(name, flags, n=1) if name.startswith("-") else []
+            if match:
+                close[name] = match[0]
+        hint = ""
+        if len(close) == 1:
+            hint = f" Did you mean {next(iter(close.values()))}?"
+        elif close:
+            hint = " Did you mean " + ", ".join(f"{flag} for {name}" for name, flag in close.items()) + "?"
+        self.error(f"unrecognized arguments: {' '.join(extras)}.{hint}")
 
 
 def group_choices(group: str) -> str:
@@ -167,6 +202,46 @@ class NoteNewDirectories(HydraCallback):
 
     def on_multirun_start(self, config: Any, **kwargs: Any) -> None:
         self._note(config.hydra.sweep.dir)
+
+
+class SweepSummary(HydraCallback):
+    """A Hydra callback: after the last job of a sweep, where its runs are, how they ended, and the command
+    that compares them, after the last job's own lines (which say nothing of the sweep)."""
+
+    def on_multirun_end(self, config: Any, **kwargs: Any) -> None:
+        print(
+            "\n".join(sweep_closing_lines(Path(str(config.hydra.sweep.dir)), config.get("task"))), flush=True
+        )
+
+
+def sweep_closing_lines(sweep_dir: Path, task: str | None = None) -> list[str]:
+    """The closing lines of a sweep: its runs (how many finished, stopped or failed) and where they are, and
+    for language models the command that compares them."""
+    from collections import Counter
+
+    from gptlab.runs.layout import Run, find_run_dirs
+
+    runs = find_run_dirs(sweep_dir)
+    ended: Counter[str] = Counter()
+    for run_dir in runs:
+        result = Run(run_dir).result() or {}
+        ended[
+            "failed"
+            if "failed" in result
+            else "stopped"
+            if result.get("stopped_by_signal")
+            else "finished"
+            if result.get("finished")
+            else "without a result"
+        ] += 1
+    how = ", ".join(f"{n} {status}" for status, n in ended.items())
+    lines = [
+        f"Sweep: {len(runs)} run{'s' if len(runs) != 1 else ''} in {sweep_dir}" + (f" ({how})" if how else "")
+    ]
+    if (task or "gpt") == "gpt" and runs:
+        where = shlex.quote(str(sweep_dir))
+        lines.append(f"Compare them: python scripts/compare.py {where}")
+    return lines
 
 
 def remove_refused_run_dir(run_dir: Path, job_log: str) -> bool:
