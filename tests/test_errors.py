@@ -385,7 +385,7 @@ def test_gpu_accelerator_on_a_machine_without_one(make_cfg, tmp_path):
         (
             "trainer.precision=bf17",
             r"trainer.precision='bf17' is not one of Lightning's precisions: 32-true, "
-            r"bf16-mixed, .*Did you mean trainer.precision=bf16\?",
+            r"bf16-mixed, .*Did you mean trainer.precision=bf16-mixed\?",  # the full name, not the short form
         ),
         (
             "trainer.accelerator=gpux",

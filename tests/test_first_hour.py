@@ -83,3 +83,21 @@ def test_the_model_card_names_the_closest_choice_and_key_as_train_py_does(capsys
         assert capsys.readouterr().err.rstrip().endswith("Did you mean pos=rope?")
     finally:
         sys.modules.pop("model_card", None)
+
+
+def test_a_short_precision_reaches_lightning_by_its_full_name_without_its_warning(make_cfg, tmp_path):
+    import lightning as L
+
+    from gptlab.config import parse_gpt
+
+    settings = parse_gpt(make_cfg("trainer.precision=bf16", "trainer.accelerator=cpu"))
+    assert settings.trainer["precision"] == "bf16-mixed"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        L.Trainer(
+            precision=settings.trainer["precision"],
+            accelerator="cpu",
+            logger=False,
+            default_root_dir=tmp_path,
+        )
+    assert not [w for w in caught if "precision" in str(w.message)], [str(w.message) for w in caught]
