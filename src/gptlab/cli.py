@@ -105,6 +105,9 @@ def unknown_key(error: Exception) -> str | None:
     if not isinstance(node, DictConfig) or not isinstance(key, str) or not full_key:
         return None
     typed = message.rsplit("use +", 1)[-1].strip() if "use +" in message else str(full_key)
+    # a sweep's job has one value of the override (optim.lrr=0.001); the command line has what was typed
+    # (optim.lrr=1e-3,1e-2), which the suggestion keeps
+    typed = next((arg for arg in sys.argv[1:] if arg.split("=", 1)[0] == str(full_key)), typed)
     value = typed.split("=", 1)[1] if "=" in typed else None
     owner = str(full_key).rsplit(".", 1)[0] if "." in str(full_key) else ""
     keys = [str(k) for k in node.keys() if not (owner == "" and k == "hydra")]
