@@ -26,7 +26,7 @@ def test_a_short_epoch_logs_at_every_interval_without_lightnings_warning_or_noti
         result = gptlab.train(
             *(o for o in TINY if not o.startswith("trainer.limit_val_batches=")),  # the default: every batch
             "tokenizer=char",
-            "logger=csv",
+            "logger=[csv,tensorboard]",
             f"data.path={corpus}",
             "trainer.max_steps=16",
             "trainer.val_check_interval=16",
@@ -44,6 +44,11 @@ def test_a_short_epoch_logs_at_every_interval_without_lightnings_warning_or_noti
     with open(tmp_path / "run" / "csv" / "metrics.csv") as f:
         logged = [int(float(row["step"])) for row in csv.DictReader(f) if row.get("train/loss")]
     assert logged == [8, 16]  # every log_every_n_steps steps, across the epochs
+    # the closing lines say where each logger wrote, TensorBoard included
+    board = tmp_path / "run" / "tensorboard"
+    assert f"\n  metrics: {tmp_path / 'run' / 'csv' / 'metrics.csv'}\n" in out
+    assert f"\n  TensorBoard: {board}  (view: tensorboard --logdir {board})\n" in out
+    assert list(board.glob("events.out.tfevents.*"))
 
 
 @pytest.mark.parametrize(
