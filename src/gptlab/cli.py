@@ -142,8 +142,9 @@ def suggest_choices() -> None:
     Hydra composes the config, and reports a failure to compose, inside ``hydra._internal.utils.
     run_and_report``, before any code of the task runs; its public API has no hook there (callbacks start
     after composition). This wraps that function so that a MissingConfigException of a known group, or an
-    override of a key that does not exist, is reported here, and everything else exactly as Hydra does. Where a Hydra release lacks the function, or
-    ``HYDRA_FULL_ERROR=1`` asks for the stack trace, Hydra's report stands."""
+    override of a key that does not exist, is reported here, and everything else exactly as Hydra does.
+    Where a Hydra release lacks the function, or ``HYDRA_FULL_ERROR=1`` asks for the stack trace, Hydra's
+    report stands."""
     from hydra._internal import utils as hydra_utils
 
     original = getattr(hydra_utils, "run_and_report", None)
