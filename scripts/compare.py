@@ -16,6 +16,7 @@ import shlex
 import sys
 from pathlib import Path
 
+from gptlab.cli import ArgumentParser
 from gptlab.comparison.records import SOURCES
 from gptlab.comparison.report import compare, compare_online, update_readme
 from gptlab.comparison.stats import DEFAULT_ALPHA
@@ -24,9 +25,7 @@ from gptlab.errors import DataError
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
         "sweep_dir", nargs="?", help="a multirun directory (or any folder holding run directories)"
     )

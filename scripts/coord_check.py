@@ -13,13 +13,12 @@ import argparse
 import json
 from pathlib import Path
 
+from gptlab.cli import ArgumentParser
 from gptlab.training.coord_check import coordinate_check, plot_coord_check
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--widths", default="64,128,256,512,1024", help="comma-separated n_embd values")
     parser.add_argument("--steps", type=int, default=5, help="AdamW steps per model (5)")
     parser.add_argument("--lr", type=float, default=1e-2, help="constant learning rate (1e-2)")

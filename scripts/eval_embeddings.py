@@ -20,6 +20,8 @@ import logging
 import sys
 from pathlib import Path
 
+from gptlab.cli import ArgumentParser
+
 
 def export_lee(path: Path) -> Path:
     """gensim's lee_background.cor (300 news articles, one per line) as JSON lines with a ``text`` field."""
@@ -37,9 +39,7 @@ def export_lee(path: Path) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
         "path", nargs="?", help="a word2vec or GPT run directory, an embeddings file or a .ckpt"
     )

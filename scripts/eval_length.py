@@ -19,6 +19,7 @@ import logging
 import sys
 from pathlib import Path
 
+from gptlab.cli import ArgumentParser
 from gptlab.comparison import length_table as sweep
 from gptlab.comparison.table import condition_labels
 from gptlab.errors import ConfigError, DataError
@@ -28,9 +29,7 @@ from gptlab.runs import find_run_dirs
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("path", nargs="?", help="a run directory or a checkpoint (file or sharded directory)")
     parser.add_argument("--factors", type=int, nargs="+", default=list(DEFAULT_FACTORS))
     parser.add_argument("--max-tokens", type=int, default=None, help="validation tokens to use (default all)")

@@ -21,6 +21,7 @@ import argparse
 import logging
 import sys
 
+from gptlab.cli import ArgumentParser
 from gptlab.errors import ConfigError, DataError
 
 OPTIONS = {
@@ -56,9 +57,7 @@ def parse_options(items: list[str]) -> dict[str, object]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("path", help="a run directory or a .ckpt file")
     parser.add_argument(
         "options", nargs="*", help="key=value: tasks=..., num_fewshot=, limit=, batch_size=, ..."

@@ -13,14 +13,13 @@ from __future__ import annotations
 import argparse
 import sys
 
+from gptlab.cli import ArgumentParser
 from gptlab.comparison.scaling import write_scaling
 from gptlab.errors import DataError
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("sweep_dir", nargs="?", help="a multirun directory over model sizes")
     parser.add_argument(
         "--out", default=None, help="where to write scaling.md/.json/.png (default: sweep dir)"

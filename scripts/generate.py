@@ -1,6 +1,7 @@
 """Continue a prompt with a trained model.
 
     python scripts/generate.py ckpt=outputs/runs/<date>/<time> prompt="The sky is"
+    python scripts/generate.py outputs/runs/<date>/<time>                     # the same: ckpt as a path
     python scripts/generate.py ckpt=... prompt="def" temperature=0.8 top_k=50 top_p=0.95 samples=3
     python scripts/generate.py ckpt=... prompt="The sky is" temperature=0      # greedy
 
@@ -14,11 +15,15 @@ model is often a run of newlines and spaces. The default prompt is the one a run
 
 from __future__ import annotations
 
+import difflib
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import cast
 
 import torch
 from omegaconf import OmegaConf
+from omegaconf.errors import ValidationError
 
 from gptlab.errors import ConfigError
 from gptlab.runs.trained import load_run
@@ -37,12 +42,61 @@ class Options:
     which: str = "best"
 
 
-def main(argv: list[str]) -> None:
-    opts = OmegaConf.merge(OmegaConf.structured(Options), OmegaConf.from_cli(argv))
+USAGE = "usage: python scripts/generate.py ckpt=<run dir or checkpoint> [prompt='...'] [key=value ...]"
+
+
+def help_page() -> str:
+    """``--help``: the usage, this module's description and every option with its default."""
+    defaults = Options()
+    rows = [f"  {f.name}={getattr(defaults, f.name)!r}" for f in fields(Options) if f.name != "ckpt"]
+    return "\n".join(
+        [USAGE, "", (__doc__ or "").strip(), "", "options (key=value) and their defaults:", *rows]
+    )
+
+
+def refuse(message: str) -> None:
+    """A usage error as argparse reports one: the usage, then ``generate: error: ...``, status 2."""
+    print(f"{USAGE}\ngenerate: error: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(2)
+
+
+def parse_options(argv: list[str]) -> Options:
+    """``key=value`` arguments (and ``ckpt`` as a bare path) as Options; ``--help`` prints the help page. A
+    mistyped key or flag is refused with the closest option, a value of the wrong type with the option's
+    type, before the checkpoint is read."""
+    if any(arg in ("-h", "--help") for arg in argv):
+        print(help_page())
+        raise SystemExit(0)
+    names = [f.name for f in fields(Options)]
+    given: list[str] = []  # the arguments as key=value
+    for arg in argv:
+        if "=" not in arg:
+            if arg.startswith("-"):  # a flag: generate takes key=value options
+                close = difflib.get_close_matches(arg.lstrip("-"), names, n=1)
+                hint = f" Did you mean {close[0]}=...?" if close else f" Its options: {', '.join(names)}."
+                refuse(f"unrecognized argument {arg}: options are given as key=value.{hint}")
+            arg = f"ckpt={arg}"  # a bare path: the run directory or checkpoint
+        key = arg.split("=", 1)[0]
+        if key not in names:
+            close = difflib.get_close_matches(key, names, n=1)
+            hint = f"Did you mean {close[0]}={arg.split('=', 1)[1]}?" if close else ""
+            refuse(f"unknown option {key!r}. Its options: {', '.join(names)}. {hint}".rstrip())
+        if key == "ckpt" and any(g.startswith("ckpt=") for g in given):
+            refuse("two checkpoints given: pass one run directory or checkpoint (ckpt=... or a bare path)")
+        given.append(arg)
+        try:  # one at a time: the refusal names the value at fault
+            OmegaConf.merge(OmegaConf.structured(Options), OmegaConf.from_dotlist([arg]))
+        except ValidationError as e:
+            expected = next(f.type for f in fields(Options) if f.name == key)
+            refuse(f"{arg} is not a valid {key}: it must be {expected} ({str(e).splitlines()[0]})")
+    opts = OmegaConf.merge(OmegaConf.structured(Options), OmegaConf.from_dotlist(given))
     if OmegaConf.is_missing(opts, "ckpt"):
-        sys.exit(
-            "usage: python scripts/generate.py ckpt=<run dir or .ckpt> prompt='...' [temperature=0.8 top_k=50]"
-        )
+        refuse("no checkpoint given: ckpt=<run dir or checkpoint> (or the path alone)")
+    return cast(Options, opts)
+
+
+def main(argv: list[str]) -> None:
+    opts = parse_options(argv)
     try:
         run = load_run(opts.ckpt, which=opts.which)
     except ConfigError as e:
@@ -60,7 +114,8 @@ def main(argv: list[str]) -> None:
         eot_id=tok.eot_id,
         generator=generator,
     )
-    print(f"# {run.checkpoint}", file=sys.stderr)
+    chosen = "" if run.checkpoint == Path(opts.ckpt) else f" (the run's {opts.which} checkpoint)"
+    print(f"# {run.checkpoint}{chosen}", file=sys.stderr)
     for row in out.tolist():
         continuation = row[len(ids) :]
         if tok.eot_id in continuation:

@@ -25,6 +25,7 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from gptlab import planning  # noqa: E402
 from gptlab.api import build_model_config  # noqa: E402
+from gptlab.cli import ArgumentParser, unknown_choice, unknown_key  # noqa: E402
 from gptlab.errors import ConfigError  # noqa: E402
 from gptlab.model.head_loss import HeadLoss  # noqa: E402
 from gptlab.parallel import choose_precision  # noqa: E402
@@ -32,9 +33,7 @@ from gptlab.registry import import_plugins  # noqa: E402
 
 
 def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("overrides", nargs="*", help="Hydra overrides, e.g. model=gpt3 activation=swiglu")
     parser.add_argument("--devices", type=int, help="data-parallel devices in all (default: the config's)")
     parser.add_argument("--device-memory", type=float, help="GiB per device (default: this machine's device)")
@@ -61,8 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):
             cfg = compose("train", overrides=overrides)
-    except HydraException as err:
-        print(f"Error: {err}", file=sys.stderr)
+    except HydraException as err:  # a mistyped choice or key: the closest one, as train.py names it
+        print(f"Error: {unknown_choice(err) or unknown_key(err) or err}", file=sys.stderr)
         return 2
     try:
         import_plugins(cfg.get("plugins"))

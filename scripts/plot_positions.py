@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from gptlab.cli import ArgumentParser
 from gptlab.errors import ConfigError
 from gptlab.evaluation.plots import plot_scheme
 from gptlab.model import positional
@@ -26,9 +27,7 @@ from gptlab.runs.trained import load_run
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
         "runs", nargs="*", help="run directories or checkpoints (files or sharded directories)"
     )

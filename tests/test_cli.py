@@ -195,7 +195,7 @@ def test_second_run_reuses_the_token_cache(trained):
 @pytest.mark.parametrize(
     "override,expected",
     [
-        ("trainer.max_step=5", "Key 'max_step' is not in struct"),
+        ("trainer.max_step=5", "gptlab: error: trainer has no key 'max_step' (trainer.max_step=5)."),
         ("pos=rotary", "Could not find 'pos/rotary'"),
         ("activation=gleu", "Could not find 'activation/gleu'"),
         ("model.n_head=3", "n_embd=32 is not divisible by model.n_head=3"),
@@ -264,3 +264,64 @@ def test_generate_script_continues_a_prompt_from_a_run(trained):
         check=True,
     )
     assert sampled.stdout.count("-" * 40) == 2
+
+
+# ---- scripts/generate.py's arguments ----------------------------------------------------------------------
+
+
+@pytest.fixture
+def generate_script():
+    import sys
+
+    from conftest import load_script
+
+    yield load_script("generate")
+    sys.modules.pop("generate", None)
+
+
+@pytest.mark.parametrize(
+    "argv,shown",
+    [
+        (["promt=The sky"], "generate: error: unknown option 'promt'. Its options: ckpt, prompt, "),
+        (["promt=The sky"], "Did you mean prompt=The sky?"),
+        (
+            ["--promt", "x"],
+            "unrecognized argument --promt: options are given as key=value. Did you mean prompt=...?",
+        ),
+        (["run", "temperature=hot"], "temperature=hot is not a valid temperature: it must be float"),
+        (["run", "ckpt=other"], "two checkpoints given"),
+        ([], "no checkpoint given: ckpt=<run dir or checkpoint> (or the path alone)"),
+    ],
+)
+def test_generate_refuses_a_mistyped_option_with_the_closest_one(generate_script, capsys, argv, shown):
+    with pytest.raises(SystemExit) as ended:
+        generate_script.main(argv)
+    err = capsys.readouterr().err
+    assert ended.value.code == 2
+    assert err.startswith("usage: python scripts/generate.py ckpt=") and shown in err, err
+    assert "Traceback" not in err
+
+
+def test_generate_has_a_help_page_with_every_option_and_its_default(generate_script, capsys):
+    with pytest.raises(SystemExit) as ended:
+        generate_script.main(["--help"])
+    out = capsys.readouterr().out
+    assert ended.value.code == 0
+    assert out.startswith("usage: python scripts/generate.py") and "Continue a prompt" in out
+    for line in ("prompt='In this case, the'", "temperature=1.0", "top_k=40", "which='best'"):
+        assert f"\n  {line}\n" in out, out
+
+
+def test_generate_takes_a_run_directory_as_a_bare_path_and_says_which_checkpoint(
+    trained, generate_script, capsys
+):
+    _, run_dir, _ = trained
+    args = ["prompt=The", "max_new_tokens=4", "temperature=0"]
+    generate_script.main([str(run_dir), *args])
+    by_path = capsys.readouterr()
+    best = next((run_dir / "checkpoints").glob("best-*.ckpt"))
+    assert by_path.err.strip() == f"# {best} (the run's best checkpoint)"
+    generate_script.main([f"ckpt={best}", *args])
+    by_file = capsys.readouterr()
+    assert by_file.err.strip() == f"# {best}"  # a checkpoint given is the one read: nothing to say
+    assert by_file.out == by_path.out and by_path.out.startswith("The")

@@ -491,3 +491,20 @@ def test_a_metrics_file_cut_mid_line_loses_nothing(sweep, tmp_path):
     assert [s for s, _ in cut.val_loss] == [s for s, _ in whole.val_loss]
     assert [v for _, v in cut.val_loss] == pytest.approx([v for _, v in whole.val_loss], rel=1e-6)
     assert cut.val_ppl == pytest.approx(whole.val_ppl, rel=1e-6)
+
+
+def test_runs_that_share_a_seed_are_marked_as_such_under_the_table(sweep, tmp_path, capsys):
+    # the same command run again into the folder: two runs of learned/gelu with seed 0, one with seed 1
+    _, sweep_dir = sweep
+    runs = _copy_runs(sweep_dir, tmp_path)
+    shutil.copytree(runs[("learned", "gelu", "0")], tmp_path / "again")
+    result = compare(tmp_path, tmp_path / "report")
+    rows = {(r.choice["pos"], r.choice["activation"]): r for r in result.rows}
+    assert rows[("learned", "gelu")].repeated_seeds == {"0": 2}
+    assert not any(r.repeated_seeds for key, r in rows.items() if key != ("learned", "gelu"))
+    cells = {(row[1], row[2]): row[3] for row in table_rows(result.table)[1:]}  # after the header
+    assert cells[("learned", "gelu")] == "3 (seed 0 x2)" and cells[("rope", "gelu")] == "2"
+    assert any(
+        note.startswith("`seed S xN`: N runs of the condition used the same seed S")
+        for note in result.table_notes
+    )

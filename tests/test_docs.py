@@ -507,15 +507,18 @@ def check_commands(page: str) -> None:
         if block.lang not in SHELL:
             continue
         for argv in commands_of(block):
-            problem = command_problem(argv, compose=block.exit is None)  # a refusal is checked by running it
+            problem = command_problem(
+                argv, refusal=block.exit is not None
+            )  # a refusal is checked by running it
             assert problem is None, f"{block.id}: `{shlex.join(argv)}` {problem}"
 
 
-def command_problem(argv: list[str], compose: bool = True) -> str | None:
+def command_problem(argv: list[str], refusal: bool = False) -> str | None:
     """Why a command names an option, a choice, a script, a flag or an extra that does not exist (None when
-    it names none)."""
+    it names none). A ``refusal`` (a block with an exit status) names what does not exist on purpose: its
+    options and flags are checked by running it."""
     args = train_arguments(argv)
-    if args is not None and compose:
+    if args is not None and not refusal:
         try:
             overrides = first_of_each_sweep([a for a in hydra_overrides(args) if not re.search("[<>]", a)])
             uses_new = any(tuple(o.split("=", 1)) in new_choices() for o in overrides if "=" in o)
@@ -531,7 +534,7 @@ def command_problem(argv: list[str], compose: bool = True) -> str | None:
             source = script.read_text()
             for flag in argv[k + 1 :]:
                 name = flag.split("=", 1)[0]
-                if re.fullmatch(r"--[\w-]+", name) and f'"{name}"' not in source:
+                if re.fullmatch(r"--[\w-]+", name) and f'"{name}"' not in source and not refusal:
                     return f"gives {arg} an option it does not have: {name}"
             break
     if argv[:2] == ["pip", "install"]:

@@ -108,6 +108,30 @@ def test_a_mistyped_choice_in_a_sweep_is_refused_before_any_job_runs(tmp_path):
     assert list(tmp_path.iterdir()) == []  # nor the sweep folder Hydra made for its multirun.yaml
 
 
+def test_a_mistyped_key_is_refused_with_the_closest_one_before_any_heavy_import(tmp_path):
+    proc = train_py("optim.lrr=1e-3", cwd=tmp_path)
+    err = without_import_times(proc.stderr)
+    assert proc.returncode == 2, err
+    assert err.startswith("gptlab: error: optim has no key 'lrr' (optim.lrr=1e-3). Its keys: optim.name,"), (
+        err
+    )
+    assert err.rstrip().endswith("Did you mean optim.lr=1e-3?"), err
+    # not Hydra's advice to add the typo with +, which only leads to a second refusal
+    assert "+optim.lrr" not in err and "not in struct" not in err and "HYDRA_FULL_ERROR" not in err
+    assert not {"torch", "lightning"} & imported(proc.stderr)
+    assert list(tmp_path.iterdir()) == []  # no run folder
+
+
+def test_a_mistyped_key_in_a_sweep_is_refused_before_any_job_with_the_values_typed(tmp_path):
+    proc = train_py("-m", "optim.lrr=1e-3,1e-2", "seed=0,1", "hydra/launcher=basic", cwd=tmp_path)
+    err = without_import_times(proc.stderr)
+    assert proc.returncode == 2, err
+    # the sweep's values as typed, not the first job's (optim.lrr=0.001)
+    assert "optim has no key 'lrr' (optim.lrr=1e-3,1e-2)" in err and "Did you mean optim.lr=1e-3,1e-2?" in err
+    assert not {"torch", "lightning"} & imported(proc.stderr)  # no job started
+    assert list(tmp_path.iterdir()) == []  # nor the sweep folder
+
+
 def test_a_missing_primary_config_keeps_hydras_report_with_its_search_path(tmp_path):
     # no group to choose from: where Hydra looked for configs is what helps (e.g. a missing --config-dir)
     proc = train_py("--config-name", "nosuch", "--cfg", "job", cwd=tmp_path)

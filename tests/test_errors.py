@@ -55,10 +55,35 @@ def test_unknown_group_choice_lists_the_choices(make_cfg):
     assert all(f"\t{c}\n" in message + "\n" for c in choices("pos")), message
 
 
-def test_override_typos_name_the_key_and_the_fix(make_cfg):
+@pytest.mark.parametrize(
+    "override,shown",
+    [
+        # the closest key, with the value typed, in place of Hydra's advice to add the typo with +
+        ("optim.lrr=1e-3", "optim has no key 'lrr' (optim.lrr=1e-3). Its keys: optim.name, optim.lr, "),
+        ("optim.lrr=1e-3", "Did you mean optim.lr=1e-3?"),
+        ("model.n_layers=2", "Did you mean model.n_layer=2?"),
+        ("trainer.max_step=5", "Did you mean trainer.max_steps=5?"),
+        ("callbacks.progress_bar.refresh_rat=5", "Did you mean callbacks.progress_bar.refresh_rate=5?"),
+        # a mistyped group at the top: the group
+        ("modle=small", "The config has no key or group 'modle' (modle=small). Its keys: task, seed, "),
+        ("modle=small", "Did you mean model=small?"),
+        # a Lightning Trainer argument that conf/trainer leaves out is suggested with its +
+        ("trainer.max_epoch=3", "Did you mean +trainer.max_epochs=3? (trainer.max_epochs is a Lightning"),
+        # nothing close: how to add a key the YAML leaves out
+        ("optim.zzz=1", "A key the config leaves out is added with a leading +: +optim.zzz=1."),
+    ],
+)
+def test_a_mistyped_key_gets_its_nodes_keys_and_the_closest_one(make_cfg, override, shown):
+    from gptlab.cli import unknown_key
+
     with pytest.raises(ConfigCompositionException) as e:
-        make_cfg("trainer.max_step=5")
-    assert "Key 'max_step' is not in struct" in str(e.value.__cause__) or "max_step" in str(e.value)
+        make_cfg(override)
+    message = unknown_key(e.value)
+    assert message is not None and shown in message, message
+    assert "hydra" not in message.split("Its keys: ")[1].split(".")[0].split(", ")
+
+
+def test_override_typos_name_the_key_and_the_fix(make_cfg):
     with pytest.raises(
         ConfigError,
         match=r"trainer does not take option\(s\) trainer.max_epoch\..*Did you mean trainer.max_epochs\?",
@@ -360,7 +385,7 @@ def test_gpu_accelerator_on_a_machine_without_one(make_cfg, tmp_path):
         (
             "trainer.precision=bf17",
             r"trainer.precision='bf17' is not one of Lightning's precisions: 32-true, "
-            r"bf16-mixed, .*Did you mean trainer.precision=bf16\?",
+            r"bf16-mixed, .*Did you mean trainer.precision=bf16-mixed\?",  # the full name, not the short form
         ),
         (
             "trainer.accelerator=gpux",

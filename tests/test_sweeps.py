@@ -73,6 +73,13 @@ def test_multirun_leaves_one_run_directory_and_one_wandb_run_per_job(sweep):
         assert run.summary["samples/_type"] == "table-file"
 
 
+def test_a_sweep_ends_with_where_its_runs_are_and_the_command_that_compares_them(sweep):
+    _, sweep_dir, proc = sweep
+    closing = f"Sweep: {len(JOBS)} runs in {sweep_dir} ({len(JOBS)} finished)\n"
+    closing += f"Compare them: python scripts/compare.py {sweep_dir}"
+    assert proc.stdout.rstrip().endswith(closing), proc.stdout[-2000:]
+
+
 def test_every_logger_of_logger_all_holds_the_run(sweep):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

@@ -120,12 +120,15 @@ def _hydra_refusal(error: Exception) -> ConfigError:
     from hydra.errors import MissingConfigException
     from omegaconf.errors import OmegaConfBaseException
 
-    from gptlab.cli import unknown_choice
+    from gptlab.cli import unknown_choice, unknown_key
 
     if isinstance(error, MissingConfigException):  # a mistyped choice: its group's choices, the closest one
         choices = unknown_choice(error)
         if choices is not None:
             return ConfigError(choices)
+    keys = unknown_key(error)  # a mistyped key: its node's keys, the closest one
+    if keys is not None:
+        return ConfigError(keys)
     message = str(error)
     cause = error.__cause__
     if isinstance(cause, OmegaConfBaseException):  # Hydra's report prints the cause under its own line

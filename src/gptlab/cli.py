@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import argparse
 import difflib
 import os
+import shlex
 import shutil
 import sys
 from collections.abc import Callable
@@ -17,6 +19,39 @@ from omegaconf import DictConfig, OmegaConf
 from gptlab.errors import ConfigError, DataError, DiskFullError, NonFiniteLossError, RankLostError
 from gptlab.runs.layout import CLAIM_FILE, HYDRA_DIR, RUN_FILE
 from gptlab.runs.naming import is_multirun
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """The scripts' argument parser: argparse's, whose refusal of an option it does not know names the
+    closest one it does (``--basline``: "Did you mean --baseline?"), as ``train.py`` does for a mistyped
+    choice or key."""
+
+    def parse_args(self, args: Any = None, namespace: Any = None) -> Any:
+        parsed, extras = self.parse_known_args(args, namespace)
+        self._refuse(extras)
+        return parsed
+
+    def parse_intermixed_args(self, args: Any = None, namespace: Any = None) -> Any:
+        parsed, extras = self.parse_known_intermixed_args(args, namespace)
+        self._refuse(extras)
+        return parsed
+
+    def _refuse(self, extras: list[str]) -> None:
+        if not extras:
+            return
+        flags = [flag for action in self._actions for flag in action.option_strings if flag.startswith("--")]
+        close = {}  # each mistyped flag: the closest flag the script takes
+        for extra in extras:
+            name = extra.split("=", 1)[0]
+            match = difflib.get_close_matches(name, flags, n=1) if name.startswith("-") else []
+            if match:
+                close[name] = match[0]
+        hint = ""
+        if len(close) == 1:
+            hint = f" Did you mean {next(iter(close.values()))}?"
+        elif close:
+            hint = " Did you mean " + ", ".join(f"{flag} for {name}" for name, flag in close.items()) + "?"
+        self.error(f"unrecognized arguments: {' '.join(extras)}.{hint}")
 
 
 def group_choices(group: str) -> str:
@@ -51,15 +86,65 @@ def unknown_choice(error: Exception) -> str | None:
     )
 
 
+def unknown_key(error: Exception) -> str | None:
+    """gptlab's message for Hydra's refusal to override a key that does not exist (``optim.lrr=1e-3``,
+    ``modle=small``): the node's keys and the closest one, with the value typed, instead of Hydra's advice to
+    add the key with ``+`` (which a mistyped key only turns into a second refusal). A key close to one of
+    Lightning's Trainer arguments that conf/trainer leaves out is suggested with its ``+``. None for any other
+    composition error: Hydra's message stands."""
+    from omegaconf import DictConfig
+    from omegaconf.errors import ConfigAttributeError, ConfigKeyError
+
+    cause = error.__cause__
+    message = str(error)
+    if not isinstance(cause, (ConfigAttributeError, ConfigKeyError)) or not message.startswith(
+        "Could not override"
+    ):
+        return None
+    node, key, full_key = cause.parent_node, cause.key, cause.full_key
+    if not isinstance(node, DictConfig) or not isinstance(key, str) or not full_key:
+        return None
+    typed = message.rsplit("use +", 1)[-1].strip() if "use +" in message else str(full_key)
+    # a sweep's job has one value of the override (optim.lrr=0.001); the command line has what was typed
+    # (optim.lrr=1e-3,1e-2), which the suggestion keeps
+    typed = next((arg for arg in sys.argv[1:] if arg.split("=", 1)[0] == str(full_key)), typed)
+    value = typed.split("=", 1)[1] if "=" in typed else None
+    owner = str(full_key).rsplit(".", 1)[0] if "." in str(full_key) else ""
+    keys = [str(k) for k in node.keys() if not (owner == "" and k == "hydra")]
+    if not keys:  # a key under a value (trainer.devices.x=1): Hydra's message names it well enough
+        return None
+    added: list[str] = []  # keys a node takes beyond those its YAML lists: Lightning's Trainer arguments
+    if owner == "trainer":
+        from gptlab.preflight import trainer_arguments
+
+        added = [name for name in trainer_arguments() if name not in keys]
+
+    def dotted(name: str) -> str:
+        return f"{owner}.{name}" if owner else name
+
+    close = difflib.get_close_matches(key, keys + added, n=1)
+    if close:
+        fix = "+" + dotted(close[0]) if close[0] in added else dotted(close[0])
+        hint = f" Did you mean {fix}{'=' + value if value is not None else ''}?"
+        if close[0] in added:
+            hint += f" ({dotted(close[0])} is a Lightning Trainer argument that conf/trainer leaves out.)"
+    else:
+        hint = f" A key the config leaves out is added with a leading +: +{typed}."
+    where = f"{owner} has no key {key!r}" if owner else f"The config has no key or group {key!r}"
+    listed = ", ".join(dotted(k) for k in keys)
+    return f"{where} ({typed}). Its keys: {listed}.{hint}"
+
+
 def suggest_choices() -> None:
-    """A mistyped choice refused as gptlab refuses bad input: ``gptlab: error: ... Did you mean
-    pos=sinusoidal?``, status 2, without Hydra's config search path.
+    """A mistyped choice or key refused as gptlab refuses bad input: ``gptlab: error: ... Did you mean
+    pos=sinusoidal?`` (or ``optim.lr=1e-3?``), status 2, without Hydra's config search path.
 
     Hydra composes the config, and reports a failure to compose, inside ``hydra._internal.utils.
     run_and_report``, before any code of the task runs; its public API has no hook there (callbacks start
-    after composition). This wraps that function so that a MissingConfigException of a known group is
-    reported here, and everything else exactly as Hydra does. Where a Hydra release lacks the function, or
-    ``HYDRA_FULL_ERROR=1`` asks for the stack trace, Hydra's report stands."""
+    after composition). This wraps that function so that a MissingConfigException of a known group, or an
+    override of a key that does not exist, is reported here, and everything else exactly as Hydra does.
+    Where a Hydra release lacks the function, or ``HYDRA_FULL_ERROR=1`` asks for the stack trace, Hydra's
+    report stands."""
     from hydra._internal import utils as hydra_utils
 
     original = getattr(hydra_utils, "run_and_report", None)
@@ -68,13 +153,14 @@ def suggest_choices() -> None:
 
     def run_and_report(func: Callable[[], Any]) -> Any:
         def composed_or_refused() -> Any:
-            from hydra.errors import MissingConfigException
+            from hydra.errors import ConfigCompositionException, MissingConfigException
 
             _new_dirs.clear()  # what this command makes is noted anew (a process may run several: the docs' tests)
             try:
                 return func()
-            except MissingConfigException as e:
-                message = None if os.environ.get("HYDRA_FULL_ERROR") == "1" else unknown_choice(e)
+            except (MissingConfigException, ConfigCompositionException) as e:
+                explain = unknown_choice if isinstance(e, MissingConfigException) else unknown_key
+                message = None if os.environ.get("HYDRA_FULL_ERROR") == "1" else explain(e)
                 if message is None:
                     raise
                 _remove_refused_sweep_dir()
@@ -120,6 +206,46 @@ class NoteNewDirectories(HydraCallback):
 
     def on_multirun_start(self, config: Any, **kwargs: Any) -> None:
         self._note(config.hydra.sweep.dir)
+
+
+class SweepSummary(HydraCallback):
+    """A Hydra callback: after the last job of a sweep, where its runs are, how they ended, and the command
+    that compares them, after the last job's own lines (which say nothing of the sweep)."""
+
+    def on_multirun_end(self, config: Any, **kwargs: Any) -> None:
+        print(
+            "\n".join(sweep_closing_lines(Path(str(config.hydra.sweep.dir)), config.get("task"))), flush=True
+        )
+
+
+def sweep_closing_lines(sweep_dir: Path, task: str | None = None) -> list[str]:
+    """The closing lines of a sweep: its runs (how many finished, stopped or failed) and where they are, and
+    for language models the command that compares them."""
+    from collections import Counter
+
+    from gptlab.runs.layout import Run, find_run_dirs
+
+    runs = find_run_dirs(sweep_dir)
+    ended: Counter[str] = Counter()
+    for run_dir in runs:
+        result = Run(run_dir).result() or {}
+        ended[
+            "failed"
+            if "failed" in result
+            else "stopped"
+            if result.get("stopped_by_signal")
+            else "finished"
+            if result.get("finished")
+            else "without a result"
+        ] += 1
+    how = ", ".join(f"{n} {status}" for status, n in ended.items())
+    lines = [
+        f"Sweep: {len(runs)} run{'s' if len(runs) != 1 else ''} in {sweep_dir}" + (f" ({how})" if how else "")
+    ]
+    if (task or "gpt") == "gpt" and runs:
+        where = shlex.quote(str(sweep_dir))
+        lines.append(f"Compare them: python scripts/compare.py {where}")
+    return lines
 
 
 def remove_refused_run_dir(run_dir: Path, job_log: str) -> bool:

@@ -185,6 +185,7 @@ def parse_trainer(node: Any) -> dict[str, Any]:
         check_precision,
         check_trainer_options,
         check_trainer_values,
+        full_precision,
     )
 
     trainer = cast(dict[str, Any], plain(node))
@@ -192,7 +193,10 @@ def parse_trainer(node: Any) -> dict[str, Any]:
     check_trainer_values(trainer)
     check_accelerator(trainer)  # and devices, num_nodes
     check_precision(trainer)
-    trainer["precision"] = choose_precision(trainer.get("precision"), trainer.get("accelerator"))
+    # a short form (bf16) by its full name (bf16-mixed), as Lightning reads it, without its warning
+    trainer["precision"] = choose_precision(
+        full_precision(trainer.get("precision")), trainer.get("accelerator")
+    )
     return trainer
 
 

@@ -125,6 +125,25 @@ PRECISIONS: tuple[str | int, ...] = (
     64,
 )
 _FP16_MIXED = ("16-mixed", "16", 16)
+#: Lightning's short forms of ``trainer.precision`` and the full names it reads them as (its
+#: ``_PRECISION_INPUT_STR_ALIAS_CONVERSION``, with a warning that the short forms are discouraged): gptlab
+#: passes, and suggests, the full name.
+FULL_PRECISION: dict[str | int, str] = {
+    "64": "64-true",
+    "32": "32-true",
+    "16": "16-mixed",
+    "bf16": "bf16-mixed",
+    64: "64-true",
+    32: "32-true",
+    16: "16-mixed",
+}
+
+
+def full_precision(precision: Any) -> Any:
+    """``precision`` by its full name where it is one of Lightning's short forms (``bf16``: ``bf16-mixed``)."""
+    if isinstance(precision, bool) or not isinstance(precision, (str, int)):
+        return precision
+    return FULL_PRECISION.get(precision, precision)
 
 
 def available_devices(accelerator: str) -> int:
@@ -242,7 +261,7 @@ def check_precision(trainer_cfg: dict[str, Any]) -> None:
             f"trainer.precision={precision!r} is not one of Lightning's precisions: "
             f"{', '.join(names[:8])} (or the short forms 32, bf16, 16, 64), or null for gptlab's choice "
             "(32-true on the CPU, bf16-mixed on GPUs that have bf16, else 16-mixed)."
-            + (f" Did you mean trainer.precision={close[0]}?" if close else "")
+            + (f" Did you mean trainer.precision={full_precision(close[0])}?" if close else "")
         )
     device = training_device_type(trainer_cfg)
     if precision in _FP16_MIXED and device == "cpu":

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -75,6 +76,13 @@ class Row:
         """How many of its runs diverged (final val/loss non-finite or above where training starts)."""
         return sum(r.diverged for r in self.runs)
 
+    @property
+    def repeated_seeds(self) -> dict[str, int]:
+        """Each seed that more than one of its runs used, and how many did (a command run twice): those runs
+        are not independent seeds, yet the seeds column, the ± and the test count each."""
+        used = Counter(_setting(r, SEED_KEY) for r in self.runs)
+        return {seed: n for seed, n in used.items() if n > 1}
+
 
 def _human(n: float) -> str:
     from gptlab.model.counting import human  # the one number formatter (1.62M)
@@ -94,6 +102,12 @@ INVALID_MFU = "invalid (>100%)"
 MFU_NOTE = (
     f"MFU `{INVALID_MFU}`: a run measured more FLOP/s than the peak its MFU is taken against (a peak measured "
     "while other work shared the device), so the figure is not a utilisation and is not shown."
+)
+REPEATED_SEED_NOTE = (
+    "`seed S xN`: N runs of the condition used the same seed S (the same run again, which on the same machine "
+    "ends at about the same loss): the seeds column, the ± and the test count them as N seeds, so the "
+    "spread understates the noise between seeds. Give each run its own seed (`seed=0,1,2`), or compare a "
+    "folder that holds each seed once."
 )
 DIVERGED_NOTE = (
     "`diverged`: a run of the condition ended with a validation loss that is non-finite, or above the "
@@ -198,12 +212,13 @@ def _stdev(values: list[float]) -> float | None:
 
 
 def table_notes(rows: list[Row]) -> list[str]:
-    """The notes under the table for its marks: diverged rows, invalid MFU."""
+    """The notes under the table for its marks: diverged rows, invalid MFU, seeds used more than once."""
     return [
         note
         for note, shown in (
             (DIVERGED_NOTE, any(r.diverged for r in rows)),
             (MFU_NOTE, any(r.mfu_invalid for r in rows)),
+            (REPEATED_SEED_NOTE, any(r.repeated_seeds for r in rows)),
         )
         if shown
     ]
@@ -361,6 +376,7 @@ def markdown_table(rows: list[Row], keys: list[str], reference: str = "best") ->
         metrics = [c.value(row) for c in METRIC_COLUMNS]
         marks = [f"{row.unfinished} unfinished"] * bool(row.unfinished)
         marks += [f"{row.diverged} diverged"] * bool(row.diverged)
+        marks += [f"seed {seed} x{n}" for seed, n in row.repeated_seeds.items()]
         seeds = str(len(row.runs)) + (f" ({', '.join(marks)})" if marks else "")
         cells = [
             str(i),

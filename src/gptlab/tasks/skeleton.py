@@ -66,8 +66,11 @@ class DropLightningTips(logging.Filter):
 def route_lightning_logs() -> None:
     """Lightning prints through its own console handler; Hydra already logs the root logger to the console
     and to the run's log file. Keep one copy of each line, in both places, without Lightning's litlogger tip,
-    and without the deprecation warning Lightning's own code draws from torch 2.13 (``LeafSpec``) on every run:
-    that one message from that one module, nothing else."""
+    without the deprecation warning Lightning's own code draws from torch 2.13 (``LeafSpec``) on every run,
+    and without its warning that an epoch has fewer batches than ``trainer.log_every_n_steps``: Lightning
+    counts that interval in optimizer steps across epochs (``_batches_that_stepped``), so a short epoch (a
+    small corpus, many ranks) still logs every ``log_every_n_steps`` steps, and gptlab trains in steps. Each
+    is that one message from that one module, nothing else."""
     import warnings
 
     for name in ("lightning", "lightning.pytorch", "lightning.fabric"):
@@ -84,16 +87,25 @@ def route_lightning_logs() -> None:
         message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
         module=r"lightning\.pytorch\.utilities\._pytree",
     )
+    warnings.filterwarnings(
+        "ignore",
+        message=r"The number of training batches \(\d+\) is smaller than the logging interval",
+        module=r"lightning\.pytorch\.loops\.fit_loop",
+    )
+    quiet_launched_ranks()  # again: importing Lightning set its loggers' level to INFO
 
 
 def quiet_launched_ranks() -> None:
     """In a process a launcher started for a rank other than 0 (DDP's copies of the command), gptlab's
-    information lines (the data prepared, the windows, the run's progress) repeat rank 0's: rank 0 alone shows
-    them. Warnings and errors still come from every rank: they may be that rank's own."""
+    information lines (the data prepared, the windows, the run's progress) repeat rank 0's, and Lightning's
+    say each rank joined ("Initializing distributed: GLOBAL_RANK: 5, MEMBER: 6/8"), where rank 0's "All
+    distributed processes registered. Starting with 8 processes" already says they all did: rank 0 alone
+    shows them. Warnings and errors still come from every rank: they may be that rank's own."""
     from gptlab.runs.identity import launched_rank
 
     if launched_rank():
-        logging.getLogger("gptlab").setLevel(logging.WARNING)
+        for name in ("gptlab", "lightning.pytorch", "lightning.fabric"):
+            logging.getLogger(name).setLevel(logging.WARNING)
 
 
 class RunSession:

@@ -182,4 +182,7 @@ def logger_lines(loggers: list[Logger]) -> list[str]:
                 lines.append(f"  W&B run: {lg.experiment.url}")
         elif isinstance(lg, CSVLogger):
             lines.append(f"  metrics: {Path(lg.log_dir) / 'metrics.csv'}")
+        elif isinstance(lg, TensorBoardLogger):
+            folder = Path(lg.log_dir)  # without the trailing / of an empty version
+            lines.append(f"  TensorBoard: {folder}  (view: tensorboard --logdir {folder})")
     return lines

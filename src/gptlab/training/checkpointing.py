@@ -68,11 +68,17 @@ log = logging.getLogger(__name__)
 
 
 def gather_losses(loss: torch.Tensor, strategy: Any = None) -> list[float]:
-    """Every rank's loss of this step, in rank order (one all-gather of one number per rank)."""
+    """Every rank's loss of this step, in rank order (one all-gather of one number per rank). Through
+    torch.distributed's plain all-gather: the loss is detached, and Lightning's ``strategy.all_gather`` goes
+    through the autograd-aware collective that torch 2.13 deprecates, a warning on every rank of every run."""
+    import torch.distributed as dist
+
     local = loss.detach().float().reshape(1)
-    if strategy is None or getattr(strategy, "world_size", 1) <= 1:
+    if strategy is None or getattr(strategy, "world_size", 1) <= 1 or not dist.is_initialized():
         return local.tolist()
-    return strategy.all_gather(local).reshape(-1).tolist()
+    gathered = [torch.empty_like(local) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, local)
+    return torch.cat(gathered).tolist()
 
 
 def check_finite_loss(loss: torch.Tensor, step: int, strategy: Any = None) -> None:
