@@ -493,18 +493,30 @@ def test_a_metrics_file_cut_mid_line_loses_nothing(sweep, tmp_path):
     assert cut.val_ppl == pytest.approx(whole.val_ppl, rel=1e-6)
 
 
-def test_runs_that_share_a_seed_are_marked_as_such_under_the_table(sweep, tmp_path, capsys):
+def test_runs_that_share_a_seed_count_as_one_seed_and_are_marked_under_the_table(sweep, tmp_path, capsys):
     # the same command run again into the folder: two runs of learned/gelu with seed 0, one with seed 1
     _, sweep_dir = sweep
     runs = _copy_runs(sweep_dir, tmp_path)
+    before = {
+        (r.choice["pos"], r.choice["activation"]): r for r in compare(tmp_path, tmp_path / "before").rows
+    }
     shutil.copytree(runs[("learned", "gelu", "0")], tmp_path / "again")
     result = compare(tmp_path, tmp_path / "report")
     rows = {(r.choice["pos"], r.choice["activation"]): r for r in result.rows}
-    assert rows[("learned", "gelu")].repeated_seeds == {"0": 2}
+    again = rows[("learned", "gelu")]
+    assert again.repeated_seeds == {"0": 2} and again.seeds == 2 and len(again.runs) == 3
     assert not any(r.repeated_seeds for key, r in rows.items() if key != ("learned", "gelu"))
+    # seed 0 counted once: the mean, the spread and the test are those of the folder without the repeat
+    # (counted three times, the repeat would pull the mean to seed 0 and shrink the ± and the p-value)
+    assert again.final_losses == pytest.approx(before[("learned", "gelu")].final_losses)
+    assert again.val_loss_mean == pytest.approx(before[("learned", "gelu")].val_loss_mean)
+    assert again.val_loss_std == pytest.approx(before[("learned", "gelu")].val_loss_std)
+    for key, row in rows.items():
+        assert row.significance == before[key].significance
     cells = {(row[1], row[2]): row[3] for row in table_rows(result.table)[1:]}  # after the header
-    assert cells[("learned", "gelu")] == "3 (seed 0 x2)" and cells[("rope", "gelu")] == "2"
+    assert cells[("learned", "gelu")] == "2 (seed 0 x2)" and cells[("rope", "gelu")] == "2"
     assert any(
         note.startswith("`seed S xN`: N runs of the condition used the same seed S")
+        and "count seed S once" in note
         for note in result.table_notes
     )

@@ -623,13 +623,18 @@ class SweepRows:
         return self.rows[index]
 
     def records(self) -> list[dict[str, Any]]:
-        """One flat dict per condition: its keys' values, the number of runs, the mean final validation loss
-        (``val_loss``; ``val_bpb`` where the table ranks runs of several tokenizers by bits per byte) and its
-        spread over seeds, perplexity, throughput, MFU, parameters, the verdict against the
+        """One flat dict per condition: its keys' values, the number of runs and of seeds (a seed run twice
+        counts once), the mean final validation loss (``val_loss``; ``val_bpb`` where the table ranks runs of
+        several tokenizers by bits per byte) and its spread over seeds, perplexity, throughput, MFU, parameters, the verdict against the
         reference row, and each evaluation output (``length/ppl@2x``, ...)."""
         out = []
         for row in self.rows:
-            record: dict[str, Any] = {**row.choice, "condition": row.label, "runs": len(row.runs)}
+            record: dict[str, Any] = {
+                **row.choice,
+                "condition": row.label,
+                "runs": len(row.runs),
+                "seeds": row.seeds,
+            }
             # What the table ranks by: val/loss, or (where a row says so) val/bpb for runs of several
             # tokenizers; the column is named after it.
             ranked_by = str(getattr(row, "metric", "val/loss")).replace("/", "_")

@@ -30,6 +30,7 @@ from gptlab.comparison.table import (
     label_of,
     markdown_table,
     ranking_metric,
+    seed_of,
     summarize,
     table_notes,
     unfinished_table,
@@ -58,6 +59,19 @@ class Comparison:
     table_notes: tuple[str, ...] = ()  # what the table's marks mean (diverged, invalid MFU), when it has any
 
 
+def _curves_per_seed(row: Row, bpb: bool) -> list[dict[int, float]]:
+    """One validation curve per seed, {step: value}: the runs of one seed (the same command run twice) are one
+    replicate, averaged at the steps they all logged, as the table counts them (``per_seed``)."""
+    by_seed: dict[str, list[dict[int, float]]] = {}
+    for run in row.runs:
+        by_seed.setdefault(seed_of(run), []).append(dict(run.val_bpb if bpb else run.val_loss))
+    curves = []
+    for runs in by_seed.values():
+        steps = set.intersection(*(set(c) for c in runs))
+        curves.append({s: statistics.fmean(c[s] for c in runs) for s in sorted(steps)})
+    return curves
+
+
 def plot_val_loss(rows: list[Row], path: Path, title: str = "", metric: str = "val/loss") -> Path:
     """Validation loss against step, one line per choice: the mean over seeds at the steps every seed
     logged, and a band of ± one standard deviation. ``metric``: the table's ranking unit (``val/bpb``, bits
@@ -67,7 +81,7 @@ def plot_val_loss(rows: list[Row], path: Path, title: str = "", metric: str = "v
     bpb = metric == "val/bpb"
     fig, ax = pyplot().subplots(figsize=(7.5, 4.5), dpi=120)
     for row in rows:
-        curves = [dict(r.val_bpb if bpb else r.val_loss) for r in row.runs]
+        curves = _curves_per_seed(row, bpb)
         steps = sorted(set.intersection(*(set(c) for c in curves)))
         if not steps:
             continue
@@ -76,7 +90,7 @@ def plot_val_loss(rows: list[Row], path: Path, title: str = "", metric: str = "v
         if not steps:
             continue
         means = [statistics.fmean(c[s] for c in curves) for s in steps]
-        n = len(row.runs)
+        n = len(curves)
         label = f"{row.label} (n={n}{', diverged' if row.diverged else ''})"
         (line,) = ax.plot(steps, means, marker="o", markersize=3, label=label)
         if n > 1:
@@ -140,7 +154,7 @@ def _describe(
     include_unfinished: bool,
     metric: str = "val/loss",
 ) -> str:
-    seeds = sorted({len(r.runs) for r in rows})
+    seeds = sorted({r.seeds for r in rows})
     bpb = metric == "val/bpb"
     ranked_by = (
         f"sorted by final validation bits per byte (`{metric}`: the runs differ in tokenizer, so nats per token "

@@ -64,8 +64,13 @@ class Row:
 
     @property
     def final_losses(self) -> list[float]:
-        """The final values of the ranked metric, one per seed."""
-        return [v for r in self.runs if (v := r.final(self.metric)) is not None]
+        """The final values of the ranked metric, one per seed (:func:`per_seed`)."""
+        return per_seed(self.runs, self.metric)
+
+    @property
+    def seeds(self) -> int:
+        """How many seeds its runs used: the replicates its ± and its test count."""
+        return len({_setting(r, SEED_KEY) for r in self.runs})
 
     @property
     def unfinished(self) -> int:
@@ -79,7 +84,7 @@ class Row:
     @property
     def repeated_seeds(self) -> dict[str, int]:
         """Each seed that more than one of its runs used, and how many did (a command run twice): those runs
-        are not independent seeds, yet the seeds column, the ± and the test count each."""
+        are one replicate, counted once, at their mean (:func:`per_seed`)."""
         used = Counter(_setting(r, SEED_KEY) for r in self.runs)
         return {seed: n for seed, n in used.items() if n > 1}
 
@@ -105,9 +110,9 @@ MFU_NOTE = (
 )
 REPEATED_SEED_NOTE = (
     "`seed S xN`: N runs of the condition used the same seed S (the same run again, which on the same machine "
-    "ends at about the same loss): the seeds column, the ± and the test count them as N seeds, so the "
-    "spread understates the noise between seeds. Give each run its own seed (`seed=0,1,2`), or compare a "
-    "folder that holds each seed once."
+    "ends at about the same loss). They are one replicate, not N: the seeds column, the mean, the ± and the "
+    "test count seed S once, at the mean of its N runs. For more replicates give each run its own seed "
+    "(`seed=0,1,2`)."
 )
 DIVERGED_NOTE = (
     "`diverged`: a run of the condition ended with a validation loss that is non-finite, or above the "
@@ -224,6 +229,22 @@ def table_notes(rows: list[Row]) -> list[str]:
     ]
 
 
+def seed_of(run: RunRecord) -> str:
+    """The seed ``run`` trained with (``default`` where it records none)."""
+    return _setting(run, SEED_KEY)
+
+
+def per_seed(runs: Sequence[RunRecord], metric: str) -> list[float]:
+    """The final ``metric`` of each seed the runs used, in the order first seen: the runs of one seed (the same
+    command run twice into a folder) are one replicate, taken at their mean, since counting each as a seed
+    would shrink the ± and the p-value with no new evidence about the noise between seeds."""
+    by_seed: dict[str, list[float]] = {}
+    for run in runs:
+        if (value := run.final(metric)) is not None:
+            by_seed.setdefault(seed_of(run), []).append(value)
+    return [sum(values) / len(values) for values in by_seed.values()]  # inf for a run that ended at inf
+
+
 def _mean(values: list[float | None]) -> float | None:
     present = [v for v in values if v is not None]
     return statistics.fmean(present) if present else None
@@ -252,7 +273,7 @@ def summarize(
         )
     rows = []
     for values, members in groups.items():
-        losses = [v for r in members if (v := r.final(metric)) is not None]
+        losses = per_seed(members, metric)
         rows.append(
             Row(
                 metric=metric,
@@ -377,7 +398,7 @@ def markdown_table(rows: list[Row], keys: list[str], reference: str = "best") ->
         marks = [f"{row.unfinished} unfinished"] * bool(row.unfinished)
         marks += [f"{row.diverged} diverged"] * bool(row.diverged)
         marks += [f"seed {seed} x{n}" for seed, n in row.repeated_seeds.items()]
-        seeds = str(len(row.runs)) + (f" ({', '.join(marks)})" if marks else "")
+        seeds = str(row.seeds) + (f" ({', '.join(marks)})" if marks else "")
         cells = [
             str(i),
             *([_short(row.choice.get(k, "")) for k in keys] if keys else ["all"]),
