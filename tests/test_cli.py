@@ -5,6 +5,7 @@ import csv
 import json
 import math
 import re
+import sys
 from datetime import datetime
 
 import pytest
@@ -141,12 +142,14 @@ def test_the_progress_bar_and_the_logged_rate_agree_with_each_other_and_with_wal
         rows = [r for r in csv.DictReader(f) if r.get("train/tokens_per_second")]
     logged = {int(r["step"]): float(r["train/tokens_per_second"]) for r in rows}
     assert sorted(logged) == [10, 20, 30]
-    # the bar shows the rate last logged, from the step it is logged at
+    # the progress lines (the output is a pipe, not a terminal: a line every 10 steps, no redrawn bar) show
+    # the rate last logged, from the step it is logged at
     shown = [
         (int(s), float(v.replace(",", "")))
-        for s, v in re.findall(r"\| (\d+)/30 \[[^]]*tok/s=([\d,]+)\]", proc.stdout)
+        for s, v in re.findall(r"\] - step (\d+)/30: loss [\d.]+, [^\n]*tok/s ([\d,]+)", proc.stdout)
     ]
-    assert shown and shown[-1][0] == 30
+    assert [step for step, _ in shown] == [10, 20, 30]
+    assert "\r" not in proc.stdout and "\x1b[" not in proc.stdout
     for step, value in shown:
         assert value == round(logged[max(k for k in logged if k <= step)]), (step, value)
 
@@ -325,3 +328,27 @@ def test_generate_takes_a_run_directory_as_a_bare_path_and_says_which_checkpoint
     by_file = capsys.readouterr()
     assert by_file.err.strip() == f"# {best}"  # a checkpoint given is the one read: nothing to say
     assert by_file.out == by_path.out and by_path.out.startswith("The")
+
+
+def test_progress_is_a_bar_on_a_terminal_and_lines_elsewhere(monkeypatch):
+    import io
+
+    from gptlab.errors import ConfigError
+    from gptlab.training.callbacks import StepLines, StepProgressBar, progress_bar
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    monkeypatch.setattr(sys, "stdout", Terminal())
+    assert isinstance(progress_bar(), StepProgressBar)
+    monkeypatch.setattr(sys, "stdout", io.StringIO())  # a file, a pipe, a SLURM log
+    lines = progress_bar(every_n_steps=5)
+    assert isinstance(lines, StepLines) and lines.every_n_steps == 5
+    assert isinstance(progress_bar("bar"), StepProgressBar) and isinstance(progress_bar("lines"), StepLines)
+    with pytest.raises(
+        ConfigError, match=r"callbacks.progress_bar.style='line' is not one of auto, bar, lines"
+    ):
+        progress_bar("line")
+    with pytest.raises(ConfigError, match=r"callbacks.progress_bar.every_n_steps=0 must be a whole number"):
+        progress_bar(every_n_steps=0)

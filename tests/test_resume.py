@@ -94,9 +94,10 @@ def reference(reference_run):
 
 
 def start_and_stop_at(args: list[str], cwd: Path, step: int, sig: int) -> subprocess.Popen:
-    """Start `python train.py <args>` and send ``sig`` once the progress bar has shown ``step`` steps done."""
+    """Start `python train.py <args>` and send ``sig`` once the progress line of ``step`` steps done is out
+    (a line every step: the output is a pipe, so progress comes as lines)."""
     proc = subprocess.Popen(
-        [sys.executable, str(ROOT / "train.py"), *args],
+        [sys.executable, str(ROOT / "train.py"), *args, "callbacks.progress_bar.every_n_steps=1"],
         cwd=cwd,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
         stdout=subprocess.PIPE,
@@ -111,7 +112,7 @@ def start_and_stop_at(args: list[str], cwd: Path, step: int, sig: int) -> subpro
         for chunk in iter(lambda: proc.stdout.read(1), ""):
             buf += chunk
             seen.append(chunk)
-            if not sent and re.search(rf"Training:[^\r\n]*\| {step}/{MAX_STEPS} ", buf[-400:]):
+            if not sent and re.search(rf"\] - step {step}/{MAX_STEPS}: ", buf[-400:]):
                 proc.send_signal(sig)
                 sent = True
 

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import TQDMProgressBar
+from lightning.pytorch.callbacks import ProgressBar, TQDMProgressBar
 
 from gptlab.errors import ConfigError
 
@@ -153,16 +153,92 @@ class StepProgressBar(TQDMProgressBar):
         pass
 
     def get_metrics(self, trainer: L.Trainer, pl_module: L.LightningModule) -> dict[str, Any]:
-        from gptlab.training.metrics import TrainingThroughput
+        return _progress_metrics(super().get_metrics(trainer, pl_module), trainer)
 
-        items = super().get_metrics(trainer, pl_module)
-        items.pop("v_num", None)
-        short = {"train/loss": "loss", "val/loss": "val_loss"}
-        out = {short.get(key, key): value for key, value in items.items()}
-        for callback in trainer.callbacks:  # type: ignore[attr-defined]  # set by Lightning's callback connector, undeclared
-            if isinstance(callback, TrainingThroughput) and callback.tokens_per_second is not None:
-                out["tok/s"] = f"{callback.tokens_per_second:,.0f}"
-        return out
+
+def _progress_metrics(items: dict[str, Any], trainer: L.Trainer) -> dict[str, Any]:
+    """What the progress display shows of Lightning's progress-bar metrics: the loss, the last validation loss
+    and the training rate as last logged (``tok/s``: ``train/tokens_per_second``, training/metrics.py)."""
+    from gptlab.training.metrics import TrainingThroughput
+
+    items.pop("v_num", None)
+    short = {"train/loss": "loss", "val/loss": "val_loss"}
+    out = {short.get(key, key): value for key, value in items.items()}
+    for callback in trainer.callbacks:  # type: ignore[attr-defined]  # set by Lightning's callback connector, undeclared
+        if isinstance(callback, TrainingThroughput) and callback.tokens_per_second is not None:
+            out["tok/s"] = f"{callback.tokens_per_second:,.0f}"
+    return out
+
+
+class StepLines(ProgressBar):
+    """Progress as log lines, for output that is not a terminal (a SLURM log, a file, a pipe): a bar redrawn
+    with carriage returns and cursor movements becomes one endless line of escape codes there. Every
+    ``every_n_steps`` optimizer steps (and the last), one line: the step of ``max_steps``, the loss, the
+    training rate as last logged and the last validation loss, the same figures the bar shows; after each
+    validation, its loss. Rank 0 alone prints (Lightning disables the others)."""
+
+    def __init__(self, every_n_steps: int = 10) -> None:
+        super().__init__()
+        self.every_n_steps = every_n_steps
+        self._enabled = True
+
+    def disable(self) -> None:
+        self._enabled = False
+
+    def enable(self) -> None:
+        self._enabled = True
+
+    @property
+    def is_enabled(self) -> bool:
+        return self._enabled
+
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx
+    ) -> None:
+        step = trainer.global_step
+        if not self._enabled or trainer.sanity_checking:
+            return
+        if step % self.every_n_steps and step != trainer.max_steps:
+            return
+        if step == getattr(self, "_printed_step", None):
+            return  # the last micro-batches of an accumulated step end at the same step
+        self._printed_step = step
+        metrics = _progress_metrics(self.get_metrics(trainer, pl_module), trainer)
+        shown = ", ".join(f"{key} {_shown(value)}" for key, value in metrics.items())
+        log.info("step %d/%d: %s", step, trainer.max_steps, shown)
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if not self._enabled or trainer.sanity_checking:
+            return
+        value = trainer.callback_metrics.get("val/loss")
+        if value is not None:
+            log.info("step %d validation: val_loss %s", trainer.global_step, _shown(value))
+
+
+def _shown(value: Any) -> str:
+    """A metric as the bar shows it: a tensor or a float to 4 significant decimals, a string as it is."""
+    if hasattr(value, "item"):
+        value = value.item()
+    return f"{value:.4f}" if isinstance(value, float) else str(value)
+
+
+def progress_bar(style: str = "auto", refresh_rate: int = 1, every_n_steps: int = 10) -> ProgressBar:
+    """The run's progress display. ``style``: ``bar``, a progress bar over optimizer steps
+    (:class:`StepProgressBar`, redrawn every ``refresh_rate`` steps); ``lines``, a log line every
+    ``every_n_steps`` steps (:class:`StepLines`); ``auto`` (the default), the bar where the console is a
+    terminal and lines where it is not (a SLURM log, a file, a pipe), where a redrawn bar is escape codes."""
+    import sys
+
+    if style not in ("auto", "bar", "lines"):
+        raise ConfigError(f"callbacks.progress_bar.style={style!r} is not one of auto, bar, lines.")
+    for name, value in (("refresh_rate", refresh_rate), ("every_n_steps", every_n_steps)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(
+                f"callbacks.progress_bar.{name}={value!r} must be a whole number of steps, 1 or more."
+            )
+    if style == "auto":
+        style = "bar" if sys.stdout.isatty() else "lines"  # where Lightning's bars write
+    return StepProgressBar(refresh_rate=refresh_rate) if style == "bar" else StepLines(every_n_steps)
 
 
 class ValidateAtLastStep(L.Callback):
