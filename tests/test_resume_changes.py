@@ -102,7 +102,8 @@ def test_a_larger_batch_continues_the_windows_where_they_stopped_and_is_recorded
     assert first + windows == permutation(n)[:24]
     assert (
         "data.batch_size: 4 in the checkpoint, 8 now: the shuffled windows continue where step 2 left them, and "
-        "each step from step 3 trains 8 windows a step" in caplog.text
+        "each step from step 3 trains 8 windows (data.batch_size 8 x 1 process(es) x "
+        "trainer.accumulate_grad_batches 1) where it trained 4" in caplog.text
     )
     parts = json.loads((out / "result.json").read_text())["parts"]
     assert [p["to_step"] for p in parts] == [2, 4]

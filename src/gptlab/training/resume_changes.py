@@ -65,8 +65,8 @@ class TrainingConditions:
 
     def describe_batch(self) -> str:
         return (
-            f"{self.global_batch} windows a step = data.batch_size {self.batch_size} x {self.world_size} "
-            f"process(es) x trainer.accumulate_grad_batches {self.accumulate}"
+            f"{self.global_batch} windows (data.batch_size {self.batch_size} x {self.world_size} process(es) x "
+            f"trainer.accumulate_grad_batches {self.accumulate})"
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -242,7 +242,7 @@ def check_resume(
             f"optim: {saved_name} in the checkpoint, {now_name} now: its optimizer state is {saved_name}'s"
         )
         fixes.append(f"optim={saved_name}")
-    saved_loss = hparams.get("loss") or {}
+    saved_loss = _full_loss(hparams.get("loss"))
     for key in LOSS_KEYS_THAT_TRAIN:
         if saved_loss and saved_loss.get(key) != loss_options.get(key):
             refused.append(
@@ -261,7 +261,7 @@ def check_resume(
         changes["data.batch_size"] = [saved.batch_size, now.batch_size]
         log.warning(
             "data.batch_size: %d in the checkpoint, %d now: the shuffled windows continue where step %d "
-            "left them, and each step from step %d trains %s (it trained %d): trainer.max_steps and the "
+            "left them, and each step from step %d trains %s where it trained %d: trainer.max_steps and the "
             "schedule count steps, so the tokens a step means change here (result.json's parts record it).",
             saved.batch_size,
             now.batch_size,
@@ -306,6 +306,19 @@ def check_resume(
             "%s. Applied from step %d: %s.%s result.json's parts record it.", told, step + 1, effect, extended
         )
     return changes
+
+
+def _full_loss(node: Any) -> dict[str, Any]:
+    """A checkpoint's loss options with every option filled in: one from before an option existed trained
+    with its default (no z-loss, no softcap). Empty for a checkpoint without any."""
+    from gptlab.model.head_loss import HeadLoss
+
+    if not isinstance(node, dict) or not node:
+        return {}
+    try:
+        return HeadLoss.from_node(node).options()
+    except Exception:  # an option this version no longer has: compared as written
+        return dict(node)
 
 
 def _full_node(node: dict[str, Any]) -> dict[str, Any]:
