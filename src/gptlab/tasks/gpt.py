@@ -221,7 +221,9 @@ def make_trainer(cfg: DictConfig, settings: GPTRunConfig, parts: Parts, loggers:
         settings.downstream_eval, settings.block_size
     )
     # what a resume compares with its command (gptlab.training.resume_changes), in every checkpoint
-    conditions = RecordTrainingConditions(training_data_identity(parts.corpus), parts.datamodule.stride)
+    conditions = RecordTrainingConditions(
+        training_data_identity(parts.corpus), parts.datamodule.stride, settings.run.seed
+    )
     return L.Trainer(
         **settings.trainer,
         strategy=parts.strategy,

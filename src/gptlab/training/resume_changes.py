@@ -3,8 +3,8 @@ change is told.
 
 Each checkpoint records the conditions it was trained under besides the model (:class:`TrainingConditions`:
 the processes and whether they share a distributed sampler, the per-process batch, the accumulation, the
-schedule's length, the windows' stride and the identity of the training tokens). A resume compares them, and
-the loss and optimizer the checkpoint holds, with the command's, before any weight is read
+schedule's length, the windows' stride, the seed and the identity of the training tokens). A resume compares
+them, and the loss and optimizer the checkpoint holds, with the command's, before any weight is read
 (:func:`check_resume`):
 
 - **Refused**, naming each key with the checkpoint's value and the command's, and the fix: a different number
@@ -13,8 +13,9 @@ the loss and optimizer the checkpoint holds, with the command's, before any weig
   it to another), another ``trainer.accumulate_grad_batches`` (Lightning counts the micro-batches of a step from
   the epoch's start, so the first steps after the change would accumulate the wrong number of them), other
   training tokens or another ``data.stride`` (the saved position would point into other windows), another
-  optimizer (its state is another optimizer's), and a loss term that changes what is trained
-  (``loss.z_loss``, ``loss.final_softcap``).
+  optimizer (its state is another optimizer's), another ``seed`` (the saved random states and order of the
+  windows go on; a distributed sampler would draw a new order from it each epoch), and a loss term that
+  changes what is trained (``loss.z_loss``, ``loss.final_softcap``).
 - **Applied and recorded**: ``data.batch_size`` (the windows continue where they stopped; each remaining step
   trains the new global batch), ``trainer.max_steps`` (the schedule is recomputed for the new length), and the
   optimizer's options (``optim.lr``, ``optim.weight_decay``, ``optim.schedule``, ...: the new values replace
@@ -56,6 +57,7 @@ class TrainingConditions:
     accumulate: int  # trainer.accumulate_grad_batches
     max_steps: int  # trainer.max_steps: where the schedule ends
     stride: int  # data.stride: where the training windows start
+    seed: int  # the run's seed: a distributed sampler's order of the windows in each epoch
     data: dict[str, Any]  # the training tokens' identity (training_data_identity)
 
     @property
@@ -114,16 +116,20 @@ def same_data(saved: dict[str, Any], now: dict[str, Any]) -> bool:
 class RecordTrainingConditions(L.Callback):
     """Writes the run's :class:`TrainingConditions` into every checkpoint it saves (``training_conditions``)."""
 
-    def __init__(self, data: dict[str, Any], stride: int) -> None:
-        self.data, self.stride = data, stride
+    def __init__(self, data: dict[str, Any], stride: int, seed: int) -> None:
+        self.data, self.stride, self.seed = data, stride, seed
 
     def on_save_checkpoint(
         self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]
     ) -> None:
-        checkpoint[CONDITIONS_KEY] = conditions_of_trainer(trainer, self.data, self.stride).to_dict()
+        checkpoint[CONDITIONS_KEY] = conditions_of_trainer(
+            trainer, self.data, self.stride, self.seed
+        ).to_dict()
 
 
-def conditions_of_trainer(trainer: L.Trainer, data: dict[str, Any], stride: int) -> TrainingConditions:
+def conditions_of_trainer(
+    trainer: L.Trainer, data: dict[str, Any], stride: int, seed: int
+) -> TrainingConditions:
     from lightning.pytorch.strategies import ParallelStrategy
 
     datamodule = getattr(trainer, "datamodule", None)
@@ -134,6 +140,7 @@ def conditions_of_trainer(trainer: L.Trainer, data: dict[str, Any], stride: int)
         accumulate=int(trainer.accumulate_grad_batches),
         max_steps=int(trainer.max_steps),
         stride=stride,
+        seed=seed,
         data=data,
     )
 
@@ -154,6 +161,7 @@ def planned_conditions(settings: Any, strategy: Any, data: dict[str, Any], strid
         accumulate=int(settings.trainer.get("accumulate_grad_batches") or 1),
         max_steps=int(settings.trainer["max_steps"]),
         stride=stride,
+        seed=int(settings.run.seed),
         data=data,
     )
 
@@ -214,6 +222,12 @@ def check_resume(
             f"data.stride: {saved.stride} in the checkpoint, {now.stride} now: the windows start elsewhere"
         )
         fixes.append(f"data.stride={saved.stride}")
+    if saved is not None and saved.seed != now.seed:
+        refused.append(
+            f"seed: {saved.seed} in the checkpoint, {now.seed} now: the run continues the random states and the "
+            "order of the windows it saved, which a distributed sampler draws anew from the seed each epoch"
+        )
+        fixes.append(f"seed={saved.seed}")
     if saved is not None and (saved.world_size, saved.distributed) != (now.world_size, now.distributed):
         refused.append(
             f"the processes: {_processes(saved)} in the checkpoint, {_processes(now)} now (trainer.devices x "
