@@ -240,3 +240,46 @@ def test_a_ddp_checkpoint_resumed_on_one_process_is_refused_at_start(tmp_path):
     )
     assert "Traceback" not in proc.stderr and "Training:" not in proc.stdout
     assert ckpt.read_bytes() == saved
+
+
+# Every key that shapes the model, each refused by name with the checkpoint's value as the fix (model.n_embd
+# in docs/bad-input.md; the model's options in GPTConfig, the variants' in their own nodes).
+ARCHITECTURE = {
+    "model.n_layer=2": ("model.n_layer: 1 in the checkpoint, 2 now", "model.n_layer=1"),
+    "model.n_head=4": ("model.n_head: 2 in the checkpoint, 4 now", "model.n_head=2"),
+    "model.n_embd=64": ("model.n_embd: 32 in the checkpoint, 64 now", "model.n_embd=32"),
+    "model.block_size=64": ("model.block_size: 32 in the checkpoint, 64 now", "model.block_size=32"),
+    "model.n_kv_head=1": ("model.n_kv_head: None in the checkpoint, 1 now", "model.n_kv_head=null"),
+    "model.bias=false": ("model.bias: True in the checkpoint, False now", "model.bias=True"),
+    "model.tie_weights=false": (
+        "model.tie_weights: True in the checkpoint, False now",
+        "model.tie_weights=True",
+    ),
+    "model.mlp_ratio=2": ("model.mlp_ratio: None in the checkpoint, 2", "model.mlp_ratio=null"),
+    "model.param=mup": ("model.param: 'standard' in the checkpoint, 'mup' now", "model.param=standard"),
+    "pos=rope": ("pos: 'learned' in the checkpoint, 'rope' now", "pos=learned"),
+    "activation=swiglu": ("activation: 'gelu' in the checkpoint, 'swiglu' now", "activation=gelu"),
+    "norm=rmsnorm": ("norm: 'layernorm' in the checkpoint, 'rmsnorm' now", "norm=layernorm"),
+    "norm.placement=post": ("norm.placement: 'pre' in the checkpoint, 'post' now", "norm.placement=pre"),
+    "attention.qk_norm=rmsnorm": (
+        "attention.qk_norm: 'none' in the checkpoint, 'rmsnorm' now",
+        "attention.qk_norm=none",
+    ),
+    "attention.window=16": ("attention.window: None in the checkpoint, 16 now", "attention.window=null"),
+    "attention.logit_softcap=50": (
+        "attention.logit_softcap: None in the checkpoint, 50",
+        "attention.logit_softcap=null",
+    ),
+}
+
+
+@pytest.mark.parametrize("override", sorted(ARCHITECTURE))
+def test_every_key_that_shapes_the_model_is_refused_by_name(override, base_run, tmp_path):
+    out, resume = copy_run(base_run, tmp_path)
+    what, fix = ARCHITECTURE[override]
+    with pytest.raises(CheckpointError) as refused:
+        train(*resume, override, "trainer.max_steps=4")
+    release_run_dir(out)
+    message = str(refused.value)
+    assert f"Checkpoint {last_checkpoint(out)} is from a different model: " in message
+    assert what in message and fix in message, message
