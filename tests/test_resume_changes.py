@@ -176,6 +176,7 @@ REFUSED = {
     "optimizer": (["optim=muon"], "optim: adamw in the checkpoint, muon now", "Resume with optim=adamw"),
     "stride": (["data.stride=16"], "data.stride: 32 in the checkpoint, 16 now", "Resume with data.stride=32"),
     "seed": (["seed=7"], "seed: 1337 in the checkpoint, 7 now", "Resume with seed=1337"),
+    "workers": (["data.num_workers=1"], "data.num_workers: 0 in the checkpoint, 1 now", "data.num_workers=0"),
 }
 
 

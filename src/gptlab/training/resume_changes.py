@@ -13,7 +13,8 @@ them, and the loss and optimizer the checkpoint holds, with the command's, befor
   it to another), another ``trainer.accumulate_grad_batches`` (Lightning counts the micro-batches of a step from
   the epoch's start, so the first steps after the change would accumulate the wrong number of them), other
   training tokens or another ``data.stride`` (the saved position would point into other windows), another
-  optimizer (its state is another optimizer's), another ``seed`` (the saved random states and order of the
+  optimizer (its state is another optimizer's), another ``data.num_workers`` (the loader's position is
+  saved per worker), another ``seed`` (the saved random states and order of the
   windows go on; a distributed sampler would draw a new order from it each epoch), and a loss term that
   changes what is trained (``loss.z_loss``, ``loss.final_softcap``).
 - **Applied and recorded**: ``data.batch_size`` (the windows continue where they stopped; each remaining step
@@ -57,6 +58,7 @@ class TrainingConditions:
     accumulate: int  # trainer.accumulate_grad_batches
     max_steps: int  # trainer.max_steps: where the schedule ends
     stride: int  # data.stride: where the training windows start
+    num_workers: int  # data.num_workers: the loader's saved state is one per worker
     seed: int  # the run's seed: a distributed sampler's order of the windows in each epoch
     data: dict[str, Any]  # the training tokens' identity (training_data_identity)
 
@@ -137,6 +139,7 @@ def conditions_of_trainer(
         world_size=int(trainer.world_size),
         distributed=isinstance(trainer.strategy, ParallelStrategy),
         batch_size=int(getattr(datamodule, "batch_size", 0) or 0),
+        num_workers=int(getattr(datamodule, "num_workers", 0) or 0),
         accumulate=int(trainer.accumulate_grad_batches),
         max_steps=int(trainer.max_steps),
         stride=stride,
@@ -158,6 +161,7 @@ def planned_conditions(settings: Any, strategy: Any, data: dict[str, Any], strid
         world_size=processes,
         distributed=isinstance(strategy, ParallelStrategy) or processes > 1,
         batch_size=settings.loader.batch_size,
+        num_workers=int(settings.loader.num_workers),
         accumulate=int(settings.trainer.get("accumulate_grad_batches") or 1),
         max_steps=int(settings.trainer["max_steps"]),
         stride=stride,
@@ -222,6 +226,13 @@ def check_resume(
             f"data.stride: {saved.stride} in the checkpoint, {now.stride} now: the windows start elsewhere"
         )
         fixes.append(f"data.stride={saved.stride}")
+    if saved is not None and saved.num_workers != now.num_workers:
+        refused.append(
+            f"data.num_workers: {saved.num_workers} in the checkpoint, {now.num_workers} now: the loader's "
+            "position is saved per worker (a stream's too: each worker reads its own share of it), and "
+            "torchdata's loader stops at the first batch on another number"
+        )
+        fixes.append(f"data.num_workers={saved.num_workers}")
     if saved is not None and saved.seed != now.seed:
         refused.append(
             f"seed: {saved.seed} in the checkpoint, {now.seed} now: the run continues the random states and the "
