@@ -284,6 +284,7 @@ def check_resume(
 
     if saved is not None and saved.batch_size != now.batch_size:
         changes["data.batch_size"] = [saved.batch_size, now.batch_size]
+    if "data.batch_size" in changes and saved is not None and step < now.max_steps:
         log.warning(
             "data.batch_size: %d in the checkpoint, %d now: the shuffled windows continue where step %d "
             "left them, and each step from step %d trains %s where it trained %d: trainer.max_steps and the "
@@ -304,7 +305,7 @@ def check_resume(
             if key != "name" and _show(was_full.get(key)) != _show(now_full.get(key)):
                 changes[f"optim.{key}"] = [was_full.get(key), now_full.get(key)]
     schedule_keys = [k for k in changes if k == "trainer.max_steps" or k.startswith("optim.")]
-    if schedule_keys and saved_optim:
+    if schedule_keys and saved_optim and step < now.max_steps:  # else nothing is left to train
         was_steps = saved.max_steps if saved is not None else now.max_steps
         before = lr_at(saved_optim, was_steps, step)
         after = lr_at(optim_node, now.max_steps, step)
