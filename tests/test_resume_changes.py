@@ -14,7 +14,7 @@ from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 
 from gptlab.data.corpus import num_windows
-from gptlab.data.datamodule import TokenWindows
+from gptlab.data.datamodule import ResumableDistributedSampler, TokenWindows
 from gptlab.errors import CheckpointError
 from gptlab.runs.identity import release_run_dir
 from gptlab.runs.layout import last_checkpoint
@@ -223,10 +223,19 @@ def test_an_edited_corpus_is_refused_naming_the_file(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_ddp_checkpoint_resumed_on_one_process_is_refused_at_start(tmp_path):
-    common = [*ARGS, "logger=none", "trainer.accelerator=cpu", f"paths.root_dir={tmp_path}"]
+def test_a_ddp_run_resumed_on_one_process_is_refused_and_on_two_trains_longer_as_if_never_stopped(tmp_path):
+    # min_lr_ratio=1: the rate is flat after the warmup, so a run of 2 steps extended to 4 and a run of 4
+    # steps follow the same schedule, and their weights can be compared bit for bit
+    common = [
+        *ARGS,
+        "logger=none",
+        "trainer.accelerator=cpu",
+        "optim.min_lr_ratio=1.0",
+        f"paths.root_dir={tmp_path}",
+    ]
+    ddp = ["trainer.devices=2", "strategy=ddp"]
     run_dir = tmp_path / "ddp"
-    run_train([*common, "trainer.devices=2", "strategy=ddp", f"hydra.run.dir={run_dir}"], cwd=tmp_path)
+    run_train([*common, *ddp, f"hydra.run.dir={run_dir}"], cwd=tmp_path)
     ckpt = last_checkpoint(run_dir)
     saved = ckpt.read_bytes()
     proc = run_train([*common, "trainer.max_steps=4", f"resume={run_dir}"], cwd=tmp_path, check=False)
@@ -241,6 +250,44 @@ def test_a_ddp_checkpoint_resumed_on_one_process_is_refused_at_start(tmp_path):
     )
     assert "Traceback" not in proc.stderr and "Training:" not in proc.stdout
     assert ckpt.read_bytes() == saved
+    # Trained longer from its final checkpoint (whose epoch Lightning counts as ended) on the same two
+    # processes: each rank continues its share of the same shuffled windows, and the weights end as those of
+    # the 4-step run never stopped.
+    run_train([*common, *ddp, "trainer.max_steps=4", f"resume={run_dir}"], cwd=tmp_path)
+    reference = tmp_path / "reference"
+    run_train([*common, *ddp, "trainer.max_steps=4", f"hydra.run.dir={reference}"], cwd=tmp_path)
+    resumed, uninterrupted = (
+        torch.load(last_checkpoint(d), weights_only=True)["state_dict"] for d in (run_dir, reference)
+    )
+    assert [k for k in resumed if not torch.equal(resumed[k], uninterrupted[k])] == []
+
+
+def test_a_distributed_sampler_continues_the_permutation_it_saved_whatever_epoch_lightning_counts():
+    """The order Lightning follows on resume: ``set_epoch`` with its own count (one more after a final
+    checkpoint), then the loader state, then the first window."""
+    windows = list(range(100))
+
+    def sampler() -> ResumableDistributedSampler:
+        return ResumableDistributedSampler(
+            windows, num_replicas=2, rank=1, shuffle=True, seed=5, drop_last=True
+        )
+
+    def epoch(n: int) -> list[int]:
+        never_stopped = sampler()
+        never_stopped.set_epoch(n)
+        return list(never_stopped)
+
+    first = sampler()
+    first.set_epoch(0)
+    it = iter(first)
+    seen = [next(it) for _ in range(10)]
+    resumed = sampler()
+    resumed.set_epoch(1)  # Lightning counts the epoch of the final checkpoint as ended
+    resumed.load_state_dict(first.state_dict())
+    assert seen + list(resumed) == epoch(0)  # the rest of the saved permutation: none twice, none skipped
+    resumed.set_epoch(2)  # Lightning's next epoch: the permutation the run never stopped draws next
+    assert list(resumed) == epoch(1)
+    assert resumed.state_dict()["epoch"] == 1
 
 
 # Every key that shapes the model, each refused by name with the checkpoint's value as the fix (model.n_embd
