@@ -225,9 +225,11 @@ def test_an_edited_corpus_is_refused_naming_the_file(tmp_path):
 @pytest.mark.slow
 def test_a_ddp_run_resumed_on_one_process_is_refused_and_on_two_trains_longer_as_if_never_stopped(tmp_path):
     # min_lr_ratio=1: the rate is flat after the warmup, so a run of 2 steps extended to 4 and a run of 4
-    # steps follow the same schedule, and their weights can be compared bit for bit
+    # steps follow the same schedule, and their weights can be compared bit for bit. The last checkpoint is
+    # written when training ends, as with the defaults (every 50 steps): Lightning then counts its epoch as
+    # ended.
     common = [
-        *ARGS,
+        *(a for a in ARGS if not a.startswith("callbacks.last_checkpoint.")),
         "logger=none",
         "trainer.accelerator=cpu",
         "optim.min_lr_ratio=1.0",
