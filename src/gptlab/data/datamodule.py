@@ -19,6 +19,7 @@ import lightning as L
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, default_collate
+from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
 
 from gptlab.data import corpus, tokenizers
 from gptlab.data.shards import TokenShards, token_counts, unigram_entropy
@@ -206,8 +207,6 @@ class GPTDataModule(L.LightningDataModule):
         return 0, 1, False
 
     def train_dataloader(self) -> DataLoader:
-        from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
-
         rank, world_size, distributed = self._rank()
         common: dict[str, Any] = {
             "batch_size": self.batch_size,
@@ -239,7 +238,7 @@ class GPTDataModule(L.LightningDataModule):
         drop_last = len(self.train_set) >= self.batch_size
         options: dict[str, Any] = {"shuffle": True, "generator": torch.Generator().manual_seed(self.seed)}
         if distributed:
-            sampler = StatefulDistributedSampler(
+            sampler = ResumableDistributedSampler(
                 self.train_set,
                 num_replicas=world_size,
                 rank=rank,
@@ -261,6 +260,44 @@ class GPTDataModule(L.LightningDataModule):
             persistent_workers=self.num_workers > 0,
             collate_fn=self.collate(),
         )
+
+
+class ResumableDistributedSampler(StatefulDistributedSampler):
+    """torchdata's stateful distributed sampler, whose saved position also names the epoch whose permutation it
+    is in. Lightning counts the epochs itself, and counts the one a run's final checkpoint was written in as
+    ended (``trainer.max_steps`` was reached): a run trained longer from that checkpoint would draw the next
+    epoch's permutation (the seed + 1) and skip as many of its windows as the saved position, leaving the
+    rest of the first permutation untrained. This one continues the permutation it saved, and numbers the
+    epochs after it from there (Lightning's epoch minus the difference found on resume)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._epoch_offset = 0  # Lightning's epoch minus this sampler's
+        self._restored_epoch: int | None = None  # loaded, and no iteration started since
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "epoch": self.epoch}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        if "epoch" in state_dict:  # a position saved before the epoch was: as loaded, Lightning's epoch
+            self._restored_epoch = int(state_dict["epoch"])
+            self._align(self.epoch + self._epoch_offset)
+
+    def set_epoch(self, epoch: int) -> None:
+        if self._restored_epoch is not None:
+            self._align(epoch)
+        else:
+            super().set_epoch(epoch - self._epoch_offset)
+
+    def _align(self, lightning_epoch: int) -> None:
+        assert self._restored_epoch is not None
+        self._epoch_offset = lightning_epoch - self._restored_epoch
+        super().set_epoch(self._restored_epoch)
+
+    def __iter__(self) -> Any:
+        self._restored_epoch = None  # (a generator: runs at the first window, after the loads and set_epoch)
+        yield from super().__iter__()
 
 
 def stateful_loader(*args: Any, **kwargs: Any) -> DataLoader:

@@ -14,7 +14,8 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -222,6 +223,14 @@ class ResumePlan:
     ckpt_path: Path
     global_step: int
     wandb_run_id: str | None
+    # what this part changes from the checkpoint's settings (``{"data.batch_size": [4, 8]}``: the checkpoint's
+    # value, then this command's), recorded in its part of result.json
+    changes: dict[str, list[Any]] = field(default_factory=dict)
+
+
+# Compares a loaded checkpoint (without its weights) and its path with the command's settings: raises a
+# CheckpointError for a change a resume cannot make, returns those it makes (gptlab.training.resume_changes).
+ConditionsCheck = Callable[[dict[str, Any], Path], dict[str, list[Any]]]
 
 
 def checkpoint_to_resume(resume: Any, run_dir: Path) -> Path | None:
@@ -277,11 +286,14 @@ def architecture_differences(saved: dict[str, Any], current: dict[str, Any]) -> 
     ]
 
 
-def inspect_checkpoint(path: Path, model_config: Any) -> ResumePlan:
+def inspect_checkpoint(path: Path, model_config: Any, check: ConditionsCheck | None = None) -> ResumePlan:
     """Check that ``path`` (a file or a sharded directory) is a readable gptlab checkpoint of the same model
     as ``model_config`` (a GPTConfig); returns what the resumed run needs from it. Checkpoints written by
     earlier versions of gptlab hold the same keys and pass; one from elsewhere is refused here, by name, as is
-    one whose bytes differ from the digest written with it (naming the intact checkpoints to resume from)."""
+    one whose bytes differ from the digest written with it (naming the intact checkpoints to resume from).
+    ``check`` compares the rest of the command's settings (the data, the processes, the batch, the loss, the
+    optimizer), first: a corpus that changed also changes a fitted vocabulary, and the data are the cause to
+    name."""
     checkpoint = load_checkpoint(path, weights=False, use_instead=RESUME_INSTEAD)
     if checkpoint_kind(path) == "file" and "state_dict" not in checkpoint:
         raise CheckpointError(
@@ -296,8 +308,15 @@ def inspect_checkpoint(path: Path, model_config: Any) -> ResumePlan:
         raise
     except ConfigError as e:
         raise CheckpointError(f"Checkpoint {path} holds a model config this version cannot build: {e}") from e
+    refusal: CheckpointError | None = None
+    try:
+        changes = check(checkpoint, Path(path)) if check is not None else {}
+    except CheckpointError as e:
+        refusal, changes = e, {}
     current = model_config.to_dict()
     diffs = architecture_differences(saved, current)
+    if refusal is not None:  # a fitted vocabulary follows the corpus: the refusal names the cause
+        diffs = [d for d in diffs if not d.startswith("model.vocab_size:")]
     if diffs:
         flat_saved, flat_current = _flat(saved, current), _flat(current, saved)
         fixes = [
@@ -309,18 +328,22 @@ def inspect_checkpoint(path: Path, model_config: Any) -> ResumePlan:
             f"Checkpoint {path} is from a different model: {'; '.join(diffs)}. Resume with the settings it was "
             f"trained with{' (' + ' '.join(fixes) + ')' if fixes else ''}, or start a new run without resume=."
         )
+    if refusal is not None:
+        raise refusal
     wandb_run_id = checkpoint.get("wandb_run_id")
     return ResumePlan(
-        path, int(checkpoint.get("global_step", 0)), str(wandb_run_id) if wandb_run_id else None
+        path, int(checkpoint.get("global_step", 0)), str(wandb_run_id) if wandb_run_id else None, changes
     )
 
 
-def plan_resume(ckpt: Path | None, model_config: Any) -> ResumePlan | None:
+def plan_resume(
+    ckpt: Path | None, model_config: Any, check: ConditionsCheck | None = None
+) -> ResumePlan | None:
     """Everything a resumed run needs from its checkpoint (:attr:`RunEntry.checkpoint`), checked before any
-    training: None for a new run."""
+    training (``check``: :func:`inspect_checkpoint`): None for a new run."""
     if ckpt is None:
         return None
-    plan = inspect_checkpoint(ckpt, model_config)
+    plan = inspect_checkpoint(ckpt, model_config, check)
     log.info("Resuming from %s (step %d)", plan.ckpt_path, plan.global_step)
     return plan
 

@@ -65,13 +65,14 @@ def run(cfg: DictConfig) -> dict[str, float]:
         cfg, settings.run, run_dir, seed=lambda s: L.seed_everything(s, workers=True, verbose=False)
     )
     parts = build(settings)
-    resume = plan_resume(session.resume_from, parts.module.model_config)
+    resume = plan_resume(session.resume_from, parts.module.model_config, resume_check(settings, parts))
     recorded = finished_result(session.run_dir, resume, settings.trainer["max_steps"])
     if recorded is not None:
         return report_already_finished(session.run_dir, recorded)
     load_initial_weights(parts.module, settings.init_from)  # after the resume check: it names the model
     log.info("Data ready after %.1f s", time.perf_counter() - t0)
     session.start_step = resume.global_step if resume else 0
+    session.part_changes = resume.changes if resume else {}
     loggers = session.open_loggers(
         resume.wandb_run_id if resume else None, resume.global_step if resume else None
     )
@@ -170,6 +171,20 @@ def build(settings: GPTRunConfig) -> Parts:
     return Parts(datamodule, corpus, module, strategy)
 
 
+def resume_check(settings: GPTRunConfig, parts: Parts) -> Any:
+    """The comparison of a checkpoint with this command's data, processes, batch, loss and optimizer
+    (:func:`gptlab.training.resume_changes.check_resume`), for :func:`gptlab.runs.resume.plan_resume`."""
+    from gptlab.training.resume_changes import check_resume, planned_conditions, training_data_identity
+
+    def check(checkpoint: dict[str, Any], path: Path) -> dict[str, list[Any]]:
+        now = planned_conditions(
+            settings, parts.strategy, training_data_identity(parts.corpus), parts.datamodule.stride
+        )
+        return check_resume(checkpoint, path, now, settings.optim.node(), parts.module.head_loss.options())
+
+    return check
+
+
 def make_datamodule(settings: GPTRunConfig) -> GPTDataModule:
     """The run's data: ``settings``' corpus and tokenizer, windowed and batched as its loader keys say."""
     from gptlab.data.datamodule import GPTDataModule
@@ -203,15 +218,22 @@ def make_trainer(cfg: DictConfig, settings: GPTRunConfig, parts: Parts, loggers:
     from gptlab.training.callbacks import LogAtGlobalStep, ValidateAtLastStep, instantiate_callbacks
     from gptlab.training.checkpointing import fault_tolerance_callbacks
     from gptlab.training.downstream_eval import downstream_callbacks
+    from gptlab.training.resume_changes import RecordTrainingConditions, training_data_identity
 
     callbacks = instantiate_callbacks(cfg.get("callbacks") or {}) + downstream_callbacks(
         settings.downstream_eval, settings.block_size
+    )
+    # what a resume compares with its command (gptlab.training.resume_changes), in every checkpoint
+    conditions = RecordTrainingConditions(
+        training_data_identity(parts.corpus), parts.datamodule.stride, settings.run.seed
     )
     return L.Trainer(
         **settings.trainer,
         strategy=parts.strategy,
         logger=loggers or False,
-        callbacks=callbacks + fault_tolerance_callbacks() + [ValidateAtLastStep(), LogAtGlobalStep()],
+        callbacks=callbacks
+        + fault_tolerance_callbacks()
+        + [ValidateAtLastStep(), LogAtGlobalStep(), conditions],
         plugins=[*slurm_plugins(), *settings.strategy.plugins()] or None,
     )
 

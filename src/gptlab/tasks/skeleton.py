@@ -119,6 +119,9 @@ class RunSession:
         self.loggers: list = []  # open_loggers' loggers
         self.start_step = 0  # the step this part of the run starts from (a resumed run's checkpoint step)
         self.resume_from: Path | None = None  # the checkpoint that resume= chose (RunEntry.checkpoint)
+        # what this part changed from its checkpoint's settings ({"trainer.max_steps": [300, 600]}): its part
+        # of result.json says so
+        self.part_changes: dict[str, Any] = {}
 
     @classmethod
     def start(
@@ -206,6 +209,8 @@ class RunSession:
         )
         part: dict[str, Any] = {"from_step": self.start_step, "to_step": step, "status": status}
         part.update({k: finite[k] for k in PART_FIGURES if k in finite})
+        if self.part_changes:
+            part["changed"] = {k: list(v) for k, v in self.part_changes.items()}
         earlier = Run(self.run_dir).result()
         if earlier is None or run_id is None or earlier.get("run_id") != run_id:
             earlier = None  # the first part, or a directory's result from before run ids: not merged

@@ -201,8 +201,41 @@ class GPTLitModule(L.LightningModule):
                 f"trainer.max_steps={max_steps}: training is counted in optimizer steps; set trainer.max_steps "
                 "to a positive number (the learning-rate schedule ends there)."
             )
+        # this command's options per group, before the scheduler sets a step's rate: a resumed run applies
+        # them again over those its checkpoint restores (on_train_start)
+        self._configured_groups = [
+            {k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups
+        ]
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule_of(o, max_steps))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def on_train_start(self) -> None:
+        if self.trainer.ckpt_path:
+            self.apply_configured_optimizer()
+
+    def apply_configured_optimizer(self) -> None:
+        """After a resume: the optimizer's options and peak rates as this command configured them, in place of
+        those its checkpoint restored with the optimizer's state (Lightning restores the param groups whole, and
+        the scheduler's base rates), and this step's rate from them. Unchanged options write the same values.
+        What changed is told and recorded before training (gptlab.training.resume_changes)."""
+        configured = getattr(self, "_configured_groups", None)
+        if not configured:
+            return
+        optimizer = self.optimizers()
+        assert not isinstance(optimizer, list)  # configure_optimizers returns one optimizer
+        groups = optimizer.param_groups
+        config = self.trainer.lr_scheduler_configs[0] if self.trainer.lr_scheduler_configs else None
+        scheduler = config.scheduler if config is not None else None
+        if len(groups) != len(configured):  # the model's groups are fixed by its architecture, checked before
+            raise RuntimeError(f"{len(groups)} optimizer groups restored, {len(configured)} configured")
+        for i, (group, options) in enumerate(zip(groups, configured)):
+            group.update(options)
+            group["initial_lr"] = options["lr"]
+            if isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR):
+                scheduler.base_lrs[i] = options["lr"]
+                group["lr"] = options["lr"] * scheduler.lr_lambdas[i](scheduler.last_epoch)
+        if isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR):
+            scheduler._last_lr = [g["lr"] for g in groups]  # what get_last_lr() reports
 
     # ---- checkpoints ----------------------------------------------------------------------------
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
