@@ -17,7 +17,19 @@ from typing import Any
 from omegaconf import OmegaConf
 
 # Overrides that say where or how a run is recorded, not what is trained: left out of names and tags.
-SILENT_PREFIXES = ("hydra.", "hydra/", "paths.", "logger", "resume", "+resume", "overwrite", "+overwrite")
+# Keys that change only how progress is shown: neither what is trained nor where the run is filed.
+DISPLAY_PREFIXES = ("callbacks.progress_bar",)
+SILENT_PREFIXES = (
+    "hydra.",
+    "hydra/",
+    "paths.",
+    "logger",
+    "resume",
+    "+resume",
+    "overwrite",
+    "+overwrite",
+    *DISPLAY_PREFIXES,
+)
 # Hydra's sweep functions; the other sweep syntax is a comma outside brackets and quotes (`pos=rope,alibi`).
 _SWEEP_FUNCTION = re.compile(r"^\s*(range|choice|interval|glob|tag)\(")
 # W&B refuses tags longer than 64 characters.
@@ -55,6 +67,11 @@ def split_override(override: str) -> tuple[str, str]:
 
 def is_silent(key: str) -> bool:
     return key.startswith(SILENT_PREFIXES)
+
+
+def is_display_only(key: str) -> bool:
+    """True for a key that changes only how progress is shown (``callbacks.progress_bar.style=lines``)."""
+    return key.lstrip("+~").startswith(DISPLAY_PREFIXES)
 
 
 def is_sweep_value(value: str) -> bool:

@@ -68,11 +68,14 @@ def resume_value(overrides: list[str]) -> str | None:
 
 def comparable(overrides: list[str]) -> list[str]:
     """The overrides that say what is trained, one value per key (the last, as Hydra applies them; a sweep
-    job's overrides.yaml holds only that one), sorted: ``resume=`` and ``overwrite=`` say how a run starts."""
-    from gptlab.runs.naming import split_override
+    job's overrides.yaml holds only that one), sorted: ``resume=`` and ``overwrite=`` say how a run starts,
+    and the progress display's keys (``callbacks.progress_bar.*``) how it is shown."""
+    from gptlab.runs.naming import is_display_only, split_override
 
     settings = dict(split_override(item) for item in overrides)
-    return sorted(f"{k}={v}" for k, v in settings.items() if k not in ("resume", "overwrite"))
+    return sorted(
+        f"{k}={v}" for k, v in settings.items() if k not in ("resume", "overwrite") and not is_display_only(k)
+    )
 
 
 def find_run_to_continue(overrides: list[str], root: Path) -> Path | None:
