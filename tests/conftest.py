@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -16,8 +17,6 @@ ROOT = Path(__file__).resolve().parents[1]
 def load_script(name: str):
     """``scripts/<name>.py`` imported as the module ``name`` (scripts are not a package), registered in
     ``sys.modules`` so that its dataclasses and pickling resolve; the caller removes it when done."""
-    import importlib.util
-
     spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
@@ -26,6 +25,13 @@ def load_script(name: str):
 
 
 CONF = ROOT / "conf"
+
+# gensim, a dependency of gptlab, reads the word2vec text format and ships the word-similarity and analogy
+# benchmarks that task=word2vec evaluates on. An environment without it (a GPU image given only the wheels that
+# gptlab's GPU paths need) skips the tests that need it and runs the rest.
+needs_gensim = pytest.mark.skipif(
+    importlib.util.find_spec("gensim") is None, reason="needs gensim (word2vec's reader and benchmarks)"
+)
 
 # Tests never touch the network or a real W&B account.
 os.environ["WANDB_MODE"] = "offline"
@@ -49,7 +55,11 @@ LONGEST_FIRST = ["test_docs.py", "test_resume.py", "test_strategies.py", "test_d
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
-    """xdist's scheduling by scope, a scope being a test file (or the files that share the sweep)."""
+    """xdist's scheduling by scope, a scope being a test file (or the files that share the sweep); an explicit
+    other ``--dist`` than load (scripts/gpu_check.py's ``--dist worksteal``: the gpu tests, most of them in one
+    file and each with its own runs, spread over the workers one by one) is left to xdist."""
+    if config.getoption("dist") != "load":
+        return None
     from xdist.scheduler import LoadScopeScheduling
 
     class ByFile(LoadScopeScheduling):

@@ -88,6 +88,28 @@ def test_a_section_runs_in_a_child_process_stopped_at_its_time_limit(gpu_check, 
     assert stopped == {"status": "timeout", "error": "stopped after its 0.5 s", "seconds": 0.5}
 
 
+def test_the_limits_fit_the_gpu_session_and_a_hang_costs_only_its_own_section(gpu_check):
+    limits = [s.budget_s for s in gpu_check.SECTIONS]
+    # the whole command, the wheels' install included, ends within 8 minutes, with room for the install
+    assert sum(limits) + 15 <= gpu_check.WHOLE_RUN_S < 8 * 60
+
+    def run(taken: dict[int, float], total: float) -> list[float]:
+        """Each section's budget when section i takes taken[i] seconds, and every other hangs to its end."""
+        left, budgets = total, []
+        for i in range(len(limits)):
+            budget = gpu_check.section_budget(limits[i:], left)
+            budgets.append(budget)
+            left -= min(budget, taken.get(i, budget))
+        return budgets
+
+    assert run({}, sum(limits)) == limits  # all hang: each its own limit, nothing more
+    # environment ends in 10 s: gpu_tests may take the 20 s it left too, and then hangs: the rest keep theirs
+    assert run({0: 10}, sum(limits))[1:] == [limits[1] + limits[0] - 10, *limits[2:]]
+    # the install took time out of the whole: every section loses its proportional share
+    shares = run({}, sum(limits) - 45)
+    assert shares == pytest.approx([x * (1 - 45 / sum(limits)) for x in limits])
+
+
 @pytest.mark.slow
 def test_the_strategies_section_resumes_ddp_and_fsdp_to_the_uninterrupted_loss(gpu_check, tmp_path):
     """strategy=ddp and strategy=fsdp on one CPU process (gloo): real train.py runs, one interrupted at its

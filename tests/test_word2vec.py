@@ -18,7 +18,7 @@ import time
 import numpy as np
 import pytest
 import torch
-from conftest import ROOT, TINY, run_train
+from conftest import ROOT, TINY, needs_gensim, run_train
 
 from gptlab.data.corpus import DataSpec
 from gptlab.errors import ConfigError, DataError
@@ -287,6 +287,22 @@ def test_options_are_checked_with_the_fix_in_the_message():
         Word2VecOptions(native="yes")  # type: ignore[arg-type]
 
 
+def test_the_evaluation_without_gensim_is_refused_before_training_with_both_fixes(monkeypatch, tmp_path):
+    """Where gensim is not installed (a GPU image given only the wheels gptlab's GPU paths need), the evaluation
+    that reads the vectors with it is refused when the config is checked, not after the training; a run that
+    leaves the evaluation out goes ahead."""
+    import gptlab
+
+    monkeypatch.setitem(sys.modules, "gensim", None)  # as an environment without gensim finds it
+    root = f"paths.root_dir={tmp_path}"
+    with pytest.raises(ConfigError) as refused:
+        gptlab.compose(*SMALL, root)
+    message = str(refused.value)
+    assert "word2vec.evaluate=true needs gensim" in message and "is not installed here" in message
+    assert "pip install 'gensim>=4.4,<4.5'" in message and "add word2vec.evaluate=false" in message
+    assert gptlab.compose(*SMALL, root, "word2vec.evaluate=false").word2vec.evaluate is False
+
+
 def test_an_epochs_batches_train_every_kept_window_once_in_blocks_ordered_by_radius():
     """Each batch holds windows of a block of batches sorted by radius, its context matrix as wide as its
     largest radius; over an epoch every window of the plan is trained once and the batches cover every
@@ -377,6 +393,7 @@ def sweep(tmp_path_factory):
     return root / "sweep"
 
 
+@needs_gensim
 @pytest.mark.parametrize("job,mode", [(0, "cbow"), (1, "skipgram")])
 def test_a_sweep_trains_both_modes_and_writes_vectors_gensim_reads(sweep, job, mode):
     run_dir = sweep / str(job)
@@ -447,6 +464,7 @@ def _gpt2_documents() -> list[np.ndarray]:
     return [np.array([*tok.encode(t), tok.eot_id], dtype=np.uint16) for t in texts]
 
 
+@needs_gensim
 def test_word2vec_reads_nanogpt_token_folders_and_scores_whole_word_tokens(tmp_path):
     docs = _gpt2_documents()
     folder = tmp_path / "nanogpt"
@@ -501,11 +519,14 @@ def test_bad_task_and_options_fail_at_config_time(tmp_path):
     proc = run_train(["task=glove", f"paths.root_dir={tmp_path}"], cwd=tmp_path, check=False)
     assert proc.returncode == 2 and "task='glove'" in proc.stderr
     proc = run_train(
-        [*SMALL, "word2vec.min_count=1000000", f"paths.root_dir={tmp_path}"], cwd=tmp_path, check=False
+        [*SMALL, "word2vec.min_count=1000000", "word2vec.evaluate=false", f"paths.root_dir={tmp_path}"],
+        cwd=tmp_path,
+        check=False,
     )
     assert proc.returncode == 2 and "lower word2vec.min_count" in proc.stderr
 
 
+@needs_gensim
 def test_a_stopped_run_resumes_and_ends_with_the_uninterrupted_vectors(tmp_path, make_cfg):
     """SIGTERM stops training with a checkpoint of the current step; resuming from it ends with exactly the
     vectors of the run that was never stopped (the batches and negatives of a step depend on the step alone)."""
@@ -544,6 +565,7 @@ def test_a_stopped_run_resumes_and_ends_with_the_uninterrupted_vectors(tmp_path,
     "mode,parallel",
     [("skipgram", "processes"), ("skipgram", "threads"), ("cbow", "processes"), ("cbow", "threads")],
 )
+@needs_gensim
 def test_hogwild_workers_train_every_step_of_the_schedule_once(tmp_path, make_cfg, mode, parallel):
     """Two workers (forked processes on shared tables, or threads) train the steps and words one worker
     trains, and move the shared vectors the parent then writes (CBOW: its C step, in each worker)."""
@@ -603,6 +625,7 @@ def test_the_gpu_step_matches_the_cpu_step_and_trains_from_the_cli(tmp_path):
     assert "cuda" in out.stdout and (tmp_path / "run" / "embeddings.txt").is_file()
 
 
+@needs_gensim
 @pytest.mark.slow
 def test_a_killed_run_resumes_and_ends_with_the_uninterrupted_vectors(tmp_path):
     args = [
@@ -641,6 +664,7 @@ def test_a_killed_run_resumes_and_ends_with_the_uninterrupted_vectors(tmp_path):
 # ---- evaluation and the comparison with gensim -------------------------------------------------------
 
 
+@needs_gensim
 def test_benchmarks_report_scores_and_coverage():
     words = ["king", "queen", "man", "woman", "cat", "tiger", "car", "train", "love", "sex"]
     rng = np.random.default_rng(0)
@@ -651,6 +675,7 @@ def test_benchmarks_report_scores_and_coverage():
     assert m["vocab_size"] == len(words)
 
 
+@needs_gensim
 @pytest.mark.parametrize("mode", ["skipgram", "cbow"])
 def test_our_vectors_agree_with_gensim_about_as_well_as_gensim_agrees_with_itself(tmp_path, make_cfg, mode):
     """On the embedded corpus with the same words and settings, the 10 nearest neighbours of the frequent words
@@ -678,6 +703,7 @@ def test_our_vectors_agree_with_gensim_about_as_well_as_gensim_agrees_with_itsel
     assert result["ours"]["vocab_size"] == result["gensim"]["vocab_size"]
 
 
+@needs_gensim
 def test_eval_script_reads_a_gpt_runs_whole_word_token_embeddings(tmp_path, capsys):
     run_train(
         [*TINY, "logger=csv", f"paths.root_dir={tmp_path}", f"hydra.run.dir={tmp_path}/gpt"], cwd=tmp_path
@@ -692,6 +718,7 @@ def test_eval_script_reads_a_gpt_runs_whole_word_token_embeddings(tmp_path, caps
     assert (tmp_path / "gpt" / "pca.png").is_file()
 
 
+@needs_gensim
 def test_batched_analogies_answer_as_gensims_evaluate_word_analogies():
     from gensim.test.utils import datapath
 

@@ -8,6 +8,7 @@ loggers (:mod:`gptlab.tracking.plain_loggers`).
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import math
@@ -19,6 +20,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from gptlab.config import RunSettings
+from gptlab.errors import ConfigError
 from gptlab.runs.resume import ResumePlan
 from gptlab.tasks.skeleton import RunSession, record_run_dir
 from gptlab.word2vec import objectives
@@ -48,13 +50,27 @@ class Word2VecRunConfig:
             cast(dict[str, Any], OmegaConf.to_container(cfg.word2vec, resolve=True))
         )
         step_cap, max_seconds = trainer_limits(cfg)
-        return cls(
+        settings = cls(
             run=RunSettings.parse(cfg),
             options=options,
             data=data_spec(cfg.data),
             step_cap=step_cap,
             max_seconds=max_seconds,
             log_every=int((cfg.get("trainer") or {}).get("log_every_n_steps", 10)),
+        )
+        require_gensim_for_evaluation(options)  # after the config's own checks: a typo is named first
+        return settings
+
+
+def require_gensim_for_evaluation(options: Word2VecOptions) -> None:
+    """Refuse, before any training, ``word2vec.evaluate=true`` where gensim is not installed: the evaluation reads
+    the vectors and scores them on the benchmark files gensim ships, after the whole run (a GPU image given only
+    the wheels gptlab's GPU paths need has no gensim)."""
+    if options.evaluate and importlib.util.find_spec("gensim") is None:
+        raise ConfigError(
+            "word2vec.evaluate=true needs gensim (it reads the vectors and holds the word-similarity and analogy "
+            "benchmarks), and gensim is not installed here. Install it (pip install 'gensim>=4.4,<4.5', one of "
+            "gptlab's dependencies), or add word2vec.evaluate=false: the run still writes embeddings.txt."
         )
 
 
