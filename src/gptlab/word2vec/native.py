@@ -10,6 +10,13 @@ vector and gradient computed from the tables as they were before the batch (the 
 step on the batch's summed loss, as the test of :mod:`gptlab.word2vec.fast` checks for both), then the updates
 added; only the order of float additions differs.
 
+Under negative sampling every batch of a block (``Schedule.block_key``) has outputs of the same width, and the
+block's steps go to C in one call (:func:`cbow_steps`): each step as :func:`cbow_step` takes it, bit for bit,
+without the Python between steps (a batch cut out of the block, its outputs, the call's arguments), which was
+about a third of the training's CPU time on the benchmark's corpus (``scripts/benchmark_word2vec.py``).
+What remains is the loop itself, about 550 ns a window there (window 5, 5 negatives, dim 100): flags that
+change it (``-ffast-math``, 512-bit vectors, software prefetch of the next window's rows) measured no faster.
+
 The library is built once per source, compiler and processor (it is compiled for this processor's instructions)
 into ``$XDG_CACHE_HOME/gptlab`` (``~/.cache/gptlab``),
 written beside its name and renamed (two processes building at once each write a whole file), and reused by
