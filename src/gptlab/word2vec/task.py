@@ -299,8 +299,7 @@ class Trainer:
         self, items: list[tuple[int, int, int, int]]
     ) -> list[tuple[int, float | None, float, float]]:
         """Consecutive steps of one block (``Schedule.block_key``): :meth:`work` for each, or, where CBOW's C
-        step takes them, all in one call (the same steps, without Python between them: on a small corpus that
-        work was about a third of the training's)."""
+        step takes them, all in one call (the same steps, bit for bit, without Python between them)."""
         if self.native_steps is None or len(items) < 2:
             return [self.work(item) for item in items]
         steps = self.schedule.batches(items)
