@@ -15,7 +15,7 @@ block's steps go to C in one call (:func:`cbow_steps`): each step as :func:`cbow
 without the Python between steps (a batch cut out of the block, its outputs, the call's arguments): one
 thread's training on the benchmark's corpus (``scripts/benchmark_word2vec.py``, 5,547 steps) took 1.23 CPU s
 against 1.42 one step a call.
-What remains is the loop itself, about 550 ns a window there (window 5, 5 negatives, dim 100): flags that
+What remains is the loop itself, 550 to 590 ns a window there (window 5, 5 negatives, dim 100): flags that
 change it (``-ffast-math``, 512-bit vectors, software prefetch of the next window's rows) measured no faster.
 
 The library is built once per source, compiler and processor (it is compiled for this processor's instructions)
