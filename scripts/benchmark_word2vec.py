@@ -3,6 +3,7 @@
     python scripts/benchmark_word2vec.py                               # skip-gram and CBOW, default logger
     python scripts/benchmark_word2vec.py --logger default,csv,none --mode cbow --corpus line
     python scripts/benchmark_word2vec.py --mode cbow --objective hierarchical --repeats 3
+    python scripts/benchmark_word2vec.py --logger default,csv --before /tmp/w2v-before   # and another checkout
     python scripts/benchmark_word2vec.py --memory --memory-mb 100 --before /tmp/gptlab-main   # peak RSS
     python scripts/benchmark_word2vec.py --softmax                     # the full softmax's cost by vocabulary
     python scripts/benchmark_word2vec.py --objectives --min-count 30   # each objective against gensim hs=1
@@ -229,9 +230,10 @@ def speed(args: argparse.Namespace) -> dict:
     loggers = args.logger.split(",")
     sides = [f"logger={name}" for name in loggers]
     checkouts = [(name, side, ROOT) for name, side in zip(loggers, sides)]
-    if args.before:  # the same command in another checkout, e.g. the code before a change
-        sides.append(f"before, logger={loggers[0]}")
-        checkouts.append((loggers[0], sides[-1], Path(args.before)))
+    if args.before:  # the same commands in another checkout, e.g. the code before a change
+        for name in loggers:
+            sides.append(f"before, logger={name}")
+            checkouts.append((name, sides[-1], Path(args.before)))
     runs: dict[str, list[dict]] = {**{side: [] for side in sides}, "gensim": []}
     load_before = os.getloadavg()
     for r in range(args.repeats):
@@ -555,7 +557,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--before",
         default=None,
-        help="another checkout to measure beside this one (speed: with the first logger)",
+        help="another checkout to measure beside this one (speed: with each logger of --logger)",
     )
     p.add_argument("--softmax", action="store_true", help="the full softmax's speed by vocabulary instead")
     p.add_argument(

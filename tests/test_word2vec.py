@@ -191,6 +191,39 @@ def test_fast_update_is_one_sgd_step_of_the_autograd_reference(mode, name):
         assert not torch.equal(tables.output, reference_model.output.weight.detach())  # it did move
 
 
+def test_cbow_steps_in_one_c_call_are_the_steps_one_by_one(tmp_path):
+    """CBOW's C step takes a block's steps in one call: the tables, the logged losses, the words and the
+    progress of every step are exactly those of the steps one by one (a round cut in the middle of a block
+    included), and hierarchical softmax, whose batches differ in width, keeps its steps one by one."""
+    from gptlab.word2vec.task import Trainer
+
+    options = Word2VecOptions(mode="cbow", batch_size=64, epochs=1, min_count=3, dim=16)
+    corpus = read_corpus(DataSpec(), options)
+    schedule = Schedule(corpus, options, objectives.build("negative", corpus.vocab.counts, 5, 0.75), seed=3)
+    items = [item for item in schedule.steps(0)][:21]  # two whole blocks of 8 steps and part of a third
+    assert [schedule.block_key(i) for i in items].count(schedule.block_key(items[-1])) == 5
+
+    def trained(whole_blocks: bool) -> tuple[Trainer, list]:
+        trainer = Trainer(schedule, options, torch.device("cpu"), tmp_path, [], seed=3, log_every=3)
+        assert trainer.native_steps is not None, "cc builds CBOW's C step on this machine"
+        if whole_blocks:
+            cuts = [items[:8], items[8:13], items[13:16], items[16:]]  # rounds may end inside a block
+            results = [r for cut in cuts for r in trainer.work_steps(cut)]
+        else:
+            results = [trainer.work(item) for item in items]
+        return trainer, results
+
+    (one_by_one, expected), (in_blocks, got) = trained(False), trained(True)
+    assert got == expected
+    assert sum(loss is not None for _, loss, _, _ in got) == 7 and all(w > 0 for _, _, w, _ in got)
+    assert torch.equal(in_blocks.tables.input, one_by_one.tables.input)
+    assert torch.equal(in_blocks.tables.output, one_by_one.tables.output)
+    hs_options = Word2VecOptions(mode="cbow", objective="hierarchical", batch_size=64, min_count=3, dim=16)
+    hs = Schedule(corpus, hs_options, objectives.build("hierarchical", corpus.vocab.counts, 5, 0.75), seed=3)
+    trainer = Trainer(hs, hs_options, torch.device("cpu"), tmp_path, [], seed=3)
+    assert trainer.native is not None and trainer.native_steps is None
+
+
 @pytest.mark.parametrize("name", objectives.OBJECTIVES)
 def test_each_objectives_loss_is_its_formula(name):
     """One skip-gram window, context words 3 and 5 predicting word 2, computed by hand from the tables."""

@@ -36,6 +36,19 @@ class WindowBatch:
     progress: float
 
 
+@dataclass
+class StepBlock:
+    """The batches of consecutive steps laid end to end, for a step function that takes several at once:
+    step i's windows are rows ``bounds[i]:bounds[i + 1]`` of ``inputs`` (G, C) and of ``outputs`` (G, M);
+    ``words`` and ``progress`` (one per step) as in :class:`WindowBatch`."""
+
+    inputs: np.ndarray
+    outputs: Targets
+    bounds: np.ndarray  # (n + 1,)
+    words: list[float]
+    progress: list[float]
+
+
 class Tables:
     """The two tables of vectors, plain tensors (no autograd): ``input`` (V, dim), the word vectors kept
     and evaluated, small and random at the start; ``output`` (rows, dim), word2vec.c's ``syn1neg`` / ``syn1``,

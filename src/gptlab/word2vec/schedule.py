@@ -24,7 +24,7 @@ import numpy as np
 from gptlab.word2vec import sampling
 from gptlab.word2vec.config import Word2VecOptions
 from gptlab.word2vec.corpus import WordCorpus
-from gptlab.word2vec.fast import Tables, WindowBatch
+from gptlab.word2vec.fast import StepBlock, Tables, WindowBatch
 from gptlab.word2vec.objectives import Objective
 
 CHUNK_POSITIONS = 1 << 20
@@ -191,6 +191,30 @@ class Schedule:
             self.progress(step, plan, index),
         )
 
+    def batches(self, items: list[tuple[int, int, int, int]]) -> StepBlock:
+        """The batches of consecutive steps of one block (as :meth:`block_key` groups them), laid end to end
+        for a step function that takes several at once (CBOW's C step). Each batch holds :meth:`batch`'s
+        windows, outputs, words and progress; its context keeps every column (those past a window's radius
+        are empty slots, which CBOW skips)."""
+        _, epoch, chunk, first = items[0]
+        block, within = divmod(first, sampling.SORT_BLOCK_BATCHES)
+        if [item[3] for item in items] != list(range(first, first + len(items))) or (
+            within + len(items) > sampling.SORT_BLOCK_BATCHES
+        ):
+            raise ValueError("Schedule.batches takes consecutive steps of one block")
+        plan = self.plan(epoch, chunk)
+        b = self.block(epoch, chunk, block)
+        size = self.options.batch_size
+        edges = [min((within + i) * size, len(b.ids)) for i in range(len(items) + 1)]
+        lo, hi = edges[0], edges[-1]
+        return StepBlock(
+            b.context[lo:hi].astype(np.int64),
+            self.objective.outputs(b.ids[lo:hi], None if b.draws is None else b.draws[lo:hi]),
+            np.array(edges, dtype=np.int64) - lo,
+            [float(b.span[s:e].sum()) for s, e in zip(edges, edges[1:])],
+            [self.progress(step, plan, index) for step, _, _, index in items],
+        )
+
 
 @dataclass
 class Block:
@@ -218,6 +242,8 @@ class Trains(Protocol):
     tables: Tables
 
     def work(self, item: Step) -> StepResult: ...
+
+    def work_steps(self, items: list[Step]) -> list[StepResult]: ...
 
     def run_batch(self, step: int, batch: WindowBatch) -> StepResult: ...
 
@@ -257,7 +283,10 @@ class SerialRunner:
 
     def run(self, start: int, stop: int) -> tuple[int, float, Logged]:
         items = self.steps.until(stop)
-        return _collect(map(self.trainer.work, items), self.steps.next_step)
+        results: list[StepResult] = []
+        for _, block in itertools.groupby(items, key=self.trainer.schedule.block_key):
+            results += self.trainer.work_steps(list(block))
+        return _collect(results, self.steps.next_step)
 
     def close(self) -> None:
         pass
@@ -366,7 +395,7 @@ def _worker(trainer: Trains, claims: Any, start: int, connection: Any, parent: A
             blocks = [list(b) for _, b in itertools.groupby(items, key=trainer.schedule.block_key)]
             results: list[StepResult] = []
             while (number := claim()) < len(blocks):
-                results += map(trainer.work, blocks[number])
+                results += trainer.work_steps(blocks[number])
             reached, words, logged = _collect(results, steps.next_step)
             connection.send((reached, words, logged, trainer.schedule.batch_counts()))
         except (EOFError, OSError):  # the parent is gone

@@ -27,6 +27,7 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from omegaconf import DictConfig
 
@@ -38,6 +39,7 @@ from gptlab.word2vec import evaluation
 from gptlab.word2vec.config import Word2VecOptions
 from gptlab.word2vec.corpus import WordCorpus
 from gptlab.word2vec.fast import Tables, WindowBatch, sgd_step
+from gptlab.word2vec.objectives import NegativeSampling
 from gptlab.word2vec.schedule import Runner, Schedule, make_runner
 
 log = logging.getLogger("gptlab")
@@ -167,12 +169,16 @@ class Trainer:
         )
         # CBOW's SGD step in C on a CPU (gptlab.word2vec.native), loaded here: forked workers inherit it
         self.native: Any = None
+        self.native_steps: Any = None
         if options.native and options.mode == "cbow" and not self.softmax:
             if device.type == "cpu" and self.model is None:
                 from gptlab.word2vec import native
 
                 lib = native.library()
                 self.native = None if lib is None else functools.partial(native.cbow_step, lib)
+                # negative sampling's outputs are as wide in every batch: a block's steps go in one call
+                if lib is not None and isinstance(schedule.objective, NegativeSampling):
+                    self.native_steps = functools.partial(native.cbow_steps, lib)
         self.global_step = 0
         self.wandb_run_id: str | None = None
         self.received: int | None = None
@@ -288,6 +294,23 @@ class Trainer:
         share of training done before it)."""
         batch = self.schedule.batch(*item)
         return self.run_batch(item[0], batch)
+
+    def work_steps(
+        self, items: list[tuple[int, int, int, int]]
+    ) -> list[tuple[int, float | None, float, float]]:
+        """Consecutive steps of one block (``Schedule.block_key``): :meth:`work` for each, or, where CBOW's C
+        step takes them, all in one call (the same steps, bit for bit, without Python between them)."""
+        if self.native_steps is None or len(items) < 2:
+            return [self.work(item) for item in items]
+        steps = self.schedule.batches(items)
+        lrs = np.array([self.learning_rate(p) for p in steps.progress], dtype=np.float32)
+        logged = np.array([item[0] % self.log_every == 0 for item in items])
+        losses = self.native_steps(self.tables, steps, lrs, logged)
+        windows = np.diff(steps.bounds)
+        return [
+            (item[0], float(losses[i]) / max(float(windows[i]), 1.0) if logged[i] else None, words, progress)
+            for i, (item, words, progress) in enumerate(zip(items, steps.words, steps.progress))
+        ]
 
     def run_batch(self, step: int, batch: WindowBatch) -> tuple[int, float | None, float, float]:
         loss = self.train_step(batch, step % self.log_every == 0)
