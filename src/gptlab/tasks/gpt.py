@@ -65,7 +65,7 @@ def run(cfg: DictConfig) -> dict[str, float]:
         cfg, settings.run, run_dir, seed=lambda s: L.seed_everything(s, workers=True, verbose=False)
     )
     parts = build(settings)
-    resume = plan_resume(session.resume_from, parts.module.model_config)
+    resume = plan_resume(session.resume_from, parts.module.model_config, ranks_check_shards(parts, settings))
     recorded = finished_result(session.run_dir, resume, settings.trainer["max_steps"])
     if recorded is not None:
         return report_already_finished(session.run_dir, recorded)
@@ -168,6 +168,16 @@ def build(settings: GPTRunConfig) -> Parts:
         plugins=settings.run.plugins,
     )
     return Parts(datamodule, corpus, module, strategy)
+
+
+def ranks_check_shards(parts: Parts, settings: GPTRunConfig) -> bool:
+    """Whether the run's ranks hash a sharded checkpoint between them when its strategy loads it
+    (:func:`gptlab.parallel.checkpoint_io.verify_sharded_load`), leaving the planning of a resume the sizes."""
+    from gptlab.parallel.checkpoint_io import AtomicDeepSpeedStrategy, FullyShardedStrategy
+    from gptlab.parallel.hardware import world_size
+
+    sharded = isinstance(parts.strategy, (FullyShardedStrategy, AtomicDeepSpeedStrategy))
+    return sharded and world_size(settings.trainer) > 1
 
 
 def make_datamodule(settings: GPTRunConfig) -> GPTDataModule:
