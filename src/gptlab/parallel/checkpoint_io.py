@@ -239,7 +239,8 @@ def verify_sharded_load(strategy: Any, path: Path) -> None:
     if not (path.is_dir() and ranks_share_hashing(strategy)):
         return
     verdict = digests.check_shared(path, strategy.global_rank, strategy.world_size, gather_objects)
-    verify_checkpoint(path, RESUME_INSTEAD, verdict=verdict)
+    if verdict.has_digest:  # one without was named by the planning's warning already
+        verify_checkpoint(path, RESUME_INSTEAD, verdict=verdict)
 
 
 def swap_in(staging: Path, target: Path) -> None:
