@@ -1,7 +1,8 @@
 """What a fault on one rank does to a distributed run (CPU processes, gloo): a NaN loss on one rank stops
 every rank at the same step; a kill during a sharded save leaves the previous checkpoint whole; a rank that
-is killed stops the run with its name, and a killed rank 0 leaves no rank behind; and the gradient norm
-DeepSpeed ZeRO keeps out of ``p.grad``. Faults are injected by tests/faults.py."""
+is killed stops the run with its name (also while the ranks hash a sharded checkpoint between them), and a
+killed rank 0 leaves no rank behind; and the gradient norm DeepSpeed ZeRO keeps out of ``p.grad``. Faults are
+injected by tests/faults.py."""
 
 from __future__ import annotations
 

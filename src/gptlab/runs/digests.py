@@ -289,7 +289,11 @@ def compute_shared(
     (``before_hashing`` is run on each of its files first, e.g. an fsync), and every rank gets every file's
     digest, in the order :func:`compute` gives them. Two collectives (``gather``)."""
     checkpoint = Path(checkpoint)
-    listing = _guarded(lambda: [(listed, p.stat().st_size) for listed, p in _files(checkpoint, name)])
+    listing = (  # rank 0's alone: every rank deals the same list
+        _guarded(lambda: [(listed, p.stat().st_size) for listed, p in _files(checkpoint, name)])
+        if rank == 0
+        else ("ok", None)
+    )
     files: list[tuple[str, int]] = _rank_results(gather(listing))[0]
     mine = set(shares(files, ranks)[rank])
     paths = dict(_files_by_name(checkpoint, name, [listed for listed, _ in files]))
@@ -321,7 +325,8 @@ def check_shared(checkpoint: Path, rank: int, ranks: int, gather: Gather) -> Ver
     and every rank gets the same verdict, with the differences in the order :func:`check` gives them (the
     same message on every rank). Two collectives (``gather``)."""
     checkpoint = Path(checkpoint)
-    manifest: Manifest | None = _rank_results(gather(_guarded(lambda: read_digest(checkpoint))))[0]
+    read = _guarded(lambda: read_digest(checkpoint)) if rank == 0 else ("ok", None)
+    manifest: Manifest | None = _rank_results(gather(read))[0]
     if manifest is None or not manifest.files:
         return Verdict(checkpoint, manifest, differences(checkpoint, manifest) if manifest else [])
     mine = set(shares([(f.name, f.size) for f in manifest.files], ranks)[rank])
