@@ -33,10 +33,11 @@ verdict and refuses with the same message; a rank that cannot read its share sto
 error. The exchanges are ``all_gather_object`` over the run's process group, whose timeout
 (``strategy.timeout_s``) bounds the wait for a lost rank, as it does for the save's barriers; one process
 hashes every file itself, as before. ``python scripts/checkpoint_digest_cost.py --sharded-gb 1`` times a 1 GB
-folder of ten files: one rank 0.8-1.2 s, two ranks sharing it 1.0-1.5 s on this project's two-core machine
+folder of ten files: one rank 0.8-1.5 s, two ranks sharing it 1.0-1.6 s on this project's two-core machine
 under a load average of 4 to 6 (other users' work): each rank hashed half the bytes (0.52 CPU seconds each,
 against 0.76-0.79 for one rank hashing all), but the two cores were not free for it, so the wall time did not
-halve here; with a free core per rank it falls towards 1/N, and each rank reads 1/N of the bytes at a load.
+halve here (1.48x at best, 0.70x at worst, over five runs). With a free core per rank it should fall towards
+1/N (not measured: no such machine here); each rank reads 1/N of the bytes at a load either way.
 """
 
 from __future__ import annotations
