@@ -13,6 +13,8 @@ one rank does to a distributed run. GPTLAB_TEST_FAULT chooses it (read here only
   ``stop`` it is SIGSTOPped instead: alive but stuck (a hung file system, a lost node), answering nothing.
   With ``hang`` the other ranks' main threads then wait for ever, as in an NCCL collective whose peer is
   gone (over gloo their next collective would fail at once).
+- ``die_in_hashing:<rank>``: that rank alone is SIGKILLed as it starts hashing its share of a sharded
+  checkpoint's files, after the ranks exchanged the listing: the others wait for its digests.
 - ``race_start:<folder>:<n>[:hold]``: a start raced against n - 1 others: each process waits until all n
   have reached the run directory's check (a file each in ``<folder>``), so that they claim it at the same
   moment; with ``hold``, one that got through waits there until ``<folder>/go`` exists (the test writes it once
@@ -127,6 +129,22 @@ elif kind == "die_at_step":
         original_batch_end(self, trainer, pl_module, *rest)
 
     ValidateAtLastStep.on_train_batch_end = on_train_batch_end
+elif kind == "die_in_hashing":
+    from gptlab.runs import digests
+
+    fault_rank = int(args[0])
+    original_compute_shared = digests.compute_shared
+
+    def compute_shared(checkpoint, name, this_rank, ranks, gather, before_hashing=None):
+        def die_first(path):
+            if this_rank == fault_rank:
+                os.kill(os.getpid(), signal.SIGKILL)
+            if before_hashing is not None:
+                before_hashing(path)
+
+        return original_compute_shared(checkpoint, name, this_rank, ranks, gather, die_first)
+
+    digests.compute_shared = compute_shared
 elif kind == "race_start":
     import time
 

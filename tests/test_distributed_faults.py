@@ -1,7 +1,8 @@
 """What a fault on one rank does to a distributed run (CPU processes, gloo): a NaN loss on one rank stops
 every rank at the same step; a kill during a sharded save leaves the previous checkpoint whole; a rank that
-is killed stops the run with its name, and a killed rank 0 leaves no rank behind; and the gradient norm
-DeepSpeed ZeRO keeps out of ``p.grad``. Faults are injected by tests/faults.py."""
+is killed stops the run with its name (also while the ranks hash a sharded checkpoint between them), and a
+killed rank 0 leaves no rank behind; and the gradient norm DeepSpeed ZeRO keeps out of ``p.grad``. Faults are
+injected by tests/faults.py."""
 
 from __future__ import annotations
 
@@ -215,6 +216,42 @@ def test_a_killed_rank_stops_the_run_with_its_name_and_resume_auto_finishes_it(t
         (0, 3, "failed"),
         (2, 6, "finished"),
     ]
+
+
+@pytest.mark.slow
+def test_a_rank_killed_while_the_ranks_hash_a_sharded_checkpoint_stops_the_run_with_its_name(tmp_path):
+    run_dir = tmp_path / "run"
+    common = [
+        *TINY,
+        *QUIET,
+        "strategy=fsdp",
+        *CPU2,
+        "trainer.max_steps=4",
+        "callbacks.last_checkpoint.every_n_train_steps=2",
+        "trainer.val_check_interval=4",
+        "logger=csv",
+        f"paths.root_dir={tmp_path}",
+        f"hydra.run.dir={run_dir}",
+    ]
+    # Rank 1 dies as it starts hashing its share of step 2's last.ckpt; rank 0 has hashed its own and waits
+    # for rank 1's digests in the exchange, which fails over gloo: the run stops, no rank waits on.
+    with no_rank_left_behind(run_dir):
+        proc = run_train(
+            common,
+            cwd=tmp_path,
+            script=FAULTS,
+            env={"GPTLAB_TEST_FAULT": "die_in_hashing:1"},
+            check=False,
+            timeout=300,  # a rank left waiting in the exchange would hang until this
+        )
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    message = failure_message(proc.stderr)
+    assert re.match(r"Rank 1 of 2 \(pid \d+\) was killed by SIGKILL \(signal 9\) at step 2", message), message
+    assert "No checkpoint was written before it" in message
+    # The save stopped before its swap: no last.ckpt, and no digest describing bytes that are not there.
+    checkpoints = run_dir / "checkpoints"
+    assert not (checkpoints / "last.ckpt").exists()
+    assert not digests.digest_path(checkpoints / "last.ckpt").exists()
 
 
 @pytest.mark.slow

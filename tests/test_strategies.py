@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -460,9 +461,19 @@ def test_fsdp_on_two_processes_trains_checkpoints_shards_and_resumes(tmp_path):
     ]
     full_loss = column(metrics_csv(full), "train/loss")
     assert full_loss[6] < full_loss[1] - 1.0  # it trained
-    # Rank 0 wrote the directory's digest: one line per file, every rank's shard included.
-    listed = {f.name for f in digests.read_digest(middle).files}
+    # The two ranks hashed the directory's files between them; rank 0 wrote the one digest file: one line per
+    # file, every rank's shard included, which sha256sum checks as written.
+    manifest = digests.read_digest(middle)
+    listed = {f.name for f in manifest.files}
     assert listed == {f"{middle.name}/{p.name}" for p in middle.iterdir()} and len(listed) == 4
+    if shutil.which("sha256sum"):
+        checked = subprocess.run(
+            ["sha256sum", "-c", "--strict", digests.digest_path(middle).name],
+            cwd=middle.parent,
+            capture_output=True,
+            text=True,
+        )
+        assert checked.returncode == 0 and checked.stdout.count(": OK") == 4, checked.stdout
 
     resumed = tmp_path / "resumed"
     proc = run_train(
@@ -477,6 +488,32 @@ def test_fsdp_on_two_processes_trains_checkpoints_shards_and_resumes(tmp_path):
     assert resumed_loss[4] < full_loss[1] - 0.4
     assert abs(resumed_loss[6] - full_loss[6]) < 0.5
     assert (last_checkpoint(resumed)).is_dir()
+
+    # A shard that rank 1 checks when the two ranks load the checkpoint, changed in place (same size): both
+    # ranks refuse it, each with the message one process gives, before any step.
+    rank1_share = digests.shares([(f.name, f.size) for f in manifest.files], 2)[1]
+    damaged = next(name for name in rank1_share if name.endswith(".distcp"))
+    shard = middle / damaged.split("/", 1)[1]
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    refused = run_train(
+        [*common, "trainer.max_steps=6", f"resume={middle}", f"hydra.run.dir={tmp_path / 'refused'}"],
+        cwd=tmp_path,
+        check=False,
+        timeout=300,  # a rank left waiting for the other's verdict would hang until this
+    )
+    err = refused.stderr
+    message = (
+        f"gptlab: error: Checkpoint {middle} is damaged: its bytes differ from those written at step 3 "
+        f"(recorded in {digests.digest_path(middle).name}): {damaged} has the size written "
+        f"({len(data):,} bytes) but SHA-256 "
+    )
+    assert refused.returncode == 2, err[-4000:]
+    assert err.count(message) == 2, err[-4000:]  # rank 0 and rank 1, the same words
+    assert not (tmp_path / "refused" / "checkpoints").exists() or not any(
+        (tmp_path / "refused" / "checkpoints").iterdir()
+    )
 
 
 def _free_port() -> int:

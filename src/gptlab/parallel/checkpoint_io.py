@@ -11,7 +11,8 @@ reports the gradient norm that ZeRO keeps out of ``p.grad``).
 
 Each checkpoint gets its SHA-256 digest beside it (``<name>.ckpt.sha256``, :mod:`gptlab.runs.digests`), written
 by the process that renames the checkpoint into place (rank 0): the old digest is removed before the rename,
-the new one written after it, so a digest never describes other bytes than those beside it.
+the new one written after it, so a digest never describes other bytes than those beside it. The files of a
+sharded checkpoint are hashed by all the ranks, each its share, when it is saved and when it is loaded.
 """
 
 from __future__ import annotations
@@ -199,12 +200,47 @@ def disk_full(error: BaseException, target: Path, checkpoint: Any) -> Exception 
     )
 
 
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
 def _fsync_tree(root: Path) -> None:
     for path in root.rglob("*"):
         if path.is_file():
-            with open(path, "rb") as f:
-                os.fsync(f.fileno())
+            _fsync_file(path)
     fsync_dir(root)
+
+
+def ranks_share_hashing(strategy: Any) -> bool:
+    """Whether the ranks of ``strategy`` share the hashing of a sharded checkpoint (:func:`digests.compute_shared`,
+    :func:`digests.check_shared`): a run of several processes with its process group up. One process hashes
+    every file itself, as before."""
+    return strategy.world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def gather_objects(value: Any) -> list[Any]:
+    """Every rank's ``value``, in rank order, on every rank (over the run's process group: its timeout,
+    ``strategy.timeout_s``, bounds the wait for a rank that is lost, as for the save's barriers)."""
+    gathered: list[Any] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(gathered, value)
+    return gathered
+
+
+def verify_sharded_load(strategy: Any, path: Path) -> None:
+    """Check the sharded checkpoint ``path`` against its digest before ``strategy`` loads it, the hashing
+    shared among the ranks: each rank checks its share, and every rank gets the same verdict, so a damaged
+    shard found by one rank stops them all, each with the refusal one process gives
+    (:func:`gptlab.runs.checkpoints.verify_checkpoint`). A resumed run's planning compared the sizes only
+    (``resume.plan_resume(..., ranks_check_shards=True)``): the hashes are checked here, once the process
+    group exists."""
+    from gptlab.runs.checkpoints import RESUME_INSTEAD, verify_checkpoint
+
+    if not (path.is_dir() and ranks_share_hashing(strategy)):
+        return
+    verdict = digests.check_shared(path, strategy.global_rank, strategy.world_size, gather_objects)
+    if verdict.has_digest:  # one without was named by the planning's warning already
+        verify_checkpoint(path, RESUME_INSTEAD, verdict=verdict)
 
 
 def swap_in(staging: Path, target: Path) -> None:
@@ -223,10 +259,10 @@ def swap_in(staging: Path, target: Path) -> None:
 def save_directory_atomically(
     strategy: Any, target: Path, write: Callable[[Path], None], step: int | None = None
 ) -> None:
-    """Run the collective ``write(staging)`` on every rank of ``strategy``, then (rank 0) swap the staging
-    directory in for ``target`` and write its digest (one line per file). Barriers keep every rank's shards
-    inside the staging directory before the swap, and every rank out of the save until the digest is
-    written."""
+    """Run the collective ``write(staging)`` on every rank of ``strategy``, hash its files (every rank its
+    share, where there are several), then (rank 0) swap the staging directory in for ``target`` and write its
+    digest (one line per file). Barriers keep every rank's shards inside the staging directory before the
+    hashing, and every rank out of the save until the digest is written."""
     staging = target.parent / STAGING.format(name=target.name)
     if strategy.is_global_zero:
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -235,9 +271,17 @@ def save_directory_atomically(
     strategy.barrier("gptlab_atomic_save_start")
     write(staging)
     strategy.barrier("gptlab_atomic_save_written")
+    shared = ranks_share_hashing(strategy)
+    if shared:  # each rank fsyncs and hashes its share of the files; every rank gets every digest
+        files = digests.compute_shared(
+            staging, target.name, strategy.global_rank, strategy.world_size, gather_objects, _fsync_file
+        )
     if strategy.is_global_zero:
-        _fsync_tree(staging)
-        files = digests.compute(staging, name=target.name)
+        if shared:
+            fsync_dir(staging)
+        else:
+            _fsync_tree(staging)
+            files = digests.compute(staging, name=target.name)
         digests.remove_digest(target)
         swap_in(staging, target)
         digests.write_digest(target, files, step)
@@ -281,6 +325,10 @@ class FullyShardedStrategy(WatchedRanks, ModelParallelStrategy):
             step_of(checkpoint),
         )
 
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        verify_sharded_load(self, Path(self.broadcast(checkpoint_path)))
+        return super().load_checkpoint(checkpoint_path, weights_only)
+
 
 class AtomicDeepSpeedStrategy(WatchedRanks, DeepSpeedStrategy):
     """Lightning's DeepSpeedStrategy whose checkpoint directories are written atomically, which reports
@@ -297,6 +345,10 @@ class AtomicDeepSpeedStrategy(WatchedRanks, DeepSpeedStrategy):
             ),
             step_of(checkpoint),
         )
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        verify_sharded_load(self, Path(self.broadcast(checkpoint_path)))
+        return super().load_checkpoint(checkpoint_path, weights_only)
 
     def remove_checkpoint(self, filepath: Any) -> None:
         if self.is_global_zero:

@@ -213,16 +213,20 @@ def _load_deepspeed(path: Path, weights: bool) -> dict[str, Any]:
 
 
 def load_checkpoint(
-    path: str | Path, weights: bool = True, use_instead: str = LOAD_INSTEAD
+    path: str | Path, weights: bool = True, use_instead: str = LOAD_INSTEAD, hash_shards: bool = True
 ) -> dict[str, Any]:
     """Read a checkpoint of any kind on the CPU: a single file, a distributed checkpoint directory, or a
     DeepSpeed directory, after checking it against its digest. ``weights=False`` skips the model's tensors of
     a sharded checkpoint (what resuming checks needs only the step and the hyperparameters).
-    ``use_instead``: what a refusal says to do with the intact checkpoints it names."""
+    ``use_instead``: what a refusal says to do with the intact checkpoints it names. ``hash_shards=False``:
+    the files of a sharded checkpoint are compared by size only (the ranks that load it hash them, sharing
+    the work: :func:`gptlab.parallel.checkpoint_io.verify_sharded_load`)."""
     path = Path(path)
     kind = checkpoint_kind(path)
     if kind is not None:
-        verify_checkpoint(path, use_instead)
+        verify_checkpoint(
+            path, use_instead, verdict=None if hash_shards else digests.check(path, hash_files=kind == FILE)
+        )
         try:
             if kind == FILE:
                 checkpoint = _torch_load(path)
@@ -247,7 +251,9 @@ def load_checkpoint(
 # ---- verifying against the digest ------------------------------------------------------------------------
 
 
-def verify_checkpoint(path: Path, use_instead: str = LOAD_INSTEAD) -> digests.Verdict:
+def verify_checkpoint(
+    path: Path, use_instead: str = LOAD_INSTEAD, verdict: digests.Verdict | None = None
+) -> digests.Verdict:
     """Compare ``path`` with the digest written beside it when it was saved. A difference is refused (a
     CheckpointError naming what differs and the intact checkpoints beside it); a checkpoint without a digest
     passes, with one warning that it was not verified.
@@ -255,8 +261,11 @@ def verify_checkpoint(path: Path, use_instead: str = LOAD_INSTEAD) -> digests.Ve
     Every process that loads a checkpoint checks it itself, each rank of a distributed run included: a rank
     reads the bytes it will train from (on a node's own disk they may be another copy), the check needs no
     process group (resuming is planned before one exists), and on a shared file system every rank reaches
-    the same verdict, so all of them stop together rather than one waiting for the others in a collective."""
-    verdict = digests.check(path)
+    the same verdict, so all of them stop together rather than one waiting for the others in a collective.
+    The ranks of a run that share the hashing of a sharded checkpoint compare sizes here, and pass the
+    ``verdict`` they reached together (:func:`gptlab.runs.digests.check_shared`) once their process group is up."""
+    if verdict is None:
+        verdict = digests.check(path)
     written = f" at step {verdict.step}" if verdict.step is not None else ""
     if verdict.problems:
         raise CheckpointError(

@@ -19,8 +19,25 @@ verified, as do the checkpoints of gptlab versions that wrote none.
 
 Python's SHA-256 ran at about 1 GB/s on an idle core of this project's CPU machine (it has SHA instructions),
 and at 300-380 MB/s with the machine loaded four times over: 0.2 to 0.65 s for model=small's 193 MB checkpoint,
-added to each save and to each load (``scripts/checkpoint_digest_cost.py`` measures it). Sharded checkpoints
-are hashed whole by rank 0 when saved and by every rank when loaded.
+added to each save and to each load (``scripts/checkpoint_digest_cost.py`` measures it).
+
+The files of a sharded checkpoint are hashed by all the ranks of the run, each its share, rather than by
+one process while every other waits (a 7B model's sharded checkpoint with its optimizer states is about
+100 GB: 100 s at 1 GB/s). :func:`shares` deals the files by size, largest first, each to the rank with the
+fewest bytes so far, the same on every rank. At a save (:func:`compute_shared`) each rank fsyncs and hashes
+its share of rank 0's listing of the directory, the digests are gathered, and rank 0 writes the one digest
+file, in the same order and format as one process writes it. At a load (:func:`check_shared`, once the
+process group exists: a resume's planning, before it, compares the files' sizes only) each rank checks its
+share of what rank 0's digest file lists and the differences are gathered, so every rank reaches the same
+verdict and refuses with the same message; a rank that cannot read its share stops every rank with the same
+error. The exchanges are ``all_gather_object`` over the run's process group, whose timeout
+(``strategy.timeout_s``) bounds the wait for a lost rank, as it does for the save's barriers; one process
+hashes every file itself, as before. ``python scripts/checkpoint_digest_cost.py --sharded-gb 1`` times a 1 GB
+folder of ten files: one rank 0.8-1.5 s, two ranks sharing it 1.0-1.6 s on this project's two-core machine
+under a load average of 4 to 6 (other users' work): each rank hashed half the bytes (0.52 CPU seconds each,
+against 0.76-0.79 for one rank hashing all), but the two cores were not free for it, so the wall time did not
+halve here (1.48x at best, 0.70x at worst, over five runs). With a free core per rank it should fall towards
+1/N (not measured: no such machine here); each rank reads 1/N of the bytes at a load either way.
 """
 
 from __future__ import annotations
@@ -29,8 +46,10 @@ import hashlib
 import logging
 import os
 import tempfile
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from gptlab.runs.layout import DIGEST_SUFFIX, NESTED_DIGEST_DIR
 
@@ -159,9 +178,10 @@ def _short(sha: str) -> str:
     return f"{sha[:12]}..."
 
 
-def differences(checkpoint: Path, manifest: Manifest) -> list[str]:
+def differences(checkpoint: Path, manifest: Manifest, hash_files: bool = True) -> list[str]:
     """How ``checkpoint`` now differs from what its digest file says was written; empty when it is intact.
-    Sizes are compared first: a truncated file is named as such without being read."""
+    Sizes are compared first: a truncated file is named as such without being read. ``hash_files=False``
+    compares the sizes alone."""
     checkpoint = Path(checkpoint)
     if not manifest.files:
         return [f"its digest file {digest_path(checkpoint).name} is unreadable or lists no files"]
@@ -178,6 +198,8 @@ def differences(checkpoint: Path, manifest: Manifest) -> list[str]:
             found.append(
                 f"{expected.name} is {size:,} bytes instead of the {expected.size:,} written ({how})"
             )
+            continue
+        if not hash_files:
             continue
         actual = sha256_of(path)
         if actual != expected.sha256:
@@ -210,7 +232,114 @@ class Verdict:
         return self.manifest.step if self.manifest else None
 
 
-def check(checkpoint: Path) -> Verdict:
-    """Compare ``checkpoint`` (a file or a sharded directory) with its digest file."""
+def check(checkpoint: Path, hash_files: bool = True) -> Verdict:
+    """Compare ``checkpoint`` (a file or a sharded directory) with its digest file. ``hash_files=False``
+    compares the files' sizes alone (what a rank checks before the ranks share the hashing: :func:`check_shared`)."""
     manifest = read_digest(checkpoint)
-    return Verdict(Path(checkpoint), manifest, differences(checkpoint, manifest) if manifest else [])
+    found = differences(checkpoint, manifest, hash_files=hash_files) if manifest else []
+    return Verdict(Path(checkpoint), manifest, found)
+
+
+# ---- the hashing of a sharded checkpoint shared among the ranks of a distributed run ----------------------
+
+#: Every rank's value, in rank order, on every rank: a collective (``torch.distributed.all_gather_object``
+#: over the run's process group, whose timeout bounds the wait for a rank that is lost).
+Gather = Callable[[Any], list[Any]]
+
+
+def shares(files: Sequence[tuple[str, int]], ranks: int) -> list[list[str]]:
+    """Deal the files (name, bytes) to ``ranks`` ranks, balanced by bytes: the largest first (equal sizes by
+    name), each to the rank with the fewest bytes so far (the lowest rank on a tie). Each file goes to exactly
+    one rank, and every rank computes the same shares from the same list, in any order. Each share is in name
+    order."""
+    dealt: list[list[str]] = [[] for _ in range(ranks)]
+    load = [0] * ranks
+    for name, size in sorted(files, key=lambda f: (-f[1], f[0])):
+        rank = min(range(ranks), key=lambda r: (load[r], r))
+        dealt[rank].append(name)
+        load[rank] += size
+    return [sorted(share) for share in dealt]
+
+
+def _rank_results(gathered: list[Any]) -> list[Any]:
+    """The values the ranks gathered, or an OSError, raised on every rank alike, naming the ranks that
+    failed (a file one rank cannot read stops every rank, not one while the others wait)."""
+    failed = [f"rank {rank}: {value[1]}" for rank, value in enumerate(gathered) if value[0] == "error"]
+    if failed:
+        raise OSError(f"hashing the checkpoint's files failed on {'; '.join(failed)}")
+    return [value[1] for value in gathered]
+
+
+def _guarded(work: Callable[[], Any]) -> tuple[str, Any]:
+    try:
+        return ("ok", work())
+    except Exception as e:  # sent to every rank, which then all raise it (see _rank_results)
+        return ("error", f"{type(e).__name__}: {e}")
+
+
+def compute_shared(
+    checkpoint: Path,
+    name: str,
+    rank: int,
+    ranks: int,
+    gather: Gather,
+    before_hashing: Callable[[Path], None] | None = None,
+) -> list[FileDigest]:
+    """:func:`compute` for a sharded checkpoint directory, called by every rank of a distributed run: rank 0's
+    listing of the directory is dealt among the ranks (:func:`shares`), each hashes its share
+    (``before_hashing`` is run on each of its files first, e.g. an fsync), and every rank gets every file's
+    digest, in the order :func:`compute` gives them. Two collectives (``gather``)."""
+    checkpoint = Path(checkpoint)
+    listing = (  # rank 0's alone: every rank deals the same list
+        _guarded(lambda: [(listed, p.stat().st_size) for listed, p in _files(checkpoint, name)])
+        if rank == 0
+        else ("ok", None)
+    )
+    files: list[tuple[str, int]] = _rank_results(gather(listing))[0]
+    mine = set(shares(files, ranks)[rank])
+    paths = dict(_files_by_name(checkpoint, name, [listed for listed, _ in files]))
+
+    def hash_mine() -> list[FileDigest]:
+        found = []
+        for listed, _ in files:
+            if listed in mine:
+                path = paths[listed]
+                if before_hashing is not None:
+                    before_hashing(path)
+                found.append(FileDigest(listed, path.stat().st_size, sha256_of(path)))
+        return found
+
+    by_name = {f.name: f for share in _rank_results(gather(_guarded(hash_mine))) for f in share}
+    return [by_name[listed] for listed, _ in files]
+
+
+def _files_by_name(checkpoint: Path, name: str, listed: list[str]) -> list[tuple[str, Path]]:
+    """The path of each name a digest lists (``<name>/<relative path>``) inside ``checkpoint``."""
+    return [
+        (item, checkpoint / item.split("/", 1)[1]) if "/" in item else (item, checkpoint) for item in listed
+    ]
+
+
+def check_shared(checkpoint: Path, rank: int, ranks: int, gather: Gather) -> Verdict:
+    """:func:`check` for a sharded checkpoint directory, called by every rank of a distributed run: each
+    rank checks its share of the files rank 0's digest file lists (:func:`shares`, by the sizes written),
+    and every rank gets the same verdict, with the differences in the order :func:`check` gives them (the
+    same message on every rank). Two collectives (``gather``)."""
+    checkpoint = Path(checkpoint)
+    read = _guarded(lambda: read_digest(checkpoint)) if rank == 0 else ("ok", None)
+    manifest: Manifest | None = _rank_results(gather(read))[0]
+    if manifest is None or not manifest.files:
+        return Verdict(checkpoint, manifest, differences(checkpoint, manifest) if manifest else [])
+    mine = set(shares([(f.name, f.size) for f in manifest.files], ranks)[rank])
+
+    def check_mine() -> dict[str, list[str]]:
+        return {
+            f.name: differences(checkpoint, Manifest([f], manifest.step))
+            for f in manifest.files
+            if f.name in mine
+        }
+
+    found: dict[str, list[str]] = {}
+    for share in _rank_results(gather(_guarded(check_mine))):
+        found.update(share)
+    return Verdict(checkpoint, manifest, [p for f in manifest.files for p in found.get(f.name, [])])

@@ -289,15 +289,20 @@ def architecture_differences(saved: dict[str, Any], current: dict[str, Any]) -> 
     ]
 
 
-def inspect_checkpoint(path: Path, model_config: Any, check: ConditionsCheck | None = None) -> ResumePlan:
+def inspect_checkpoint(
+    path: Path, model_config: Any, check: ConditionsCheck | None = None, ranks_check_shards: bool = False
+) -> ResumePlan:
     """Check that ``path`` (a file or a sharded directory) is a readable gptlab checkpoint of the same model
     as ``model_config`` (a GPTConfig); returns what the resumed run needs from it. Checkpoints written by
     earlier versions of gptlab hold the same keys and pass; one from elsewhere is refused here, by name, as is
     one whose bytes differ from the digest written with it (naming the intact checkpoints to resume from).
     ``check`` compares the rest of the command's settings (the data, the processes, the batch, the loss, the
     optimizer), first: a corpus that changed also changes a fitted vocabulary, and the data are the cause to
-    name."""
-    checkpoint = load_checkpoint(path, weights=False, use_instead=RESUME_INSTEAD)
+    name. ``ranks_check_shards``: the ranks that load a sharded checkpoint hash its files, each its share
+    (only the sizes are compared here)."""
+    checkpoint = load_checkpoint(
+        path, weights=False, use_instead=RESUME_INSTEAD, hash_shards=not ranks_check_shards
+    )
     if checkpoint_kind(path) == "file" and "state_dict" not in checkpoint:
         raise CheckpointError(
             f"Checkpoint {path} is not a gptlab training checkpoint (it has no state_dict; keys: "
@@ -340,13 +345,17 @@ def inspect_checkpoint(path: Path, model_config: Any, check: ConditionsCheck | N
 
 
 def plan_resume(
-    ckpt: Path | None, model_config: Any, check: ConditionsCheck | None = None
+    ckpt: Path | None,
+    model_config: Any,
+    check: ConditionsCheck | None = None,
+    ranks_check_shards: bool = False,
 ) -> ResumePlan | None:
     """Everything a resumed run needs from its checkpoint (:attr:`RunEntry.checkpoint`), checked before any
-    training (``check``: :func:`inspect_checkpoint`): None for a new run."""
+    training (``check``: :func:`inspect_checkpoint`): None for a new run. ``ranks_check_shards``: the run's
+    ranks will hash a sharded checkpoint's files between them when they load it."""
     if ckpt is None:
         return None
-    plan = inspect_checkpoint(ckpt, model_config, check)
+    plan = inspect_checkpoint(ckpt, model_config, check, ranks_check_shards)
     log.info("Resuming from %s (step %d)", plan.ckpt_path, plan.global_step)
     return plan
 

@@ -65,7 +65,12 @@ def run(cfg: DictConfig) -> dict[str, float]:
         cfg, settings.run, run_dir, seed=lambda s: L.seed_everything(s, workers=True, verbose=False)
     )
     parts = build(settings)
-    resume = plan_resume(session.resume_from, parts.module.model_config, resume_check(settings, parts))
+    resume = plan_resume(
+        session.resume_from,
+        parts.module.model_config,
+        resume_check(settings, parts),
+        ranks_check_shards(parts, settings),
+    )
     recorded = finished_result(session.run_dir, resume, settings.trainer["max_steps"])
     if recorded is not None:
         return report_already_finished(session.run_dir, recorded)
@@ -183,6 +188,16 @@ def resume_check(settings: GPTRunConfig, parts: Parts) -> Any:
         return check_resume(checkpoint, path, now, settings.optim.node(), parts.module.head_loss.options())
 
     return check
+
+
+def ranks_check_shards(parts: Parts, settings: GPTRunConfig) -> bool:
+    """Whether the run's ranks hash a sharded checkpoint between them when its strategy loads it
+    (:func:`gptlab.parallel.checkpoint_io.verify_sharded_load`), leaving the planning of a resume the sizes."""
+    from gptlab.parallel.checkpoint_io import AtomicDeepSpeedStrategy, FullyShardedStrategy
+    from gptlab.parallel.hardware import world_size
+
+    sharded = isinstance(parts.strategy, (FullyShardedStrategy, AtomicDeepSpeedStrategy))
+    return sharded and world_size(settings.trainer) > 1
 
 
 def make_datamodule(settings: GPTRunConfig) -> GPTDataModule:
