@@ -156,6 +156,23 @@ def no_rank_left_behind(run_dir: Path):
     assert not left, f"processes of the run left behind: {left}"
 
 
+def two_ranks(strategy: str, max_steps: int, tmp_path: Path, run_dir: Path) -> list[str]:
+    """The overrides of a tiny run on 2 CPU processes under ``strategy``: a last.ckpt every 2 steps, one
+    validation at the end, CSV logs."""
+    return [
+        *TINY,
+        *QUIET,
+        f"strategy={strategy}",
+        *CPU2,
+        f"trainer.max_steps={max_steps}",
+        "callbacks.last_checkpoint.every_n_train_steps=2",
+        f"trainer.val_check_interval={max_steps}",
+        "logger=csv",
+        f"paths.root_dir={tmp_path}",
+        f"hydra.run.dir={run_dir}",
+    ]
+
+
 def failure_message(stderr: str) -> str:
     found = re.findall(r"^gptlab: training failed: (.*)$", stderr, flags=re.MULTILINE)
     assert len(found) == 1, stderr[-3000:]
@@ -165,18 +182,7 @@ def failure_message(stderr: str) -> str:
 @pytest.mark.slow
 def test_a_killed_rank_stops_the_run_with_its_name_and_resume_auto_finishes_it(tmp_path):
     run_dir = tmp_path / "run"
-    common = [
-        *TINY,
-        *QUIET,
-        "strategy=ddp",
-        *CPU2,
-        "trainer.max_steps=6",
-        "callbacks.last_checkpoint.every_n_train_steps=2",
-        "trainer.val_check_interval=6",
-        "logger=csv",
-        f"paths.root_dir={tmp_path}",
-        f"hydra.run.dir={run_dir}",
-    ]
+    common = two_ranks("ddp", 6, tmp_path, run_dir)
     # Rank 1 is SIGKILLed after its third step (the out-of-memory killer's way); rank 0's next collective
     # fails (over gloo), or, where it would wait on (NCCL), its watcher ends it (the next test's way).
     with no_rank_left_behind(run_dir):
@@ -221,18 +227,7 @@ def test_a_killed_rank_stops_the_run_with_its_name_and_resume_auto_finishes_it(t
 @pytest.mark.slow
 def test_a_rank_killed_while_the_ranks_hash_a_sharded_checkpoint_stops_the_run_with_its_name(tmp_path):
     run_dir = tmp_path / "run"
-    common = [
-        *TINY,
-        *QUIET,
-        "strategy=fsdp",
-        *CPU2,
-        "trainer.max_steps=4",
-        "callbacks.last_checkpoint.every_n_train_steps=2",
-        "trainer.val_check_interval=4",
-        "logger=csv",
-        f"paths.root_dir={tmp_path}",
-        f"hydra.run.dir={run_dir}",
-    ]
+    common = two_ranks("fsdp", 4, tmp_path, run_dir)
     # Rank 1 dies as it starts hashing its share of step 2's last.ckpt; rank 0 has hashed its own and waits
     # for rank 1's digests in the exchange, which fails over gloo: the run stops, no rank waits on.
     with no_rank_left_behind(run_dir):
@@ -257,18 +252,7 @@ def test_a_rank_killed_while_the_ranks_hash_a_sharded_checkpoint_stops_the_run_w
 @pytest.mark.slow
 def test_the_rank_a_killed_rank_0_started_stops_and_says_why(tmp_path):
     run_dir = tmp_path / "run"
-    common = [
-        *TINY,
-        *QUIET,
-        "strategy=fsdp",
-        *CPU2,
-        "trainer.max_steps=6",
-        "callbacks.last_checkpoint.every_n_train_steps=2",
-        "trainer.val_check_interval=6",
-        "logger=csv",
-        f"paths.root_dir={tmp_path}",
-        f"hydra.run.dir={run_dir}",
-    ]
+    common = two_ranks("fsdp", 6, tmp_path, run_dir)
     # Rank 0 is SIGKILLed after its third step, and rank 1's main thread then waits for ever, as in an NCCL
     # collective (over gloo it would fail at once): rank 1's watcher sees its parent gone and ends it. The
     # run returns only once rank 1 has closed the output it shares with rank 0.
