@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 import re
@@ -330,6 +331,36 @@ def test_resume_auto_picks_the_newest_run_with_the_same_overrides(runs_under_out
     ckpt = last_checkpoint(single)
     assert choose_run_dir([f"resume={ckpt}"], str(outputs), default) == str(single)
     assert choose_run_dir([f"resume={single}"], str(outputs), default) == str(single)
+
+
+def test_resume_auto_with_a_longer_max_steps_starts_a_new_run_and_names_the_run_it_nearly_matched(
+    runs_under_outputs, caplog
+):
+    # The command of the runs above with a larger trainer.max_steps, meant to train them longer: resume=auto
+    # matches overrides exactly, so it starts a new run, and says which run differs in that key alone and how
+    # to continue it.
+    outputs, base, single, sweep, unsaved = runs_under_outputs
+    default = outputs / "runs" / "longer"
+    longer = [*base, "pos=sinusoidal", "seed=1", "trainer.max_steps=5", "resume=auto"]
+    assert choose_run_dir(longer, str(outputs), str(default)) == str(default)
+    with caplog.at_level(logging.INFO, logger="gptlab.runs.resume"):
+        assert checkpoint_to_resume("auto", default) is None
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warning == (
+        f"resume=auto found no run started with these overrides, so this is a new run. The run {sweep / '0'} "
+        "differs only in trainer.max_steps=2 there, 5 now. To continue that run with this command's settings "
+        f"instead (to train it longer, say), stop this one (Ctrl-C) and give that run's directory: "
+        f"resume={sweep / '0'}"
+    )
+    # runs that differ in more than two keys are not named: the plain note that a new run starts
+    caplog.clear()
+    other = outputs / "runs" / "other"
+    far = [*base, "pos=rope", "seed=7", "model.n_layer=3", "resume=auto"]
+    assert choose_run_dir(far, str(outputs), str(other)) == str(other)
+    with caplog.at_level(logging.INFO, logger="gptlab.runs.resume"):
+        assert checkpoint_to_resume("auto", other) is None
+    assert not [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("no earlier run with these overrides" in r.getMessage() for r in caplog.records)
 
 
 def test_resume_auto_finds_a_run_whose_sharded_checkpoint_a_kill_left_set_aside(tmp_path, cache_dir):

@@ -98,6 +98,48 @@ def find_run_to_continue(overrides: list[str], root: Path) -> Path | None:
     return best[1] if best else None
 
 
+# A new run directory that resume=auto chose -> what it says of the run that nearly matched (said once the
+# run's logging is set up, by checkpoint_to_resume; the resolver runs while Hydra composes the config).
+_NEAR_MISSES: dict[str, str] = {}
+NEAR_MISS_KEYS = 2  # a run whose overrides differ in this many keys or fewer is named
+
+
+def nearly_matching_run(overrides: list[str], root: Path) -> str | None:
+    """What to say when ``resume=auto`` finds no run with the command's overrides: the newest run under
+    ``root`` with a checkpoint whose overrides differ in the fewest keys (at most :data:`NEAR_MISS_KEYS`),
+    the keys and their values there and now, and the ``resume=<run>`` that continues it; None when no run is
+    that close. The classic case: the command of a finished run with a larger ``trainer.max_steps``, meant to
+    train it longer, which ``resume=auto`` takes for another run."""
+    from gptlab.runs.naming import split_override
+
+    wanted = dict(map(split_override, comparable(overrides)))
+    best: tuple[tuple[int, float], Path, dict[str, str], list[str]] | None = None
+    for path in find_run_dirs(root, max_depth=5):
+        run = Run(path)
+        ckpt = run.resume_checkpoint()
+        saved = run.overrides()
+        if ckpt is None or saved is None:
+            continue
+        have = dict(map(split_override, comparable(saved)))
+        differ = sorted(k for k in wanted.keys() | have.keys() if wanted.get(k) != have.get(k))
+        if not differ or len(differ) > NEAR_MISS_KEYS:
+            continue
+        rank = (len(differ), -ckpt.stat().st_mtime)
+        if best is None or rank < best[0]:
+            best = (rank, path, have, differ)
+    if best is None:
+        return None
+    _, path, have, differ = best
+    changes = "; ".join(
+        f"{k}={have.get(k, '(its default)')} there, {wanted.get(k, '(its default)')} now" for k in differ
+    )
+    return (
+        f"resume=auto found no run started with these overrides, so this is a new run. The run {path} differs "
+        f"only in {changes}. To continue that run with this command's settings instead (to train it longer, "
+        f"say), stop this one (Ctrl-C) and give that run's directory: resume={path}"
+    )
+
+
 def choose_run_dir(task_overrides: Any, search_root: str, default: str) -> str:
     """The ``gptlab_run_dir`` resolver behind ``hydra.run.dir``: the directory of the run that ``resume=``
     continues, else ``default`` (a new run directory)."""
@@ -109,7 +151,13 @@ def choose_run_dir(task_overrides: Any, search_root: str, default: str) -> str:
         return unused(default)
     if value == "auto":
         found = find_run_to_continue(overrides, Path(search_root))
-        return str(found) if found is not None else unused(default)
+        if found is not None:
+            return str(found)
+        new = unused(default)
+        near = nearly_matching_run(overrides, Path(search_root))
+        if near is not None:
+            _NEAR_MISSES[str(Path(new).resolve())] = near
+        return new
     run = run_of_path(Path(value).expanduser())
     return str(run.path) if run is not None else unused(default)
 
@@ -243,7 +291,13 @@ def checkpoint_to_resume(resume: Any, run_dir: Path) -> Path | None:
     if resume == "auto":
         ckpt = Run(run_dir).resume_checkpoint()
         if ckpt is None:
-            log.info("resume=auto: no earlier run with these overrides has a checkpoint; starting a new run.")
+            near = _NEAR_MISSES.get(str(run_dir.resolve()))
+            if near is not None:
+                log.warning("%s", near)
+            else:
+                log.info(
+                    "resume=auto: no earlier run with these overrides has a checkpoint; starting a new run."
+                )
         return ckpt
     path = Path(str(resume)).expanduser()
     if path.is_dir() and checkpoint_kind(path) is None:  # a run directory, not a sharded checkpoint
