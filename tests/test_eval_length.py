@@ -2,6 +2,7 @@
 the sweep summary."""
 
 import json
+import logging
 import math
 import os
 import subprocess
@@ -153,11 +154,18 @@ def test_script_evaluates_a_checkpoint_and_logs_a_wandb_run_in_the_same_group(tr
     assert evals[0].summary["length/loss@8x"] == pytest.approx(result["variants"]["rope"]["8"]["loss"])
 
 
-def test_learned_positions_say_they_cannot_run_longer():
+def test_learned_positions_say_they_cannot_run_longer(caplog):
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=20, block_size=16, n_layer=1, n_head=2, n_embd=16, pos="learned"))
     tokens = np.random.default_rng(0).integers(0, 20, 500)
-    result = length.evaluate_lengths(model, tokens, 16, length.LengthEvalOptions(factors=[1, 2, 4]))
+    with caplog.at_level(logging.INFO, logger="gptlab.evaluation.length"):
+        result = length.evaluate_lengths(model, tokens, 16, length.LengthEvalOptions(factors=[1, 2, 4]))
+    # one line for the factors it cannot run at, not one each
+    (skipped,) = [r.getMessage() for r in caplog.records if "not evaluated" in r.getMessage()]
+    assert skipped == (
+        "learned at 2x, 4x (32, 64 tokens): not evaluated: pos=learned has a table of 16 positions and no vector "
+        "for the positions past it, so it cannot run at 32 tokens (and so at the longer ones)"
+    )
     entries = result["variants"]["learned"]
     assert math.isfinite(entries["1"]["loss"])
     for factor in ("2", "4"):

@@ -108,10 +108,25 @@ def evaluate_lengths(
                     model, tokens, name, factor, factor * train_context, scaling, options, token_bytes
                 )
                 entries[str(factor)] = entry
+            _log_not_evaluated(name, entries)
             result["variants"][name] = entries
     finally:
         model.train(was_training)
     return result
+
+
+def _log_not_evaluated(name: str, entries: dict[str, Any]) -> None:
+    """One line for the factors of a variant that could not be evaluated, with the reason at the shortest of
+    them (a longer context fails for the same reason: a position table or a split too short)."""
+    skipped = [(factor, entry) for factor, entry in entries.items() if "error" in entry]
+    if not skipped:
+        return
+    factors = ", ".join(f"{factor}x" for factor, _ in skipped)
+    contexts = ", ".join(f"{entry['context']:,}" for _, entry in skipped)
+    more = " (and so at the longer ones)" if len(skipped) > 1 else ""
+    log.info(
+        "%s at %s (%s tokens): not evaluated: %s%s", name, factors, contexts, skipped[0][1]["error"], more
+    )
 
 
 def _length_variants(model: GPT, options: LengthEvalOptions) -> list[tuple[str, str | None]]:
@@ -139,10 +154,8 @@ def _length_entry(
     reason = unsupported_reason(model, context)
     if reason is not None:
         entry["error"] = reason
-        log.info("%s at %dx (%d tokens): not evaluated: %s", name, factor, context, reason)
     elif len(tokens) - 1 < context:
         entry["error"] = f"the validation split has {len(tokens)} tokens, fewer than {context + 1}"
-        log.info("%s at %dx: not evaluated: %s", name, factor, entry["error"])
     else:
         entry.update(_score_at_length(model, tokens, context, factor, scaling, options.batch_tokens))
         if token_bytes is not None:
