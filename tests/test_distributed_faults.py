@@ -173,6 +173,15 @@ def two_ranks(strategy: str, max_steps: int, tmp_path: Path, run_dir: Path) -> l
     ]
 
 
+def run_with_fault(fault: str, args: list[str], tmp_path: Path, run_dir: Path) -> subprocess.CompletedProcess:
+    """``tests/faults.py <args>`` with ``fault`` injected, checked to leave no process of the run behind (a
+    rank left waiting would hang until the 300 s timeout)."""
+    with no_rank_left_behind(run_dir):
+        return run_train(
+            args, cwd=tmp_path, script=FAULTS, env={"GPTLAB_TEST_FAULT": fault}, check=False, timeout=300
+        )
+
+
 def failure_message(stderr: str) -> str:
     found = re.findall(r"^gptlab: training failed: (.*)$", stderr, flags=re.MULTILINE)
     assert len(found) == 1, stderr[-3000:]
@@ -185,15 +194,7 @@ def test_a_killed_rank_stops_the_run_with_its_name_and_resume_auto_finishes_it(t
     common = two_ranks("ddp", 6, tmp_path, run_dir)
     # Rank 1 is SIGKILLed after its third step (the out-of-memory killer's way); rank 0's next collective
     # fails (over gloo), or, where it would wait on (NCCL), its watcher ends it (the next test's way).
-    with no_rank_left_behind(run_dir):
-        proc = run_train(
-            common,
-            cwd=tmp_path,
-            script=FAULTS,
-            env={"GPTLAB_TEST_FAULT": "die_at_step:1:3"},
-            check=False,
-            timeout=300,
-        )
+    proc = run_with_fault("die_at_step:1:3", common, tmp_path, run_dir)
     assert proc.returncode == 1, proc.stderr[-3000:]
     message = failure_message(proc.stderr)
     assert re.match(
@@ -230,15 +231,7 @@ def test_a_rank_killed_while_the_ranks_hash_a_sharded_checkpoint_stops_the_run_w
     common = two_ranks("fsdp", 4, tmp_path, run_dir)
     # Rank 1 dies as it starts hashing its share of step 2's last.ckpt; rank 0 has hashed its own and waits
     # for rank 1's digests in the exchange, which fails over gloo: the run stops, no rank waits on.
-    with no_rank_left_behind(run_dir):
-        proc = run_train(
-            common,
-            cwd=tmp_path,
-            script=FAULTS,
-            env={"GPTLAB_TEST_FAULT": "die_in_hashing:1"},
-            check=False,
-            timeout=300,  # a rank left waiting in the exchange would hang until this
-        )
+    proc = run_with_fault("die_in_hashing:1", common, tmp_path, run_dir)
     assert proc.returncode == 1, proc.stderr[-3000:]
     message = failure_message(proc.stderr)
     assert re.match(r"Rank 1 of 2 \(pid \d+\) was killed by SIGKILL \(signal 9\) at step 2", message), message
@@ -256,15 +249,7 @@ def test_the_rank_a_killed_rank_0_started_stops_and_says_why(tmp_path):
     # Rank 0 is SIGKILLed after its third step, and rank 1's main thread then waits for ever, as in an NCCL
     # collective (over gloo it would fail at once): rank 1's watcher sees its parent gone and ends it. The
     # run returns only once rank 1 has closed the output it shares with rank 0.
-    with no_rank_left_behind(run_dir):
-        proc = run_train(
-            common,
-            cwd=tmp_path,
-            script=FAULTS,
-            env={"GPTLAB_TEST_FAULT": "die_at_step:0:3:hang"},
-            check=False,
-            timeout=300,
-        )
+    proc = run_with_fault("die_at_step:0:3:hang", common, tmp_path, run_dir)
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
     message = failure_message(proc.stderr)
     assert re.match(
