@@ -352,3 +352,6 @@ def test_progress_is_a_bar_on_a_terminal_and_lines_elsewhere(monkeypatch):
         progress_bar("line")
     with pytest.raises(ConfigError, match=r"callbacks.progress_bar.every_n_steps=0 must be a whole number"):
         progress_bar(every_n_steps=0)
+    assert progress_bar("bar", refresh_rate=0).refresh_rate == 0  # Lightning's way to draw no bar
+    with pytest.raises(ConfigError, match=r"refresh_rate=-1 must be a whole number of steps, 0 or more"):
+        progress_bar(refresh_rate=-1)

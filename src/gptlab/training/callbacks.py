@@ -205,7 +205,8 @@ class StepLines(ProgressBar):
         self._printed_step = step
         metrics = _progress_metrics(self.get_metrics(trainer, pl_module), trainer)
         shown = ", ".join(f"{key} {_shown(value)}" for key, value in metrics.items())
-        log.info("step %d/%d: %s", step, trainer.max_steps, shown)
+        of = f"/{trainer.max_steps}" if trainer.max_steps > 0 else ""  # -1: counted in epochs
+        log.info("step %d%s: %s", step, of, shown)
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if not self._enabled or trainer.sanity_checking:
@@ -216,7 +217,7 @@ class StepLines(ProgressBar):
 
 
 def _shown(value: Any) -> str:
-    """A metric as the bar shows it: a tensor or a float to 4 significant decimals, a string as it is."""
+    """A metric as the bar shows it: a tensor or a float to 4 decimals, a string as it is."""
     if hasattr(value, "item"):
         value = value.item()
     return f"{value:.4f}" if isinstance(value, float) else str(value)
@@ -231,10 +232,11 @@ def progress_bar(style: str = "auto", refresh_rate: int = 1, every_n_steps: int 
 
     if style not in ("auto", "bar", "lines"):
         raise ConfigError(f"callbacks.progress_bar.style={style!r} is not one of auto, bar, lines.")
-    for name, value in (("refresh_rate", refresh_rate), ("every_n_steps", every_n_steps)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    for name, value, least in (("refresh_rate", refresh_rate, 0), ("every_n_steps", every_n_steps, 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
             raise ConfigError(
-                f"callbacks.progress_bar.{name}={value!r} must be a whole number of steps, 1 or more."
+                f"callbacks.progress_bar.{name}={value!r} must be a whole number of steps, {least} or more"
+                + (" (0: no bar)." if least == 0 else ".")
             )
     if style == "auto":
         style = "bar" if sys.stdout.isatty() else "lines"  # where Lightning's bars write
