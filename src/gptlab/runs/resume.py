@@ -78,11 +78,19 @@ def comparable(overrides: list[str]) -> list[str]:
     )
 
 
-def find_run_to_continue(overrides: list[str], root: Path) -> Path | None:
-    """The newest run under ``root`` started with the same overrides (``resume=`` aside) that holds a
-    checkpoint to continue from, or None."""
-    wanted = comparable(overrides)
-    best: tuple[float, Path] | None = None
+@dataclass
+class _Resumable:
+    """A run under the search root with a checkpoint to continue from: what ``resume=auto`` compares."""
+
+    path: Path
+    mtime: float  # its checkpoint's
+    settings: list[str]  # comparable(its first command's overrides)
+    parts: list[list[str]]  # comparable(each later part's overrides)
+
+
+def _resumable_runs(root: Path) -> list[_Resumable]:
+    """Every run under ``root`` that holds a checkpoint to continue from, read once per ``resume=auto``."""
+    found = []
     for path in find_run_dirs(root, max_depth=5):
         run = Run(path)
         # A checkpoint set aside by a kill mid-swap counts: train.run puts it back before it resumes.
@@ -90,12 +98,19 @@ def find_run_to_continue(overrides: list[str], root: Path) -> Path | None:
         saved = run.overrides()
         if ckpt is None or saved is None:
             continue
-        if comparable(saved) != wanted and all(comparable(p) != wanted for p in run.part_overrides()):
-            continue
-        mtime = ckpt.stat().st_mtime
-        if best is None or mtime > best[0]:
-            best = (mtime, path)
-    return best[1] if best else None
+        parts = [comparable(p) for p in run.part_overrides()]
+        found.append(_Resumable(path, ckpt.stat().st_mtime, comparable(saved), parts))
+    return found
+
+
+def find_run_to_continue(
+    overrides: list[str], root: Path, runs: list[_Resumable] | None = None
+) -> Path | None:
+    """The newest run under ``root`` (or of ``runs``, read from it) started with the same overrides
+    (``resume=`` aside) that holds a checkpoint to continue from, or None."""
+    wanted = comparable(overrides)
+    same = [r for r in (_resumable_runs(root) if runs is None else runs) if wanted in (r.settings, *r.parts)]
+    return max(same, key=lambda r: r.mtime).path if same else None
 
 
 # A new run directory that resume=auto chose -> what it says of the run that nearly matched (said once the
@@ -104,7 +119,7 @@ _NEAR_MISSES: dict[str, str] = {}
 NEAR_MISS_KEYS = 2  # a run whose overrides differ in this many keys or fewer is named
 
 
-def nearly_matching_run(overrides: list[str], root: Path) -> str | None:
+def nearly_matching_run(overrides: list[str], root: Path, runs: list[_Resumable] | None = None) -> str | None:
     """What to say when ``resume=auto`` finds no run with the command's overrides: the newest run under
     ``root`` with a checkpoint whose overrides differ in the fewest keys (at most :data:`NEAR_MISS_KEYS`),
     the keys and their values there and now, and the ``resume=<run>`` that continues it; None when no run is
@@ -114,19 +129,14 @@ def nearly_matching_run(overrides: list[str], root: Path) -> str | None:
 
     wanted = dict(map(split_override, comparable(overrides)))
     best: tuple[tuple[int, float], Path, dict[str, str], list[str]] | None = None
-    for path in find_run_dirs(root, max_depth=5):
-        run = Run(path)
-        ckpt = run.resume_checkpoint()
-        saved = run.overrides()
-        if ckpt is None or saved is None:
-            continue
-        have = dict(map(split_override, comparable(saved)))
+    for run in _resumable_runs(root) if runs is None else runs:
+        have = dict(map(split_override, run.settings))
         differ = sorted(k for k in wanted.keys() | have.keys() if wanted.get(k) != have.get(k))
         if not differ or len(differ) > NEAR_MISS_KEYS:
             continue
-        rank = (len(differ), -ckpt.stat().st_mtime)
+        rank = (len(differ), -run.mtime)
         if best is None or rank < best[0]:
-            best = (rank, path, have, differ)
+            best = (rank, run.path, have, differ)
     if best is None:
         return None
     _, path, have, differ = best
@@ -150,11 +160,12 @@ def choose_run_dir(task_overrides: Any, search_root: str, default: str) -> str:
     if value is None:
         return unused(default)
     if value == "auto":
-        found = find_run_to_continue(overrides, Path(search_root))
+        runs = _resumable_runs(Path(search_root))  # read once, for the match and the near miss
+        found = find_run_to_continue(overrides, Path(search_root), runs)
         if found is not None:
             return str(found)
         new = unused(default)
-        near = nearly_matching_run(overrides, Path(search_root))
+        near = nearly_matching_run(overrides, Path(search_root), runs)
         if near is not None:
             _NEAR_MISSES[str(Path(new).resolve())] = near
         return new
