@@ -64,6 +64,37 @@ NOTICE_WAIT_S = 5.0
 
 
 @dataclass(frozen=True)
+class Launcher:
+    """A launcher that starts the ranks of a node itself, each a child of one process of its own (torchrun's
+    agent, SLURM's step daemon): how its ranks are recognised in their environment."""
+
+    name: str  # as the user knows it
+    run_variables: tuple[str, ...]  # whose values every rank of one run shares
+    rank_variable: str  # the global rank
+
+
+TORCHRUN = Launcher(
+    "torchrun", ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "MASTER_ADDR", "MASTER_PORT"), "RANK"
+)
+SLURM = Launcher("SLURM", ("SLURM_JOB_ID", "SLURM_STEP_ID"), "SLURM_PROCID")
+#: Where each launcher says how a rank it started ended.
+REPORTS = {
+    "torchrun": "how, torchrun's summary says: its exitcode, printed as torchrun stops",
+    "SLURM": "how, srun's error line for its task says",
+}
+
+
+def external_launcher() -> Launcher | None:
+    """The launcher that started this process as one rank of many beside others (torchrun first: it may run
+    under srun), or None."""
+    if os.environ.get("TORCHELASTIC_RUN_ID"):
+        return TORCHRUN
+    if os.environ.get("SLURM_STEP_ID") and os.environ.get("SLURM_PROCID"):
+        return SLURM
+    return None
+
+
+@dataclass(frozen=True)
 class LostRank:
     """A process of the run that is gone: its global rank, pid, and how it ended (``returncode`` as
     ``subprocess`` gives it: negative for a signal; None where this process cannot know, a parent)."""
@@ -73,10 +104,13 @@ class LostRank:
     pid: int
     returncode: int | None
     parent: bool = False  # the process that started this one (rank 0 seen from a rank it started)
+    launcher: str | None = None  # "torchrun", "SLURM": a rank that launcher started beside this one
 
     def how(self) -> str:
         """How it ended, in words: ``was killed by SIGKILL (signal 9)``, ``exited with status 3``."""
         code = self.returncode
+        if code is None and self.launcher is not None:
+            return f"ended ({REPORTS[self.launcher]})"
         if code is None:
             return "ended (how, only its parent could tell)"
         if code < 0:
@@ -89,11 +123,14 @@ class LostRank:
 
     def hint(self) -> str:
         """What the way it ended usually means."""
+        oom = (
+            "the kernel's out-of-memory killer sends: `dmesg | grep -i -e oom -e killed` says whether it did "
+            "(then lower data.batch_size, or use activation_checkpointing=true)."
+        )
+        if self.returncode is None and self.launcher is not None:
+            return f" SIGKILL (exit code -9, or 137) is what {oom} Any error of its own is printed above."
         if self.returncode == -signal.SIGKILL:
-            return (
-                " SIGKILL is what the kernel's out-of-memory killer sends: `dmesg | grep -i -e oom -e killed` "
-                "says whether it did (then lower data.batch_size, or use activation_checkpointing=true)."
-            )
+            return f" SIGKILL is what {oom}"
         if self.returncode == -signal.SIGSEGV:
             return " A segmentation fault: its own output above shows where."
         if self.returncode is not None and self.returncode > 0:
@@ -103,6 +140,8 @@ class LostRank:
     def summary(self) -> str:
         """``Rank 1 of 2 (pid 4242) was killed by SIGKILL (signal 9)``."""
         started = ", which started this process," if self.parent else ""
+        if self.launcher is not None:
+            started = f", started beside this one by {self.launcher},"
         return f"Rank {self.rank} of {self.world_size} (pid {self.pid}){started} {self.how()}"
 
 
@@ -111,15 +150,21 @@ class _State:
     whichever takes ``reporting`` first (the other stands down)."""
 
     def __init__(self) -> None:
-        # Set by the task: the message for a lost rank (step, checkpoint, command) and how to record it.
+        # Set by the task: the message for a lost rank (step, checkpoint, command), how to record it, and how
+        # this process takes over rank 0's records (a rank started beside a lost rank 0).
         self.describe: Callable[[LostRank], str] | None = None
         self.record: Callable[[Exception], None] | None = None
+        self.stand_in: Callable[[], None] | None = None
         self.watch(None)
 
     def watch(self, watcher: RankWatcher | None) -> None:
         """A new watch (a process that trains twice watches anew)."""
         self.watcher = watcher
         self.children: list[tuple[int, subprocess.Popen]] = []  # (rank, process) of those this one started
+        self.local: list[tuple[int, int]] = []  # (rank, pid) of the other ranks watched on this node
+        self.rank: int | None = None  # this process's global rank, where it watches ranks started beside it
+        self.launcher: Launcher | None = None  # the launcher that started them
+        self.failing = False  # training raised: its failure is being reported
         self.lost: LostRank | None = None
         self.seen = threading.Event()
         self.reporting = threading.Lock()
@@ -135,10 +180,26 @@ class _State:
 _state = _State()
 
 
-def set_reporter(describe: Callable[[LostRank], str], record: Callable[[Exception], None]) -> None:
+def set_reporter(
+    describe: Callable[[LostRank], str],
+    record: Callable[[Exception], None],
+    stand_in: Callable[[], None] | None = None,
+) -> None:
     """What the task says about a lost rank (``describe``) and how it records the failure (``record``:
-    ``result.json``), for the watcher to use where the main thread cannot."""
-    _state.describe, _state.record = describe, record
+    ``result.json``), for the watcher to use where the main thread cannot; ``stand_in``: how this process
+    takes over rank 0's records (called where rank 0, started beside it by torchrun or SLURM, is the lost
+    rank and this one is the lowest rank left on its node)."""
+    _state.describe, _state.record, _state.stand_in = describe, record, stand_in
+
+
+def _stand_in_for(lost: LostRank) -> None:
+    """Where ``lost`` is rank 0, started beside this process, and no lower rank of the node is alive: this
+    process records the run's failure in its place (``result.json``: rank 0 can no longer)."""
+    if lost.launcher is None or lost.rank != 0 or _state.stand_in is None or _state.rank is None:
+        return
+    alive_below = [r for r, pid in _state.local if r < _state.rank and r != lost.rank and _alive(pid)]
+    if not alive_below:
+        _state.stand_in()
 
 
 def describe(lost: LostRank) -> str:
@@ -156,13 +217,17 @@ def lost_during(error: BaseException) -> LostRank | None:
 
     if _state.watcher is None:
         return None
+    _state.failing = True
     # gptlab's own errors explain themselves (a NaN loss stops every rank, each with its message: a rank that
     # ended first is no lost rank)
     own = isinstance(error, (ConfigError, DataError, DiskFullError, NonFiniteLossError))
     if not own:
         _state.seen.wait(NOTICE_WAIT_S)
     _main_reports()
-    return None if own else _state.lost
+    if own or _state.lost is None:
+        return None
+    _stand_in_for(_state.lost)
+    return _state.lost
 
 
 def training_over() -> None:
@@ -170,6 +235,8 @@ def training_over() -> None:
     from here on is no lost rank for this process's watcher to report."""
     if _state.watcher is not None:
         _main_reports()
+        if not _state.failing:
+            _end_stop_signal_shield()
 
 
 def _main_reports() -> None:
@@ -209,6 +276,7 @@ class RankWatcher(threading.Thread):
             return
         from gptlab.errors import RankLostError
 
+        _stand_in_for(lost)
         error = RankLostError(describe(lost))
         if _state.record is not None:
             try:
@@ -276,6 +344,154 @@ def watch_launcher(launcher_pid: int, launcher_rank: int, world_size: int, **kwa
     return start(RankWatcher(check, **kwargs))
 
 
+@dataclass(frozen=True)
+class _ProcStat:
+    state: str  # R, S, D, T, Z...
+    parent: int
+    started: int  # clock ticks after boot: with the pid, names one process (a pid is reused)
+
+
+def _proc_stat(pid: int) -> _ProcStat | None:
+    """``/proc/<pid>/stat``'s state, parent and start time; None once the process is gone (or no /proc)."""
+    try:
+        fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+        return _ProcStat(fields[0], int(fields[1]), int(fields[19]))
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _alive(pid: int) -> bool:
+    stat = _proc_stat(pid)
+    return stat is not None and stat.state not in "ZX"
+
+
+def _environment(pid: int) -> dict[str, str]:
+    """The environment ``pid`` was started with (empty where it cannot be read)."""
+    try:
+        raw = open(f"/proc/{pid}/environ", "rb").read()
+    except OSError:
+        return {}
+    pairs = (item.decode(errors="replace").partition("=") for item in raw.split(b"\0") if item)
+    return {key: value for key, _, value in pairs}
+
+
+def ranks_beside(launcher: Launcher) -> dict[int, tuple[int, int]]:
+    """The other ranks of this run that ``launcher`` started on this node: the processes with this one's
+    parent whose environment carries this run's values of ``launcher.run_variables``; ``{rank: (pid, start
+    time)}``."""
+    parent, own = os.getppid(), os.getpid()
+    run = [os.environ.get(name) for name in launcher.run_variables]
+    found: dict[int, tuple[int, int]] = {}
+    try:
+        entries = os.listdir("/proc")
+    except OSError:  # not Linux: nothing is watched, the timeout bounds the wait
+        return found
+    for entry in entries:
+        if not entry.isdigit() or int(entry) == own:
+            continue
+        stat = _proc_stat(int(entry))
+        if stat is None or stat.parent != parent:
+            continue
+        env = _environment(int(entry))
+        rank = env.get(launcher.rank_variable, "")
+        if rank.isdigit() and [env.get(name) for name in launcher.run_variables] == run:
+            found[int(rank)] = (int(entry), stat.started)
+    return found
+
+
+def watch_ranks_beside(
+    launcher: Launcher, rank: int, world_size: int, ranks_on_node: int, **kwargs: Any
+) -> RankWatcher:
+    """The watch of a rank that ``launcher`` (torchrun, SLURM) started beside the other ranks of its node:
+    the first of those others to end is the lost rank. How it ended only the launcher, its parent, knows:
+    the message says where it reports it. Looked for again at each poll until all ``ranks_on_node - 1``
+    are known (they start at about the same time).
+
+    Also holds SIGTERM while this process reports a failure (:func:`_hold_stop_signal`): the launcher ends
+    the others with SIGTERM as soon as one rank fails, and the report (``result.json``, the message) must
+    not be cut short by it."""
+    known: dict[int, tuple[int, int]] = {}
+
+    def find() -> None:
+        if len(known) < ranks_on_node - 1:
+            for other, seen in ranks_beside(launcher).items():
+                known.setdefault(other, seen)
+            _state.local = sorted((other, pid) for other, (pid, _) in known.items())
+
+    def check() -> LostRank | None:
+        find()
+        for other, (pid, started) in sorted(known.items()):
+            stat = _proc_stat(pid)
+            if stat is None or stat.state in "ZX" or stat.started != started:
+                return LostRank(other, world_size, pid, None, launcher=launcher.name)
+        return None
+
+    watcher = start(RankWatcher(check, **kwargs))
+    _state.rank, _state.launcher = rank, launcher
+    find()
+    _hold_stop_signal()
+    return watcher
+
+
+def _on_stop_signal(signum: int, frame: Any) -> None:
+    """SIGTERM to a rank of torchrun or SLURM. During training the training's own handler runs first and
+    calls this one after it (it stops training at the step's end): nothing more to do. Outside it, the
+    signal ends the process as it would have without this handler, unless a failure is being reported:
+    then the report ends it (the launcher ends it with SIGKILL if it does not, after its own grace: 30 s
+    for torchrun)."""
+    if signal.getsignal(signum) is not _on_stop_signal or _state.failing:
+        return
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
+
+
+_held_signal: list[Any] = []  # the SIGTERM handler found before this module's
+
+
+def _hold_stop_signal() -> None:
+    if threading.current_thread() is not threading.main_thread() or _held_signal:
+        return
+    previous = signal.getsignal(signal.SIGTERM)
+    if previous in (signal.SIG_DFL, None):  # another handler (a cluster's plugin) is left to do its own
+        _held_signal.append(previous)
+        signal.signal(signal.SIGTERM, _on_stop_signal)
+
+
+def _end_stop_signal_shield() -> None:
+    if _held_signal and threading.current_thread() is threading.main_thread():
+        if signal.getsignal(signal.SIGTERM) is _on_stop_signal:
+            signal.signal(signal.SIGTERM, _held_signal[0] or signal.SIG_DFL)
+        _held_signal.clear()
+
+
+def peer_lost(error: BaseException) -> bool:
+    """Whether ``error``, or one in its chain, is a collective whose connection to another rank broke (gloo:
+    ``Connection reset by peer``, ``Connection closed by peer``): a rank this process does not watch, on
+    another node, is gone."""
+    seen: BaseException | None = error
+    while seen is not None:
+        text = str(seen).lower()
+        if isinstance(seen, RuntimeError) and ("by peer" in text or "broken pipe" in text):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
+def ranks_alive_here() -> list[int]:
+    """The ranks on this node known alive: this process's and those watched beside it."""
+    alive = [rank for rank, pid in _state.local if _alive(pid)]
+    return sorted({*alive, *([_state.rank] if _state.rank is not None else [])})
+
+
+def who_ends_the_others() -> str:
+    """Who ends the run's other processes once this one stops with an error: words for the message."""
+    if _state.launcher is TORCHRUN:
+        return "torchrun ends the other ranks it started"
+    if _state.launcher is SLURM:
+        return "srun ends the other tasks as the cluster is set to (its KillOnBadExit and WaitTime)"
+    return "the ranks it started were ended"
+
+
 def spawned_rank_lost(error: BaseException, world_size: int) -> LostRank | None:
     """The rank that ``error`` says ended, where it is ``torch.multiprocessing``'s report of a spawned rank
     (``ddp_spawn``: its join ends the other ranks itself); None for any other error."""
@@ -311,9 +527,10 @@ STUCK_STATES = {
 
 
 def stuck_ranks(children: list[tuple[int, int]] | None = None) -> list[str]:
-    """Of the ranks this process started (``(rank, pid)`` pairs; by default those it watches), those that
-    the kernel shows stopped or in an uninterruptible wait, in words: ``rank 1 (pid 4242) is stopped ...``."""
-    pairs = children if children is not None else [(r, p.pid) for r, p in _state.children]
+    """Of the ranks this process started or watches beside it (``(rank, pid)`` pairs; by default those it
+    watches), those that the kernel shows stopped or in an uninterruptible wait, in words: ``rank 1 (pid
+    4242) is stopped ...``."""
+    pairs = children if children is not None else [(r, p.pid) for r, p in _state.children] + _state.local
     found = []
     for rank, pid in pairs:
         try:
@@ -335,16 +552,47 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
-def continue_command(argv: list[str] | None = None) -> str:
+def continue_command(argv: list[str] | None = None, launcher_argv: list[str] | None = None) -> str:
     """The command that continues this run: the one typed, with ``resume=auto`` for any ``resume=`` it had.
     A rank Lightning started has three overrides appended to the command (the run directory, the job's
-    name, no output subdirectory): they are left out."""
+    name, no output subdirectory): they are left out. A rank torchrun started is continued by the same
+    torchrun command (``launcher_argv``: torchrun's own command line, by default read from its process, this
+    one's parent); on several nodes, each node's with ``resume=auto``."""
     args = list(sys.argv if argv is None else argv)
     rest = args[1:]
     if len(rest) >= 3 and rest[-2].startswith("hydra.job.name=train_ddp_process_"):
         rest = rest[:-3]
     rest = [a for a in rest if a.lstrip("+").split("=", 1)[0] != "resume"]
-    return shlex.join(["python", args[0], *rest, "resume=auto"])
+    if launcher_argv is None and argv is None and external_launcher() is TORCHRUN:
+        launcher_argv = _parent_command()
+    prefix = ["python"]
+    if launcher_argv is not None or (argv is None and external_launcher() is TORCHRUN):
+        prefix = torchrun_prefix(launcher_argv or [], args[0])
+    return shlex.join([*prefix, args[0], *rest, "resume=auto"])
+
+
+def _parent_command() -> list[str] | None:
+    try:
+        raw = open(f"/proc/{os.getppid()}/cmdline", "rb").read()
+    except OSError:
+        return None
+    return [item.decode(errors="replace") for item in raw.split(b"\0") if item]
+
+
+def torchrun_prefix(launcher_argv: list[str], script: str) -> list[str]:
+    """The part of torchrun's command line before the training script, as typed (``torchrun ...`` or
+    ``python -m torch.distributed.run ...``); where it cannot be read, torchrun with this run's shape."""
+    for i, arg in enumerate(launcher_argv):
+        typed = None
+        if arg == "torch.distributed.run" and i > 0 and launcher_argv[i - 1] == "-m":
+            typed = ["python", "-m", "torch.distributed.run"]
+        elif os.path.basename(arg) == "torchrun":
+            typed = ["torchrun"]
+        if typed is not None and script in launcher_argv[i + 1 :]:
+            end = launcher_argv.index(script, i + 1)
+            return [*typed, *launcher_argv[i + 1 : end]]
+    nodes, per_node = os.environ.get("GROUP_WORLD_SIZE", "1"), os.environ.get("LOCAL_WORLD_SIZE", "1")
+    return ["torchrun", f"--nnodes={nodes}", f"--nproc_per_node={per_node}"]
 
 
 class WatchedLauncher(_SubprocessScriptLauncher):
@@ -367,8 +615,11 @@ class WatchedLauncher(_SubprocessScriptLauncher):
                 watch_children(self.procs, node_first + 1, world)
         else:
             launcher = os.environ.get(LAUNCHER_PID_ENV)
+            beside = external_launcher()
             if launcher and (os.getppid() == int(launcher) or not pid_alive(int(launcher))):
                 watch_launcher(int(launcher), node_first, world)
+            elif beside is not None and not launcher:
+                watch_ranks_beside(beside, env.global_rank(), world, self.num_processes)
         _set_num_threads_if_needed(num_processes=self.num_processes)
         return function(*args, **kwargs)
 
@@ -386,9 +637,9 @@ class WatchedRanks:
             self._launcher = WatchedLauncher(
                 launcher.cluster_environment, launcher.num_processes, launcher.num_nodes
             )
-        elif launcher is None and os.environ.get(LAUNCHER_PID_ENV):
-            # A rank started by re-running the command line, under a strategy that gives such a rank no
-            # launcher (ModelParallelStrategy): it gets one, which only starts its watch of rank 0.
+        elif launcher is None and (os.environ.get(LAUNCHER_PID_ENV) or external_launcher()):
+            # A rank started by re-running the command line, or by torchrun or SLURM, under a strategy that
+            # gives such a rank no launcher (ModelParallelStrategy): it gets one, which only starts its watch.
             strategy: Any = self
             self._launcher = WatchedLauncher(
                 strategy.cluster_environment, strategy.num_processes, strategy.num_nodes

@@ -312,6 +312,8 @@ def fit(
             raise RankLostError(lost_rank_message(trainer, lost)) from e
         if trainer.world_size > 1 and ranks.timed_out(e):
             raise RankLostError(timeout_message(trainer, e)) from e
+        if trainer.world_size > 1 and ranks.external_launcher() is not None and ranks.peer_lost(e):
+            raise RankLostError(unwatched_rank_lost_message(trainer, e)) from e
         raise
     finally:  # also for a SystemExit (Lightning's, after a KeyboardInterrupt): this thread reports from here
         ranks.training_over()
@@ -332,7 +334,10 @@ def watch_lost_ranks(
         session.write_failure(error, step, metrics)
         release_run_dir(session.run_dir)
 
-    ranks.set_reporter(lambda lost: lost_rank_message(trainer, lost), record)
+    def stand_in() -> None:  # rank 0 is lost: the lowest rank left beside it writes result.json
+        session.is_global_zero = True
+
+    ranks.set_reporter(lambda lost: lost_rank_message(trainer, lost), record, stand_in)
 
 
 def lost_rank_message(trainer: L.Trainer, lost: LostRank) -> str:
@@ -347,14 +352,32 @@ def lost_rank_message(trainer: L.Trainer, lost: LostRank) -> str:
     )
 
 
+def unwatched_rank_lost_message(trainer: L.Trainer, error: Exception) -> str:
+    """A collective whose connection to a rank this process does not watch broke (a rank on another node,
+    under torchrun or SLURM): which ranks are alive here, the last checkpoint and the command that continues
+    the run."""
+    from gptlab.parallel import ranks
+
+    launcher = ranks.external_launcher()
+    name = launcher.name if launcher is not None else "the launcher"
+    alive = ", ".join(str(r) for r in ranks.ranks_alive_here()) or str(trainer.global_rank)
+    first_line = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    return (
+        f"A rank of the run on another node is lost at step {trainer.global_step}: rank "
+        f"{trainer.global_rank} of {trainer.world_size}'s collective with it failed ({type(error).__name__}: "
+        f"{first_line[:200]}). The ranks on this node ({alive}) are alive; {name} on the node that lost one "
+        f"names it and says how it ended. The run cannot go on without it, and stopped. {continue_line(trainer)}"
+    )
+
+
 def timeout_message(trainer: L.Trainer, error: Exception) -> str:
     """A collective that waited out ``strategy.timeout_s``: the ranks that are stuck where this process can
     see them, the last checkpoint and the command that continues the run."""
-    from gptlab.parallel.ranks import stuck_ranks
+    from gptlab.parallel.ranks import stuck_ranks, who_ends_the_others
 
     timeout = getattr(trainer.strategy, "_timeout", None)
     seconds = f"={timeout.total_seconds():g}" if timeout is not None else ""
-    stuck = stuck_ranks() if trainer.is_global_zero else []
+    stuck = stuck_ranks()  # those this process started or watches beside it
     why = (
         "; ".join(stuck)
         if stuck
@@ -364,7 +387,7 @@ def timeout_message(trainer: L.Trainer, error: Exception) -> str:
     return (
         f"Rank {trainer.global_rank} of {trainer.world_size} waited strategy.timeout_s{seconds} s in a "
         f"collective for the other ranks at step {trainer.global_step}, in vain ({type(error).__name__}: "
-        f"{error}): {why}. The run stopped, and the ranks it started were ended. {continue_line(trainer)} "
+        f"{error}): {why}. The run stopped, and {who_ends_the_others()}. {continue_line(trainer)} "
         "(Where a rank legitimately takes longer, e.g. writing a large checkpoint to a slow disk, raise "
         "strategy.timeout_s.)"
     )
