@@ -262,6 +262,67 @@ def test_the_rank_a_killed_rank_0_started_stops_and_says_why(tmp_path):
     assert shlex.split(message.rsplit("with: ", 1)[1]) == ["python", str(FAULTS), *common, "resume=auto"]
 
 
+def torchrun(port: int, script: Path, args: list[str], cwd: Path, env: dict | None = None):
+    """``python -m torch.distributed.run`` (torchrun) with 2 ranks on this machine running ``script``."""
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={port}"]
+    return subprocess.run(
+        [*launcher, str(script), *args],
+        cwd=cwd,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=300,  # a rank left waiting would hang until this
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("killed", [1, 0])
+def test_a_rank_killed_under_torchrun_is_named_recorded_and_the_torchrun_command_resumes(tmp_path, killed):
+    run_dir = tmp_path / "run"
+    common = two_ranks("ddp", 6, tmp_path, run_dir)
+    port = _free_port()
+    # The rank is SIGKILLed after its third step; torchrun's agent then sends SIGTERM to the other, whose
+    # collective with it fails (over gloo) and whose watch of the rank beside it says which one is gone.
+    with no_rank_left_behind(run_dir):
+        proc = torchrun(port, FAULTS, common, tmp_path, env={"GPTLAB_TEST_FAULT": f"die_at_step:{killed}:3"})
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    message = failure_message(proc.stderr)  # the survivor's, once
+    found = re.match(
+        rf"Rank {killed} of 2 \(pid (\d+)\), started beside this one by torchrun, ended \(how, torchrun's "
+        r"summary says: its exitcode, printed as torchrun stops\) at step 3: "
+        rf"{'the run' if killed else 'rank 1'} cannot go on without it, and stopped\. SIGKILL \(exit code -9",
+        message,
+    )
+    assert found, message
+    # torchrun's summary names the same process, killed by SIGKILL
+    summary = rf"rank\s*: {killed} \(local_rank: {killed}\)\s*exitcode\s*: -9 \(pid: {found[1]}\)"
+    assert re.search(summary, proc.stderr), proc.stderr[-3000:]
+    last = last_checkpoint(run_dir)
+    assert f"The last intact checkpoint is {last} (step 2); continue from it with: " in message
+    assert _checkpoint_step(last) == 2
+    command = shlex.split(message.rsplit("continue from it with: ", 1)[1])
+    launcher = ["python", "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={port}"]
+    assert command == [*launcher, str(FAULTS), *common, "resume=auto"]
+    # result.json says so, written by rank 0, or by rank 1 in its place where rank 0 is the one lost
+    result = json.loads((run_dir / "result.json").read_text())
+    assert result["failed"] == f"RankLostError: {message}"
+    assert not result["finished"] and result["global_step"] == 3
+    if killed == 1:
+        return  # the resume is the same either way; run once (below, also past rank 0's abandoned claim)
+
+    # The command it prints continues from step 2 and finishes (train.py in place of the fault script).
+    proc = torchrun(_free_port(), ROOT / "train.py", [*common, "resume=auto"], tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Restored all states from the checkpoint" in proc.stdout + proc.stderr
+    assert "Trained 6 steps; this part, resumed at step 2, trained 4" in proc.stdout
+    result = json.loads((run_dir / "result.json").read_text())
+    assert result["finished"] and result["global_step"] == 6
+    assert [(p["from_step"], p["to_step"], p["status"]) for p in result["parts"]] == [
+        (0, 3, "failed"),
+        (2, 6, "finished"),
+    ]
+
+
 LOST_WHILE_WAITING = """
 import subprocess, sys, threading
 from gptlab.parallel import ranks
@@ -350,6 +411,15 @@ def test_the_command_that_continues_a_run_is_the_one_typed_with_resume_auto():
         "hydra.output_subdir=null",
     ]
     assert continue_command(started) == continue_command(typed)
+    # a rank torchrun started: the torchrun command as typed (its own command line, its parent's)
+    console_script = ["/venv/bin/python", "/venv/bin/torchrun", "--nproc_per_node=8", *typed]
+    assert continue_command(typed, launcher_argv=console_script) == (
+        "torchrun --nproc_per_node=8 train.py model=small 'hydra.run.dir=outputs/runs/a b' resume=auto"
+    )
+    module = ["python3", "-m", "torch.distributed.run", "--nnodes=2", "--node_rank=1", *typed]
+    assert continue_command(typed, launcher_argv=module).startswith(
+        "python -m torch.distributed.run --nnodes=2 --node_rank=1 train.py model=small"
+    )
     assert LostRank(2, 4, 99, 3).how() == "exited with status 3"
     assert LostRank(2, 4, 99, -6).how() == "was killed by SIGABRT (signal 6)"
 
