@@ -23,9 +23,32 @@ So, for the ranks Lightning starts on one node by re-running the command line (`
   waiting in a collective as an orphan. A polling thread is used rather than ``prctl(PR_SET_PDEATHSIG)``:
   that signal would end the process without a word (a handler cannot run while the main thread waits in
   C++), it fires when the *thread* that started the child ends, and it exists on Linux only.
-- the process group's timeout is a strategy option (``strategy.timeout_s``): it bounds the wait for a rank
-  that is stuck rather than dead, and for ranks on other nodes (started by SLURM or torchrun, not watched
-  here).
+
+For the ranks torchrun or SLURM (``srun``) start, each a child of the launcher's own process on its node
+(torchrun's agent, SLURM's step daemon):
+
+- each rank watches the ranks started beside it (:func:`watch_ranks_beside`): the other children of its
+  parent whose environment carries the same run (:class:`Launcher`: ``TORCHELASTIC_RUN_ID`` and ``RANK``;
+  SLURM's job and step ids and ``SLURM_PROCID``), found in ``/proc``. When one is gone the run stops with
+  the same report, naming it; how it ended only the launcher, its parent, can tell (torchrun's summary
+  gives its exit code), so the message says where to read it. Where the lost rank is rank 0, the lowest rank
+  left on its node records the failure in its place (``result.json``). A rank that ended normally is no lost
+  rank: the others are then past their last collective, and their main thread stands the watch down within
+  :data:`REPORT_GRACE_S`.
+- torchrun's agent sends SIGTERM to the other ranks as soon as one fails, and SIGKILL 30 s later. During
+  training the signal is the training's own to handle (a save at the step's end, decided by a collective
+  that fails at once over gloo where a rank is gone: the step in progress is not saved, the report names the
+  last checkpoint written whole); once a failure is being reported, the signal is held (:func:`_on_stop_signal`)
+  so that the report and ``result.json`` are not cut short.
+- the command that continues the run is the torchrun command typed, read from the agent's command line
+  (:func:`continue_command`).
+- a rank on another node is not watched: its loss is seen where a collective's connection to it breaks
+  (:func:`peer_lost`: the message says a rank on another node is lost, and which ranks here are alive), or
+  after the timeout below.
+
+Either way, the process group's timeout is a strategy option (``strategy.timeout_s``): it bounds the wait for
+a rank that is stuck rather than dead (named where it is on this node: :func:`stuck_ranks`), and for ranks
+on other nodes where NCCL learns nothing of their loss.
 """
 
 from __future__ import annotations
