@@ -366,6 +366,14 @@ def test_a_stopped_rank_is_named_when_a_collective_times_out():
     assert timed_out(RuntimeError("Application timeout caused pair closure"))
     assert timed_out(RuntimeError("[../gloo/transport/tcp/pair.cc:446] Timed out waiting 20000ms for recv"))
     assert not timed_out(RuntimeError("Connection reset by peer"))
+    # a collective whose connection to a rank on another node broke (gloo), named as such under torchrun
+    from gptlab.parallel.ranks import peer_lost
+
+    closed = RuntimeError(
+        "[../pair.cc:553] Connection closed by peer [127.0.0.1]:11418. This is typically ..."
+    )
+    assert peer_lost(closed) and peer_lost(RuntimeError("Read error: Connection reset by peer"))
+    assert not peer_lost(RuntimeError("Application timeout caused pair closure"))
     stopped, running = (subprocess.Popen(["sleep", "60"]) for _ in range(2))
     try:
         stopped.send_signal(signal.SIGSTOP)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -361,11 +362,12 @@ def unwatched_rank_lost_message(trainer: L.Trainer, error: Exception) -> str:
     launcher = ranks.external_launcher()
     name = launcher.name if launcher is not None else "the launcher"
     alive = ", ".join(str(r) for r in ranks.ranks_alive_here()) or str(trainer.global_rank)
-    first_line = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    # gloo's words without its source location and advice: "Connection closed by peer [10.0.0.2]:4242"
+    said = re.sub(r"^\[[^\]]*\]\s*", "", str(error).strip()).split(". ")[0].splitlines()[:1]
     return (
         f"A rank of the run on another node is lost at step {trainer.global_step}: rank "
         f"{trainer.global_rank} of {trainer.world_size}'s collective with it failed ({type(error).__name__}: "
-        f"{first_line[:200]}). The ranks on this node ({alive}) are alive; {name} on the node that lost one "
+        f"{''.join(said)[:200]}). The ranks on this node ({alive}) are alive; {name} on the node that lost one "
         f"names it and says how it ended. The run cannot go on without it, and stopped. {continue_line(trainer)}"
     )
 
