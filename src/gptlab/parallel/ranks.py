@@ -64,6 +64,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
@@ -377,7 +378,7 @@ class _ProcStat:
 def _proc_stat(pid: int) -> _ProcStat | None:
     """``/proc/<pid>/stat``'s state, parent and start time; None once the process is gone (or no /proc)."""
     try:
-        fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
         return _ProcStat(fields[0], int(fields[1]), int(fields[19]))
     except (OSError, IndexError, ValueError):
         return None
@@ -391,7 +392,7 @@ def _alive(pid: int) -> bool:
 def _environment(pid: int) -> dict[str, str]:
     """The environment ``pid`` was started with (empty where it cannot be read)."""
     try:
-        raw = open(f"/proc/{pid}/environ", "rb").read()
+        raw = Path(f"/proc/{pid}/environ").read_bytes()
     except OSError:
         return {}
     pairs = (item.decode(errors="replace").partition("=") for item in raw.split(b"\0") if item)
@@ -556,12 +557,9 @@ def stuck_ranks(children: list[tuple[int, int]] | None = None) -> list[str]:
     pairs = children if children is not None else [(r, p.pid) for r, p in _state.children] + _state.local
     found = []
     for rank, pid in pairs:
-        try:
-            state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
-        except (OSError, IndexError):  # gone, or no /proc (not Linux)
-            continue
-        if state in STUCK_STATES:
-            found.append(f"rank {rank} (pid {pid}) {STUCK_STATES[state]}")
+        stat = _proc_stat(pid)  # None: gone, or no /proc (not Linux)
+        if stat is not None and stat.state in STUCK_STATES:
+            found.append(f"rank {rank} (pid {pid}) {STUCK_STATES[stat.state]}")
     return found
 
 
@@ -596,7 +594,7 @@ def continue_command(argv: list[str] | None = None, launcher_argv: list[str] | N
 
 def _parent_command() -> list[str] | None:
     try:
-        raw = open(f"/proc/{os.getppid()}/cmdline", "rb").read()
+        raw = Path(f"/proc/{os.getppid()}/cmdline").read_bytes()
     except OSError:
         return None
     return [item.decode(errors="replace") for item in raw.split(b"\0") if item]
