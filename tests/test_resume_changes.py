@@ -177,16 +177,32 @@ REFUSED = {
     "stride": (["data.stride=16"], "data.stride: 32 in the checkpoint, 16 now", "Resume with data.stride=32"),
     "seed": (["seed=7"], "seed: 1337 in the checkpoint, 7 now", "Resume with seed=1337"),
     "workers": (["data.num_workers=1"], "data.num_workers: 0 in the checkpoint, 1 now", "data.num_workers=0"),
+    "tokenizer": (
+        ["tokenizer=word"],
+        "tokenizer: char in the checkpoint, word now: the training tokens would be others",
+        "Resume with tokenizer=char",
+    ),
 }
 
 
 @pytest.mark.parametrize("case", sorted(REFUSED))
-def test_a_change_a_resume_cannot_make_is_refused_before_anything_is_trained(case, base_run, tmp_path):
+def test_a_change_a_resume_cannot_make_is_refused_before_anything_is_trained(
+    case, base_run, tmp_path, caplog
+):
     out, resume = copy_run(base_run, tmp_path)
     overrides, what, fix = REFUSED[case]
     before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file() and ".hydra" not in p.parts}
+    caplog.set_level("INFO")
+    cache = tmp_path / "cache"  # where a corpus prepared for this command would be tokenized
     with pytest.raises(CheckpointError) as refused:
-        train(*resume, *overrides, "trainer.max_steps=4")
+        train(*resume, *overrides, "trainer.max_steps=4", f"data.cache_dir={cache}")
+    # refused before the corpus was prepared: no cache made or opened, no windows cut
+    assert not cache.exists()
+    assert (
+        "Preparing" not in caplog.text
+        and "Token cache" not in caplog.text
+        and "Windows of" not in caplog.text
+    )
     message = str(refused.value)
     assert (
         f"Checkpoint {last_checkpoint(out)} (step 2) cannot be continued as this command asks: {what}"
@@ -327,9 +343,13 @@ ARCHITECTURE = {
 def test_every_key_that_shapes_the_model_is_refused_by_name(override, base_run, tmp_path):
     out, resume = copy_run(base_run, tmp_path)
     what, fix = ARCHITECTURE[override]
+    cache = tmp_path / "cache"
     with pytest.raises(CheckpointError) as refused:
-        train(*resume, override, "trainer.max_steps=4")
+        train(*resume, override, "trainer.max_steps=4", f"data.cache_dir={cache}")
     release_run_dir(out)
+    assert (
+        not cache.exists()
+    )  # refused before the corpus was prepared (a fitted vocabulary is compared after)
     message = str(refused.value)
     assert f"Checkpoint {last_checkpoint(out)} is from a different model: " in message
     assert what in message and fix in message, message

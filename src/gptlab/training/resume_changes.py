@@ -4,13 +4,16 @@ change is told.
 Each checkpoint records the conditions it was trained under besides the model (:class:`TrainingConditions`:
 the processes and whether they share a distributed sampler, the per-process batch, the accumulation, the
 schedule's length, the windows' stride, the seed and the identity of the training tokens). A resume compares
-them, and the loss and optimizer the checkpoint holds, with the command's, before any weight is read
-(:func:`check_resume`):
+them, and the loss and optimizer the checkpoint holds, with the command's, before any weight is read and
+before the corpus is prepared (:func:`check_resume`: all of it, the tokenizer included, is known from the
+command alone, and a research corpus takes minutes to hours to tokenize); only the training tokens
+themselves are compared once the corpus is prepared (:func:`check_training_data`):
 
 - **Refused**, naming each key with the checkpoint's value and the command's, and the fix: a different number
   of processes or another sampler (``trainer.devices``, ``trainer.num_nodes``, ``strategy``: each rank's
   position in the shuffled windows belongs to the split it was saved with, and Lightning's loader cannot carry
-  it to another), another ``trainer.accumulate_grad_batches`` (Lightning counts the micro-batches of a step from
+  it to another), another ``tokenizer`` (each id would stand for other text), another
+  ``trainer.accumulate_grad_batches`` (Lightning counts the micro-batches of a step from
   the epoch's start, so the first steps after the change would accumulate the wrong number of them), other
   training tokens or another ``data.stride`` (the saved position would point into other windows), another
   optimizer (its state is another optimizer's), another ``data.num_workers`` (the loader's position is
@@ -93,6 +96,7 @@ def training_data_identity(corpus: Any) -> dict[str, Any]:
     train = corpus.train
     identity: dict[str, Any] = {
         "source": f"{corpus.meta.get('source', '')} with tokenizer={corpus.tokenizer.name}",
+        "tokenizer": corpus.tokenizer.name,
         "tokens": len(train),
     }
     if train.shards:
@@ -148,10 +152,13 @@ def conditions_of_trainer(
     )
 
 
-def planned_conditions(settings: Any, strategy: Any, data: dict[str, Any], stride: int) -> TrainingConditions:
+def planned_conditions(
+    settings: Any, strategy: Any, data: dict[str, Any] | None = None, stride: int | None = None
+) -> TrainingConditions:
     """The conditions the command will train under, known before any trainer exists: the processes from
     ``trainer.devices`` x ``trainer.num_nodes``, distributed when the strategy is (``strategy=auto`` is on more
-    than one process)."""
+    than one process). Before the data is prepared, ``data`` is empty (the training tokens are compared once
+    they are) and the stride is ``data.stride``, or ``model.block_size`` when null (as the windows take it)."""
     from lightning.pytorch.strategies import ParallelStrategy
 
     from gptlab.parallel.hardware import world_size
@@ -164,9 +171,9 @@ def planned_conditions(settings: Any, strategy: Any, data: dict[str, Any], strid
         num_workers=int(settings.loader.num_workers),
         accumulate=int(settings.trainer.get("accumulate_grad_batches") or 1),
         max_steps=int(settings.trainer["max_steps"]),
-        stride=stride,
+        stride=stride or settings.loader.stride or settings.block_size,
         seed=int(settings.run.seed),
-        data=data,
+        data=data or {},
     )
 
 
@@ -194,32 +201,62 @@ def lr_at(optim_node: dict[str, Any], max_steps: int, step: int) -> float:
     return float(choice.options.lr) * choice.options.factor(max_steps)(step)
 
 
+def tokenizer_of(identity: dict[str, Any]) -> str | None:
+    """The tokenizer a data identity names: its own key, or (a checkpoint from before it had one) the end of
+    its source, ``... with tokenizer=NAME``."""
+    if identity.get("tokenizer"):
+        return str(identity["tokenizer"])
+    source = str(identity.get("source", ""))
+    marker = " with tokenizer="
+    if marker not in source:
+        return None
+    return source.rsplit(marker, 1)[1] or None
+
+
+@dataclass
+class ResumeChanges:
+    """What a resume changes from its checkpoint and applies (``{"data.batch_size": [4, 8]}``: the
+    checkpoint's value, then the command's), and the warning that tells each, logged once the resume is
+    confirmed (:meth:`tell`): after the checks that need the prepared data, so a refused resume tells none."""
+
+    applied: dict[str, list[Any]] = dataclasses.field(default_factory=dict)
+    warnings: list[str] = dataclasses.field(default_factory=list)
+
+    def tell(self) -> None:
+        for line in self.warnings:
+            log.warning("%s", line)
+
+
 def check_resume(
     checkpoint: dict[str, Any],
     path: Path,
     now: TrainingConditions,
     optim_node: dict[str, Any],
     loss_options: dict[str, Any],
-) -> dict[str, list[Any]]:
-    """Compare the checkpoint at ``path`` with the command's conditions, optimizer node and loss options.
-    Raises a CheckpointError listing every change a resume cannot make, with the fix; returns the changes it
-    makes (``{"data.batch_size": [4, 8], ...}``, the checkpoint's value then the command's), each logged with
-    its effect."""
+    tokenizer: str | None = None,
+) -> ResumeChanges:
+    """Compare the checkpoint at ``path`` with the command's conditions, optimizer node and loss options,
+    before any data is prepared (``now.data`` may be empty: the training tokens are compared by
+    :func:`check_training_data` once they are; ``tokenizer``, the command's, is compared here, as it is known
+    before any text is read). Raises a CheckpointError listing every change a resume cannot make, with the
+    fix; returns the changes it makes, each with the warning that tells its effect."""
     step = int(checkpoint.get("global_step", 0))
     saved = TrainingConditions.from_dict(checkpoint.get(CONDITIONS_KEY))
     hparams = checkpoint.get("hyper_parameters") or {}
     refused: list[str] = []
     fixes: list[str] = []
     changes: dict[str, list[Any]] = {}
+    warnings: list[str] = []
 
-    if saved is not None and not same_data(saved.data, now.data):
+    saved_tokenizer = tokenizer_of(saved.data) if saved is not None else None
+    if saved_tokenizer is not None and tokenizer is not None and saved_tokenizer != tokenizer:
         refused.append(
-            f"the training data differ: {saved.data.get('source')} ({saved.data.get('tokens'):,} training tokens) "
-            f"in the checkpoint, {now.data.get('source')} ({now.data.get('tokens'):,} tokens"
-            + (", other token digests" if saved.data.get("tokens") == now.data.get("tokens") else "")
-            + f") now: the position it continues from ({step} steps into the shuffled windows) would point "
-            "into other windows"
+            f"tokenizer: {saved_tokenizer} in the checkpoint, {tokenizer} now: the training tokens would be "
+            "others, and each id would stand for other text"
         )
+        fixes.append(f"tokenizer={saved_tokenizer}")
+    if saved is not None and now.data and not same_data(saved.data, now.data):
+        refused.append(data_refusal(saved.data, now.data, step))
         fixes.append("the training text and tokenizer as they were")
     if saved is not None and saved.stride != now.stride:
         refused.append(
@@ -278,23 +315,17 @@ def check_resume(
     if refused:
         raise CheckpointError(
             f"Checkpoint {path} (step {step}) cannot be continued as this command asks: {'; '.join(refused)}. "
-            f"Resume with {'; '.join(fixes)}. Or start a new run: the same command without resume= (with "
-            "overwrite=true to start it in this run's directory, the old run's files moved aside)."
+            f"Resume with {'; '.join(fixes)}. {NEW_RUN}"
         )
 
     if saved is not None and saved.batch_size != now.batch_size:
         changes["data.batch_size"] = [saved.batch_size, now.batch_size]
     if "data.batch_size" in changes and saved is not None and step < now.max_steps:
-        log.warning(
-            "data.batch_size: %d in the checkpoint, %d now: the shuffled windows continue where step %d "
-            "left them, and each step from step %d trains %s where it trained %d: trainer.max_steps and the "
-            "schedule count steps, so the tokens a step means change here (result.json's parts record it).",
-            saved.batch_size,
-            now.batch_size,
-            step,
-            step + 1,
-            now.describe_batch(),
-            saved.global_batch,
+        warnings.append(
+            f"data.batch_size: {saved.batch_size} in the checkpoint, {now.batch_size} now: the shuffled windows "
+            f"continue where step {step} left them, and each step from step {step + 1} trains "
+            f"{now.describe_batch()} where it trained {saved.global_batch}: trainer.max_steps and the schedule "
+            "count steps, so the tokens a step means change here (result.json's parts record it)."
         )
     if saved is not None and saved.max_steps != now.max_steps:
         changes["trainer.max_steps"] = [saved.max_steps, now.max_steps]
@@ -328,10 +359,41 @@ def check_resume(
                 "decay rises again; a WSD decay moves to the new end, so a run resumed in its stable phase "
                 "continues as the longer run would)."
             )
-        log.warning(
-            "%s. Applied from step %d: %s.%s result.json's parts record it.", told, step + 1, effect, extended
+        warnings.append(
+            f"{told}. Applied from step {step + 1}: {effect}.{extended} result.json's parts record it."
         )
-    return changes
+    return ResumeChanges(changes, warnings)
+
+
+def data_refusal(saved: dict[str, Any], now: dict[str, Any], step: int) -> str:
+    """What a refusal says of training tokens that differ from the checkpoint's."""
+    return (
+        f"the training data differ: {saved.get('source')} ({saved.get('tokens'):,} training tokens) "
+        f"in the checkpoint, {now.get('source')} ({now.get('tokens'):,} tokens"
+        + (", other token digests" if saved.get("tokens") == now.get("tokens") else "")
+        + f") now: the position it continues from ({step} steps into the shuffled windows) would point "
+        "into other windows"
+    )
+
+
+def check_training_data(checkpoint: dict[str, Any], path: Path, data: dict[str, Any]) -> None:
+    """Refuse to continue the checkpoint at ``path`` on other training tokens than its own (``data``: the
+    prepared corpus's :func:`training_data_identity`), naming both and the fix. The one comparison of a resume
+    that needs the prepared data; :func:`check_resume` made the others before."""
+    saved = TrainingConditions.from_dict(checkpoint.get(CONDITIONS_KEY))
+    if saved is None or same_data(saved.data, data):
+        return
+    raise CheckpointError(
+        f"Checkpoint {path} (step {int(checkpoint.get('global_step', 0))}) cannot be continued as this command "
+        f"asks: {data_refusal(saved.data, data, int(checkpoint.get('global_step', 0)))}. Resume with the training "
+        f"text and tokenizer as they were. {NEW_RUN}"
+    )
+
+
+NEW_RUN = (
+    "Or start a new run: the same command without resume= (with overwrite=true to start it in this run's "
+    "directory, the old run's files moved aside)."
+)
 
 
 def _full_loss(node: Any) -> dict[str, Any]:
