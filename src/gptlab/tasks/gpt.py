@@ -77,6 +77,8 @@ def run(cfg: DictConfig) -> dict[str, float]:
     )
     parts = build(settings, strategy)
     resume = confirm_resume(planned, parts.module.model_config, data_check(parts))
+    if resume is not None:  # a distributed sampler's position is carried to another number of processes
+        parts.datamodule.resumed_world_size = saved_world_size(resume)
     recorded = finished_result(session.run_dir, resume, settings.trainer["max_steps"])
     if recorded is not None:
         return report_already_finished(session.run_dir, recorded)
@@ -197,10 +199,24 @@ def resume_check(settings: GPTRunConfig, strategy: Any) -> Any:
     def check(checkpoint: dict[str, Any], path: Path) -> Any:
         now = planned_conditions(settings, strategy)
         return check_resume(
-            checkpoint, path, now, settings.optim.node(), settings.loss.options(), settings.tokenizer["name"]
+            checkpoint,
+            path,
+            now,
+            settings.optim.node(),
+            settings.loss.options(),
+            settings.tokenizer["name"],
+            streaming=settings.data.streaming,
         )
 
     return check
+
+
+def saved_world_size(resume: ResumePlan) -> int | None:
+    """The processes that trained the checkpoint ``resume`` continues (None where it did not record them)."""
+    from gptlab.training.resume_changes import CONDITIONS_KEY, TrainingConditions
+
+    saved = TrainingConditions.from_dict(resume.checkpoint.get(CONDITIONS_KEY))
+    return saved.world_size if saved is not None else None
 
 
 def data_check(parts: Parts) -> Any:
@@ -257,7 +273,11 @@ def make_trainer(cfg: DictConfig, settings: GPTRunConfig, parts: Parts, loggers:
     from gptlab.training.callbacks import LogAtGlobalStep, ValidateAtLastStep, instantiate_callbacks
     from gptlab.training.checkpointing import fault_tolerance_callbacks
     from gptlab.training.downstream_eval import downstream_callbacks
-    from gptlab.training.resume_changes import RecordTrainingConditions, training_data_identity
+    from gptlab.training.resume_changes import (
+        CarryBatchCount,
+        RecordTrainingConditions,
+        training_data_identity,
+    )
 
     callbacks = instantiate_callbacks(cfg.get("callbacks") or {}) + downstream_callbacks(
         settings.downstream_eval, settings.block_size
@@ -272,7 +292,7 @@ def make_trainer(cfg: DictConfig, settings: GPTRunConfig, parts: Parts, loggers:
         logger=loggers or False,
         callbacks=callbacks
         + fault_tolerance_callbacks()
-        + [ValidateAtLastStep(), LogAtGlobalStep(), conditions],
+        + [ValidateAtLastStep(), LogAtGlobalStep(), conditions, CarryBatchCount()],
         plugins=[*slurm_plugins(), *settings.strategy.plugins()] or None,
     )
 
