@@ -254,6 +254,33 @@ def test_a_change_a_resume_cannot_make_is_refused_before_anything_is_trained(
     assert [p.name for p, data in before.items() if after[p] != data] == ["run.json"]
 
 
+def test_a_stream_resumed_on_another_number_of_processes_is_refused(tmp_path):
+    """Each process reads its own share of a stream, at its own place: the places of one DDP process cannot be
+    shared among two. Refused before any process starts or any text is read."""
+    lines = tmp_path / "stream.jsonl"
+    lines.write_text(
+        "".join(json.dumps({"text": TEXT[i : i + 600]}) + "\n" for i in range(0, len(TEXT), 600))
+    )
+    common = [
+        f"data.path={lines}",
+        "data.streaming=true",
+        "tokenizer=gpt2",
+        f"paths.root_dir={tmp_path}",
+        f"paths.output_dir={tmp_path / 'run'}",
+        "trainer.accelerator=cpu",
+        "strategy=ddp",
+    ]
+    train(*common, "trainer.devices=1")
+    with pytest.raises(CheckpointError) as refused:
+        train(*common, "trainer.devices=2", f"resume={tmp_path / 'run'}", "trainer.max_steps=4")
+    release_run_dir(tmp_path / "run")
+    assert (
+        "the processes: 1 in the checkpoint, 2 now (trainer.devices x trainer.num_nodes): a stream is read in one "
+        "share per process, each at its own place in it. Resume with 1 process(es) again (e.g. trainer.devices=1)"
+        in str(refused.value)
+    )
+
+
 def test_an_edited_corpus_is_refused_naming_the_file(tmp_path):
     text = tmp_path / "notes.txt"
     text.write_text(TEXT)
