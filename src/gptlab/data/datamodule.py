@@ -12,6 +12,7 @@ With ``data.document_mask=true`` each batch also carries the document id of ever
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -113,6 +114,9 @@ class GPTDataModule(L.LightningDataModule):
         self.corpus: corpus.PreparedCorpus | None = None
         self.train_set: TokenWindows | None = None
         self.val_set: TokenWindows | None = None
+        # the processes of the checkpoint a resume continues: a distributed sampler's saved position that does
+        # not name them (written before it did) was reached by that many ranks together
+        self.resumed_world_size: int | None = None
 
     @property
     def tokenizer(self) -> tokenizers.Tokenizer:
@@ -246,6 +250,7 @@ class GPTDataModule(L.LightningDataModule):
                 seed=self.seed,
                 drop_last=drop_last,
             )
+            sampler.saved_num_replicas = self.resumed_world_size
             options = {"sampler": sampler}
         return stateful_loader(self.train_set, drop_last=drop_last, **common, **options)
 
@@ -263,23 +268,53 @@ class GPTDataModule(L.LightningDataModule):
 
 
 class ResumableDistributedSampler(StatefulDistributedSampler):
-    """torchdata's stateful distributed sampler, whose saved position also names the epoch whose permutation it
-    is in. Lightning counts the epochs itself, and counts the one a run's final checkpoint was written in as
-    ended (``trainer.max_steps`` was reached): a run trained longer from that checkpoint would draw the next
-    epoch's permutation (the seed + 1) and skip as many of its windows as the saved position, leaving the
-    rest of the first permutation untrained. This one continues the permutation it saved, and numbers the
-    epochs after it from there (Lightning's epoch minus the difference found on resume)."""
+    """torchdata's stateful distributed sampler, whose saved position names the epoch whose permutation it is in
+    and the place in that permutation that all ranks together reached, so that a run can continue it on
+    another number of processes.
+
+    Each epoch's permutation depends on the seed and the epoch alone; rank ``r`` of ``W`` takes its positions
+    ``r, r + W, r + 2W, ...``, and the ranks step together, so after each took ``y`` windows, the run as a
+    whole has trained the permutation's first ``W * y`` positions. The saved state names that position; a
+    resume on ``W'`` processes takes the rest of the permutation from there, rank ``r`` its positions
+    ``position + r, position + r + W', ...`` (cut, or padded from the permutation's start, to a multiple of
+    ``W'`` as torch's sampler does), and the next epochs as a run on ``W'`` processes draws them.
+
+    Lightning counts the epochs itself, and counts the one a run's final checkpoint was written in as ended
+    (``trainer.max_steps`` was reached): a run trained longer from that checkpoint would draw the next epoch's
+    permutation (the seed + 1) and skip as many of its windows as the saved position, leaving the rest of the
+    first permutation untrained. This one continues the permutation it saved, and numbers the epochs after it
+    from there (Lightning's epoch minus the difference found on resume)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._epoch_offset = 0  # Lightning's epoch minus this sampler's
         self._restored_epoch: int | None = None  # loaded, and no iteration started since
+        self.start = 0  # where in this epoch's permutation the ranks' shares begin (a resume on other ranks)
+        self._next_start: int | None = None  # loaded: the position the next iteration starts at
+        # the processes of a saved position that does not name them (written before it did): the checkpoint's
+        self.saved_num_replicas: int | None = None
 
     def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "epoch": self.epoch}
+        if self._next_start is not None:  # loaded, not yet iterated: the loaded position, in this split
+            return {
+                self._YIELDED: 0,
+                "epoch": self.epoch,
+                "num_replicas": self.num_replicas,
+                "start": self._next_start,
+            }
+        return {
+            **super().state_dict(),
+            "epoch": self.epoch,
+            "num_replicas": self.num_replicas,
+            "start": self.start,
+        }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        super().load_state_dict(state_dict)
+        if int(state_dict.get(self._YIELDED, -1)) < 0:
+            raise ValueError(f"Not a distributed sampler's position: {state_dict}")
+        replicas = int(state_dict.get("num_replicas") or self.saved_num_replicas or self.num_replicas)
+        # the position all the saved ranks reached together; this rank takes its share of the rest from there
+        self._next_start = int(state_dict.get("start", 0)) + replicas * int(state_dict[self._YIELDED])
         if "epoch" in state_dict:  # a position saved before the epoch was: as loaded, Lightning's epoch
             self._restored_epoch = int(state_dict["epoch"])
             self._align(self.epoch + self._epoch_offset)
@@ -297,7 +332,30 @@ class ResumableDistributedSampler(StatefulDistributedSampler):
 
     def __iter__(self) -> Any:
         self._restored_epoch = None  # (a generator: runs at the first window, after the loads and set_epoch)
-        yield from super().__iter__()
+        self.start, self._next_start = self._next_start or 0, None
+        self.yielded = 0
+        for index in self._share(self.start):
+            self.yielded += 1
+            yield index
+
+    def _share(self, start: int) -> list[int]:
+        """This rank's windows of the epoch's permutation from position ``start`` on: every
+        ``num_replicas``-th, from ``start + rank``, over the rest cut (``drop_last``) or padded from the
+        permutation's start to a multiple of ``num_replicas`` (torch's sampler from ``start`` = 0)."""
+        n = len(self.dataset)
+        if self.shuffle:
+            order = torch.randperm(
+                n, generator=torch.Generator().manual_seed(self.seed + self.epoch)
+            ).tolist()
+        else:
+            order = list(range(n))
+        rest = order[start:]
+        if self.drop_last:
+            rest = rest[: len(rest) - len(rest) % self.num_replicas]
+        elif rest and len(rest) % self.num_replicas:
+            padding = self.num_replicas - len(rest) % self.num_replicas
+            rest += (order * math.ceil(padding / n))[:padding]
+        return rest[self.rank :: self.num_replicas]
 
 
 def stateful_loader(*args: Any, **kwargs: Any) -> DataLoader:

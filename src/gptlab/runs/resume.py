@@ -48,6 +48,7 @@ __all__ = [
     "RunEntry",
     "choose_run_dir",
     "enter_run",
+    "confirm_resume",
     "plan_resume",
     "register_resolvers",
 ]
@@ -288,11 +289,20 @@ class ResumePlan:
     # what this part changes from the checkpoint's settings (``{"data.batch_size": [4, 8]}``: the checkpoint's
     # value, then this command's), recorded in its part of result.json
     changes: dict[str, list[Any]] = field(default_factory=dict)
+    # what confirm_resume needs once the data is prepared: the checkpoint without its weights and optimizer
+    # state, its model config, the warnings that tell the changes, and whether the vocabulary was compared
+    checkpoint: dict[str, Any] = field(default_factory=dict, repr=False)
+    saved_model: dict[str, Any] = field(default_factory=dict, repr=False)
+    warnings: list[str] = field(default_factory=list, repr=False)
+    vocab_checked: bool = True
 
 
-# Compares a loaded checkpoint (without its weights) and its path with the command's settings: raises a
-# CheckpointError for a change a resume cannot make, returns those it makes (gptlab.training.resume_changes).
-ConditionsCheck = Callable[[dict[str, Any], Path], dict[str, list[Any]]]
+# Compares a loaded checkpoint (without its weights) and its path with the command's settings, before the
+# data is prepared: raises a CheckpointError for a change a resume cannot make, returns those it makes
+# (gptlab.training.resume_changes.ResumeChanges: ``applied`` and the ``warnings`` that tell them).
+ConditionsCheck = Callable[[dict[str, Any], Path], Any]
+# Compares the checkpoint with the prepared training data: raises a CheckpointError naming both if they differ.
+DataCheck = Callable[[dict[str, Any], Path], None]
 
 
 def checkpoint_to_resume(resume: Any, run_dir: Path) -> Path | None:
@@ -355,16 +365,22 @@ def architecture_differences(saved: dict[str, Any], current: dict[str, Any]) -> 
 
 
 def inspect_checkpoint(
-    path: Path, model_config: Any, check: ConditionsCheck | None = None, ranks_check_shards: bool = False
+    path: Path,
+    model_config: Any,
+    check: ConditionsCheck | None = None,
+    ranks_check_shards: bool = False,
+    vocab_known: bool = True,
 ) -> ResumePlan:
     """Check that ``path`` (a file or a sharded directory) is a readable gptlab checkpoint of the same model
-    as ``model_config`` (a GPTConfig); returns what the resumed run needs from it. Checkpoints written by
-    earlier versions of gptlab hold the same keys and pass; one from elsewhere is refused here, by name, as is
-    one whose bytes differ from the digest written with it (naming the intact checkpoints to resume from).
-    ``check`` compares the rest of the command's settings (the data, the processes, the batch, the loss, the
-    optimizer), first: a corpus that changed also changes a fitted vocabulary, and the data are the cause to
-    name. ``ranks_check_shards``: the ranks that load a sharded checkpoint hash its files, each its share
-    (only the sizes are compared here)."""
+    as ``model_config`` (a GPTConfig; its ``vocab_size`` is compared only when ``vocab_known``: a vocabulary
+    fitted to the corpus is known once the data is prepared, and :func:`confirm_resume` compares it then);
+    returns what the resumed run needs from it. Checkpoints written by earlier versions of gptlab hold the
+    same keys and pass; one from elsewhere is refused here, by name, as is one whose bytes differ from the
+    digest written with it (naming the intact checkpoints to resume from). ``check`` compares the rest of the
+    command's settings (the processes, the batch, the loss, the optimizer, ...): all of it is known before
+    the data is prepared, so a wrong command is refused before any text is tokenized. ``ranks_check_shards``:
+    the ranks that load a sharded checkpoint hash its files, each its share (only the sizes are compared
+    here)."""
     checkpoint = load_checkpoint(
         path, weights=False, use_instead=RESUME_INSTEAD, hash_shards=not ranks_check_shards
     )
@@ -382,30 +398,48 @@ def inspect_checkpoint(
     except ConfigError as e:
         raise CheckpointError(f"Checkpoint {path} holds a model config this version cannot build: {e}") from e
     refusal: CheckpointError | None = None
+    outcome: Any = None
     try:
-        changes = check(checkpoint, Path(path)) if check is not None else {}
+        outcome = check(checkpoint, Path(path)) if check is not None else None
     except CheckpointError as e:
-        refusal, changes = e, {}
+        refusal = e
     current = model_config.to_dict()
-    diffs = architecture_differences(saved, current)
-    if refusal is not None:  # a fitted vocabulary follows the corpus: the refusal names the cause
-        diffs = [d for d in diffs if not d.startswith("model.vocab_size:")]
-    if diffs:
-        flat_saved, flat_current = _flat(saved, current), _flat(current, saved)
-        fixes = [
-            f"{k}={'null' if flat_saved[k] is None else flat_saved[k]}"
-            for k in sorted(k for k in flat_saved if flat_saved[k] != flat_current.get(k))
-            if k != "model.vocab_size"
-        ]
-        raise CheckpointError(
-            f"Checkpoint {path} is from a different model: {'; '.join(diffs)}. Resume with the settings it was "
-            f"trained with{' (' + ' '.join(fixes) + ')' if fixes else ''}, or start a new run without resume=."
-        )
+    if not vocab_known:
+        current["vocab_size"] = saved.get("vocab_size")
+    # a fitted vocabulary follows the corpus and the tokenizer: a refusal of either names the cause
+    _refuse_other_model(path, saved, current, keep_vocab=refusal is None)
     if refusal is not None:
         raise refusal
     wandb_run_id = checkpoint.get("wandb_run_id")
+    light = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
     return ResumePlan(
-        path, int(checkpoint.get("global_step", 0)), str(wandb_run_id) if wandb_run_id else None, changes
+        Path(path),
+        int(checkpoint.get("global_step", 0)),
+        str(wandb_run_id) if wandb_run_id else None,
+        dict(getattr(outcome, "applied", {}) or {}),
+        checkpoint=light,
+        saved_model=saved,
+        warnings=list(getattr(outcome, "warnings", []) or []),
+        vocab_checked=vocab_known,
+    )
+
+
+def _refuse_other_model(path: Path, saved: dict[str, Any], current: dict[str, Any], keep_vocab: bool) -> None:
+    """Refuse a checkpoint of another model than ``current``, naming each key that differs and the fix."""
+    diffs = architecture_differences(saved, current)
+    if not keep_vocab:
+        diffs = [d for d in diffs if not d.startswith("model.vocab_size:")]
+    if not diffs:
+        return
+    flat_saved, flat_current = _flat(saved, current), _flat(current, saved)
+    fixes = [
+        f"{k}={'null' if flat_saved[k] is None else flat_saved[k]}"
+        for k in sorted(k for k in flat_saved if flat_saved[k] != flat_current.get(k))
+        if k != "model.vocab_size"
+    ]
+    raise CheckpointError(
+        f"Checkpoint {path} is from a different model: {'; '.join(diffs)}. Resume with the settings it was "
+        f"trained with{' (' + ' '.join(fixes) + ')' if fixes else ''}, or start a new run without resume=."
     )
 
 
@@ -414,13 +448,31 @@ def plan_resume(
     model_config: Any,
     check: ConditionsCheck | None = None,
     ranks_check_shards: bool = False,
+    vocab_known: bool = True,
 ) -> ResumePlan | None:
-    """Everything a resumed run needs from its checkpoint (:attr:`RunEntry.checkpoint`), checked before any
-    training (``check``: :func:`inspect_checkpoint`): None for a new run. ``ranks_check_shards``: the run's
-    ranks will hash a sharded checkpoint's files between them when they load it."""
+    """What a resumed run needs from its checkpoint (:attr:`RunEntry.checkpoint`), checked before the data is
+    prepared (:func:`inspect_checkpoint`): None for a new run. ``ranks_check_shards``: the run's ranks will
+    hash a sharded checkpoint's files between them when they load it. The plan is confirmed, once the data
+    is prepared, by :func:`confirm_resume`."""
     if ckpt is None:
         return None
-    plan = inspect_checkpoint(ckpt, model_config, check, ranks_check_shards)
+    return inspect_checkpoint(ckpt, model_config, check, ranks_check_shards, vocab_known)
+
+
+def confirm_resume(
+    plan: ResumePlan | None, model_config: Any, data_check: DataCheck | None = None
+) -> ResumePlan | None:
+    """The checks of a resume that need the prepared data: the training tokens (``data_check``), then a
+    vocabulary fitted to them (``model_config``: the model as built for the prepared tokenizer). Then the
+    changes the resume makes are told (their warnings), and where it continues from."""
+    if plan is None:
+        return None
+    if data_check is not None:
+        data_check(plan.checkpoint, plan.ckpt_path)  # the cause, before its consequence (the vocabulary)
+    if not plan.vocab_checked:
+        _refuse_other_model(plan.ckpt_path, plan.saved_model, model_config.to_dict(), keep_vocab=True)
+    for line in plan.warnings:
+        log.warning("%s", line)
     log.info("Resuming from %s (step %d)", plan.ckpt_path, plan.global_step)
     return plan
 

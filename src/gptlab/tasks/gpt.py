@@ -2,7 +2,8 @@
 
 Four steps, each its own function: **build** (the typed config parsed and checked whole, the run directory
 claimed, the data read and windowed, the model made; all before any logger or trainer starts, so a bad
-corpus or option costs seconds), **resume** (which checkpoint this run continues, checked against the model),
+corpus or option costs seconds), **resume** (which checkpoint this run continues, checked against the
+command before the data is prepared, and against the prepared tokens and vocabulary after),
 **fit** (Lightning trains, or only validates a run that has already reached ``trainer.max_steps``) and
 **report** (the final line, ``result.json``, the W&B summary and the length study). The run skeleton around
 them (loggers, saved config, the result of a run that raised, closing W&B) is :mod:`gptlab.tasks.skeleton`.
@@ -26,7 +27,7 @@ from gptlab.planning import check_memory
 from gptlab.runs.identity import launched_rank
 from gptlab.runs.layout import LAST_CHECKPOINT
 from gptlab.runs.naming import is_multirun
-from gptlab.runs.resume import ResumePlan, plan_resume
+from gptlab.runs.resume import ResumePlan, confirm_resume, plan_resume
 from gptlab.tasks.skeleton import RunSession, quiet_launched_ranks, record_run_dir, route_lightning_logs
 
 if TYPE_CHECKING:  # Lightning and the data are imported once the config is checked: a refusal comes first
@@ -65,13 +66,20 @@ def run(cfg: DictConfig) -> dict[str, float]:
     session = RunSession.start(
         cfg, settings.run, run_dir, seed=lambda s: L.seed_everything(s, workers=True, verbose=False)
     )
-    parts = build(settings)
-    resume = plan_resume(
+    strategy = make_strategy(settings)
+    # Every check of the checkpoint that the command alone answers, before the data is prepared (minutes to
+    # hours of tokenizing on a research corpus); the training tokens and a fitted vocabulary once it is.
+    planned = plan_resume(
         session.resume_from,
-        parts.module.model_config,
-        resume_check(settings, parts),
-        ranks_check_shards(parts, settings),
+        settings.model,
+        resume_check(settings, strategy),
+        ranks_check_shards(strategy, settings),
+        vocab_known=not settings.vocab_from_tokenizer,
     )
+    parts = build(settings, strategy)
+    resume = confirm_resume(planned, parts.module.model_config, data_check(parts))
+    if resume is not None:  # a distributed sampler's position is carried to another number of processes
+        parts.datamodule.resumed_world_size = saved_world_size(resume)
     recorded = finished_result(session.run_dir, resume, settings.trainer["max_steps"])
     if recorded is not None:
         return report_already_finished(session.run_dir, recorded)
@@ -144,21 +152,27 @@ def report_already_finished(run_dir: Path, result: dict[str, Any]) -> dict[str, 
 
 
 # ---- build --------------------------------------------------------------------------------------------
-def build(settings: GPTRunConfig) -> Parts:
-    """The strategy checked against the hardware and the launch, the data prepared and windowed (the
-    tokenizer is a product of it: a fitted vocabulary comes from the training split), the module made."""
+def make_strategy(settings: GPTRunConfig) -> Any:
+    """The Lightning strategy, checked against the hardware and the launch (before any data is read)."""
+    from gptlab.parallel import build_strategy, warn_if_cpu_oversubscribed
+
+    strategy = build_strategy(settings.strategy_node, settings.trainer, multirun=is_multirun())
+    if not launched_rank():  # one warning for the run, from rank 0, not one from each process
+        warn_if_cpu_oversubscribed(settings.trainer)
+    return strategy
+
+
+def build(settings: GPTRunConfig, strategy: Any) -> Parts:
+    """The data prepared and windowed (the tokenizer is a product of it: a fitted vocabulary comes from the
+    training split), the module made; ``strategy``: :func:`make_strategy`'s."""
     import torch
 
-    from gptlab.parallel import build_strategy, warn_if_cpu_oversubscribed
     from gptlab.training.module import GPTLitModule
 
     # Subnormal floats (a softmax over strongly biased scores: ALiBi at T=1024) are many times slower on x86
     # CPUs; flushing them to zero changes nothing above 1.2e-38. ALiBi's step on one thread: 1.93x -> 1.34x
     # the fused causal one (scripts/bench_attention.py). Threads started later inherit the setting.
     torch.set_flush_denormal(True)
-    strategy = build_strategy(settings.strategy_node, settings.trainer, multirun=is_multirun())
-    if not launched_rank():  # one warning for the run, from rank 0, not one from each process
-        warn_if_cpu_oversubscribed(settings.trainer)
     datamodule = make_datamodule(settings)
     datamodule.prepare_data()
     datamodule.setup("fit")
@@ -177,27 +191,53 @@ def build(settings: GPTRunConfig) -> Parts:
     return Parts(datamodule, corpus, module, strategy)
 
 
-def resume_check(settings: GPTRunConfig, parts: Parts) -> Any:
-    """The comparison of a checkpoint with this command's data, processes, batch, loss and optimizer
-    (:func:`gptlab.training.resume_changes.check_resume`), for :func:`gptlab.runs.resume.plan_resume`."""
-    from gptlab.training.resume_changes import check_resume, planned_conditions, training_data_identity
+def resume_check(settings: GPTRunConfig, strategy: Any) -> Any:
+    """The comparison of a checkpoint with this command's processes, batch, stride, seed, tokenizer, loss and
+    optimizer (:func:`gptlab.training.resume_changes.check_resume`), for
+    :func:`gptlab.runs.resume.plan_resume`: all known before the data is prepared."""
+    from gptlab.training.resume_changes import check_resume, planned_conditions
 
-    def check(checkpoint: dict[str, Any], path: Path) -> dict[str, list[Any]]:
-        now = planned_conditions(
-            settings, parts.strategy, training_data_identity(parts.corpus), parts.datamodule.stride
+    def check(checkpoint: dict[str, Any], path: Path) -> Any:
+        now = planned_conditions(settings, strategy)
+        return check_resume(
+            checkpoint,
+            path,
+            now,
+            settings.optim.node(),
+            settings.loss.options(),
+            settings.tokenizer["name"],
+            streaming=settings.data.streaming,
         )
-        return check_resume(checkpoint, path, now, settings.optim.node(), parts.module.head_loss.options())
 
     return check
 
 
-def ranks_check_shards(parts: Parts, settings: GPTRunConfig) -> bool:
+def saved_world_size(resume: ResumePlan) -> int | None:
+    """The processes that trained the checkpoint ``resume`` continues (None where it did not record them)."""
+    from gptlab.training.resume_changes import CONDITIONS_KEY, TrainingConditions
+
+    saved = TrainingConditions.from_dict(resume.checkpoint.get(CONDITIONS_KEY))
+    return saved.world_size if saved is not None else None
+
+
+def data_check(parts: Parts) -> Any:
+    """The comparison of a checkpoint's training tokens with the prepared corpus's
+    (:func:`gptlab.training.resume_changes.check_training_data`), for :func:`gptlab.runs.resume.confirm_resume`."""
+    from gptlab.training.resume_changes import check_training_data, training_data_identity
+
+    def check(checkpoint: dict[str, Any], path: Path) -> None:
+        check_training_data(checkpoint, path, training_data_identity(parts.corpus))
+
+    return check
+
+
+def ranks_check_shards(strategy: Any, settings: GPTRunConfig) -> bool:
     """Whether the run's ranks hash a sharded checkpoint between them when its strategy loads it
     (:func:`gptlab.parallel.checkpoint_io.verify_sharded_load`), leaving the planning of a resume the sizes."""
     from gptlab.parallel.checkpoint_io import AtomicDeepSpeedStrategy, FullyShardedStrategy
     from gptlab.parallel.hardware import world_size
 
-    sharded = isinstance(parts.strategy, (FullyShardedStrategy, AtomicDeepSpeedStrategy))
+    sharded = isinstance(strategy, (FullyShardedStrategy, AtomicDeepSpeedStrategy))
     return sharded and world_size(settings.trainer) > 1
 
 
@@ -234,7 +274,11 @@ def make_trainer(cfg: DictConfig, settings: GPTRunConfig, parts: Parts, loggers:
     from gptlab.training.callbacks import LogAtGlobalStep, ValidateAtLastStep, instantiate_callbacks
     from gptlab.training.checkpointing import fault_tolerance_callbacks
     from gptlab.training.downstream_eval import downstream_callbacks
-    from gptlab.training.resume_changes import RecordTrainingConditions, training_data_identity
+    from gptlab.training.resume_changes import (
+        CarryBatchCount,
+        RecordTrainingConditions,
+        training_data_identity,
+    )
 
     callbacks = instantiate_callbacks(cfg.get("callbacks") or {}) + downstream_callbacks(
         settings.downstream_eval, settings.block_size
@@ -249,7 +293,7 @@ def make_trainer(cfg: DictConfig, settings: GPTRunConfig, parts: Parts, loggers:
         logger=loggers or False,
         callbacks=callbacks
         + fault_tolerance_callbacks()
-        + [ValidateAtLastStep(), LogAtGlobalStep(), conditions],
+        + [ValidateAtLastStep(), LogAtGlobalStep(), conditions, CarryBatchCount()],
         plugins=[*slurm_plugins(), *settings.strategy.plugins()] or None,
     )
 

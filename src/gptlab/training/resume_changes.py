@@ -4,13 +4,18 @@ change is told.
 Each checkpoint records the conditions it was trained under besides the model (:class:`TrainingConditions`:
 the processes and whether they share a distributed sampler, the per-process batch, the accumulation, the
 schedule's length, the windows' stride, the seed and the identity of the training tokens). A resume compares
-them, and the loss and optimizer the checkpoint holds, with the command's, before any weight is read
-(:func:`check_resume`):
+them, and the loss and optimizer the checkpoint holds, with the command's, before any weight is read and
+before the corpus is prepared (:func:`check_resume`: all of it, the tokenizer included, is known from the
+command alone, and a research corpus takes minutes to hours to tokenize); only the training tokens
+themselves are compared once the corpus is prepared (:func:`check_training_data`):
 
-- **Refused**, naming each key with the checkpoint's value and the command's, and the fix: a different number
-  of processes or another sampler (``trainer.devices``, ``trainer.num_nodes``, ``strategy``: each rank's
-  position in the shuffled windows belongs to the split it was saved with, and Lightning's loader cannot carry
-  it to another), another ``trainer.accumulate_grad_batches`` (Lightning counts the micro-batches of a step from
+- **Refused**, naming each key with the checkpoint's value and the command's, and the fix: a distributed
+  strategy where there was none, or none where there was one (``strategy``, ``trainer.devices``: a distributed
+  sampler draws each epoch's order of the windows from the seed and the epoch, a single process from a random
+  stream that runs on, so a position in one order means nothing in the other), another number of processes
+  from a sharded checkpoint (it holds each rank's share of the state) or over a stream (each process reads
+  its own share of it), another ``tokenizer`` (each id would stand for other text), another
+  ``trainer.accumulate_grad_batches`` (Lightning counts the micro-batches of a step from
   the epoch's start, so the first steps after the change would accumulate the wrong number of them), other
   training tokens or another ``data.stride`` (the saved position would point into other windows), another
   optimizer (its state is another optimizer's), another ``data.num_workers`` (the loader's position is
@@ -18,10 +23,17 @@ them, and the loss and optimizer the checkpoint holds, with the command's, befor
   windows go on; a distributed sampler would draw a new order from it each epoch), and a loss term that
   changes what is trained (``loss.z_loss``, ``loss.final_softcap``).
 - **Applied and recorded**: ``data.batch_size`` (the windows continue where they stopped; each remaining step
-  trains the new global batch), ``trainer.max_steps`` (the schedule is recomputed for the new length), and the
+  trains the new global batch), another number of processes under a distributed strategy (the ranks of the
+  checkpoint had trained the first windows of the epoch's order, as many as their steps times the global
+  batch; each new rank takes its share of the rest from there: see
+  :class:`gptlab.data.datamodule.ResumableDistributedSampler`; the global batch changes with the processes,
+  and the warning names the ``data.batch_size`` that keeps it), ``trainer.max_steps`` (the schedule is recomputed for the new length), and the
   optimizer's options (``optim.lr``, ``optim.weight_decay``, ``optim.schedule``, ...: the new values replace
   those restored with the optimizer's state). Each is logged as a warning with what it does at the resumed step
   (the learning rate before and after), and listed in the part of ``result.json`` that made it.
+
+Under another global batch, Lightning's count of the epoch's batches is put in the new batches on load
+(:class:`CarryBatchCount`), so that the epoch still ends where its order of the windows does.
 
 Checkpoints written before the conditions were recorded resume without the checks that need them.
 """
@@ -93,6 +105,7 @@ def training_data_identity(corpus: Any) -> dict[str, Any]:
     train = corpus.train
     identity: dict[str, Any] = {
         "source": f"{corpus.meta.get('source', '')} with tokenizer={corpus.tokenizer.name}",
+        "tokenizer": corpus.tokenizer.name,
         "tokens": len(train),
     }
     if train.shards:
@@ -129,6 +142,53 @@ class RecordTrainingConditions(L.Callback):
         ).to_dict()
 
 
+class CarryBatchCount(L.Callback):
+    """Lightning counts an epoch's batches and ends the epoch when the count reaches the loader's length. A
+    checkpoint restores the count in its own batches; resumed under another global batch (``data.batch_size``,
+    the processes), the count would run on in the new ones, and with a larger batch end the epoch before its
+    order of the windows does, leaving its last windows untrained (up to half the epoch's at twice the batch).
+    On load, the count is put in the new batches: the windows the run has trained in this epoch (the loader's
+    saved position) over the new batch, in whole steps; the loader then ends the epoch where its order ends."""
+
+    def on_load_checkpoint(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        saved = TrainingConditions.from_dict(checkpoint.get(CONDITIONS_KEY))
+        datamodule = getattr(trainer, "datamodule", None)
+        batch = int(getattr(datamodule, "batch_size", 0) or 0)
+        if saved is None or not batch or saved.batch_size * saved.world_size == batch * trainer.world_size:
+            return
+        fit_loop = (checkpoint.get("loops") or {}).get("fit_loop") or {}
+        position = windows_trained_in_epoch(fit_loop, saved)
+        progress = (fit_loop.get("epoch_loop.batch_progress") or {}).get("current")
+        if position is None or not isinstance(progress, dict) or "ready" not in progress:
+            return
+        accumulate = int(trainer.accumulate_grad_batches)
+        carried = accumulate * (position // (accumulate * batch * trainer.world_size))
+        shift = int(progress["ready"]) - carried
+        for key in ("ready", "started", "processed", "completed"):
+            if key in progress:
+                progress[key] = int(progress[key]) - shift
+
+
+def windows_trained_in_epoch(fit_loop: dict[str, Any], saved: TrainingConditions) -> int | None:
+    """How many windows of its epoch's order a run had trained, all processes together, by the training
+    loader's state in a checkpoint's fit loop (torchdata's; with workers, its main process's snapshot); None
+    where it does not say."""
+    states = (fit_loop.get("state_dict") or {}).get("combined_loader") or []
+    if len(states) != 1 or not isinstance(states[0], dict):
+        return None
+    loader = (states[0].get("_snapshot") or {}).get("_main_snapshot") or states[0]
+    batches = loader.get("_sampler_iter_state") or {}
+    sampler = batches.get("sampler_state") or {}
+    if saved.distributed:  # gptlab.data.datamodule.ResumableDistributedSampler's position
+        if "yielded" not in sampler:
+            return None
+        replicas = int(sampler.get("num_replicas") or saved.world_size)
+        return int(sampler.get("start", 0)) + replicas * int(sampler["yielded"])
+    return int(batches["samples_yielded"]) if "samples_yielded" in batches else None
+
+
 def conditions_of_trainer(
     trainer: L.Trainer, data: dict[str, Any], stride: int, seed: int
 ) -> TrainingConditions:
@@ -148,10 +208,13 @@ def conditions_of_trainer(
     )
 
 
-def planned_conditions(settings: Any, strategy: Any, data: dict[str, Any], stride: int) -> TrainingConditions:
+def planned_conditions(
+    settings: Any, strategy: Any, data: dict[str, Any] | None = None, stride: int | None = None
+) -> TrainingConditions:
     """The conditions the command will train under, known before any trainer exists: the processes from
     ``trainer.devices`` x ``trainer.num_nodes``, distributed when the strategy is (``strategy=auto`` is on more
-    than one process)."""
+    than one process). Before the data is prepared, ``data`` is empty (the training tokens are compared once
+    they are) and the stride is ``data.stride``, or ``model.block_size`` when null (as the windows take it)."""
     from lightning.pytorch.strategies import ParallelStrategy
 
     from gptlab.parallel.hardware import world_size
@@ -164,9 +227,9 @@ def planned_conditions(settings: Any, strategy: Any, data: dict[str, Any], strid
         num_workers=int(settings.loader.num_workers),
         accumulate=int(settings.trainer.get("accumulate_grad_batches") or 1),
         max_steps=int(settings.trainer["max_steps"]),
-        stride=stride,
+        stride=stride or settings.loader.stride or settings.block_size,
         seed=int(settings.run.seed),
-        data=data,
+        data=data or {},
     )
 
 
@@ -194,32 +257,67 @@ def lr_at(optim_node: dict[str, Any], max_steps: int, step: int) -> float:
     return float(choice.options.lr) * choice.options.factor(max_steps)(step)
 
 
+def tokenizer_of(identity: dict[str, Any]) -> str | None:
+    """The tokenizer a data identity names: its own key, or (a checkpoint from before it had one) the end of
+    its source, ``... with tokenizer=NAME``."""
+    if identity.get("tokenizer"):
+        return str(identity["tokenizer"])
+    source = str(identity.get("source", ""))
+    marker = " with tokenizer="
+    if marker not in source:
+        return None
+    return source.rsplit(marker, 1)[1] or None
+
+
+@dataclass
+class ResumeChanges:
+    """What a resume changes from its checkpoint and applies (``{"data.batch_size": [4, 8]}``: the
+    checkpoint's value, then the command's), and the warning that tells each, logged once the resume is
+    confirmed (:meth:`tell`): after the checks that need the prepared data, so a refused resume tells none."""
+
+    applied: dict[str, list[Any]] = dataclasses.field(default_factory=dict)
+    warnings: list[str] = dataclasses.field(default_factory=list)
+
+    def tell(self) -> None:
+        for line in self.warnings:
+            log.warning("%s", line)
+
+
 def check_resume(
     checkpoint: dict[str, Any],
     path: Path,
     now: TrainingConditions,
     optim_node: dict[str, Any],
     loss_options: dict[str, Any],
-) -> dict[str, list[Any]]:
-    """Compare the checkpoint at ``path`` with the command's conditions, optimizer node and loss options.
-    Raises a CheckpointError listing every change a resume cannot make, with the fix; returns the changes it
-    makes (``{"data.batch_size": [4, 8], ...}``, the checkpoint's value then the command's), each logged with
-    its effect."""
+    tokenizer: str | None = None,
+    streaming: bool = False,
+) -> ResumeChanges:
+    """Compare the checkpoint at ``path`` with the command's conditions, optimizer node and loss options,
+    before any data is prepared (``now.data`` may be empty: the training tokens are compared by
+    :func:`check_training_data` once they are; ``tokenizer``, the command's, is compared here, as it is known
+    before any text is read). Raises a CheckpointError listing every change a resume cannot make, with the
+    fix; returns the changes it makes, each with the warning that tells its effect. ``streaming``: the
+    command reads its training text as a stream (``data.streaming=true``)."""
+    from gptlab.runs.layout import checkpoint_kind
+
+    sharded = checkpoint_kind(Path(path)) not in (None, "file")
     step = int(checkpoint.get("global_step", 0))
     saved = TrainingConditions.from_dict(checkpoint.get(CONDITIONS_KEY))
     hparams = checkpoint.get("hyper_parameters") or {}
     refused: list[str] = []
     fixes: list[str] = []
     changes: dict[str, list[Any]] = {}
+    warnings: list[str] = []
 
-    if saved is not None and not same_data(saved.data, now.data):
+    saved_tokenizer = tokenizer_of(saved.data) if saved is not None else None
+    if saved_tokenizer is not None and tokenizer is not None and saved_tokenizer != tokenizer:
         refused.append(
-            f"the training data differ: {saved.data.get('source')} ({saved.data.get('tokens'):,} training tokens) "
-            f"in the checkpoint, {now.data.get('source')} ({now.data.get('tokens'):,} tokens"
-            + (", other token digests" if saved.data.get("tokens") == now.data.get("tokens") else "")
-            + f") now: the position it continues from ({step} steps into the shuffled windows) would point "
-            "into other windows"
+            f"tokenizer: {saved_tokenizer} in the checkpoint, {tokenizer} now: the training tokens would be "
+            "others, and each id would stand for other text"
         )
+        fixes.append(f"tokenizer={saved_tokenizer}")
+    if saved is not None and now.data and not same_data(saved.data, now.data):
+        refused.append(data_refusal(saved.data, now.data, step))
         fixes.append("the training text and tokenizer as they were")
     if saved is not None and saved.stride != now.stride:
         refused.append(
@@ -239,18 +337,31 @@ def check_resume(
             "order of the windows it saved, which a distributed sampler draws anew from the seed each epoch"
         )
         fixes.append(f"seed={saved.seed}")
-    if saved is not None and (saved.world_size, saved.distributed) != (now.world_size, now.distributed):
+    if saved is not None and saved.distributed != now.distributed:
         refused.append(
             f"the processes: {_processes(saved)} in the checkpoint, {_processes(now)} now (trainer.devices x "
-            "trainer.num_nodes, strategy): each rank's position in the shuffled windows cannot be carried to "
-            "another split of them, and the global batch would change "
-            f"({saved.global_batch} windows a step in the checkpoint)"
+            "trainer.num_nodes, strategy): a distributed sampler draws each epoch's order of the windows from the "
+            "seed and the epoch, a single process without one from a random stream that runs on across epochs, "
+            "so the position reached in one order means nothing in the other"
         )
         fixes.append(
-            f"{saved.world_size} process(es) again (e.g. trainer.devices={saved.world_size} "
-            + ("strategy=ddp" if saved.distributed else "strategy=auto")
-            + ")"
+            "a distributed strategy again, on any number of processes (e.g. strategy=ddp "
+            f"trainer.devices={saved.world_size}; trainer.devices=1 strategy=ddp continues it on one process)"
+            if saved.distributed
+            else "no distributed strategy (trainer.devices=1 strategy=auto)"
         )
+    elif saved is not None and saved.world_size != now.world_size and (streaming or sharded):
+        why = (
+            "a stream is read in one share per process, each at its own place in it"
+            if streaming
+            else "a sharded checkpoint holds each rank's share of the weights and optimizer state, for that "
+            "many ranks"
+        )
+        refused.append(
+            f"the processes: {saved.world_size} in the checkpoint, {now.world_size} now (trainer.devices x "
+            f"trainer.num_nodes): {why}"
+        )
+        fixes.append(f"{saved.world_size} process(es) again (e.g. trainer.devices={saved.world_size})")
     if saved is not None and saved.accumulate != now.accumulate:
         refused.append(
             f"trainer.accumulate_grad_batches: {saved.accumulate} in the checkpoint, {now.accumulate} now: "
@@ -278,23 +389,23 @@ def check_resume(
     if refused:
         raise CheckpointError(
             f"Checkpoint {path} (step {step}) cannot be continued as this command asks: {'; '.join(refused)}. "
-            f"Resume with {'; '.join(fixes)}. Or start a new run: the same command without resume= (with "
-            "overwrite=true to start it in this run's directory, the old run's files moved aside)."
+            f"Resume with {'; '.join(fixes)}. {NEW_RUN}"
         )
 
     if saved is not None and saved.batch_size != now.batch_size:
         changes["data.batch_size"] = [saved.batch_size, now.batch_size]
-    if "data.batch_size" in changes and saved is not None and step < now.max_steps:
-        log.warning(
-            "data.batch_size: %d in the checkpoint, %d now: the shuffled windows continue where step %d "
-            "left them, and each step from step %d trains %s where it trained %d: trainer.max_steps and the "
-            "schedule count steps, so the tokens a step means change here (result.json's parts record it).",
-            saved.batch_size,
-            now.batch_size,
-            step,
-            step + 1,
-            now.describe_batch(),
-            saved.global_batch,
+    if saved is not None and saved.world_size != now.world_size:
+        changes["processes"] = [saved.world_size, now.world_size]
+    if saved is not None and saved.global_batch != now.global_batch:
+        changes["global_batch"] = [saved.global_batch, now.global_batch]
+    if "processes" in changes and saved is not None and step < now.max_steps:
+        warnings.append(processes_warning(saved, now, step))
+    elif "data.batch_size" in changes and saved is not None and step < now.max_steps:
+        warnings.append(
+            f"data.batch_size: {saved.batch_size} in the checkpoint, {now.batch_size} now: the shuffled windows "
+            f"continue where step {step} left them, and each step from step {step + 1} trains "
+            f"{now.describe_batch()} where it trained {saved.global_batch}: trainer.max_steps and the schedule "
+            "count steps, so the tokens a step means change here (result.json's parts record it)."
         )
     if saved is not None and saved.max_steps != now.max_steps:
         changes["trainer.max_steps"] = [saved.max_steps, now.max_steps]
@@ -328,10 +439,73 @@ def check_resume(
                 "decay rises again; a WSD decay moves to the new end, so a run resumed in its stable phase "
                 "continues as the longer run would)."
             )
-        log.warning(
-            "%s. Applied from step %d: %s.%s result.json's parts record it.", told, step + 1, effect, extended
+        warnings.append(
+            f"{told}. Applied from step {step + 1}: {effect}.{extended} result.json's parts record it."
         )
-    return changes
+    return ResumeChanges(changes, warnings)
+
+
+def processes_warning(saved: TrainingConditions, now: TrainingConditions, step: int) -> str:
+    """What a resume on another number of processes does: the windows, and the global batch before and after
+    (how to keep it, when it changes)."""
+    line = (
+        f"the processes: {saved.world_size} in the checkpoint, {now.world_size} now (trainer.devices x "
+        f"trainer.num_nodes): the shuffled windows continue where the {saved.world_size} left them at step "
+        f"{step}, "
+        + (
+            "the one process taking the rest of the epoch's order"
+            if now.world_size == 1
+            else f"each of the {now.world_size} processes taking one in {now.world_size} of the rest of the epoch's order"
+        )
+        + f" (none twice, none skipped), and each step from step "
+        f"{step + 1} trains {now.describe_batch()}"
+    )
+    if now.global_batch == saved.global_batch:
+        return f"{line}, the global batch it trained before."
+    per_process = now.world_size * now.accumulate
+    keep = (
+        f"to keep {saved.global_batch} windows a step, resume with data.batch_size="
+        f"{saved.global_batch // per_process}"
+        if saved.global_batch % per_process == 0
+        else f"no data.batch_size keeps {saved.global_batch} windows a step on {now.world_size} process(es) "
+        f"({saved.global_batch} is not a multiple of {now.world_size} x trainer.accumulate_grad_batches "
+        f"{now.accumulate})"
+    )
+    return (
+        f"{line} where it trained {saved.describe_batch()}: trainer.max_steps and the schedule count steps, so "
+        f"the tokens a step means change here (result.json's parts record it); {keep}."
+    )
+
+
+def data_refusal(saved: dict[str, Any], now: dict[str, Any], step: int) -> str:
+    """What a refusal says of training tokens that differ from the checkpoint's."""
+    return (
+        f"the training data differ: {saved.get('source')} ({saved.get('tokens'):,} training tokens) "
+        f"in the checkpoint, {now.get('source')} ({now.get('tokens'):,} tokens"
+        + (", other token digests" if saved.get("tokens") == now.get("tokens") else "")
+        + f") now: the position it continues from ({step} steps into the shuffled windows) would point "
+        "into other windows"
+    )
+
+
+def check_training_data(checkpoint: dict[str, Any], path: Path, data: dict[str, Any]) -> None:
+    """Refuse to continue the checkpoint at ``path`` on other training tokens than its own (``data``: the
+    prepared corpus's :func:`training_data_identity`), naming both and the fix. The one comparison of a resume
+    that needs the prepared data; :func:`check_resume` made the others before."""
+    saved = TrainingConditions.from_dict(checkpoint.get(CONDITIONS_KEY))
+    if saved is None or same_data(saved.data, data):
+        return
+    raise CheckpointError(
+        f"Checkpoint {path} (step {int(checkpoint.get('global_step', 0))}) cannot be continued as this command "
+        f"asks: {data_refusal(saved.data, data, int(checkpoint.get('global_step', 0)))}. Resume with the training "
+        f"text and tokenizer as they were. {NEW_RUN}"
+    )
+
+
+NEW_RUN = (
+    "Or start a new run: the same command without resume= (with overwrite=true to start it in this run's "
+    "directory, the old run's files moved aside)."
+)
 
 
 def _full_loss(node: Any) -> dict[str, Any]:
