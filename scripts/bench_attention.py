@@ -73,7 +73,7 @@ def stack_step(model: GPT, idx: torch.Tensor) -> Callable[[], None]:
             attention.flex_attention_available(idx.device, model.config.head_dim),
         )
         for block in t.h:
-            x = block(x, t.pos, positions, None, bias)
+            x, _ = block(x, t.pos, positions, None, bias)
         t.ln_f(x).square().mean().backward()
         model.zero_grad(set_to_none=True)
 
