@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from gptlab.errors import ConfigError
@@ -231,8 +232,8 @@ class AttentionGate(nn.Module):
     near 0, lets a head output nothing without parking its attention on the first token (no attention sink).
 
     W_theta has no bias (the paper's formula) and starts at zero: every gate is sigmoid(0) = 0.5 at step 0,
-    the same for every seed and width, so the model starts as the ungated one with each attention output
-    halved; its gradient X^T (dL/dY' * Y * 0.25) is not zero, so it learns from the first step. It is a
+    the same for every seed and width, so the model starts as the ungated one (the same weights at the same
+    seed) with each attention output halved; its gradient X^T (dL/dY' * Y * 0.25) is not zero, so it learns from the first step. It is a
     hidden matrix like c_attn (fan-in n_embd): muP's Adam rate ``lr / m`` and Muon apply to it. Each
     position's gate reads that position's input only, so the KV cache needs nothing from it."""
 
@@ -240,8 +241,9 @@ class AttentionGate(nn.Module):
         super().__init__()
         self.kind = kind
         self.n_head = n_head
-        self.proj = nn.Linear(n_embd, self.width(kind, n_head, head_dim), bias=False)
-        nn.init.zeros_(self.proj.weight)
+        # W_theta as a (gates, n_embd) matrix, made zero without drawing from the generator: at one seed every
+        # other weight of a gated model is the ungated model's.
+        self.weight = nn.Parameter(torch.zeros(self.width(kind, n_head, head_dim), n_embd))
 
     @staticmethod
     def width(kind: str, n_head: int, head_dim: int) -> int:
@@ -251,7 +253,7 @@ class AttentionGate(nn.Module):
     def forward(self, y: Tensor, x: Tensor) -> Tensor:
         """y: (B, T, n_head, head_dim) the heads' outputs; x: (B, T, n_embd) the layer's input."""
         B, T, _ = x.shape
-        gate = torch.sigmoid(self.proj(x)).view(B, T, self.n_head, -1)  # (B, T, n_head, head_dim or 1)
+        gate = torch.sigmoid(F.linear(x, self.weight)).view(B, T, self.n_head, -1)  # (B, T, n_head, d or 1)
         return y * gate
 
 

@@ -135,7 +135,7 @@ class GPT(nn.Module):
                     nn.init.zeros_(p)
                 continue
             block_std = hidden_std if name.startswith("transformer.h.") else std
-            if name.endswith("attn.gate.proj.weight"):
+            if name.endswith("attn.gate.weight"):
                 nn.init.zeros_(p)  # every gate 0.5 at the start (AttentionGate); draws nothing from the RNG
             elif name.endswith("c_proj.weight"):
                 # GPT-2: residual projections scaled by 1/sqrt(2 * n_layer), two per block.
