@@ -233,9 +233,10 @@ class AttentionGate(nn.Module):
 
     W_theta has no bias (the paper's formula) and starts at zero: every gate is sigmoid(0) = 0.5 at step 0,
     the same for every seed and width, so the model starts as the ungated one (the same weights at the same
-    seed) with each attention output halved; its gradient X^T (dL/dY' * Y * 0.25) is not zero, so it learns from the first step. It is a
-    hidden matrix like c_attn (fan-in n_embd): muP's Adam rate ``lr / m`` and Muon apply to it. Each
-    position's gate reads that position's input only, so the KV cache needs nothing from it."""
+    seed) with each attention output halved; its gradient X^T (dL/dY' * Y * 0.25) is not zero, so it learns
+    from the first step. It is a hidden matrix like c_attn (fan-in n_embd): muP's Adam rate ``lr / m`` and
+    Muon apply to it. Each position's gate reads that position's input only, so the KV cache needs nothing
+    from it."""
 
     def __init__(self, kind: str, n_embd: int, n_head: int, head_dim: int) -> None:
         super().__init__()
