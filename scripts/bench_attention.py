@@ -38,8 +38,8 @@ def route_before_shared_bias() -> Iterator[None]:
     block = attention.QUERY_BLOCK
     forward = attention.CausalSelfAttention.forward
 
-    def per_layer(self, x, pos, positions, cache, bias=FROM_SCHEME):  # noqa: ANN001
-        return forward(self, x, pos, positions, cache, FROM_SCHEME)
+    def per_layer(self, x, pos, positions, cache, bias=FROM_SCHEME, first_values=None):  # noqa: ANN001
+        return forward(self, x, pos, positions, cache, FROM_SCHEME, first_values)
 
     attention.QUERY_BLOCK = 1 << 30
     attention.CausalSelfAttention.forward = per_layer
@@ -73,7 +73,7 @@ def stack_step(model: GPT, idx: torch.Tensor) -> Callable[[], None]:
             attention.flex_attention_available(idx.device, model.config.head_dim),
         )
         for block in t.h:
-            x = block(x, t.pos, positions, None, bias)
+            x, _ = block(x, t.pos, positions, None, bias)
         t.ln_f(x).square().mean().backward()
         model.zero_grad(set_to_none=True)
 

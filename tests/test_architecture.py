@@ -108,8 +108,8 @@ def test_post_norm_normalises_after_the_residual_add(norm):
     x, positions = torch.randn(2, 8, 32) * 4 + 1, torch.arange(8)
     pos = positional.get("nope")(n_head=4, head_dim=8, block_size=16)
     # The original transformer (Vaswani et al. 2017): LayerNorm(x + Sublayer(x)), twice.
-    h = block.ln_1(x + block.attn(x, pos, positions, None))
-    y = block(x, pos, positions)
+    h = block.ln_1(x + block.attn(x, pos, positions, None)[0])
+    y, _ = block(x, pos, positions)
     torch.testing.assert_close(y, block.ln_2(h + block.mlp(h)))
     scale = y.pow(2).mean(-1) if norm == "rmsnorm" else y.var(-1, unbiased=False)
     torch.testing.assert_close(scale, torch.ones(2, 8), rtol=0, atol=1e-3)

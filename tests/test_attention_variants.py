@@ -1,5 +1,5 @@
 """The attention variants (model/attention_variants.py), each by what it does: a window's reach, QK-norm's
-statistics, the logit cap's bound; that they hold under every positional scheme, over a KV cache, past the
+statistics, the logit cap's bound, the output gate's and the value residual's arithmetic; that they hold under every positional scheme, over a KV cache, past the
 training context and under muP; that each is one override, checked at config time, recorded with the model
 and shown in its card. Qwen3's and Gemma 2's logits through ``model.init_from`` are in test_parity.py."""
 
@@ -17,12 +17,18 @@ import gptlab
 from gptlab.errors import ConfigError
 from gptlab.model import positional
 from gptlab.model.attention import AttentionBias, causal_block_mask, dense_bias_attention
-from gptlab.model.attention_variants import AttentionOptions, softcapped_attention
+from gptlab.model.attention_variants import (
+    AttentionGate,
+    AttentionOptions,
+    ValueResidual,
+    softcapped_attention,
+)
 from gptlab.model.config import GPTConfig
 from gptlab.model.gpt import GPT
 
 SCHEMES = positional.names()  # learned, sinusoidal, rope, xpos, alibi, relative, fire, nope
 ALL_ON = {"qk_norm": "rmsnorm", "window": 4, "window_pattern": "LG", "logit_softcap": 5.0}
+GATED_RESIDUAL = {"gate": "elementwise", "value_residual": "learnable"}
 
 
 def tiny(**kw) -> GPTConfig:
@@ -167,15 +173,17 @@ def test_flex_attentions_window_and_cap_equal_the_dense_route(pos):
 @pytest.mark.parametrize("pos", SCHEMES)
 @torch.no_grad()
 def test_kv_cache_decoding_equals_the_whole_sequence_with_every_variant_on(pos):
-    """Windowed (alternating with global) + QK-norm + capped: the logits of a prompt and then one token at a
-    time over the cache equal one pass over the whole sequence, well past the window; greedy generation
-    with and without the cache gives the same tokens."""
-    model = model_of(pos=pos, n_kv_head=2, attention=ALL_ON)
+    """Windowed (alternating with global) + QK-norm + capped + gated + value residual (gates and learned
+    lambdas moved off their init): the logits of a prompt, a chunk and then one token at a time over the
+    cache equal one pass over the whole sequence, well past the window (each layer caches its values mixed
+    with the first layer's, so a step needs the first layer's values of its own tokens only); greedy
+    generation with and without the cache gives the same tokens."""
+    model = moved_from_init(model_of(pos=pos, n_kv_head=2, attention={**ALL_ON, **GATED_RESIDUAL}))
     idx = torch.randint(0, 61, (2, 14))
     whole = model(idx)[0]
     cache = gptlab.model.KVCache.empty(model.config.n_layer)
-    steps = [model(idx[:, :6], cache=cache)[0]]
-    steps += [model(idx[:, t : t + 1], cache=cache)[0] for t in range(6, 14)]
+    steps = [model(idx[:, :6], cache=cache)[0], model(idx[:, 6:9], cache=cache)[0]]
+    steps += [model(idx[:, t : t + 1], cache=cache)[0] for t in range(9, 14)]
     torch.testing.assert_close(torch.cat(steps, dim=1), whole, rtol=0, atol=1e-5)
     prompt = idx[:, :5]
     with_cache = model.generate(prompt, 8, use_cache=True)
@@ -292,6 +300,19 @@ def test_the_length_study_runs_a_windowed_model_at_8x():
         (["attention.window=8", "attention.window_pattern=G"], "has no local layer"),
         (["attention.logit_softcap=-1"], "attention.logit_softcap=-1.0 must be positive"),
         (["+attention.windw=8"], "Did you mean attention.window?"),
+        (
+            ["attention.gate=scalar"],
+            "attention.gate='scalar' must be one of 'none', 'elementwise', 'headwise'",
+        ),
+        (
+            ["attention.value_residual=yes"],
+            "attention.value_residual='yes' must be one of 'none', 'fixed', 'learnable'",
+        ),
+        (
+            ["attention=value_residual", "model.n_layer=1"],
+            "attention.value_residual=fixed mixes the first layer's values into the later layers', and "
+            "model.n_layer=1 has no later layer: use model.n_layer=2 or more, or attention.value_residual=none",
+        ),
     ],
 )
 def test_bad_values_are_refused_at_config_time_with_the_allowed_ones(make_cfg, overrides, message):
@@ -386,3 +407,206 @@ def test_flex_attention_trains_windows_and_caps_as_the_dense_route_on_cuda(pos, 
     dense_grads = dict(dense_model.named_parameters())
     for name, p in flex_model.named_parameters():
         torch.testing.assert_close(p.grad, dense_grads[name].grad, rtol=1e-3, atol=1e-5, msg=name)
+
+
+# ---- the output gate and the value residual ---------------------------------------------------------------
+
+
+def sigmoid(z: float) -> float:
+    return 1 / (1 + math.exp(-z))
+
+
+def moved_from_init(model: GPT) -> GPT:
+    """Gates and lambdas away from their init (zero, 0.5), so that a mistake in either shows."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("gate.weight"):
+                p.normal_(0.0, 0.5)
+            elif name.endswith("value_residual.lambdas"):
+                p.uniform_(0.2, 1.5)
+    return model
+
+
+def attention_by_hand(attn, x: torch.Tensor, first_values: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal multi-head attention written out (no positional scheme), with the variants as the papers write
+    them: V' = lambda1 V + lambda2 V_1, and Y' = Y * sigmoid(X W_theta) before the output projection."""
+    B, T, C = x.shape
+    H, Hkv, d = attn.n_head, attn.n_kv_head, attn.head_dim
+    q, k, v = attn.c_attn(x).split([H * d, Hkv * d, Hkv * d], dim=-1)
+    q = q.view(B, T, H, d).transpose(1, 2)
+    k = k.view(B, T, Hkv, d).transpose(1, 2).repeat_interleave(H // Hkv, dim=1)
+    v = v.view(B, T, Hkv, d).transpose(1, 2)
+    if first_values is not None:
+        lambdas = attn.value_residual.lambdas
+        l1, l2 = (0.5, 0.5) if lambdas is None else (float(lambdas[0]), float(lambdas[1]))
+        v = l1 * v + l2 * first_values
+    v = v.repeat_interleave(H // Hkv, dim=1)
+    scores = q @ k.transpose(-2, -1) / math.sqrt(d)
+    scores = scores.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
+    y = (scores.softmax(-1) @ v).transpose(1, 2)  # (B, T, H, d)
+    if attn.gate is not None:
+        y = y * torch.sigmoid(x @ attn.gate.weight.T).view(B, T, H, -1)
+    return attn.c_proj(y.reshape(B, T, C))
+
+
+def test_the_gate_is_sigmoid_of_the_layer_input_times_each_heads_output_by_hand():
+    """Two heads of two dimensions, one token whose input is x = (1, -2). Elementwise: four gates, one per
+    head dimension; headwise: one per head, shared by its dimensions."""
+    x = torch.tensor([[[1.0, -2.0]]])  # (B, T, n_embd)
+    y = torch.tensor([[[[2.0, 4.0], [6.0, 8.0]]]])  # (B, T, n_head, head_dim)
+    elementwise = AttentionGate("elementwise", n_embd=2, n_head=2, head_dim=2)
+    assert not elementwise.weight.any()  # zero-initialised: every gate sigmoid(0) = 0.5
+    torch.testing.assert_close(elementwise(y, x), y / 2)
+    with torch.no_grad():
+        elementwise.weight.copy_(torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0], [0.0, 0.0]]))
+    # x W^T = (1, -2, -1, 0): one score per head dimension
+    expected = [[2 * sigmoid(1), 4 * sigmoid(-2)], [6 * sigmoid(-1), 8 * sigmoid(0)]]
+    torch.testing.assert_close(elementwise(y, x), torch.tensor([[expected]]))
+    headwise = AttentionGate("headwise", n_embd=2, n_head=2, head_dim=2)
+    assert headwise.weight.shape == (2, 2)
+    with torch.no_grad():
+        headwise.weight.copy_(torch.tensor([[1.0, 0.0], [0.0, 1.0]]))
+    expected = [[2 * sigmoid(1), 4 * sigmoid(1)], [6 * sigmoid(-2), 8 * sigmoid(-2)]]
+    torch.testing.assert_close(headwise(y, x), torch.tensor([[expected]]))
+
+
+def test_the_value_residual_mixes_the_first_layers_values_by_hand():
+    v, first = torch.tensor([2.0, 4.0]), torch.tensor([6.0, 0.0])
+    torch.testing.assert_close(ValueResidual("fixed")(v, first), torch.tensor([4.0, 2.0]))  # 0.5 / 0.5
+    learnable = ValueResidual("learnable")
+    assert learnable.lambdas is not None and learnable.lambdas.tolist() == [0.5, 0.5]
+    with torch.no_grad():
+        learnable.lambdas.copy_(torch.tensor([0.25, 2.0]))
+    torch.testing.assert_close(learnable(v, first), torch.tensor([0.25 * 2 + 2.0 * 6, 0.25 * 4 + 0.0]))
+    assert not list(ValueResidual("fixed").parameters())
+
+
+@pytest.mark.parametrize("gate", ["elementwise", "headwise"])
+@pytest.mark.parametrize("value_residual", ["fixed", "learnable"])
+@torch.no_grad()
+def test_the_model_gates_after_sdpa_and_mixes_the_first_layers_values_as_the_papers_write(
+    gate, value_residual
+):
+    """A 3-layer GQA model (no positional scheme) against attention written out: the first layer attends over
+    its own values and hands them on, each later layer over lambda1 V_n + lambda2 V_1, and every layer's
+    output is gated by its own input (the normed hidden state) before the output projection."""
+    model = moved_from_init(
+        model_of(
+            pos="nope", n_layer=3, n_kv_head=2, attention={"gate": gate, "value_residual": value_residual}
+        )
+    )
+    idx = torch.randint(0, 61, (2, 12), generator=torch.Generator().manual_seed(3))
+    x = model.transformer.wte(idx)
+    first_values = None
+    for i, block in enumerate(model.transformer.h):
+        h = block.ln_1(x)
+        if i == 0:
+            kv = block.attn.n_kv_head * block.attn.head_dim
+            first_values = block.attn.c_attn(h)[..., -kv:].view(2, 12, 2, -1).transpose(1, 2)
+        x = x + attention_by_hand(block.attn, h, first_values if i > 0 else None)
+        x = x + block.mlp(block.ln_2(x))
+    expected = model.lm_head(model.transformer.ln_f(x))
+    torch.testing.assert_close(model(idx)[0], expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("gate", ["elementwise", "headwise"])
+@torch.no_grad()
+def test_at_its_zero_init_the_gate_is_todays_model_with_each_attention_output_halved(gate):
+    """The zero gate draws nothing from the generator: at one seed every other weight is the ungated model's,
+    and the gated model's logits are the ungated model's with each attention output projection halved."""
+    plain, gated = model_of(n_kv_head=2), model_of(n_kv_head=2, attention={"gate": gate})
+    plain_state, gated_state = plain.state_dict(), gated.state_dict()
+    gates = {f"transformer.h.{i}.attn.gate.weight" for i in range(2)}
+    assert set(gated_state) - set(plain_state) == gates
+    assert all(torch.equal(gated_state[name], value) for name, value in plain_state.items())
+    assert not any(gated_state[name].any() for name in gates)
+    idx = torch.randint(0, 61, (2, 16))
+    for block in plain.transformer.h:
+        block.attn.c_proj.weight.mul_(0.5)
+    torch.testing.assert_close(gated(idx)[0], plain(idx)[0], rtol=0, atol=1e-6)
+
+
+def test_the_gate_and_the_lambdas_are_counted_and_grouped_as_the_optimizers_and_mup_need():
+    """The card's count is the built model's; the gate's projection is in the FLOPs per token as a matrix of
+    the layer; under muP it is a hidden matrix (Adam's rate lr / m, zero-initialised at every width) and the
+    lambdas are gains (no weight decay, the plain rate); under optim=muon the gate is Muon's."""
+    from gptlab.model.config import hidden_lr_scale
+    from gptlab.model.counting import flops_per_token, parameter_counts
+    from gptlab.training.optimizers import build_optimizer, param_groups, parse_optim
+
+    for attention in (
+        {"gate": "elementwise"},
+        {"gate": "headwise", "value_residual": "learnable"},
+        {"value_residual": "fixed"},
+    ):
+        for n_kv_head in (None, 1):
+            config = tiny(n_layer=3, n_kv_head=n_kv_head, attention=attention)
+            assert parameter_counts(config)["total"] == GPT(config).parameter_counts()["total"], attention
+    plain, gated = (
+        flops_per_token(tiny(n_layer=3), 64),
+        flops_per_token(tiny(n_layer=3, attention={"gate": "elementwise"}), 64),
+    )
+    assert gated["dense"] - plain["dense"] == 6 * 3 * 32 * 32  # 6 x layers x n_embd x (n_head x head_dim)
+    headwise = flops_per_token(tiny(n_layer=3, attention={"gate": "headwise"}), 64)
+    assert headwise["dense"] - plain["dense"] == 6 * 3 * 32 * 4
+    assert parameter_counts(tiny(n_layer=3, attention={"value_residual": "learnable"}))["total"] == (
+        parameter_counts(tiny(n_layer=3))["total"] + 2 * 2
+    )
+
+    torch.manual_seed(0)
+    wide = GPT(tiny(n_layer=3, n_embd=128, param="mup", mup_base_width=32, attention=GATED_RESIDUAL))
+    assert not wide.transformer.h[0].attn.gate.weight.any()
+    optimizer = build_optimizer(wide, parse_optim({"lr": 1e-2}), hidden_lr_scale(wide.config))
+    group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
+    gate_group = group_of[id(wide.transformer.h[1].attn.gate.weight)]
+    assert gate_group["group"] == "hidden" and gate_group["lr"] == pytest.approx(1e-2 / 4)
+    lambdas_group = group_of[id(wide.transformer.h[1].attn.value_residual.lambdas)]
+    assert lambdas_group["group"] == "gains_biases" and lambdas_group["weight_decay"] == 0.0
+    assert lambdas_group["lr"] == 1e-2
+    assert wide.transformer.h[0].attn.value_residual is None  # the first layer has nothing to mix
+    _, muon_groups = param_groups(wide, parse_optim({"name": "muon"}))
+    muon_ids = {id(p) for g in muon_groups for p in g["params"]}
+    assert id(wide.transformer.h[2].attn.gate.weight) in muon_ids
+
+
+def test_the_model_card_names_the_gate_and_the_value_residual():
+    from gptlab.planning import model_card
+
+    line = model_card(tiny(attention=GATED_RESIDUAL), short=True).splitlines()[0]
+    assert line.endswith("; attention: elementwise output gate, value residual learnable")
+
+
+@pytest.mark.parametrize(
+    "overrides,card",
+    [
+        (["attention=gated"], "attention: elementwise output gate"),
+        (
+            ["attention=value_residual", "attention.value_residual=learnable", "attention.gate=headwise"],
+            "attention: headwise output gate, value residual learnable",
+        ),
+    ],
+)
+def test_the_gated_and_value_residual_presets_train_to_a_lower_loss_and_their_checkpoint_keeps_them(
+    make_cfg, tmp_path, caplog, overrides, card
+):
+    """Through the run path of `python train.py`: 10 steps of a 2-layer model log a finite training loss at
+    every step, the last steps' lower than the first's, and the run loads back with the variant on."""
+    import csv
+
+    from gptlab.runs.trained import load_run
+    from gptlab.tasks.gpt import run
+
+    run_dir = tmp_path / "run"
+    args = [*TINY, "model.n_layer=2", "tokenizer=char", "pos=rope", "trainer.max_steps=10"]
+    args += ["optim.warmup_steps=2", "trainer.val_check_interval=10", "trainer.log_every_n_steps=1"]
+    args += ["logger=csv", "callbacks.sample_generation=null", *overrides]
+    with caplog.at_level(logging.INFO):
+        run(make_cfg(*args, f"paths.output_dir={run_dir}"))
+    assert card in caplog.text  # the model card at the start of the run
+    metrics = next(run_dir.glob("csv/**/metrics.csv"))
+    losses = [float(r["train/loss"]) for r in csv.DictReader(open(metrics)) if r.get("train/loss")]
+    assert len(losses) == 10 and all(math.isfinite(v) for v in losses)
+    assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.3, losses
+    trained = load_run(run_dir)
+    expected = gptlab.build_model_config(make_cfg(*args)).attention
+    assert trained.model.config.attention == expected and not expected.is_default

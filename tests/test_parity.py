@@ -65,12 +65,19 @@ def test_gpt2_weights_give_gpt2s_logits(make_cfg, gpt2_dir):
 def test_a_mismatched_model_is_refused_with_the_overrides_that_fix_it(make_cfg, gpt2_dir):
     directory, _ = gpt2_dir
     cfg = make_cfg(
-        "model=tiny", "activation=relu", f"model.vocab_size={VOCAB}", f"model.init_from={directory}"
+        "model=tiny",
+        "activation=relu",
+        "attention=gated",
+        f"model.vocab_size={VOCAB}",
+        f"model.init_from={directory}",
     )
     with pytest.raises(ConfigError) as err:
         gptlab.build_model(cfg)
     message = str(err.value)
     assert "activation='relu' but the checkpoint has 'gelu_tanh'" in message
+    # GPT-2 has no output gate: its weights would leave the gate untrained
+    assert "attention.gate='elementwise' but the checkpoint has 'none'" in message
+    assert "attention.gate=none" in message
     assert (
         "model.n_embd=32" in message
         and "activation=gelu_tanh" in message

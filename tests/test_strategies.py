@@ -239,9 +239,12 @@ def test_the_multirun_guard_refuses_only_what_would_start_a_second_sweep(monkeyp
     check_launch(strategy_choice({"name": "ddp"}), two, multirun=True)
 
 
-def test_activation_checkpointing_keeps_the_loss_the_gradients_and_the_parameter_names():
+@pytest.mark.parametrize("attention", [{}, {"gate": "elementwise", "value_residual": "learnable"}])
+def test_activation_checkpointing_keeps_the_loss_the_gradients_and_the_parameter_names(attention):
+    """Also with the first layer's values handed from block to block (attention.value_residual): each
+    checkpointed block recomputes its forward from its own inputs, the first layer's values among them."""
     torch.manual_seed(0)
-    config = GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64)
+    config = GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64, attention=attention)
     plain, wrapped = GPT(config), GPT(config)
     wrapped.load_state_dict(plain.state_dict())
     parallelize(wrapped, ParallelOptions(activation_checkpointing=True))

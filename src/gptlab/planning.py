@@ -57,7 +57,7 @@ import torch
 
 from gptlab.errors import ConfigError
 from gptlab.model.config import GPTConfig
-from gptlab.model.counting import flops_per_token, human, parameter_counts
+from gptlab.model.counting import flops_per_token, gate_width, human, parameter_counts
 from gptlab.model.gpt import mlp_hidden_width
 from gptlab.model.head_loss import HeadLoss
 from gptlab.parallel.strategies import Placement, StrategyChoice, strategy_choice, strategy_choices
@@ -144,6 +144,10 @@ def activation_bytes_per_token(
         per_layer += 2 * h  # a 1-byte mask after attention and after the MLP
     if config.attention.qk_norm != "none":
         per_layer += p * 2 * (h + kv)  # q and k before and after their norms (no longer views of one QKV)
+    if config.attention.gate != "none":
+        per_layer += p * (h + gate_width(config))  # the heads' outputs before the gate, and the gates
+    if config.attention.value_residual != "none":
+        per_layer += p * kv  # the mixed values (no longer a view of the QKV projection)
     if config.norm_placement == "sandwich":
         per_layer += p * 2 * h  # the inputs of the norms on the sublayers' outputs
     outside = 2 * p * h + p * config.vocab_size + 4 * config.vocab_size

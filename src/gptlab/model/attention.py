@@ -36,7 +36,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from gptlab import torch_features
-from gptlab.model.attention_variants import QKNorm, SlidingWindow, softcapped_attention
+from gptlab.model.attention_variants import (
+    AttentionGate,
+    QKNorm,
+    SlidingWindow,
+    ValueResidual,
+    softcapped_attention,
+)
 from gptlab.model.config import attention_scale
 
 if TYPE_CHECKING:
@@ -307,6 +313,15 @@ class CausalSelfAttention(nn.Module):
         if variants.qk_norm != "none":  # Qwen3's names, so that its weights map one to one
             self.q_norm = QKNorm(variants.qk_norm, self.head_dim, variants.qk_norm_eps)
             self.k_norm = QKNorm(variants.qk_norm, self.head_dim, variants.qk_norm_eps)
+        # Gated attention: a sigmoid gate on each head's output, from the layer's input.
+        self.gate: AttentionGate | None = None
+        if variants.gate != "none":
+            self.gate = AttentionGate(variants.gate, config.n_embd, self.n_head, self.head_dim)
+        # Value residual: the first layer hands its values on; every later layer mixes them into its own.
+        self.hands_on_values = variants.value_residual != "none" and layer == 0
+        self.value_residual: ValueResidual | None = None
+        if variants.value_residual != "none" and layer > 0:
+            self.value_residual = ValueResidual(variants.value_residual)
 
     def forward(
         self,
@@ -315,9 +330,15 @@ class CausalSelfAttention(nn.Module):
         positions: Tensor,
         cache: KVCache | None,
         bias: AttentionBias | None = FROM_SCHEME,
-    ) -> Tensor:
+        first_values: Tensor | None = None,
+    ) -> tuple[Tensor, Tensor | None]:
         """x: (B, T, n_embd) at ``positions``; ``bias``: the forward pass's positional bias, window and cap
-        for this layer's kind, built once by the model (None: none of them), or by default built here."""
+        for this layer's kind, built once by the model (None: none of them), or by default built here.
+        ``first_values``: the first layer's values of these T tokens (B, n_kv_head, T, head_dim), which a
+        later layer mixes into its own under ``attention.value_residual``.
+
+        Returns the layer's output (B, T, n_embd), and its values when it is the first layer of a model with
+        a value residual (None otherwise)."""
         B, T, C = x.shape
         q, k, v = self.c_attn(x).split(
             [self.n_head * self.head_dim, self.n_kv_head * self.head_dim, self.n_kv_head * self.head_dim],
@@ -326,6 +347,15 @@ class CausalSelfAttention(nn.Module):
         q = q.view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, n_head, T, head_dim)
         k = k.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, n_kv_head, T, head_dim)
         v = v.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, n_kv_head, T, head_dim)
+        handed_on = v if self.hands_on_values else None
+        if self.value_residual is not None:
+            if first_values is None:
+                raise ValueError(
+                    f"layer {self.layer} mixes the first layer's values (attention.value_residual) but was "
+                    "given none: pass the first layer's values as first_values"
+                )
+            # Mixed before caching: the mix is per position, so the cache holds what a whole pass computes.
+            v = self.value_residual(v, first_values)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)  # before the rotation, as OLMo 2 and Qwen3
         q, k = pos.rotate(q, k, positions)
@@ -359,5 +389,8 @@ class CausalSelfAttention(nn.Module):
             y = F.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, dropout_p=dropout_p, enable_gqa=gqa, scale=scale
             )
-        y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, n_embd)
-        return self.resid_dropout(self.c_proj(y))
+        y = y.transpose(1, 2)  # (B, T, n_head, head_dim)
+        if self.gate is not None:
+            y = self.gate(y, x)  # after SDPA, before the output projection
+        y = y.contiguous().view(B, T, C)  # (B, T, n_embd)
+        return self.resid_dropout(self.c_proj(y)), handed_on

@@ -4,11 +4,17 @@
   any rotation;
 - :class:`SlidingWindow` (``attention.window=W`` with ``attention.window_pattern``): local layers see the
   last W positions only, global layers see the whole past;
-- :class:`LogitSoftcap` (``attention.logit_softcap=C``): the attention scores pass through C tanh(s / C).
+- :class:`LogitSoftcap` (``attention.logit_softcap=C``): the attention scores pass through C tanh(s / C);
+- :class:`AttentionGate` (``attention.gate=elementwise|headwise``): the attention's output, per head, is
+  multiplied by a sigmoid gate computed from the layer's input, before the output projection;
+- :class:`ValueResidual` (``attention.value_residual=fixed|learnable``): every layer after the first mixes
+  its values with the first layer's.
 
-The three combine freely (``attention=gemma2 attention.qk_norm=rmsnorm``) and with every positional scheme:
-a window is a mask on top of whatever the scheme does (an added bias, a rotation, a position vector), and the
-cap acts on q.k before a scheme's bias is added, so ALiBi's distance penalty is never flattened by it.
+They combine freely (``attention=gemma2 attention.qk_norm=rmsnorm attention.gate=elementwise``) and with every
+positional scheme: a window is a mask on top of whatever the scheme does (an added bias, a rotation, a
+position vector), and the cap acts on q.k before a scheme's bias is added, so ALiBi's distance penalty is
+never flattened by it. The gate acts after the attention kernel and the value residual before it, on the
+values alone, so neither touches the scores, the masks or the positions.
 
 ``AttentionOptions`` is the node's typed form, checked whole when the model config is made; the model config
 records it (``GPTConfig.attention``), and a checkpoint saved before the node existed reads as the default
@@ -23,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from gptlab.errors import ConfigError
@@ -30,6 +37,8 @@ from gptlab.model import norms
 from gptlab.registry import Registry, build_options
 
 QK_NORMS = ("none", "layernorm", "rmsnorm")
+GATES = ("none", "elementwise", "headwise")
+VALUE_RESIDUALS = ("none", "fixed", "learnable")
 
 
 @dataclass(frozen=True)
@@ -43,6 +52,12 @@ class AttentionOptions:
     # (Gemma 2), LLLLLG five local then one global (Gemma 3).
     window_pattern: str = "L"
     logit_softcap: float | None = None  # C in C tanh(s / C); None: no cap
+    # A sigmoid gate on each head's output: one per head dimension (elementwise, Qiu et al.'s best), one per
+    # head (headwise), or none.
+    gate: Literal["none", "elementwise", "headwise"] = "none"
+    # The first layer's values mixed into every later layer's: 0.5 V_n + 0.5 V_1 (fixed), the two weights
+    # learned per layer from 0.5 (learnable), or none.
+    value_residual: Literal["none", "fixed", "learnable"] = "none"
 
     def __post_init__(self) -> None:
         if not self.qk_norm_eps > 0:
@@ -108,7 +123,20 @@ class AttentionOptions:
             parts.append(f"window {self.window} on layers {self.window_pattern}")
         if self.logit_softcap is not None:
             parts.append(f"logit cap {self.logit_softcap:g}")
+        if self.gate != "none":
+            parts.append(f"{self.gate} output gate")
+        if self.value_residual != "none":
+            parts.append(f"value residual {self.value_residual}")
         return ", ".join(parts) or "full"
+
+    def check_depth(self, n_layer: int) -> None:
+        """The checks that need the model's depth: a value residual needs a layer after the first."""
+        if self.value_residual != "none" and n_layer < 2:
+            raise ConfigError(
+                f"attention.value_residual={self.value_residual} mixes the first layer's values into the later "
+                f"layers', and model.n_layer={n_layer} has no later layer: use model.n_layer=2 or more, or "
+                "attention.value_residual=none."
+            )
 
 
 # One class per variant, found by the name of the key that turns it on (``attention.<name>``).
@@ -192,6 +220,78 @@ class LogitSoftcap:
         return self.cap * torch.tanh(scores / self.cap)
 
 
+@register("gate")
+class AttentionGate(nn.Module):
+    """Gated attention: Y' = Y * sigmoid(X W_theta), each head's attention output Y (after SDPA, before the
+    output projection) multiplied by a gate computed from the layer's input X, the normed hidden state of
+    the token (Qiu et al. 2025, "Gated Attention for Large Language Models: Non-linearity, Sparsity, and
+    Attention-Sink-Free", arXiv 2505.06708; the gate of Qwen3-Next). ``elementwise``: one gate per head
+    dimension, W_theta (n_embd, n_head * head_dim), the paper's best ("G1", head-specific and elementwise);
+    ``headwise``: one scalar gate per head, W_theta (n_embd, n_head). The gate puts a non-linearity between
+    the value and output projections (a low-rank linear map without it) and, being query-dependent and often
+    near 0, lets a head output nothing without parking its attention on the first token (no attention sink).
+
+    W_theta has no bias (the paper's formula) and starts at zero: every gate is sigmoid(0) = 0.5 at step 0,
+    the same for every seed and width, so the model starts as the ungated one (the same weights at the same
+    seed) with each attention output halved; its gradient X^T (dL/dY' * Y * 0.25) is not zero, so it learns
+    from the first step. It is a hidden matrix like c_attn (fan-in n_embd): muP's Adam rate ``lr / m`` and
+    Muon apply to it. Each position's gate reads that position's input only, so the KV cache needs nothing
+    from it."""
+
+    def __init__(self, kind: str, n_embd: int, n_head: int, head_dim: int) -> None:
+        super().__init__()
+        self.kind = kind
+        self.n_head = n_head
+        # W_theta as a (gates, n_embd) matrix, made zero without drawing from the generator: at one seed every
+        # other weight of a gated model is the ungated model's.
+        self.weight = nn.Parameter(torch.zeros(self.width(kind, n_head, head_dim), n_embd))
+
+    @staticmethod
+    def width(kind: str, n_head: int, head_dim: int) -> int:
+        """The gate projection's outputs: a gate per head dimension, or per head; 0 without a gate."""
+        return {"none": 0, "elementwise": n_head * head_dim, "headwise": n_head}[kind]
+
+    def forward(self, y: Tensor, x: Tensor) -> Tensor:
+        """y: (B, T, n_head, head_dim) the heads' outputs; x: (B, T, n_embd) the layer's input."""
+        B, T, _ = x.shape
+        gate = torch.sigmoid(F.linear(x, self.weight)).view(B, T, self.n_head, -1)  # (B, T, n_head, d or 1)
+        return y * gate
+
+
+@register("value_residual")
+class ValueResidual(nn.Module):
+    """Value residual learning (ResFormer): each layer n > 1 attends over V_n' = lambda1 V_n + lambda2 V_1,
+    its own values mixed with the first layer's, which carries each token's own information to the deep
+    layers past the attention's smoothing (Zhou et al. 2024, "Value Residual Learning For Alleviating
+    Attention Concentration In Transformers", arXiv 2410.17897). ``fixed``: lambda1 = lambda2 = 0.5, the
+    paper's; ``learnable``: the two lambdas a parameter of each layer, from 0.5 (as in the modded-nanogpt
+    speedrun), without weight decay and at the plain learning rate (scalars: muP leaves them alone).
+
+    The mix is per position, so a layer caches its mixed values: a decoding step needs the first layer's
+    values of its own new tokens only, never the cached ones."""
+
+    INIT: ClassVar[tuple[float, float]] = (0.5, 0.5)
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.lambdas: nn.Parameter | None = None
+        if kind == "learnable":
+            self.lambdas = nn.Parameter(torch.tensor(self.INIT))
+
+    @staticmethod
+    def parameter_count(kind: str, n_layer: int) -> int:
+        """The learned lambdas of every layer after the first."""
+        return 2 * (n_layer - 1) if kind == "learnable" else 0
+
+    def forward(self, v: Tensor, first: Tensor) -> Tensor:
+        """v, first: (B, n_kv_head, T, head_dim), this layer's values and the first layer's."""
+        if self.lambdas is None:
+            return self.INIT[0] * v + self.INIT[1] * first
+        lambdas = self.lambdas.to(v.dtype)
+        return lambdas[0] * v + lambdas[1] * first
+
+
 def softcapped_attention(
     q: Tensor,
     k: Tensor,
@@ -220,11 +320,15 @@ def softcapped_attention(
 
 
 __all__ = [
+    "GATES",
     "QK_NORMS",
     "REGISTRY",
+    "VALUE_RESIDUALS",
+    "AttentionGate",
     "AttentionOptions",
     "LogitSoftcap",
     "QKNorm",
     "SlidingWindow",
+    "ValueResidual",
     "softcapped_attention",
 ]

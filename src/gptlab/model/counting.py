@@ -4,13 +4,16 @@ Pure arithmetic on a :class:`GPTConfig` (no weights), so it answers for a 175B m
 with h = n_embd, V = vocab_size, L = n_layer, T = context, f = MLP hidden width:
 
 Parameters. Per layer: attention h (n_head + 2 n_kv_head) head_dim for Q, K, V plus h^2 for the output
-projection; MLP h f (x2 for gated activations) plus f h; two norms; biases where ``bias`` is on. Plus the token
-embedding V h, the positional scheme's own parameters, a final norm (pre-norm), and V h again for an untied
-head. "Embedding" counts the token table and any learned position table (a tied head is counted there once).
+projection, plus h n_head head_dim (h n_head headwise) for an output gate's projection (``attention.gate``);
+MLP h f (x2 for gated activations) plus f h; two norms; biases where ``bias`` is on. Plus the token embedding
+V h, the positional scheme's own parameters, a final norm (pre-norm), V h again for an untied head, and
+2 (L - 1) learned value-residual lambdas. "Embedding" counts the token table and any learned position table
+(a tied head is counted there once).
 
 Training FLOPs per token (Chowdhery et al. 2022, "PaLM", appendix B; the count behind nanoGPT's MFU):
 
-    6 N + 12 L h T,    N = the weights of every matrix product: the layers' matrices and the head's V h,
+    6 N + 12 L h T,    N = the weights of every matrix product: the layers' matrices (an output gate's
+                       projection among them) and the head's V h,
 
 i.e. 2 FLOPs per multiply-add, a backward pass twice the forward, and 2 matrix products of T x head_dim per
 head and token for the attention scores and their weighted sum (counted over the full context, as is usual;
@@ -23,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from gptlab.model import norms, positional
-from gptlab.model.attention_variants import QKNorm
+from gptlab.model.attention_variants import AttentionGate, QKNorm, ValueResidual
 from gptlab.model.config import GPTConfig
 from gptlab.model.gpt import mlp_hidden_width
 
@@ -46,6 +49,7 @@ def parameter_counts(config: GPTConfig) -> dict[str, int]:
     qkv_width = (config.n_head + 2 * config.kv_heads) * config.head_dim
     attention = h * qkv_width + qkv_width * bias + h * h + h * bias
     attention += QKNorm.parameter_count(config.attention.qk_norm, config.head_dim)
+    attention += h * gate_width(config)
     f = mlp_hidden_width(config)
     f_in = f * (2 if config.gated else 1)
     mlp = h * f_in + f_in * bias + f * h + h * bias
@@ -54,13 +58,21 @@ def parameter_counts(config: GPTConfig) -> dict[str, int]:
     embedding = V * h + positional_parameters(config)
     final_norm = norm if config.norm_placement != "post" else 0
     head = 0 if config.tie_weights else V * h
-    total = embedding + config.n_layer * per_layer + final_norm + head
+    # The value residual's learned lambdas: every layer's but the first's, outside per_layer.
+    lambdas = ValueResidual.parameter_count(config.attention.value_residual, config.n_layer)
+    total = embedding + config.n_layer * per_layer + lambdas + final_norm + head
     return {
         "total": total,
         "embedding": embedding,
         "non_embedding": total - embedding,
         "per_layer": per_layer,
     }
+
+
+def gate_width(config: GPTConfig) -> int:
+    """The outputs of a layer's attention-gate projection (``attention.gate``): n_head * head_dim gates
+    (elementwise), n_head (headwise), or 0."""
+    return AttentionGate.width(config.attention.gate, config.n_head, config.head_dim)
 
 
 # ---- compute ----------------------------------------------------------------------------------------
@@ -73,7 +85,7 @@ def matmul_parameters(config: GPTConfig) -> int:
     qkv_width = (config.n_head + 2 * config.kv_heads) * config.head_dim
     f = mlp_hidden_width(config)
     f_in = f * (2 if config.gated else 1)
-    per_layer = h * qkv_width + h * h + h * f_in + f * h
+    per_layer = h * qkv_width + h * gate_width(config) + h * h + h * f_in + f * h
     return config.n_layer * per_layer + config.vocab_size * h
 
 
@@ -98,4 +110,11 @@ def human(n: float) -> str:
     return f"{n:.0f}"
 
 
-__all__ = ["flops_per_token", "human", "matmul_parameters", "parameter_counts", "positional_parameters"]
+__all__ = [
+    "flops_per_token",
+    "gate_width",
+    "human",
+    "matmul_parameters",
+    "parameter_counts",
+    "positional_parameters",
+]

@@ -71,14 +71,19 @@ class Block(nn.Module):
         positions: Tensor,
         cache: KVCache | None = None,
         bias: AttentionBias | None = FROM_SCHEME,
-    ) -> Tensor:
+        first_values: Tensor | None = None,
+    ) -> tuple[Tensor, Tensor | None]:
+        """The layer's output, and its attention's values when it is the first layer of a model with a value
+        residual (``attention.value_residual``: the later layers take them as ``first_values``)."""
         if self.pre_norm:
-            x = x + self.ln_1_out(self.attn(self.ln_1(x), pos, positions, cache, bias))
+            y, values = self.attn(self.ln_1(x), pos, positions, cache, bias, first_values)
+            x = x + self.ln_1_out(y)
             x = x + self.ln_2_out(self.mlp(self.ln_2(x)))
         else:
-            x = self.ln_1(x + self.attn(x, pos, positions, cache, bias))
+            y, values = self.attn(x, pos, positions, cache, bias, first_values)
+            x = self.ln_1(x + y)
             x = self.ln_2(x + self.mlp(x))
-        return x
+        return x, values
 
 
 class Trunk(nn.ModuleDict):
@@ -130,7 +135,9 @@ class GPT(nn.Module):
                     nn.init.zeros_(p)
                 continue
             block_std = hidden_std if name.startswith("transformer.h.") else std
-            if name.endswith("c_proj.weight"):
+            if name.endswith("attn.gate.weight"):
+                nn.init.zeros_(p)  # every gate 0.5 at the start (AttentionGate); draws nothing from the RNG
+            elif name.endswith("c_proj.weight"):
                 # GPT-2: residual projections scaled by 1/sqrt(2 * n_layer), two per block.
                 nn.init.normal_(p, mean=0.0, std=block_std / math.sqrt(2 * self.config.n_layer))
             else:
@@ -202,6 +209,7 @@ class GPT(nn.Module):
         # are the cached ones (a local layer's cache holds its last `window` positions only) and this step's.
         softcap = self.config.attention.logit_softcap
         biases: dict[int | None, AttentionBias | None] = {}
+        first_values: Tensor | None = None
         for i, block in enumerate(self.transformer.h):
             window = self.config.attention.layer_window(i)
             if window not in biases:
@@ -210,7 +218,9 @@ class GPT(nn.Module):
                 biases[window] = AttentionBias.build(
                     pos, positions, k_positions, use_flex, window, softcap, doc_ids
                 )
-            x = block(x, pos, token_positions, cache, biases[window])
+            x, values = block(x, pos, token_positions, cache, biases[window], first_values)
+            if i == 0:
+                first_values = values  # the value residual's V_1 (None without one)
         x = self.transformer.ln_f(x)
         if self.output_mult != 1.0:
             x = x * self.output_mult  # muP's readout multiplier 1/m on the logits, applied before the head

@@ -82,6 +82,8 @@ def _activation_scales(model: GPT, x: torch.Tensor) -> dict[str, float]:
     for name, module in layers_to_watch(model).items():
 
         def hook(_m: nn.Module, _inp: Any, output: Any, name: str = name) -> None:
+            if isinstance(output, tuple):  # a block or its attention: (output, the values it hands on)
+                output = output[0]
             out[name] = float(output.detach().abs().mean())
 
         handles.append(module.register_forward_hook(hook))
