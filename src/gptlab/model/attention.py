@@ -177,7 +177,7 @@ def compiled_flex_attention(
                 "FlexAttention has compiled %d kernels in this process, its limit (one per batch size, "
                 "sequence length, mask kind and grad mode); queries %s with mask %s run UNCOMPILED, which "
                 "holds the whole score matrix and is many times slower. Run fewer distinct lengths and batch "
-                "sizes in one process (eval_length.factors, eval_length.batch_tokens), or raise "
+                "sizes in one process (e.g. fewer eval_length.factors), or raise "
                 "gptlab.model.attention.FLEX_RECOMPILE_LIMIT.",
                 config.recompile_limit,
                 tuple(q.shape),
