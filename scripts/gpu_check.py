@@ -487,8 +487,9 @@ def _attention_row(ctx: Context, device: Any, config: Any, batch: int, route: st
         "ran": ran,
         "tokens_per_s": round(batch * config.block_size / seconds),
         "loss": round(out["loss"], 5),
-        # FlexAttention's compiles over the row's steps: 1 (one length, one mask kind, one grad mode), however
-        # many layers and steps (scripts/flex_recompiles.py counts a whole run's).
+        # FlexAttention's compiles over the row's steps: at most 1 (one length, one mask kind, one grad mode),
+        # however many layers and steps; 0 where an earlier row's kernel fits (fire's score_mod is relative's
+        # code, reading a bias tensor of the same shape). scripts/flex_recompiles.py counts a whole run's.
         "flex_compiles": counters["stats"]["unique_graphs"] - graphs,
     }
 
