@@ -23,7 +23,7 @@ included, ends within ``WHOLE_RUN_S`` = 470 s, under 8 minutes, whatever hangs:
 - ``loss``: every ``loss.impl`` (plain, chunked, torch, liger, cce) at B*T = 8,192, D = 768, V = 50,257 under bf16
   autocast, forward and backward: time, peak memory, and the loss and gradients against an fp32 reference;
 - ``attention``: alibi, relative and fire through FlexAttention and through SDPA (the same weights and batch):
-  tokens/s of a training step, and the same loss;
+  tokens/s of a training step, the same loss, and FlexAttention's compiles (one, for every layer and step);
 - ``strategies``: ``strategy=ddp`` and ``strategy=fsdp`` on one GPU over NCCL, with deterministic algorithms: a
   run, and the same run resumed from its middle checkpoint, end with the same losses (the two strategies side by
   side: tiny runs that leave the GPU idle);
@@ -442,7 +442,7 @@ def section_attention(ctx: Context) -> dict[str, Any]:
         equal = abs(flex["loss"] - sdpa["loss"]) < 2e-2
         flex["same_loss"] = sdpa["same_loss"] = equal
         flex["speed_vs_sdpa"] = round(flex["tokens_per_s"] / sdpa["tokens_per_s"], 2)
-        ok &= equal
+        ok &= equal and flex["flex_compiles"] <= (1 if flex["ran"] == "flex" else 0)
         rows += [flex, sdpa]
     return {"ok": ok, "rows": rows}
 
@@ -451,6 +451,7 @@ def _attention_row(ctx: Context, device: Any, config: Any, batch: int, route: st
     """A training step's forward and backward (no optimizer step) through ``route``: FlexAttention where it is
     available, or SDPA with the bias as a dense mask (FlexAttention switched off); same weights, same batch."""
     import torch
+    from torch._dynamo.utils import counters
 
     from gptlab.model import attention
     from gptlab.model.gpt import GPT
@@ -473,6 +474,7 @@ def _attention_row(ctx: Context, device: Any, config: Any, batch: int, route: st
     original = attention.flex_attention_available
     if route == "sdpa":
         attention.flex_attention_available = lambda *args, **kwargs: False
+    graphs = counters["stats"]["unique_graphs"]  # nothing else in the step is compiled
     try:
         ran = "flex" if attention.flex_attention_available(device, config.head_dim) else "sdpa"
         step()  # FlexAttention's kernel compiles on the first call
@@ -485,6 +487,10 @@ def _attention_row(ctx: Context, device: Any, config: Any, batch: int, route: st
         "ran": ran,
         "tokens_per_s": round(batch * config.block_size / seconds),
         "loss": round(out["loss"], 5),
+        # FlexAttention's compiles over the row's steps: at most 1 (one length, one mask kind, one grad mode),
+        # however many layers and steps; 0 where an earlier row's kernel fits (fire's score_mod is relative's
+        # code, reading a bias tensor of the same shape). scripts/flex_recompiles.py counts a whole run's.
+        "flex_compiles": counters["stats"]["unique_graphs"] - graphs,
     }
 
 

@@ -53,6 +53,7 @@ def test_the_attention_section_compares_each_bias_scheme_across_the_two_routes(s
     ]
     assert all(r["same_loss"] and r["tokens_per_s"] > 0 for r in rows)
     assert {r["ran"] for r in rows} == {"sdpa"}  # FlexAttention trains on CUDA only: the CPU takes SDPA
+    assert [r["flex_compiles"] for r in rows] == [0] * 6  # recorded; on CUDA at most 1 per flex row
 
 
 def test_the_gpt2_and_word2vec_sections_report_rates(smoke):

@@ -5,7 +5,9 @@
   and shared by every layer:
   - on CUDA, FlexAttention (Dong et al. 2024, "Flex Attention: A Programming Model for Generating Optimized
     Attention Kernels"): the bias is a ``score_mod`` and causality a block mask, so the kernel skips the
-    future blocks and never holds a (T, T) score matrix;
+    future blocks and never holds a (T, T) score matrix. Its kernel is compiled once per batch size,
+    sequence length, mask kind and grad mode, and shared by every layer and step (``compiled_flex_attention``,
+    up to FLEX_RECOMPILE_LIMIT kernels a process; past it a warning says so);
   - elsewhere (FlexAttention has no CPU backward in torch 2.13), SDPA with the bias as an additive float
     mask, in blocks of ``QUERY_BLOCK`` queries that each read only the keys up to their last query: the
     upper triangle is never computed. On a CPU at T=1024, with the bias built once, the stack's training step
@@ -28,6 +30,7 @@
 from __future__ import annotations
 
 import functools
+import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -48,6 +51,8 @@ from gptlab.model.config import attention_scale
 if TYPE_CHECKING:
     from gptlab.model.config import GPTConfig
     from gptlab.model.positional import PositionalEncoding, ScoreMod
+
+log = logging.getLogger(__name__)
 
 QUERY_BLOCK = 256  # queries per masked SDPA call on the dense-bias route
 #: The default of ``CausalSelfAttention.forward``'s ``bias``: compute the scheme's bias in this layer.
@@ -102,14 +107,93 @@ def flex_attention_available(device: torch.device, head_dim: int = 64) -> bool:
     return torch_features.has("flex_attention")
 
 
+#: The most FlexAttention kernels one process compiles. Each kernel is specialised (static shapes) to one
+#: (batch size, sequence length, mask kind, grad mode): the score_mods and masks differ between layers and
+#: forward passes only in the tensors they read, which are inputs of the kernel, so every layer of a kind and
+#: every step share it (``scripts/flex_recompiles.py`` counts them). A training run of local and global layers
+#: with the default length study needs about 20 (training and validation: 2 kinds x 2 grad modes, document
+#: masks double them; the study: 4 lengths x 2 batch sizes x 2 kinds); torch's own limit of 8 per function
+#: would send the longest lengths, where it matters most, to uncompiled FlexAttention. A larger torch limit
+#: (``torch._dynamo.config.recompile_limit``) is kept.
+FLEX_RECOMPILE_LIMIT = 64
+#: torch.compile's backend for FlexAttention: Inductor generates the fused kernel. ``eager`` (Dynamo's graph,
+#: run by the uncompiled FlexAttention) compiles exactly as often, quickly: scripts/flex_recompiles.py counts
+#: compiles with it on a CPU.
+FLEX_BACKEND = "inductor"
+_uncompiled_shapes: set[tuple[Any, ...]] = set()
+
+
 @functools.cache
-def _compiled_flex_attention() -> Any:
+def _compiled_flex_attention(backend: str) -> Any:
     from torch.nn.attention.flex_attention import flex_attention
 
     # Eager FlexAttention is a slow reference; compiled, it is a fused Triton kernel. Compiled for static
     # shapes: each new sequence length compiles anew, so the model runs whole sequences at a multiple of
     # FLEX_LENGTH_BUCKET (GPT.forward, ``flex_padded_length``).
-    return torch.compile(flex_attention, dynamic=False)
+    return torch.compile(flex_attention, dynamic=False, backend=backend)
+
+
+def reset_compiled_flex_attention() -> None:
+    """Forget every compiled FlexAttention kernel (torch's whole compile cache) and the shapes warned about:
+    the next calls compile anew, as in a fresh process (scripts/flex_recompiles.py counts from here)."""
+    torch._dynamo.reset()
+    _compiled_flex_attention.cache_clear()
+    _uncompiled_shapes.clear()
+
+
+def compiled_flex_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    score_mod: ScoreMod | None,
+    block_mask: Any,
+    enable_gqa: bool,
+    scale: float | None,
+) -> Tensor:
+    """FlexAttention through its compiled kernel, at most FLEX_RECOMPILE_LIMIT kernels per process. Past the
+    limit torch would run it uncompiled with a line in its own log; here a warning, once per new shape, names
+    the cause and the fix, and the result is the same."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if torch.compiler.is_compiling():  # inside a compiled block (compile=true): compiled with it
+        return flex_attention(
+            q, k, v, score_mod=score_mod, block_mask=block_mask, enable_gqa=enable_gqa, scale=scale
+        )
+    config = torch._dynamo.config
+    saved = config.recompile_limit, config.fail_on_recompile_limit_hit
+    # Set for this call only (not torch.compile's own recompile_limit, which torch 2.11 lacks): a raised
+    # error instead of torch's silent fall-back, and a limit for this function alone.
+    config.recompile_limit = max(FLEX_RECOMPILE_LIMIT, saved[0])
+    config.fail_on_recompile_limit_hit = True
+    try:
+        return _compiled_flex_attention(FLEX_BACKEND)(
+            q, k, v, score_mod=score_mod, block_mask=block_mask, enable_gqa=enable_gqa, scale=scale
+        )
+    except torch._dynamo.exc.FailOnRecompileLimitHit:
+        shape = (
+            tuple(q.shape),
+            tuple(k.shape),
+            q.dtype,
+            torch.is_grad_enabled(),
+            block_mask.mask_mod.__name__,
+        )
+        if shape not in _uncompiled_shapes:
+            _uncompiled_shapes.add(shape)
+            log.warning(
+                "FlexAttention has compiled %d kernels in this process, its limit (one per batch size, "
+                "sequence length, mask kind and grad mode); queries %s with mask %s run UNCOMPILED, which "
+                "holds the whole score matrix and is many times slower. Run fewer distinct lengths and batch "
+                "sizes in one process (e.g. fewer eval_length.factors), or raise "
+                "gptlab.model.attention.FLEX_RECOMPILE_LIMIT.",
+                config.recompile_limit,
+                tuple(q.shape),
+                shape[-1],
+            )
+        return flex_attention(
+            q, k, v, score_mod=score_mod, block_mask=block_mask, enable_gqa=enable_gqa, scale=scale
+        )
+    finally:
+        config.recompile_limit, config.fail_on_recompile_limit_hit = saved
 
 
 #: FlexAttention's block size (its default): a sequence run through it is padded to a multiple of this many
@@ -374,9 +458,7 @@ class CausalSelfAttention(nn.Module):
         # softmax(q k^T * scale + bias) v, scale = 1/sqrt(head_dim) unless muP sets it
         scale = self.scale
         if bias is not None and bias.block_mask is not None:
-            y = _compiled_flex_attention()(
-                q, k, v, score_mod=bias.score_mod, block_mask=bias.block_mask, enable_gqa=gqa, scale=scale
-            )
+            y = compiled_flex_attention(q, k, v, bias.score_mod, bias.block_mask, gqa, scale)
         elif bias is not None and bias.mask is not None:
             y = dense_bias_attention(q, k, v, bias.mask, dropout_p, gqa, scale, bias.softcap, bias.document)
         elif Tk == T:

@@ -1,0 +1,154 @@
+"""Compiled FlexAttention (the CUDA route of the bias schemes, windows and caps) compiles once per shape and
+mask kind, not per layer or per forward pass, and never falls back to its uncompiled form silently. Forced on a
+CPU, where FlexAttention runs forward only: the compiles are counted by the backend that torch.compile hands
+each new graph (scripts/flex_recompiles.py's), and every output is the dense SDPA route's."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import warnings
+
+import pytest
+import torch
+from conftest import load_script
+
+from gptlab.data.datamodule import document_ids
+from gptlab.model import attention
+from gptlab.model.config import GPTConfig
+from gptlab.model.gpt import GPT
+
+# Gemma 2's layout in small: local (window 16) and global layers alternating, scores capped.
+GEMMA2 = {"window": 16, "window_pattern": "LG", "logit_softcap": 5.0}
+
+
+@pytest.fixture(scope="module")
+def script():
+    yield load_script("flex_recompiles")
+    sys.modules.pop("flex_recompiles", None)
+
+
+def gemma2_like(pos: str, n_layer: int = 4) -> GPT:
+    torch.manual_seed(0)
+    config = GPTConfig(
+        vocab_size=61, block_size=64, n_layer=n_layer, n_head=2, n_embd=32, pos=pos, attention=GEMMA2
+    )
+    return GPT(config).eval()
+
+
+def dense_logits(model: GPT, idx: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """The model's logits on the dense SDPA route (FlexAttention off, as on a CPU)."""
+    available = attention.flex_attention_available
+    attention.flex_attention_available = lambda device, head_dim=64: False
+    try:
+        logits = model(idx, doc_ids=doc_ids)[0]
+    finally:
+        attention.flex_attention_available = available
+    assert logits is not None
+    return logits
+
+
+# ALiBi's score_mod reads its slopes, T5's (and FIRE's, the base class's) a dense bias made per forward pass.
+@pytest.mark.parametrize("pos", ["alibi", pytest.param("relative", marks=pytest.mark.slow)])  # 10-20 s each
+@torch.no_grad()
+def test_local_and_global_layers_compile_once_per_length_not_per_layer_or_pass(script, pos):
+    """Four layers, local and global, capped, with a bias scheme, at sequence lengths in two buckets of 128
+    (50 and 100 run at 128, 130 and 250 at 256): 2 lengths x 2 mask kinds = 4 compiles, whatever the depth,
+    and a later pass in a bucket compiles nothing. (Dynamo's own eager backend: it compiles exactly when
+    Inductor would; the real kernels are the slow test below.) Document masking adds one compile per mask
+    kind, not one per batch of documents."""
+    model = gemma2_like(pos)
+    g = torch.Generator().manual_seed(1)
+    batches = {T: torch.randint(0, 61, (2, T), generator=g) for T in (50, 130, 100, 250)}
+    expected = {T: dense_logits(model, idx) for T, idx in batches.items()}
+    documents = []
+    for boundary in (10, 30):  # windows of 64 with end-of-text tokens (id 0): a different split each batch
+        idx = torch.randint(1, 61, (2, 64), generator=g)
+        idx[:, [boundary, 40]] = 0
+        documents.append((idx, document_ids(idx, 0), dense_logits(model, idx, document_ids(idx, 0))))
+    backend = script.CountingBackend("eager")
+    with script.flex_forced(backend), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*without torch.compile")
+        compiles = []
+        for T, idx in batches.items():
+            torch.testing.assert_close(model(idx)[0], expected[T], rtol=1e-4, atol=1e-4)
+            compiles.append(backend.compiles)
+        assert compiles == [2, 4, 4, 4]
+        for idx, doc_ids, dense in documents:
+            torch.testing.assert_close(model(idx, doc_ids=doc_ids)[0], dense, rtol=1e-4, atol=1e-4)
+        assert backend.compiles == 4 + 2
+
+
+@torch.no_grad()
+def test_past_the_recompile_limit_flex_attention_warns_and_still_gives_the_result(script, caplog):
+    """Past the limit (here 2 compiles) torch would run FlexAttention uncompiled with one line in its debug
+    log; gptlab warns, once per shape, naming the cause and the fix, and the logits are still right."""
+    model = gemma2_like("alibi", n_layer=2)
+    idx = torch.randint(0, 61, (1, 200), generator=torch.Generator().manual_seed(0))
+    expected = dense_logits(model, idx)
+    backend = script.CountingBackend("eager")
+    limit = attention.FLEX_RECOMPILE_LIMIT
+    attention.FLEX_RECOMPILE_LIMIT = 2
+    try:
+        with (
+            script.flex_forced(backend),
+            torch._dynamo.config.patch(recompile_limit=2),
+            warnings.catch_warnings(),
+            caplog.at_level(logging.WARNING, logger="gptlab.model.attention"),
+        ):
+            warnings.filterwarnings("ignore", message=".*without torch.compile")
+            model(idx[:, :100])  # the local and the global layer at 128: the limit's 2 compiles
+            assert backend.compiles == 2 and not caplog.records
+            logits = model(idx)[0]  # at 256: past the limit
+            model(idx)  # the same shapes again: no second warning
+    finally:
+        attention.FLEX_RECOMPILE_LIMIT = limit
+    assert backend.compiles == 2
+    torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
+    warned = [r.getMessage() for r in caplog.records if r.name == "gptlab.model.attention"]
+    assert len(warned) == 2  # the local and the global layer's shape at 256
+    assert "(1, 2, 256, 16)" in warned[0] and "UNCOMPILED" in warned[0]
+    assert "FLEX_RECOMPILE_LIMIT" in warned[0] and "eval_length.factors" in warned[0]
+
+
+@pytest.mark.slow  # four Inductor compilations of FlexAttention's kernel, 15-30 s on a CPU
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda",
+            marks=[
+                pytest.mark.gpu,
+                pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+            ],
+        ),
+    ],
+)
+def test_inductors_flex_kernels_compile_once_per_length_mask_kind_and_grad_mode(script, device):
+    """The real kernels (Inductor's FlexAttention template; on a CPU forward only): a local/global, capped
+    ALiBi model of four layers at three lengths in two buckets compiles 2 x 2 kernels and gives the dense
+    route's logits. On CUDA two training steps (forward and backward, at the training length) add one kernel
+    per mask kind, and the loss is the dense route's."""
+    model = gemma2_like("alibi").to(device)
+    g = torch.Generator().manual_seed(1)
+    batches = [torch.randint(0, 61, (2, T), generator=g).to(device) for T in (60, 100, 200)]
+    with torch.no_grad():
+        expected = [dense_logits(model, idx) for idx in batches]
+    backend = script.CountingBackend("inductor")
+    with script.flex_forced(backend), torch.no_grad():
+        for idx, logits in zip(batches, expected, strict=True):
+            torch.testing.assert_close(model(idx)[0], logits, rtol=1e-4, atol=1e-4)
+    assert backend.compiles == 4
+    if device == "cuda":
+        x = batches[2][:, :64]
+        available = attention.flex_attention_available
+        attention.flex_attention_available = lambda device, head_dim=64: False
+        dense_loss = model.train()(x, x)[1]
+        attention.flex_attention_available = available
+        with script.flex_forced(backend):
+            for _ in range(2):
+                _, loss = model(x, x)
+                loss.backward()
+        torch.testing.assert_close(loss, dense_loss, rtol=1e-4, atol=1e-5)
+        assert backend.compiles == 4 + 2
