@@ -6,7 +6,7 @@ Every option is a Hydra override; `python train.py --help` lists the config grou
 import hydra
 from omegaconf import DictConfig
 
-from gptlab.cli import register_help_resolver, suggest_choices
+from gptlab.cli import exit_without_collecting, register_help_resolver, suggest_choices
 from gptlab.runs.resume import register_resolvers
 
 register_resolvers()  # conf/hydra chooses the run directory through them (resume=auto)
@@ -22,4 +22,5 @@ def main(cfg: DictConfig) -> float | None:
 
 
 if __name__ == "__main__":
+    exit_without_collecting()  # the seconds Python's collector takes at exit, after the run's last line
     main()
