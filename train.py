@@ -6,7 +6,8 @@ Every option is a Hydra override; `python train.py --help` lists the config grou
 import hydra
 from omegaconf import DictConfig
 
-from gptlab.cli import exit_without_collecting, register_help_resolver, suggest_choices
+from gptlab.cli import register_help_resolver, suggest_choices
+from gptlab.collector import exit_without_collecting
 from gptlab.runs.resume import register_resolvers
 
 register_resolvers()  # conf/hydra chooses the run directory through them (resume=auto)

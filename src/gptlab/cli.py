@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import argparse
-import atexit
 import difflib
-import gc
 import os
 import shlex
 import shutil
@@ -54,25 +52,6 @@ class ArgumentParser(argparse.ArgumentParser):
         elif close:
             hint = " Did you mean " + ", ".join(f"{flag} for {name}" for name, flag in close.items()) + "?"
         self.error(f"unrecognized arguments: {' '.join(extras)}.{hint}")
-
-
-def exit_without_collecting() -> None:
-    """Leave this process's objects out of the garbage collections Python runs as it exits.
-
-    When the interpreter exits it clears every module and runs its cyclic garbage collector over what is
-    still alive: the objects of every module a run imported (torch, Lightning, W&B, and what they import:
-    millions), several times, for memory that the system takes back with the process anyway. That took 1 to 3
-    s of every ``python train.py`` here, after its last line was printed. ``gc.freeze()``, run as the exit
-    begins, moves them out of the collector's sight; the exit handlers (W&B's, logging's flush) run as
-    before, and each object is still released when its module is cleared. Registered once per process, so a
-    process that runs ``train.py`` several times in itself (the docs' tests) is frozen at its own exit only."""
-    global _exit_registered
-    if not _exit_registered:
-        atexit.register(gc.freeze)
-        _exit_registered = True
-
-
-_exit_registered = False
 
 
 def group_choices(group: str) -> str:
@@ -330,10 +309,12 @@ def _remove_refused_run_dir() -> None:
 
 
 def run_task(cfg: DictConfig) -> float | None:
+    from gptlab.collector import freezing_while_starting
     from gptlab.tasks import task_runner
 
     try:
-        metrics = task_runner(cfg)(cfg)
+        with freezing_while_starting():  # start-up's garbage collections walk its imports once
+            metrics = task_runner(cfg)(cfg)
     except (ConfigError, DataError) as e:
         _remove_refused_run_dir()  # nothing ran: a folder holding no metrics would only be in the way
         if is_multirun():

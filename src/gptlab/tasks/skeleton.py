@@ -30,6 +30,7 @@ from typing import Any
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from gptlab.collector import startup_over
 from gptlab.config import RunSettings
 from gptlab.runs.identity import release_run_dir
 from gptlab.runs.layout import Run, git_commit, read_run_info, result_file
@@ -184,6 +185,7 @@ class RunSession:
             lg.log_hyperparams(resolved)
         if self.is_global_zero:
             OmegaConf.save(self.cfg, self.run_dir / "config_resolved.yaml", resolve=True)
+        startup_over()  # the task's loop comes next: from here the garbage collector works as Python's default
 
     def write_result(
         self,
