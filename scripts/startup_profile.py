@@ -23,10 +23,11 @@ moment it has exited:
 - *loggers, trainer, W&B open*: the loggers, the Trainer, the model card and the config logged (which opens
   the W&B run);
 - *first step*: Lightning's fit up to the end of the first optimizer step;
-- *rest of fit*: the other steps, the validations and checkpoints;
-- *closing*: the closing lines, ``result.json``, the W&B run closed, and the interpreter's exit.
+- *the other steps, validation, checkpoints*: the rest of Lightning's fit;
+- *closing lines, result.json, W&B closed*: the task's report (for word2vec its evaluation too);
+- *Hydra's job end*, *exit handlers* (W&B's, logging's) and *interpreter exit*: the process ends.
 
-``task=word2vec`` has its own marks (config, corpus read, trainer made, fit). A mark that a build does not reach
+``task=word2vec`` has its own marks (config, corpus read, trainer made, fit; W&B opens in the background). A mark that a build does not reach
 (an older commit without that function) is left out, and its span joins the next one. The rounds of the
 builds (``--against REF``: that commit exported with ``git archive`` and run with its own ``src/``) are
 interleaved, in an order that rotates each round, after an untimed run of each that fills the token and file
@@ -77,7 +78,7 @@ WORD2VEC_MARKS = [
     ("data ready", "gptlab.tasks.word2vec", "read_corpus", "exit"),
     ("trainer made", "gptlab.word2vec.task", "Trainer.__init__", "exit"),
     ("fit starts", "gptlab.word2vec.task", "Trainer.fit", "enter"),
-    ("fit done", "gptlab.word2vec.task", "Trainer.fit", "exit"),
+    ("fit ends", "gptlab.word2vec.task", "Trainer.fit", "exit"),
     ("task returned", "gptlab.cli", "run_task", "exit"),
 ]
 # the span that ends at each mark, as the report names it
@@ -92,7 +93,8 @@ PHASES = {
     "first step": "first step",
     "trainer made": "trainer made",
     "fit starts": "loggers, W&B open",
-    "fit done": "rest of fit",
+    "fit done": "the other steps, validation, checkpoints",
+    "fit ends": "fit (every step)",
     "task returned": "closing lines, result.json, W&B closed",
     "exit handlers start": "Hydra's job end, threads joined",
     "exit handlers done": "exit handlers (atexit)",
