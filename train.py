@@ -7,8 +7,8 @@ import hydra
 from omegaconf import DictConfig
 
 from gptlab.cli import register_help_resolver, suggest_choices
-from gptlab.collector import exit_without_collecting
 from gptlab.runs.resume import register_resolvers
+from gptlab.tasks.collector import exit_without_collecting
 
 register_resolvers()  # conf/hydra chooses the run directory through them (resume=auto)
 register_help_resolver()  # `--help` (conf/hydra/help/gptlab.yaml) lists Hydra's launchers through it

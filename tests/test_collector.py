@@ -1,6 +1,6 @@
-"""Python's garbage collector while a `python train.py` run starts (gptlab.collector): the objects that survive
-a full collection are frozen until the task's loop begins, and handed back to the collector when the run ends;
-nothing that is still referenced is released, and a cycle that became garbage meanwhile is collected after."""
+"""Python's garbage collector while a `python train.py` run starts (gptlab.tasks.collector): the objects that
+survive a full collection are frozen until the task's loop begins, and handed back to the collector when the run
+ends; nothing still referenced is released, and a cycle that became garbage meanwhile is collected after."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import weakref
 
 import pytest
 
-from gptlab.collector import freezing_while_starting, startup_over
+from gptlab.tasks.collector import freezing_while_starting, startup_over
 
 
 class Node:

@@ -219,7 +219,7 @@ def test_the_objects_left_at_exit_are_frozen_once_as_the_exit_begins_not_before(
     code = (
         "import atexit, gc\n"
         "atexit.register(lambda: print('frozen when the last handler runs:', gc.get_freeze_count() > 0))\n"
-        "from gptlab.collector import exit_without_collecting\n"
+        "from gptlab.tasks.collector import exit_without_collecting\n"
         "exit_without_collecting(); exit_without_collecting()\n"
         "atexit.register(lambda: print('frozen when a later handler runs:', gc.get_freeze_count() > 0))\n"
         "print('frozen while it runs:', gc.get_freeze_count() > 0)\n"

@@ -309,8 +309,8 @@ def _remove_refused_run_dir() -> None:
 
 
 def run_task(cfg: DictConfig) -> float | None:
-    from gptlab.collector import freezing_while_starting
     from gptlab.tasks import task_runner
+    from gptlab.tasks.collector import freezing_while_starting
 
     try:
         with freezing_while_starting():  # start-up's garbage collections walk its imports once

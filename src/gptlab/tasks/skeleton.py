@@ -30,11 +30,11 @@ from typing import Any
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from gptlab.collector import startup_over
 from gptlab.config import RunSettings
 from gptlab.runs.identity import release_run_dir
 from gptlab.runs.layout import Run, git_commit, read_run_info, result_file
 from gptlab.runs.resume import check_writable, enter_run
+from gptlab.tasks.collector import startup_over
 
 log = logging.getLogger("gptlab")
 
