@@ -1,5 +1,5 @@
-"""scripts/startup_profile.py: where `python train.py`'s time goes before its first step, from whole processes
-with marks at gptlab's own functions."""
+"""scripts/benchmark.py --startup: where `python train.py`'s time goes before its first step, from whole
+processes with marks at gptlab's own functions."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from conftest import ROOT, load_script
 
 @pytest.fixture(scope="module")
 def profile():
-    yield load_script("startup_profile")
-    del sys.modules["startup_profile"]
+    yield load_script("benchmark")
+    del sys.modules["benchmark"]
 
 
 def marks(**walls: float) -> dict[str, dict[str, float]]:
@@ -22,11 +22,11 @@ def marks(**walls: float) -> dict[str, dict[str, float]]:
 def test_each_phase_is_the_span_since_the_mark_reached_before_it(profile):
     order = ["Hydra starts", "task starts", "config parsed", "data ready", "exited"]
     # "config parsed" not reached (an older build): its span joins the next mark's
-    spans = profile.phases(
+    spans = profile.startup_phases(
         marks(Hydra_starts=0.5, task_starts=1.25, data_ready=4.0, exited=9.0), order, "wall"
     )
     assert spans == {"Hydra starts": 0.5, "task starts": 0.75, "data ready": 2.75, "exited": 5.0}
-    assert profile.phases(marks(Hydra_starts=0.5, exited=9.0), order, "cpu") == {
+    assert profile.startup_phases(marks(Hydra_starts=0.5, exited=9.0), order, "cpu") == {
         "Hydra starts": 0.25,
         "exited": 4.25,
     }
@@ -44,7 +44,7 @@ def test_the_table_has_each_builds_wall_and_cpu_medians_and_the_ratios_round_by_
             marks(task_starts=2.0, first_step=6.0, exited=10.0),
         ],
     }
-    lines = profile.report(["new", "old"], results, order).splitlines()
+    lines = profile.startup_report(["new", "old"], results, order).splitlines()
     assert lines[0] == "| phase (ends at) | new: wall s | CPU s | old: wall s | CPU s |"
     assert (
         lines[2]
@@ -65,8 +65,8 @@ def test_the_table_has_each_builds_wall_and_cpu_medians_and_the_ratios_round_by_
 def test_a_real_run_reaches_every_mark_in_order(profile, tmp_path):
     """word2vec's marks from a real `python train.py task=word2vec` process (no Lightning: seconds)."""
     overrides = ["task=word2vec", "trainer.max_steps=2", "word2vec.evaluate=false", "logger=none"]
-    got = profile.Build("here", ROOT).run(overrides, tmp_path / "run")
-    order = [label for label, *_ in profile.marks_for(overrides)] + ["exited"]
+    got = profile.StartupBuild("here", ROOT).run(overrides, tmp_path / "run")
+    order = [label for label, *_ in profile.startup_marks(overrides)] + ["exited"]
     assert list(got) == order
     walls = [got[label]["wall"] for label in order]
     assert walls == sorted(walls) and walls[0] > 0
