@@ -2,8 +2,8 @@
 
 A run's start imports torch, Lightning, W&B and what they import: millions of objects that live as long as the
 process. Python runs a full collection each time the objects that survived the last one have grown by a
-quarter, and each full collection walks all of them again: 1 to 4 of the 7 to 9 CPU seconds before the first
-training step here went to them. While a run starts (:func:`freezing_while_starting`), what survives a full
+quarter, and each full collection walks all of them again: 0.9 to 4.3 s of the 7 to 9 CPU seconds before the
+first training step here went to them. While a run starts (:func:`freezing_while_starting`), what survives a full
 collection is frozen (``gc.freeze``: moved where collections do not look), so that the next one walks only
 what came after; once the task's loop begins (:func:`startup_over`) nothing more is frozen and the collector
 works as Python's default, and when the run ends everything is handed back to it (``gc.unfreeze``), so that a

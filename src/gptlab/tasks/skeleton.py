@@ -185,7 +185,7 @@ class RunSession:
             lg.log_hyperparams(resolved)
         if self.is_global_zero:
             OmegaConf.save(self.cfg, self.run_dir / "config_resolved.yaml", resolve=True)
-        startup_over()  # the task's loop comes next: from here the garbage collector works as Python's default
+        startup_over()  # the task's loop comes next: nothing more is frozen (gptlab.tasks.collector)
 
     def write_result(
         self,
