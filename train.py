@@ -8,6 +8,7 @@ from omegaconf import DictConfig
 
 from gptlab.cli import register_help_resolver, suggest_choices
 from gptlab.runs.resume import register_resolvers
+from gptlab.tasks.collector import exit_without_collecting
 
 register_resolvers()  # conf/hydra chooses the run directory through them (resume=auto)
 register_help_resolver()  # `--help` (conf/hydra/help/gptlab.yaml) lists Hydra's launchers through it
@@ -22,4 +23,5 @@ def main(cfg: DictConfig) -> float | None:
 
 
 if __name__ == "__main__":
+    exit_without_collecting()  # the seconds Python's collector takes at exit, after the run's last line
     main()

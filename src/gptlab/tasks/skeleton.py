@@ -34,6 +34,7 @@ from gptlab.config import RunSettings
 from gptlab.runs.identity import release_run_dir
 from gptlab.runs.layout import Run, git_commit, read_run_info, result_file
 from gptlab.runs.resume import check_writable, enter_run
+from gptlab.tasks.collector import startup_over
 
 log = logging.getLogger("gptlab")
 
@@ -184,6 +185,7 @@ class RunSession:
             lg.log_hyperparams(resolved)
         if self.is_global_zero:
             OmegaConf.save(self.cfg, self.run_dir / "config_resolved.yaml", resolve=True)
+        startup_over()  # the task's loop comes next: nothing more is frozen (gptlab.tasks.collector)
 
     def write_result(
         self,
