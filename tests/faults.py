@@ -20,6 +20,7 @@ one rank does to a distributed run. GPTLAB_TEST_FAULT chooses it (read here only
   moment; with ``hold``, one that got through waits there until ``<folder>/go`` exists (the test writes it once
   it has seen the others refused).
 - ``ctrl_c:<n>``: the process sends itself SIGINT (a Ctrl-C) after the n-th optimizer step.
+- ``sigterm:<n>``: the process sends itself SIGTERM (a ``kill``) after the n-th optimizer step.
 - ``ctrl_c_twice:<n>``: as ``ctrl_c``, and again in the middle of the checkpoint save that the first one asks
   for, after its bytes are written and before the file is renamed into place.
 
@@ -168,7 +169,7 @@ elif kind == "race_start":
             wait_for((folder / "go").exists, "the go file")
 
     CheckRunDirectory.on_run_start = on_run_start
-elif kind in ("ctrl_c", "ctrl_c_twice"):
+elif kind in ("ctrl_c", "ctrl_c_twice", "sigterm"):
     from gptlab.parallel import checkpoint_io
     from gptlab.training.callbacks import ValidateAtLastStep
 
@@ -181,7 +182,7 @@ elif kind in ("ctrl_c", "ctrl_c_twice"):
         global first_sent
         if trainer.global_step == fault_step:
             first_sent = True
-            os.kill(os.getpid(), signal.SIGINT)
+            os.kill(os.getpid(), signal.SIGTERM if kind == "sigterm" else signal.SIGINT)
         original_batch_end(self, trainer, pl_module, *rest)
 
     def save(obj, f, *rest, **kwargs):

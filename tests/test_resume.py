@@ -7,6 +7,7 @@ import logging
 import os
 import random
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -869,10 +870,15 @@ def test_a_full_disk_names_the_space_and_keeps_the_last_checkpoint_and_the_metri
 
 
 @pytest.mark.slow
-def test_ctrl_c_in_a_sweep_stops_the_sweep_after_saving_the_job(tmp_path, cache_dir):
+@pytest.mark.parametrize(
+    "fault, signal_name, status", [("ctrl_c", "Ctrl-C", 130), ("sigterm", "SIGTERM", 143)]
+)
+def test_a_stop_signal_in_a_sweep_stops_the_sweep_and_its_command_continues_it(
+    tmp_path, cache_dir, fault, signal_name, status
+):
     sweep = tmp_path / "sweep"
     args = with_overrides(
-        [*ARGS, "logger=none", f"paths.root_dir={cache_dir}", "resume=auto"],
+        [*ARGS, "logger=none", f"paths.root_dir={cache_dir}"],
         "trainer.max_steps=6",
         "callbacks.last_checkpoint.every_n_train_steps=50",
     )
@@ -881,17 +887,29 @@ def test_ctrl_c_in_a_sweep_stops_the_sweep_after_saving_the_job(tmp_path, cache_
         cwd=tmp_path,
         check=False,
         script=ROOT / "tests" / "faults.py",
-        env={"GPTLAB_TEST_FAULT": "ctrl_c:3"},
+        env={"GPTLAB_TEST_FAULT": f"{fault}:3"},
     )
     output = proc.stdout + proc.stderr
-    assert proc.returncode == 130, output[-3000:]
-    assert "Ctrl-C: the sweep stops here; the same command with resume=auto and its hydra.sweep.dir" in output
-    # job 0 stopped at the step after the Ctrl-C, with its checkpoint and result; job 1 never started
+    assert proc.returncode == status, output[-3000:]
+    assert f"{signal_name} stopped the sweep in job #0 (" in output
+    assert f"Sweep: 1 run in {sweep} (1 stopped)" in output
+    # job 0 stopped at the step after the signal, with its checkpoint and result; job 1 never started
     result = Run(sweep / "0").result()
     assert result["stopped_by_signal"] is True and result["global_step"] == 4
     saved = torch.load(last_checkpoint(sweep / "0"), map_location="cpu", weights_only=True)
     assert saved["global_step"] == 4
     assert not (sweep / "1").exists()
+    if fault == "ctrl_c":
+        return
+    # the printed command (here without the fault) finishes job 0 from its checkpoint and runs job 1
+    command = output.split("others start): ", 1)[1].splitlines()[0]
+    argv = shlex.split(command)
+    assert argv[-1] == "resume=auto" and f"hydra.sweep.dir={sweep}" in argv
+    run_train(argv[2:], cwd=tmp_path)
+    for job in ("0", "1"):
+        result = Run(sweep / job).result()
+        assert result["finished"] is True and result["global_step"] == 6, (job, result)
+    assert [p["status"] for p in Run(sweep / "0").result()["parts"]] == ["stopped", "finished"]
 
 
 def test_a_resumed_runs_result_sums_the_wall_time_and_rates_over_its_parts():

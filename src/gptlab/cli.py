@@ -16,7 +16,15 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.experimental.callback import Callback as HydraCallback
 from omegaconf import DictConfig, OmegaConf
 
-from gptlab.errors import ConfigError, DataError, DiskFullError, NonFiniteLossError, RankLostError
+from gptlab.errors import (
+    ConfigError,
+    DataError,
+    DiskFullError,
+    NonFiniteLossError,
+    RankLostError,
+    SweepStopped,
+    signal_name,
+)
 from gptlab.runs.layout import CLAIM_FILE, HYDRA_DIR, RUN_FILE
 from gptlab.runs.naming import is_multirun
 
@@ -248,6 +256,25 @@ def sweep_closing_lines(sweep_dir: Path, task: str | None = None) -> list[str]:
     return lines
 
 
+def sweep_stopped_lines(stop: SweepStopped, hydra: Any, argv: list[str] | None = None) -> list[str]:
+    """What a sweep that a stop signal ended says: the job it stopped in, the sweep's runs so far, and the
+    command that continues it (``resume=auto`` in the same sweep directory: each job continues its own
+    ``<sweep dir>/<job number>``; a finished one says so and does nothing)."""
+    sweep_dir = str(hydra.sweep.dir)
+    args = list(sys.argv if argv is None else argv)
+    rest = [a for a in args[1:] if a.lstrip("+").split("=", 1)[0] != "resume"]
+    if not any(a.lstrip("+").startswith("hydra.sweep.dir=") for a in rest):
+        rest.append(f"hydra.sweep.dir={sweep_dir}")
+    overrides = " ".join(str(o) for o in hydra.overrides.task)
+    return [
+        f"{signal_name(stop.signum)} stopped the sweep in job #{hydra.job.num} ({overrides}), after saving its "
+        "checkpoint; the jobs after it did not start.",
+        sweep_closing_lines(Path(sweep_dir))[0],
+        "Continue the sweep (finished jobs stay as they are, a stopped one continues from its checkpoint, the "
+        f"others start): {shlex.join(['python', args[0], *rest, 'resume=auto'])}",
+    ]
+
+
 def remove_refused_run_dir(run_dir: Path, job_log: str) -> bool:
     """Remove ``run_dir`` after a refusal when this command created it (it, or a folder above it, did not
     exist when the command started) and it holds only what a refused run writes: Hydra's ``.hydra/`` and
@@ -326,5 +353,8 @@ def run_task(cfg: DictConfig) -> float | None:
             raise
         print(f"\ngptlab: training failed: {e}", file=sys.stderr, flush=True)
         raise SystemExit(1) from None
+    except SweepStopped as stop:
+        print("\n".join(sweep_stopped_lines(stop, HydraConfig.get())), flush=True)
+        raise SystemExit(stop.exit_status) from None
     metric = cfg.get("optimized_metric")
     return metrics.get(metric) if metric else None

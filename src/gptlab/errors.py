@@ -2,8 +2,14 @@
 
 ``ConfigError`` and its kinds end `python train.py` with exit status 2 and the message alone (no traceback);
 ``NonFiniteLossError``, ``DiskFullError`` and ``RankLostError`` end it with status 1, as a run that started and
-then failed.
+then failed. ``SweepStopped`` ends a sweep that a stop signal interrupted with 128 + the signal's number, as a shell
+reports a process a signal ended.
 """
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
 
 
 class ConfigError(ValueError):
@@ -37,6 +43,28 @@ class RankLostError(RuntimeError):
     names the rank and how it ended, the last intact checkpoint and the command that continues the run."""
 
 
+def signal_name(signum: int | None) -> str:
+    """How a stop signal is named to the user: ``Ctrl-C`` for SIGINT, the signal's name otherwise."""
+    if signum is None:
+        return "a signal"
+    return "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+
+
+class SweepStopped(Exception):
+    """A job of a sweep (``python train.py -m``) that a stop signal ended early, its checkpoint and
+    ``result.json`` written. The sweep stops with it rather than starting its next job: the signal (Ctrl-C, a
+    ``kill``, a scheduler's SIGTERM) was meant for the whole command, and a job started after it would run
+    until a harder kill ended it unsaved. ``gptlab.cli`` says how the sweep continues."""
+
+    def __init__(self, signum: int, run_dir: Path) -> None:
+        self.signum, self.run_dir = signum, run_dir
+        super().__init__(f"{signal_name(signum)} stopped the sweep in {run_dir}")
+
+    @property
+    def exit_status(self) -> int:
+        return 128 + self.signum
+
+
 __all__ = [
     "CheckpointError",
     "ConfigError",
@@ -44,5 +72,7 @@ __all__ = [
     "DiskFullError",
     "NonFiniteLossError",
     "RankLostError",
+    "SweepStopped",
     "WandbFileError",
+    "signal_name",
 ]

@@ -193,6 +193,17 @@ def is_multirun(hc: Any = None) -> bool:
     return str(hc.get("mode")) in (str(RunMode.MULTIRUN), RunMode.MULTIRUN.name)
 
 
+def is_sweep_in_this_process() -> bool:
+    """Whether this job is one of a sweep whose jobs run one after another in this process (Hydra's basic
+    launcher), rather than each in its own (SLURM, joblib): a signal to this process is then the whole sweep's."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not is_multirun():
+        return False
+    target = str(HydraConfig.get().launcher.get("_target_", ""))
+    return target.endswith(".BasicLauncher")
+
+
 def labels_from_hydra(hc: Any = None) -> RunLabels:
     """The identity of a Hydra job from its ``hydra`` config node: the current job's by default, or one
     passed in (``compose(..., return_hydra_config=True).hydra``). Empty outside Hydra."""

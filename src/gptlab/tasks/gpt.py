@@ -28,7 +28,13 @@ from gptlab.runs.identity import launched_rank
 from gptlab.runs.layout import LAST_CHECKPOINT
 from gptlab.runs.naming import is_multirun
 from gptlab.runs.resume import ResumePlan, confirm_resume, plan_resume
-from gptlab.tasks.skeleton import RunSession, quiet_launched_ranks, record_run_dir, route_lightning_logs
+from gptlab.tasks.skeleton import (
+    RunSession,
+    end_sweep_if_signalled,
+    quiet_launched_ranks,
+    record_run_dir,
+    route_lightning_logs,
+)
 
 if TYPE_CHECKING:  # Lightning and the data are imported once the config is checked: a refusal comes first
     import lightning as L
@@ -110,14 +116,7 @@ def run(cfg: DictConfig) -> dict[str, float]:
         metrics = collect_metrics(trainer, parts, time.perf_counter() - t0)
         if trainer.is_global_zero:
             report(session, settings, parts, trainer, loggers, metrics, step, stop)
-    if stop is not None and stop.signal == "Ctrl-C" and is_multirun():
-        # Ctrl-C stops the sweep, not only this job (its result and checkpoint are written): the next jobs
-        # would otherwise start one after the other.
-        log.warning(
-            "Ctrl-C: the sweep stops here; the same command with resume=auto and its hydra.sweep.dir continues "
-            "it (this job from its checkpoint)"
-        )
-        raise SystemExit(130)
+    end_sweep_if_signalled(stop.signum if stop is not None else None, session.run_dir)
     return metrics
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import math
 import random
+import signal
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
@@ -31,6 +32,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from gptlab.config import RunSettings
+from gptlab.errors import SweepStopped
 from gptlab.runs.identity import release_run_dir
 from gptlab.runs.layout import Run, git_commit, read_run_info, result_file
 from gptlab.runs.resume import check_writable, enter_run
@@ -286,6 +288,19 @@ class RunSession:
 
 # A part's own figures, kept per part in result.json (wall time and rates); the run's are combined from them.
 PART_FIGURES = ("wall_seconds", "tokens_per_second_wall", "tokens_per_second_training")
+
+
+def end_sweep_if_signalled(signum: int | None, run_dir: Path) -> None:
+    """After a job that the stop signal ``signum`` ended (its checkpoint and ``result.json`` written): when
+    the job is one of a sweep run in this process, the sweep stops here (:class:`~gptlab.errors.SweepStopped`)
+    instead of starting its next job. Ctrl-C stops any sweep (the terminal sends it to every process of the
+    command); where each job has a process of its own (SLURM, joblib), another signal was that job's alone."""
+    from gptlab.runs.naming import is_multirun, is_sweep_in_this_process
+
+    if signum is None or not is_multirun():
+        return
+    if signum == signal.SIGINT or is_sweep_in_this_process():
+        raise SweepStopped(signum, run_dir)
 
 
 def earlier_parts(earlier: Mapping[str, Any] | None) -> list[dict[str, Any]]:

@@ -22,7 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 from gptlab.config import RunSettings
 from gptlab.errors import ConfigError
 from gptlab.runs.resume import ResumePlan
-from gptlab.tasks.skeleton import RunSession, record_run_dir
+from gptlab.tasks.skeleton import RunSession, end_sweep_if_signalled, record_run_dir
 from gptlab.word2vec import objectives
 from gptlab.word2vec.config import Word2VecOptions
 from gptlab.word2vec.corpus import WordCorpus, data_spec, peak_rss_mib, read_corpus
@@ -132,8 +132,9 @@ def train(
         trainer.wandb_run_id = session.wandb_run_id()
         log.info("Run directory: %s", session.run_dir)
         metrics, stopped = fit(trainer, settings, resume)
-        return report(session, settings, trainer, schedule, corpus, loggers, metrics, stopped)
-    raise AssertionError("unreachable: closing() re-raises")  # pragma: no cover
+        metrics = report(session, settings, trainer, schedule, corpus, loggers, metrics, stopped)
+    end_sweep_if_signalled(trainer.received if stopped else None, session.run_dir)
+    return metrics
 
 
 def fit(

@@ -48,7 +48,7 @@ import numpy as np
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from gptlab.errors import ConfigError, NonFiniteLossError
+from gptlab.errors import ConfigError, NonFiniteLossError, signal_name
 from gptlab.parallel import hardware
 from gptlab.parallel.checkpoint_io import link_checkpoint
 from gptlab.runs.layout import (
@@ -284,13 +284,6 @@ def best_checkpoints(trainer: L.Trainer) -> list[BestCheckpoint]:
 # ---- stop signals -------------------------------------------------------------------------------------
 
 
-def signal_name(signum: int | None) -> str:
-    """How a stop signal is named to the user: ``Ctrl-C`` for SIGINT, the signal's name otherwise."""
-    if signum is None:
-        return "a signal"
-    return "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
-
-
 class StopOnSignal(L.Callback):
     """Stops training cleanly on SIGTERM, SIGINT (Ctrl-C) and SIGUSR1 (see the module doc for what each does).
 
@@ -434,6 +427,7 @@ class SignalStop:
     Ctrl-C quit at once (the step in progress unsaved), and the checkpoint a resumed run continues from."""
 
     signal: str
+    signum: int
     quit_at_once: bool
     checkpoint: Path | None
     checkpoint_step: int | None
@@ -469,6 +463,8 @@ def fit(
     last = next((cb for cb in trainer.checkpoint_callbacks if isinstance(cb, PeriodicLastCheckpoint)), None)
     return SignalStop(
         signal=stopper.signal_name,
+        # a rank a peer's signal stopped received none itself: the stop of a kill
+        signum=int(stopper.received if stopper.received is not None else signal.SIGTERM),
         quit_at_once=stopper.quit_at_once,
         checkpoint=last.saved_path if last is not None else None,
         checkpoint_step=last.saved_step if last is not None else None,
