@@ -14,6 +14,19 @@ from hydra.core.global_hydra import GlobalHydra
 ROOT = Path(__file__).resolve().parents[1]
 
 
+#: ``@pytest.mark.parametrize("device", CPU_AND_CUDA)``: a test on the CPU, and on a CUDA device (a gpu test)
+CPU_AND_CUDA = [
+    "cpu",
+    pytest.param(
+        "cuda",
+        marks=[
+            pytest.mark.gpu,
+            pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+        ],
+    ),
+]
+
+
 def load_script(name: str):
     """``scripts/<name>.py`` imported as the module ``name`` (scripts are not a package), registered in
     ``sys.modules`` so that its dataclasses and pickling resolve; the caller removes it when done."""

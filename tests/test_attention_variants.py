@@ -11,7 +11,7 @@ import warnings
 
 import pytest
 import torch
-from conftest import TINY
+from conftest import CPU_AND_CUDA, TINY
 
 import gptlab
 from gptlab.errors import ConfigError
@@ -226,19 +226,7 @@ def test_a_sequence_through_flex_attention_is_padded_to_a_multiple_of_its_block(
 
 
 @pytest.mark.slow  # one compilation of FlexAttention, 20-40 s on a CPU
-@pytest.mark.parametrize(
-    "device",
-    [
-        "cpu",
-        pytest.param(
-            "cuda",
-            marks=[
-                pytest.mark.gpu,
-                pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-            ],
-        ),
-    ],
-)
+@pytest.mark.parametrize("device", CPU_AND_CUDA)
 @torch.no_grad()
 def test_decoding_without_a_cache_through_flex_attention_compiles_once_not_per_token(device, monkeypatch):
     """Greedy decoding without a KV cache runs the whole sequence at each of its 21 lengths (3 to 23): through

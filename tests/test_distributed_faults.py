@@ -214,15 +214,7 @@ def test_a_killed_rank_stops_the_run_with_its_name_and_resume_auto_finishes_it(t
     assert [p["status"] for p in result["parts"]] == ["failed"]
 
     # The command it prints continues from step 2 and finishes (train.py in place of the fault script).
-    proc = run_train([*common, "resume=auto"], cwd=tmp_path)
-    assert "Restored all states from the checkpoint" in proc.stdout + proc.stderr
-    assert "Trained 6 steps; this part, resumed at step 2, trained 4" in proc.stdout
-    result = json.loads((run_dir / "result.json").read_text())
-    assert result["finished"] and result["global_step"] == 6
-    assert [(p["from_step"], p["to_step"], p["status"]) for p in result["parts"]] == [
-        (0, 3, "failed"),
-        (2, 6, "finished"),
-    ]
+    assert_finished_from_step_2(run_train([*common, "resume=auto"], cwd=tmp_path), run_dir)
 
 
 @pytest.mark.slow
@@ -313,14 +305,7 @@ def test_a_rank_killed_under_torchrun_is_named_recorded_and_the_torchrun_command
     # The command it prints continues from step 2 and finishes (train.py in place of the fault script).
     proc = torchrun(_free_port(), ROOT / "train.py", [*common, "resume=auto"], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "Restored all states from the checkpoint" in proc.stdout + proc.stderr
-    assert "Trained 6 steps; this part, resumed at step 2, trained 4" in proc.stdout
-    result = json.loads((run_dir / "result.json").read_text())
-    assert result["finished"] and result["global_step"] == 6
-    assert [(p["from_step"], p["to_step"], p["status"]) for p in result["parts"]] == [
-        (0, 3, "failed"),
-        (2, 6, "finished"),
-    ]
+    assert_finished_from_step_2(proc, run_dir)
 
 
 LOST_WHILE_WAITING = """
@@ -512,3 +497,15 @@ def test_deepspeed_on_a_gpu_logs_the_gradient_norm_and_resumes_from_its_director
     )
     assert "Restored all states from the checkpoint" in proc.stdout + proc.stderr
     assert "Trained 6 steps" in proc.stdout
+
+
+def assert_finished_from_step_2(proc, run_dir) -> None:
+    """A run that failed at step 3, resumed from its step-2 checkpoint to its end at step 6."""
+    assert "Restored all states from the checkpoint" in proc.stdout + proc.stderr
+    assert "Trained 6 steps; this part, resumed at step 2, trained 4" in proc.stdout
+    result = json.loads((run_dir / "result.json").read_text())
+    assert result["finished"] and result["global_step"] == 6
+    assert [(p["from_step"], p["to_step"], p["status"]) for p in result["parts"]] == [
+        (0, 3, "failed"),
+        (2, 6, "finished"),
+    ]

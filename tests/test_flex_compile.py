@@ -11,7 +11,7 @@ import warnings
 
 import pytest
 import torch
-from conftest import load_script
+from conftest import CPU_AND_CUDA, load_script
 
 from gptlab.data.datamodule import document_ids
 from gptlab.model import attention
@@ -112,19 +112,7 @@ def test_past_the_recompile_limit_flex_attention_warns_and_still_gives_the_resul
 
 
 @pytest.mark.slow  # four Inductor compilations of FlexAttention's kernel, 15-30 s on a CPU
-@pytest.mark.parametrize(
-    "device",
-    [
-        "cpu",
-        pytest.param(
-            "cuda",
-            marks=[
-                pytest.mark.gpu,
-                pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-            ],
-        ),
-    ],
-)
+@pytest.mark.parametrize("device", CPU_AND_CUDA)
 def test_inductors_flex_kernels_compile_once_per_length_mask_kind_and_grad_mode(script, device):
     """The real kernels (Inductor's FlexAttention template; on a CPU forward only): a local/global, capped
     ALiBi model of four layers at three lengths in two buckets compiles 2 x 2 kernels and gives the dense
