@@ -232,7 +232,10 @@ class Trainer:
                 signal.signal(s, handle)
         # Start-up's objects (modules, config, corpus) are moved out of the garbage collector's reach: it
         # does not walk them during training or at exit, nor does a forked worker copy the pages it would
-        # touch (the gc module's advice for fork without exec).
+        # touch (the gc module's advice for fork without exec). Handed back after training unless frozen before
+        # (a run's start-up, gptlab.tasks.collector, hands back its own at the run's end): a notebook or a test
+        # process calling this keeps collecting its garbage afterwards.
+        frozen_before = gc.get_freeze_count()
         gc.freeze()
         t0 = time.perf_counter()
         times: deque[tuple[float, float]] = deque(maxlen=20)
@@ -268,6 +271,8 @@ class Trainer:
             if threading.current_thread() is threading.main_thread():
                 for s, h in previous.items():
                     signal.signal(s, h)
+            if frozen_before == 0:
+                gc.unfreeze()
         self.save_checkpoint()
         return stopped
 
