@@ -1,6 +1,6 @@
 """The model's configuration: its sizes and switches, one :class:`~gptlab.registry.Choice` per variant
 family (positional scheme, activation, norm), each with that variant's typed options, and the attention
-variants (QK-norm, sliding windows, logit cap, output gate, value residual: ``attention``,
+variants (QK-norm, sliding windows, logit cap, output gate, value residual, differential attention: ``attention``,
 model/attention_variants.py).
 
 Made once, and checked whole when it is made: every size, every variant name and option (the variant's own
@@ -126,6 +126,14 @@ class GPTConfig:
             raise ConfigError(f"model.mlp_ratio={self.mlp_ratio} must be positive (or null for the default).")
         self._validate_parametrization()
         self.attention.check_depth(self.n_layer)
+        scheme = positional.get(self.pos.name)
+        self.attention.check_model(
+            self.head_dim,
+            self.pos.name,
+            rotary=scheme.is_rotary,
+            bias=scheme.bias is not positional.PositionalEncoding.bias,
+            param=self.param,
+        )
         positional.get(self.pos.name).check_shape(
             self.pos.options, n_head=self.n_head, head_dim=self.head_dim, block_size=self.block_size
         )
