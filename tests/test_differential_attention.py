@@ -85,14 +85,21 @@ def test_lambda_init_per_layer_is_the_papers_formula():
     assert 0.03 < float(vectors.std()) < 0.3 and not torch.equal(vectors[0], vectors[1])
 
 
-def attention_by_hand(attn, x: torch.Tensor) -> torch.Tensor:
-    """The paper's differential attention written out for one layer (no positional scheme), over GQA."""
+def attention_by_hand(attn, x: torch.Tensor, rope=None) -> torch.Tensor:
+    """The paper's differential attention written out for one layer, over GQA; with ``rope`` the queries and
+    keys are rotated, and each half takes the rotation pairs (j, j + d/2) of even j, or of odd j."""
     B, T, C = x.shape
     H, Hkv, d = attn.n_head, attn.n_kv_head, attn.head_dim
     q, k, v = attn.c_attn(x).split([H * d, Hkv * d, Hkv * d], dim=-1)
     q = q.view(B, T, H, d).transpose(1, 2)
     k = k.view(B, T, Hkv, d).transpose(1, 2).repeat_interleave(H // Hkv, dim=1)
     v = v.view(B, T, Hkv, d).transpose(1, 2).repeat_interleave(H // Hkv, dim=1)
+    if rope is None:
+        first, second = list(range(d // 2)), list(range(d // 2, d))
+    else:
+        q, k = rope.rotate(q, k, torch.arange(T))
+        first = [j + h for j in range(0, d // 2, 2) for h in (0, d // 2)]
+        second = [j + h for j in range(1, d // 2, 2) for h in (0, d // 2)]
     future = torch.ones(T, T, dtype=torch.bool).triu(1)
 
     def softmax_map(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
@@ -105,29 +112,50 @@ def attention_by_hand(attn, x: torch.Tensor) -> torch.Tensor:
         - torch.exp((diff.lambda_q2 * diff.lambda_k2).sum())
         + diff.lambda_init
     )
-    half = d // 2
-    y = (softmax_map(q[..., :half], k[..., :half]) - lam * softmax_map(q[..., half:], k[..., half:])) @ v
+    y = (softmax_map(q[..., first], k[..., first]) - lam * softmax_map(q[..., second], k[..., second])) @ v
     y = y / torch.sqrt(y.pow(2).mean(-1, keepdim=True) + 1e-5) * diff.norm.weight  # headwise RMSNorm
     y = y * (1 - diff.lambda_init)
     return attn.c_proj(y.transpose(1, 2).reshape(B, T, C))
 
 
+@pytest.mark.parametrize("pos", ["nope", "rope"])
 @pytest.mark.parametrize("n_kv_head", [None, 2, 1])
 @torch.no_grad()
-def test_the_model_is_the_papers_differential_attention_written_out(n_kv_head):
+def test_the_model_is_the_papers_differential_attention_written_out(n_kv_head, pos):
     """A 3-layer model (multi-head, grouped-query, multi-query) against the softmax written out: each
     layer's lambda_init its own, the two maps over the same whole-head values."""
-    model = moved_from_init(model_of(n_layer=3, n_kv_head=n_kv_head, attention=DIFFERENTIAL))
+    model = moved_from_init(model_of(n_layer=3, n_kv_head=n_kv_head, pos=pos, attention=DIFFERENTIAL))
     idx = torch.randint(0, 61, (2, 12), generator=torch.Generator().manual_seed(3))
     x = model.transformer.wte(idx)
+    rope = model.transformer.pos if pos == "rope" else None
     for block in model.transformer.h:
-        x = x + attention_by_hand(block.attn, block.ln_1(x))
+        x = x + attention_by_hand(block.attn, block.ln_1(x), rope)
         x = x + block.mlp(block.ln_2(x))
     expected = model.lm_head(model.transformer.ln_f(x))
     torch.testing.assert_close(model(idx)[0], expected, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("pos", ["learned", "sinusoidal", "nope"])
+@pytest.mark.parametrize("pos", ["rope", "xpos"])
+@torch.no_grad()
+def test_under_a_rotary_scheme_each_halfs_scores_depend_on_the_distance_alone(pos):
+    """q.k of each half, rotated at positions (m, n), equals the same at (m + 37, n + 37): each half holds
+    whole rotation pairs. The first and last head_dim / 2 dimensions would not (the check can fail)."""
+    model = model_of(pos=pos, n_embd=64, attention=DIFFERENTIAL)  # head_dim 16
+    scheme, diff = model.transformer.pos, model.transformer.h[0].attn.differential
+    q, k = torch.randn(2, 1, 4, 16, generator=torch.Generator().manual_seed(1)).unbind(0)
+    positions = torch.tensor([3, 5, 11, 12])
+
+    def scores(shift: int, split) -> list[torch.Tensor]:
+        rq, rk = scheme.rotate(q, k, positions + shift)
+        return [a @ b.transpose(-2, -1) for a, b in zip(split(rq), split(rk), strict=True)]
+
+    for here, there in zip(scores(0, diff.split), scores(37, diff.split), strict=True):
+        torch.testing.assert_close(here, there, rtol=1e-4, atol=1e-4)
+    plain_halves = scores(0, lambda x: x.chunk(2, dim=-1)), scores(37, lambda x: x.chunk(2, dim=-1))
+    assert (plain_halves[0][0] - plain_halves[1][0]).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("pos", ["learned", "sinusoidal", "nope", "rope", "xpos"])
 @torch.no_grad()
 def test_kv_cache_decoding_equals_the_whole_sequence(pos):
     """With GQA, QK-norm, the output gate and the value residual on too: a prompt, a chunk and then one token
@@ -203,10 +231,13 @@ def test_its_vectors_are_gains_for_the_optimizer():
             "the head dimension (model.n_embd / model.n_head) is 9, odd",
         ),
         (
-            ["attention=differential", "pos=rope"],
-            "attention.differential=true cannot take pos=rope: the rotation",
+            ["attention=differential", "pos=rope", "pos.rotary_fraction=0.5"],
+            "with pos=rope splits each head by its rotation pairs",
         ),
-        (["attention=differential", "pos=xpos"], "cannot take pos=xpos"),
+        (
+            ["attention=differential", "pos=xpos", "model.n_embd=24", "model.n_head=4"],
+            "pos.rotary_fraction=1 and head dimension 6",
+        ),
         (["attention=differential", "pos=alibi"], "cannot take pos=alibi: a bias scheme's attention"),
         (["attention=differential", "pos=fire"], "cannot take pos=fire"),
         (["attention=differential", "attention.window=8"], "cannot take attention.window=8"),
@@ -249,7 +280,9 @@ def test_trains_through_the_run_path_to_a_falling_loss_and_its_checkpoint_keeps_
     assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.3, losses
     trained = load_run(run_dir)
     assert trained.model.config.attention.differential
-    lambdas = [float(block.attn.differential.lambda_q1.abs().sum()) for block in trained.model.transformer.h]
+    lambdas = [
+        float(block.attn.differential.lambda_q1.detach().abs().sum()) for block in trained.model.transformer.h
+    ]
     assert all(math.isfinite(v) for v in lambdas)
 
 

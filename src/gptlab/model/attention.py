@@ -41,6 +41,7 @@ from torch import Tensor, nn
 
 from gptlab import torch_features
 from gptlab.errors import ConfigError
+from gptlab.model import positional
 from gptlab.model.attention_variants import (
     AttentionGate,
     DifferentialAttention,
@@ -412,7 +413,8 @@ class CausalSelfAttention(nn.Module):
         # Differential attention: two attention maps of half-width queries and keys, subtracted.
         self.differential: DifferentialAttention | None = None
         if variants.differential:
-            self.differential = DifferentialAttention(layer, self.head_dim)
+            rotary = positional.get(config.pos.name).is_rotary  # each half takes whole rotation pairs
+            self.differential = DifferentialAttention(layer, self.head_dim, pairs=rotary)
 
     def forward(
         self,

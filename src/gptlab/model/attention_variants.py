@@ -18,7 +18,7 @@ position vector), and the cap acts on q.k before a scheme's bias is added, so AL
 never flattened by it. The gate acts after the attention kernel and the value residual before it, on the
 values alone, so neither touches the scores, the masks or the positions. Differential attention runs the
 fused causal kernel twice on half-width queries and keys; it is refused at config time beside what would
-change those kernels' scores (a window, a cap, a bias scheme, a rotation) or their scale (muP), see
+change those kernels' scores (a window, a cap, a bias scheme) or their scale (muP), see
 :meth:`AttentionOptions.check_model`.
 
 ``AttentionOptions`` is the node's typed form, checked whole when the model config is made; the model config
@@ -148,9 +148,18 @@ class AttentionOptions:
                 "attention.value_residual=none."
             )
 
-    def check_model(self, head_dim: int, pos_name: str, rotary: bool, bias: bool, param: str) -> None:
+    def check_model(
+        self,
+        head_dim: int,
+        pos_name: str,
+        rotary: bool,
+        bias: bool,
+        param: str,
+        rotary_fraction: float = 1.0,
+    ) -> None:
         """The checks that need the rest of the model: what differential attention cannot combine with.
-        ``rotary``, ``bias``: whether the positional scheme ``pos_name`` rotates q and k, or adds a bias."""
+        ``rotary``, ``bias``: whether the positional scheme ``pos_name`` rotates q and k (``rotary_fraction``
+        of each head), or adds a bias."""
         if not self.differential:
             return
         if head_dim % 2:
@@ -159,19 +168,18 @@ class AttentionOptions:
                 f"head dimension (model.n_embd / model.n_head) is {head_dim}, odd: choose n_embd and n_head "
                 "with an even quotient, or attention.differential=false."
             )
-        if rotary:
+        if rotary and (rotary_fraction != 1 or head_dim % 4):
             raise ConfigError(
-                f"attention.differential=true cannot take pos={pos_name}: the rotation pairs dimension i of a "
-                "head with i + head_dim/2, across the two halves, so a half's rotated q.k would not depend on "
-                "the distance alone (the paper rotates each half at half width). Use a scheme that adds "
-                "position vectors (pos=learned, pos=sinusoidal) or none (pos=nope), or "
-                "attention.differential=false."
+                f"attention.differential=true with pos={pos_name} splits each head by its rotation pairs, "
+                f"half of the pairs to each half, so it needs whole heads rotated and a head dimension divisible "
+                f"by 4; here pos.rotary_fraction={rotary_fraction:g} and head dimension {head_dim}. Use "
+                "pos.rotary_fraction=1 and n_embd / n_head a multiple of 4, or attention.differential=false."
             )
         if bias:
             raise ConfigError(
                 f"attention.differential=true cannot take pos={pos_name}: a bias scheme's attention goes through "
                 "FlexAttention (CUDA) or the dense bias route, which differential attention does not take; it "
-                "runs the fused causal kernel twice. Use pos=learned, pos=sinusoidal or pos=nope, or "
+                "runs the fused causal kernel twice. Use pos=rope, pos=learned, pos=sinusoidal or pos=nope, or "
                 "attention.differential=false."
             )
         if self.window is not None or self.logit_softcap is not None:
@@ -359,17 +367,22 @@ class DifferentialAttention(nn.Module):
 
     The two maps are two calls of the attention kernel on the same V (CausalSelfAttention), each the fused
     causal one: no (T, T) score matrix is written out. Q1, K1 are the first half of each head's dimensions
-    (after any QK-norm over the whole head), Q2, K2 the second; the KV cache holds whole keys and values, so
-    decoding needs nothing else. The lambda vectors and the norm's gain are vectors: no weight decay and the
+    (after any QK-norm over the whole head), Q2, K2 the second. Under a rotary scheme (``pairs``) each half
+    takes whole rotation pairs instead, after the rotation: RoPE turns dimension j with j + head_dim/2, so the
+    pairs of even j go to the first half and those of odd j to the second, and each half's q.k depends on the
+    distance alone. The first half then rotates at exactly the frequencies of a RoPE of head_dim/2 (the
+    paper rotates each half at half width), the second at each of those times base^(-2/head_dim). The KV cache
+    holds whole keys and values, so decoding needs nothing else. The lambda vectors and the norm's gain are vectors: no weight decay and the
     plain learning rate.
     """
 
     EPS: ClassVar[float] = 1e-5  # the head norm's (the paper's RMSNorm)
     LAMBDA_STD: ClassVar[float] = 0.1
 
-    def __init__(self, layer: int, head_dim: int) -> None:
+    def __init__(self, layer: int, head_dim: int, pairs: bool = False) -> None:
         super().__init__()
         self.lambda_init = self.initial_lambda(layer)
+        self.pairs = pairs
         half = head_dim // 2
         # Drawn from a generator of their own, seeded from the run's seed and the layer: the global stream is
         # left as the plain model's, so at one seed every other weight is the plain model's.
@@ -392,9 +405,15 @@ class DifferentialAttention(nn.Module):
         return 4 * (head_dim // 2) + head_dim
 
     def split(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        """The two halves of each head, x: (B, heads, T, head_dim) -> two (B, heads, T, head_dim / 2)."""
-        first, second = x.chunk(2, dim=-1)
-        return first, second
+        """The two halves of each head, x: (B, heads, T, head_dim) -> two (B, heads, T, head_dim / 2): the
+        first and the last head_dim / 2 dimensions, or with ``pairs`` the rotation pairs (j, j + head_dim/2)
+        of even j and of odd j."""
+        if not self.pairs:
+            first, second = x.chunk(2, dim=-1)
+            return first, second
+        # (.., head_dim) as (.., 2, head_dim/4, 2): [h, i, p] is dimension h head_dim/2 + 2i + p, pair j = 2i + p.
+        paired = x.unflatten(-1, (2, x.size(-1) // 4, 2))
+        return paired[..., 0].flatten(-2), paired[..., 1].flatten(-2)
 
     def lambda_(self) -> Tensor:
         """The layer's lambda, a scalar, computed in float32."""

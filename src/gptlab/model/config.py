@@ -133,6 +133,7 @@ class GPTConfig:
             rotary=scheme.is_rotary,
             bias=scheme.bias is not positional.PositionalEncoding.bias,
             param=self.param,
+            rotary_fraction=getattr(self.pos.options, "rotary_fraction", 1.0),
         )
         positional.get(self.pos.name).check_shape(
             self.pos.options, n_head=self.n_head, head_dim=self.head_dim, block_size=self.block_size
