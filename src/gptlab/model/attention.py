@@ -17,6 +17,7 @@
   mask (the FlexAttention block mask, or a boolean / -inf mask through SDPA), built once per forward pass
   for the local layers and once for the global ones; a logit cap is part of the score_mod on CUDA and, since
   SDPA cannot cap, an explicit score computation elsewhere. QK-norm acts on q and k before any rotation.
+  Differential attention calls the kernel twice, with each half of the queries and keys over the same values.
 - Document masking (``data.document_mask=true``): the model gets each token's document id, and a query reads
   only the keys of its own document, on top of causality and any window: a per-window FlexAttention block
   mask on CUDA (``document_block_mask``), a (B, 1, T, T) boolean mask through SDPA elsewhere. With a bias the
@@ -39,8 +40,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from gptlab import torch_features
+from gptlab.errors import ConfigError
+from gptlab.model import positional
 from gptlab.model.attention_variants import (
     AttentionGate,
+    DifferentialAttention,
     QKNorm,
     SlidingWindow,
     ValueResidual,
@@ -406,6 +410,11 @@ class CausalSelfAttention(nn.Module):
         self.value_residual: ValueResidual | None = None
         if variants.value_residual != "none" and layer > 0:
             self.value_residual = ValueResidual(variants.value_residual)
+        # Differential attention: two attention maps of half-width queries and keys, subtracted.
+        self.differential: DifferentialAttention | None = None
+        if variants.differential:
+            rotary = positional.get(config.pos.name).is_rotary  # each half takes whole rotation pairs
+            self.differential = DifferentialAttention(layer, self.head_dim, pairs=rotary)
 
     def forward(
         self,
@@ -455,24 +464,54 @@ class CausalSelfAttention(nn.Module):
             k_positions = torch.arange(end - Tk, end, device=x.device)
             bias = AttentionBias.build(pos, positions, k_positions, False, self.window, self.softcap)
 
-        # softmax(q k^T * scale + bias) v, scale = 1/sqrt(head_dim) unless muP sets it
-        scale = self.scale
-        if bias is not None and bias.block_mask is not None:
-            y = compiled_flex_attention(q, k, v, bias.score_mod, bias.block_mask, gqa, scale)
-        elif bias is not None and bias.mask is not None:
-            y = dense_bias_attention(q, k, v, bias.mask, dropout_p, gqa, scale, bias.softcap, bias.document)
-        elif Tk == T:
-            y = F.scaled_dot_product_attention(
-                q, k, v, dropout_p=dropout_p, is_causal=True, enable_gqa=gqa, scale=scale
-            )
-        else:  # a chunk of queries after cached keys: an explicit causal mask
-            k_positions = torch.arange(Tk, device=x.device) + (int(positions[-1]) + 1 - Tk)
-            mask = k_positions[None, :] <= positions[:, None]
-            y = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, dropout_p=dropout_p, enable_gqa=gqa, scale=scale
-            )
+        if self.differential is None:
+            y = self.attend(q, k, v, bias, positions, dropout_p, gqa)
+        else:  # the same kernel twice over the same values, with each half of the queries and keys
+            if bias is not None and bias.block_mask is not None:
+                # Only a document mask gets here (config time refuses a bias scheme, a window and a cap).
+                raise ConfigError(
+                    "attention.differential=true cannot take data.document_mask=true on CUDA, where the "
+                    "document mask goes through FlexAttention: set data.document_mask=false, or "
+                    "attention.differential=false."
+                )
+            (q1, q2), (k1, k2) = self.differential.split(q), self.differential.split(k)
+            y1 = self.attend(q1, k1, v, bias, positions, dropout_p, gqa)
+            y2 = self.attend(q2, k2, v, bias, positions, dropout_p, gqa)
+            y = self.differential(y1, y2)
         y = y.transpose(1, 2)  # (B, T, n_head, head_dim)
         if self.gate is not None:
             y = self.gate(y, x)  # after SDPA, before the output projection
         y = y.contiguous().view(B, T, C)  # (B, T, n_embd)
         return self.resid_dropout(self.c_proj(y)), handed_on
+
+    def attend(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        bias: AttentionBias | None,
+        positions: Tensor,
+        dropout_p: float,
+        gqa: bool,
+    ) -> Tensor:
+        """softmax(q k^T * scale + bias) v through the route that fits, scale = 1/sqrt(q's head_dim) unless
+        muP sets it. q: (B, n_head, T, d); k: (B, n_kv_head, Tk, d); v: (B, n_kv_head, Tk, d_v), with the T
+        queries the last T of the Tk positions. Returns (B, n_head, T, d_v)."""
+        T, Tk = q.size(2), k.size(2)
+        scale = self.scale
+        if bias is not None and bias.block_mask is not None:
+            return compiled_flex_attention(q, k, v, bias.score_mod, bias.block_mask, gqa, scale)
+        elif bias is not None and bias.mask is not None:
+            return dense_bias_attention(
+                q, k, v, bias.mask, dropout_p, gqa, scale, bias.softcap, bias.document
+            )
+        elif Tk == T:
+            return F.scaled_dot_product_attention(
+                q, k, v, dropout_p=dropout_p, is_causal=True, enable_gqa=gqa, scale=scale
+            )
+        else:  # a chunk of queries after cached keys: an explicit causal mask
+            k_positions = torch.arange(Tk, device=q.device) + (int(positions[-1]) + 1 - Tk)
+            mask = k_positions[None, :] <= positions[:, None]
+            return F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, dropout_p=dropout_p, enable_gqa=gqa, scale=scale
+            )

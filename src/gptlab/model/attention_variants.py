@@ -8,13 +8,18 @@
 - :class:`AttentionGate` (``attention.gate=elementwise|headwise``): the attention's output, per head, is
   multiplied by a sigmoid gate computed from the layer's input, before the output projection;
 - :class:`ValueResidual` (``attention.value_residual=fixed|learnable``): every layer after the first mixes
-  its values with the first layer's.
+  its values with the first layer's;
+- :class:`DifferentialAttention` (``attention.differential=true``): each head attends twice, with the two
+  halves of its queries and keys, and subtracts the second attention (times a learned lambda) from the first.
 
 They combine freely (``attention=gemma2 attention.qk_norm=rmsnorm attention.gate=elementwise``) and with every
 positional scheme: a window is a mask on top of whatever the scheme does (an added bias, a rotation, a
 position vector), and the cap acts on q.k before a scheme's bias is added, so ALiBi's distance penalty is
 never flattened by it. The gate acts after the attention kernel and the value residual before it, on the
-values alone, so neither touches the scores, the masks or the positions.
+values alone, so neither touches the scores, the masks or the positions. Differential attention runs the
+fused causal kernel twice on half-width queries and keys; it is refused at config time beside what would
+change those kernels' scores (a window, a cap, a bias scheme) or their scale (muP), see
+:meth:`AttentionOptions.check_model`.
 
 ``AttentionOptions`` is the node's typed form, checked whole when the model config is made; the model config
 records it (``GPTConfig.attention``), and a checkpoint saved before the node existed reads as the default
@@ -58,6 +63,9 @@ class AttentionOptions:
     # The first layer's values mixed into every later layer's: 0.5 V_n + 0.5 V_1 (fixed), the two weights
     # learned per layer from 0.5 (learnable), or none.
     value_residual: Literal["none", "fixed", "learnable"] = "none"
+    # Differential attention (Ye et al. 2024): softmax(Q1 K1^T s) - lambda softmax(Q2 K2^T s) over V, each head
+    # split into two half-width query/key heads.
+    differential: bool = False
 
     def __post_init__(self) -> None:
         if not self.qk_norm_eps > 0:
@@ -127,6 +135,8 @@ class AttentionOptions:
             parts.append(f"{self.gate} output gate")
         if self.value_residual != "none":
             parts.append(f"value residual {self.value_residual}")
+        if self.differential:
+            parts.append("differential")
         return ", ".join(parts) or "full"
 
     def check_depth(self, n_layer: int) -> None:
@@ -136,6 +146,55 @@ class AttentionOptions:
                 f"attention.value_residual={self.value_residual} mixes the first layer's values into the later "
                 f"layers', and model.n_layer={n_layer} has no later layer: use model.n_layer=2 or more, or "
                 "attention.value_residual=none."
+            )
+
+    def check_model(
+        self,
+        head_dim: int,
+        pos_name: str,
+        rotary: bool,
+        bias: bool,
+        param: str,
+        rotary_fraction: float = 1.0,
+    ) -> None:
+        """The checks that need the rest of the model: what differential attention cannot combine with.
+        ``rotary``, ``bias``: whether the positional scheme ``pos_name`` rotates q and k (``rotary_fraction``
+        of each head), or adds a bias."""
+        if not self.differential:
+            return
+        if head_dim % 2:
+            raise ConfigError(
+                f"attention.differential=true splits each head's queries and keys into two halves, and the "
+                f"head dimension (model.n_embd / model.n_head) is {head_dim}, odd: choose n_embd and n_head "
+                "with an even quotient, or attention.differential=false."
+            )
+        if rotary and (rotary_fraction != 1 or head_dim % 4):
+            raise ConfigError(
+                f"attention.differential=true with pos={pos_name} splits each head by its rotation pairs, "
+                f"half of the pairs to each half, so it needs whole heads rotated and a head dimension divisible "
+                f"by 4; here pos.rotary_fraction={rotary_fraction:g} and head dimension {head_dim}. Use "
+                "pos.rotary_fraction=1 and n_embd / n_head a multiple of 4, or attention.differential=false."
+            )
+        if bias:
+            raise ConfigError(
+                f"attention.differential=true cannot take pos={pos_name}: a bias scheme's attention goes through "
+                "FlexAttention (CUDA) or the dense bias route, which differential attention does not take; it "
+                "runs the fused causal kernel twice. Use pos=rope, pos=learned, pos=sinusoidal or pos=nope, or "
+                "attention.differential=false."
+            )
+        if self.window is not None or self.logit_softcap is not None:
+            what = "attention.window" if self.window is not None else "attention.logit_softcap"
+            value = self.window if self.window is not None else self.logit_softcap
+            raise ConfigError(
+                f"attention.differential=true cannot take {what}={value}: a window or a cap goes through "
+                "FlexAttention (CUDA) or the masked route, which differential attention does not take; it runs "
+                f"the fused causal kernel twice. Set {what}=null, or attention.differential=false."
+            )
+        if param == "mup":
+            raise ConfigError(
+                "attention.differential=true cannot take model.param=mup: muP's attention scale is derived "
+                "for full-width heads, and how it should scale half-width q.k with a subtracted second "
+                "attention is not worked out. Use model.param=standard, or attention.differential=false."
             )
 
 
@@ -292,6 +351,82 @@ class ValueResidual(nn.Module):
         return lambdas[0] * v + lambdas[1] * first
 
 
+@register("differential")
+class DifferentialAttention(nn.Module):
+    """Differential attention: each head's output is (softmax(Q1 K1^T s) - lambda softmax(Q2 K2^T s)) V, the
+    head's queries and keys split into two halves (Q1, Q2; K1, K2) of head_dim / 2 each, V of the whole head,
+    s = 1 / sqrt(head_dim / 2). The second map cancels the attention that both give to irrelevant context,
+    as a differential amplifier cancels common-mode noise (Ye et al. 2024, "Differential Transformer", arXiv
+    2410.05258, ICLR 2025).
+
+    lambda = exp(lq1 . lk1) - exp(lq2 . lk2) + lambda_init, one scalar per layer from four learned vectors of
+    head_dim / 2 (drawn from N(0, 0.1^2), the paper's), with lambda_init = 0.8 - 0.6 exp(-0.3 (l - 1)) for
+    layer l (1-based): 0.2 in the first layer, towards 0.8 in deep ones. Each head's output is then normalised
+    (RMSNorm over head_dim, one gain per dimension shared by the heads: the paper's headwise GroupNorm) and
+    multiplied by (1 - lambda_init), which brings its scale back to plain attention's at the start.
+
+    The two maps are two calls of the attention kernel on the same V (CausalSelfAttention), each the fused
+    causal one: no (T, T) score matrix is written out. Q1, K1 are the first half of each head's dimensions
+    (after any QK-norm over the whole head), Q2, K2 the second. Under a rotary scheme (``pairs``) each half
+    takes whole rotation pairs instead, after the rotation: RoPE turns dimension j with j + head_dim/2, so the
+    pairs of even j go to the first half and those of odd j to the second, and each half's q.k depends on the
+    distance alone. The first half then rotates at exactly the frequencies of a RoPE of head_dim/2 (the
+    paper rotates each half at half width), the second at each of those times base^(-2/head_dim). The KV cache
+    holds whole keys and values, so decoding needs nothing else. The lambda vectors and the norm's gain are vectors: no weight decay and the
+    plain learning rate.
+    """
+
+    EPS: ClassVar[float] = 1e-5  # the head norm's (the paper's RMSNorm)
+    LAMBDA_STD: ClassVar[float] = 0.1
+
+    def __init__(self, layer: int, head_dim: int, pairs: bool = False) -> None:
+        super().__init__()
+        self.lambda_init = self.initial_lambda(layer)
+        self.pairs = pairs
+        half = head_dim // 2
+        # Drawn from a generator of their own, seeded from the run's seed and the layer: the global stream is
+        # left as the plain model's, so at one seed every other weight is the plain model's.
+        generator = torch.Generator().manual_seed((torch.initial_seed() + 7919 * (layer + 1)) % 2**63)
+        vectors = torch.randn(4, half, generator=generator, device="cpu") * self.LAMBDA_STD
+        self.lambda_q1 = nn.Parameter(vectors[0].clone())
+        self.lambda_k1 = nn.Parameter(vectors[1].clone())
+        self.lambda_q2 = nn.Parameter(vectors[2].clone())
+        self.lambda_k2 = nn.Parameter(vectors[3].clone())
+        self.norm = norms.get("rmsnorm")(head_dim, norms.get("rmsnorm").Options(eps=self.EPS))
+
+    @staticmethod
+    def initial_lambda(layer: int) -> float:
+        """lambda_init of layer ``layer`` (0-based): 0.8 - 0.6 exp(-0.3 (l - 1)) with l = layer + 1."""
+        return 0.8 - 0.6 * math.exp(-0.3 * layer)
+
+    @staticmethod
+    def parameter_count(head_dim: int) -> int:
+        """A layer's: the four lambda vectors of head_dim / 2 and the head norm's gain of head_dim."""
+        return 4 * (head_dim // 2) + head_dim
+
+    def split(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """The two halves of each head, x: (B, heads, T, head_dim) -> two (B, heads, T, head_dim / 2): the
+        first and the last head_dim / 2 dimensions, or with ``pairs`` the rotation pairs (j, j + head_dim/2)
+        of even j and of odd j."""
+        if not self.pairs:
+            first, second = x.chunk(2, dim=-1)
+            return first, second
+        # (.., head_dim) as (.., 2, head_dim/4, 2): [h, i, p] is dimension h head_dim/2 + 2i + p, pair j = 2i + p.
+        paired = x.unflatten(-1, (2, x.size(-1) // 4, 2))
+        return paired[..., 0].flatten(-2), paired[..., 1].flatten(-2)
+
+    def lambda_(self) -> Tensor:
+        """The layer's lambda, a scalar, computed in float32."""
+        first = torch.exp(torch.dot(self.lambda_q1.float(), self.lambda_k1.float()))
+        second = torch.exp(torch.dot(self.lambda_q2.float(), self.lambda_k2.float()))
+        return first - second + self.lambda_init
+
+    def forward(self, y1: Tensor, y2: Tensor) -> Tensor:
+        """y1, y2: (B, n_head, T, head_dim), the two attentions over V; their normalised difference."""
+        y = y1 - self.lambda_().to(y1.dtype) * y2
+        return self.norm(y) * (1 - self.lambda_init)
+
+
 def softcapped_attention(
     q: Tensor,
     k: Tensor,
@@ -326,6 +461,7 @@ __all__ = [
     "VALUE_RESIDUALS",
     "AttentionGate",
     "AttentionOptions",
+    "DifferentialAttention",
     "LogitSoftcap",
     "QKNorm",
     "SlidingWindow",

@@ -1,7 +1,7 @@
 """The model's configuration: its sizes and switches, one :class:`~gptlab.registry.Choice` per variant
 family (positional scheme, activation, norm), each with that variant's typed options, and the attention
-variants (QK-norm, sliding windows, logit cap, output gate, value residual: ``attention``,
-model/attention_variants.py).
+variants (QK-norm, sliding windows, logit cap, output gate, value residual, differential attention:
+``attention``, model/attention_variants.py).
 
 Made once, and checked whole when it is made: every size, every variant name and option (the variant's own
 ``Options`` dataclass, built by its registry), and the checks that need both (a rotary scheme's even head
@@ -67,8 +67,8 @@ class GPTConfig:
     # output before the residual add: Gemma 2): the block's, not the norm's
     norm_placement: str = "pre"
     embed_scale: float = 1.0  # the token embeddings are multiplied by it (Gemma: sqrt(n_embd))
-    # QK-norm, sliding windows, the attention-logit cap, the output gate and the value residual (given as the
-    # ``attention`` config node).
+    # QK-norm, sliding windows, the attention-logit cap, the output gate, the value residual and differential
+    # attention (given as the ``attention`` config node).
     attention: attention_variants.AttentionOptions = field(
         default_factory=attention_variants.AttentionOptions
     )
@@ -126,6 +126,15 @@ class GPTConfig:
             raise ConfigError(f"model.mlp_ratio={self.mlp_ratio} must be positive (or null for the default).")
         self._validate_parametrization()
         self.attention.check_depth(self.n_layer)
+        scheme = positional.get(self.pos.name)
+        self.attention.check_model(
+            self.head_dim,
+            self.pos.name,
+            rotary=scheme.is_rotary,
+            bias=scheme.bias is not positional.PositionalEncoding.bias,
+            param=self.param,
+            rotary_fraction=getattr(self.pos.options, "rotary_fraction", 1.0),
+        )
         positional.get(self.pos.name).check_shape(
             self.pos.options, n_head=self.n_head, head_dim=self.head_dim, block_size=self.block_size
         )

@@ -4,7 +4,8 @@ Pure arithmetic on a :class:`GPTConfig` (no weights), so it answers for a 175B m
 with h = n_embd, V = vocab_size, L = n_layer, T = context, f = MLP hidden width:
 
 Parameters. Per layer: attention h (n_head + 2 n_kv_head) head_dim for Q, K, V plus h^2 for the output
-projection, plus h n_head head_dim (h n_head headwise) for an output gate's projection (``attention.gate``);
+projection, plus h n_head head_dim (h n_head headwise) for an output gate's projection (``attention.gate``),
+plus 3 head_dim for differential attention (four lambda vectors of head_dim / 2, a head norm's gain);
 MLP h f (x2 for gated activations) plus f h; two norms; biases where ``bias`` is on. Plus the token embedding
 V h, the positional scheme's own parameters, a final norm (pre-norm), V h again for an untied head, and
 2 (L - 1) learned value-residual lambdas. "Embedding" counts the token table and any learned position table
@@ -18,7 +19,9 @@ Training FLOPs per token (Chowdhery et al. 2022, "PaLM", appendix B; the count b
 i.e. 2 FLOPs per multiply-add, a backward pass twice the forward, and 2 matrix products of T x head_dim per
 head and token for the attention scores and their weighted sum (counted over the full context, as is usual;
 a causal kernel skips about half of that term). A local layer (``attention.window``) counts min(T, window)
-keys instead of T: the keys its queries can reach. Kaplan et al. 2020 keep only 6 N (non-embedding).
+keys instead of T: the keys its queries can reach. Differential attention (``attention.differential``) has
+two score products at half width (together one at full width) and two weighted sums over V: 3 products of
+T x head_dim, 18 L h T. Kaplan et al. 2020 keep only 6 N (non-embedding).
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from __future__ import annotations
 import torch
 
 from gptlab.model import norms, positional
-from gptlab.model.attention_variants import AttentionGate, QKNorm, ValueResidual
+from gptlab.model.attention_variants import AttentionGate, DifferentialAttention, QKNorm, ValueResidual
 from gptlab.model.config import GPTConfig
 from gptlab.model.gpt import mlp_hidden_width
 
@@ -50,6 +53,8 @@ def parameter_counts(config: GPTConfig) -> dict[str, int]:
     attention = h * qkv_width + qkv_width * bias + h * h + h * bias
     attention += QKNorm.parameter_count(config.attention.qk_norm, config.head_dim)
     attention += h * gate_width(config)
+    if config.attention.differential:
+        attention += DifferentialAttention.parameter_count(config.head_dim)
     f = mlp_hidden_width(config)
     f_in = f * (2 if config.gated else 1)
     mlp = h * f_in + f_in * bias + f * h + h * bias
@@ -95,7 +100,10 @@ def flops_per_token(config: GPTConfig, context: int | None = None) -> dict[str, 
     T = context or config.block_size
     dense = 6 * matmul_parameters(config)
     keys = sum(min(T, config.attention.layer_window(i) or T) for i in range(config.n_layer))
-    attention = 12 * keys * config.n_head * config.head_dim
+    # Per key, head and head dimension: 2 FLOPs a multiply-add x 3 (forward and backward) x the matrix
+    # products (2: the scores and the weighted sum; differential: two half-width scores and two sums, 3).
+    products = 3 if config.attention.differential else 2
+    attention = 6 * products * keys * config.n_head * config.head_dim
     return {"training": float(dense + attention), "dense": float(dense), "attention": float(attention)}
 
 
