@@ -21,8 +21,9 @@ Pure arithmetic on a :class:`GPTConfig` and a `strategy=` choice (no weights, no
   (h + 2 n_kv_head head_dim), the attention output h, the MLP input h, and the MLP's hidden tensors (2f, or
   4f gated: the doubled projection, f(gate) and the product), plus 1 byte per element of each dropout mask
   when dropout > 0; QK-norm's normalised queries and keys and their inputs, 2 (h + n_kv_head head_dim); the
-  sandwich's two output-norm inputs, 2h. For GPT-2 in 16 bits this is 34 h bytes, the paper's figure without
-  its 5 a T term. A masked or capped layer on the dense (CPU) route also keeps its T x T weights, as the bias
+  sandwich's two output-norm inputs, 2h; differential attention's halves of q and k, second attention output
+  and head-norm input, 3h + n_kv_head head_dim. For GPT-2 in 16 bits this is 34 h bytes, the paper's figure
+  without its 5 a T term. A masked or capped layer on the dense (CPU) route also keeps its T x T weights, as the bias
   schemes' do: not counted, since on CUDA FlexAttention keeps none.
   Outside the layers: the embedding output and final-norm input (2 p h) and the logits, p V + 4 V (the loss
   is taken on an fp32 copy). Activation checkpointing keeps only each block's input (p h) plus one block's
@@ -148,6 +149,10 @@ def activation_bytes_per_token(
         per_layer += p * (h + gate_width(config))  # the heads' outputs before the gate, and the gates
     if config.attention.value_residual != "none":
         per_layer += p * kv  # the mixed values (no longer a view of the QKV projection)
+    if config.attention.differential:
+        # the halves of q and k as the two kernels take them (h + kv), the second attention's output (h) and the
+        # two outputs' difference, the head norm's input (h)
+        per_layer += p * (3 * h + kv)
     if config.norm_placement == "sandwich":
         per_layer += p * 2 * h  # the inputs of the norms on the sublayers' outputs
     outside = 2 * p * h + p * config.vocab_size + 4 * config.vocab_size
