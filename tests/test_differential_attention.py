@@ -299,7 +299,8 @@ def test_a_document_mask_on_a_cpu_keeps_each_document_to_itself():
 
 def test_flex_attentions_block_mask_is_refused_with_the_override_that_avoids_it():
     """On CUDA a document mask goes through FlexAttention, which the variant does not take: the first forward
-    pass says so (config time cannot see the device)."""
+    pass says so (a model built without a run's config, through the Python API; a run is refused when its config
+    is read, below)."""
     from gptlab.model.attention import AttentionBias
 
     model = model_of(attention=DIFFERENTIAL)
@@ -307,3 +308,22 @@ def test_flex_attentions_block_mask_is_refused_with_the_override_that_avoids_it(
     bias = AttentionBias(block_mask=object())  # what AttentionBias.build gives on CUDA
     with pytest.raises(ConfigError, match="cannot take data.document_mask=true on CUDA"):
         model.transformer.h[0].attn(x, model.transformer.pos, torch.arange(4), None, bias)
+
+
+@pytest.mark.parametrize(("accelerator", "refused"), [("cuda", True), ("gpu", True), ("cpu", False)])
+def test_a_document_mask_is_refused_before_the_data_where_the_run_trains_on_cuda(
+    make_cfg, accelerator, refused
+):
+    """The run's trainer says where it trains: on CUDA the combination is refused when the config is parsed
+    (the parse's own check; a machine without CUDA refuses trainer.accelerator=gpu itself, before it)."""
+    from gptlab.config import check_document_mask, parse_model
+    from gptlab.data.sources import parse_data
+
+    cfg = make_cfg("pos=learned", "attention=differential", "data.document_mask=true")
+    model, _, _ = parse_model(cfg)
+    _, loader = parse_data(cfg.data)
+    if not refused:
+        check_document_mask(model, loader, {"accelerator": accelerator})
+        return
+    with pytest.raises(ConfigError, match="cannot take data.document_mask=true on CUDA"):
+        check_document_mask(model, loader, {"accelerator": accelerator})

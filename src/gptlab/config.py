@@ -157,6 +157,25 @@ def check_context(model: GPTConfig, loader: LoaderOptions) -> int:
     return block_size
 
 
+def check_document_mask(model: GPTConfig, loader: LoaderOptions, trainer: dict[str, Any]) -> None:
+    """A document mask with differential attention, refused before the data where the run trains on CUDA: there
+    the mask goes through FlexAttention, which differential attention's two half-width kernels do not take (on
+    a CPU both take the dense route, and train)."""
+    import torch
+
+    from gptlab.model.attention import flex_attention_available
+    from gptlab.preflight import training_device_type
+
+    on_cuda = training_device_type(trainer) == "cuda"
+    if not (model.attention.differential and loader.document_mask and on_cuda):
+        return
+    if flex_attention_available(torch.device("cuda"), model.head_dim):
+        raise ConfigError(
+            "attention.differential=true cannot take data.document_mask=true on CUDA, where the document mask "
+            "goes through FlexAttention: set data.document_mask=false, or attention.differential=false."
+        )
+
+
 def parse_tokenizer(node: Any) -> dict[str, Any]:
     from gptlab.data import tokenizers
 
@@ -251,6 +270,7 @@ def parse_gpt(cfg: DictConfig) -> GPTRunConfig:
     model, from_tokenizer, init_from = parse_model(cfg)
     data, loader = parse_data(cfg.data)
     check_context(model, loader)
+    check_document_mask(model, loader, trainer)
     study, passkey = parse_studies(cfg)
     if study is not None:
         check_rank_zero_evaluation(strategy, trainer, "eval_length.enabled=true")
