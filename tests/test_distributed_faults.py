@@ -362,9 +362,17 @@ def test_a_stopped_rank_is_named_when_a_collective_times_out():
     stopped, running = (subprocess.Popen(["sleep", "60"]) for _ in range(2))
     try:
         stopped.send_signal(signal.SIGSTOP)
+
+        def state(pid: int) -> str:
+            return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
         deadline = time.monotonic() + 60  # the kernel stops it at once; the state reads so at once
-        while Path(f"/proc/{stopped.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "T":
+        while state(stopped.pid) != "T":
             assert time.monotonic() < deadline, "the process was not stopped"
+        # the other one asleep in its timer: a process just started on a loaded machine may still be loading
+        # its pages from disk, an uninterruptible wait (D) for a moment, which is what the check reports
+        while state(running.pid) != "S":
+            assert time.monotonic() < deadline, "the process did not reach its sleep"
         assert stuck_ranks([(1, stopped.pid), (2, running.pid)]) == [
             f"rank 1 (pid {stopped.pid}) is stopped (SIGSTOP, or a debugger)"
         ]
