@@ -27,6 +27,25 @@ CPU_AND_CUDA = [
 ]
 
 
+def assert_cached_decoding_is_the_whole_pass(model, new_tokens: int) -> None:
+    """A prompt, a chunk and then one token at a time over a KV cache give the logits of one pass over the
+    whole sequence (14 tokens, in ``model``'s vocabulary of at least 61), and greedy generation of
+    ``new_tokens`` is the same with the cache and without."""
+    from gptlab.model import KVCache
+
+    idx = torch.randint(0, 61, (2, 14))
+    whole = model(idx)[0]
+    cache = KVCache.empty(model.config.n_layer)
+    steps = [model(idx[:, :6], cache=cache)[0], model(idx[:, 6:9], cache=cache)[0]]
+    steps += [model(idx[:, t : t + 1], cache=cache)[0] for t in range(9, 14)]
+    torch.testing.assert_close(torch.cat(steps, dim=1), whole, rtol=0, atol=1e-5)
+    prompt = idx[:, :5]
+    assert torch.equal(
+        model.generate(prompt, new_tokens, use_cache=True),
+        model.generate(prompt, new_tokens, use_cache=False),
+    )
+
+
 def load_script(name: str):
     """``scripts/<name>.py`` imported as the module ``name`` (scripts are not a package), registered in
     ``sys.modules`` so that its dataclasses and pickling resolve; the caller removes it when done."""

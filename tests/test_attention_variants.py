@@ -11,7 +11,7 @@ import warnings
 
 import pytest
 import torch
-from conftest import CPU_AND_CUDA, TINY
+from conftest import CPU_AND_CUDA, TINY, assert_cached_decoding_is_the_whole_pass
 
 import gptlab
 from gptlab.errors import ConfigError
@@ -179,15 +179,7 @@ def test_kv_cache_decoding_equals_the_whole_sequence_with_every_variant_on(pos):
     with the first layer's, so a step needs the first layer's values of its own tokens only); greedy
     generation with and without the cache gives the same tokens."""
     model = moved_from_init(model_of(pos=pos, n_kv_head=2, attention={**ALL_ON, **GATED_RESIDUAL}))
-    idx = torch.randint(0, 61, (2, 14))
-    whole = model(idx)[0]
-    cache = gptlab.model.KVCache.empty(model.config.n_layer)
-    steps = [model(idx[:, :6], cache=cache)[0], model(idx[:, 6:9], cache=cache)[0]]
-    steps += [model(idx[:, t : t + 1], cache=cache)[0] for t in range(9, 14)]
-    torch.testing.assert_close(torch.cat(steps, dim=1), whole, rtol=0, atol=1e-5)
-    prompt = idx[:, :5]
-    with_cache = model.generate(prompt, 8, use_cache=True)
-    assert torch.equal(with_cache, model.generate(prompt, 8, use_cache=False))
+    assert_cached_decoding_is_the_whole_pass(model, new_tokens=8)
 
 
 @pytest.mark.parametrize("pos", ["rope", "alibi", "relative", "fire"])

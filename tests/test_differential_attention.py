@@ -12,7 +12,7 @@ import math
 
 import pytest
 import torch
-from conftest import TINY
+from conftest import TINY, assert_cached_decoding_is_the_whole_pass
 
 import gptlab
 from gptlab.errors import ConfigError
@@ -163,14 +163,7 @@ def test_kv_cache_decoding_equals_the_whole_sequence(pos):
     and without."""
     attention = {**DIFFERENTIAL, "qk_norm": "rmsnorm", "gate": "headwise", "value_residual": "learnable"}
     model = moved_from_init(model_of(pos=pos, n_layer=3, n_kv_head=2, attention=attention))
-    idx = torch.randint(0, 61, (2, 14))
-    whole = model(idx)[0]
-    cache = gptlab.model.KVCache.empty(model.config.n_layer)
-    steps = [model(idx[:, :6], cache=cache)[0], model(idx[:, 6:9], cache=cache)[0]]
-    steps += [model(idx[:, t : t + 1], cache=cache)[0] for t in range(9, 14)]
-    torch.testing.assert_close(torch.cat(steps, dim=1), whole, rtol=0, atol=1e-5)
-    prompt = idx[:, :5]
-    assert torch.equal(model.generate(prompt, 9, use_cache=True), model.generate(prompt, 9, use_cache=False))
+    assert_cached_decoding_is_the_whole_pass(model, new_tokens=9)
 
 
 @torch.no_grad()
