@@ -309,12 +309,18 @@ class ResumableDistributedSampler(StatefulDistributedSampler):
             "start": self.start,
         }
 
+    @classmethod
+    def position(cls, state_dict: dict[str, Any], replicas: int) -> int:
+        """The place in its epoch's order that a saved state's ranks reached together (``replicas``: their
+        number, where a state saved before it was recorded does not name it)."""
+        saved_replicas = int(state_dict.get("num_replicas") or replicas)
+        return int(state_dict.get("start", 0)) + saved_replicas * int(state_dict[cls._YIELDED])
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if int(state_dict.get(self._YIELDED, -1)) < 0:
             raise ValueError(f"Not a distributed sampler's position: {state_dict}")
-        replicas = int(state_dict.get("num_replicas") or self.saved_num_replicas or self.num_replicas)
         # the position all the saved ranks reached together; this rank takes its share of the rest from there
-        self._next_start = int(state_dict.get("start", 0)) + replicas * int(state_dict[self._YIELDED])
+        self._next_start = self.position(state_dict, self.saved_num_replicas or self.num_replicas)
         if "epoch" in state_dict:  # a position saved before the epoch was: as loaded, Lightning's epoch
             self._restored_epoch = int(state_dict["epoch"])
             self._align(self.epoch + self._epoch_offset)

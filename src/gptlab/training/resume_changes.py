@@ -182,10 +182,11 @@ def windows_trained_in_epoch(fit_loop: dict[str, Any], saved: TrainingConditions
     batches = loader.get("_sampler_iter_state") or {}
     sampler = batches.get("sampler_state") or {}
     if saved.distributed:  # gptlab.data.datamodule.ResumableDistributedSampler's position
-        if "yielded" not in sampler:
+        from gptlab.data.datamodule import ResumableDistributedSampler
+
+        if ResumableDistributedSampler._YIELDED not in sampler:
             return None
-        replicas = int(sampler.get("num_replicas") or saved.world_size)
-        return int(sampler.get("start", 0)) + replicas * int(sampler["yielded"])
+        return ResumableDistributedSampler.position(sampler, saved.world_size)
     return int(batches["samples_yielded"]) if "samples_yielded" in batches else None
 
 
