@@ -6,6 +6,7 @@ import warnings
 
 import pytest
 import torch
+from torch import Tensor
 
 from gptlab.model import positional
 from gptlab.model.config import GPTConfig
@@ -117,3 +118,38 @@ def test_flex_attention_training_step_equals_the_sdpa_route_on_cuda(pos, monkeyp
     sdpa_grads = dict(sdpa_model.named_parameters())
     for name, p in flex_model.named_parameters():
         torch.testing.assert_close(p.grad, sdpa_grads[name].grad, rtol=1e-3, atol=1e-5, msg=name)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="FlexAttention trains on CUDA only")
+@pytest.mark.parametrize("pos", BIASED)
+def test_flex_attention_at_gpt2s_head_size_in_bf16_compiles_and_equals_the_sdpa_route(pos, monkeypatch):
+    """GPT-2's heads (64 dimensions) under bf16 autocast, as a bf16-mixed run trains: FlexAttention compiles
+    with gptlab's tiles (FLEX_HALF_TILES; torch 2.11's own asked an H100 for more shared memory than it has)
+    and its loss and gradients are the SDPA route's within bf16's rounding."""
+    from gptlab.model import attention
+
+    torch.manual_seed(0)
+    config = tiny(pos=pos, n_head=4, n_embd=256, block_size=256)
+    assert config.head_dim == 64
+    flex_model = GPT(config).cuda()
+    sdpa_model = GPT(config).cuda()
+    sdpa_model.load_state_dict(flex_model.state_dict())
+    idx = torch.randint(0, 61, (4, 256), device="cuda")
+
+    def step(model: GPT) -> Tensor:
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            _, loss = model(idx, idx)
+        loss.backward()
+        return loss.detach().float()
+
+    flex_loss = step(flex_model)
+    monkeypatch.setattr(attention, "flex_attention_available", lambda device, head_dim=64: False)
+    sdpa_loss = step(sdpa_model)
+    assert abs(float(flex_loss - sdpa_loss)) < 2e-2
+    sdpa_grads = dict(sdpa_model.named_parameters())
+    for name, p in flex_model.named_parameters():
+        want = sdpa_grads[name].grad.float()
+        assert p.grad is not None
+        error = float((p.grad.float() - want).norm() / want.norm().clamp_min(1e-12))
+        assert error < 5e-2, f"{name}: relative gradient error {error:.2e}"

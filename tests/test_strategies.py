@@ -397,6 +397,35 @@ def test_a_preempted_slurm_job_saves_requeues_and_resumes_in_the_same_run_direct
     assert f"Trained {max_steps} steps" in proc.stdout
 
 
+def test_fsdp_in_bf16_mixed_precision_logs_the_loss_its_training_step_computed(tmp_path):
+    """Under mixed precision FSDP casts the root module's inputs, rebuilding every list and dataclass among
+    them: the training step's recording head loss reaches the model as a copy. The step reads the terms the
+    copy recorded (train/loss, the z-loss apart). On a GPU, trainer.precision=null is bf16-mixed."""
+    run_train(
+        [
+            *TINY,
+            *QUIET,
+            "strategy=fsdp",
+            "trainer.accelerator=cpu",
+            "trainer.devices=1",
+            "trainer.precision=bf16-mixed",
+            "trainer.max_steps=2",
+            "trainer.val_check_interval=2",
+            "loss.z_loss=1e-4",
+            "logger=csv",
+            f"paths.root_dir={tmp_path}",
+            f"hydra.run.dir={tmp_path / 'run'}",
+        ],
+        cwd=tmp_path,
+    )
+    rows = metrics_csv(tmp_path / "run")
+    loss, z_loss = column(rows, "train/loss"), column(rows, "train/z_loss")
+    assert sorted(loss) == [1, 2] and sorted(z_loss) == [1, 2]
+    assert all(9 < value < 12 for value in loss.values())  # ln(50257) = 10.8 at initialisation
+    # 1e-4 x log^2 Z, log Z near ln(50257) at initialisation
+    assert all(0.5e-4 * 10.8**2 < value < 2e-4 * 10.8**2 for value in z_loss.values()), z_loss
+
+
 # ---- several processes -----------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_two_ddp_processes_give_the_loss_curve_of_one_process_with_the_same_global_batch(tmp_path):

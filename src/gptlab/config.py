@@ -185,12 +185,14 @@ def parse_tokenizer(node: Any) -> dict[str, Any]:
 
 
 def parse_loss(node: Any, trainer: dict[str, Any]) -> HeadLoss:
-    """The ``loss`` node, refused where its kernel cannot run (a CUDA kernel without CUDA or its package)."""
-    from gptlab.model.head_loss import HeadLoss, refusal
+    """The ``loss`` node, refused where its kernel cannot run (a CUDA kernel without CUDA or its package, or
+    Cut Cross-Entropy in a full-precision run)."""
+    from gptlab.model.head_loss import HeadLoss, precision_dtype, refusal
     from gptlab.preflight import training_device_type
 
     loss = HeadLoss.from_node(plain(node))
-    message = refusal(loss.impl, training_device_type(trainer))
+    dtype = precision_dtype(trainer.get("precision"))
+    message = refusal(loss.impl, training_device_type(trainer), dtype=dtype)
     if message is not None:
         raise ConfigError(message)
     return loss

@@ -145,6 +145,36 @@ def reset_compiled_flex_attention() -> None:
     _uncompiled_shapes.clear()
 
 
+#: FlexAttention's tiles on CUDA for training and evaluation in bf16 or fp16 at head_dim 64 and 128 (block
+#: masks of 128 x 128, its default). torch 2.11's own tiles for an H100 at head_dim 64 in bf16, 128 queries x
+#: 128 keys in 3 stages, asked 245,760 bytes of shared memory with gptlab's score_mods, over the H100's 232,448:
+#: the kernel did not compile ("No valid triton configs ... out of resource"), at GPT-2 small's shape with
+#: pos=alibi. These are torch's tiles for an A100 (164 KiB of shared memory), which an H100's larger shared
+#: memory holds with room for a score_mod's loads: forward 128 x 64 in 3 stages, backward 64 x 64 in 2.
+FLEX_HALF_TILES = {
+    64: {"fwd_BLOCK_M": 128, "fwd_BLOCK_N": 64, "fwd_num_stages": 3, "fwd_num_warps": 4},
+    128: {"fwd_BLOCK_M": 128, "fwd_BLOCK_N": 64, "fwd_num_stages": 3, "fwd_num_warps": 8},
+}
+FLEX_HALF_BACKWARD_TILES = {
+    "bwd_BLOCK_M1": 64,
+    "bwd_BLOCK_N1": 64,
+    "bwd_BLOCK_M2": 64,
+    "bwd_BLOCK_N2": 64,
+    "bwd_num_stages": 2,
+    "bwd_num_warps": 4,
+}
+
+
+def flex_kernel_options(q: Tensor, k: Tensor) -> Any:  # torch's FlexKernelOptions (a TypedDict) or None
+    """The tiles FlexAttention takes for these queries and keys (``FLEX_HALF_TILES``), or None for torch's own:
+    on the CPU, in fp32, at other head sizes, and when decoding (fewer queries than keys, torch's decoding
+    kernel)."""
+    if q.device.type != "cuda" or q.dtype not in (torch.bfloat16, torch.float16) or q.size(2) != k.size(2):
+        return None
+    tiles = FLEX_HALF_TILES.get(q.size(-1))
+    return None if tiles is None else {**tiles, **FLEX_HALF_BACKWARD_TILES}
+
+
 def compiled_flex_attention(
     q: Tensor,
     k: Tensor,
@@ -159,9 +189,17 @@ def compiled_flex_attention(
     the cause and the fix, and the result is the same."""
     from torch.nn.attention.flex_attention import flex_attention
 
+    options = flex_kernel_options(q, k)
     if torch.compiler.is_compiling():  # inside a compiled block (compile=true): compiled with it
         return flex_attention(
-            q, k, v, score_mod=score_mod, block_mask=block_mask, enable_gqa=enable_gqa, scale=scale
+            q,
+            k,
+            v,
+            score_mod=score_mod,
+            block_mask=block_mask,
+            enable_gqa=enable_gqa,
+            scale=scale,
+            kernel_options=options,
         )
     config = torch._dynamo.config
     saved = config.recompile_limit, config.fail_on_recompile_limit_hit
@@ -171,7 +209,14 @@ def compiled_flex_attention(
     config.fail_on_recompile_limit_hit = True
     try:
         return _compiled_flex_attention(FLEX_BACKEND)(
-            q, k, v, score_mod=score_mod, block_mask=block_mask, enable_gqa=enable_gqa, scale=scale
+            q,
+            k,
+            v,
+            score_mod=score_mod,
+            block_mask=block_mask,
+            enable_gqa=enable_gqa,
+            scale=scale,
+            kernel_options=options,
         )
     except torch._dynamo.exc.FailOnRecompileLimitHit:
         shape = (
@@ -194,7 +239,14 @@ def compiled_flex_attention(
                 shape[-1],
             )
         return flex_attention(
-            q, k, v, score_mod=score_mod, block_mask=block_mask, enable_gqa=enable_gqa, scale=scale
+            q,
+            k,
+            v,
+            score_mod=score_mod,
+            block_mask=block_mask,
+            enable_gqa=enable_gqa,
+            scale=scale,
+            kernel_options=options,
         )
     finally:
         config.recompile_limit, config.fail_on_recompile_limit_hit = saved

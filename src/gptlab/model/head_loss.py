@@ -319,10 +319,22 @@ def _liger(hidden: Tensor, weight: Tensor, targets: Tensor, bias: Tensor | None,
 def _cce(hidden: Tensor, weight: Tensor, targets: Tensor, bias: Tensor | None, ignore_index: int) -> Tensor:
     from cut_cross_entropy import linear_cross_entropy
 
+    if bias is not None:  # gptlab's output layer has none (GPT.lm_head); cut-cross-entropy 25.1 takes none
+        raise ValueError("loss.impl=cce computes an output layer without a bias; use loss.impl=chunked")
     dtype = _kernel_dtype(hidden)
-    extra = {"bias": bias} if bias is not None else {}
+    # filter_eps=None: every block of the gradient is computed. By default the kernel skips each block whose
+    # softmax gradient is below bf16's eps / 32 (2.4e-4) everywhere; near initialisation, when the softmax
+    # over 50,257 tokens is about 2e-5 at every entry, that drops the whole gradient but the targets' blocks
+    # (the output layer's rows of every token that is no target in the batch get none). On an H100 the
+    # filtered gradients of a 2-layer model's tied embedding differed from plain's by 3.5% (relative norm);
+    # every loss.impl is to give the same gradients, so the exact kernel is used.
     return linear_cross_entropy(
-        hidden.to(dtype), weight.to(dtype), targets, ignore_index=ignore_index, reduction="mean", **extra
+        hidden.to(dtype),
+        weight.to(dtype),
+        targets,
+        ignore_index=ignore_index,
+        reduction="mean",
+        filter_eps=None,
     )
 
 
@@ -346,9 +358,32 @@ def installed_kernel_modules() -> set[str]:
     return {module for module, _ in KERNELS.values() if importlib.util.find_spec(module) is not None}
 
 
-def unavailable_reason(impl: str, device_type: str, installed: Collection[str] | None = None) -> str | None:
+# The kernels whose backward takes half-precision operands only: Cut Cross-Entropy's asserts "Backwards requires
+# embeddings to be bf16 or fp16" (seen on an H100 in a trainer.precision=32-true run, at its first backward).
+HALF_ONLY = frozenset({"cce"})
+HALF_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def precision_dtype(precision: str | None) -> torch.dtype:
+    """The dtype the output layer computes in under a Lightning ``precision`` (its full name): bf16 or fp16
+    under the mixed and true half precisions, fp32 otherwise."""
+    text = str(precision or "")
+    if text.startswith("bf16"):
+        return torch.bfloat16
+    if text.startswith("16"):
+        return torch.float16
+    return torch.float32
+
+
+def unavailable_reason(
+    impl: str,
+    device_type: str,
+    installed: Collection[str] | None = None,
+    dtype: torch.dtype | None = None,
+) -> str | None:
     """Why ``impl`` cannot run on a ``device_type`` device ("cpu", "cuda", ...) with the ``installed``
-    modules (default: those importable here) and the installed torch, or None when it can."""
+    modules (default: those importable here) and the installed torch, with the head computed in ``dtype``
+    (None: not asked), or None when it can."""
     if impl == "torch":
         feature = torch_features.FEATURES["linear_cross_entropy"]
         missing = feature.missing()
@@ -365,18 +400,27 @@ def unavailable_reason(impl: str, device_type: str, installed: Collection[str] |
         return f"cannot run on {device_type}: it is a CUDA kernel (it needs a CUDA GPU and its package)"
     if module not in (installed_kernel_modules() if installed is None else installed):
         return f"needs the {package} package, which is not installed"
+    if impl in HALF_ONLY and dtype is not None and dtype not in HALF_DTYPES:
+        return (
+            f"takes bf16 or fp16 operands only (its backward kernel refuses {str(dtype).removeprefix('torch.')}), "
+            "and this run computes the output layer in full precision"
+        )
     return None
 
 
-def refusal(impl: str, device_type: str, installed: Collection[str] | None = None) -> str | None:
-    """The message that refuses ``impl`` on ``device_type`` (see ``unavailable_reason``), with the fix;
-    None when it can run."""
-    reason = unavailable_reason(impl, device_type, installed)
+def refusal(
+    impl: str, device_type: str, installed: Collection[str] | None = None, dtype: torch.dtype | None = None
+) -> str | None:
+    """The message that refuses ``impl`` on ``device_type`` with the head in ``dtype`` (see
+    ``unavailable_reason``), with the fix; None when it can run."""
+    reason = unavailable_reason(impl, device_type, installed, dtype)
     if reason is None:
         return None
-    fallback = HeadLoss("auto").resolve(device_type, installed)
+    fallback = HeadLoss("auto").resolve(device_type, installed, dtype)
     if impl == "torch":
         fix = f"Install torch>={torch_features.FEATURES['linear_cross_entropy'].since}, or use"
+    elif unavailable_reason(impl, device_type, installed) is None:  # the dtype alone
+        fix = "Train with trainer.precision=bf16-mixed (gptlab's choice on GPUs with bf16: null), or use"
     elif device_type == "cuda":
         fix = 'Install it with pip install -e ".[gpu]", or use'
     else:
@@ -387,9 +431,15 @@ def refusal(impl: str, device_type: str, installed: Collection[str] | None = Non
     )
 
 
-def available(impl: str, device: torch.device | str, installed: Collection[str] | None = None) -> bool:
-    """Whether ``impl`` can run on ``device`` here (the CUDA kernels need CUDA and their package)."""
-    return unavailable_reason(impl, torch.device(device).type, installed) is None
+def available(
+    impl: str,
+    device: torch.device | str,
+    installed: Collection[str] | None = None,
+    dtype: torch.dtype | None = None,
+) -> bool:
+    """Whether ``impl`` can run on ``device`` here with the head in ``dtype`` (the CUDA kernels need CUDA and
+    their package; ``cce`` needs bf16 or fp16)."""
+    return unavailable_reason(impl, torch.device(device).type, installed, dtype) is None
 
 
 # What each implementation can add to the cross-entropy. The z-loss needs each row's log-partition log Z, the
@@ -516,25 +566,31 @@ class HeadLoss:
             "final_softcap": self.final_softcap,
         }
 
-    def resolve(self, device: torch.device | str, installed: Collection[str] | None = None) -> str:
+    def resolve(
+        self,
+        device: torch.device | str,
+        installed: Collection[str] | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> str:
         """The implementation used on ``device`` (with the ``installed`` kernel modules, default: those
-        importable here): ``auto`` made concrete; a CUDA kernel asked for where it cannot run raises an
-        error that says what to install or choose instead (a run refuses it at config time: ``refusal``)."""
+        importable here) with the head computed in ``dtype`` (None: any): ``auto`` made concrete; a CUDA
+        kernel asked for where it cannot run raises an error that says what to install or choose instead (a
+        run refuses it at config time: ``refusal``)."""
         if self.impl == "auto":
             order = AUTO_ORDER.get(torch.device(device).type, AUTO_ORDER["cpu"])
             return next(
                 impl
                 for impl in order
-                if available(impl, device, installed) and self.extras_refusal(impl) is None
+                if available(impl, device, installed, dtype) and self.extras_refusal(impl) is None
             )
-        message = refusal(self.impl, torch.device(device).type, installed)
+        message = refusal(self.impl, torch.device(device).type, installed, dtype)
         if message is not None:
             raise RuntimeError(message)
         return self.impl
 
     def terms(self, hidden: Tensor, weight: Tensor, targets: Tensor, bias: Tensor | None = None) -> LossTerms:
         """The objective, cross-entropy and z-loss of ``hidden @ weight^T (+ bias)`` against ``targets``."""
-        impl = self.resolve(hidden.device)
+        impl = self.resolve(hidden.device, dtype=_kernel_dtype(hidden))
         if impl == "plain":
             return plain_loss_terms(
                 hidden, weight, targets, bias, self.ignore_index, self.z_loss, self.final_softcap
@@ -563,12 +619,35 @@ class HeadLoss:
         return self.terms(hidden, weight, targets, bias).loss
 
 
+class CallLog:
+    """The terms of each call of a RecordingHeadLoss, in order. Not a list: a wrapper that rebuilds the
+    containers in a forward pass's arguments copies lists and dataclasses (FSDP's cast of the root module's
+    inputs under mixed precision, ``torch.distributed.utils._apply_to_tensors``, makes a new
+    RecordingHeadLoss with a new list), while an object it does not know is passed on as itself: the copy
+    records into the log the training step reads."""
+
+    def __init__(self) -> None:
+        self._terms: list[LossTerms] = []
+
+    def append(self, terms: LossTerms) -> None:
+        self._terms.append(terms)
+
+    def __iter__(self) -> Any:
+        return iter(self._terms)
+
+    def __len__(self) -> int:
+        return len(self._terms)
+
+    def __getitem__(self, index: int) -> LossTerms:
+        return self._terms[index]
+
+
 @dataclass(frozen=True)
 class RecordingHeadLoss(HeadLoss):
     """A HeadLoss that keeps each call's terms in ``calls``: the training step passes it to the model to log
     the cross-entropy and the z-loss apart from the objective it differentiates."""
 
-    calls: list[LossTerms] = field(default_factory=list, compare=False, repr=False)
+    calls: CallLog = field(default_factory=CallLog, compare=False, repr=False)
 
     @classmethod
     def of(cls, head_loss: HeadLoss) -> RecordingHeadLoss:

@@ -18,7 +18,7 @@ from gptlab.data.tokenizers import TokenBytes, bits_per_byte
 from gptlab.errors import ConfigError
 from gptlab.model.config import GPTConfig, hidden_lr_scale
 from gptlab.model.gpt import GPT
-from gptlab.model.head_loss import HeadLoss, RecordingHeadLoss
+from gptlab.model.head_loss import HeadLoss, RecordingHeadLoss, precision_dtype
 from gptlab.registry import Choice, import_plugins
 from gptlab.training.checkpointing import check_finite_loss, collect_rng_states, restore_rng_states
 from gptlab.training.optimizers import build_optimizer, lr_factor, parse_optim, schedule_of
@@ -112,7 +112,7 @@ class GPTLitModule(L.LightningModule):
     def on_fit_start(self) -> None:
         # train.py refuses a CUDA kernel that cannot run at config time (preflight.check_loss); from Python,
         # it fails here, before the first step
-        impl = self.head_loss.resolve(self.device)
+        impl = self.head_loss.resolve(self.device, dtype=precision_dtype(str(self.trainer.precision)))
         if self.trainer.is_global_zero:
             log.info("Output layer and loss: %s (loss.impl=%s)", impl, self.head_loss.impl)
 
