@@ -27,7 +27,9 @@ included, ends within ``WHOLE_RUN_S`` = 470 s, under 8 minutes, whatever hangs:
 - ``strategies``: ``strategy=ddp`` and ``strategy=fsdp`` on one GPU over NCCL, with deterministic algorithms: a
   run, and the same run resumed from its middle checkpoint, end with the same losses (the two strategies side by
   side: tiny runs that leave the GPU idle);
-- ``word2vec``: ``task=word2vec`` on CUDA against the CPU, words/s.
+- ``word2vec``: ``task=word2vec`` on CUDA against the CPU, words/s;
+- ``main_command``: ``python train.py model=small pos=sinusoidal trainer.devices=1`` with every default, as
+  whole processes at 100 and 300 steps: the wall time of a step with start-up cancelled, and the final loss.
 
 Everything goes to ``--out``: ``gpu_check.json`` (every figure, each section's status, seconds and error) and
 ``gpu_check.md`` (the table, also printed last), rewritten after each section; ``--summary DIR`` also puts those two
@@ -570,7 +572,8 @@ def _resume_row(strategy: str, common: list[str], work: Path, steps: int, middle
     return row
 
 
-def _train(args: list[str], cwd: Path) -> None:
+def _train(args: list[str], cwd: Path) -> str:
+    """One train.py process with these overrides: its output (an error with its tail if it fails)."""
     cwd.mkdir(parents=True, exist_ok=True)
     proc = subprocess.run(
         [sys.executable, str(ROOT / "train.py"), *args],
@@ -581,6 +584,66 @@ def _train(args: list[str], cwd: Path) -> None:
     )
     if proc.returncode != 0:
         raise RuntimeError(f"train.py exited {proc.returncode}: {(proc.stdout + proc.stderr)[-1500:]}")
+    return proc.stdout + proc.stderr
+
+
+#: The main command as a user types it on one device (README), timed as whole processes at two step counts.
+MAIN_COMMAND = ["model=small", "pos=sinusoidal", "trainer.devices=1"]
+
+
+def section_main_command(ctx: Context) -> dict[str, Any]:
+    """``python train.py model=small pos=sinusoidal trainer.devices=1`` with every default (bf16-mixed, W&B
+    offline, validation every 80 steps, checkpoints), at two step counts, each in a fresh process with its own
+    root (so each tokenizes the corpus): the difference of their wall times over the difference of their steps
+    is a training step with start-up and data preparation cancelled (validations and checkpoints counted)."""
+    import re
+
+    first, second = ctx.sizes((100, 300), (4, 12))
+    toy = [
+        "trainer.accelerator=cpu",
+        "model.n_layer=1",
+        "model.n_head=2",
+        "model.n_embd=32",
+        "model.block_size=32",
+        "trainer.val_check_interval=4",
+        "trainer.limit_val_batches=1",
+        "callbacks.sample_generation.max_new_tokens=0",
+    ]
+    overrides = MAIN_COMMAND + (toy if ctx.smoke else [])
+    config = _compose(*overrides)
+    tokens_per_step = int(config.data.batch_size) * int(config.model.block_size)
+    rows = []
+    for steps in (first, second):
+        work = ctx.out / "main_command" / f"steps{steps}"
+        args = [
+            *overrides,
+            f"trainer.max_steps={steps}",
+            f"paths.root_dir={work}",
+            f"hydra.run.dir={work / 'run'}",
+        ]
+        t0 = time.perf_counter()
+        out = _train(args, work)
+        wall = time.perf_counter() - t0
+        loss = re.search(r"Final validation loss ([0-9.]+) nats", out)
+        rate = re.search(r"training rate ([0-9,]+) tokens/s", out)
+        head = re.search(r"Output layer and loss: (\w+)", out)
+        rows.append(
+            {
+                "command": "python train.py " + " ".join([*MAIN_COMMAND, f"trainer.max_steps={steps}"]),
+                "wall_s": round(wall, 2),
+                "final_val_loss": float(loss.group(1)) if loss else None,
+                "logged_training_rate": int(rate.group(1).replace(",", "")) if rate else None,
+                "loss_impl": head.group(1) if head else None,
+            }
+        )
+    step_s = (rows[1]["wall_s"] - rows[0]["wall_s"]) / (second - first)
+    per_step = {
+        "command": f"per step ({second} - {first} steps)",
+        "step_ms": round(step_s * 1e3, 1),
+        "tokens_per_s": round(tokens_per_step / step_s) if step_s > 0 else None,
+    }
+    ok = step_s > 0 and all(r["final_val_loss"] is not None for r in rows)
+    return {"ok": ok, "rows": [*rows, per_step], "tokens_per_step": tokens_per_step}
 
 
 def section_word2vec(ctx: Context) -> dict[str, Any]:
@@ -616,14 +679,17 @@ def section_word2vec(ctx: Context) -> dict[str, Any]:
 
 # Each section's time limit on the GPU (--cpu-smoke: times SMOKE_SLOWDOWN). Together 450 s: with the wheels'
 # install and the start, under the 8 minutes a GPU session can give the check and still rerun one section.
+# On an H100 at 7f508f2 they took 10.5, 115.0, 31.7, 17.1, 36.3, 37.3 and 8.7 s (main_command, added since, about
+# 56 s): 257 s in all.
 SECTIONS = [
     Section("environment", 30, section_environment),
-    Section("gpu_tests", 150, section_gpu_tests),
-    Section("gpt2", 90, section_gpt2),
-    Section("loss", 35, section_loss),
+    Section("gpu_tests", 140, section_gpu_tests),
+    Section("gpt2", 55, section_gpt2),
+    Section("loss", 30, section_loss),
     Section("attention", 60, section_attention),
-    Section("strategies", 60, section_strategies),
-    Section("word2vec", 25, section_word2vec),
+    Section("strategies", 55, section_strategies),
+    Section("word2vec", 20, section_word2vec),
+    Section("main_command", 60, section_main_command),
 ]
 
 

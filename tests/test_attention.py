@@ -120,6 +120,13 @@ def test_flex_attention_training_step_equals_the_sdpa_route_on_cuda(pos, monkeyp
         torch.testing.assert_close(p.grad, sdpa_grads[name].grad, rtol=1e-3, atol=1e-5, msg=name)
 
 
+# Parameters whose gradient is 0 by the softmax's invariance to a constant added to every score of a row: the
+# bias of FIRE's last MLP layer adds one constant to every score of a head. In fp32 on a CPU its gradient's norm
+# was 7.7e-10 (the whole gradient's 6.9); in bf16 it is rounding noise (on an H100, FlexAttention's and SDPA's
+# differed by 104% of it), so it is compared with the whole gradient instead.
+SHIFT_INVARIANT = {"transformer.pos.mlp.2.bias"}
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="FlexAttention trains on CUDA only")
 @pytest.mark.parametrize("pos", BIASED)
@@ -148,8 +155,12 @@ def test_flex_attention_at_gpt2s_head_size_in_bf16_compiles_and_equals_the_sdpa_
     sdpa_loss = step(sdpa_model)
     assert abs(float(flex_loss - sdpa_loss)) < 2e-2
     sdpa_grads = dict(sdpa_model.named_parameters())
+    total = torch.cat([p.grad.float().flatten() for p in sdpa_model.parameters()]).norm()
     for name, p in flex_model.named_parameters():
         want = sdpa_grads[name].grad.float()
         assert p.grad is not None
+        if name in SHIFT_INVARIANT:  # exactly 0, rounding noise either way: small beside every other gradient
+            assert float(p.grad.float().norm()) < 1e-4 * float(total), name
+            continue
         error = float((p.grad.float() - want).norm() / want.norm().clamp_min(1e-12))
         assert error < 5e-2, f"{name}: relative gradient error {error:.2e}"

@@ -124,3 +124,20 @@ def test_the_strategies_section_resumes_ddp_and_fsdp_to_the_uninterrupted_loss(g
     for row in rows.values():
         assert row["same_loss"] is True and row["val_loss_resumed"] == row["val_loss_uninterrupted"], row
     assert rows["fsdp"]["checkpoint"] == "directory (sharded)"
+
+
+@pytest.mark.slow
+def test_the_main_command_section_times_a_step_from_two_whole_processes(gpu_check, tmp_path):
+    """The README's main command, run as a user runs it (every default but the step count, toy-sized on a CPU):
+    two processes, their final losses, and a step's wall time from the difference of the two."""
+    ctx = gpu_check.Context(smoke=True, out=tmp_path, with_compile=False)
+    result = gpu_check.run_section("main_command", ctx)
+    assert result["status"] == "ok", result.get("traceback") or result.get("error") or result.get("rows")
+    first, second, per_step = result["rows"]
+    assert first["command"] == "python train.py model=small pos=sinusoidal trainer.devices=1 trainer.max_steps=4"
+    assert second["command"].endswith("trainer.max_steps=12")
+    assert first["loss_impl"] == second["loss_impl"] == "chunked"
+    assert 0 < second["final_val_loss"] < first["final_val_loss"]  # the longer run trained further
+    assert per_step["step_ms"] > 0 and per_step["tokens_per_s"] == pytest.approx(
+        result["tokens_per_step"] / (per_step["step_ms"] / 1e3), rel=0.01
+    )
