@@ -134,7 +134,9 @@ def test_the_main_command_section_times_a_step_from_two_whole_processes(gpu_chec
     result = gpu_check.run_section("main_command", ctx)
     assert result["status"] == "ok", result.get("traceback") or result.get("error") or result.get("rows")
     first, second, per_step = result["rows"]
-    assert first["command"] == "python train.py model=small pos=sinusoidal trainer.devices=1 trainer.max_steps=4"
+    assert (
+        first["command"] == "python train.py model=small pos=sinusoidal trainer.devices=1 trainer.max_steps=4"
+    )
     assert second["command"].endswith("trainer.max_steps=12")
     assert first["loss_impl"] == second["loss_impl"] == "chunked"
     assert 0 < second["final_val_loss"] < first["final_val_loss"]  # the longer run trained further
