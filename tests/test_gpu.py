@@ -88,6 +88,51 @@ def test_compiled_blocks_train_to_the_eager_loss(tmp_path):
     assert steps_compiled[1] == pytest.approx(steps_eager[1], rel=1e-4)  # the first step, before drift
 
 
+ATTENTION_PRESETS = sorted(p.stem for p in (CONF / "attention").glob("*.yaml"))
+
+
+@pytest.mark.parametrize(
+    ("preset", "pos"), [*((preset, "rope") for preset in ATTENTION_PRESETS), ("default", "alibi")]
+)
+def test_compiled_blocks_in_bf16_equal_eager_under_every_attention_preset(preset, pos):
+    """compile=true on CUDA with each attention preset (sliding windows, the logit cap, QK-norm, the gate, the
+    value residual, differential attention), and with a bias scheme whose FlexAttention call is compiled
+    inside the block: a bf16 training step's loss and gradients equal eager's within bf16's rounding."""
+    from omegaconf import OmegaConf
+
+    from gptlab.parallel.transforms import ParallelOptions, parallelize
+
+    attention = OmegaConf.to_container(compose_cfg(f"attention={preset}").attention, resolve=True)
+    config = GPTConfig.from_dict(
+        dict(vocab_size=97, block_size=128, n_layer=2, n_head=4, n_embd=128, pos=pos, attention=attention)
+    )
+    torch.manual_seed(0)
+    eager = GPT(config).cuda()
+    compiled = GPT(config).cuda()
+    compiled.load_state_dict(eager.state_dict())
+    parallelize(compiled, ParallelOptions(compile=True))
+    idx = torch.randint(0, 97, (4, 128), device="cuda")
+
+    def step(model: GPT) -> torch.Tensor:
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            _, loss = model(idx, idx)
+        loss.backward()
+        return loss.detach().float()
+
+    want, got = step(eager), step(compiled)
+    assert abs(float(got - want)) < 1e-2, (float(got), float(want))
+    total = torch.cat([p.grad.float().flatten() for p in eager.parameters() if p.grad is not None]).norm()
+    for (name, p), q in zip(eager.named_parameters(), compiled.parameters()):
+        if p.grad is None:
+            assert q.grad is None, name
+            continue
+        assert q.grad is not None, name
+        difference = float((q.grad.float() - p.grad.float()).norm())
+        # relative to the parameter's gradient, or to the whole gradient for one near 0
+        scale = max(float(p.grad.float().norm()), 1e-4 * float(total))
+        assert difference < 5e-2 * scale, f"{name}: {difference:.2e} against {scale:.2e}"
+
+
 @pytest.mark.parametrize(("impl", "package"), [("liger", "liger_kernel"), ("cce", "cut_cross_entropy")])
 def test_fused_loss_kernels_under_bf16_autocast_match_the_plain_head_through_the_model(impl, package):
     """Training runs the kernels under bf16 autocast (``_kernel_dtype``): the model's loss and every gradient
