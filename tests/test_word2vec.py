@@ -558,6 +558,9 @@ def test_a_stopped_run_resumes_and_ends_with_the_uninterrupted_vectors(tmp_path,
     run(make_cfg(*base, f"paths.output_dir={out}"))
     stopped = torch.load(ckpt, weights_only=True)["global_step"]
     assert 5 <= stopped < whole["train/steps"]
+    result = json.loads((out / "result.json").read_text())
+    assert result["stopped_during"] == "training" and result["stop_signal"] == "SIGTERM"
+    assert result["stopped_by_signal"] is True and "evaluation_missing" not in result  # evaluate=false
     resumed = run(make_cfg(*base, f"paths.output_dir={out}", f"resume={out}"))
     assert resumed["train/steps"] == whole["train/steps"]
     a = keyed_vectors().load_word2vec_format(str(tmp_path / "whole" / "embeddings.txt"))
@@ -733,7 +736,8 @@ def test_a_stop_signal_during_the_evaluation_keeps_the_vectors_and_records_the_m
     assert [p["status"] for p in result["parts"]] == ["stopped"]
     # training's figures are there, and the vectors of its last step are kept in both forms
     saved = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)
-    assert result["global_step"] == saved["global_step"] == result["metrics"]["train/steps"] > 0
+    assert result["global_step"] == result["checkpoint_step"] == saved["global_step"] > 0
+    assert result["metrics"]["train/steps"] == saved["global_step"]
     assert math.isfinite(result["metrics"]["train/loss"])
     kv = keyed_vectors().load_word2vec_format(str(run_dir / "embeddings.txt"))
     assert kv.index_to_key == saved["word2vec_vocab"]["words"]

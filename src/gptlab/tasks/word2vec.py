@@ -224,7 +224,12 @@ def report(
     (run_dir / "metrics.json").write_text(json.dumps(metrics, indent=1))
     extra: dict[str, Any] = {}
     if stopped_during is not None:
-        extra = {"stop_signal": signal_name(signals.received), "stopped_during": stopped_during}
+        # as the language model's result says it: the signal, and the step the last checkpoint holds
+        extra = {
+            "stop_signal": signal_name(signals.received),
+            "checkpoint_step": step,
+            "stopped_during": stopped_during,
+        }
         if options.evaluate:
             # not measured on these vectors: written as "nan" (an earlier part's scores, of other vectors,
             # are not carried over) and named
