@@ -23,6 +23,9 @@ one rank does to a distributed run. GPTLAB_TEST_FAULT chooses it (read here only
 - ``sigterm:<n>``: the process sends itself SIGTERM (a ``kill``) after the n-th optimizer step.
 - ``ctrl_c_twice:<n>``: as ``ctrl_c``, and again in the middle of the checkpoint save that the first one asks
   for, after its bytes are written and before the file is renamed into place.
+- ``hold_word2vec_evaluation``: word2vec's evaluation, once begun (the vectors written), prints
+  ``word2vec evaluation under way`` and holds there (up to 300 s, then goes on) until a signal the test sends
+  ends it: the signal lands in the evaluation however slowly the test reads the line.
 
 Lightning starts ranks > 0 by re-running this command line, so the fault is in place in every rank.
 """
@@ -193,6 +196,21 @@ elif kind in ("ctrl_c", "ctrl_c_twice", "sigterm"):
     ValidateAtLastStep.on_train_batch_end = on_train_batch_end
     if kind == "ctrl_c_twice":
         checkpoint_io.torch.save = save
+elif kind == "hold_word2vec_evaluation":
+    import time
+
+    from gptlab.word2vec import evaluation
+
+    original_evaluate = evaluation.evaluate
+
+    def evaluate(*args, **kwargs):
+        print("word2vec evaluation under way", flush=True)
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            time.sleep(0.05)
+        return original_evaluate(*args, **kwargs)
+
+    evaluation.evaluate = evaluate
 else:
     raise SystemExit(f"unknown GPTLAB_TEST_FAULT {kind!r}")
 

@@ -558,6 +558,9 @@ def test_a_stopped_run_resumes_and_ends_with_the_uninterrupted_vectors(tmp_path,
     run(make_cfg(*base, f"paths.output_dir={out}"))
     stopped = torch.load(ckpt, weights_only=True)["global_step"]
     assert 5 <= stopped < whole["train/steps"]
+    result = json.loads((out / "result.json").read_text())
+    assert result["stopped_during"] == "training" and result["stop_signal"] == "SIGTERM"
+    assert result["stopped_by_signal"] is True and "evaluation_missing" not in result  # evaluate=false
     resumed = run(make_cfg(*base, f"paths.output_dir={out}", f"resume={out}"))
     assert resumed["train/steps"] == whole["train/steps"]
     a = keyed_vectors().load_word2vec_format(str(tmp_path / "whole" / "embeddings.txt"))
@@ -666,6 +669,128 @@ def test_a_killed_run_resumes_and_ends_with_the_uninterrupted_vectors(tmp_path):
     np.testing.assert_allclose(resumed.vectors, whole.vectors, atol=1e-5)
 
 
+def stop_during_evaluation(args: list[str], cwd, signum: int) -> tuple[int, str]:
+    """Run ``python train.py <args>`` (through tests/faults.py, which holds word2vec's evaluation open once it
+    has begun) and send ``signum`` when the process says its evaluation is under way: (exit status, output)."""
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "tests" / "faults.py"), *args],
+        cwd=cwd,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", "GPTLAB_TEST_FAULT": "hold_word2vec_evaluation"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    lines: list[str] = []
+
+    def watch() -> None:
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("word2vec evaluation under way"):
+                proc.send_signal(signum)
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    proc.wait(timeout=400)
+    thread.join(timeout=30)
+    return proc.returncode, "".join(lines)
+
+
+@needs_gensim
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["sigterm-run", "ctrl_c-sweep"])
+def test_a_stop_signal_during_the_evaluation_keeps_the_vectors_and_records_the_missing_scores(
+    tmp_path, signum
+):
+    """A signal once training is over and the vectors are scored: the run ends as a stop during training
+    does (status 0 alone; a sweep stops with 128 + the signal's number), with the vectors kept, result.json
+    saying where it stopped and which scores are missing (as "nan", none carried over), and a message saying
+    how to get them. SIGTERM: a single run, then the message's resume=auto, which scores them; Ctrl-C: the
+    first job of a sweep, the second never started."""
+    from pydoc_data import topics
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n".join(topics.topics[k] for k in sorted(topics.topics)[:20]))
+    args = [*SMALL, "word2vec.dim=8", f"data.path={corpus}", "logger=csv", f"paths.root_dir={tmp_path}"]
+    sweep = signum == signal.SIGINT
+    if sweep:
+        run_dir = tmp_path / "sweep" / "0"
+        status, output = stop_during_evaluation(
+            ["-m", *args, "seed=0,1", f"hydra.sweep.dir={tmp_path / 'sweep'}"], tmp_path, signum
+        )
+    else:
+        run_dir = tmp_path / "run"
+        status, output = stop_during_evaluation([*args, f"hydra.run.dir={run_dir}"], tmp_path, signum)
+    name = "Ctrl-C" if sweep else "SIGTERM"
+    assert status == (128 + signum if sweep else 0), output[-3000:]
+    assert "Traceback" not in output
+    assert (
+        f"Stopped by {name} during the evaluation, after training to step " in output
+        and f"python scripts/eval_embeddings.py {run_dir} (prints the scores)" in output
+    ), output[-3000:]
+
+    result = json.loads((run_dir / "result.json").read_text())
+    missing = [f"eval/{m}" for m in evaluation.METRICS]
+    assert result["stopped_by_signal"] is True and result["finished"] is False
+    assert result["stopped_during"] == "evaluation" and result["stop_signal"] == name
+    assert result["evaluation_missing"] == missing
+    assert all(result["metrics"][k] == "nan" for k in missing)
+    assert [p["status"] for p in result["parts"]] == ["stopped"]
+    # training's figures are there, and the vectors of its last step are kept in both forms
+    saved = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)
+    assert result["global_step"] == result["checkpoint_step"] == saved["global_step"] > 0
+    assert result["metrics"]["train/steps"] == saved["global_step"]
+    assert math.isfinite(result["metrics"]["train/loss"])
+    kv = keyed_vectors().load_word2vec_format(str(run_dir / "embeddings.txt"))
+    assert kv.index_to_key == saved["word2vec_vocab"]["words"]
+    np.testing.assert_allclose(kv.vectors, saved["state_dict"]["model.input.weight"].numpy(), atol=1e-5)
+    assert not (run_dir / "evaluation.json").exists()
+    if sweep:
+        assert f"{name} stopped the sweep in job #0 (" in output and not (tmp_path / "sweep" / "1").exists()
+        return
+
+    # the message's way to the scores: the same command with resume=auto trains nothing and evaluates
+    out = run_train([*args, f"hydra.run.dir={run_dir}", "resume=auto"], cwd=tmp_path)
+    assert f"Nothing left to train at step {saved['global_step']}" in out.stdout
+    resumed = json.loads((run_dir / "result.json").read_text())
+    assert resumed["finished"] is True and resumed["stopped_by_signal"] is False
+    assert "evaluation_missing" not in resumed
+    assert [p["status"] for p in resumed["parts"]] == ["stopped", "finished"]
+    scores = json.loads((run_dir / "evaluation.json").read_text())["metrics"]
+    assert resumed["metrics"]["eval/vocab_size"] == scores["vocab_size"] == len(kv)
+    # the part that trained nothing left training's figures as they were
+    for key in ("train/loss", "train/words", "train/words_per_second"):
+        assert resumed["metrics"][key] == result["metrics"][key]
+
+
+@needs_gensim
+def test_a_stop_signal_while_the_vectors_are_written_lets_them_be_written_whole(
+    tmp_path, make_cfg, monkeypatch
+):
+    """SIGTERM as embeddings.txt is being written (the run in this process): the file is written whole, the
+    evaluation does not start, and result.json names the scores it misses; the handlers are put back."""
+    from gptlab.tasks.word2vec import run
+
+    write = evaluation.write_embeddings
+
+    def write_under_a_signal(path, words, vectors):
+        os.kill(os.getpid(), signal.SIGTERM)  # handled before the first line is written
+        return write(path, words, vectors)
+
+    monkeypatch.setattr(evaluation, "write_embeddings", write_under_a_signal)
+    handler_before = signal.getsignal(signal.SIGTERM)
+    out = tmp_path / "run"
+    metrics = run(make_cfg(*SMALL, "word2vec.dim=8", "logger=none", f"paths.output_dir={out}"))
+    assert signal.getsignal(signal.SIGTERM) == handler_before
+    result = json.loads((out / "result.json").read_text())
+    assert result["stopped_during"] == "evaluation" and result["stop_signal"] == "SIGTERM"
+    assert result["evaluation_missing"] == [f"eval/{m}" for m in evaluation.METRICS]
+    assert all(math.isnan(metrics[k]) for k in result["evaluation_missing"])
+    assert not (out / "evaluation.json").exists()
+    kv = keyed_vectors().load_word2vec_format(str(out / "embeddings.txt"))
+    saved = torch.load(out / "checkpoints" / "last.ckpt", weights_only=True)
+    assert kv.index_to_key == saved["word2vec_vocab"]["words"]
+    assert not list(out.glob(".embeddings.txt.tmp-*"))
+
+
 # ---- evaluation and the comparison with gensim -------------------------------------------------------
 
 
@@ -675,6 +800,7 @@ def test_benchmarks_report_scores_and_coverage():
     rng = np.random.default_rng(0)
     kv = evaluation.keyed_vectors(words, rng.normal(size=(len(words), 8)))
     m = evaluation.evaluate(kv)["metrics"]
+    assert tuple(m) == evaluation.METRICS  # the names a stopped evaluation lists as missing
     assert m["wordsim353/pairs"] >= 3 and 0 < m["wordsim353/coverage"] < 0.05
     assert m["analogy/questions"] >= 1  # man : woman :: king : queen
     assert m["vocab_size"] == len(words)

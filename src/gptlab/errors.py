@@ -3,7 +3,8 @@
 ``ConfigError`` and its kinds end `python train.py` with exit status 2 and the message alone (no traceback);
 ``NonFiniteLossError``, ``DiskFullError`` and ``RankLostError`` end it with status 1, as a run that started and
 then failed. ``SweepStopped`` ends a sweep that a stop signal interrupted with 128 + the signal's number, as a shell
-reports a process a signal ended.
+reports a process a signal ended. ``EvaluationStopped`` never leaves the task that raised it: it ends an
+evaluation after training, and the task records the stop.
 """
 
 from __future__ import annotations
@@ -65,11 +66,22 @@ class SweepStopped(Exception):
         return 128 + self.signum
 
 
+class EvaluationStopped(BaseException):
+    """A stop signal (SIGTERM, Ctrl-C) that ended the evaluation after training (word2vec's benchmarks), raised
+    from the signal handler. A ``BaseException``, as ``KeyboardInterrupt`` is: no ``except Exception`` on the way
+    (a benchmark's own) takes it for a failed score."""
+
+    def __init__(self, signum: int) -> None:
+        self.signum = signum
+        super().__init__(f"{signal_name(signum)} stopped the evaluation")
+
+
 __all__ = [
     "CheckpointError",
     "ConfigError",
     "DataError",
     "DiskFullError",
+    "EvaluationStopped",
     "NonFiniteLossError",
     "RankLostError",
     "SweepStopped",

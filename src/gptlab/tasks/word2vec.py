@@ -12,22 +12,32 @@ import importlib.util
 import json
 import logging
 import math
+import shlex
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, cast
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 
 from gptlab.config import RunSettings
-from gptlab.errors import ConfigError
+from gptlab.errors import ConfigError, EvaluationStopped, signal_name
+from gptlab.runs import layout
 from gptlab.runs.resume import ResumePlan
 from gptlab.tasks.skeleton import RunSession, end_sweep_if_signalled, record_run_dir
 from gptlab.word2vec import objectives
 from gptlab.word2vec.config import Word2VecOptions
 from gptlab.word2vec.corpus import WordCorpus, data_spec, peak_rss_mib, read_corpus
 from gptlab.word2vec.schedule import Schedule
-from gptlab.word2vec.task import Trainer, check_resume, evaluate_run, pick_device, trainer_limits
+from gptlab.word2vec.task import (
+    StopSignals,
+    Trainer,
+    check_resume,
+    evaluate_run,
+    pick_device,
+    trainer_limits,
+)
 
 log = logging.getLogger("gptlab")
 
@@ -123,7 +133,10 @@ def train(
         if hasattr(lg, "open_in_background"):
             lg.open_in_background()
     trainer: Trainer | None = None
-    with session.closing(loggers, step=lambda: trainer.global_step if trainer else 0):
+    # SIGTERM / Ctrl-C from here to the loggers closed: training stops at its next checkpoint, the evaluation
+    # at once, and the run's files are written whole; the run then ends as stopped (a sweep stops with it).
+    signals = StopSignals()
+    with signals, session.closing(loggers, step=lambda: trainer.global_step if trainer else 0):
         trainer = Trainer(
             schedule, options, device, session.run_dir, loggers, settings.run.seed, settings.log_every
         )
@@ -131,17 +144,19 @@ def train(
         # saved in checkpoints: a resumed run continues the same W&B run
         trainer.wandb_run_id = session.wandb_run_id()
         log.info("Run directory: %s", session.run_dir)
-        metrics, stopped = fit(trainer, settings, resume)
-        metrics = report(session, settings, trainer, schedule, corpus, loggers, metrics, stopped)
-    end_sweep_if_signalled(trainer.received if stopped else None, session.run_dir)
+        metrics, stopped = fit(trainer, settings, resume, signals)
+        metrics = report(session, settings, trainer, schedule, corpus, loggers, metrics, stopped, signals)
+    end_sweep_if_signalled(signals.received, session.run_dir)
     return metrics
 
 
 def fit(
-    trainer: Trainer, settings: Word2VecRunConfig, resume: ResumePlan | None
+    trainer: Trainer, settings: Word2VecRunConfig, resume: ResumePlan | None, signals: StopSignals
 ) -> tuple[dict[str, float], bool]:
     """Train (continuing ``resume``) to the end of the schedule or a trainer limit; returns the training
-    figures and whether a stop signal ended it early (its checkpoint saved)."""
+    figures and whether a stop signal ended it early (its checkpoint saved). A part that trained no step (a
+    finished run resumed, to evaluate it) reports no loss, speed or words: result.json keeps the figures of the
+    part that trained."""
     start_step = 0
     if resume:
         trainer.restore(resume.ckpt_path)
@@ -149,7 +164,7 @@ def fit(
         log.info("Resuming from %s (step %d)", resume.ckpt_path, start_step)
     t_fit = time.perf_counter()
     stopped = trainer.fit(
-        start_step, settings.options.checkpoint_every, settings.max_seconds, settings.step_cap
+        start_step, settings.options.checkpoint_every, settings.max_seconds, settings.step_cap, signals
     )
     seconds = time.perf_counter() - t_fit
     metrics: dict[str, float] = {
@@ -162,6 +177,9 @@ def fit(
         "train/seconds": seconds,
         "peak_rss_mib": peak_rss_mib(),
     }
+    if trainer.global_step == start_step:
+        for key in ("train/loss", "train/words_per_second", "train/words", "train/seconds"):
+            del metrics[key]
     return metrics, stopped
 
 
@@ -174,35 +192,80 @@ def report(
     loggers: list,
     metrics: dict[str, float],
     stopped: bool,
+    signals: StopSignals,
 ) -> dict[str, float]:
-    """The vectors written and evaluated, ``metrics.json`` and ``result.json``, and the closing lines."""
+    """The vectors written and evaluated, ``metrics.json`` and ``result.json``, and the closing lines. A stop
+    signal during training skips the evaluation; one after it (while the vectors are written, or during the
+    evaluation) ends the evaluation, and the run is recorded as stopped, its scores named as missing."""
     from gptlab.word2vec import evaluation
 
     options, run_dir, step = settings.options, session.run_dir, trainer.global_step
     vectors = trainer.tables.input.detach().cpu().numpy()
     path = evaluation.write_embeddings(run_dir / evaluation.EMBEDDINGS_FILE, corpus.vocab.words, vectors)
-    finished = not stopped and (
-        (settings.step_cap is not None and step >= settings.step_cap)
-        or (step >= options.max_steps if options.max_steps else False)
-        or (not options.max_steps and schedule.locate(step)[0] >= options.epochs)
-    )
+    stopped_during = "training" if stopped else None
     if stopped:
         log.info(
-            "Stopped by a signal at step %d (checkpoint saved); continue with the same command and "
+            "Stopped by %s at step %d (checkpoint saved); continue with the same command and "
             "resume=auto or resume=%s",
+            signal_name(signals.received),
             step,
             run_dir,
         )
     elif options.evaluate:
-        metrics.update(evaluate_run(path, run_dir, options, corpus, loggers, step))
+        try:
+            metrics.update(evaluate_run(path, run_dir, options, corpus, loggers, step, signals))
+        except EvaluationStopped:
+            stopped_during = "evaluation"
+    finished = stopped_during is None and (
+        (settings.step_cap is not None and step >= settings.step_cap)
+        or (step >= options.max_steps if options.max_steps else False)
+        or (not options.max_steps and schedule.locate(step)[0] >= options.epochs)
+    )
     (run_dir / "metrics.json").write_text(json.dumps(metrics, indent=1))
-    session.write_result(metrics, step, finished=finished, stopped=stopped)
+    extra: dict[str, Any] = {}
+    if stopped_during is not None:
+        # as the language model's result says it: the signal, and the step the last checkpoint holds
+        extra = {
+            "stop_signal": signal_name(signals.received),
+            "checkpoint_step": step,
+            "stopped_during": stopped_during,
+        }
+        if options.evaluate:
+            # not measured on these vectors: written as "nan" (an earlier part's scores, of other vectors,
+            # are not carried over) and named
+            missing = [f"eval/{name}" for name in evaluation.METRICS]
+            metrics.update(dict.fromkeys(missing, math.nan))
+            extra["evaluation_missing"] = missing
+    session.write_result(metrics, step, finished=finished, stopped=stopped_during is not None, extra=extra)
     for lg in loggers:
         lg.finalize("success")
-    print(
+    trained = (
         f"Trained {step} steps, {trainer.words_done:,.0f} words in {metrics['train/seconds']:.1f} s "
-        f"({metrics['train/words_per_second']:,.0f} words/s, {trainer.threads} thread(s), {trainer.tables.device.type})"
-        f"\nEmbeddings: {path}",
-        flush=True,
+        f"({metrics['train/words_per_second']:,.0f} words/s, {trainer.threads} thread(s), "
+        f"{trainer.tables.device.type})"
+        if "train/seconds" in metrics
+        else f"Nothing left to train at step {step}"
     )
+    print(f"{trained}\nEmbeddings: {path}", flush=True)
+    if stopped_during == "evaluation":
+        log.info(evaluation_stopped_line(signals.received, step, path, run_dir))
     return metrics
+
+
+def evaluation_stopped_line(signum: int | None, step: int, vectors: Path, run_dir: Path) -> str:
+    """What a run stopped after training says: what was kept, what is missing, and how to get it (in a sweep,
+    the command that continues the sweep follows)."""
+    from gptlab.runs.naming import is_multirun
+
+    rerun = (
+        "continue the sweep with the command below"
+        if is_multirun()
+        else f"rerun the same command with resume=auto or resume={run_dir}"
+    )
+    return (
+        f"Stopped by {signal_name(signum)} during the evaluation, after training to step {step}: the vectors are "
+        f"kept ({vectors} and {layout.last_checkpoint(run_dir)}); result.json records the run as stopped, its "
+        "scores as missing (evaluation_missing). Evaluate them with: python scripts/eval_embeddings.py "
+        f"{shlex.quote(str(run_dir))} (prints the scores), or {rerun} (no step is trained again; the scores "
+        "go into result.json and the loggers)."
+    )

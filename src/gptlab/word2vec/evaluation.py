@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -42,14 +43,20 @@ def keyed_vectors(words: list[str], vectors: np.ndarray):
 
 def write_embeddings(path: Path, words: list[str], vectors: np.ndarray) -> Path:
     """The word2vec text format: a "<count> <dim>" line, then one "word v1 v2 ..." line per word (written
-    here, as gensim writes it, without importing gensim)."""
+    here, as gensim writes it, without importing gensim). Written beside ``path`` and renamed over it: a
+    process killed meanwhile leaves the earlier file or none, never a part of one."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     vectors = np.asarray(vectors, dtype=np.float32)
     row = " ".join(["%.6g"] * vectors.shape[1])
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(f"{len(words)} {vectors.shape[1]}\n")
-        f.writelines(f"{w} {row % tuple(v)}\n" for w, v in zip(words, vectors.tolist()))
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(f"{len(words)} {vectors.shape[1]}\n")
+            f.writelines(f"{w} {row % tuple(v)}\n" for w, v in zip(words, vectors.tolist()))
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
     return path
 
 
@@ -238,8 +245,18 @@ def pca_plot(kv, path: Path, words: list[str] | None = None, title: str = "") ->
     return save_figure(fig, path, dpi=110)
 
 
+# The numbers evaluate() gives, in its order: the scores a stopped evaluation leaves missing.
+METRICS = (
+    "vocab_size",
+    "wordsim353/spearman", "wordsim353/coverage", "wordsim353/pairs",
+    "simlex999/spearman", "simlex999/coverage", "simlex999/pairs",
+    "analogy/accuracy", "analogy/coverage", "analogy/questions",
+)  # fmt: skip
+
+
 def evaluate(kv, neighbour_words: list[str] | None = None) -> dict[str, Any]:
-    """Every score above, as one flat dict of numbers (for loggers) plus the neighbours."""
+    """Every score above, as one flat dict of numbers (for loggers; its keys are :data:`METRICS`) plus the
+    neighbours."""
     ws = word_pairs_score(kv, "wordsim353.tsv")
     sl = word_pairs_score(kv, "simlex999.txt")
     an = analogy_score(kv)

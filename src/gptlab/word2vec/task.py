@@ -24,6 +24,8 @@ import sys
 import threading
 import time
 from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +33,7 @@ import numpy as np
 import torch
 from omegaconf import DictConfig
 
-from gptlab.errors import CheckpointError, ConfigError
+from gptlab.errors import CheckpointError, ConfigError, EvaluationStopped
 from gptlab.runs import digests, layout
 from gptlab.runs.checkpoints import RESUME_INSTEAD, load_checkpoint
 from gptlab.runs.resume import ResumePlan
@@ -130,10 +132,55 @@ def pick_device(options: Word2VecOptions) -> torch.device:
     return torch.device(options.device)
 
 
+class StopSignals:
+    """SIGTERM and SIGINT (Ctrl-C) caught while it is installed (``with signals:``): each is noted
+    (``received``, the first one kept) and acted on where the run can stop cleanly. Training stops at its next
+    checkpoint, the last checkpoint and ``embeddings.txt`` are written whole; inside :meth:`interrupting` (the
+    evaluation, minutes on a large vocabulary) a signal ends the work at once with :class:`EvaluationStopped`.
+    Handlers can be set in the main thread only: elsewhere nothing is caught."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+        self._interrupting = False
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> StopSignals:
+        if threading.current_thread() is threading.main_thread():
+            for s in self.SIGNALS:
+                self._previous[s] = signal.getsignal(s)
+                signal.signal(s, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for s, previous in self._previous.items():
+            signal.signal(s, previous if previous is not None else signal.SIG_DFL)
+        self._previous.clear()
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.received is None:
+            self.received = signum
+        if self._interrupting:
+            self._interrupting = False
+            raise EvaluationStopped(signum)
+
+    @contextmanager
+    def interrupting(self) -> Iterator[None]:
+        """Work a signal ends at once (:class:`EvaluationStopped`), or never starts when one came before."""
+        if self.received is not None:
+            raise EvaluationStopped(self.received)
+        self._interrupting = True
+        try:
+            yield
+        finally:
+            self._interrupting = False
+
+
 class Trainer:
     """The loop: batches of the schedule, the linearly decaying learning rate, SGD steps (in several
     threads on shared tables, Hogwild, when ``threads > 1`` on a CPU), checkpoints, logging and a clean stop
-    on SIGTERM / SIGINT."""
+    on SIGTERM / SIGINT (:class:`StopSignals`)."""
 
     def __init__(
         self,
@@ -181,9 +228,14 @@ class Trainer:
                     self.native_steps = functools.partial(native.cbow_steps, lib)
         self.global_step = 0
         self.wandb_run_id: str | None = None
-        self.received: int | None = None
+        self.signals = StopSignals()
         self.last_loss = math.nan
         self.words_done = 0.0
+
+    @property
+    def received(self) -> int | None:
+        """The stop signal received (SIGTERM, SIGINT), if any."""
+        return self.signals.received
 
     # ---- one step --------------------------------------------------------------------------------------
 
@@ -216,20 +268,25 @@ class Trainer:
     # ---- the loop --------------------------------------------------------------------------------------
 
     def fit(
-        self, start_step: int, checkpoint_every: int, max_seconds: float | None, step_cap: int | None = None
+        self,
+        start_step: int,
+        checkpoint_every: int,
+        max_seconds: float | None,
+        step_cap: int | None = None,
+        signals: StopSignals | None = None,
     ) -> bool:
         """Train from ``start_step`` to the end of the schedule, or to ``step_cap`` steps or ``max_seconds``
         (trainer limits); True when stopped by a signal (a checkpoint was saved). Steps run in rounds (up to
-        the next checkpoint); between rounds the loop logs, saves checkpoints and checks the limits."""
+        the next checkpoint); between rounds the loop logs, saves checkpoints and checks the limits. The stop
+        signals are caught by ``signals``, which the caller installed for longer (a run's writing and
+        evaluation after training), else here, up to the last checkpoint written."""
         self.global_step = start_step
-        previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+        if signals is not None:
+            self.signals = signals
+        with nullcontext() if signals is not None else self.signals:
+            return self._fit(checkpoint_every, max_seconds, step_cap)
 
-        def handle(signum: int, frame: Any) -> None:
-            self.received = signum
-
-        if threading.current_thread() is threading.main_thread():
-            for s in previous:
-                signal.signal(s, handle)
+    def _fit(self, checkpoint_every: int, max_seconds: float | None, step_cap: int | None) -> bool:
         # Start-up's objects (modules, config, corpus) are moved out of the garbage collector's reach: it
         # does not walk them during training or at exit, nor does a forked worker copy the pages it would
         # touch (the gc module's advice for fork without exec). Handed back after training unless frozen before
@@ -240,7 +297,7 @@ class Trainer:
         t0 = time.perf_counter()
         times: deque[tuple[float, float]] = deque(maxlen=20)
         times.append((t0, self.words_done))
-        runner = self._runner(start_step)
+        runner = self._runner(self.global_step)
         stopped = False
         try:
             while True:
@@ -268,12 +325,9 @@ class Trainer:
                     break
         finally:
             runner.close()
-            if threading.current_thread() is threading.main_thread():
-                for s, h in previous.items():
-                    signal.signal(s, h)
             if frozen_before == 0:
                 gc.unfreeze()
-        self.save_checkpoint()
+        self.save_checkpoint()  # a signal meanwhile is noted: the checkpoint is written whole
         return stopped
 
     def _log_round(self, logged: list[tuple[int, float, float]], rate: float) -> None:
@@ -375,14 +429,23 @@ class Trainer:
 
 
 def evaluate_run(
-    path: Path, run_dir: Path, options: Word2VecOptions, corpus: WordCorpus, loggers: list, step: int
+    path: Path,
+    run_dir: Path,
+    options: Word2VecOptions,
+    corpus: WordCorpus,
+    loggers: list,
+    step: int,
+    signals: StopSignals | None = None,
 ) -> dict[str, float]:
     """Score the written vectors, print the report, draw the PCA plot and log the scores. The vectors of a
-    token-folder run are scored on its whole-word tokens (``Ġking`` -> ``king``)."""
-    kv = evaluation.load_embeddings(path)
-    if corpus.kind == "tokens":
-        kv = evaluation.whole_word_vectors(kv)
-    result = evaluation.evaluate(kv, options.neighbour_words)
+    token-folder run are scored on its whole-word tokens (``Ġking`` -> ``king``). A stop signal caught by
+    ``signals`` ends the scoring at once (:class:`EvaluationStopped`: nothing is written or logged); once
+    the scores are known, they are all recorded."""
+    with signals.interrupting() if signals is not None else nullcontext():
+        kv = evaluation.load_embeddings(path)
+        if corpus.kind == "tokens":
+            kv = evaluation.whole_word_vectors(kv)
+        result = evaluation.evaluate(kv, options.neighbour_words)
     print(evaluation.format_report(result, f"({options.mode}, {options.objective}, {run_dir})"), flush=True)
     plot = evaluation.pca_plot(kv, run_dir / "pca.png", options.plot_words, title=options.mode)
     (run_dir / "evaluation.json").write_text(json.dumps(result, indent=1))
@@ -397,4 +460,4 @@ def evaluate_run(
     return scores
 
 
-__all__ = ["Trainer", "check_resume", "evaluate_run", "pick_device", "trainer_limits"]
+__all__ = ["StopSignals", "Trainer", "check_resume", "evaluate_run", "pick_device", "trainer_limits"]
