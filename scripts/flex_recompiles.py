@@ -8,7 +8,7 @@ through attention, in one process, and counts the compiles of FlexAttention's fr
   has no CPU backward; on CUDA forward and backward, which compile a kernel of their own per grad mode);
 - ``val``: validation batches at the training length, without gradients;
 - ``length``: the length study after training (``eval_length.factors`` 1, 2, 4, 8, its real function and its
-  batch of 4,096 tokens, whose last batch at each length is smaller);
+  batch of 4,096 tokens; its last batch at each length is smaller, and padded to the others' size);
 - ``generate``: decoding without a KV cache, which runs whole sequences padded to multiples of 128.
 
     python scripts/flex_recompiles.py                        # CPU: Dynamo's compiles, run by eager FlexAttention

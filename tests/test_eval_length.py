@@ -11,9 +11,11 @@ import sys
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from conftest import ROOT
 
 from gptlab.comparison import length_table as sweep
+from gptlab.data.tokenizers import CharTokenizer
 from gptlab.evaluation import length
 from gptlab.model.config import GPTConfig
 from gptlab.model.gpt import GPT
@@ -152,6 +154,55 @@ def test_script_evaluates_a_checkpoint_and_logs_a_wandb_run_in_the_same_group(tr
     train_run = next(r for r in runs if r.job_type == "train")
     assert evals[0].group == train_run.group == "length_test"
     assert evals[0].summary["length/loss@8x"] == pytest.approx(result["variants"]["rope"]["8"]["loss"])
+
+
+# 12, 6 and 3 windows at 1x, 2x and 4x a context of 32: 128 tokens a batch divide them evenly (4, 2 and 1 a
+# batch), 320 at no length (10, 5 and 2 a batch: last batches of 2, 1 and 1).
+@pytest.mark.parametrize("batch_tokens", [128, 320])
+def test_padding_the_last_batch_changes_no_figure_the_study_reports(batch_tokens, monkeypatch):
+    """The study pads its smaller last batch to the others' size where it attends through compiled
+    FlexAttention (one kernel per batch size). Forced here on the CPU's route: the losses by position, the
+    loss, perplexity, bits per byte, windows, tokens and bytes are those without padding, to the bit, and the
+    mean of each window's own losses; only the batches the model ran are larger."""
+    torch.manual_seed(0)
+    chars = list("abcdefghijklmnopqrstuvwxyz .,;:!?'-éüß中文")  # bytes per token from 1 to 3
+    tokenizer = CharTokenizer(chars)
+    model = GPT(
+        GPTConfig(vocab_size=tokenizer.vocab_size, block_size=32, n_layer=1, n_head=2, n_embd=32, pos="alibi")
+    )
+    model.eval()
+    tokens = np.random.default_rng(0).integers(0, tokenizer.vocab_size, 12 * 32 + 1)
+    options = length.LengthEvalOptions(factors=[1, 2, 4], batch_tokens=batch_tokens)
+    batches: list[int] = []
+    model.register_forward_hook(lambda module, args, output: batches.append(args[0].size(0)))
+
+    def study(padded: bool) -> tuple[dict, list[int]]:
+        monkeypatch.setattr(length, "runs_compiled_flex_attention", lambda model, device: padded)
+        batches.clear()
+        result = length.evaluate_lengths(model, tokens, 32, options, tokenizer)
+        figures = {
+            f: {k: v for k, v in e.items() if k != "seconds"} for f, e in result["variants"]["alibi"].items()
+        }
+        return figures, list(batches)
+
+    plain, plain_batches = study(padded=False)
+    padded, padded_batches = study(padded=True)
+    if batch_tokens == 128:
+        assert plain_batches == padded_batches == [4, 4, 4, 2, 2, 2, 1, 1, 1]
+    else:
+        assert plain_batches == [10, 2, 5, 1, 2, 1]
+        assert padded_batches == [10, 10, 5, 5, 2, 2]
+    assert padded == plain
+    for factor, entry in padded.items():
+        context = int(factor) * 32
+        windows = torch.as_tensor(tokens).unfold(0, context + 1, context)  # (12 * 32 / context, context + 1)
+        with torch.no_grad():  # each window alone
+            each = [F.cross_entropy(model(w[None, :-1])[0][0], w[1:], reduction="none") for w in windows]
+        by_position = torch.stack(each).double().mean(0)
+        assert entry["windows"] == len(windows) and entry["tokens"] == 12 * 32
+        np.testing.assert_allclose(entry["loss_by_position"], by_position.numpy(), atol=1e-5)
+        assert entry["loss"] == pytest.approx(float(by_position.mean()), rel=1e-6)
+        assert math.isfinite(entry["bpb"])  # reported, the same as without padding (above)
 
 
 def test_learned_positions_say_they_cannot_run_longer(caplog):

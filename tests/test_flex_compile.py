@@ -9,11 +9,13 @@ import logging
 import sys
 import warnings
 
+import numpy as np
 import pytest
 import torch
 from conftest import CPU_AND_CUDA, load_script
 
 from gptlab.data.datamodule import document_ids
+from gptlab.evaluation import length
 from gptlab.model import attention
 from gptlab.model.config import GPTConfig
 from gptlab.model.gpt import GPT
@@ -77,6 +79,41 @@ def test_local_and_global_layers_compile_once_per_length_not_per_layer_or_pass(s
         for idx, doc_ids, dense in documents:
             torch.testing.assert_close(model(idx, doc_ids=doc_ids)[0], dense, rtol=1e-4, atol=1e-4)
         assert backend.compiles == 4 + 2
+
+
+def study_figures(result: dict) -> dict:
+    """What the length study reports at each factor, without its timing."""
+    return {f: {k: v for k, v in e.items() if k != "seconds"} for f, e in result["variants"]["alibi"].items()}
+
+
+def test_the_length_study_compiles_once_per_length_though_its_last_batch_is_smaller(script):
+    """The study at 1x, 2x, 4x a context of 128 runs 8, 4, 2 windows a batch over 12, 6, 3 windows: at every
+    length a full batch and a smaller last one. Its last batch is padded to the full size (copies of a window,
+    never counted), so each length compiles one kernel, not two, and the figures are those of the unpadded
+    batches, and the dense route's."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=61, block_size=128, n_layer=1, n_head=2, n_embd=32, pos="alibi")).eval()
+    tokens = np.random.default_rng(0).integers(0, 61, 1537)
+    options = length.LengthEvalOptions(factors=[1, 2, 4], batch_tokens=1024, rope_scalings=[])
+    dense = study_figures(length.evaluate_lengths(model, tokens, 128, options))
+    assert [(e["windows"], 1024 // e["context"]) for e in dense.values()] == [(12, 8), (6, 4), (3, 2)]
+    backend = script.CountingBackend("eager")
+    with script.flex_forced(backend), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*without torch.compile")
+        padded = study_figures(length.evaluate_lengths(model, tokens, 128, options))
+        assert backend.compiles == 3
+        unpadded = [
+            length.loss_by_position(model, tokens, f * 128, 1024, pad_last_batch=False) for f in (1, 2, 4)
+        ]
+        assert backend.compiles == 3 + 3  # the smaller last batches' own kernels, one per length
+    for factor, (by_position, windows) in zip(("1", "2", "4"), unpadded, strict=True):
+        assert padded[factor]["windows"] == windows
+        assert padded[factor]["loss"] == float(by_position.mean())
+        assert padded[factor]["loss_by_position"] == [round(float(v), 5) for v in by_position]
+        assert padded[factor]["loss"] == pytest.approx(dense[factor]["loss"], rel=1e-5)
+        np.testing.assert_allclose(
+            padded[factor]["loss_by_position"], dense[factor]["loss_by_position"], atol=2e-5
+        )
 
 
 @torch.no_grad()

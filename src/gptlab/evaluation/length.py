@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from gptlab.data.tokenizers import TokenBytes, Tokenizer, bits_per_byte
 from gptlab.evaluation import passkey, plots
 from gptlab.evaluation.options import LengthEvalOptions
+from gptlab.model import attention
 from gptlab.model.gpt import GPT
 from gptlab.runs.layout import EVAL_LENGTH_DIR, LENGTH_FILE
 from gptlab.tracking.studies import LengthStudy, StudyTable, log_length_study, log_length_study_as_new_run
@@ -40,26 +41,48 @@ RESULT_FILE = LENGTH_FILE  # <run dir>/eval_length/length.json (gptlab.runs.layo
 
 @torch.no_grad()
 def loss_by_position(
-    model: GPT, tokens: np.ndarray, context: int, batch_tokens: int
+    model: GPT, tokens: np.ndarray, context: int, batch_tokens: int, pad_last_batch: bool | None = None
 ) -> tuple[np.ndarray, int]:
     """Mean next-token loss at each of the ``context`` positions over non-overlapping windows of ``tokens``;
-    returns the (context,) losses and the number of windows."""
+    returns the (context,) losses and the number of windows.
+
+    The windows run ``batch_tokens // context`` at a time. ``pad_last_batch``: run the last, smaller batch at
+    the others' size, its extra rows copies of its last window whose losses are dropped before they are
+    counted (the figures are the same either way); None pads where the model attends through compiled
+    FlexAttention (``runs_compiled_flex_attention``), whose kernel is compiled once per batch size, so that
+    each length compiles once and not twice. Elsewhere the copies would be computed for nothing."""
     n_windows = (len(tokens) - 1) // context
     if n_windows == 0:
         raise ValueError(f"{len(tokens)} validation tokens hold no window of {context + 1}")
     device = next(model.parameters()).device
-    batch = max(1, batch_tokens // context)
+    if pad_last_batch is None:
+        pad_last_batch = runs_compiled_flex_attention(model, device)
+    batch = min(n_windows, max(1, batch_tokens // context))  # one batch of all when they fit: nothing to pad
     total = torch.zeros(context, dtype=torch.float64)
     for start in range(0, n_windows, batch):
-        rows = range(start, min(n_windows, start + batch))
+        rows = list(range(start, min(n_windows, start + batch)))
+        scored = len(rows)
+        if pad_last_batch:
+            rows += [rows[-1]] * (batch - scored)
         rows_np = np.stack([tokens[i * context : i * context + context + 1] for i in rows]).astype(np.int64)
         windows = torch.from_numpy(rows_np).to(device)  # (B, context + 1)
         logits, _ = model(windows[:, :-1])  # (B, context, vocab)
         loss = F.cross_entropy(
             logits.float().transpose(1, 2), windows[:, 1:], reduction="none"
         )  # (B, context)
-        total += loss.double().sum(0).cpu()
+        total += loss[:scored].double().sum(0).cpu()  # the padding's rows never counted
     return (total / n_windows).numpy(), n_windows
+
+
+def runs_compiled_flex_attention(model: GPT, device: torch.device) -> bool:
+    """Whether ``model``'s evaluation passes on ``device`` attend through compiled FlexAttention (GPT.forward's
+    route: a positional bias, a window or a logit cap, on CUDA), which compiles a kernel per batch size."""
+    dropout = model.training and model.config.dropout > 0  # FlexAttention has no dropout
+    return (
+        model.takes_flex_attention
+        and not dropout
+        and attention.flex_attention_available(device, model.config.head_dim)
+    )
 
 
 def unsupported_reason(model: GPT, context: int) -> str | None:
