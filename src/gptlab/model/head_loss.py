@@ -19,8 +19,8 @@ are 1.6 GB in fp32, and again for their gradient. Four ways to the same loss and
   Cross-Entropy, Wijmans et al. 2024, arXiv:2411.09009), when installed (``pip install -e ".[gpu]"``).
 
 ``auto`` takes the first of ``AUTO_ORDER[device type]`` that can run here: on CUDA ``cce`` (in bf16 or fp16;
-fastest on an H100), then ``liger`` when installed, else ``chunked``; on CPU ``chunked``. ``torch`` needs torch >= 2.13 (``gptlab.torch_features``):
-an older torch refuses ``loss.impl=torch`` at config time and ``auto`` never takes it. On CPU ``chunked`` is
+fastest on an H100), then ``liger`` when installed, else ``chunked``; on CPU ``chunked``. ``torch`` needs
+torch >= 2.13 (``gptlab.torch_features``): an older torch refuses ``loss.impl=torch`` at config time and ``auto`` never takes it. On CPU ``chunked`` is
 kept ahead of ``torch`` because it was measurably faster with two threads and smaller at every chunk size
 (``python scripts/benchmark_head_loss.py``, fp32, 2-core CPU, torch 2.13; medians of interleaved rounds):
 
