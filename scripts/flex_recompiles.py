@@ -9,6 +9,10 @@ through attention, in one process, and counts the compiles of FlexAttention's fr
 - ``val``: validation batches at the training length, without gradients;
 - ``length``: the length study after training (``eval_length.factors`` 1, 2, 4, 8, its real function and its
   batch of 4,096 tokens; its last batch at each length is smaller, and padded to the others' size);
+- ``passkey``: the passkey study after it (its real function, 4 depths x 5 prompts at each length, greedy answers
+  decoded with a KV cache; batches of 16 x the training length, the default's 16,384 tokens at a context of
+  1,024, so that 4x and 8x have a smaller last batch): every pass reads a KV cache, which takes the dense
+  route, so it compiles nothing;
 - ``generate``: decoding without a KV cache, which runs whole sequences padded to multiples of 128.
 
     python scripts/flex_recompiles.py                        # CPU: Dynamo's compiles, run by eager FlexAttention
@@ -41,13 +45,15 @@ import torch
 
 import gptlab
 from gptlab.data.datamodule import document_ids
+from gptlab.data.tokenizers import CharTokenizer
+from gptlab.evaluation import passkey
 from gptlab.evaluation.length import loss_by_position
-from gptlab.evaluation.options import LengthEvalOptions
+from gptlab.evaluation.options import LengthEvalOptions, PasskeyOptions
 from gptlab.model import attention
 
 POSITIONS = ("alibi", "relative", "fire")
 ATTENTIONS = ("default", "sliding_window", "gemma2")
-PHASES = ("train", "val", "length", "generate")
+PHASES = ("train", "val", "length", "passkey", "generate")
 EOT = 0  # the end-of-text id of the documents drawn for document masking
 
 
@@ -175,6 +181,14 @@ def run_phases(
         for factor in options.factors:
             loss_by_position(model, tokens, factor * T, options.batch_tokens)
 
+    def passkey_study() -> None:
+        # The passkey prompts' characters and digits: 47 ids, inside the model's vocabulary of 64.
+        texts = [passkey.INTRO, passkey.FILLER, passkey.KEY_SENTENCE, passkey.QUESTION, "0123456789"]
+        chars = CharTokenizer.from_texts(texts)
+        options = PasskeyOptions(batch_tokens=16 * T)  # 16 prompts at 1x, 2 at 8x: 2 + 2 + 1 of 5
+        result = passkey.evaluate_passkey(model, chars, T, LengthEvalOptions().factors, options)
+        assert "error" not in result, result.get("error")
+
     @torch.no_grad()
     def generate() -> None:
         model.eval()
@@ -184,6 +198,7 @@ def run_phases(
     phase("train", train)
     phase("val", val)
     phase("length", length_study)
+    phase("passkey", passkey_study)
     phase("generate", generate)
     return compiles
 

@@ -6,6 +6,7 @@ each new graph (scripts/flex_recompiles.py's), and every output is the dense SDP
 from __future__ import annotations
 
 import logging
+import string
 import sys
 import warnings
 
@@ -15,7 +16,8 @@ import torch
 from conftest import CPU_AND_CUDA, load_script
 
 from gptlab.data.datamodule import document_ids
-from gptlab.evaluation import length
+from gptlab.data.tokenizers import CharTokenizer
+from gptlab.evaluation import length, passkey
 from gptlab.model import attention
 from gptlab.model.config import GPTConfig
 from gptlab.model.gpt import GPT
@@ -114,6 +116,62 @@ def test_the_length_study_compiles_once_per_length_though_its_last_batch_is_smal
         np.testing.assert_allclose(
             padded[factor]["loss_by_position"], dense[factor]["loss_by_position"], atol=2e-5
         )
+
+
+def passkey_figures(result: dict) -> dict:
+    """What the passkey study reports in each cell, without its timing."""
+    return {
+        f: {b: {k: v for k, v in cell.items() if k != "seconds"} for b, cell in row.items()}
+        for f, row in result["cells"].items()
+    } | {"metrics": result["metrics"]}
+
+
+def test_the_passkey_study_compiles_no_flex_attention_kernel_its_passes_read_a_kv_cache(script, monkeypatch):
+    """The passkey study at 2x and 4x a context of 64 runs 4 and 2 prompts a batch over 5 a cell: a smaller
+    last batch in every cell, and 7 greedy tokens after each prompt. Every pass (the prompt, the
+    teacher-forced answer, each decoded token) reads a KV cache, which GPT.forward sends to the dense route
+    even where FlexAttention is taken: none of them compiles a kernel, so its smaller last batches need no
+    padding, and its figures are the dense route's. (A pass without a cache compiles at once: the route was
+    forced.) Should cached passes ever take FlexAttention, this counts their compiles."""
+    torch.manual_seed(0)
+    chars = CharTokenizer.from_texts([string.printable])
+    model = GPT(
+        GPTConfig(
+            vocab_size=chars.vocab_size,
+            block_size=64,
+            n_layer=2,
+            n_head=2,
+            n_embd=32,
+            pos="alibi",
+            attention=GEMMA2,
+        )
+    ).eval()
+    options = passkey.PasskeyOptions(depths=2, trials=5, batch_tokens=512)
+    batches: list[tuple[int, int]] = []
+    model.register_forward_pre_hook(lambda module, args: batches.append(tuple(args[0].shape)))
+    dense = passkey_figures(passkey.evaluate_passkey(model, chars, 64, [2, 4], options))
+    flex_calls: list[tuple[int, ...]] = []
+    compiled = attention.compiled_flex_attention
+    monkeypatch.setattr(
+        attention,
+        "compiled_flex_attention",
+        lambda q, *rest: flex_calls.append(tuple(q.shape)) or compiled(q, *rest),
+    )
+    backend = script.CountingBackend("eager")
+    with script.flex_forced(backend), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*without torch.compile")
+        batches.clear()
+        forced = passkey_figures(passkey.evaluate_passkey(model, chars, 64, [2, 4], options))
+        assert backend.compiles == 0 and flex_calls == []
+        passes = list(batches)
+        with torch.no_grad():
+            model(torch.zeros(1, 64, dtype=torch.long))
+        assert backend.compiles == 2  # without a cache: the local and the global layers' kernels
+    # Per batch of B prompts of P tokens (the answer " NNNNN." takes the last 7 of each cell's length): the
+    # prompt, the answer's first 6 tokens teacher-forced, 6 greedy tokens one at a time.
+    cells = [[(4, 121), (1, 121)]] * 2 + [[(2, 249), (2, 249), (1, 249)]] * 2
+    assert passes == [p for cell in cells for B, P in cell for p in [(B, P), (B, 6)] + [(B, 1)] * 6]
+    assert forced == dense
 
 
 @torch.no_grad()

@@ -213,3 +213,52 @@ def test_the_length_study_after_training_runs_passkey_and_logs_it(tmp_path):
     assert (tmp_path / "cmp" / "long_context.png").read_bytes()[:4] == b"\x89PNG"
     table = long_context.passkey_sweep_table(long_context.collect_passkey([tmp_path / "outputs" / "runs"]))
     assert "| rope | 1 | too short |" in table
+
+
+@torch.no_grad()
+def test_each_prompt_gets_the_figures_it_gets_alone_whatever_else_shares_its_batch():
+    """Under GPT-2's BPE a 5-digit key's answer (" 12345.") takes 3 or 4 tokens, so the prompts of one batch
+    can have answers of different lengths. Each prompt's answer is its own greedy continuation to its own
+    answer's length and its key log-probability its own key's, as when it is scored alone, so the study's
+    figures are the same in batches of 2 (a smaller last batch of 1) as in one batch of all."""
+    gpt2 = GPT2Tokenizer()
+    model = tiny_model("alibi", vocab=gpt2.vocab_size, block_size=64)
+
+    def study(batch_tokens: int) -> dict:
+        options = passkey.PasskeyOptions(depths=2, trials=5, seed=3, batch_tokens=batch_tokens)
+        result = passkey.evaluate_passkey(model, gpt2, 64, [1, 2], options)
+        for row in result["cells"].values():
+            for cell in row.values():
+                del cell["seconds"]
+        return result
+
+    def exact(result: dict) -> list:  # all but the log-probabilities, which a batch's size moves by ~1e-10
+        return [
+            (f, b, k, v if k != "examples" else [{**e, "key_logprob": None} for e in v])
+            for f, row in result["cells"].items()
+            for b, cell in row.items()
+            for k, v in cell.items()
+            if k != "key_logprob"
+        ] + [(k, v) for k, v in result["metrics"].items() if "acc@" in k]
+
+    in_twos, all_at_once = study(2 * 64), study(5 * 128)
+    assert exact(in_twos) == exact(all_at_once)
+    assert in_twos["metrics"] == pytest.approx(all_at_once["metrics"], rel=1e-8)
+    mixed = 0  # batches with answers of different lengths
+    for factor in (1, 2):
+        for b, cell in enumerate(in_twos["cells"][str(factor)].values()):
+            prompts = passkey.build_prompts(gpt2, 64 * factor, passkey.depth_bins(2)[b], 5, (3, factor, b), 5)
+            batches = [prompts] if factor == 2 else [prompts[0:2], prompts[2:4]]  # of 2 (at 1x) and of 5
+            mixed += sum(len({len(p.answer_ids) for p in batch}) > 1 for batch in batches)
+            for p, example in zip(prompts, cell["examples"], strict=True):
+                ids = torch.tensor([p.ids])
+                out = model.generate(ids, len(p.answer_ids), temperature=0.0, use_cache=False)
+                assert example["answer"] == gpt2.decode(out[0, ids.size(1) :].tolist())
+                key_ids = gpt2.encode(f" {p.key}")
+                logits, _ = model(torch.tensor([p.ids + key_ids[:-1]]))
+                logprobs = F.log_softmax(logits[0, -len(key_ids) :].double(), -1)
+                alone = float(logprobs[torch.arange(len(key_ids)), torch.tensor(key_ids)].mean())
+                assert example["key_logprob"] == pytest.approx(alone, abs=1e-6)
+                (single,) = passkey.score_prompts(model, [p], gpt2)
+                assert example == {**single, "key_logprob": pytest.approx(single["key_logprob"], rel=1e-8)}
+    assert mixed >= 2  # batches that hold answers of 3 and of 4 tokens

@@ -120,31 +120,42 @@ def build_prompts(
 
 @torch.no_grad()
 def score_prompts(model: GPT, prompts: list[Prompt], tokenizer: Tokenizer) -> list[dict[str, Any]]:
-    """Greedy answers and the true key's log-probability for equal-length prompts, in one batch."""
+    """Greedy answers and the true key's log-probability for equal-length prompts, in one batch. Each
+    prompt's figures are those it gets scored alone: its answer is decoded and teacher-forced to its own
+    length (``len(answer_ids)``, which varies with the key under BPE), whatever the others' lengths.
+
+    Every pass reads a KV cache (the prompt, the teacher-forced answer, each greedy token), and GPT.forward
+    takes FlexAttention only without one: the study runs the dense route everywhere and compiles no
+    FlexAttention kernel, whatever its batch sizes (``tests/test_flex_compile.py`` counts them)."""
     device = next(model.parameters()).device
     idx = torch.tensor([p.ids for p in prompts], device=device)  # (B, P)
     cache = KVCache.empty(model.config.n_layer)
     logits, _ = model(idx, cache=cache)  # (B, P, V)
     first = logits[:, -1, :]
+    own = [len(p.answer_ids) for p in prompts]  # each prompt's answer length
+    n_answer = max(own)
     # Teacher forcing on the true answer, from a copy of the cache (its tensors are never written in place).
-    n_answer = min(len(p.answer_ids) for p in prompts)
-    answers = torch.tensor([p.answer_ids[:n_answer] for p in prompts], device=device)  # (B, A)
+    # A shorter answer is padded at its end with its last token: causal attention keeps the padding from the
+    # positions before it, and its log-probabilities are dropped below.
+    answers = torch.tensor(
+        [p.answer_ids + p.answer_ids[-1:] * (n_answer - len(p.answer_ids)) for p in prompts], device=device
+    )  # (B, A)
     forked = KVCache(layers=list(cache.layers), length=cache.length)
     rest = model(answers[:, :-1], cache=forked)[0] if n_answer > 1 else first[:, None, :][:, :0]
     answer_logits = torch.cat([first[:, None, :], rest], dim=1)  # (B, A, V)
     logprobs = F.log_softmax(answer_logits.double(), dim=-1).gather(2, answers[..., None])[..., 0]  # (B, A)
-    # Greedy decoding, as many tokens as the answer takes.
-    n_new = max(len(p.answer_ids) for p in prompts)
+    # Greedy decoding, as many tokens as the longest answer takes; each prompt keeps as many as its own.
     generated, step = [], first.argmax(-1, keepdim=True)  # (B, 1)
-    for i in range(n_new):
+    for i in range(n_answer):
         generated.append(step)
-        if i + 1 < n_new:
+        if i + 1 < n_answer:
             logits, _ = model(step, cache=cache)
             step = logits[:, -1, :].argmax(-1, keepdim=True)
     tokens = torch.cat(generated, dim=1).tolist()
     out = []
-    for p, row, lp in zip(prompts, tokens, logprobs.tolist()):
-        text = tokenizer.decode(row)
+    for p, n, row, lp in zip(prompts, own, tokens, logprobs.tolist(), strict=True):
+        text = tokenizer.decode(row[:n])
+        lp = lp[:n]
         found = re.search(r"\d+", text)
         digits = len(str(p.key))
         out.append(

@@ -117,8 +117,9 @@ def flex_attention_available(device: torch.device, head_dim: int = 64) -> bool:
 #: every step share it (``scripts/flex_recompiles.py`` counts them). A training run of local and global layers
 #: with the default length study needs about 16 (training and validation: 2 kinds x 2 grad modes, document
 #: masks double them; the study: 4 lengths x 2 kinds, its smaller last batch at each length padded to the
-#: others' size by ``gptlab.evaluation.length.loss_by_position``); torch's own limit of 8 per function would
-#: send the longest lengths, where it matters most, to uncompiled FlexAttention. A larger torch limit
+#: others' size by ``gptlab.evaluation.length.loss_by_position``; the passkey study none, its passes read a KV
+#: cache and take the dense route); torch's own limit of 8 per function would send the longest lengths, where
+#: it matters most, to uncompiled FlexAttention. A larger torch limit
 #: (``torch._dynamo.config.recompile_limit``) is kept.
 FLEX_RECOMPILE_LIMIT = 64
 #: torch.compile's backend for FlexAttention: Inductor generates the fused kernel. ``eager`` (Dynamo's graph,
