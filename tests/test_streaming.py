@@ -264,3 +264,32 @@ def test_a_streaming_run_with_two_loader_workers_trains_on_a_one_file_corpus(tmp
     )
     assert np.isfinite(metrics["val/loss"])
     assert torch.load(last_checkpoint(tmp_path / "run"), weights_only=True)["global_step"] == 4
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_lightnings_advice_for_more_loader_workers_stands_for_a_stream_alone(
+    tmp_path, monkeypatch, streaming
+):
+    """On a machine with many cores (every GPU machine) Lightning advises more loader workers for every loader
+    with fewer than 2. Windows read from the token cache need none (a batch is a few slices of a memory map):
+    the advice is silenced for them. A stream tokenizes as it reads: its training loader keeps the advice."""
+    import warnings
+
+    from lightning.pytorch.trainer.connectors import data_connector
+
+    monkeypatch.setattr(data_connector, "suggested_max_num_workers", lambda devices: 15)
+    make_jsonl(tmp_path / "d.jsonl", n_docs=300)
+    args = [*ARGS, "trainer.max_steps=2", f"data.path={tmp_path / 'd.jsonl'}", f"paths.root_dir={tmp_path}"]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run(
+            compose_cfg(
+                *args, f"data.streaming={str(streaming).lower()}", f"paths.output_dir={tmp_path / 'run'}"
+            )
+        )
+    advised = sorted(
+        name
+        for name in ("train_dataloader", "val_dataloader")
+        if any(f"The '{name}' does not have many workers" in str(w.message) for w in caught)
+    )
+    assert advised == (["train_dataloader"] if streaming else [])
