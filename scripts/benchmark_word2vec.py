@@ -154,12 +154,15 @@ def ours(
         f"hydra.run.dir={run_dir}",
     ]
     seconds, _, cpu = timed(cmd, root, {**env(), "PYTHONPATH": str(root / "src")})
+    from gptlab.runs.jsonfile import read_figure
+
     metrics = json.loads((run_dir / "metrics.json").read_text())
     return {
         "process_seconds": seconds,
         "cpu_seconds": cpu,
-        "train_seconds": metrics["train/seconds"],
-        "words_per_second": metrics["train/words_per_second"],
+        # metrics.json writes a non-finite figure as "nan" (gptlab.runs.jsonfile)
+        "train_seconds": read_figure(metrics["train/seconds"]),
+        "words_per_second": read_figure(metrics["train/words_per_second"]),
         "vectors": str(run_dir / "embeddings.txt"),
     }
 
