@@ -19,7 +19,7 @@ import time
 import numpy as np
 import pytest
 import torch
-from conftest import ROOT, TINY, needs_gensim, run_train
+from conftest import ROOT, TINY, needs_gensim, run_train, strict_json
 
 from gptlab.data.corpus import DataSpec
 from gptlab.errors import ConfigError, DataError
@@ -789,16 +789,6 @@ def test_a_stop_signal_while_the_vectors_are_written_lets_them_be_written_whole(
     saved = torch.load(out / "checkpoints" / "last.ckpt", weights_only=True)
     assert kv.index_to_key == saved["word2vec_vocab"]["words"]
     assert not list(out.glob(".embeddings.txt.tmp-*"))
-
-
-def strict_json(path):
-    """``path`` parsed as a strict reader (jq, JavaScript's JSON.parse) parses it: a bare NaN or Infinity
-    token, which Python's json writes and reads, is refused."""
-
-    def refuse(token: str):
-        raise ValueError(f"{path} holds {token}, which is not JSON")
-
-    return json.loads(path.read_text(), parse_constant=refuse)
 
 
 def tiny_corpus(tmp_path):

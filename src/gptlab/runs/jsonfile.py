@@ -1,6 +1,6 @@
-"""The JSON files of a run directory (``result.json``, ``metrics.json``, ``run.json``, ``checkpoints/best.json``,
-word2vec's ``evaluation.json``), written as strict JSON that any reader parses (jq, JavaScript's
-``JSON.parse``, a dashboard), and their numbers read back.
+"""The JSON files of a run directory (its result, its identity, the scores of its best checkpoints: the
+names are :mod:`gptlab.runs.layout`'s; word2vec's ``metrics.json`` and ``evaluation.json``), written as strict
+JSON that any reader parses (jq, JavaScript's ``JSON.parse``, a dashboard), and their numbers read back.
 
 JSON has no NaN or infinity: Python's ``json`` writes them as the bare tokens ``NaN`` and ``Infinity``, which
 every strict parser refuses, and with them the whole file. The project's one convention for a figure:
