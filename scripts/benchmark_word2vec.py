@@ -135,6 +135,8 @@ def ours(
 ) -> dict:
     """``python train.py task=word2vec ...`` with ``logger`` (``default``: no ``logger=`` override, the
     config's own W&B logger, offline here; by default the first of ``--logger``), in the checkout ``root``."""
+    from gptlab.runs.jsonfile import read_figure
+
     logger = logger or args.logger.split(",")[0]
     cmd = [
         sys.executable,
@@ -154,8 +156,6 @@ def ours(
         f"hydra.run.dir={run_dir}",
     ]
     seconds, _, cpu = timed(cmd, root, {**env(), "PYTHONPATH": str(root / "src")})
-    from gptlab.runs.jsonfile import read_figure
-
     metrics = json.loads((run_dir / "metrics.json").read_text())
     return {
         "process_seconds": seconds,

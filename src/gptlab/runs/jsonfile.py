@@ -45,6 +45,11 @@ def figures_as_json(figures: Mapping[str, Any]) -> dict[str, float | str | None]
     return {name: figure_as_json(value) for name, value in figures.items()}
 
 
+# How a non-finite figure may be spelled: this convention's, and what other writers (Lightning's CSV, numpy,
+# JavaScript) write.
+NON_FINITE_TEXT = frozenset({"inf", "+inf", "-inf", "nan", "infinity", "+infinity", "-infinity"})
+
+
 def read_figure(value: Any) -> float | None:
     """A figure as written in a run's JSON file, read back: a number as a float (a bare ``NaN`` or
     ``Infinity`` of an older file included), ``"inf"``, ``"-inf"`` and ``"nan"`` as those floats, and None
@@ -53,14 +58,7 @@ def read_figure(value: Any) -> float | None:
         return None
     if isinstance(value, (int, float)):
         return float(value)
-    if isinstance(value, str) and value.strip().lower() in (
-        "inf",
-        "+inf",
-        "-inf",
-        "nan",
-        "infinity",
-        "-infinity",
-    ):
+    if isinstance(value, str) and value.strip().lower() in NON_FINITE_TEXT:
         return float(value)
     return None
 

@@ -293,10 +293,9 @@ class RunSession:
             known = {}
         try:
             self.write_result(known, int(step()) if step else 0, False, False, reason)
-        except (
-            OSError,
-            ValueError,
-        ) as e:  # a full disk may refuse result.json too (a NaN outside the metrics)
+        except (OSError, ValueError) as e:
+            # a full disk may refuse result.json too, or a NaN outside the metrics (strict JSON): neither may
+            # hide the error the run failed with
             log.warning("%s could not be written: %s", result_file(self.run_dir), e)
 
 
