@@ -135,6 +135,8 @@ def ours(
 ) -> dict:
     """``python train.py task=word2vec ...`` with ``logger`` (``default``: no ``logger=`` override, the
     config's own W&B logger, offline here; by default the first of ``--logger``), in the checkout ``root``."""
+    from gptlab.runs.jsonfile import read_figure
+
     logger = logger or args.logger.split(",")[0]
     cmd = [
         sys.executable,
@@ -158,8 +160,9 @@ def ours(
     return {
         "process_seconds": seconds,
         "cpu_seconds": cpu,
-        "train_seconds": metrics["train/seconds"],
-        "words_per_second": metrics["train/words_per_second"],
+        # metrics.json writes a non-finite figure as "nan" (gptlab.runs.jsonfile)
+        "train_seconds": read_figure(metrics["train/seconds"]),
+        "words_per_second": read_figure(metrics["train/words_per_second"]),
         "vectors": str(run_dir / "embeddings.txt"),
     }
 

@@ -60,6 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.path:
         parser.error("give a run directory or an embeddings file")
     from gptlab.errors import ConfigError
+    from gptlab.runs.jsonfile import figure_as_json, figures_as_json, read_figure, write_json
     from gptlab.word2vec import evaluation
 
     source = Path(args.path)
@@ -86,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         metrics_file = run_dir / "metrics.json"
         ours_speed = (
-            json.loads(metrics_file.read_text()).get("train/words_per_second")
+            read_figure(json.loads(metrics_file.read_text()).get("train/words_per_second"))
             if metrics_file.is_file()
             else None
         )
@@ -101,7 +102,11 @@ def main(argv: list[str] | None = None) -> int:
         )
         label = f"({options.mode}, {spec.describe()}, dim={options.dim}, epochs={options.epochs})"
         print(reference.format_comparison(comparison, label))
-        (out / "against_gensim.json").write_text(json.dumps(comparison, indent=1))
+        # strict JSON: a figure that is not finite (no speed of ours known, no overlap) as "nan"
+        figures = {
+            k: figures_as_json(v) if isinstance(v, dict) else figure_as_json(v) for k, v in comparison.items()
+        }
+        write_json(out / "against_gensim.json", figures)
         print(f"Results: {out / 'against_gensim.json'}")
     return 0
 

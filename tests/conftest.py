@@ -46,6 +46,17 @@ def assert_cached_decoding_is_the_whole_pass(model, new_tokens: int) -> None:
     )
 
 
+def strict_json(path: Path):
+    """``path`` parsed as a strict reader (jq, JavaScript's JSON.parse) parses it: a bare NaN or Infinity
+    token, which Python's json writes and reads, is refused."""
+    import json
+
+    def refuse(token: str):
+        raise ValueError(f"{path} holds {token}, which is not JSON")
+
+    return json.loads(Path(path).read_text(), parse_constant=refuse)
+
+
 def load_script(name: str):
     """``scripts/<name>.py`` imported as the module ``name`` (scripts are not a package), registered in
     ``sys.modules`` so that its dataclasses and pickling resolve; the caller removes it when done."""

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import run_train
+from conftest import run_train, strict_json
 
 from gptlab.data.tokenizers import CharTokenizer, GPT2Tokenizer, WordTokenizer
 from gptlab.evaluation import long_context, passkey
@@ -192,6 +192,12 @@ def test_the_length_study_after_training_runs_passkey_and_logs_it(tmp_path):
     result = json.loads((run_dir / "eval_length" / "passkey.json").read_text())
     assert result["factors"] == [1, 2, 4] and result["train_context"] == 64 and result["tokenizer"] == "char"
     assert "too short" in (run_dir / "eval_length" / "passkey.md").read_text()  # 64 characters: no room
+    # gptlab's JSON files of the run (W&B's own aside) are strict JSON
+    ours = [p for p in run_dir.rglob("*.json") if "wandb" not in p.relative_to(run_dir).parts]
+    assert {p.name for p in ours} >= {"result.json", "run.json", "length.json", "passkey.json"}
+    assert (
+        all(strict_json(p) for p in ours) and strict_json(run_dir / "eval_length" / "passkey.json") == result
+    )
     (train_run,) = [read_run(p) for p in find_runs(run_dir / "wandb")]
     assert "passkey/acc@1x" not in train_run.summary
     assert train_run.summary["passkey/acc@4x"] == pytest.approx(result["metrics"]["passkey/acc@4x"])

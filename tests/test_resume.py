@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import random
 import re
@@ -18,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import CONF, ROOT, TINY, run_train
+from conftest import CONF, ROOT, TINY, run_train, strict_json
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 
@@ -295,6 +296,9 @@ def test_non_finite_loss_stops_with_the_step_and_keeps_the_last_finite_checkpoin
     saved = torch.load(last_checkpoint(out), map_location="cpu", weights_only=True)
     assert saved["global_step"] == 1
     assert all(torch.isfinite(t).all() for t in saved["state_dict"].values())
+    # its result (the failure, the figures logged before it) is strict JSON
+    result = strict_json(out / "result.json")
+    assert "NonFiniteLossError" in result["failed"] and math.isfinite(result["metrics"]["train/loss"])
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ import time
 import numpy as np
 import pytest
 import torch
-from conftest import ROOT, TINY, needs_gensim, run_train
+from conftest import ROOT, TINY, needs_gensim, run_train, strict_json
 
 from gptlab.data.corpus import DataSpec
 from gptlab.errors import ConfigError, DataError
@@ -702,7 +702,7 @@ def test_a_stop_signal_during_the_evaluation_keeps_the_vectors_and_records_the_m
 ):
     """A signal once training is over and the vectors are scored: the run ends as a stop during training
     does (status 0 alone; a sweep stops with 128 + the signal's number), with the vectors kept, result.json
-    saying where it stopped and which scores are missing (as "nan", none carried over), and a message saying
+    saying where it stopped and which scores are missing (null, none carried over), and a message saying
     how to get them. SIGTERM: a single run, then the message's resume=auto, which scores them; Ctrl-C: the
     first job of a sweep, the second never started."""
     from pydoc_data import topics
@@ -732,7 +732,7 @@ def test_a_stop_signal_during_the_evaluation_keeps_the_vectors_and_records_the_m
     assert result["stopped_by_signal"] is True and result["finished"] is False
     assert result["stopped_during"] == "evaluation" and result["stop_signal"] == name
     assert result["evaluation_missing"] == missing
-    assert all(result["metrics"][k] == "nan" for k in missing)
+    assert all(result["metrics"][k] is None for k in missing)
     assert [p["status"] for p in result["parts"]] == ["stopped"]
     # training's figures are there, and the vectors of its last step are kept in both forms
     saved = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=True)
@@ -789,6 +789,116 @@ def test_a_stop_signal_while_the_vectors_are_written_lets_them_be_written_whole(
     saved = torch.load(out / "checkpoints" / "last.ckpt", weights_only=True)
     assert kv.index_to_key == saved["word2vec_vocab"]["words"]
     assert not list(out.glob(".embeddings.txt.tmp-*"))
+
+
+def tiny_corpus(tmp_path):
+    """A corpus of Python's documentation: its vocabulary covers no analogy question and no WordSim-353 pair,
+    so two of its scores are NaN."""
+    from pydoc_data import topics
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n".join(topics.topics[k] for k in sorted(topics.topics)[:20]))
+    return corpus
+
+
+@needs_gensim
+def test_every_json_file_of_a_word2vec_run_is_strict_json_with_missing_and_non_finite_scores(
+    tmp_path, make_cfg, monkeypatch
+):
+    """A run whose evaluation a stop signal ended, then resumed to score its vectors on benchmarks its
+    vocabulary misses: each JSON file of the run is strict JSON; the scores not measured are null and named
+    (evaluation_missing), the NaN ones "nan"; the Python API reads them as missing and as NaN."""
+    from gptlab.api import TrainResult
+    from gptlab.comparison.records import result_metric
+    from gptlab.tasks.word2vec import run
+
+    out = tmp_path / "run"
+    args = [*SMALL, "word2vec.dim=8", f"data.path={tiny_corpus(tmp_path)}", "logger=csv"]
+    evaluate = evaluation.evaluate
+
+    def evaluate_under_a_signal(*a, **kw):
+        os.kill(os.getpid(), signal.SIGTERM)  # the evaluation under way: it ends at once
+        return evaluate(*a, **kw)
+
+    monkeypatch.setattr(evaluation, "evaluate", evaluate_under_a_signal)
+    run(make_cfg(*args, f"paths.output_dir={out}"))
+    missing = [f"eval/{m}" for m in evaluation.METRICS]
+    files = sorted(out.rglob("*.json"))
+    assert {p.name for p in files} >= {"result.json", "metrics.json", "run.json"}
+    for path in files:
+        strict_json(path)
+    result = strict_json(out / "result.json")
+    assert result["stopped_during"] == "evaluation" and result["evaluation_missing"] == missing
+    assert all(result["metrics"][k] is None for k in missing)
+    read = TrainResult.read(out)
+    assert sorted(read.missing) == sorted(missing) and not set(missing) & set(read.metrics)
+    assert read.metrics["train/steps"] == result["global_step"] > 0
+    assert result_metric(result, "eval/analogy/accuracy") is None  # missing, not 0
+
+    monkeypatch.setattr(evaluation, "evaluate", evaluate)
+    run(make_cfg(*args, f"paths.output_dir={out}", "resume=auto"))
+    for path in sorted(out.rglob("*.json")):
+        strict_json(path)
+    result, metrics = strict_json(out / "result.json"), strict_json(out / "metrics.json")
+    scores = strict_json(out / "evaluation.json")["metrics"]
+    assert "evaluation_missing" not in result and result["finished"] is True
+    for name in ("analogy/accuracy", "wordsim353/spearman"):  # no question, no pair in the vocabulary
+        assert scores[name] == metrics[f"eval/{name}"] == result["metrics"][f"eval/{name}"] == "nan"
+    assert scores["analogy/questions"] == 0 and scores["wordsim353/pairs"] == 0
+    assert result["metrics"]["eval/simlex999/pairs"] == scores["simlex999/pairs"] > 0
+    read = TrainResult.read(out)
+    assert read.missing == () and math.isnan(read.metrics["eval/analogy/accuracy"])
+    assert read.metrics["eval/vocab_size"] == scores["vocab_size"] > 0
+
+
+@needs_gensim
+def test_result_json_carries_scores_only_of_the_vectors_it_ends_with(tmp_path, make_cfg, monkeypatch):
+    """Scores describe the vectors of one step. A part resumed with word2vec.evaluate=false keeps the earlier
+    scores while it trains no step (the same vectors), and drops them once it trains on, whether it then
+    finishes or a stop signal ends it: result.json never shows the scores of other vectors."""
+    from gptlab.tasks.word2vec import run
+    from gptlab.word2vec.task import Trainer
+
+    out = tmp_path / "run"
+    args = [*SMALL, "word2vec.dim=8", "word2vec.checkpoint_every=1", f"data.path={tiny_corpus(tmp_path)}"]
+    args += ["logger=none", f"paths.output_dir={out}"]
+
+    def scores(result):
+        return {k: v for k, v in result["metrics"].items() if k.startswith("eval/")}
+
+    run(make_cfg(*args, "word2vec.max_steps=3"))
+    first = strict_json(out / "result.json")
+    assert first["finished"] and first["global_step"] == 3
+    assert set(scores(first)) == {f"eval/{m}" for m in evaluation.METRICS}
+
+    # nothing left to train: the vectors are those the scores were measured on
+    run(make_cfg(*args, "word2vec.max_steps=3", "word2vec.evaluate=false", "resume=auto"))
+    same = strict_json(out / "result.json")
+    assert same["global_step"] == 3 and scores(same) == scores(first)
+
+    # trained on to step 6 and finished: the scores of step 3 are gone
+    run(make_cfg(*args, "word2vec.max_steps=6", "word2vec.evaluate=false", "resume=auto"))
+    finished = strict_json(out / "result.json")
+    assert finished["finished"] and finished["global_step"] == 6
+    assert scores(finished) == {} and "evaluation_missing" not in finished
+    assert not any(k.startswith("eval/") for k in strict_json(out / "metrics.json"))
+    assert [p["status"] for p in finished["parts"]] == ["finished", "finished", "finished"]
+
+    # scored again at step 6, then trained on with the evaluation off and stopped by SIGTERM at step 7
+    run(make_cfg(*args, "word2vec.max_steps=6", "resume=auto"))
+    assert set(scores(strict_json(out / "result.json"))) == {f"eval/{m}" for m in evaluation.METRICS}
+    save = Trainer.save_checkpoint
+
+    def save_then_sigterm(self):
+        path = save(self)
+        os.kill(os.getpid(), signal.SIGTERM)  # noted: training stops after this round
+        return path
+
+    monkeypatch.setattr(Trainer, "save_checkpoint", save_then_sigterm)
+    run(make_cfg(*args, "word2vec.max_steps=9", "word2vec.evaluate=false", "resume=auto"))
+    stopped = strict_json(out / "result.json")
+    assert stopped["stopped_during"] == "training" and 6 < stopped["global_step"] < 9
+    assert scores(stopped) == {} and "evaluation_missing" not in stopped
 
 
 # ---- evaluation and the comparison with gensim -------------------------------------------------------

@@ -357,6 +357,9 @@ class TrainResult:
     diverged: bool = False  # its final validation loss is no result (non-finite, or above chance)
     run_id: str | None = None  # run.json's id
     raw: dict[str, Any] = field(default_factory=dict, repr=False)  # result.json as written
+    # the metrics result.json holds as missing (null: not measured, e.g. the scores of word vectors whose
+    # evaluation a stop signal ended; raw names why), left out of metrics
+    missing: tuple[str, ...] = ()
 
     @property
     def val_loss(self) -> float | None:
@@ -375,12 +378,15 @@ class TrainResult:
                 f"{run_dir} has no {RESULT_FILE}: the run is still running, was killed, or the directory is "
                 "not a run's (outputs/runs/<date>/<time>)."
             )
-        metrics = {}
+        from gptlab.runs.jsonfile import read_figure
+
+        metrics, missing = {}, []
         for key, value in (result.get("metrics") or {}).items():
-            try:
-                metrics[key] = float(value)  # "inf" and "nan" too
-            except (TypeError, ValueError):
-                continue
+            figure = read_figure(value)  # "inf" and "nan" too
+            if figure is not None:
+                metrics[key] = figure
+            elif value is None:
+                missing.append(key)
         return cls(
             run_dir=run_dir,
             metrics=metrics,
@@ -391,6 +397,7 @@ class TrainResult:
             diverged=bool(result.get("diverged")),
             run_id=result.get("run_id"),
             raw=result,
+            missing=tuple(missing),
         )
 
 

@@ -28,6 +28,7 @@ from typing import Any
 
 from gptlab.errors import DataError
 from gptlab.evaluation import long_context
+from gptlab.runs.jsonfile import read_figure
 from gptlab.runs.layout import Run
 from gptlab.runs.naming import split_override
 from gptlab.tracking.wandb_runs import find_runs, read_run
@@ -149,8 +150,9 @@ def _float(value: Any) -> float | None:
 
 def result_metric(result: dict[str, Any], key: str) -> float | None:
     """One of result.json's final metrics as a float: a non-finite value, written as the string ``"inf"``,
-    ``"-inf"`` or ``"nan"`` (JSON has no such numbers), reads as that float."""
-    return _number((result.get("metrics") or {}).get(key))
+    ``"-inf"`` or ``"nan"`` (JSON has no such numbers), reads as that float; a missing one (``null``, or no
+    such key) as None (:func:`gptlab.runs.jsonfile.read_figure`)."""
+    return read_figure((result.get("metrics") or {}).get(key))
 
 
 # How far above the loss of a uniform guess a run must end to count as diverged: a fresh model starts within a

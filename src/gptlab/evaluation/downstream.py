@@ -11,6 +11,7 @@ each evaluation's step, and the last evaluation's values in ``result.json``'s ``
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -136,14 +137,17 @@ def metric_names(results: dict[str, Any]) -> dict[str, float]:
 
 def final_values(run: Run) -> dict[str, float | None]:
     """The comparison table's columns: each ``eval/<task>/<metric>`` of ``result.json`` (the last
-    evaluation during training)."""
+    evaluation during training); a figure the run could not give (``null``, ``"nan"``) as None, which the
+    table shows as unavailable, never as 0."""
+    from gptlab.runs.jsonfile import read_figure
+
     metrics = (run.result() or {}).get("metrics") or {}
     out: dict[str, float | None] = {}
     for key, value in metrics.items():
         # three parts: word2vec's scores are eval/<name>
-        harness = key.startswith(PREFIX) and key.count("/") >= 2
-        if harness and isinstance(value, (int, float)) and not isinstance(value, bool):
-            out[key] = float(value)
+        if key.startswith(PREFIX) and key.count("/") >= 2:
+            figure = read_figure(value)
+            out[key] = None if figure is None or math.isnan(figure) else figure
     return out
 
 

@@ -10,7 +10,6 @@ YaRN) is also evaluated with each of them set to the factor ``f``, since those e
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import math
 import time
@@ -28,6 +27,7 @@ from gptlab.evaluation import passkey, plots
 from gptlab.evaluation.options import LengthEvalOptions
 from gptlab.model import attention
 from gptlab.model.gpt import GPT
+from gptlab.runs.jsonfile import dumps
 from gptlab.runs.layout import EVAL_LENGTH_DIR, LENGTH_FILE
 from gptlab.tracking.studies import LengthStudy, StudyTable, log_length_study, log_length_study_as_new_run
 
@@ -259,7 +259,7 @@ def write_outputs(result: dict[str, Any], out_dir: str | Path) -> list[Path]:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / RESULT_FILE
-    path.write_text(json.dumps(result, indent=1))
+    path.write_text(dumps(result))
     return [path, *plots.plot_length_result(result, out_dir)]
 
 
@@ -321,7 +321,7 @@ def evaluate_run(
         )
         if wandb_run_dir is not None:
             result["wandb_run"] = str(wandb_run_dir)
-            (out_dir / RESULT_FILE).write_text(json.dumps(result, indent=1))
+            (out_dir / RESULT_FILE).write_text(dumps(result))
     return result, paths
 
 

@@ -14,7 +14,6 @@ which separates "nowhere near" from "almost" for models too small to answer exac
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 import time
@@ -31,6 +30,7 @@ import torch.nn.functional as F
 from gptlab.data.tokenizers import Tokenizer
 from gptlab.evaluation.options import PasskeyOptions
 from gptlab.model.gpt import GPT, KVCache
+from gptlab.runs.jsonfile import dumps
 from gptlab.tracking.studies import StudyTable
 
 log = logging.getLogger(__name__)
@@ -333,7 +333,7 @@ def write_outputs(result: dict[str, Any], out_dir: str | Path) -> list[Path]:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     json_path = out_dir / RESULT_FILE
-    json_path.write_text(json.dumps(result, indent=1))
+    json_path.write_text(dumps(result))
     md_path = out_dir / "passkey.md"
     md_path.write_text(format_table(result) + "\n")
     from gptlab.evaluation.plots import plot_passkey_heatmap

@@ -5,6 +5,8 @@
   directories; the best ranked by the scores the run recorded).
 - :mod:`gptlab.runs.resume`: a run's one entry into its directory (new or continued), the checkpoint a
   ``resume=`` continues from, and the checks that refuse an unusable one before training.
+- :mod:`gptlab.runs.jsonfile`: the run directory's JSON files written as strict JSON (no NaN token), and
+  their figures read back.
 - :mod:`gptlab.runs.identity`: which run a directory holds (``run.json``) and the running process's claim.
 - :mod:`gptlab.runs.checkpoints`: the one loader of checkpoints of every kind, tensors only.
 - :mod:`gptlab.runs.digests`: the SHA-256 digest written beside each checkpoint and checked before it is read.

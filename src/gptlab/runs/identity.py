@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from gptlab.errors import ConfigError
+from gptlab.runs.jsonfile import dumps
 from gptlab.runs.layout import (
     CHECKPOINT_DIR,
     CLAIM_FILE,
@@ -253,7 +254,7 @@ def record_start(run_dir: Path, continued: bool, overrides: list[str], task: str
     info = RunInfo(info.run_id if info else new_id, [*(info.parts if info else []), part])
     data = {"run_id": info.run_id, "task": task, "parts": info.parts}
     tmp = run_dir / f".{RUN_FILE}.tmp"
-    tmp.write_text(json.dumps(data, indent=1))
+    tmp.write_text(dumps(data))
     os.replace(tmp, run_dir / RUN_FILE)
     return info
 
@@ -363,7 +364,7 @@ def _publish(path: Path, claim: Claim) -> int | None:
     private = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}")
     fd = os.open(private, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
     try:
-        os.write(fd, json.dumps(asdict(claim), indent=1).encode())
+        os.write(fd, dumps(asdict(claim)).encode())
         _lock(fd)
         try:
             os.link(private, path)
@@ -378,7 +379,7 @@ def _publish(path: Path, claim: Claim) -> int | None:
                 fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
             except FileExistsError:
                 return None
-            os.write(fd, json.dumps(asdict(claim), indent=1).encode())
+            os.write(fd, dumps(asdict(claim)).encode())
             _lock(fd)
         return fd
     finally:

@@ -35,13 +35,14 @@ import re
 import shutil
 import socket
 import subprocess
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
+
+from gptlab.runs.jsonfile import figures_as_json, write_json
 
 HYDRA_DIR = ".hydra"
 OVERRIDES_FILE = f"{HYDRA_DIR}/overrides.yaml"
@@ -145,17 +146,13 @@ class BestScores:
     scores: dict[str, float]
 
     def to_json(self) -> dict[str, Any]:
-        return {"monitor": self.monitor, "mode": self.mode, "scores": self.scores}
+        # a NaN score (a validation that diverged) as "nan": strict JSON (gptlab.runs.jsonfile)
+        return {"monitor": self.monitor, "mode": self.mode, "scores": figures_as_json(self.scores)}
 
 
 def write_best_scores(checkpoints: str | Path, best: BestScores) -> Path:
     """Write ``<checkpoints>/best.json`` whole (a temporary file renamed over it)."""
-    path = best_scores_file(checkpoints)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(best.to_json(), indent=1, sort_keys=True))
-    os.replace(tmp, path)
-    return path
+    return write_json(best_scores_file(checkpoints), best.to_json(), sort_keys=True)
 
 
 def read_best_scores(checkpoints: str | Path) -> BestScores | None:
@@ -347,17 +344,10 @@ class Run:
         return read_run_info(self.path)
 
     def write_result(self, result: dict[str, Any]) -> Path:
-        """Write ``result.json`` whole or not at all (a temporary file renamed over it)."""
-        self.path.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{RESULT_FILE}.", dir=self.path)
-        try:
-            with os.fdopen(fd, "w") as f:
-                json.dump(result, f, indent=1, sort_keys=True)
-            os.replace(tmp, self.result_file)
-        except BaseException:  # a full disk: no half-written file left beside the old result
-            Path(tmp).unlink(missing_ok=True)
-            raise
-        return self.result_file
+        """Write ``result.json`` whole or not at all (a temporary file renamed over it; a full disk leaves no
+        half-written file beside the old result), as strict JSON: its figures already converted
+        (:func:`gptlab.runs.jsonfile.figures_as_json`), a NaN anywhere else raises ``ValueError``."""
+        return write_json(self.result_file, result, sort_keys=True)
 
     def length_result(self) -> dict[str, Any] | None:
         """The length study's output (``eval_length/length.json``), or None."""

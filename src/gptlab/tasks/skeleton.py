@@ -13,8 +13,12 @@ config saved, ``result.json`` written (also when the task raises), and the W&B r
         session.write_result(metrics, step=..., finished=..., stopped=...)
 
 ``result.json`` describes the whole run, over all its parts (the first start and each resume): the metrics
-are the latest value of each (a part that failed keeps the values logged before it failed), ``wall_seconds``
-is the sum of the parts' wall times, and ``parts`` lists each part's steps, status and wall time.
+are the latest value of each (a part that failed keeps the values logged before it failed), except the
+figures that describe the weights at the last step alone (:attr:`RunSession.final_state_figures`: word2vec's
+scores of its vectors), which an earlier part's result gives only where the run still ends at that part's
+step; ``wall_seconds`` is the sum of the parts' wall times, and ``parts`` lists each part's steps, status
+and wall time. It is strict JSON (:mod:`gptlab.runs.jsonfile`): a non-finite figure is written as
+``"inf"``, ``"-inf"`` or ``"nan"``, a missing one as ``null``.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from gptlab.config import RunSettings
 from gptlab.errors import SweepStopped
 from gptlab.runs.identity import release_run_dir
+from gptlab.runs.jsonfile import figures_as_json
 from gptlab.runs.layout import Run, git_commit, read_run_info, result_file
 from gptlab.runs.resume import check_writable, enter_run
 from gptlab.tasks.collector import startup_over
@@ -125,6 +130,10 @@ class RunSession:
         # what this part changed from its checkpoint's settings ({"trainer.max_steps": [300, 600]}): its part
         # of result.json says so
         self.part_changes: dict[str, Any] = {}
+        # Prefixes of the metrics that describe the weights at the run's last step alone (word2vec's eval/
+        # scores of its vectors): an earlier part's value is carried into result.json only where this part
+        # ends at the step that part's result recorded, else it scored other weights and is left out.
+        self.final_state_figures: tuple[str, ...] = ()
 
     @classmethod
     def start(
@@ -191,7 +200,7 @@ class RunSession:
 
     def write_result(
         self,
-        metrics: Mapping[str, float],
+        metrics: Mapping[str, float | None],
         step: int,
         finished: bool,
         stopped: bool,
@@ -200,14 +209,16 @@ class RunSession:
     ) -> None:
         """``<run dir>/result.json``: what the run reported, its last step, whether it finished (or why not),
         which run it is (``run.json``'s id, and its W&B run's), the commit it ran at, and ``extra`` (the
-        task's own keys, e.g. ``diverged``). A resumed run's result is merged with the earlier parts' (module
-        doc). JSON has no inf or nan: a non-finite metric is written as the string ``"inf"``, ``"-inf"`` or
-        ``"nan"`` (``float()`` reads it back), never left out."""
+        task's own keys, e.g. ``diverged``, or the names of the figures it could not measure). A resumed
+        run's result is merged with the earlier parts' (module doc). Strict JSON
+        (:mod:`gptlab.runs.jsonfile`): a non-finite metric is written as the string ``"inf"``, ``"-inf"`` or
+        ``"nan"`` (``float()`` reads it back), never left out; a metric given as None (not measured) as
+        ``null``, which ``extra`` names with its reason."""
         if not self.is_global_zero:
             return
         info = read_run_info(self.run_dir)
         run_id = info.run_id if info else None
-        finite = {k: float(v) for k, v in metrics.items() if math.isfinite(v)}
+        finite = {k: float(v) for k, v in metrics.items() if v is not None and math.isfinite(v)}
         status = (
             "failed" if failed is not None else "stopped" if stopped else "finished" if finished else "ended"
         )
@@ -218,14 +229,14 @@ class RunSession:
         earlier = Run(self.run_dir).result()
         if earlier is None or run_id is None or earlier.get("run_id") != run_id:
             earlier = None  # the first part, or a directory's result from before run ids: not merged
+        latest = {k: None if v is None else float(v) for k, v in metrics.items()}
         Run(self.run_dir).write_result(
             {
-                "metrics": {
-                    k: v if not isinstance(v, float) or math.isfinite(v) else str(v)
-                    for k, v in merged_metrics(
-                        earlier, {k: float(v) for k, v in metrics.items()}, part
-                    ).items()
-                },
+                "metrics": figures_as_json(
+                    merged_metrics(
+                        without_other_weights(earlier, step, self.final_state_figures), latest, part
+                    )
+                ),
                 "parts": [*earlier_parts(earlier), part],
                 "global_step": step,
                 "finished": failed is None and finished,
@@ -282,7 +293,9 @@ class RunSession:
             known = {}
         try:
             self.write_result(known, int(step()) if step else 0, False, False, reason)
-        except OSError as e:  # a full disk may refuse result.json too
+        except (OSError, ValueError) as e:
+            # a full disk may refuse result.json too, or a NaN outside the metrics (strict JSON): neither may
+            # hide the error the run failed with
             log.warning("%s could not be written: %s", result_file(self.run_dir), e)
 
 
@@ -315,9 +328,27 @@ def earlier_parts(earlier: Mapping[str, Any] | None) -> list[dict[str, Any]]:
     return [{"to_step": earlier.get("global_step"), **{k: old[k] for k in PART_FIGURES if k in old}}]
 
 
+def without_other_weights(
+    earlier: Mapping[str, Any] | None, step: int, final_state_figures: tuple[str, ...]
+) -> Mapping[str, Any] | None:
+    """An earlier ``result.json`` less the figures under ``final_state_figures`` (prefixes) that describe
+    other weights than the ones at ``step``: all of them unless that result recorded this very step (a part
+    that trained no step since, and no part killed between), and a missing one (``null``) in any case: its
+    reason belonged to that part's record."""
+    if earlier is None or not final_state_figures:
+        return earlier
+    same_weights = earlier.get("global_step") == step
+    metrics = {
+        k: v
+        for k, v in (earlier.get("metrics") or {}).items()
+        if not k.startswith(final_state_figures) or (same_weights and v is not None)
+    }
+    return {**earlier, "metrics": metrics}
+
+
 def merged_metrics(
-    earlier: Mapping[str, Any] | None, latest: Mapping[str, float], part: Mapping[str, Any]
-) -> dict[str, float]:
+    earlier: Mapping[str, Any] | None, latest: Mapping[str, float | None], part: Mapping[str, Any]
+) -> dict[str, Any]:
     """The run's metrics over its parts: the latest value of each, ``wall_seconds`` summed over the parts,
     and the rates over the whole run (the tokens of all parts over their summed wall / training time)."""
     merged = {**dict((earlier or {}).get("metrics") or {}), **latest}

@@ -9,7 +9,6 @@ loggers (:mod:`gptlab.tracking.plain_loggers`).
 from __future__ import annotations
 
 import importlib.util
-import json
 import logging
 import math
 import shlex
@@ -24,6 +23,7 @@ from omegaconf import DictConfig, OmegaConf
 from gptlab.config import RunSettings
 from gptlab.errors import ConfigError, EvaluationStopped, signal_name
 from gptlab.runs import layout
+from gptlab.runs.jsonfile import figures_as_json, write_json
 from gptlab.runs.resume import ResumePlan
 from gptlab.tasks.skeleton import RunSession, end_sweep_if_signalled, record_run_dir
 from gptlab.word2vec import objectives
@@ -124,6 +124,9 @@ def train(
         options.objective,
     )
     session.start_step = resume.global_step if resume else 0
+    # the scores describe the vectors of one step: result.json carries an earlier part's only where no step
+    # was trained since (a part with word2vec.evaluate=false that trains on drops them)
+    session.final_state_figures = ("eval/",)
     # gptlab's loggers written without Lightning: its import would cost more than training on a small corpus
     loggers = session.open_loggers(
         resume.wandb_run_id if resume else None, resume.global_step if resume else None, lightning=False
@@ -221,7 +224,8 @@ def report(
         or (step >= options.max_steps if options.max_steps else False)
         or (not options.max_steps and schedule.locate(step)[0] >= options.epochs)
     )
-    (run_dir / "metrics.json").write_text(json.dumps(metrics, indent=1))
+    write_json(run_dir / "metrics.json", figures_as_json(metrics))  # this part's figures, strict JSON
+    recorded: dict[str, float | None] = dict(metrics)  # result.json's: a score not measured is None (null)
     extra: dict[str, Any] = {}
     if stopped_during is not None:
         # as the language model's result says it: the signal, and the step the last checkpoint holds
@@ -231,12 +235,13 @@ def report(
             "stopped_during": stopped_during,
         }
         if options.evaluate:
-            # not measured on these vectors: written as "nan" (an earlier part's scores, of other vectors,
-            # are not carried over) and named
+            # not measured on these vectors: null in result.json, and named (an earlier part's scores, of
+            # other vectors, are not carried over); NaN in the metrics returned
             missing = [f"eval/{name}" for name in evaluation.METRICS]
+            recorded.update(dict.fromkeys(missing))
             metrics.update(dict.fromkeys(missing, math.nan))
             extra["evaluation_missing"] = missing
-    session.write_result(metrics, step, finished=finished, stopped=stopped_during is not None, extra=extra)
+    session.write_result(recorded, step, finished=finished, stopped=stopped_during is not None, extra=extra)
     for lg in loggers:
         lg.finalize("success")
     trained = (

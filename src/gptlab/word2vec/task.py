@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import functools
 import gc
-import json
 import logging
 import math
 import os
@@ -36,6 +35,7 @@ from omegaconf import DictConfig
 from gptlab.errors import CheckpointError, ConfigError, EvaluationStopped
 from gptlab.runs import digests, layout
 from gptlab.runs.checkpoints import RESUME_INSTEAD, load_checkpoint
+from gptlab.runs.jsonfile import figure_as_json, figures_as_json, write_json
 from gptlab.runs.resume import ResumePlan
 from gptlab.word2vec import evaluation
 from gptlab.word2vec.config import Word2VecOptions
@@ -448,7 +448,16 @@ def evaluate_run(
         result = evaluation.evaluate(kv, options.neighbour_words)
     print(evaluation.format_report(result, f"({options.mode}, {options.objective}, {run_dir})"), flush=True)
     plot = evaluation.pca_plot(kv, run_dir / "pca.png", options.plot_words, title=options.mode)
-    (run_dir / "evaluation.json").write_text(json.dumps(result, indent=1))
+    # strict JSON (gptlab.runs.jsonfile): a score of a benchmark the vocabulary misses (NaN) as "nan", and
+    # so a similarity of vectors that diverged
+    neighbours = {
+        word: [(other, figure_as_json(similarity)) for other, similarity in near]
+        for word, near in result["neighbours"].items()
+    }
+    write_json(
+        run_dir / "evaluation.json",
+        {**result, "metrics": figures_as_json(result["metrics"]), "neighbours": neighbours},
+    )
     scores = {f"eval/{k}": float(v) for k, v in result["metrics"].items()}
     finite = {k: v for k, v in scores.items() if not (isinstance(v, float) and math.isnan(v))}
     for lg in loggers:
