@@ -5,14 +5,17 @@ import json
 import logging
 import math
 import os
+import shlex
+import signal
 import subprocess
 import sys
+import threading
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import ROOT
+from conftest import ROOT, run_train
 
 from gptlab.comparison import length_table as sweep
 from gptlab.data.tokenizers import CharTokenizer
@@ -319,3 +322,157 @@ def test_position_pictures(pos, pictures, tmp_path):
     if bias is not None:
         assert bias.shape == (6, 24, 24)
         assert torch.isnan(bias[:, 0, 1:]).all() and not torch.isnan(bias[:, 5, :6]).any()
+
+
+# ---- a stop signal during the study after training -----------------------------------------------------
+
+STOP_RUN = [
+    "tokenizer=char",
+    "pos=rope",
+    "model.n_layer=1",
+    "model.n_head=2",
+    "model.n_embd=32",
+    "model.block_size=64",
+    "data.batch_size=8",
+    "trainer.max_steps=6",
+    "trainer.val_check_interval=6",
+    "trainer.limit_val_batches=2",
+    "callbacks.sample_generation.max_new_tokens=2",
+    "logger=csv",
+    "eval_length.enabled=true",
+    "eval_length.factors=[1,2,4]",
+    "eval_length.max_tokens=1025",
+    "+eval_length.rope_scalings=[ntk]",
+    "eval_length.passkey.trials=2",
+    "eval_length.passkey.depths=2",
+]
+
+
+def stop_during_study(args: list[str], cwd, hold: str, signum: int) -> tuple[int, str]:
+    """Run ``python train.py <args>`` through tests/faults.py, which holds the length study after training
+    (``hold_eval_length:<hold>``), and send ``signum`` once the process says the study is under way: (exit
+    status, output)."""
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "tests" / "faults.py"), *args],
+        cwd=cwd,
+        env={
+            **os.environ,
+            "PYTHONUNBUFFERED": "1",
+            "OMP_NUM_THREADS": "1",
+            "GPTLAB_TEST_FAULT": f"hold_eval_length:{hold}",
+        },
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    lines: list[str] = []
+
+    def watch() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith(("length study under way", "passkey study under way")):
+                proc.send_signal(signum)
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    proc.wait(timeout=500)
+    thread.join(timeout=30)
+    return proc.returncode, "".join(lines)
+
+
+def study_figures(metrics: dict) -> dict:
+    return {k: v for k, v in metrics.items() if k.startswith(("length/", "passkey/"))}
+
+
+@pytest.mark.slow
+def test_sigterm_during_the_length_study_keeps_the_run_and_records_the_missing_figures(tmp_path):
+    """SIGTERM at the length study's second measurement (1x finished, 2x under way): the run exits with status
+    0, the checkpoint of its last step kept, result.json written with training's figures and the study's
+    finished one, the part stopped and every missing figure named (as "nan"), no length.json; the message's
+    two ways to the missing figures, the script and resume=auto, give them, resume=auto into result.json."""
+    run_dir = tmp_path / "run"
+    args = [*STOP_RUN, f"paths.root_dir={tmp_path}", f"hydra.run.dir={run_dir}"]
+    status, output = stop_during_study(args, tmp_path, "2", signal.SIGTERM)
+    assert status == 0, output[-3000:]
+    assert "Traceback" not in output
+    assert (
+        "Stopped by SIGTERM during the length study (eval_length), after training to step 6: the trained model "
+        f"is kept ({run_dir / 'checkpoints' / 'last.ckpt'}); result.json records the run as stopped" in output
+    ), output[-3000:]
+    script = f"python scripts/eval_length.py {run_dir} --factors 1 2 4 --max-tokens 1025 --batch-tokens 4096 --rope-scalings ntk"
+    assert f"Get them with: {script} --passkey-depths 2 --passkey-trials 2 --passkey-seed 0 (writes" in output
+    assert f"rerun the same command with resume=auto or resume={run_dir} (no step is trained again" in output
+
+    result = json.loads((run_dir / "result.json").read_text())
+    saved = torch.load(last_checkpoint(run_dir), weights_only=False)
+    assert result["stopped_by_signal"] is True and result["finished"] is False
+    assert result["stopped_during"] == "eval_length" and result["stop_signal"] == "SIGTERM"
+    assert result["global_step"] == result["checkpoint_step"] == saved["global_step"] == 6
+    assert [p["status"] for p in result["parts"]] == ["stopped"]
+    assert math.isfinite(result["metrics"]["val/loss"])
+    figures = study_figures(result["metrics"])
+    missing = result["eval_length_missing"]
+    assert {k for k, v in figures.items() if v == "nan"} == set(missing)
+    # the 1x measurement finished before the signal; the 2x one under way is missing, as is the passkey study
+    assert {k for k in figures if k not in missing} == {"length/loss@1x", "length/ppl@1x", "length/bpb@1x"}
+    assert "length/loss@2x" in missing and "passkey/acc@4x" in missing
+    assert not (run_dir / "eval_length" / "length.json").exists()
+    assert not list(run_dir.glob("eval_length/.*tmp*"))
+
+    # the message's script: the figures of the study the run would have finished
+    out = subprocess.run(
+        [sys.executable, *shlex.split(script)[1:], "--passkey-depths", "2", "--passkey-trials", "2"],
+        cwd=ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    by_script = length.summary_metrics(json.loads((run_dir / "eval_length" / "length.json").read_text()))
+    by_script.update(json.loads((run_dir / "eval_length" / "passkey.json").read_text())["metrics"])
+
+    # resume=auto: no step trained again, the study run whole; every missing figure filled, no other one
+    resumed_out = run_train([*args, "resume=auto"], cwd=tmp_path, env={"OMP_NUM_THREADS": "1"})
+    assert "Nothing left to train at step 6" in resumed_out.stdout
+    resumed = json.loads((run_dir / "result.json").read_text())
+    assert resumed["finished"] is True and resumed["stopped_by_signal"] is False
+    assert "eval_length_missing" not in resumed and "stopped_during" not in resumed
+    assert [p["status"] for p in resumed["parts"]] == ["stopped", "finished"]
+    now = study_figures(resumed["metrics"])
+    assert set(now) == set(figures) and all(math.isfinite(v) for v in now.values())
+    assert now["length/loss@1x"] == pytest.approx(figures["length/loss@1x"], rel=1e-6)
+    assert set(by_script) == set(now)
+    for k, v in now.items():
+        assert by_script[k] == pytest.approx(v, rel=1e-5, abs=1e-6), k
+
+
+@pytest.mark.slow
+def test_ctrl_c_during_the_passkey_study_stops_the_sweep_with_the_length_figures_kept(tmp_path):
+    """Ctrl-C as the passkey study begins in the first job of a two-job sweep: the sweep stops with status
+    130, the second job never starts; the job's result.json keeps the length study's figures (and its
+    length.json, whole), and names the passkey figures as missing."""
+    sweep = tmp_path / "sweep"
+    args = ["-m", *STOP_RUN, f"paths.root_dir={tmp_path}", "seed=0,1", f"hydra.sweep.dir={sweep}"]
+    status, output = stop_during_study(args, tmp_path, "passkey", signal.SIGINT)
+    run_dir = sweep / "0"
+    assert status == 128 + signal.SIGINT, output[-3000:]
+    assert "Traceback" not in output
+    assert (
+        "Stopped by Ctrl-C during the passkey study (eval_length.passkey), after training to step 6" in output
+    )
+    assert "continue the sweep with the command below" in output
+    assert "Ctrl-C stopped the sweep in job #0 (" in output and not (sweep / "1").exists()
+
+    result = json.loads((run_dir / "result.json").read_text())
+    assert result["stopped_during"] == "eval_length.passkey" and result["stop_signal"] == "Ctrl-C"
+    assert result["finished"] is False and result["stopped_by_signal"] is True
+    figures = study_figures(result["metrics"])
+    missing = result["eval_length_missing"]
+    assert missing and all(k.startswith("passkey/") for k in missing)
+    assert {k for k, v in figures.items() if v == "nan"} == set(missing)
+    whole = length.summary_metrics(json.loads((run_dir / "eval_length" / "length.json").read_text()))
+    assert whole == {k: v for k, v in figures.items() if k not in missing}
+    assert len(whole) == 3 * 5  # rope at 1x, 2x, 4x and rope+ntk at 2x, 4x: loss, ppl, bpb
+    assert not (run_dir / "eval_length" / "passkey.json").exists()
