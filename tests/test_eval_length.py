@@ -230,6 +230,33 @@ def test_learned_positions_say_they_cannot_run_longer(caplog):
     assert "cannot run" in length.format_table(result)
 
 
+@pytest.mark.parametrize("pos", ["learned", "rope"])
+def test_the_figures_a_stopped_study_names_as_missing_are_those_the_whole_study_gives(pos):
+    """The names a study stopped by a signal lists as missing come from planned_metrics, which runs no
+    model: they are exactly those the whole study reports, with the contexts a position table or the split
+    rules out, and the passkey lengths its prompt does not fit, left out."""
+    from gptlab.evaluation import passkey
+
+    torch.manual_seed(0)
+    text = passkey.INTRO + passkey.FILLER + passkey.KEY_SENTENCE + passkey.QUESTION + "0123456789"
+    tokenizer = CharTokenizer(sorted(set(text)))
+    model = GPT(
+        GPTConfig(vocab_size=tokenizer.vocab_size, block_size=64, n_layer=1, n_head=2, n_embd=32, pos=pos)
+    ).eval()
+    tokens = np.random.default_rng(0).integers(0, tokenizer.vocab_size, 200)  # no window of 4 x 64
+    options = length.LengthEvalOptions(factors=[1, 2, 4], rope_scalings=["ntk"])
+    passkey_options = passkey.PasskeyOptions(depths=1, trials=1)
+    planned = length.planned_metrics(model, tokens, 64, options, tokenizer, passkey_options)
+    whole = length.evaluate_lengths(model, tokens, 64, options, tokenizer)
+    whole["passkey"] = passkey.evaluate_passkey(model, tokenizer, 64, [1, 2, 4], passkey_options, ["ntk"])
+    assert sorted(planned) == sorted(length.summary_metrics(whole))
+    if pos == "rope":  # 1x too short for a prompt, 4x for the split: both kinds of gap are exercised
+        assert "length/rope+ntk/bpb@2x" in planned and "passkey/rope+ntk/acc@4x" in planned
+        assert "length/loss@4x" not in planned and "passkey/acc@1x" not in planned
+    else:
+        assert planned == ["length/loss@1x", "length/ppl@1x", "length/bpb@1x"]
+
+
 @pytest.mark.parametrize("pos,scaled", [("xpos", True), ("alibi", False)])
 def test_every_scheme_with_context_scalings_gets_the_scaling_study(pos, scaled):
     """The study asks the scheme for its context scalings (xPos has RoPE's), and leaves it as trained."""
