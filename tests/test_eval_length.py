@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from conftest import ROOT, run_train
 
 from gptlab.comparison import length_table as sweep
+from gptlab.comparison.records import read_run_dir
 from gptlab.data.tokenizers import CharTokenizer
 from gptlab.evaluation import length
 from gptlab.model.config import GPTConfig
@@ -446,6 +447,12 @@ def test_sigterm_during_the_length_study_keeps_the_run_and_records_the_missing_f
     assert "length/loss@2x" in missing and "passkey/acc@4x" in missing
     assert not (run_dir / "eval_length" / "length.json").exists()
     assert not list(run_dir.glob("eval_length/.*tmp*"))
+    # the comparison lists it as unfinished, saying where it stopped
+    record = read_run_dir(run_dir)
+    assert record.describe_status() == (
+        "stopped by a signal during the study after training (eval_length), at step 6 of 6"
+    )
+    assert record.final_val_loss == pytest.approx(result["metrics"]["val/loss"])
 
     # the message's script: the figures of the study the run would have finished
     out = subprocess.run(
