@@ -47,6 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--passkey-depths", type=int, default=4, help="depth bins of the passkey study")
     parser.add_argument("--passkey-trials", type=int, default=5, help="passkey prompts per length and depth")
     parser.add_argument("--passkey-seed", type=int, default=0)
+    parser.add_argument("--passkey-key-digits", type=int, default=5, help="digits of each pass key")
     parser.add_argument("--sweep", nargs="+", default=None, help="multirun directories to summarise instead")
     parser.add_argument("--plot", default=None, help="with --sweep: where to write the plot")
     args = parser.parse_args(argv)
@@ -77,7 +78,10 @@ def main(argv: list[str] | None = None) -> int:
         passkey_options = None
         if not args.no_passkey:
             passkey_options = PasskeyOptions(
-                depths=args.passkey_depths, trials=args.passkey_trials, seed=args.passkey_seed
+                depths=args.passkey_depths,
+                trials=args.passkey_trials,
+                seed=args.passkey_seed,
+                key_digits=args.passkey_key_digits,
             )
         result, paths = length.evaluate_run(
             args.path,

@@ -428,7 +428,7 @@ def test_sigterm_during_the_length_study_keeps_the_run_and_records_the_missing_f
         "Stopped by SIGTERM during the length study (eval_length), after training to step 6: the trained model "
         f"is kept ({run_dir / 'checkpoints' / 'last.ckpt'}); result.json records the run as stopped" in output
     ), output[-3000:]
-    script = f"python scripts/eval_length.py {run_dir} --factors 1 2 4 --max-tokens 1025 --batch-tokens 4096 --rope-scalings ntk"
+    script = f"python scripts/eval_length.py {run_dir} --factors 1 2 4 --max-tokens 1025 --rope-scalings ntk"
     assert f"Get them with: {script} --passkey-depths 2 --passkey-trials 2 --passkey-seed 0 (writes" in output
     assert f"rerun the same command with resume=auto or resume={run_dir} (no step is trained again" in output
 

@@ -469,21 +469,21 @@ def rerun_command(
     run_dir: Path, options: LengthEvalOptions, passkey_options: passkey.PasskeyOptions | None
 ) -> str:
     """``scripts/eval_length.py`` on ``run_dir``'s last checkpoint with the study's options as the run had
-    them: the figures the study after training gives."""
+    them (those left at their defaults unsaid): the figures the study after training gives. The batch sizes
+    change none of them."""
     args = ["python", "scripts/eval_length.py", str(run_dir), "--factors", *map(str, options.factors)]
     if options.max_tokens is not None:
         args += ["--max-tokens", str(options.max_tokens)]
-    args += ["--batch-tokens", str(options.batch_tokens)]
+    if options.batch_tokens != LengthEvalOptions.batch_tokens:
+        args += ["--batch-tokens", str(options.batch_tokens)]
     if list(options.rope_scalings) != list(ROPE_SCALINGS):
         args += ["--rope-scalings", *options.rope_scalings]
     if passkey_options is None or not passkey_options.enabled:
         args.append("--no-passkey")
     else:
-        args += [
-            "--passkey-depths",
-            str(passkey_options.depths),
-            "--passkey-trials",
-            str(passkey_options.trials),
-        ]
-        args += ["--passkey-seed", str(passkey_options.seed)]
+        p = passkey_options
+        args += ["--passkey-depths", str(p.depths), "--passkey-trials", str(p.trials)]
+        args += ["--passkey-seed", str(p.seed)]
+        if p.key_digits != passkey.PasskeyOptions.key_digits:
+            args += ["--passkey-key-digits", str(p.key_digits)]
     return shlex.join(args)
