@@ -510,3 +510,34 @@ def test_ctrl_c_during_the_passkey_study_stops_the_sweep_with_the_length_figures
     assert whole == {k: v for k, v in figures.items() if k not in missing}
     assert len(whole) == 3 * 5  # rope at 1x, 2x, 4x and rope+ntk at 2x, 4x: loss, ppl, bpb
     assert not (run_dir / "eval_length" / "passkey.json").exists()
+
+
+def test_a_stop_signal_while_length_json_is_written_lets_it_be_written_whole(tmp_path, make_cfg, monkeypatch):
+    """SIGTERM as the length study's files are written (the run in this process): length.json is written
+    whole, the passkey study does not start, result.json records the stop there with the passkey figures
+    missing, and the signal handlers are put back."""
+    from gptlab.tasks.gpt import run
+
+    write = length.write_outputs
+
+    def write_under_a_signal(result, out_dir):
+        os.kill(os.getpid(), signal.SIGTERM)  # handled before the file is written
+        return write(result, out_dir)
+
+    monkeypatch.setattr(length, "write_outputs", write_under_a_signal)
+    handler_before = signal.getsignal(signal.SIGTERM)
+    out = tmp_path / "run"
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        metrics = run(make_cfg(*STOP_RUN, f"paths.output_dir={out}"))
+    finally:
+        torch.set_num_threads(threads)
+    assert signal.getsignal(signal.SIGTERM) == handler_before
+    result = json.loads((out / "result.json").read_text())
+    assert result["stopped_during"] == "eval_length.passkey" and result["stop_signal"] == "SIGTERM"
+    assert result["finished"] is False and result["eval_length_missing"]
+    assert all(k.startswith("passkey/") and math.isnan(metrics[k]) for k in result["eval_length_missing"])
+    whole = length.summary_metrics(json.loads((out / "eval_length" / "length.json").read_text()))
+    assert len(whole) == 3 * 5 and all(result["metrics"][k] == v for k, v in whole.items())
+    assert not (out / "eval_length" / "passkey.json").exists()
