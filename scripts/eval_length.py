@@ -24,7 +24,7 @@ from gptlab.comparison import length_table as sweep
 from gptlab.comparison.table import condition_labels
 from gptlab.errors import ConfigError, DataError
 from gptlab.evaluation import length, long_context
-from gptlab.evaluation.options import DEFAULT_FACTORS, PasskeyOptions
+from gptlab.evaluation.options import DEFAULT_FACTORS, ROPE_SCALINGS, PasskeyOptions
 from gptlab.runs import find_run_dirs
 
 
@@ -37,10 +37,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None, help="output folder (default <run dir>/eval_length)")
     parser.add_argument("--no-wandb", action="store_true", help="do not log to W&B even if the run did")
     parser.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda when available)")
+    parser.add_argument(
+        "--rope-scalings",
+        nargs="*",
+        default=list(ROPE_SCALINGS),
+        help="context-scaling methods studied where the scheme has them (none: only the model as trained)",
+    )
     parser.add_argument("--no-passkey", action="store_true", help="skip the passkey retrieval study")
     parser.add_argument("--passkey-depths", type=int, default=4, help="depth bins of the passkey study")
     parser.add_argument("--passkey-trials", type=int, default=5, help="passkey prompts per length and depth")
     parser.add_argument("--passkey-seed", type=int, default=0)
+    parser.add_argument("--passkey-key-digits", type=int, default=5, help="digits of each pass key")
     parser.add_argument("--sweep", nargs="+", default=None, help="multirun directories to summarise instead")
     parser.add_argument("--plot", default=None, help="with --sweep: where to write the plot")
     args = parser.parse_args(argv)
@@ -63,12 +70,18 @@ def main(argv: list[str] | None = None) -> int:
         if not args.path:
             parser.error("give a run directory or checkpoint (or --sweep DIR)")
         options = length.LengthEvalOptions(
-            factors=args.factors, max_tokens=args.max_tokens, batch_tokens=args.batch_tokens
+            factors=args.factors,
+            max_tokens=args.max_tokens,
+            batch_tokens=args.batch_tokens,
+            rope_scalings=args.rope_scalings,
         )
         passkey_options = None
         if not args.no_passkey:
             passkey_options = PasskeyOptions(
-                depths=args.passkey_depths, trials=args.passkey_trials, seed=args.passkey_seed
+                depths=args.passkey_depths,
+                trials=args.passkey_trials,
+                seed=args.passkey_seed,
+                key_digits=args.passkey_key_digits,
             )
         result, paths = length.evaluate_run(
             args.path,

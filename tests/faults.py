@@ -26,6 +26,10 @@ one rank does to a distributed run. GPTLAB_TEST_FAULT chooses it (read here only
 - ``hold_word2vec_evaluation``: word2vec's evaluation, once begun (the vectors written), prints
   ``word2vec evaluation under way`` and holds there (up to 300 s, then goes on) until a signal the test sends
   ends it: the signal lands in the evaluation however slowly the test reads the line.
+- ``hold_eval_length:<n>``: the length study after training (``eval_length.enabled=true``) holds in the same
+  way at its n-th measurement (one context of one variant; the ones before it finished), printing ``length
+  study under way``; ``hold_eval_length:passkey`` holds as the passkey study begins (the length study
+  finished and written), printing ``passkey study under way``.
 
 Lightning starts ranks > 0 by re-running this command line, so the fault is in place in every rank.
 """
@@ -211,6 +215,36 @@ elif kind == "hold_word2vec_evaluation":
         return original_evaluate(*args, **kwargs)
 
     evaluation.evaluate = evaluate
+elif kind == "hold_eval_length":
+    import time
+
+    from gptlab.evaluation import length, passkey
+
+    def hold(what: str) -> None:
+        print(f"{what} under way", flush=True)
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            time.sleep(0.05)
+
+    if args[0] == "passkey":
+        original_passkey = passkey.evaluate_passkey
+
+        def evaluate_passkey(*args, **kwargs):
+            hold("passkey study")
+            return original_passkey(*args, **kwargs)
+
+        passkey.evaluate_passkey = evaluate_passkey
+    else:
+        original_measure, hold_at, measured = length.loss_by_position, int(args[0]), 0
+
+        def loss_by_position(*args, **kwargs):
+            global measured
+            measured += 1
+            if measured == hold_at:
+                hold("length study")
+            return original_measure(*args, **kwargs)
+
+        length.loss_by_position = loss_by_position
 else:
     raise SystemExit(f"unknown GPTLAB_TEST_FAULT {kind!r}")
 

@@ -5,16 +5,20 @@ import json
 import logging
 import math
 import os
+import shlex
+import signal
 import subprocess
 import sys
+import threading
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import ROOT
+from conftest import ROOT, run_train
 
 from gptlab.comparison import length_table as sweep
+from gptlab.comparison.records import read_run_dir
 from gptlab.data.tokenizers import CharTokenizer
 from gptlab.evaluation import length
 from gptlab.model.config import GPTConfig
@@ -227,6 +231,33 @@ def test_learned_positions_say_they_cannot_run_longer(caplog):
     assert "cannot run" in length.format_table(result)
 
 
+@pytest.mark.parametrize("pos", ["learned", "rope"])
+def test_the_figures_a_stopped_study_names_as_missing_are_those_the_whole_study_gives(pos):
+    """The names a study stopped by a signal lists as missing come from planned_metrics, which runs no
+    model: they are exactly those the whole study reports, with the contexts a position table or the split
+    rules out, and the passkey lengths its prompt does not fit, left out."""
+    from gptlab.evaluation import passkey
+
+    torch.manual_seed(0)
+    text = passkey.INTRO + passkey.FILLER + passkey.KEY_SENTENCE + passkey.QUESTION + "0123456789"
+    tokenizer = CharTokenizer(sorted(set(text)))
+    model = GPT(
+        GPTConfig(vocab_size=tokenizer.vocab_size, block_size=64, n_layer=1, n_head=2, n_embd=32, pos=pos)
+    ).eval()
+    tokens = np.random.default_rng(0).integers(0, tokenizer.vocab_size, 200)  # no window of 4 x 64
+    options = length.LengthEvalOptions(factors=[1, 2, 4], rope_scalings=["ntk"])
+    passkey_options = passkey.PasskeyOptions(depths=1, trials=1)
+    planned = length.planned_metrics(model, tokens, 64, options, tokenizer, passkey_options)
+    whole = length.evaluate_lengths(model, tokens, 64, options, tokenizer)
+    whole["passkey"] = passkey.evaluate_passkey(model, tokenizer, 64, [1, 2, 4], passkey_options, ["ntk"])
+    assert sorted(planned) == sorted(length.summary_metrics(whole))
+    if pos == "rope":  # 1x too short for a prompt, 4x for the split: both kinds of gap are exercised
+        assert "length/rope+ntk/bpb@2x" in planned and "passkey/rope+ntk/acc@4x" in planned
+        assert "length/loss@4x" not in planned and "passkey/acc@1x" not in planned
+    else:
+        assert planned == ["length/loss@1x", "length/ppl@1x", "length/bpb@1x"]
+
+
 @pytest.mark.parametrize("pos,scaled", [("xpos", True), ("alibi", False)])
 def test_every_scheme_with_context_scalings_gets_the_scaling_study(pos, scaled):
     """The study asks the scheme for its context scalings (xPos has RoPE's), and leaves it as trained."""
@@ -319,3 +350,194 @@ def test_position_pictures(pos, pictures, tmp_path):
     if bias is not None:
         assert bias.shape == (6, 24, 24)
         assert torch.isnan(bias[:, 0, 1:]).all() and not torch.isnan(bias[:, 5, :6]).any()
+
+
+# ---- a stop signal during the study after training -----------------------------------------------------
+
+STOP_RUN = [
+    "tokenizer=char",
+    "pos=rope",
+    "model.n_layer=1",
+    "model.n_head=2",
+    "model.n_embd=32",
+    "model.block_size=64",
+    "data.batch_size=8",
+    "trainer.max_steps=6",
+    "trainer.val_check_interval=6",
+    "trainer.limit_val_batches=2",
+    "callbacks.sample_generation.max_new_tokens=2",
+    "logger=csv",
+    "eval_length.enabled=true",
+    "eval_length.factors=[1,2,4]",
+    "eval_length.max_tokens=1025",
+    "+eval_length.rope_scalings=[ntk]",
+    "eval_length.passkey.trials=2",
+    "eval_length.passkey.depths=2",
+]
+
+
+def stop_during_study(args: list[str], cwd, hold: str, signum: int) -> tuple[int, str]:
+    """Run ``python train.py <args>`` through tests/faults.py, which holds the length study after training
+    (``hold_eval_length:<hold>``), and send ``signum`` once the process says the study is under way: (exit
+    status, output)."""
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "tests" / "faults.py"), *args],
+        cwd=cwd,
+        env={
+            **os.environ,
+            "PYTHONUNBUFFERED": "1",
+            "OMP_NUM_THREADS": "1",
+            "GPTLAB_TEST_FAULT": f"hold_eval_length:{hold}",
+        },
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    lines: list[str] = []
+
+    def watch() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith(("length study under way", "passkey study under way")):
+                proc.send_signal(signum)
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    proc.wait(timeout=500)
+    thread.join(timeout=30)
+    return proc.returncode, "".join(lines)
+
+
+def study_figures(metrics: dict) -> dict:
+    return {k: v for k, v in metrics.items() if k.startswith(("length/", "passkey/"))}
+
+
+@pytest.mark.slow
+def test_sigterm_during_the_length_study_keeps_the_run_and_records_the_missing_figures(tmp_path):
+    """SIGTERM at the length study's second measurement (1x finished, 2x under way): the run exits with status
+    0, the checkpoint of its last step kept, result.json written with training's figures and the study's
+    finished one, the part stopped and every missing figure named (as null), no length.json; the message's
+    two ways to the missing figures, the script and resume=auto, give them, resume=auto into result.json."""
+    run_dir = tmp_path / "run"
+    args = [*STOP_RUN, f"paths.root_dir={tmp_path}", f"hydra.run.dir={run_dir}"]
+    status, output = stop_during_study(args, tmp_path, "2", signal.SIGTERM)
+    assert status == 0, output[-3000:]
+    assert "Traceback" not in output
+    assert (
+        "Stopped by SIGTERM during the length study (eval_length), after training to step 6: the trained model "
+        f"is kept ({run_dir / 'checkpoints' / 'last.ckpt'}); result.json records the run as stopped" in output
+    ), output[-3000:]
+    script = f"python scripts/eval_length.py {run_dir} --factors 1 2 4 --max-tokens 1025 --rope-scalings ntk"
+    assert f"Get them with: {script} --passkey-depths 2 --passkey-trials 2 --passkey-seed 0 (writes" in output
+    assert f"rerun the same command with resume=auto or resume={run_dir} (no step is trained again" in output
+
+    result = json.loads((run_dir / "result.json").read_text())
+    saved = torch.load(last_checkpoint(run_dir), weights_only=False)
+    assert result["stopped_by_signal"] is True and result["finished"] is False
+    assert result["stopped_during"] == "eval_length" and result["stop_signal"] == "SIGTERM"
+    assert result["global_step"] == result["checkpoint_step"] == saved["global_step"] == 6
+    assert [p["status"] for p in result["parts"]] == ["stopped"]
+    assert math.isfinite(result["metrics"]["val/loss"])
+    figures = study_figures(result["metrics"])
+    missing = result["eval_length_missing"]
+    assert {k for k, v in figures.items() if v is None} == set(missing)
+    # the 1x measurement finished before the signal; the 2x one under way is missing, as is the passkey study
+    assert {k for k in figures if k not in missing} == {"length/loss@1x", "length/ppl@1x", "length/bpb@1x"}
+    assert "length/loss@2x" in missing and "passkey/acc@4x" in missing
+    assert not (run_dir / "eval_length" / "length.json").exists()
+    assert not list(run_dir.glob("eval_length/.*tmp*"))
+    # the comparison lists it as unfinished, saying where it stopped
+    record = read_run_dir(run_dir)
+    assert record.describe_status() == (
+        "stopped by a signal during the study after training (eval_length), at step 6 of 6"
+    )
+    assert record.final_val_loss == pytest.approx(result["metrics"]["val/loss"])
+
+    # the message's script: the figures of the study the run would have finished
+    out = subprocess.run(
+        [sys.executable, *shlex.split(script)[1:], "--passkey-depths", "2", "--passkey-trials", "2"],
+        cwd=ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    by_script = length.summary_metrics(json.loads((run_dir / "eval_length" / "length.json").read_text()))
+    by_script.update(json.loads((run_dir / "eval_length" / "passkey.json").read_text())["metrics"])
+
+    # resume=auto: no step trained again, the study run whole; every missing figure filled, no other one
+    resumed_out = run_train([*args, "resume=auto"], cwd=tmp_path, env={"OMP_NUM_THREADS": "1"})
+    assert "Nothing left to train at step 6" in resumed_out.stdout
+    resumed = json.loads((run_dir / "result.json").read_text())
+    assert resumed["finished"] is True and resumed["stopped_by_signal"] is False
+    assert "eval_length_missing" not in resumed and "stopped_during" not in resumed
+    assert [p["status"] for p in resumed["parts"]] == ["stopped", "finished"]
+    now = study_figures(resumed["metrics"])
+    assert set(now) == set(figures) and all(math.isfinite(v) for v in now.values())
+    assert now["length/loss@1x"] == pytest.approx(figures["length/loss@1x"], rel=1e-6)
+    assert set(by_script) == set(now)
+    for k, v in now.items():
+        assert by_script[k] == pytest.approx(v, rel=1e-5, abs=1e-6), k
+
+
+@pytest.mark.slow
+def test_ctrl_c_during_the_passkey_study_stops_the_sweep_with_the_length_figures_kept(tmp_path):
+    """Ctrl-C as the passkey study begins in the first job of a two-job sweep: the sweep stops with status
+    130, the second job never starts; the job's result.json keeps the length study's figures (and its
+    length.json, whole), and names the passkey figures as missing."""
+    sweep = tmp_path / "sweep"
+    args = ["-m", *STOP_RUN, f"paths.root_dir={tmp_path}", "seed=0,1", f"hydra.sweep.dir={sweep}"]
+    status, output = stop_during_study(args, tmp_path, "passkey", signal.SIGINT)
+    run_dir = sweep / "0"
+    assert status == 128 + signal.SIGINT, output[-3000:]
+    assert "Traceback" not in output
+    assert (
+        "Stopped by Ctrl-C during the passkey study (eval_length.passkey), after training to step 6" in output
+    )
+    assert "continue the sweep with the command below" in output
+    assert "Ctrl-C stopped the sweep in job #0 (" in output and not (sweep / "1").exists()
+
+    result = json.loads((run_dir / "result.json").read_text())
+    assert result["stopped_during"] == "eval_length.passkey" and result["stop_signal"] == "Ctrl-C"
+    assert result["finished"] is False and result["stopped_by_signal"] is True
+    figures = study_figures(result["metrics"])
+    missing = result["eval_length_missing"]
+    assert missing and all(k.startswith("passkey/") for k in missing)
+    assert {k for k, v in figures.items() if v is None} == set(missing)
+    whole = length.summary_metrics(json.loads((run_dir / "eval_length" / "length.json").read_text()))
+    assert whole == {k: v for k, v in figures.items() if k not in missing}
+    assert len(whole) == 3 * 5  # rope at 1x, 2x, 4x and rope+ntk at 2x, 4x: loss, ppl, bpb
+    assert not (run_dir / "eval_length" / "passkey.json").exists()
+
+
+def test_a_stop_signal_while_length_json_is_written_lets_it_be_written_whole(tmp_path, make_cfg, monkeypatch):
+    """SIGTERM as the length study's files are written (the run in this process): length.json is written
+    whole, the passkey study does not start, result.json records the stop there with the passkey figures
+    missing, and the signal handlers are put back."""
+    from gptlab.tasks.gpt import run
+
+    write = length.write_outputs
+
+    def write_under_a_signal(result, out_dir):
+        os.kill(os.getpid(), signal.SIGTERM)  # handled before the file is written
+        return write(result, out_dir)
+
+    monkeypatch.setattr(length, "write_outputs", write_under_a_signal)
+    handler_before = signal.getsignal(signal.SIGTERM)
+    out = tmp_path / "run"
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        metrics = run(make_cfg(*STOP_RUN, f"paths.output_dir={out}"))
+    finally:
+        torch.set_num_threads(threads)
+    assert signal.getsignal(signal.SIGTERM) == handler_before
+    result = json.loads((out / "result.json").read_text())
+    assert result["stopped_during"] == "eval_length.passkey" and result["stop_signal"] == "SIGTERM"
+    assert result["finished"] is False and result["eval_length_missing"]
+    assert all(k.startswith("passkey/") and math.isnan(metrics[k]) for k in result["eval_length_missing"])
+    whole = length.summary_metrics(json.loads((out / "eval_length" / "length.json").read_text()))
+    assert len(whole) == 3 * 5 and all(result["metrics"][k] == v for k, v in whole.items())
+    assert not (out / "eval_length" / "passkey.json").exists()

@@ -750,6 +750,7 @@ def test_ctrl_c_saves_the_current_step_and_resume_ends_as_if_never_stopped(
     result = Run(run_dir).result()
     assert result["stopped_by_signal"] is True and result["finished"] is False
     assert result["global_step"] == stopped and result["stop_signal"] == "Ctrl-C"
+    assert result["stopped_during"] == "training" and "eval_length_missing" not in result
     assert "train/loss" in result["metrics"] and "failed" not in result
 
     proc = run_train(args, cwd=tmp_path)

@@ -102,6 +102,7 @@ class RunRecord:
         None  # of the run's corpus (result.json), the bar a trained model is below
     )
     diverged: bool = False  # final val/loss non-finite or above unigram_entropy (see mark_divergence)
+    stopped_during: str | None = None  # a stopped run's part (result.json): training, eval_length, ...
 
     @property
     def final_val_loss(self) -> float | None:
@@ -122,7 +123,9 @@ class RunRecord:
         where = f"step {self.step}" + (f" of {self.max_steps}" if self.max_steps else "")
         return {
             FINISHED: FINISHED,
-            STOPPED: f"stopped by a signal at {where}",
+            STOPPED: f"stopped by a signal at {where}"
+            if self.stopped_during in (None, "training")
+            else f"stopped by a signal during the study after training ({self.stopped_during}), at {where}",
             FAILED: f"failed at {where}",
             RUNNING: f"running ({where})",
             KILLED: f"killed at {where} (no result.json)",
@@ -332,6 +335,7 @@ def _status(run: Run, record: RunRecord, series: dict[str, list[tuple[int, float
         _final_from_result(record, result)
         record.diverged = bool(result.get("diverged"))
         record.step = int(result.get("global_step") or 0)
+        record.stopped_during = result.get("stopped_during")
         if result.get("finished"):
             record.status = FINISHED
         elif result.get("failed"):

@@ -12,9 +12,10 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import shlex
 import time
-from collections.abc import Sequence
-from contextlib import nullcontext
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -23,17 +24,32 @@ import torch
 import torch.nn.functional as F
 
 from gptlab.data.tokenizers import TokenBytes, Tokenizer, bits_per_byte
+from gptlab.errors import EvaluationStopped
 from gptlab.evaluation import passkey, plots
-from gptlab.evaluation.options import LengthEvalOptions
+from gptlab.evaluation.options import ROPE_SCALINGS, LengthEvalOptions
 from gptlab.model import attention
 from gptlab.model.gpt import GPT
-from gptlab.runs.jsonfile import dumps
+from gptlab.runs.jsonfile import write_json
 from gptlab.runs.layout import EVAL_LENGTH_DIR, LENGTH_FILE
 from gptlab.tracking.studies import LengthStudy, StudyTable, log_length_study, log_length_study_as_new_run
 
 log = logging.getLogger(__name__)
 
 RESULT_FILE = LENGTH_FILE  # <run dir>/eval_length/length.json (gptlab.runs.layout)
+
+# The parts of the study after training, as result.json's ``stopped_during`` names them (their config keys).
+LENGTH_PART, PASSKEY_PART = "eval_length", "eval_length.passkey"
+
+
+class StudyStopped(EvaluationStopped):
+    """A stop signal that ended the study after training: in which part (``during``: :data:`LENGTH_PART` or
+    :data:`PASSKEY_PART`), what was finished before it (``result``: the length study's entries scored, without
+    the entry under way; no passkey figure) and the figures a whole study would have added (``missing``:
+    :func:`summary_metrics`' names)."""
+
+    def __init__(self, signum: int, during: str, result: dict[str, Any], missing: Sequence[str] = ()) -> None:
+        super().__init__(signum)
+        self.during, self.result, self.missing = during, result, list(missing)
 
 
 # ---- evaluation -----------------------------------------------------------------------------------
@@ -102,10 +118,13 @@ def evaluate_lengths(
     train_context: int,
     options: LengthEvalOptions | None = None,
     tokenizer: Tokenizer | None = None,
+    interrupting: Callable[[], AbstractContextManager[Any]] = nullcontext,
 ) -> dict[str, Any]:
     """Loss, perplexity, bits per byte (with the ``tokenizer`` the tokens come from) and loss by position at
     each factor of ``train_context``, for the model as trained and with each context-scaling method its scheme
-    has. ``tokens``: the flat validation token ids."""
+    has. ``tokens``: the flat validation token ids. ``interrupting``: where a stop signal ends the work at once
+    (:meth:`gptlab.tasks.skeleton.StopSignals.interrupting`); it comes out as :class:`StudyStopped`, with the
+    entries finished."""
     options = options or LengthEvalOptions()
     token_bytes = TokenBytes.of(tokenizer) if tokenizer is not None else None
     if options.max_tokens is not None:
@@ -122,17 +141,20 @@ def evaluate_lengths(
         "variants": {},
     }
     try:
-        for name, scaling in variants:
-            entries: dict[str, Any] = {}
-            for factor in options.factors:
-                if scaling is not None and factor == 1:
-                    continue  # scaling by 1 is the model as trained
-                entry = _length_entry(
-                    model, tokens, name, factor, factor * train_context, scaling, options, token_bytes
-                )
-                entries[str(factor)] = entry
-            _log_not_evaluated(name, entries)
-            result["variants"][name] = entries
+        with interrupting():
+            for name, scaling in variants:
+                entries: dict[str, Any] = {}
+                result["variants"][name] = entries  # filled as each entry is finished
+                for factor in options.factors:
+                    if scaling is not None and factor == 1:
+                        continue  # scaling by 1 is the model as trained
+                    entry = _length_entry(
+                        model, tokens, name, factor, factor * train_context, scaling, options, token_bytes
+                    )
+                    entries[str(factor)] = entry
+                _log_not_evaluated(name, entries)
+    except EvaluationStopped as stop:
+        raise StudyStopped(stop.signum, LENGTH_PART, result) from None
     finally:
         model.train(was_training)
     return result
@@ -174,11 +196,9 @@ def _length_entry(
 ) -> dict[str, Any]:
     """One variant at one factor: its scores, or the reason it could not be evaluated."""
     entry: dict[str, Any] = {"context": context}
-    reason = unsupported_reason(model, context)
+    reason = _skip_reason(model, tokens, context)
     if reason is not None:
         entry["error"] = reason
-    elif len(tokens) - 1 < context:
-        entry["error"] = f"the validation split has {len(tokens)} tokens, fewer than {context + 1}"
     else:
         entry.update(_score_at_length(model, tokens, context, factor, scaling, options.batch_tokens))
         if token_bytes is not None:
@@ -196,6 +216,14 @@ def _length_entry(
             f", {entry['bpb']:.4f} bits per byte" if "bpb" in entry else "",
         )
     return entry
+
+
+def _skip_reason(model: GPT, tokens: np.ndarray, context: int) -> str | None:
+    """Why ``model`` is not evaluated at ``context`` tokens of ``tokens``, or None when it is."""
+    reason = unsupported_reason(model, context)
+    if reason is None and len(tokens) - 1 < context:
+        reason = f"the validation split has {len(tokens)} tokens, fewer than {context + 1}"
+    return reason
 
 
 def _score_at_length(
@@ -232,6 +260,55 @@ def summary_metrics(result: dict[str, Any]) -> dict[str, float]:
     return out
 
 
+def planned_metrics(
+    model: GPT,
+    tokens: np.ndarray,
+    train_context: int,
+    options: LengthEvalOptions,
+    tokenizer: Tokenizer | None,
+    passkey_options: passkey.PasskeyOptions | None,
+) -> list[str]:
+    """The names :func:`summary_metrics` gives for the whole study (the passkey study's included), found
+    without running the model: each entry that can run (as :func:`evaluate_lengths` and
+    :func:`gptlab.evaluation.passkey.evaluate_passkey` decide it) and its figures. A stopped study's missing
+    figures are those of these it did not reach."""
+    if options.max_tokens is not None:
+        tokens = tokens[: options.max_tokens]
+    names: list[str] = []
+    for name, scaling in _length_variants(model, options):
+        prefix = "length/" if scaling is None else f"length/{name}/"
+        for factor in options.factors:
+            if (scaling is not None and factor == 1) or _skip_reason(model, tokens, factor * train_context):
+                continue
+            kinds = ("loss", "ppl", "bpb") if tokenizer is not None else ("loss", "ppl")
+            names += [f"{prefix}{kind}@{factor}x" for kind in kinds]
+    if passkey_options is None or not passkey_options.enabled or tokenizer is None:
+        return names
+    if passkey.encodability_error(tokenizer, passkey_options.key_digits) is not None:
+        return names
+    pos = model.transformer.pos
+    methods = [s for s in options.rope_scalings if s in getattr(pos, "context_scalings", ())]
+    for scaling in [None, *methods]:
+        prefix = "passkey/" if scaling is None else f"passkey/{model.config.pos.name}+{scaling}/"
+        for factor in options.factors:
+            length = factor * train_context
+            if (scaling is not None and factor == 1) or passkey.bounded_reason(model, length) is not None:
+                continue
+            bins = passkey.depth_bins(passkey_options.depths)
+            key = passkey_options.seed, factor
+            if any(
+                not isinstance(
+                    passkey.build_prompts(
+                        tokenizer, length, bin_, passkey_options.trials, (*key, b), passkey_options.key_digits
+                    ),
+                    str,
+                )
+                for b, bin_ in enumerate(bins)
+            ):  # a cell with a prompt that fits: the factor has its figures
+                names += [f"{prefix}acc@{factor}x", f"{prefix}key_logprob@{factor}x"]
+    return names
+
+
 def format_table(result: dict[str, Any]) -> str:
     factors = result["factors"]
     head = "| variant | " + " | ".join(f"{f}x ({f * result['train_context']})" for f in factors) + " |"
@@ -259,7 +336,7 @@ def write_outputs(result: dict[str, Any], out_dir: str | Path) -> list[Path]:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / RESULT_FILE
-    path.write_text(dumps(result))
+    write_json(path, result)  # strict JSON, whole or not at all: never a part that reads as a shorter study
     return [path, *plots.plot_length_result(result, out_dir)]
 
 
@@ -321,7 +398,7 @@ def evaluate_run(
         )
         if wandb_run_dir is not None:
             result["wandb_run"] = str(wandb_run_dir)
-            (out_dir / RESULT_FILE).write_text(dumps(result))
+            write_json(out_dir / RESULT_FILE, result)
     return result, paths
 
 
@@ -333,25 +410,68 @@ def after_training(
     passkey_options: passkey.PasskeyOptions | None,
     run_dir: Path,
     loggers: Sequence[Any],
+    interrupting: Callable[[], AbstractContextManager[Any]] = nullcontext,
 ) -> dict[str, Any]:
     """The training task's hook (``eval_length.enabled=true``): evaluate the freshly trained model, write
     ``<run dir>/eval_length/`` and log to the run's own W&B run when it has one. ``prepared``: the run's
-    ``PreparedCorpus``; ``passkey_options``: None for no passkey study."""
+    ``PreparedCorpus``; ``passkey_options``: None for no passkey study.
+
+    ``interrupting`` (:meth:`gptlab.tasks.skeleton.StopSignals.interrupting`): a stop signal ends the
+    scoring at once, with :class:`StudyStopped` (what was finished, what is missing); one that comes while a
+    file is written waits for it (``length.json`` whole; the passkey study does not start). Nothing of a
+    stopped part is written, and nothing is logged."""
     tokens = prepared.val.array()  # one flat file, header-carrying shards or a stream's held-out tokens
-    result = evaluate_lengths(model, tokens, train_context, options, prepared.tokenizer)
-    paths = write_outputs(result, run_dir / EVAL_LENGTH_DIR)
+    out_dir = run_dir / EVAL_LENGTH_DIR
+
+    def stopped(stop: StudyStopped) -> StudyStopped:
+        done = summary_metrics(stop.result)
+        planned = planned_metrics(model, tokens, train_context, options, prepared.tokenizer, passkey_options)
+        stop.missing = [name for name in planned if name not in done]
+        return stop
+
+    try:
+        result = evaluate_lengths(model, tokens, train_context, options, prepared.tokenizer, interrupting)
+    except StudyStopped as stop:
+        raise stopped(stop) from None
+    paths = write_outputs(result, out_dir)
     log.info("Length extrapolation (validation loss by context):\n%s", format_table(result))
-    study, more = passkey.run_study(
-        model,
-        prepared.tokenizer,
-        train_context,
-        options.factors,
-        passkey_options,
-        run_dir / EVAL_LENGTH_DIR,
-        options.rope_scalings,
-    )
-    result["passkey"], paths = study, paths + more
+    study: dict[str, Any] | None = None
+    if passkey_options is not None and passkey_options.enabled:  # passkey.run_study's test
+        try:
+            with interrupting():
+                study = passkey.evaluate_passkey(
+                    model, prepared.tokenizer, train_context, options.factors, passkey_options,
+                    options.rope_scalings,
+                )  # fmt: skip
+        except EvaluationStopped as stop:
+            raise stopped(StudyStopped(stop.signum, PASSKEY_PART, result)) from None
+        paths += passkey.write_outputs(study, out_dir)
+    result["passkey"] = study
     if study is not None:
         log.info("Passkey retrieval (correct / trials):\n%s", passkey.format_table(study))
     log_length_study(study_to_log(result, paths), loggers)
     return result
+
+
+def rerun_command(
+    run_dir: Path, options: LengthEvalOptions, passkey_options: passkey.PasskeyOptions | None
+) -> str:
+    """``scripts/eval_length.py`` on ``run_dir``'s last checkpoint with the study's options as the run had
+    them (those left at their defaults unsaid): the figures the study after training gives. The batch sizes
+    change none of them."""
+    args = ["python", "scripts/eval_length.py", str(run_dir), "--factors", *map(str, options.factors)]
+    if options.max_tokens is not None:
+        args += ["--max-tokens", str(options.max_tokens)]
+    if options.batch_tokens != LengthEvalOptions.batch_tokens:
+        args += ["--batch-tokens", str(options.batch_tokens)]
+    if list(options.rope_scalings) != list(ROPE_SCALINGS):
+        args += ["--rope-scalings", *options.rope_scalings]
+    if passkey_options is None or not passkey_options.enabled:
+        args.append("--no-passkey")
+    else:
+        p = passkey_options
+        args += ["--passkey-depths", str(p.depths), "--passkey-trials", str(p.trials)]
+        args += ["--passkey-seed", str(p.seed)]
+        if p.key_digits != passkey.PasskeyOptions.key_digits:
+            args += ["--passkey-key-digits", str(p.key_digits)]
+    return shlex.join(args)

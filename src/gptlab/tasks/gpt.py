@@ -30,6 +30,7 @@ from gptlab.runs.naming import is_multirun
 from gptlab.runs.resume import ResumePlan, confirm_resume, plan_resume
 from gptlab.tasks.skeleton import (
     RunSession,
+    StopSignals,
     end_sweep_if_signalled,
     quiet_launched_ranks,
     record_run_dir,
@@ -41,6 +42,7 @@ if TYPE_CHECKING:  # Lightning and the data are imported once the config is chec
 
     from gptlab.data.corpus import PreparedCorpus
     from gptlab.data.datamodule import GPTDataModule
+    from gptlab.evaluation.length import StudyStopped
     from gptlab.parallel.ranks import LostRank
     from gptlab.training.checkpointing import SignalStop
     from gptlab.training.module import GPTLitModule
@@ -97,6 +99,9 @@ def run(cfg: DictConfig) -> dict[str, float]:
         resume.wandb_run_id if resume else None, resume.global_step if resume else None
     )
     trainer: L.Trainer | None = None
+    # after training (Lightning's own handlers put back): SIGTERM / Ctrl-C ends the length study at once, and
+    # waits for the files being written; the run then ends as stopped, result.json written (a sweep stops)
+    signals = StopSignals()
 
     def metrics_so_far() -> dict[str, float]:  # for result.json when the run fails
         wall = time.perf_counter() - t0
@@ -113,10 +118,11 @@ def run(cfg: DictConfig) -> dict[str, float]:
         session.save_config(loggers)
         watch_lost_ranks(session, trainer, lambda: trainer.global_step, metrics_so_far)
         stop, step = fit(trainer, parts, resume, settings.trainer["max_steps"])
-        metrics = collect_metrics(trainer, parts, time.perf_counter() - t0)
-        if trainer.is_global_zero:
-            report(session, settings, parts, trainer, loggers, metrics, step, stop)
-    end_sweep_if_signalled(stop.signum if stop is not None else None, session.run_dir)
+        with signals:
+            metrics = collect_metrics(trainer, parts, time.perf_counter() - t0)
+            if trainer.is_global_zero:
+                report(session, settings, parts, trainer, loggers, metrics, step, stop, signals)
+    end_sweep_if_signalled(stop.signum if stop is not None else signals.received, session.run_dir)
     return metrics
 
 
@@ -438,19 +444,27 @@ def timeout_message(trainer: L.Trainer, error: Exception) -> str:
     )
 
 
-def continue_line(trainer: L.Trainer) -> str:
-    """The last checkpoint written whole (or that there is none) and the command that continues the run."""
-    from gptlab.parallel.ranks import continue_command
+def last_intact_checkpoint(trainer: L.Trainer) -> tuple[Path | None, int | None]:
+    """The last checkpoint written whole and its step, or (None, None)."""
     from gptlab.runs import digests
     from gptlab.training.checkpointing import PeriodicLastCheckpoint
 
     last = next((cb for cb in trainer.checkpoint_callbacks if isinstance(cb, PeriodicLastCheckpoint)), None)
     path, step = (last.saved_path, last.saved_step) if last is not None else (None, None)
-    if path is None and last is not None and last.dirpath:  # written by ranks spawned from this process
+    # written by ranks spawned from this process, or by the part before a run that only validated
+    if path is None and last is not None and last.dirpath:
         on_disk = Path(last.dirpath) / LAST_CHECKPOINT
         verdict = digests.check(on_disk) if on_disk.exists() else None
         if verdict is not None and verdict.verified:
             path, step = on_disk, verdict.step
+    return path, step
+
+
+def continue_line(trainer: L.Trainer) -> str:
+    """The last checkpoint written whole (or that there is none) and the command that continues the run."""
+    from gptlab.parallel.ranks import continue_command
+
+    path, step = last_intact_checkpoint(trainer)
     if path is not None:
         kept = f"The last intact checkpoint is {path} (step {step}); continue from it with"
     else:
@@ -491,8 +505,12 @@ def report(
     metrics: dict[str, float],
     step: int,
     stop: SignalStop | None,
+    signals: StopSignals,
 ) -> None:
-    """The W&B summary, the closing lines, the length study (``eval_length.enabled``) and ``result.json``."""
+    """The W&B summary, the closing lines, the length study (``eval_length.enabled``) and ``result.json``.
+    A stop signal during the study (caught by ``signals``) ends it at once: ``result.json`` keeps training's
+    figures and the study's finished ones, and names the part stopped and the figures missing."""
+    from gptlab.errors import signal_name
     from gptlab.tracking.loggers import update_wandb_summary
 
     entropy = parts.corpus.unigram_entropy
@@ -507,6 +525,7 @@ def report(
     )
     lines = closing_lines(metrics, entropy, session.run_dir, trainer, loggers, step, session.start_step)
     print("\n".join(lines), flush=True)
+    study_stop: StudyStopped | None = None
     if settings.length_study is not None:
         if stop is not None:  # the weights are half-trained and the time before the machine goes is short
             log.info(
@@ -514,30 +533,103 @@ def report(
                 "finishes."
             )
         else:
-            from gptlab.evaluation.length import after_training, summary_metrics
+            from gptlab.evaluation.length import StudyStopped, after_training, summary_metrics
 
-            result = after_training(
-                parts.module.model,
-                parts.corpus,
-                parts.datamodule.block_size,
-                settings.length_study,
-                settings.passkey,
-                session.run_dir,
-                loggers,
-            )
-            metrics.update(summary_metrics(result))
+            try:
+                result = after_training(
+                    parts.module.model,
+                    parts.corpus,
+                    parts.datamodule.block_size,
+                    settings.length_study,
+                    settings.passkey,
+                    session.run_dir,
+                    loggers,
+                    signals.interrupting,
+                )
+                metrics.update(summary_metrics(result))
+            except StudyStopped as e:
+                study_stop = e
+                metrics.update(summary_metrics(e.result))
+                # not measured on these weights: NaN in the metrics returned, null (missing) in result.json
+                # below, and named in eval_length_missing (an earlier part's figures, of other weights, are
+                # not carried over)
+                metrics.update(dict.fromkeys(e.missing, math.nan))
     max_steps = settings.trainer["max_steps"]
-    stopped = stop is not None
-    extra: dict[str, Any] = (
-        {"stop_signal": stop.signal, "checkpoint_step": stop.checkpoint_step} if stop is not None else {}
-    )
+    extra: dict[str, Any] = {}
+    checkpoint: Path | None = None
+    if stop is not None:
+        extra = {
+            "stop_signal": stop.signal,
+            "checkpoint_step": stop.checkpoint_step,
+            "stopped_during": "training",
+        }
+    elif study_stop is not None:
+        checkpoint, checkpoint_step = last_intact_checkpoint(trainer)
+        extra = {
+            "stop_signal": signal_name(study_stop.signum),
+            "checkpoint_step": checkpoint_step,
+            "stopped_during": study_stop.during,
+            "eval_length_missing": study_stop.missing,
+        }
     uniform = math.log(parts.corpus.tokenizer.vocab_size)
     divergence = divergence_of(metrics.get("val/loss"), entropy, uniform)
+    recorded: dict[str, float | None] = dict(metrics)
+    if study_stop is not None:
+        recorded.update(dict.fromkeys(study_stop.missing))  # null: missing (gptlab.runs.jsonfile)
     session.write_result(
-        metrics, step, finished=step >= max_steps > 0, stopped=stopped, extra={**extra, **divergence}
+        recorded,
+        step,
+        # a study stopped is not finished: resume=auto runs it (finished_result)
+        finished=step >= max_steps > 0 and study_stop is None,
+        stopped=stop is not None or study_stop is not None,
+        extra={**extra, **divergence},
     )
     if divergence.get("diverged"):
         log.warning(diverged_line(metrics["val/loss"], entropy, uniform))
+    if study_stop is not None:
+        log.warning(study_stopped_line(study_stop, step, checkpoint, session.run_dir, settings))
+
+
+def study_stopped_line(
+    stop: StudyStopped, step: int, checkpoint: Path | None, run_dir: Path, settings: GPTRunConfig
+) -> str:
+    """What a run stopped during the length study says: the part stopped, what was kept, what is missing and
+    how to get it (in a sweep, the command that continues the sweep follows)."""
+    from gptlab.errors import signal_name
+    from gptlab.evaluation.length import PASSKEY_PART, rerun_command
+    from gptlab.runs.layout import EVAL_LENGTH_DIR, LENGTH_FILE
+
+    options = settings.length_study
+    assert options is not None  # the study ran
+    part = "the passkey study" if stop.during == PASSKEY_PART else "the length study"
+    kept = (
+        f"the trained model is kept ({checkpoint})"
+        if checkpoint is not None
+        else "no checkpoint was written (callbacks.last_checkpoint is off): the trained model is lost"
+    )
+    if stop.during == PASSKEY_PART:
+        kept += (
+            f", and the length study's figures ({run_dir / EVAL_LENGTH_DIR / LENGTH_FILE} and result.json)"
+        )
+    missing = "figure is" if len(stop.missing) == 1 else "figures are"
+    line = (
+        f"Stopped by {signal_name(stop.signum)} during {part} ({stop.during}), after training to step {step}: "
+        f"{kept}; result.json records the run as stopped, and which {len(stop.missing)} of the study's "
+        f"{missing} missing (eval_length_missing)."
+    )
+    if checkpoint is None:
+        return line
+    rerun = (
+        "continue the sweep with the command below"
+        if is_multirun()
+        else f"rerun the same command with resume=auto or resume={run_dir}"
+    )
+    return (
+        f"{line} Get them with: {rerun_command(run_dir, options, settings.passkey)} (writes "
+        f"{run_dir / EVAL_LENGTH_DIR} and prints the tables; result.json is left as it is), or {rerun} (no step "
+        "is trained again: the checkpoint is validated and the whole study run; its figures go into "
+        "result.json and the loggers)."
+    )
 
 
 def validation_line(val: float | None, entropy: float | None, bpb: float | None = None) -> str:

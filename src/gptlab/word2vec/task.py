@@ -18,13 +18,10 @@ import gc
 import logging
 import math
 import os
-import signal
 import sys
-import threading
 import time
 from collections import deque
-from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -32,11 +29,12 @@ import numpy as np
 import torch
 from omegaconf import DictConfig
 
-from gptlab.errors import CheckpointError, ConfigError, EvaluationStopped
+from gptlab.errors import CheckpointError, ConfigError
 from gptlab.runs import digests, layout
 from gptlab.runs.checkpoints import RESUME_INSTEAD, load_checkpoint
 from gptlab.runs.jsonfile import figure_as_json, figures_as_json, write_json
 from gptlab.runs.resume import ResumePlan
+from gptlab.tasks.skeleton import StopSignals
 from gptlab.word2vec import evaluation
 from gptlab.word2vec.config import Word2VecOptions
 from gptlab.word2vec.corpus import WordCorpus
@@ -130,51 +128,6 @@ def pick_device(options: Word2VecOptions) -> torch.device:
     if options.device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(options.device)
-
-
-class StopSignals:
-    """SIGTERM and SIGINT (Ctrl-C) caught while it is installed (``with signals:``): each is noted
-    (``received``, the first one kept) and acted on where the run can stop cleanly. Training stops at its next
-    checkpoint, the last checkpoint and ``embeddings.txt`` are written whole; inside :meth:`interrupting` (the
-    evaluation, minutes on a large vocabulary) a signal ends the work at once with :class:`EvaluationStopped`.
-    Handlers can be set in the main thread only: elsewhere nothing is caught."""
-
-    SIGNALS = (signal.SIGTERM, signal.SIGINT)
-
-    def __init__(self) -> None:
-        self.received: int | None = None
-        self._interrupting = False
-        self._previous: dict[int, Any] = {}
-
-    def __enter__(self) -> StopSignals:
-        if threading.current_thread() is threading.main_thread():
-            for s in self.SIGNALS:
-                self._previous[s] = signal.getsignal(s)
-                signal.signal(s, self._handle)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for s, previous in self._previous.items():
-            signal.signal(s, previous if previous is not None else signal.SIG_DFL)
-        self._previous.clear()
-
-    def _handle(self, signum: int, frame: Any) -> None:
-        if self.received is None:
-            self.received = signum
-        if self._interrupting:
-            self._interrupting = False
-            raise EvaluationStopped(signum)
-
-    @contextmanager
-    def interrupting(self) -> Iterator[None]:
-        """Work a signal ends at once (:class:`EvaluationStopped`), or never starts when one came before."""
-        if self.received is not None:
-            raise EvaluationStopped(self.received)
-        self._interrupting = True
-        try:
-            yield
-        finally:
-            self._interrupting = False
 
 
 class Trainer:
