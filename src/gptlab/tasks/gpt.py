@@ -32,6 +32,7 @@ from gptlab.tasks.skeleton import (
     RunSession,
     StopSignals,
     end_sweep_if_signalled,
+    matmul_advice_for,
     quiet_launched_ranks,
     record_run_dir,
     route_lightning_logs,
@@ -107,8 +108,13 @@ def run(cfg: DictConfig) -> dict[str, float]:
         wall = time.perf_counter() - t0
         return collect_metrics(trainer, parts, wall) if trainer is not None else {"wall_seconds": wall}
 
-    with session.closing(
-        loggers, step=lambda: trainer.global_step if trainer else session.start_step, metrics=metrics_so_far
+    with (
+        session.closing(
+            loggers,
+            step=lambda: trainer.global_step if trainer else session.start_step,
+            metrics=metrics_so_far,
+        ),
+        matmul_advice_for(settings.trainer["precision"]),  # Lightning's check runs at the fit's device setup
     ):
         trainer = make_trainer(cfg, settings, parts, loggers)
         session.is_global_zero = trainer.is_global_zero

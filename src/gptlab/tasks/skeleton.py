@@ -104,6 +104,49 @@ def route_lightning_logs() -> None:
     quiet_launched_ranks()  # again: importing Lightning set its loggers' level to INFO
 
 
+#: The precision whose matrix products run in fp32, the one that Lightning's advice to allow TF32 concerns.
+FP32_PRODUCTS_PRECISION = "32-true"
+
+
+class DropMatmulPrecisionAdvice(logging.Filter):
+    """Lightning's advice, on a CUDA GPU with tensor cores, to call ``torch.set_float32_matmul_precision``
+    ("You are using a CUDA device ... that has Tensor Cores. To properly utilize them, ..."), in a run whose
+    matrix products do not run in fp32: under ``bf16-mixed`` / ``16-mixed`` (gptlab's choice on GPUs) autocast
+    runs them in bf16/fp16, under the ``*-true`` half and fp64 precisions and Transformer Engine the weights
+    are not fp32, so that setting changes none of them. Its other lines pass."""
+
+    ADVICE = (
+        "that has Tensor Cores. To properly utilize them, you should set `torch.set_float32_matmul_precision"
+    )
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return self.ADVICE not in record.getMessage()
+
+
+@contextmanager
+def matmul_advice_for(precision: Any) -> Iterator[None]:
+    """For one run's Trainer, at its resolved ``trainer.precision`` (:func:`gptlab.config.parse_trainer`):
+    Lightning's advice on fp32 matrix products (``_check_cuda_matmul_precision``, at the CUDA accelerator's
+    setup) dropped unless the run trains in ``32-true``, where it is true: its products run in full fp32
+    precision, and no gptlab key sets TF32, so Lightning's line stays. The filter lives only while the run
+    does, so the next run of a sweep in this process decides for itself; and Lightning's once-a-process
+    cache of its check is cleared at the start, so that a 32-true run after a bf16 one (whose line was
+    dropped) still shows it, in its own log file."""
+    from lightning.fabric.accelerators import cuda
+
+    cuda._check_cuda_matmul_precision.cache_clear()
+    if precision == FP32_PRODUCTS_PRECISION:
+        yield
+        return
+    advice = DropMatmulPrecisionAdvice()
+    logger = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+    logger.addFilter(advice)
+    try:
+        yield
+    finally:
+        logger.removeFilter(advice)
+
+
 def quiet_launched_ranks() -> None:
     """In a process a launcher started for a rank other than 0 (DDP's copies of the command), gptlab's
     information lines (the data prepared, the windows, the run's progress) repeat rank 0's, and Lightning's
