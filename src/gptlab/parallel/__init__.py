@@ -8,7 +8,8 @@
   build (atomic sharded checkpoints, DeepSpeed's gradient norm).
 - `ranks`: a rank that is lost: rank 0 watches the ranks it started and each watches rank 0, so a process
   that dies stops the run with its name; the process group's timeout bounds the wait for one that hangs.
-- `transforms`: activation checkpointing, `torch.compile` and FSDP2 sharding of each block, in each rank.
+- `transforms`: activation checkpointing, `torch.compile` and FSDP2 sharding of each block, in each rank;
+  `uncompiled_blocks` for the evaluations outside the training step.
 - memory per device and the model card, from the same choices, are `gptlab.planning`.
 """
 
@@ -28,7 +29,7 @@ from gptlab.parallel.strategies import (
     strategy_choice,
     strategy_choices,
 )
-from gptlab.parallel.transforms import ParallelOptions, parallelize
+from gptlab.parallel.transforms import ParallelOptions, parallelize, uncompiled_blocks
 
 __all__ = [
     "STRATEGIES",
@@ -43,6 +44,7 @@ __all__ = [
     "parallelize",
     "strategy_choice",
     "strategy_choices",
+    "uncompiled_blocks",
     "warn_if_cpu_oversubscribed",
     "world_size",
 ]

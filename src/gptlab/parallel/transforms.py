@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -12,6 +14,10 @@ from gptlab.registry import build_options
 
 if TYPE_CHECKING:
     from gptlab.model.gpt import GPT
+
+#: torch.compile's backend for each block (``compile=true``). Tests count the blocks' compiles with a backend
+#: of their own, as scripts/flex_recompiles.py counts FlexAttention's.
+BLOCK_BACKEND: Any = "inductor"
 
 
 @dataclass
@@ -43,13 +49,39 @@ def parallelize(model: GPT, options: ParallelOptions, strategy: Any = None, prec
             checkpoint(block, use_reentrant=False)
     if options.compile:
         for block in blocks:
-            block.compile()
+            block.compile(backend=BLOCK_BACKEND)
     if strategy is not None and not isinstance(strategy, str):
         from gptlab.parallel.checkpoint_io import FullyShardedStrategy
 
         if isinstance(strategy, FullyShardedStrategy):
             shard(model, strategy, precision)
     model._gptlab_parallelized = True  # type: ignore[assignment]  # nn.Module.__setattr__ is typed for tensors and modules only
+
+
+@contextmanager
+def uncompiled_blocks(model: GPT) -> Iterator[None]:
+    """Run the blocks compiled by `parallelize` (``compile=true``) through their plain forward inside the
+    block, and compiled again after it, also when it raises. For the evaluations outside the training step
+    (the length and passkey studies after training, sample generation, the downstream tasks): they run many
+    shapes of their own (other lengths, a KV cache, one-token decoding steps), each a new compile of every
+    block, and torch's recompile limit (8 per function) is reached within the passkey study's first length,
+    after which torch runs the blocks uncompiled anyway. FlexAttention keeps its own compiled kernel
+    (`gptlab.model.attention.compiled_flex_attention`, compiled apart from the blocks), which the long lengths
+    need; ``torch.compiler.set_stance("force_eager")`` would turn that eager too."""
+    # nn.Module.compile keeps torch.compile(module._call_impl) in _compiled_call_impl, which __call__ runs
+    # instead of _call_impl while it is set (torch 2.11 to 2.13); unset, the call is the plain module's.
+    compiled = [
+        (block, block._compiled_call_impl)
+        for block in model.transformer.h
+        if block._compiled_call_impl is not None
+    ]
+    for block, _ in compiled:
+        block._compiled_call_impl = None
+    try:
+        yield
+    finally:
+        for block, call in compiled:
+            block._compiled_call_impl = call
 
 
 def shard(model: GPT, strategy: Any, precision: Any = None) -> None:

@@ -540,18 +540,22 @@ def report(
             )
         else:
             from gptlab.evaluation.length import StudyStopped, after_training, summary_metrics
+            from gptlab.parallel.transforms import uncompiled_blocks
 
             try:
-                result = after_training(
-                    parts.module.model,
-                    parts.corpus,
-                    parts.datamodule.block_size,
-                    settings.length_study,
-                    settings.passkey,
-                    session.run_dir,
-                    loggers,
-                    signals.interrupting,
-                )
+                # compile=true: the studies' many lengths, KV caches and decoding steps would each compile
+                # every block anew, up to torch's limit; they run the plain blocks (FlexAttention compiled)
+                with uncompiled_blocks(parts.module.model):
+                    result = after_training(
+                        parts.module.model,
+                        parts.corpus,
+                        parts.datamodule.block_size,
+                        settings.length_study,
+                        settings.passkey,
+                        session.run_dir,
+                        loggers,
+                        signals.interrupting,
+                    )
                 metrics.update(summary_metrics(result))
             except StudyStopped as e:
                 study_stop = e

@@ -11,6 +11,7 @@ import torch
 from lightning.pytorch.callbacks import ProgressBar, TQDMProgressBar
 
 from gptlab.errors import ConfigError
+from gptlab.parallel.transforms import uncompiled_blocks
 
 if TYPE_CHECKING:
     from gptlab.training.module import GPTLitModule
@@ -86,14 +87,17 @@ class SampleGeneration(L.Callback):
         out = []
         for decoding in self.decodings:
             generator = torch.Generator(device=pl_module.device).manual_seed(self.seed)
-            tokens = model.generate(
-                idx,
-                self.max_new_tokens,
-                temperature=decoding.temperature,
-                top_k=decoding.top_k,
-                top_p=decoding.top_p,
-                generator=generator,
-            )
+            # compile=true: decoding token by token with a KV cache is a new shape at every step, each a
+            # compile of every block; the plain blocks run it
+            with uncompiled_blocks(model):
+                tokens = model.generate(
+                    idx,
+                    self.max_new_tokens,
+                    temperature=decoding.temperature,
+                    top_k=decoding.top_k,
+                    top_p=decoding.top_p,
+                    generator=generator,
+                )
             out.append((decoding, tokenizer.decode(tokens[0, len(ids) :].tolist())))
         return out
 

@@ -22,13 +22,17 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import lightning as L
 import numpy as np
 import torch
 
 from gptlab.evaluation.downstream import DownstreamEvalOptions, check_tasks, metric_names
+from gptlab.parallel.transforms import uncompiled_blocks
+
+if TYPE_CHECKING:
+    from gptlab.model.gpt import GPT
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +98,9 @@ class DownstreamEvaluation(L.Callback):
         modes = [(m, m.training) for m in model.modules()]  # each module's own: the harness sets eval mode
         states = _rng_states()
         try:
-            with torch.no_grad(), _quiet_harness():
+            # compile=true: the harness's requests come at lengths of their own, each a compile of every
+            # block; the plain blocks run them
+            with torch.no_grad(), _quiet_harness(), uncompiled_blocks(cast("GPT", model)):
                 return metric_names(self._run_harness(model, pl_module))
         finally:
             _restore_rng_states(states)
