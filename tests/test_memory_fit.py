@@ -141,3 +141,26 @@ def test_processes_on_one_machine_share_its_ram_and_rank_zero_decides(make_cfg, 
     # the second process (LOCAL_RANK=1, started once rank 0 passed) does not decide again
     monkeypatch.setenv("LOCAL_RANK", "1")
     assert check_memory(settings).n_devices == 2
+
+
+@cpu_only
+def test_a_run_is_sized_by_the_head_it_takes(make_cfg):
+    """The output layer and loss count as the run computes them: with loss.impl=auto (chunked on a CPU) a
+    vocabulary of a fifth of the RAM's worth of embedding fits, where loss.impl=plain, holding the whole
+    logits and their gradients for 64 x 128 tokens, is refused and says that the head is what it counted."""
+    vocab = int(0.2 * planning.available_host_memory() / (20 * 128 + 8 * 4))  # per id: as above
+    chunked = parse_gpt(make_cfg("model=tiny", "data.batch_size=64"))
+    assert training_plan(chunked)[0].head.impl == "chunked"
+    estimate = check_memory(chunked, vocab_size=vocab)  # not refused
+    # chunked holds the (V, h) fp32 gradient of the weight, one 8-row chunk and the (N, h) hidden gradient: a
+    # fifth of what the weights, their gradients and AdamW take
+    assert estimate.head < 0.25 * estimate.total
+    plain = parse_gpt(make_cfg("model=tiny", "data.batch_size=64", "loss.impl=plain"))
+    with pytest.raises(OverMemoryError) as refused:
+        check_memory(plain, vocab_size=vocab)
+    head = str(refused.value).split("output layer and loss ")[1]
+    assert head.split(" GiB")[1].startswith(" (loss.impl=plain, the whole logits)")
+    # 12 bytes per token and id: the log-probabilities, their gradient and the logits'
+    assert float(head.split(" GiB")[0].replace(",", "")) == pytest.approx(
+        12 * 64 * 128 * vocab / GiB, abs=0.1
+    )
