@@ -108,9 +108,10 @@ KERNEL_HEAD_BYTES = 128 * 2**20
 class HeadPlan:
     """The output layer and loss a run computes, as far as its memory goes: ``impl`` as the run resolves
     ``loss.impl`` (never ``auto``), ``chunk_rows`` for ``chunked`` and ``torch`` (None:
-    ``default_chunk_rows`` for ``device_type``), whether the z-loss and the softcap are on (``plain`` holds two
-    whole (N, V) tensors more for the one, one for the other), and whether the chunked products run in bf16 / fp16 (on CUDA under a
-    half precision)."""
+    ``default_chunk_rows`` for ``device_type``), whether the z-loss and the softcap are on (``plain`` holds
+    two whole (N, V) tensors more for the one, one for the other), and whether the chunked products run in
+    bf16 / fp16 (on CUDA under a half precision). The default, ``plain``, is what a plan that does not know
+    its run's head counts: the whole logits."""
 
     impl: str = "plain"
     chunk_rows: int | None = None
@@ -152,9 +153,8 @@ class HeadPlan:
         if self.impl in ("chunked", "torch"):
             rows = min(self.rows(config), tokens)
             buffers = 2 if self.softcap else 1  # the softcap's gradient keeps tanh beside the chunk
-            held = (
-                buffers * rows * V * 4 + tokens * h * 4 + V * h * 4
-            )  # the chunk(s), grad of hidden, of weight
+            # the chunk (two with the softcap), the gradients of the hidden states and of the weight
+            held = buffers * rows * V * 4 + tokens * h * 4 + V * h * 4
             if self.half_products:
                 # the chunk's gradient and the weight in the product dtype, and the weight's product before
                 # its fp32 copy is added
@@ -177,7 +177,7 @@ class TrainingPlan:
     config node or a `StrategyChoice`), ``n_devices`` data-parallel devices, the Lightning ``precision``,
     ``micro_batch`` sequences of ``context`` tokens per device (None: the model's block size), whether
     activations are recomputed in the backward pass, and the output layer and loss the run computes
-    (``head``; the default, ``plain``, holds the whole logits: the most any head holds)."""
+    (``head``; by default ``plain``, the whole logits)."""
 
     strategy: str | dict[str, Any] | StrategyChoice | None = "auto"
     n_devices: int = 1
