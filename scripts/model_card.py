@@ -29,6 +29,7 @@ from gptlab.cli import ArgumentParser, unknown_choice, unknown_key  # noqa: E402
 from gptlab.errors import ConfigError  # noqa: E402
 from gptlab.model.head_loss import HeadLoss  # noqa: E402
 from gptlab.parallel import choose_precision  # noqa: E402
+from gptlab.preflight import training_device_type  # noqa: E402
 from gptlab.registry import import_plugins  # noqa: E402
 
 
@@ -95,6 +96,8 @@ def main(argv: list[str] | None = None) -> int:
             context=args.context,
             activation_checkpointing=args.activation_checkpointing
             or bool(cfg.get("activation_checkpointing")),
+            # the output layer and loss the run would take on this machine's device
+            head=planning.HeadPlan.of(loss, training_device_type(trainer), precision),
         )
         text = planning.model_card(
             config, plan, device_memory=memory, device_name=device, short=args.short, loss=loss

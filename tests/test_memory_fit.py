@@ -33,7 +33,7 @@ def test_gpt3_is_refused_in_seconds_before_anything_exists(make_cfg, tmp_path):
     message = str(refused.value)
     available = planning.available_host_memory() / GiB
     assert message.startswith(
-        "This run needs about 3,761.4 GiB per device (174.60B parameters, strategy=auto"
+        "This run needs about 3,758.4 GiB per device (174.60B parameters, strategy=auto"
     )
     assert "micro-batch 8 x 2048" in message and "weights 650.5 GiB" in message
     # what the device has: this machine's available RAM, as the kernel reports it now (within 2 GiB of it)
@@ -57,7 +57,7 @@ def test_allow_over_memory_lets_the_run_past_the_check(make_cfg, caplog):
     with caplog.at_level("WARNING", logger="gptlab.planning"):
         estimate = check_memory(allowed)  # passes, and still says what the run needs
     assert estimate.total > 3_000 * GiB
-    assert "allow_over_memory=true: this run needs about 3,761.4 GiB per device" in caplog.text
+    assert "allow_over_memory=true: this run needs about 3,758.4 GiB per device" in caplog.text
 
 
 def test_allow_over_memory_must_be_true_or_false(make_cfg):
@@ -81,8 +81,10 @@ def test_the_vocabulary_learned_from_the_data_is_checked_again(make_cfg):
     assert settings.vocab_from_tokenizer
     check_memory(settings)
     check_memory(settings, vocab_size=50257)
-    # logits and their fp32 copy: 8 bytes per token and id; 8 x 128 tokens
-    too_many = int(2 * planning.available_host_memory() / (8 * 8 * 128))
+    # per id on a CPU (loss.impl=auto: chunked, 8 rows a chunk at such a vocabulary): the tied embedding's
+    # weight, gradient and AdamW state, 16 x 128 bytes, the head's fp32 weight gradient, 4 x 128, and its
+    # chunk, 8 rows of fp32
+    too_many = int(2 * planning.available_host_memory() / (20 * 128 + 8 * 4))
     with pytest.raises(OverMemoryError, match="This run needs about"):
         check_memory(settings, vocab_size=too_many)
 
@@ -139,3 +141,26 @@ def test_processes_on_one_machine_share_its_ram_and_rank_zero_decides(make_cfg, 
     # the second process (LOCAL_RANK=1, started once rank 0 passed) does not decide again
     monkeypatch.setenv("LOCAL_RANK", "1")
     assert check_memory(settings).n_devices == 2
+
+
+@cpu_only
+def test_a_run_is_sized_by_the_head_it_takes(make_cfg):
+    """The output layer and loss count as the run computes them: with loss.impl=auto (chunked on a CPU) a
+    vocabulary of a fifth of the RAM's worth of embedding fits, where loss.impl=plain, holding the whole
+    logits and their gradients for 64 x 128 tokens, is refused and says that the head is what it counted."""
+    vocab = int(0.2 * planning.available_host_memory() / (20 * 128 + 8 * 4))  # per id: as above
+    chunked = parse_gpt(make_cfg("model=tiny", "data.batch_size=64"))
+    assert training_plan(chunked)[0].head.impl == "chunked"
+    estimate = check_memory(chunked, vocab_size=vocab)  # not refused
+    # chunked holds the (V, h) fp32 gradient of the weight, one 8-row chunk and the (N, h) hidden gradient: a
+    # fifth of what the weights, their gradients and AdamW take
+    assert estimate.head < 0.25 * estimate.total
+    plain = parse_gpt(make_cfg("model=tiny", "data.batch_size=64", "loss.impl=plain"))
+    with pytest.raises(OverMemoryError) as refused:
+        check_memory(plain, vocab_size=vocab)
+    head = str(refused.value).split("output layer and loss ")[1]
+    assert head.split(" GiB")[1].startswith(" (loss.impl=plain, the whole logits)")
+    # 12 bytes per token and id: the log-probabilities, their gradient and the logits'
+    assert float(head.split(" GiB")[0].replace(",", "")) == pytest.approx(
+        12 * 64 * 128 * vocab / GiB, abs=0.1
+    )

@@ -3,6 +3,7 @@ memory against the tensors autograd really keeps, and the memory arithmetic of e
 same strategy choices that training builds."""
 
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from gptlab.errors import ConfigError
 from gptlab.model import counting, positional
 from gptlab.model.config import GPTConfig
 from gptlab.model.gpt import GPT
+from gptlab.model.head_loss import HeadLoss, installed_kernel_modules
 from gptlab.parallel import strategy_choice
 
 GiB = 1024**3
@@ -129,6 +131,9 @@ def test_activation_estimate_matches_what_autograd_keeps(kw):
     estimate = planning.memory_per_device(
         config, planning.TrainingPlan("auto", 1, "32-true", micro_batch=B, context=T)
     ).activations
+    # the plain head's part that autograd saves: cross-entropy's fp32 log-probabilities (the rest of its
+    # peak is the gradients of the backward pass, test_head_estimate_matches_the_heads_peak)
+    estimate += 4 * config.vocab_size * B * T
     assert abs(estimate / measured - 1) < 0.12, (estimate, measured)
 
 
@@ -143,13 +148,14 @@ def test_differential_attentions_activation_estimate_matches_what_autograd_keeps
     estimate = planning.memory_per_device(
         config, planning.TrainingPlan("auto", 1, "32-true", micro_batch=B, context=T)
     ).activations
+    estimate += 4 * config.vocab_size * B * T  # the plain head's log-probabilities
     assert abs(estimate / (measured - weights) - 1) < 0.12, (estimate, measured, weights)
 
 
 def test_activations_of_gpt2_in_16_bits_are_korthikantis_34_sbh():
     config = GPTConfig(vocab_size=50257, block_size=1024, n_layer=12, n_head=12, n_embd=768, dropout=0.1)
     per_token = planning.activation_bytes_per_token(config, 2)
-    outside = 2 * 2 * 768 + 2 * 50257 + 4 * 50257
+    outside = 2 * 2 * 768  # the embedding output and the final norm's input; the head is counted apart
     assert per_token - outside == 12 * 34 * 768
 
 
@@ -241,3 +247,68 @@ def test_model_card_script_reports_gpt3(capsys):
     GlobalHydra.instance().clear()
     assert script.main(["model=tiny", "model.n_head=3"]) == 2
     assert "not divisible by model.n_head=3" in capsys.readouterr().err
+
+
+def head_peak_bytes(loss: HeadLoss, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> int:
+    """The most bytes the CPU allocator held at once, above what existed before, over one forward and backward
+    pass of ``loss`` (the profiler's record of every allocation and free, in order)."""
+    hidden, weight = hidden.detach().requires_grad_(), weight.detach().requires_grad_()
+    with torch.profiler.profile(
+        activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
+    ) as prof:
+        loss(hidden, weight, targets).backward()
+    events = sorted(
+        (e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+        key=lambda e: e.start_ns(),
+    )
+    live = peak = 0
+    for event in events:
+        live += event.nbytes()  # negative for a free
+        peak = max(peak, live)
+    return peak
+
+
+@pytest.mark.parametrize(
+    "loss",
+    [
+        HeadLoss("plain"),
+        HeadLoss("plain", z_loss=1e-4, final_softcap=30.0),
+        HeadLoss("chunked"),
+        HeadLoss("chunked", chunk_rows=96, final_softcap=30.0),
+    ],
+    ids=["plain", "plain-zloss-softcap", "chunked", "chunked-96-softcap"],
+)
+def test_head_estimate_matches_the_heads_peak(loss):
+    """What the card counts for the output layer and loss against what the allocator really held: the whole
+    logits and their gradients for plain, one chunk and the accumulated gradients for chunked."""
+    N, C, V = 1024, 32, 4096
+    config = tiny(vocab_size=V, n_embd=C)
+    head = planning.HeadPlan.of(loss, "cpu", "32-true")
+    assert head.impl == ("plain" if loss.impl == "plain" else "chunked")
+    hidden, weight = torch.randn(N, C), torch.randn(V, C) * 0.1
+    measured = head_peak_bytes(loss, hidden, weight, torch.randint(0, V, (N,)))
+    estimate = head.bytes(config, N)
+    assert abs(estimate / measured - 1) < 0.1, (estimate, measured)
+
+
+def test_the_card_counts_the_head_the_run_takes(make_cfg):
+    """GPT-2 small at 32 x 1024 in bf16: the chunked head holds a third of a GiB where the plain one holds
+    the whole logits and their gradients (18 GiB), and the card says which it counted."""
+    config = gptlab.build_model_config(make_cfg("model=gpt2", "model.vocab_size=50257"))
+    plan = planning.TrainingPlan("auto", 1, "bf16-mixed", micro_batch=32, context=1024)
+
+    def card(loss: HeadLoss, device_type: str) -> tuple[str, planning.MemoryEstimate]:
+        planned = replace(plan, head=planning.HeadPlan.of(loss, device_type, "bf16-mixed"))
+        return planning.model_card(config, planned, short=True), planning.memory_per_device(config, planned)
+
+    text, chunked = card(HeadLoss(), "cpu")
+    assert "output layer and loss 0.27 GiB (loss.impl=chunked, 160 rows per chunk)" in text
+    text, plain = card(HeadLoss("plain"), "cpu")
+    assert "output layer and loss 18.40 GiB (loss.impl=plain, the whole logits)" in text
+    assert plain.total - chunked.total > 18 * GiB
+    # on CUDA, the kernels keep no logits: their fixed allowance; chunked's chunk is larger there
+    _, cce = card(HeadLoss(), "cuda") if "cut_cross_entropy" in installed_kernel_modules() else (None, None)
+    if cce is not None:
+        assert cce.head == planning.KERNEL_HEAD_BYTES
+    text, cuda_chunked = card(HeadLoss("chunked"), "cuda")
+    assert "2,080 rows per chunk" in text and cuda_chunked.head < 1.5 * GiB

@@ -22,13 +22,25 @@ Pure arithmetic on a :class:`GPTConfig` and a `strategy=` choice (no weights, no
   4f gated: the doubled projection, f(gate) and the product), plus 1 byte per element of each dropout mask
   when dropout > 0; QK-norm's normalised queries and keys and their inputs, 2 (h + n_kv_head head_dim); the
   sandwich's two output-norm inputs, 2h; differential attention's halves of q and k, second attention output
-  and head-norm input, 3h + n_kv_head head_dim. For GPT-2 in 16 bits this is 34 h bytes, the paper's figure
+  and head-norm input, 3h + n_kv_head head_dim; RMSNorm's normalised input, h per norm (torch's F.rms_norm
+  keeps it where it is not one fused kernel). For GPT-2 in 16 bits this is 34 h bytes, the paper's figure
   without its 5 a T term. A masked or capped layer on the dense (CPU) route also keeps its T x T weights, as the bias
   schemes' do: not counted, since on CUDA FlexAttention keeps none.
-  Outside the layers: the embedding output and final-norm input (2 p h) and the logits, p V + 4 V (the loss
-  is taken on an fp32 copy). Activation checkpointing keeps only each block's input (p h) plus one block's
-  activations during its recomputation. Data parallelism does not shard activations: each device holds its
-  own micro-batch.
+  Outside the layers: the embedding output and final-norm input (2 p h). Activation checkpointing keeps only
+  each block's input (p h) plus one block's activations during its recomputation. Data parallelism does not
+  shard activations: each device holds its own micro-batch.
+- the output layer and loss (``head``, :class:`HeadPlan`): what the run's ``loss.impl`` holds at its peak, the
+  start of the backward pass, when every activation is still kept. ``plain`` holds the whole logits: the fp32
+  log-probabilities cross-entropy keeps, their gradient from the loss and the gradient of the logits, 12 V
+  bytes per token whatever the compute dtype (4.52 GiB measured on an H100 at 8,192 x 50,257 in bf16, 4.60
+  counted), 8 V more with the z-loss and 4 V with the softcap. ``chunked`` and ``torch`` hold one (rows, V) fp32
+  buffer per call, a fixed size, not per token, and the gradients they accumulate in the forward pass, (N, h)
+  and (V, h) in fp32 (plus, with bf16 / fp16 products on CUDA, the chunk and the weight in that dtype and a
+  (V, h) product); ``cce`` and ``liger`` hold no logits: a fixed allowance, ``KERNEL_HEAD_BYTES``. Which one a
+  run takes is ``HeadLoss.resolve`` on its device and precision (``auto``: ``chunked`` on a CPU, ``cce`` on
+  CUDA in bf16); the card says which it counted. Both CPU heads are checked against the CPU allocator's record
+  of a forward and backward pass (``tests/test_model_card.py``): ``plain`` held 12.0 V bytes per token, as
+  counted.
 
 Estimates, not measurements: allocator slack, the CUDA context (about 0.5-1 GiB) and temporary buffers come
 on top, so a run is called a fit only below 90% of the device memory.
@@ -60,7 +72,7 @@ from gptlab.errors import ConfigError
 from gptlab.model.config import GPTConfig
 from gptlab.model.counting import flops_per_token, gate_width, human, parameter_counts
 from gptlab.model.gpt import mlp_hidden_width
-from gptlab.model.head_loss import HeadLoss
+from gptlab.model.head_loss import HeadLoss, default_chunk_rows, precision_dtype
 from gptlab.parallel.strategies import Placement, StrategyChoice, strategy_choice, strategy_choices
 
 if TYPE_CHECKING:
@@ -85,12 +97,87 @@ BYTES: dict[str, dict[str, int]] = {
 SIXTEEN_BIT_MASTER = {"weights": 2, "gradients": 2, "optimizer": 12, "activations": 2}
 
 
+# What Cut Cross-Entropy and Liger-Kernel's fused linear cross-entropy hold beyond their inputs and the weight's
+# gradient: neither keeps logits. Measured on an H100 at GPT-2 small's 8,192 x 768 x 50,257 in bf16, forward and
+# backward: 0.06 GiB each (docs/performance.md, "Measured on an H100"); counted at twice that, a fixed size
+# (their blocks are tiles of fixed size, not rows of the batch).
+KERNEL_HEAD_BYTES = 128 * 2**20
+
+
+@dataclass(frozen=True)
+class HeadPlan:
+    """The output layer and loss a run computes, as far as its memory goes: ``impl`` as the run resolves
+    ``loss.impl`` (never ``auto``), ``chunk_rows`` for ``chunked`` and ``torch`` (None:
+    ``default_chunk_rows`` for ``device_type``), whether the z-loss and the softcap are on (``plain`` holds
+    two whole (N, V) tensors more for the one, one for the other), and whether the chunked products run in
+    bf16 / fp16 (on CUDA under a half precision). The default, ``plain``, is what a plan that does not know
+    its run's head counts: the whole logits."""
+
+    impl: str = "plain"
+    chunk_rows: int | None = None
+    device_type: str = "cpu"
+    z_loss: bool = False
+    softcap: bool = False
+    half_products: bool = False
+
+    @classmethod
+    def of(cls, loss: HeadLoss, device_type: str, precision: str | None) -> HeadPlan:
+        """The head ``loss`` resolves to on a ``device_type`` device under the Lightning ``precision``
+        (``HeadLoss.resolve`` with ``precision_dtype``); a CUDA kernel that cannot run there is refused
+        (:class:`ConfigError`), as a run refuses it."""
+        dtype = precision_dtype(precision)
+        try:
+            impl = loss.resolve(device_type, dtype=dtype)
+        except RuntimeError as e:
+            raise ConfigError(str(e)) from None
+        return cls(
+            impl=impl,
+            chunk_rows=loss.chunk_rows,
+            device_type=device_type,
+            z_loss=bool(loss.z_loss),
+            softcap=loss.final_softcap is not None,
+            half_products=device_type == "cuda" and dtype != torch.float32,
+        )
+
+    def rows(self, config: GPTConfig) -> int:
+        """Rows of B*T per chunk of ``chunked`` and ``torch``."""
+        return self.chunk_rows or default_chunk_rows(config.vocab_size, self.device_type)
+
+    def bytes(self, config: GPTConfig, tokens: int) -> float:
+        """Bytes the head holds at its peak for a micro-batch of ``tokens`` rows (see the module doc)."""
+        V, h = config.vocab_size, config.n_embd
+        if self.impl == "plain":
+            # log-probabilities, their gradient from the loss, the logits' gradient: (N, V) fp32 each; the
+            # z-loss's logsumexp keeps its input and its backward makes one more, the softcap keeps its tanh
+            return tokens * 4 * V * (3 + 2 * self.z_loss + self.softcap)
+        if self.impl in ("chunked", "torch"):
+            rows = min(self.rows(config), tokens)
+            buffers = 2 if self.softcap else 1  # the softcap's gradient keeps tanh beside the chunk
+            # the chunk (two with the softcap), the gradients of the hidden states and of the weight
+            held = buffers * rows * V * 4 + tokens * h * 4 + V * h * 4
+            if self.half_products:
+                # the chunk's gradient and the weight in the product dtype, and the weight's product before
+                # its fp32 copy is added
+                held += rows * V * 2 + V * h * 2 + V * h * (2 + 4)
+            return held
+        return KERNEL_HEAD_BYTES
+
+    def describe(self, config: GPTConfig) -> str:
+        """What the card counted, e.g. ``loss.impl=chunked, 160 rows per chunk``."""
+        if self.impl in ("chunked", "torch"):
+            return f"loss.impl={self.impl}, {self.rows(config):,} rows per chunk"
+        if self.impl == "plain":
+            return "loss.impl=plain, the whole logits"
+        return f"loss.impl={self.impl}, no logits kept"
+
+
 @dataclass(frozen=True)
 class TrainingPlan:
     """How a model is to be trained, as far as its memory goes: the `strategy=` choice (a name, a strategy
     config node or a `StrategyChoice`), ``n_devices`` data-parallel devices, the Lightning ``precision``,
-    ``micro_batch`` sequences of ``context`` tokens per device (None: the model's block size), and whether
-    activations are recomputed in the backward pass."""
+    ``micro_batch`` sequences of ``context`` tokens per device (None: the model's block size), whether
+    activations are recomputed in the backward pass, and the output layer and loss the run computes
+    (``head``; by default ``plain``, the whole logits)."""
 
     strategy: str | dict[str, Any] | StrategyChoice | None = "auto"
     n_devices: int = 1
@@ -98,6 +185,7 @@ class TrainingPlan:
     micro_batch: int = 1
     context: int | None = None
     activation_checkpointing: bool = False
+    head: HeadPlan = HeadPlan()
 
 
 MIXED = ("bf16-mixed", "16-mixed")
@@ -119,10 +207,11 @@ class MemoryEstimate:
     activations: float
     buffers: float  # DDP's gradient buckets; FSDP/ZeRO-3's gathered blocks
     host: float  # state offloaded to host (CPU) memory, per device
+    head: float = 0.0  # what the output layer and loss hold at the backward pass's start (HeadPlan)
 
     @property
     def total(self) -> float:
-        return self.weights + self.gradients + self.optimizer + self.activations + self.buffers
+        return self.weights + self.gradients + self.optimizer + self.activations + self.head + self.buffers
 
     def describe(self) -> str:
         host = f", plus {self.host / GiB:,.1f} GiB of host memory" if self.host else ""
@@ -135,7 +224,8 @@ class MemoryEstimate:
 def activation_bytes_per_token(
     config: GPTConfig, bytes_per_value: int, activation_checkpointing: bool = False
 ) -> float:
-    """Bytes of activations kept for the backward pass per token of a micro-batch (see the module doc)."""
+    """Bytes of activations kept for the backward pass per token of a micro-batch, the output layer and loss
+    aside (``HeadPlan.bytes``; see the module doc)."""
     h, p, L = config.n_embd, bytes_per_value, config.n_layer
     f = mlp_hidden_width(config)
     kv = config.kv_heads * config.head_dim
@@ -155,7 +245,12 @@ def activation_bytes_per_token(
         per_layer += p * (3 * h + kv)
     if config.norm_placement == "sandwich":
         per_layer += p * 2 * h  # the inputs of the norms on the sublayers' outputs
-    outside = 2 * p * h + p * config.vocab_size + 4 * config.vocab_size
+    outside = 2 * p * h  # the embedding output and the final norm's input
+    if config.norm.name == "rmsnorm":
+        # torch's F.rms_norm, where it is not one fused kernel (a CPU), keeps the normalised input beside the
+        # input: one (N, h) more per norm
+        per_layer += p * h * (4 if config.norm_placement == "sandwich" else 2)
+        outside += p * h
     if activation_checkpointing:
         return L * p * h + per_layer + outside
     return L * per_layer + outside
@@ -213,6 +308,7 @@ def memory_per_device(config: GPTConfig, plan: TrainingPlan = TrainingPlan()) ->
         activations=acts,
         buffers=buffers,
         host=host,
+        head=plan.head.bytes(config, micro_batch * T),
     )
 
 
@@ -390,8 +486,10 @@ class DeviceMemory:
 
 
 def training_plan(settings: GPTRunConfig) -> tuple[TrainingPlan, int]:
-    """The run's plan as the planner takes it, and its processes on this machine."""
+    """The run's plan as the planner takes it, with the output layer and loss its ``loss`` node resolves to
+    on its device, and its processes on this machine."""
     from gptlab.parallel.hardware import devices_per_node
+    from gptlab.preflight import training_device_type
 
     trainer = settings.trainer
     try:
@@ -400,13 +498,15 @@ def training_plan(settings: GPTRunConfig) -> tuple[TrainingPlan, int]:
         local = 1
     nodes = trainer.get("num_nodes") or 1
     precision = str(trainer.get("precision"))
+    precision = precision if precision in BYTES else "32-true"  # a plugin's own name: fp32, the safe side
     plan = TrainingPlan(
         strategy=settings.strategy,
         n_devices=local * (int(nodes) if isinstance(nodes, int) else 1),
-        precision=precision if precision in BYTES else "32-true",  # a plugin's own name: fp32, the safe side
+        precision=precision,
         micro_batch=settings.loader.batch_size,
         context=settings.block_size,
         activation_checkpointing=settings.parallel.activation_checkpointing,
+        head=HeadPlan.of(settings.loss, training_device_type(trainer), precision),
     )
     return plan, local
 
@@ -490,7 +590,8 @@ def refusal(
     """The message: the estimate and its parts, the device, what would fit, and the escape."""
     parts = (
         f"weights {_gib(estimate.weights, 1)}, gradients {_gib(estimate.gradients, 1)}, AdamW "
-        f"{_gib(estimate.optimizer, 1)}, activations {_gib(estimate.activations, 1)}"
+        f"{_gib(estimate.optimizer, 1)}, activations {_gib(estimate.activations, 1)}, output layer and loss "
+        f"{_gib(estimate.head, 1)} ({plan.head.describe(model)})"
     )
     if estimate.buffers:
         parts += f", buffers {_gib(estimate.buffers, 1)}"
@@ -544,7 +645,7 @@ def model_card(
     if described:
         lines.append(described)
     est = memory_per_device(c, plan)
-    lines.append(_memory_line(est, plan, T, device_name))
+    lines.append(_memory_line(c, est, plan, T, device_name))
     warning = advise(c, device_memory, plan) if device_memory else None
     if short:
         return "\n".join(lines + ([warning] if warning else []))
@@ -582,14 +683,15 @@ def _model_lines(c: GPTConfig, counts: dict[str, int], flops: dict[str, float], 
     ]
 
 
-def _memory_line(est: MemoryEstimate, plan: TrainingPlan, T: int, device_name: str) -> str:
+def _memory_line(c: GPTConfig, est: MemoryEstimate, plan: TrainingPlan, T: int, device_name: str) -> str:
     """The one-line memory breakdown per device of the chosen strategy."""
     checkpointing = ", activation checkpointing" if plan.activation_checkpointing else ""
     return (
         f"Memory per device ({est.strategy}, {plan.n_devices} device(s), {plan.precision}, micro-batch "
         f"{plan.micro_batch} x "
         f"{T}{checkpointing}): {_gib(est.total)} = weights {_gib(est.weights)} + gradients {_gib(est.gradients)} + AdamW "
-        f"{_gib(est.optimizer)} + activations {_gib(est.activations)}"
+        f"{_gib(est.optimizer)} + activations {_gib(est.activations)} + output layer and loss {_gib(est.head)} "
+        f"({plan.head.describe(c)})"
         + (f" + buffers {_gib(est.buffers)}" if est.buffers else "")
         + (f"; on the host {_gib(est.host)}" if est.host else "")
         + (f"; device: {device_name}" if device_name else "")
@@ -601,8 +703,9 @@ def _strategy_table(c: GPTConfig, plan: TrainingPlan, T: int, device_memory: flo
     lines = [
         f"Memory per device over {plan.n_devices} device(s), {plan.precision}, micro-batch {plan.micro_batch} x {T}"
         + (", activation checkpointing" if plan.activation_checkpointing else "")
-        + " (GiB):",
-        f"{'strategy':<26} {'weights':>10} {'grads':>10} {'AdamW':>10} {'activ.':>10} {'buffers':>10} {'total':>10}",
+        + f"; head: {plan.head.describe(c)} (GiB):",
+        f"{'strategy':<26} {'weights':>10} {'grads':>10} {'AdamW':>10} {'activ.':>10} {'head':>10} {'buffers':>10} "
+        f"{'total':>10}",
     ]
     for name, _ in distinct_choices(plan.n_devices):
         e = memory_per_device(c, replace(plan, strategy=name))
@@ -618,7 +721,7 @@ def _strategy_row(name: str, e: MemoryEstimate, device_memory: float | None) -> 
         fit = "  fits" if e.fits(device_memory) else "  too big"
     return (
         f"{name:<26} {e.weights / GiB:>10,.2f} {e.gradients / GiB:>10,.2f} {e.optimizer / GiB:>10,.2f} "
-        f"{e.activations / GiB:>10,.2f} {e.buffers / GiB:>10,.2f} {e.total / GiB:>10,.2f}{fit}"
+        f"{e.activations / GiB:>10,.2f} {e.head / GiB:>10,.2f} {e.buffers / GiB:>10,.2f} {e.total / GiB:>10,.2f}{fit}"
     )
 
 

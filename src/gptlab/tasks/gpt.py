@@ -312,19 +312,23 @@ def make_trainer(cfg: DictConfig, settings: GPTRunConfig, parts: Parts, loggers:
 def model_summary(module: GPTLitModule, trainer: L.Trainer | None, settings: GPTRunConfig | None) -> str:
     """The short model card (gptlab.planning): parameters, FLOPs per token, memory per device, and a
     warning when the run will not fit its device."""
-    from lightning.pytorch.accelerators import CPUAccelerator
+    from lightning.pytorch.accelerators import CPUAccelerator, CUDAAccelerator
 
     from gptlab import planning
 
+    precision = str(trainer.precision) if trainer else "32-true"
+    on_cpu = trainer is None or isinstance(trainer.accelerator, CPUAccelerator)
+    on_cuda = trainer is not None and isinstance(trainer.accelerator, CUDAAccelerator)
+    device_type = "cpu" if on_cpu else "cuda" if on_cuda else "mps"
     plan = planning.TrainingPlan(
         strategy=settings.strategy_node if settings else "auto",
         n_devices=trainer.world_size if trainer else 1,
-        precision=str(trainer.precision) if trainer else "32-true",
+        precision=precision,
         micro_batch=settings.loader.batch_size if settings else 1,
         context=settings.loader.block_size if settings else None,
         activation_checkpointing=settings.parallel.activation_checkpointing if settings else False,
+        head=planning.HeadPlan.of(module.head_loss, device_type, precision),
     )
-    on_cpu = trainer is None or isinstance(trainer.accelerator, CPUAccelerator)
     summary = planning.startup_card(module.model_config, plan, on_cpu=on_cpu, loss=module.head_loss)
     if settings and settings.loader.document_mask:
         summary += f"\n{DOCUMENT_MASK_LINE}"
