@@ -1,6 +1,9 @@
 """The JSON files of a run directory (its result, its identity, the scores of its best checkpoints: the
-names are :mod:`gptlab.runs.layout`'s; word2vec's ``metrics.json`` and ``evaluation.json``), written as strict
-JSON that any reader parses (jq, JavaScript's ``JSON.parse``, a dashboard), and their numbers read back.
+names are :mod:`gptlab.runs.layout`'s; word2vec's ``metrics.json`` and ``evaluation.json``; the studies'
+``length.json``, ``passkey.json`` and lm-eval's ``results.json`` with its samples) and every other JSON file
+gptlab writes (a sweep's ``length_summary.json`` and ``scaling.json``, the scripts' reports), written as
+strict JSON that any reader parses (jq, JavaScript's ``JSON.parse``, a dashboard), and their numbers read
+back.
 
 JSON has no NaN or infinity: Python's ``json`` writes them as the bare tokens ``NaN`` and ``Infinity``, which
 every strict parser refuses, and with them the whole file. The project's one convention for a figure:
@@ -13,8 +16,10 @@ every strict parser refuses, and with them the whole file. The project's one con
 
 Every writer here refuses NaN and infinity (``allow_nan=False``): a writer converts the figures it knows may
 be non-finite with :func:`figures_as_json`, and any other non-finite number raises ``ValueError`` (in the
-tests) rather than writing a file no strict reader opens. Files written before this convention, holding
-bare ``NaN`` tokens, still read: Python's ``json`` parses them, and :func:`read_figure` reads every form.
+tests) rather than writing a file no strict reader opens; a file whose every number is a figure (a study's
+results) is converted whole with :func:`all_figures_as_json` and read back with :func:`figures_from_json`.
+Files written before this convention, holding bare ``NaN`` tokens, still read: Python's ``json`` parses
+them, and :func:`read_figure` reads every form.
 """
 
 from __future__ import annotations
