@@ -55,6 +55,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from gptlab.model.head_loss import ChunkedLinearCrossEntropy, default_chunk_rows, plain_linear_cross_entropy
+from gptlab.runs.jsonfile import all_figures_as_json, write_json
 
 ROOT = Path(__file__).resolve().parents[1]
 GPT2_VOCAB = 50257
@@ -346,7 +347,7 @@ def main() -> None:
         print_table(shape, rows, repeats, clock)
         report["shapes"].append({**asdict(shape), "cases": rows})
     if args.json:
-        args.json.write_text(json.dumps(report, indent=2) + "\n")
+        write_json(args.json, all_figures_as_json(report))  # strict JSON (gptlab.runs.jsonfile), whole
         print(f"\nwrote {args.json}")
 
 

@@ -582,8 +582,10 @@ def main(argv: list[str] | None = None) -> int:
     else:
         result = speed_all(args)
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=1, default=str))
+        from gptlab.runs.jsonfile import all_figures_as_json, write_json
+
+        # strict JSON (gptlab.runs.jsonfile), whole: a score a benchmark could not give (NaN) as "nan"
+        write_json(args.json, all_figures_as_json(result, default=str))
         print(f"JSON: {args.json}")
     return 0
 

@@ -10,10 +10,10 @@ coord_check.png (one panel per parametrisation) into --out, and prints the slope
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 from gptlab.cli import ArgumentParser
+from gptlab.runs.jsonfile import write_json
 from gptlab.training.coord_check import coordinate_check, plot_coord_check
 
 
@@ -33,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "coord_check.json").write_text(json.dumps(result.to_dict(), indent=2))
+    write_json(out / "coord_check.json", result.to_dict())  # strict JSON (gptlab.runs.jsonfile), whole
     plot_coord_check(result, out / "coord_check.png")
     print(f"mean |activation| after {result.steps} AdamW steps at lr={args.lr}, widths {widths}")
     header = f"| layer | {' | '.join(f'{p}: slope' for p in result.params)} | "

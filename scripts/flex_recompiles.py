@@ -30,7 +30,6 @@ FlexAttention uncompiled, which on a GPU holds the whole score matrix. The exit 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import sys
 import time
@@ -50,6 +49,7 @@ from gptlab.evaluation import passkey
 from gptlab.evaluation.length import loss_by_position
 from gptlab.evaluation.options import LengthEvalOptions, PasskeyOptions
 from gptlab.model import attention
+from gptlab.runs.jsonfile import all_figures_as_json, write_json
 
 POSITIONS = ("alibi", "relative", "fire")
 ATTENTIONS = ("default", "sliding_window", "gemma2")
@@ -268,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
                     flush=True,
                 )
     if args.json is not None:
-        args.json.write_text(json.dumps([asdict(r) for r in rows], indent=2) + "\n")
+        write_json(args.json, all_figures_as_json([asdict(r) for r in rows]))  # strict JSON, whole
     return 1 if any(r.limit_hits for r in rows) else 0
 
 

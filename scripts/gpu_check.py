@@ -739,7 +739,9 @@ def run_in_child(section: Section, ctx: Context, budget_s: float) -> dict[str, A
             proc.wait()
             return {"status": "timeout", "error": f"stopped after its {budget_s:g} s", "seconds": budget_s}
     if result_file.exists():
-        return json.loads(result_file.read_text())
+        from gptlab.runs.jsonfile import figures_from_json
+
+        return figures_from_json(json.loads(result_file.read_text()))  # "nan" back to NaN for the table
     tail = log.read_text()[-2000:]
     return {
         "status": "error",
@@ -779,9 +781,12 @@ def markdown(results: dict[str, dict[str, Any]]) -> str:
 def write_report(results: dict[str, dict[str, Any]], out: Path, summary: Path | None = None) -> None:
     """gpu_check.json and gpu_check.md in ``out``; also, with gpu_tests.log, in ``summary`` (a folder that
     should receive a few files only, like the device machine's $OUT)."""
+    from gptlab.runs.jsonfile import all_figures_as_json, write_json
+
     for folder in (out, summary) if summary else (out,):
         folder.mkdir(parents=True, exist_ok=True)
-        (folder / "gpu_check.json").write_text(json.dumps(results, indent=1, default=str))
+        # strict JSON (gptlab.runs.jsonfile), whole: a figure a section could not measure finitely as "nan"
+        write_json(folder / "gpu_check.json", all_figures_as_json(results, default=str))
         (folder / "gpu_check.md").write_text(markdown(results) + "\n")
         log = out / "gpu_tests.log"
         if folder != out and log.exists():
@@ -846,7 +851,9 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.section:
         result = run_section(args.section, ctx)
-        (ctx.out / f"section-{args.section}.json").write_text(json.dumps(result, indent=1, default=str))
+        from gptlab.runs.jsonfile import all_figures_as_json, write_json
+
+        write_json(ctx.out / f"section-{args.section}.json", all_figures_as_json(result, default=str))
         return 0
 
     # the command's start, kept across the exec below: the install's time comes out of the sections' budget

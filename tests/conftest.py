@@ -57,6 +57,16 @@ def strict_json(path: Path):
     return json.loads(Path(path).read_text(), parse_constant=refuse)
 
 
+def strict_json_lines(path: Path) -> list:
+    """``path`` as JSON Lines, each line parsed as :func:`strict_json` parses a file."""
+    import json
+
+    def refuse(token: str):
+        raise ValueError(f"{path} holds {token}, which is not JSON")
+
+    return [json.loads(line, parse_constant=refuse) for line in Path(path).read_text().splitlines()]
+
+
 def load_script(name: str):
     """``scripts/<name>.py`` imported as the module ``name`` (scripts are not a package), registered in
     ``sys.modules`` so that its dataclasses and pickling resolve; the caller removes it when done."""

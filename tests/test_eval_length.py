@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import ROOT, run_train
+from conftest import ROOT, run_train, strict_json
 
 from gptlab.comparison import length_table as sweep
 from gptlab.comparison.records import read_run_dir
@@ -296,6 +296,90 @@ def test_sweep_summary_averages_seeds(trained, tmp_path):
     assert summary["table"]["all runs +yarn"]["1"]["n"] == 2  # scaled variants share the 1x value
 
 
+def tiny_model(pos: str, diverged: str | None = None) -> GPT:
+    """A tiny model; ``diverged``: as a badly diverged run leaves it, its (tied) token embedding grown 10^4-fold
+    (``"huge"``: a loss of thousands of nats, past math.exp's range of about 709) or holding a NaN (``"nan"``)."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=20, block_size=16, n_layer=1, n_head=2, n_embd=16, pos=pos)).eval()
+    with torch.no_grad():
+        if diverged == "huge":
+            model.transformer.wte.weight.mul_(1e4)
+        elif diverged == "nan":
+            model.transformer.wte.weight[3, 0] = math.nan
+    return model
+
+
+def test_a_loss_past_exps_range_gives_an_infinite_perplexity_written_as_inf(tmp_path):
+    """The length study of a badly diverged model reports (it raised OverflowError in math.exp): its
+    perplexity is inf, written "inf" in a length.json that a strict parser reads; the comparison reads that
+    perplexity as missing, never as 0."""
+    from gptlab.evaluation.long_context import read_length_study
+
+    tokens = np.random.default_rng(0).integers(0, 20, 200)
+    options = length.LengthEvalOptions(factors=[1, 2], rope_scalings=["ntk"])
+    result = length.evaluate_lengths(tiny_model("rope", "huge"), tokens, 16, options)
+    for name, factor in (("rope", "1"), ("rope", "2"), ("rope+ntk", "2")):
+        entry = result["variants"][name][factor]
+        assert entry["loss"] > 709 and entry["ppl"] == math.inf
+    assert "(ppl inf)" in length.format_table(result)
+    (tmp_path / "config_resolved.yaml").write_text("seed: 0\n")
+    (path, *plots) = length.write_outputs(result, tmp_path / "eval_length")
+    written = strict_json(path)["variants"]["rope"]["2"]
+    assert written["ppl"] == "inf" and written["loss"] == pytest.approx(
+        result["variants"]["rope"]["2"]["loss"]
+    )
+    assert plots and all(p.read_bytes()[:4] == b"\x89PNG" for p in plots)
+    assert read_length_study(tmp_path) == {"ppl@1x": None, "ppl@2x": None}
+
+
+def test_the_passkey_study_of_a_diverged_model_writes_its_nan_figures_as_nan(tmp_path):
+    """passkey.json of a model holding a NaN: its key log-probabilities are "nan" in strict JSON (a NaN
+    raised there, and nothing was written), read back as NaN by the long-context report."""
+    from gptlab.evaluation import passkey
+    from gptlab.evaluation.long_context import read_key_logprob, read_passkey
+
+    text = passkey.INTRO + passkey.FILLER + passkey.KEY_SENTENCE + passkey.QUESTION + "0123456789"
+    tokenizer = CharTokenizer(sorted(set(text)))
+    model = GPT(
+        GPTConfig(vocab_size=tokenizer.vocab_size, block_size=64, n_layer=1, n_head=2, n_embd=16, pos="rope")
+    )
+    with torch.no_grad():
+        model.transformer.wte.weight[3, 0] = math.nan
+    options = passkey.PasskeyOptions(depths=1, trials=1)
+    study = passkey.evaluate_passkey(model.eval(), tokenizer, 64, [2, 4], options, [])
+    (path, *_) = passkey.write_outputs(study, tmp_path / "eval_length")
+    written = strict_json(path)["metrics"]
+    assert written["passkey/key_logprob@2x"] == "nan" and written["passkey/acc@2x"] == 0.0
+    assert math.isnan(read_key_logprob(tmp_path)["key_logprob@4x"])
+    assert read_passkey(tmp_path) == {"passkey@2x": 0.0, "passkey@4x": 0.0}
+
+
+def test_sweep_summary_of_a_diverged_run_and_a_length_no_run_measured(tmp_path):
+    """length_summary.json is strict JSON: a diverged run's mean (NaN losses) is "nan"; a length that no run of
+    a row was evaluated at has mean and std null and the reason beside; the table shows the first as nan and
+    the second as an empty cell, never as 0."""
+    tokens = np.random.default_rng(0).integers(0, 20, 200)
+    for lr, diverged, factors in (("0.01", None, [1, 2, 4]), ("10", "nan", [1, 2])):
+        job = tmp_path / f"lr{lr}"
+        model = tiny_model("alibi", diverged)
+        options = length.LengthEvalOptions(factors=factors)
+        length.write_outputs(length.evaluate_lengths(model, tokens, 16, options), job / "eval_length")
+        strict_json(job / "eval_length" / "length.json")
+        (job / "config_resolved.yaml").write_text(f"seed: 0\noptim:\n  lr: {lr}\n")
+        (job / ".hydra").mkdir()
+        (job / ".hydra" / "overrides.yaml").write_text(f"- optim.lr={lr}\n")  # a sweep's job
+    table = sweep.summarize(tmp_path, plot=tmp_path / "sweep.png")
+    summary = strict_json(tmp_path / "length_summary.json")
+    diverged = summary["table"]["optim.lr=10"]
+    assert diverged["1"] == {"mean": "nan", "std": 0.0, "n": 1, "error": None}
+    assert diverged["4"] == {"mean": None, "std": None, "n": 0, "error": sweep.NOT_MEASURED}
+    healthy = summary["table"]["optim.lr=0.01"]
+    assert all(math.isfinite(healthy[f]["mean"]) and healthy[f]["n"] == 1 for f in ("1", "2", "4"))
+    row = next(line for line in table.splitlines() if line.startswith("| optim.lr=10 |"))
+    assert row.endswith("| nan ± 0.000 | nan ± 0.000 |  |")
+    assert (tmp_path / "sweep.png").read_bytes()[:4] == b"\x89PNG"
+
+
 def test_bad_evaluation_options_are_refused():
     from gptlab.errors import ConfigError
 
@@ -319,6 +403,29 @@ def test_eval_length_enabled_is_true_or_false(make_cfg):
 
     with pytest.raises(ConfigError, match=r"eval_length.enabled='sometimes' must be true or false"):
         parse_gpt(make_cfg("eval_length.enabled=sometimes"))
+
+
+def test_the_eval_length_nodes_yaml_states_exactly_its_options_defaults(make_cfg):
+    """The defaults are LengthEvalOptions' and PasskeyOptions'; conf/train.yaml's eval_length node and its
+    passkey node list the same keys (so that eval_length.<key>=... works without +) with the same values. A key
+    in one and not the other, or a default changed in one place only, fails here."""
+    import dataclasses
+
+    from omegaconf import OmegaConf
+
+    from gptlab.evaluation.options import LengthEvalOptions, PasskeyOptions
+
+    def plain(options) -> dict:
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(options).items()}
+
+    node = OmegaConf.to_container(make_cfg().eval_length)
+    passkey_node = node.pop("passkey")
+    assert node == {"enabled": False, **plain(LengthEvalOptions())}
+    assert passkey_node == plain(PasskeyOptions())
+    # and each is an override as typed
+    cfg = make_cfg("eval_length.rope_scalings=[ntk]", "eval_length.passkey.key_digits=3")
+    assert LengthEvalOptions.from_dict(OmegaConf.to_container(cfg.eval_length)).rope_scalings == ["ntk"]
+    assert PasskeyOptions.from_dict(OmegaConf.to_container(cfg.eval_length.passkey)).key_digits == 3
 
 
 @pytest.mark.parametrize(
@@ -370,7 +477,7 @@ STOP_RUN = [
     "eval_length.enabled=true",
     "eval_length.factors=[1,2,4]",
     "eval_length.max_tokens=1025",
-    "+eval_length.rope_scalings=[ntk]",
+    "eval_length.rope_scalings=[ntk]",
     "eval_length.passkey.trials=2",
     "eval_length.passkey.depths=2",
 ]

@@ -8,7 +8,7 @@ import math
 import sys
 
 import pytest
-from conftest import load_script
+from conftest import load_script, strict_json
 
 from gptlab import torch_features
 
@@ -68,6 +68,17 @@ def test_the_table_shows_every_section_and_its_status(gpu_check, smoke):
     for name in smoke:
         assert f"## {name}: ok (" in table
     assert "| impl | status | ms_fwd_bwd |" in table and "auto_chooses: chunked" in table
+
+
+def test_the_report_is_strict_json_with_a_nan_figure_and_a_missing_one(gpu_check, smoke, tmp_path):
+    """gpu_check.json parses strictly: a step's NaN loss (a run that diverged on the GPU) is "nan", the CPU's
+    MFU (no bf16 peak) null; gpu_check.md is written beside it."""
+    (row,) = smoke["gpt2"]["rows"]
+    results = {**smoke, "gpt2": {**smoke["gpt2"], "rows": [{**row, "final_loss": math.nan}]}}
+    gpu_check.write_report(results, tmp_path)
+    (saved,) = strict_json(tmp_path / "gpu_check.json")["gpt2"]["rows"]
+    assert saved["final_loss"] == "nan" and saved["mfu_percent"] is None
+    assert "## gpt2: ok (" in (tmp_path / "gpu_check.md").read_text()
 
 
 def test_a_section_that_raises_is_reported_and_the_others_go_on(gpu_check, tmp_path, monkeypatch):

@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import ROOT
+from conftest import ROOT, strict_json, strict_json_lines
 
 pytest.importorskip("lm_eval")
 
@@ -145,11 +145,8 @@ def evaluated(trained):
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     out = run_dir / "eval_harness"
-    samples = {
-        task: [json.loads(line) for line in (out / f"samples_{task}.jsonl").read_text().splitlines()]
-        for task in TASKS
-    }
-    return json.loads((out / "results.json").read_text()), samples, proc.stdout
+    samples = {task: strict_json_lines(out / f"samples_{task}.jsonl") for task in TASKS}
+    return strict_json(out / "results.json"), samples, proc.stdout
 
 
 # ---- the direct computation -------------------------------------------------------------------
@@ -244,6 +241,38 @@ def test_results_are_logged_to_the_runs_own_wandb_run(trained, evaluated):
         assert resumed[0].summary[key] == pytest.approx(value)
     tables = [row for row in resumed[0].history if "harness/table/_type" in row]
     assert len(tables) == 1 and tables[0]["harness/table/_type"] == "table-file"
+
+
+def test_a_diverged_models_scores_are_written_as_nan_in_strict_json(trained, tmp_path):
+    """The harness on a model holding a NaN weight (as a diverged run leaves it): results.json and the
+    samples are strict JSON, its log-likelihoods and perplexities "nan", its accuracy a number; the table
+    printed from the record shows nan."""
+    from lm_eval.utils import make_table
+
+    root, run_dir = trained
+    diverged = load_run(run_dir)
+    with torch.no_grad():
+        diverged.model.transformer.wte.weight[5, 0] = math.nan
+    record, path = harness.evaluate(
+        diverged,
+        ["tiny_mc", "tiny_ppl"],
+        include_path=str(write_tasks(tmp_path / "tasks")),
+        log_samples=True,
+        out_dir=tmp_path / "out",
+        use_wandb=False,
+        bootstrap_iters=0,
+    )
+    written = strict_json(path)
+    assert written["results"]["tiny_ppl"]["word_perplexity,none"] == "nan"
+    assert written["metrics"]["harness/tiny_ppl/bits_per_byte"] == "nan"
+    assert isinstance(written["results"]["tiny_mc"]["acc,none"], float)
+    assert written["results"]["tiny_mc"]["alias"] == "tiny_mc"  # text kept as text
+    for task in ("tiny_mc", "tiny_ppl"):
+        rows = strict_json_lines(tmp_path / "out" / f"samples_{task}.jsonl")
+        assert len(rows) == len(MC_DOCS if task == "tiny_mc" else PPL_DOCS)
+    assert strict_json_lines(tmp_path / "out" / "samples_tiny_ppl.jsonl")[0]["filtered_resps"] == ["nan"]
+    assert math.isnan(record["metrics"]["harness/tiny_ppl/word_perplexity"])  # the record keeps its floats
+    assert "|  NaN|" in make_table(record)
 
 
 def test_batches_give_the_numbers_of_one_request_at_a_time(trained):

@@ -7,6 +7,7 @@ import time
 import lightning as L
 import pytest
 import torch
+from conftest import strict_json
 from torch.utils.data import DataLoader, TensorDataset
 
 from gptlab.model import counting
@@ -84,7 +85,7 @@ def test_the_calibration_keeps_the_best_figure_ever_measured(tmp_path):
     key = peak.cpu_calibration_key()
     assert record_calibration(path, key, 326e9) == 326e9
     assert record_calibration(path, key, 41e9) == 326e9  # a busy machine's reading
-    assert json.loads(path.read_text())[key]["flops"] == 326e9
+    assert strict_json(path)[key]["flops"] == 326e9  # strict JSON (gptlab.runs.jsonfile)
     assert record_calibration(path, key, 400e9) == 400e9
     # another thread count is another figure
     other = peak.cpu_calibration_key(threads=torch.get_num_threads() + 1)

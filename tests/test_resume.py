@@ -701,7 +701,7 @@ def test_a_stop_signal_skips_the_length_study_until_the_resumed_run_finishes(tmp
         "eval_length.enabled=true",
         "eval_length.factors=[1,2]",
         "eval_length.max_tokens=257",
-        "+eval_length.rope_scalings=[]",
+        "eval_length.rope_scalings=[]",
         "eval_length.passkey.enabled=false",
     ]
     proc = start_and_stop_at(args, tmp_path, 5, signal.SIGTERM)

@@ -4,13 +4,15 @@ sweep's runs read through the comparison's reader, one fit per condition."""
 from __future__ import annotations
 
 import json
+import math
 import runpy
 
 import numpy as np
 import pytest
 import yaml
-from conftest import ROOT
+from conftest import ROOT, strict_json
 
+from gptlab.comparison import scaling
 from gptlab.comparison.scaling import (
     LADDER_SIZES,
     LADDER_TRUTH,
@@ -20,6 +22,7 @@ from gptlab.comparison.scaling import (
     non_embedding_parameters,
     points_from_sweep,
     profile_intervals,
+    write_scaling,
 )
 from gptlab.errors import DataError
 
@@ -135,12 +138,32 @@ def test_a_sweep_gives_one_point_per_run_with_its_non_embedding_parameters_and_c
     assert main([str(tmp_path), "--out", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "| pos=learned | 8 | 4 |" in printed and "| pos=rope | 8 | 4 |" in printed
-    saved = json.loads((out / "scaling.json").read_text())
+    saved = strict_json(out / "scaling.json")
     for condition in ("pos=learned", "pos=rope"):
         fit = saved["fits"][condition]
         assert 0.2 < fit["alpha"] < 0.4  # the generating exponent, 0.3, up to the seed offsets
         assert fit["intervals"]["alpha"][0] <= fit["alpha"] <= fit["intervals"]["alpha"][1]
     assert (out / "scaling.png").stat().st_size > 10_000 and (out / "scaling.md").is_file()
+
+
+def test_scaling_json_is_strict_with_a_diverged_run_and_a_fit_without_intervals(tmp_path):
+    """A sweep of three sizes and a fourth that diverged (val/loss inf, as result.json writes it): scaling.json
+    parses strictly, the diverged run is among the skipped, and the fit of three runs, which has no interval,
+    has each interval null and named with the reason, not left out or 0."""
+    for job, n_embd in enumerate((32, 64, 128)):
+        _fake_run(tmp_path / f"{job}", [f"model.n_embd={n_embd}"], n_embd, "learned", 2.0 - 0.1 * job)
+    _fake_run(tmp_path / "3", ["model.n_embd=256"], 256, "learned", math.inf)
+    result = json.loads((tmp_path / "3" / "result.json").read_text())
+    result["metrics"]["val/loss"] = "inf"
+    (tmp_path / "3" / "result.json").write_text(json.dumps({**result, "diverged": True}))
+    fits, points, skipped, out = write_scaling(tmp_path, tmp_path / "fit")
+    assert len(points) == 3 and [p.name for p, _ in skipped] == ["3"]
+    saved = strict_json(out / "scaling.json")
+    (fit,) = saved["fits"].values()
+    assert fit["intervals"] == {"E": None, "A": None, "alpha": None}
+    assert fit["intervals_missing"] == ["E", "A", "alpha"]
+    assert fit["intervals_missing_reason"] == scaling.NO_INTERVALS
+    assert saved["skipped"] == [[str(tmp_path / "3"), "diverged (final validation loss inf)"]]
 
 
 def test_unfinished_and_diverged_runs_are_left_out(tmp_path, monkeypatch):

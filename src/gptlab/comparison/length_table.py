@@ -7,7 +7,6 @@ at the training context, then the name."""
 
 from __future__ import annotations
 
-import json
 import math
 from collections import defaultdict
 from collections.abc import Sequence
@@ -18,6 +17,7 @@ import numpy as np
 
 from gptlab.errors import DataError
 from gptlab.evaluation.long_context import row_name
+from gptlab.runs.jsonfile import all_figures_as_json, read_figure, write_json
 from gptlab.runs.layout import EVAL_LENGTH_DIR, LENGTH_FILE, Run, find_run_dirs
 
 
@@ -50,6 +50,8 @@ def label(result: dict[str, Any], run: Run, condition: str) -> dict[str, Any]:
 METRICS = {"loss": "validation loss (nats)", "bpb": "validation bits per byte"}
 # The cell of a study that measured the loss but not the metric shown (bits per byte, before gptlab had them).
 NOT_RECORDED = "not recorded"
+# The cell of a factor no run of the row was evaluated at (runs with different eval_length.factors).
+NOT_MEASURED = "no run of this row was evaluated at this length"
 
 
 def metric_for(results: list[dict[str, Any]]) -> str:
@@ -77,14 +79,16 @@ def aggregate(results: list[dict[str, Any]], metric: str = "loss") -> dict[str, 
                 scaled.add(name)
             merged = {**base, **entries}  # a scaled variant is the model as trained at 1x
             for factor, entry in merged.items():
-                if metric in entry:
-                    losses[name][int(factor)].append(entry[metric])
+                # a diverged run's figures are "nan" or "inf" (gptlab.runs.jsonfile), older files' bare NaN
+                if (figure := read_figure(entry.get(metric))) is not None:
+                    losses[name][int(factor)].append(figure)
                 elif "error" in entry:
                     errors[name][int(factor)] = entry["error"]
                 elif "loss" in entry:  # a study from before bits per byte were measured
                     errors[name][int(factor)] = NOT_RECORDED
             longest = max((e for e in merged.values() if "loss_by_position" in e), key=lambda e: e["context"])
-            curves[name].append(np.asarray(longest["loss_by_position"]))
+            position_losses = [read_figure(v) for v in longest["loss_by_position"]]
+            curves[name].append(np.asarray([math.nan if v is None else v for v in position_losses]))
     table: dict[str, dict[int, dict[str, Any]]] = {}
     first = min(factors)
 
@@ -96,11 +100,11 @@ def aggregate(results: list[dict[str, Any]], metric: str = "loss") -> dict[str, 
         table[name] = {}
         for f in sorted(factors):
             values = losses[name].get(f, [])
-            table[name][f] = {
-                "mean": float(np.mean(values)) if values else math.nan,
-                "std": float(np.std(values, ddof=1)) if len(values) > 1 else 0.0,
+            table[name][f] = {  # no run measured it: mean and std missing (None), the reason in error
+                "mean": float(np.mean(values)) if values else None,
+                "std": (float(np.std(values, ddof=1)) if len(values) > 1 else 0.0) if values else None,
                 "n": len(values),
-                "error": errors[name].get(f),
+                "error": errors[name].get(f) or (None if values else NOT_MEASURED),
             }
     lengths = {name: min(len(c) for c in cs) for name, cs in curves.items()}
     by_position = {name: np.mean([c[: lengths[name]] for c in cs], axis=0) for name, cs in curves.items()}
@@ -140,7 +144,13 @@ def format_table(summary: dict[str, Any]) -> str:
                     cells.append(f"{cell['mean']:.3f} ± {cell['std']:.3f}")
                 else:
                     error = cell["error"]
-                    cells.append((error if error == NOT_RECORDED else "cannot run") if error else "")
+                    cells.append(
+                        error
+                        if error == NOT_RECORDED
+                        else ""
+                        if error in (None, NOT_MEASURED)
+                        else "cannot run"
+                    )
             lines.append(f"| {name} | {seeds} | " + " | ".join(cells) + " |")
         tables.append("\n".join(lines))
     return "\n\n".join(tables)
@@ -175,10 +185,15 @@ def plot_summary(summary: dict[str, Any], path: str | Path) -> Path:
     right.set_xlabel("token position (longest context each scheme ran at)")
     right.set_title("Loss by token position, mean over seeds")
     left.legend(fontsize=7, ncol=2)
-    ylo = min(c["mean"] for row in summary["table"].values() for c in row.values() if c["n"])
-    left.set_ylim(bottom=ylo - 0.1, top=min(left.get_ylim()[1], ylo + 3))
-    position_lo = min(float(np.min(c)) for c in summary["by_position"].values())
-    right.set_ylim(bottom=position_lo - 0.3, top=min(right.get_ylim()[1], position_lo + 3))
+    # the axes' range from the finite figures: a diverged run's inf or NaN is drawn off the chart, not at 0
+    means = [c["mean"] for row in summary["table"].values() for c in row.values() if c["n"]]
+    if finite := [m for m in means if math.isfinite(m)]:
+        ylo = min(finite)
+        left.set_ylim(bottom=ylo - 0.1, top=min(left.get_ylim()[1], ylo + 3))
+    positions = [c[np.isfinite(c)] for c in summary["by_position"].values()]
+    if finite_positions := [c for c in positions if c.size]:
+        position_lo = min(float(np.min(c)) for c in finite_positions)
+        right.set_ylim(bottom=position_lo - 0.3, top=min(right.get_ylim()[1], position_lo + 3))
     return save_figure(fig, path, dpi=80)
 
 
@@ -202,7 +217,9 @@ def summarize(
     out["table"] = {n: {str(f): c for f, c in row.items()} for n, row in summary["table"].items()}
     folder = Path(out_dir or sweep_dirs[0])
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "length_summary.json").write_text(json.dumps(out, indent=1))
+    # strict JSON (gptlab.runs.jsonfile): a diverged run's mean as "inf" or "nan"; a cell no run measured
+    # has mean and std null, the reason in its error
+    write_json(folder / "length_summary.json", all_figures_as_json(out))
     if plot is not None:
         plot_summary(summary, plot)
     return format_table(summary)

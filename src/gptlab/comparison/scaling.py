@@ -23,7 +23,6 @@ cover it in about 95% (``tests/test_scaling.py``, docs/studies.md).
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -33,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from gptlab.errors import DataError
+from gptlab.runs.jsonfile import all_figures_as_json, write_json
 
 # Overrides that set the size of a model: not part of a condition.
 SIZE_KEYS = ("model", "model.n_embd", "model.n_layer", "model.n_head", "model.mlp_ratio", "model.n_kv_head")
@@ -434,10 +434,28 @@ def write_fits(
         "![scaling](scaling.png)\n"
     )
     payload: dict[str, Any] = {
-        "fits": {c: asdict(f) for c, f in fits.items()},
+        "fits": {c: fit_as_json(f) for c, f in fits.items()},
         "points": [asdict(p) for p in points],
         "skipped": [[str(p), why] for p, why in skipped],
         "confidence": confidence,
     }
-    (out / "scaling.json").write_text(json.dumps(payload, indent=2))
+    # strict JSON (gptlab.runs.jsonfile), written whole: a figure that is not finite as "inf"/"nan"
+    write_json(out / "scaling.json", all_figures_as_json(payload))
     return fits
+
+
+# Why a fit has no intervals: the profile's threshold needs a residual degree of freedom.
+NO_INTERVALS = "no more runs than the fit's 3 parameters (E, A, alpha): no residual to size an interval on"
+NO_INTERVAL = "the profile likelihood is below its threshold nowhere inside the bounds"
+
+
+def fit_as_json(fit: PowerLawFit) -> dict[str, Any]:
+    """A fit as ``scaling.json`` writes it: each of E, A and alpha has an interval, ``null`` where none was
+    found, named in ``intervals_missing`` with the reason in ``intervals_missing_reason``."""
+    out = asdict(fit)
+    out["intervals"] = {name: fit.intervals.get(name) for name in ("E", "A", "alpha")}
+    missing = [name for name, bounds in out["intervals"].items() if bounds is None]
+    if missing:
+        out["intervals_missing"] = missing
+        out["intervals_missing_reason"] = NO_INTERVALS if fit.n_points <= 3 else NO_INTERVAL
+    return out

@@ -36,6 +36,7 @@ from lm_eval.api.registry import register_model
 from gptlab.errors import ConfigError, DataError
 from gptlab.evaluation.downstream import flat_metrics
 from gptlab.model.gpt import GPT, KVCache, sample_next
+from gptlab.runs.jsonfile import all_figures_as_json, write_json, write_json_lines
 from gptlab.tracking.studies import StudyTable, log_harness_results
 
 log = logging.getLogger(__name__)
@@ -310,7 +311,9 @@ def evaluate(
         if folder is not None:
             record["wandb_run"] = str(folder)
     path_out = out_dir / "results.json"
-    path_out.write_text(json.dumps(record, indent=1, default=lm_utils.handle_non_serializable))
+    # strict JSON (gptlab.runs.jsonfile), written whole: a diverged model's scores (a NaN perplexity, an
+    # infinite one) as "nan" and "inf"; the harness's own "N/A" standard errors kept as it writes them
+    write_json(path_out, all_figures_as_json(record, default=lm_utils.handle_non_serializable))
     return record, path_out
 
 
@@ -393,11 +396,11 @@ def _warn_out_of_vocabulary(lm: GptlabLM, out_of_vocabulary: dict[str, int]) -> 
 
 
 def _write_samples(out_dir: Path, samples: dict[str, Any]) -> None:
-    """Write each task's logged samples to ``samples_<task>.jsonl`` in ``out_dir``."""
+    """Write each task's logged samples to ``samples_<task>.jsonl`` in ``out_dir``: strict JSON a line, each
+    file whole; a non-finite log-likelihood as "nan", "inf" or "-inf" (gptlab.runs.jsonfile)."""
     for task, rows in samples.items():
-        with open(out_dir / f"samples_{task}.jsonl", "w") as f:
-            for row in rows:
-                f.write(json.dumps(row, default=lm_utils.handle_non_serializable) + "\n")
+        converted = [all_figures_as_json(row, default=lm_utils.handle_non_serializable) for row in rows]
+        write_json_lines(out_dir / f"samples_{task}.jsonl", converted)
 
 
 def harness_table(metrics: dict[str, float]) -> StudyTable:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import shlex
 import time
 from collections.abc import Callable, Sequence
@@ -26,10 +25,11 @@ import torch.nn.functional as F
 from gptlab.data.tokenizers import TokenBytes, Tokenizer, bits_per_byte
 from gptlab.errors import EvaluationStopped
 from gptlab.evaluation import passkey, plots
+from gptlab.evaluation.long_context import perplexity
 from gptlab.evaluation.options import ROPE_SCALINGS, LengthEvalOptions
 from gptlab.model import attention
 from gptlab.model.gpt import GPT
-from gptlab.runs.jsonfile import write_json
+from gptlab.runs.jsonfile import all_figures_as_json, write_json
 from gptlab.runs.layout import EVAL_LENGTH_DIR, LENGTH_FILE
 from gptlab.tracking.studies import LengthStudy, StudyTable, log_length_study, log_length_study_as_new_run
 
@@ -237,7 +237,7 @@ def _score_at_length(
     loss = float(by_position.mean())
     return {
         "loss": loss,
-        "ppl": math.exp(loss),
+        "ppl": perplexity(loss),
         "windows": windows,
         "tokens": windows * context,
         "seconds": time.perf_counter() - t0,
@@ -336,7 +336,9 @@ def write_outputs(result: dict[str, Any], out_dir: str | Path) -> list[Path]:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / RESULT_FILE
-    write_json(path, result)  # strict JSON, whole or not at all: never a part that reads as a shorter study
+    # strict JSON, a diverged model's figures (a NaN loss, an infinite perplexity) as "nan" and "inf"; whole or
+    # not at all: never a part that reads as a shorter study
+    write_json(path, all_figures_as_json(result))
     return [path, *plots.plot_length_result(result, out_dir)]
 
 
@@ -398,7 +400,7 @@ def evaluate_run(
         )
         if wandb_run_dir is not None:
             result["wandb_run"] = str(wandb_run_dir)
-            write_json(out_dir / RESULT_FILE, result)
+            write_json(out_dir / RESULT_FILE, all_figures_as_json(result))
     return result, paths
 
 

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from gptlab.evaluation import passkey
+from gptlab.runs.jsonfile import figures_from_json
 from gptlab.runs.layout import EVAL_LENGTH_DIR, Run
 
 PASSKEY_FILE = Path(EVAL_LENGTH_DIR) / passkey.RESULT_FILE
@@ -24,6 +25,15 @@ def factor_of(key: str) -> float:
     """The multiple of the training context a column or series key names: ``"ppl@2x"``, ``"passkey@2x"``
     -> 2.0 (what the comparison table sorts its columns by, and the figures' x axis)."""
     return float(key.split("@", 1)[1].rstrip("x"))
+
+
+def perplexity(loss: float) -> float:
+    """exp(``loss``): inf where it overflows a float (a loss above about 709 nats, a badly diverged model's),
+    NaN for a NaN loss."""
+    try:
+        return math.exp(loss)
+    except OverflowError:  # math.exp raises where numpy's would give inf
+        return math.inf
 
 
 def read_length_study(run_dir: str | Path) -> dict[str, float | None]:
@@ -39,9 +49,16 @@ def read_length_study(run_dir: str | Path) -> dict[str, float | None]:
         entry = entries.get(str(factor), {})
         ppl, loss = entry.get("ppl"), entry.get("loss")
         if ppl is None and isinstance(loss, int | float):  # a study that wrote the loss alone
-            ppl = math.exp(loss) if loss < 700 else math.inf
+            ppl = perplexity(loss)
         out[f"ppl@{factor}x"] = float(ppl) if isinstance(ppl, int | float) and math.isfinite(ppl) else None
     return out
+
+
+def read_passkey_file(path: Path) -> dict[str, Any]:
+    """A ``passkey.json``, its non-finite figures (a diverged model's key log-probability, written ``"nan"``:
+    :mod:`gptlab.runs.jsonfile`) as floats."""
+    data: dict[str, Any] = figures_from_json(json.loads(path.read_text()))
+    return data
 
 
 def read_passkey(run_dir: str | Path) -> dict[str, float | None]:
@@ -50,7 +67,7 @@ def read_passkey(run_dir: str | Path) -> dict[str, float | None]:
     path = Path(run_dir) / PASSKEY_FILE
     if not path.is_file():
         return {}
-    data = json.loads(path.read_text())
+    data = read_passkey_file(path)
     return {
         f"passkey@{factor}x": data.get("metrics", {}).get(f"passkey/acc@{factor}x")
         for factor in data["factors"]
@@ -62,7 +79,7 @@ def read_key_logprob(run_dir: str | Path) -> dict[str, float | None]:
     path = Path(run_dir) / PASSKEY_FILE
     if not path.is_file():
         return {}
-    data = json.loads(path.read_text())
+    data = read_passkey_file(path)
     return {
         f"key_logprob@{f}x": data.get("metrics", {}).get(f"passkey/key_logprob@{f}x") for f in data["factors"]
     }
@@ -169,7 +186,7 @@ def collect_passkey(
             job_dir = p.parents[len(PASSKEY_FILE.parts) - 1]
             if any(part.startswith(".") for part in job_dir.relative_to(d).parts):
                 continue  # a run moved aside (.replaced/)
-            result = {**json.loads(p.read_text()), "job_dir": str(job_dir)}
+            result = {**read_passkey_file(p), "job_dir": str(job_dir)}
             if conditions and job_dir in conditions:
                 result["condition"] = conditions[job_dir]
             found.append(result)

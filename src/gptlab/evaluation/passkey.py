@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from gptlab.data.tokenizers import Tokenizer
 from gptlab.evaluation.options import PasskeyOptions
 from gptlab.model.gpt import GPT, KVCache
-from gptlab.runs.jsonfile import dumps
+from gptlab.runs.jsonfile import all_figures_as_json, write_json
 from gptlab.tracking.studies import StudyTable
 
 log = logging.getLogger(__name__)
@@ -333,7 +333,8 @@ def write_outputs(result: dict[str, Any], out_dir: str | Path) -> list[Path]:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     json_path = out_dir / RESULT_FILE
-    json_path.write_text(dumps(result))
+    # strict JSON, whole or not at all; a diverged model's key log-probability (NaN) as "nan"
+    write_json(json_path, all_figures_as_json(result))
     md_path = out_dir / "passkey.md"
     md_path.write_text(format_table(result) + "\n")
     from gptlab.evaluation.plots import plot_passkey_heatmap

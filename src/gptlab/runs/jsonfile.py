@@ -1,6 +1,9 @@
 """The JSON files of a run directory (its result, its identity, the scores of its best checkpoints: the
-names are :mod:`gptlab.runs.layout`'s; word2vec's ``metrics.json`` and ``evaluation.json``), written as strict
-JSON that any reader parses (jq, JavaScript's ``JSON.parse``, a dashboard), and their numbers read back.
+names are :mod:`gptlab.runs.layout`'s; word2vec's ``metrics.json`` and ``evaluation.json``; the studies'
+``length.json``, ``passkey.json`` and lm-eval's ``results.json`` with its samples) and every other JSON file
+gptlab writes (a sweep's ``length_summary.json`` and ``scaling.json``, the scripts' reports), written as
+strict JSON that any reader parses (jq, JavaScript's ``JSON.parse``, a dashboard), and their numbers read
+back.
 
 JSON has no NaN or infinity: Python's ``json`` writes them as the bare tokens ``NaN`` and ``Infinity``, which
 every strict parser refuses, and with them the whole file. The project's one convention for a figure:
@@ -13,8 +16,10 @@ every strict parser refuses, and with them the whole file. The project's one con
 
 Every writer here refuses NaN and infinity (``allow_nan=False``): a writer converts the figures it knows may
 be non-finite with :func:`figures_as_json`, and any other non-finite number raises ``ValueError`` (in the
-tests) rather than writing a file no strict reader opens. Files written before this convention, holding
-bare ``NaN`` tokens, still read: Python's ``json`` parses them, and :func:`read_figure` reads every form.
+tests) rather than writing a file no strict reader opens; a file whose every number is a figure (a study's
+results) is converted whole with :func:`all_figures_as_json` and read back with :func:`figures_from_json`.
+Files written before this convention, holding bare ``NaN`` tokens, still read: Python's ``json`` parses
+them, and :func:`read_figure` reads every form.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import json
 import math
 import os
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +48,37 @@ def figure_as_json(value: Any) -> float | str | None:
 def figures_as_json(figures: Mapping[str, Any]) -> dict[str, float | str | None]:
     """A map of figures (metrics, scores) as the convention writes them (:func:`figure_as_json`)."""
     return {name: figure_as_json(value) for name, value in figures.items()}
+
+
+def all_figures_as_json(data: Any, default: Callable[[Any], Any] | None = None) -> Any:
+    """``data`` (dicts, lists and tuples of JSON values, nested) with every float in it as
+    :func:`figure_as_json` writes it, for files whose every number is a figure (a study's results, a harness's
+    scores); strings, ints, bools and None are kept as they are. ``default``: what an object JSON has no form
+    for becomes (a numpy scalar, a set), converted in turn; without it such an object raises ``TypeError``."""
+    if isinstance(data, float):
+        return figure_as_json(data)
+    if data is None or isinstance(data, (str, int, bool)):
+        return data
+    if isinstance(data, Mapping):
+        return {key: all_figures_as_json(value, default) for key, value in data.items()}
+    if isinstance(data, (list, tuple)):
+        return [all_figures_as_json(value, default) for value in data]
+    if default is None:
+        raise TypeError(f"{type(data).__name__} {data!r} has no JSON form")
+    return all_figures_as_json(default(data), default)
+
+
+def figures_from_json(data: Any) -> Any:
+    """``data`` as read from a file of this convention with every non-finite figure's string (``"inf"``,
+    ``"nan"``, ...) back as its float, anywhere in it (nested dicts and lists): what the file's readers had
+    from an older file's bare tokens. A missing figure (``null``) stays None; other strings are kept."""
+    if isinstance(data, str):
+        return float(data) if data.strip().lower() in NON_FINITE_TEXT else data
+    if isinstance(data, dict):
+        return {key: figures_from_json(value) for key, value in data.items()}
+    if isinstance(data, list):
+        return [figures_from_json(value) for value in data]
+    return data
 
 
 # How a non-finite figure may be spelled: this convention's, and what other writers (Lightning's CSV, numpy,
@@ -73,8 +109,19 @@ def write_json(path: str | Path, data: Any, sort_keys: bool = False) -> Path:
     """Write ``data`` to ``path`` as strict JSON (:func:`dumps`), whole or not at all: a temporary file beside
     it renamed over it, removed again when the write fails (a full disk, a NaN). Nothing is written when
     ``data`` does not serialize."""
-    path = Path(path)
-    text = dumps(data, sort_keys=sort_keys)  # first: a NaN raises before any file is touched
+    return _write_whole(
+        Path(path), dumps(data, sort_keys=sort_keys)
+    )  # a NaN raises before any file is touched
+
+
+def write_json_lines(path: str | Path, rows: Iterable[Any]) -> Path:
+    """Write ``rows`` to ``path`` one strict JSON value a line (JSON Lines: an lm-eval task's samples), whole
+    or not at all, as :func:`write_json` does."""
+    return _write_whole(Path(path), "".join(dumps(row, indent=None) + "\n" for row in rows))
+
+
+def _write_whole(path: Path, text: str) -> Path:
+    """``text`` to ``path`` through a temporary file beside it renamed over it (removed when the write fails)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:

@@ -42,7 +42,7 @@ from typing import Any
 
 import yaml
 
-from gptlab.runs.jsonfile import figures_as_json, write_json
+from gptlab.runs.jsonfile import figures_as_json, figures_from_json, write_json
 
 HYDRA_DIR = ".hydra"
 OVERRIDES_FILE = f"{HYDRA_DIR}/overrides.yaml"
@@ -350,8 +350,9 @@ class Run:
         return write_json(self.result_file, result, sort_keys=True)
 
     def length_result(self) -> dict[str, Any] | None:
-        """The length study's output (``eval_length/length.json``), or None."""
-        return _read_json(length_file(self.path))
+        """The length study's output (``eval_length/length.json``), or None; a diverged model's figures
+        (written ``"inf"``, ``"nan"``: :mod:`gptlab.runs.jsonfile`) as floats, a missing one as None."""
+        return figures_from_json(_read_json(length_file(self.path)))
 
     # ---- checkpoints -----------------------------------------------------------------------------
     def last_checkpoint(self) -> Path | None:

@@ -31,6 +31,8 @@ from pathlib import Path
 
 import torch
 
+from gptlab.runs.jsonfile import dumps, figure_as_json
+
 log = logging.getLogger(__name__)
 
 TERA = 1e12
@@ -168,10 +170,12 @@ def record_calibration(path: Path, key: str, measured: float) -> float:
             entry = table.get(key)
             if isinstance(entry, dict) and float(entry.get("flops", 0)) >= measured:
                 return float(entry["flops"])
-            table[key] = {"flops": measured, "measured": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+            # strict JSON (gptlab.runs.jsonfile): a figure that is not finite as "inf"/"nan", which float() reads
+            flops = figure_as_json(measured)
+            table[key] = {"flops": flops, "measured": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
             fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
             with os.fdopen(fd, "w") as f:
-                json.dump(table, f, indent=1, sort_keys=True)
+                f.write(dumps(table, sort_keys=True))
             os.replace(tmp, path)
             return measured
     except OSError as e:
