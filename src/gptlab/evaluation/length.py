@@ -123,7 +123,7 @@ def evaluate_lengths(
     """Loss, perplexity, bits per byte (with the ``tokenizer`` the tokens come from) and loss by position at
     each factor of ``train_context``, for the model as trained and with each context-scaling method its scheme
     has. ``tokens``: the flat validation token ids. ``interrupting``: where a stop signal ends the work at once
-    (:meth:`gptlab.tasks.skeleton.StopSignals.interrupting`); it comes out as :class:`StudyStopped`, with the
+    (:meth:`gptlab.runs.signals.StopSignals.interrupting`); it comes out as :class:`StudyStopped`, with the
     entries finished."""
     options = options or LengthEvalOptions()
     token_bytes = TokenBytes.of(tokenizer) if tokenizer is not None else None
@@ -418,7 +418,7 @@ def after_training(
     ``<run dir>/eval_length/`` and log to the run's own W&B run when it has one. ``prepared``: the run's
     ``PreparedCorpus``; ``passkey_options``: None for no passkey study.
 
-    ``interrupting`` (:meth:`gptlab.tasks.skeleton.StopSignals.interrupting`): a stop signal ends the
+    ``interrupting`` (:meth:`gptlab.runs.signals.StopSignals.interrupting`): a stop signal ends the
     scoring at once, with :class:`StudyStopped` (what was finished, what is missing); one that comes while a
     file is written waits for it (``length.json`` whole; the passkey study does not start). Nothing of a
     stopped part is written, and nothing is logged."""

@@ -28,9 +28,9 @@ from gptlab.runs.identity import launched_rank
 from gptlab.runs.layout import LAST_CHECKPOINT
 from gptlab.runs.naming import is_multirun
 from gptlab.runs.resume import ResumePlan, confirm_resume, plan_resume
+from gptlab.runs.signals import StopSignals
 from gptlab.tasks.skeleton import (
     RunSession,
-    StopSignals,
     end_sweep_if_signalled,
     matmul_advice_for,
     quiet_launched_ranks,

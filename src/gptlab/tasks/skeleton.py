@@ -27,7 +27,6 @@ import logging
 import math
 import random
 import signal
-import threading
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
@@ -37,7 +36,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from gptlab.config import RunSettings
-from gptlab.errors import EvaluationStopped, SweepStopped
+from gptlab.errors import SweepStopped
 from gptlab.runs.identity import release_run_dir
 from gptlab.runs.jsonfile import figures_as_json
 from gptlab.runs.layout import Run, git_commit, read_run_info, result_file
@@ -345,53 +344,6 @@ class RunSession:
 
 # A part's own figures, kept per part in result.json (wall time and rates); the run's are combined from them.
 PART_FIGURES = ("wall_seconds", "tokens_per_second_wall", "tokens_per_second_training")
-
-
-class StopSignals:
-    """SIGTERM and SIGINT (Ctrl-C) caught while it is installed (``with signals:``): each is noted
-    (``received``, the first one kept) and acted on where the run can stop cleanly. Work outside
-    :meth:`interrupting` (a checkpoint, ``embeddings.txt``, ``length.json``) is finished and written whole;
-    inside it (an evaluation after training, minutes on a large vocabulary or a long context) a signal ends the
-    work at once with :class:`~gptlab.errors.EvaluationStopped`. word2vec's trainer also stops at its next
-    checkpoint. Handlers can be set in the main thread only: elsewhere nothing is caught."""
-
-    SIGNALS = (signal.SIGTERM, signal.SIGINT)
-
-    def __init__(self) -> None:
-        self.received: int | None = None
-        self._interrupting = False
-        self._previous: dict[int, Any] = {}
-
-    def __enter__(self) -> StopSignals:
-        if threading.current_thread() is threading.main_thread():
-            for s in self.SIGNALS:
-                self._previous[s] = signal.getsignal(s)
-                signal.signal(s, self._handle)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for s, previous in self._previous.items():
-            signal.signal(s, previous if previous is not None else signal.SIG_DFL)
-        self._previous.clear()
-
-    def _handle(self, signum: int, frame: Any) -> None:
-        if self.received is None:
-            self.received = signum
-        if self._interrupting:
-            self._interrupting = False
-            raise EvaluationStopped(signum)
-
-    @contextmanager
-    def interrupting(self) -> Iterator[None]:
-        """Work a signal ends at once (:class:`~gptlab.errors.EvaluationStopped`), or never starts when one
-        came before."""
-        if self.received is not None:
-            raise EvaluationStopped(self.received)
-        self._interrupting = True
-        try:
-            yield
-        finally:
-            self._interrupting = False
 
 
 def end_sweep_if_signalled(signum: int | None, run_dir: Path) -> None:

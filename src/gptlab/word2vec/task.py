@@ -34,7 +34,7 @@ from gptlab.runs import digests, layout
 from gptlab.runs.checkpoints import RESUME_INSTEAD, load_checkpoint
 from gptlab.runs.jsonfile import figure_as_json, figures_as_json, write_json
 from gptlab.runs.resume import ResumePlan
-from gptlab.tasks.skeleton import StopSignals
+from gptlab.runs.signals import StopSignals
 from gptlab.word2vec import evaluation
 from gptlab.word2vec.config import Word2VecOptions
 from gptlab.word2vec.corpus import WordCorpus
