@@ -45,7 +45,10 @@ def test_survivors_of_start_up_collections_are_frozen_until_the_loop_and_handed_
         frozen = gc.get_freeze_count()
         looping = Node()
         gc.collect()
-        assert gc.get_freeze_count() == frozen  # the loop's objects are the default collector's
+        # the loop's objects are the default collector's: nothing more is frozen (the count may fall: a frozen
+        # object that another test's thread releases meanwhile leaves the frozen generation), and the loop's
+        # garbage is collected, below
+        assert gc.get_freeze_count() <= frozen
         looping_ref = weakref.ref(looping)
         del looping
         gc.collect()
