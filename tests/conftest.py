@@ -4,6 +4,7 @@ import importlib.util
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -251,3 +252,39 @@ def tiny_sweep(tmp_path_factory) -> tuple[Path, Path, subprocess.CompletedProces
     sweep_dir = root / "multirun" / "tiny_pos"
     proc = run_train(["-m", *SWEEP, f"paths.root_dir={root}", f"hydra.sweep.dir={sweep_dir}"], cwd=root)
     return root, sweep_dir, proc
+
+
+def signal_when_held(
+    args: list[str],
+    cwd: Path | str,
+    fault: str,
+    ready: tuple[str, ...],
+    signum: int,
+    timeout: float = 500,
+    env: dict[str, str] | None = None,
+) -> tuple[int, str]:
+    """Run ``python train.py <args>`` through tests/faults.py with ``GPTLAB_TEST_FAULT=fault`` (a hook that
+    prints a line and holds the run where the test wants it), and send ``signum`` once a line of the output
+    starts with one of ``ready``: no timing is assumed. Returns (exit status, the whole output)."""
+    proc = subprocess.Popen(
+        [sys.executable, str(ROOT / "tests" / "faults.py"), *args],
+        cwd=cwd,
+        env={**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1", "GPTLAB_TEST_FAULT": fault},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    lines: list[str] = []
+
+    def watch() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith(ready):
+                proc.send_signal(signum)
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    proc.wait(timeout=timeout)
+    thread.join(timeout=30)
+    return proc.returncode, "".join(lines)

@@ -9,13 +9,12 @@ import shlex
 import signal
 import subprocess
 import sys
-import threading
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import ROOT, run_train, strict_json
+from conftest import ROOT, run_train, signal_when_held, strict_json
 
 from gptlab.comparison import length_table as sweep
 from gptlab.comparison.records import read_run_dir
@@ -487,33 +486,10 @@ def stop_during_study(args: list[str], cwd, hold: str, signum: int) -> tuple[int
     """Run ``python train.py <args>`` through tests/faults.py, which holds the length study after training
     (``hold_eval_length:<hold>``), and send ``signum`` once the process says the study is under way: (exit
     status, output)."""
-    proc = subprocess.Popen(
-        [sys.executable, str(ROOT / "tests" / "faults.py"), *args],
-        cwd=cwd,
-        env={
-            **os.environ,
-            "PYTHONUNBUFFERED": "1",
-            "OMP_NUM_THREADS": "1",
-            "GPTLAB_TEST_FAULT": f"hold_eval_length:{hold}",
-        },
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
+    ready = ("length study under way", "passkey study under way")
+    return signal_when_held(
+        args, cwd, f"hold_eval_length:{hold}", ready, signum, env={"OMP_NUM_THREADS": "1"}
     )
-    lines: list[str] = []
-
-    def watch() -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            lines.append(line)
-            if line.startswith(("length study under way", "passkey study under way")):
-                proc.send_signal(signum)
-
-    thread = threading.Thread(target=watch, daemon=True)
-    thread.start()
-    proc.wait(timeout=500)
-    thread.join(timeout=30)
-    return proc.returncode, "".join(lines)
 
 
 def study_figures(metrics: dict) -> dict:

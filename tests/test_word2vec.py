@@ -19,7 +19,7 @@ import time
 import numpy as np
 import pytest
 import torch
-from conftest import ROOT, TINY, needs_gensim, run_train, strict_json
+from conftest import ROOT, TINY, needs_gensim, run_train, signal_when_held, strict_json
 
 from gptlab.data.corpus import DataSpec
 from gptlab.errors import ConfigError, DataError
@@ -672,27 +672,8 @@ def test_a_killed_run_resumes_and_ends_with_the_uninterrupted_vectors(tmp_path):
 def stop_during_evaluation(args: list[str], cwd, signum: int) -> tuple[int, str]:
     """Run ``python train.py <args>`` (through tests/faults.py, which holds word2vec's evaluation open once it
     has begun) and send ``signum`` when the process says its evaluation is under way: (exit status, output)."""
-    proc = subprocess.Popen(
-        [sys.executable, str(ROOT / "tests" / "faults.py"), *args],
-        cwd=cwd,
-        env={**os.environ, "PYTHONUNBUFFERED": "1", "GPTLAB_TEST_FAULT": "hold_word2vec_evaluation"},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    lines: list[str] = []
-
-    def watch() -> None:
-        for line in proc.stdout:
-            lines.append(line)
-            if line.startswith("word2vec evaluation under way"):
-                proc.send_signal(signum)
-
-    thread = threading.Thread(target=watch, daemon=True)
-    thread.start()
-    proc.wait(timeout=400)
-    thread.join(timeout=30)
-    return proc.returncode, "".join(lines)
+    ready = ("word2vec evaluation under way",)
+    return signal_when_held(args, cwd, "hold_word2vec_evaluation", ready, signum, timeout=400)
 
 
 @needs_gensim
