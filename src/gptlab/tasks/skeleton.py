@@ -133,7 +133,10 @@ def matmul_advice_for(precision: Any) -> Iterator[None]:
     dropped) still shows it, in its own log file."""
     from lightning.fabric.accelerators import cuda
 
-    cuda._check_cuda_matmul_precision.cache_clear()
+    # a Lightning without the cached check (another version) has nothing to clear
+    clear = getattr(getattr(cuda, "_check_cuda_matmul_precision", None), "cache_clear", None)
+    if clear is not None:
+        clear()
     if precision == FP32_PRODUCTS_PRECISION:
         yield
         return
