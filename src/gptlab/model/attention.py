@@ -191,18 +191,16 @@ def compiled_flex_attention(
     the cause and the fix, and the result is the same."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    options = flex_kernel_options(q, k)
+    # the same call on each route: inside a compiled block, through its own compiled kernel, or uncompiled
+    arguments: dict[str, Any] = dict(
+        score_mod=score_mod,
+        block_mask=block_mask,
+        enable_gqa=enable_gqa,
+        scale=scale,
+        kernel_options=flex_kernel_options(q, k),
+    )
     if torch.compiler.is_compiling():  # inside a compiled block (compile=true): compiled with it
-        return flex_attention(
-            q,
-            k,
-            v,
-            score_mod=score_mod,
-            block_mask=block_mask,
-            enable_gqa=enable_gqa,
-            scale=scale,
-            kernel_options=options,
-        )
+        return flex_attention(q, k, v, **arguments)
     config = torch._dynamo.config
     saved = config.recompile_limit, config.fail_on_recompile_limit_hit
     # Set for this call only (not torch.compile's own recompile_limit, which torch 2.11 lacks): a raised
@@ -210,16 +208,7 @@ def compiled_flex_attention(
     config.recompile_limit = max(FLEX_RECOMPILE_LIMIT, saved[0])
     config.fail_on_recompile_limit_hit = True
     try:
-        return _compiled_flex_attention(FLEX_BACKEND)(
-            q,
-            k,
-            v,
-            score_mod=score_mod,
-            block_mask=block_mask,
-            enable_gqa=enable_gqa,
-            scale=scale,
-            kernel_options=options,
-        )
+        return _compiled_flex_attention(FLEX_BACKEND)(q, k, v, **arguments)
     except torch._dynamo.exc.FailOnRecompileLimitHit:
         shape = (
             tuple(q.shape),
@@ -240,16 +229,7 @@ def compiled_flex_attention(
                 tuple(q.shape),
                 shape[-1],
             )
-        return flex_attention(
-            q,
-            k,
-            v,
-            score_mod=score_mod,
-            block_mask=block_mask,
-            enable_gqa=enable_gqa,
-            scale=scale,
-            kernel_options=options,
-        )
+        return flex_attention(q, k, v, **arguments)
     finally:
         config.recompile_limit, config.fail_on_recompile_limit_hit = saved
 
