@@ -29,7 +29,9 @@ included, ends within ``WHOLE_RUN_S`` = 470 s, under 8 minutes, whatever hangs:
   side: tiny runs that leave the GPU idle);
 - ``word2vec``: ``task=word2vec`` on CUDA against the CPU, words/s;
 - ``main_command``: ``python train.py model=small pos=sinusoidal trainer.devices=1`` with every default, as
-  whole processes at 100 and 300 steps: the wall time of a step with start-up cancelled, and the final loss.
+  whole processes at 100 and 300 steps: the wall time of a step with start-up cancelled, and the final loss; and
+  at 300 steps with ``callbacks.last_checkpoint.background=false``: what a checkpoint written before the next
+  step costs against one written by the background thread.
 
 Everything goes to ``--out``: ``gpu_check.json`` (every figure, each section's status, seconds and error) and
 ``gpu_check.md`` (the table, also printed last), rewritten after each section; ``--summary DIR`` also puts those two
@@ -608,15 +610,20 @@ def section_main_command(ctx: Context) -> dict[str, Any]:
         "trainer.val_check_interval=4",
         "trainer.limit_val_batches=1",
         "callbacks.sample_generation.max_new_tokens=0",
+        "callbacks.last_checkpoint.every_n_train_steps=4",
     ]
     overrides = MAIN_COMMAND + (toy if ctx.smoke else [])
     config = _compose(*overrides)
     tokens_per_step = int(config.data.batch_size) * int(config.model.block_size)
     rows = []
-    for steps in (first, second):
-        work = ctx.out / "main_command" / f"steps{steps}"
+    # The third process: the longer run with each checkpoint written before the next step, as before
+    # callbacks.last_checkpoint.background (its difference from the second is what the thread saves).
+    foreground = "callbacks.last_checkpoint.background=false"
+    for steps, extra in ((first, []), (second, []), (second, [foreground])):
+        work = ctx.out / "main_command" / f"steps{steps}{'-foreground' if extra else ''}"
         args = [
             *overrides,
+            *extra,
             f"trainer.max_steps={steps}",
             f"paths.root_dir={work}",
             f"hydra.run.dir={work / 'run'}",
@@ -629,7 +636,8 @@ def section_main_command(ctx: Context) -> dict[str, Any]:
         head = re.search(r"Output layer and loss: (\w+)", out)
         rows.append(
             {
-                "command": "python train.py " + " ".join([*MAIN_COMMAND, f"trainer.max_steps={steps}"]),
+                "command": "python train.py "
+                + " ".join([*MAIN_COMMAND, *extra, f"trainer.max_steps={steps}"]),
                 "wall_s": round(wall, 2),
                 "final_val_loss": float(loss.group(1)) if loss else None,
                 "logged_training_rate": int(rate.group(1).replace(",", "")) if rate else None,
@@ -637,13 +645,18 @@ def section_main_command(ctx: Context) -> dict[str, Any]:
             }
         )
     step_s = (rows[1]["wall_s"] - rows[0]["wall_s"]) / (second - first)
+    saves = second // int(config.callbacks.last_checkpoint.every_n_train_steps)
     per_step = {
         "command": f"per step ({second} - {first} steps)",
         "step_ms": round(step_s * 1e3, 1),
         "tokens_per_s": round(tokens_per_step / step_s) if step_s > 0 else None,
     }
+    per_save = {
+        "command": f"per checkpoint written before the next step, against in the background ({saves} saves)",
+        "save_ms": round((rows[2]["wall_s"] - rows[1]["wall_s"]) / saves * 1e3, 1) if saves else None,
+    }
     ok = step_s > 0 and all(r["final_val_loss"] is not None for r in rows)
-    return {"ok": ok, "rows": [*rows, per_step], "tokens_per_step": tokens_per_step}
+    return {"ok": ok, "rows": [*rows, per_step, per_save], "tokens_per_step": tokens_per_step}
 
 
 def section_word2vec(ctx: Context) -> dict[str, Any]:
@@ -680,16 +693,17 @@ def section_word2vec(ctx: Context) -> dict[str, Any]:
 # Each section's time limit on the GPU (--cpu-smoke: times SMOKE_SLOWDOWN). Together 450 s: with the wheels'
 # install and the start, under the 8 minutes a GPU session can give the check and still rerun one section.
 # On an H100 at 7f508f2 they took 10.5, 115.0, 31.7, 17.1, 36.3, 37.3 and 8.7 s, 257 s in all; main_command
-# (two train.py processes) took 56 s. gpu_tests has since 8 more compiled tests (about 30 s over 6 workers).
+# (two train.py processes) took 56 s. gpu_tests has since 8 more compiled tests (about 30 s over 6 workers),
+# the loss section a compiled head, main_command a third process (300 steps, checkpoints in the foreground).
 SECTIONS = [
-    Section("environment", 25, section_environment),
-    Section("gpu_tests", 170, section_gpu_tests),
-    Section("gpt2", 45, section_gpt2),
-    Section("loss", 30, section_loss),
-    Section("attention", 50, section_attention),
-    Section("strategies", 50, section_strategies),
-    Section("word2vec", 15, section_word2vec),
-    Section("main_command", 65, section_main_command),
+    Section("environment", 20, section_environment),
+    Section("gpu_tests", 160, section_gpu_tests),
+    Section("gpt2", 40, section_gpt2),
+    Section("loss", 38, section_loss),
+    Section("attention", 42, section_attention),
+    Section("strategies", 42, section_strategies),
+    Section("word2vec", 13, section_word2vec),
+    Section("main_command", 95, section_main_command),
 ]
 
 

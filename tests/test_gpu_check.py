@@ -144,13 +144,17 @@ def test_the_main_command_section_times_a_step_from_two_whole_processes(gpu_chec
     ctx = gpu_check.Context(smoke=True, out=tmp_path, with_compile=False)
     result = gpu_check.run_section("main_command", ctx)
     assert result["status"] == "ok", result.get("traceback") or result.get("error") or result.get("rows")
-    first, second, per_step = result["rows"]
+    first, second, foreground, per_step, per_save = result["rows"]
     assert (
         first["command"] == "python train.py model=small pos=sinusoidal trainer.devices=1 trainer.max_steps=4"
     )
     assert second["command"].endswith("trainer.max_steps=12")
-    assert first["loss_impl"] == second["loss_impl"] == "chunked"
+    assert foreground["command"].endswith("callbacks.last_checkpoint.background=false trainer.max_steps=12")
+    assert first["loss_impl"] == second["loss_impl"] == foreground["loss_impl"] == "chunked"
     assert 0 < second["final_val_loss"] < first["final_val_loss"]  # the longer run trained further
+    # where the checkpoints are written changes nothing trained (on a CPU, bit for bit)
+    assert foreground["final_val_loss"] == second["final_val_loss"]
     assert per_step["step_ms"] > 0 and per_step["tokens_per_s"] == pytest.approx(
         result["tokens_per_step"] / (per_step["step_ms"] / 1e3), rel=0.01
     )
+    assert per_save["command"].endswith("(3 saves)") and isinstance(per_save["save_ms"], float)

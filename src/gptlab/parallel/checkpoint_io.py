@@ -22,7 +22,9 @@ import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -49,18 +51,122 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+class HostSnapshot:
+    """A point-in-time copy of a checkpoint in host memory, for a background write while training goes on.
+
+    Each tensor's storage is copied once, so that tensors sharing one (a tied embedding and head) still share
+    it in the file, as ``torch.save`` writes them. The copies go into buffers kept from one save to the next:
+    parameters and optimizer states keep their storages from step to step, so after the first save a copy
+    allocates nothing (on glibc, no page faults for large blocks; on a GPU host, no allocation per save).
+    Containers (dicts, lists, tuples) are rebuilt; other values are shared, as the objects Lightning puts in a
+    checkpoint are made for it. A tensor that is not a plain strided one (a DTensor, a sparse tensor) is copied
+    to the host as it is."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple[str, int, int], torch.UntypedStorage] = {}
+
+    def take(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
+        from lightning_utilities.core.apply_func import apply_to_collection
+
+        used: dict[tuple[str, int, int], torch.UntypedStorage] = {}
+
+        def copy(tensor: torch.Tensor) -> torch.Tensor:
+            if type(tensor) is not torch.Tensor or tensor.layout != torch.strided:
+                return tensor.detach().to("cpu", copy=True)
+            source = tensor.untyped_storage()
+            key = (str(tensor.device), source.data_ptr(), source.nbytes())
+            buffer = used.get(key)
+            if buffer is None:
+                buffer = self._buffers.get(key) or torch.UntypedStorage(source.nbytes())
+                buffer.copy_(source)
+                used[key] = buffer
+            view = torch.empty(0, dtype=tensor.dtype)
+            return view.set_(buffer, tensor.storage_offset(), tensor.size(), tensor.stride())
+
+        copied = apply_to_collection(checkpoint, torch.Tensor, copy)
+        self._buffers = used  # the buffers of storages gone since the last save are freed
+        return copied
+
+
 class AtomicCheckpointIO(TorchCheckpointIO):
     """Writes each checkpoint to a temporary file in the target's folder, fsyncs it, then renames it over the
     target with ``os.replace``: a process killed mid-write leaves the previous checkpoint intact (and at
     worst a stray ``.<name>.tmp-*`` file, which the next save of that name removes). The checkpoint's
-    digest is written beside it once it is in place."""
+    digest is written beside it once it is in place.
+
+    Inside :meth:`in_background` a save returns once the checkpoint is copied to host memory
+    (:class:`HostSnapshot`), and one worker thread writes, fsyncs, hashes and renames it while training goes
+    on. One write is in flight at most: the next save, :meth:`wait` and :meth:`teardown` wait for it first, and
+    a write that failed (a full disk) raises its error there, or at :meth:`raise_if_failed`, polled once a
+    step. A process killed while the thread writes leaves the previous checkpoint, as a kill during a save in
+    the foreground does; a process that exits otherwise finishes the write first (the thread is joined at
+    interpreter exit)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._background = False
+        self._worker: ThreadPoolExecutor | None = None
+        self._pending: Future[None] | None = None
+        self._snapshot = HostSnapshot()
+
+    @contextmanager
+    def in_background(self) -> Iterator[None]:
+        """Saves made inside this block are written by the worker thread."""
+        self._background = True
+        try:
+            yield
+        finally:
+            self._background = False
 
     def save_checkpoint(
         self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None
     ) -> None:
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__} takes no storage_options (got {storage_options!r}).")
-        target = Path(path)
+        self.wait()  # one write at a time, and the host copy's buffers are free again
+        if not self._background:
+            self._write(checkpoint, Path(path))
+            return
+        try:
+            copy = self._snapshot.take(checkpoint)
+        except (RuntimeError, MemoryError) as e:  # no host memory for a second copy: write it now
+            log.warning(
+                "%s written in the foreground: no copy in host memory for a background write (%s)", path, e
+            )
+            self._snapshot = HostSnapshot()
+            self._write(checkpoint, Path(path))
+            return
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gptlab-checkpoint-writer")
+        self._pending = self._worker.submit(self._write, copy, Path(path))
+
+    @property
+    def pending_write(self) -> Future[None] | None:
+        """The background write in flight (or finished and not yet waited for), None if there is none."""
+        return self._pending
+
+    def wait(self) -> None:
+        """Block until the write in flight, if any, is on disk; raise its error if it failed."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+
+    def raise_if_failed(self) -> None:
+        """Raise the error of a background write that has failed; return at once otherwise."""
+        if self._pending is not None and self._pending.done():
+            self.wait()
+
+    def teardown(self) -> None:
+        try:
+            self.wait()
+        finally:
+            if self._worker is not None:
+                self._worker.shutdown(wait=True)
+                self._worker = None
+            self._snapshot = HostSnapshot()  # the host buffers go with the run
+        super().teardown()
+
+    def _write(self, checkpoint: dict[str, Any], target: Path) -> None:
         target.parent.mkdir(parents=True, exist_ok=True)
         for stale in target.parent.glob(f".{target.name}.tmp-*"):
             if stale.is_file():

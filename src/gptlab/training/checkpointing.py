@@ -38,6 +38,7 @@ import math
 import os
 import random
 import signal
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -50,7 +51,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from gptlab.errors import ConfigError, NonFiniteLossError, signal_name
 from gptlab.parallel import hardware
-from gptlab.parallel.checkpoint_io import link_checkpoint
+from gptlab.parallel.checkpoint_io import AtomicCheckpointIO, link_checkpoint
 from gptlab.runs.layout import (
     BEST_FILENAME,
     BEST_PREFIX,
@@ -157,18 +158,31 @@ def restore_rng_states(states: dict[str, Any]) -> None:
 class PeriodicLastCheckpoint(ModelCheckpoint):
     """The last checkpoint (:func:`gptlab.runs.layout.last_checkpoint`), rewritten every
     ``every_n_train_steps`` optimizer steps and when training ends, so a SIGKILL loses at most that many
-    steps. It is always the same file (or, for a sharded strategy, directory; no ``-v1`` version), and a
-    state holding a NaN or infinite parameter on any rank is never written over it."""
+    steps (and the steps of a write in flight). It is always the same file (or, for a sharded strategy,
+    directory; no ``-v1`` version), and a state holding a NaN or infinite parameter on any rank is never
+    written over it.
+
+    With ``background`` (the default), the saves during training are written by a thread where the
+    checkpoint is one file written by rank 0 (:class:`gptlab.parallel.checkpoint_io.AtomicCheckpointIO`):
+    the step waits only for the copy to host memory. A save at the end of training, on a stop signal or
+    with a best checkpoint of the same step to link is written before the run goes on, as are sharded
+    directories (every rank writes its shards together)."""
 
     # Lightning names it CHECKPOINT_NAME_LAST + FILE_EXTENSION: the name gptlab.runs.layout gives it.
     CHECKPOINT_NAME_LAST = Path(LAST_CHECKPOINT).stem
     FILE_EXTENSION = Path(LAST_CHECKPOINT).suffix
 
-    def __init__(self, dirpath: str, every_n_train_steps: int = 50) -> None:
+    def __init__(self, dirpath: str, every_n_train_steps: int = 50, background: bool = True) -> None:
         if not isinstance(every_n_train_steps, int) or every_n_train_steps <= 0:
             raise ConfigError(
                 f"callbacks.last_checkpoint.every_n_train_steps={every_n_train_steps!r} must be a positive "
                 "integer (e.g. 50): it bounds the steps a killed run loses."
+            )
+        if not isinstance(background, bool):
+            raise ConfigError(
+                f"callbacks.last_checkpoint.background={background!r} must be true (write the checkpoints "
+                "saved during training in a thread, while training goes on) or false (write each before the "
+                "next step)."
             )
         super().__init__(
             dirpath=dirpath,
@@ -178,14 +192,43 @@ class PeriodicLastCheckpoint(ModelCheckpoint):
             save_on_train_epoch_end=False,
             enable_version_counter=False,
         )
+        self.background = background
         # The newest checkpoint written whole (or resumed from) and its step: what resume=auto continues from.
-        self.saved_path: Path | None = None
-        self.saved_step: int | None = None
+        self._saved: tuple[Path | None, int | None] = (None, None)
+        # A save handed to the background writer: its path, step and write, the newest once that succeeds.
+        self._queued: tuple[Path, int, Future[None]] | None = None
+
+    @property
+    def saved_path(self) -> Path | None:
+        return self._settled()[0]
+
+    @property
+    def saved_step(self) -> int | None:
+        return self._settled()[1]
+
+    def _settled(self) -> tuple[Path | None, int | None]:
+        """The newest checkpoint on disk whole, after the background write in flight, if any, has ended (its
+        error, if it failed, is left for the writer to raise)."""
+        if self._queued is not None:
+            path, step, write = self._queued
+            if write.exception() is None:
+                self._saved = (path, step)
+            self._queued = None
+        return self._saved
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         super().on_train_start(trainer, pl_module)
         if trainer.ckpt_path:
-            self.saved_path, self.saved_step = Path(trainer.ckpt_path), trainer.global_step
+            self._saved = (Path(trainer.ckpt_path), trainer.global_step)
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        writer = background_writer(trainer)
+        if writer is None or not self.background:
+            super().on_train_batch_end(trainer, pl_module, *args)
+            return
+        writer.raise_if_failed()  # a full disk stops the run at the step after the write that found it
+        with writer.in_background():
+            super().on_train_batch_end(trainer, pl_module, *args)
 
     def _save_last_checkpoint(self, trainer: L.Trainer, monitor_candidates: dict[str, Any]) -> None:
         # Every rank takes the same decision: the save that follows is collective for sharded strategies.
@@ -200,22 +243,41 @@ class PeriodicLastCheckpoint(ModelCheckpoint):
         # save has every row up to the checkpoint's step on disk, and a resumed run drops the rows after it.
         for logger in trainer.loggers:
             logger.save()
+        self._settled()
         super()._save_last_checkpoint(trainer, monitor_candidates)
-        self.saved_path, self.saved_step = Path(self.last_model_path), trainer.global_step
+        path, step = Path(self.last_model_path), trainer.global_step
+        writer = background_writer(trainer)
+        write = writer.pending_write if writer is not None else None
+        if write is not None:
+            self._queued = (path, step, write)
+        else:
+            self._saved = (path, step)
         # A best checkpoint saved at this step (the validation just before training ended) becomes a second
         # name of this file: one file on disk, not two copies of the same step.
         if trainer.is_global_zero:
             for best in best_checkpoints(trainer):
                 if best.saved_step == trainer.global_step and best.saved_path and best.saved_path.is_file():
-                    link_checkpoint(self.saved_path, best.saved_path)
+                    if writer is not None:
+                        writer.wait()
+                    link_checkpoint(path, best.saved_path)
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.save_now(trainer)
+        writer = background_writer(trainer)
+        if writer is not None:
+            writer.wait()  # the run's end reports its checkpoint: on disk by then
 
     def save_now(self, trainer: L.Trainer) -> None:
-        """Write the last checkpoint for the current step unless it already holds it."""
+        """Write the last checkpoint for the current step unless it already holds it (or a write of it is in
+        flight)."""
         if self._last_global_step_saved != trainer.global_step:
             self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+
+
+def background_writer(trainer: L.Trainer) -> AtomicCheckpointIO | None:
+    """The checkpoint writer of ``trainer``'s strategy where it writes single files in the background."""
+    writer = getattr(trainer.strategy, "checkpoint_io", None)
+    return writer if isinstance(writer, AtomicCheckpointIO) else None
 
 
 class BestCheckpoint(ModelCheckpoint):
