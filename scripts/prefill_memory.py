@@ -66,7 +66,9 @@ def one_prompt(args: argparse.Namespace) -> dict[str, object]:
         else:
             last = model.prefill(idx, cache)
         seconds = time.perf_counter() - start
-    chunk = args.context if args.how == "one call" else prefill_chunk(args.heads, args.context)
+    chunk = (
+        args.context if args.how == "one call" else min(args.context, prefill_chunk(args.heads, args.context))
+    )
     return {
         "pos": args.pos[0],
         "window": args.window,
