@@ -235,3 +235,17 @@ def test_inductors_flex_kernels_compile_once_per_length_mask_kind_and_grad_mode(
                 loss.backward()
         torch.testing.assert_close(loss, dense_loss, rtol=1e-4, atol=1e-5)
         assert backend.compiles == 4 + 2
+
+
+@torch.no_grad()
+def test_the_last_positions_logits_alone_on_the_padded_flex_attention_route(script):
+    """Without a cache FlexAttention runs a length padded to its bucket (50 tokens at 128): ``last_only``
+    gives the 50th position's logits, not the padding's, as the dense route gives them."""
+    model = gemma2_like("alibi", n_layer=2)
+    idx = torch.randint(0, 61, (1, 50), generator=torch.Generator().manual_seed(0))
+    expected = dense_logits(model, idx)[:, -1:]
+    with script.flex_forced(script.CountingBackend("eager")), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*without torch.compile")
+        last = model(idx, last_only=True)[0]
+    assert last is not None and last.shape == (1, 1, 61)
+    torch.testing.assert_close(last, expected, rtol=1e-5, atol=1e-5)

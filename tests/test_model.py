@@ -2,7 +2,8 @@ import pytest
 import torch
 
 from gptlab.errors import ConfigError
-from gptlab.model import positional
+from gptlab.model import gpt, positional
+from gptlab.model.attention import AttentionBias
 from gptlab.model.config import GPTConfig
 from gptlab.model.gpt import GPT, KVCache
 
@@ -240,3 +241,99 @@ def test_a_checkpoints_model_config_from_before_typed_options_still_builds():
     # ...and the YAML node shape (name plus options) is accepted as well
     node = GPTConfig.from_dict({**old, "pos": {"name": "alibi"}, "pos_options": {}})
     assert node.pos.name == "alibi"
+
+
+# ---- prefill in chunks ---------------------------------------------------------------------------
+
+PREFILL_KINDS = [  # (pos, attention): no mask, a bias, a window (local and global layers), a cap
+    ("rope", {}),
+    ("learned", {}),
+    ("alibi", {}),
+    ("relative", {}),
+    ("fire", {}),
+    ("rope", {"window": 4, "window_pattern": "LG"}),
+    ("alibi", {"window": 4, "window_pattern": "LG"}),
+    ("relative", {"logit_softcap": 5.0}),
+]
+
+
+@pytest.mark.parametrize(("pos", "attention"), PREFILL_KINDS)
+def test_prefill_in_chunks_gives_the_logits_and_cache_of_one_call(pos, attention):
+    torch.manual_seed(0)
+    model = GPT(tiny(pos=pos, attention=attention, init_std=0.3)).eval()
+    # 45 = 6 x 7 + 3 tokens, past block_size (FIRE's normalisation past its threshold, ALiBi's extrapolation);
+    # 29 = 4 x 7 + 1 within pos=learned's table
+    length = 29 if pos == "learned" else 45
+    idx = torch.randint(0, 97, (2, length))
+    next_token = torch.randint(0, 97, (2, 1))
+    with torch.no_grad():
+        single, one_call = KVCache.empty(2), KVCache.empty(2)
+        expected = model(idx, cache=one_call)[0][:, -1]
+        chunked = KVCache.empty(2)
+        last = model.prefill(idx, chunked, chunk=7)
+        # fp32 rounding only: the sums run over different key blocks (observed <= 2e-6 on logits of ~5)
+        torch.testing.assert_close(last, expected, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(model.prefill(idx, single, chunk=length), expected, rtol=0, atol=0)
+        assert chunked.length == one_call.length == length
+        for (k, v), (k1, v1) in zip(chunked.layers, one_call.layers):  # local layers keep their window
+            assert k.shape == k1.shape and v.shape == v1.shape
+        # the next step reads the chunked cache as it reads the one-call cache
+        after_chunks = model(next_token, cache=chunked)[0]
+        after_one = model(next_token, cache=one_call)[0]
+        torch.testing.assert_close(after_chunks, after_one, rtol=1e-5, atol=1e-5)
+
+
+def record_masks(monkeypatch) -> list[tuple[int, int]]:
+    """(queries, bytes of the dense mask) of every AttentionBias.build from here on (0 bytes: none)."""
+    built: list[tuple[int, int]] = []
+    build = AttentionBias.build.__func__
+
+    def recording(cls, pos, positions, *args, **kwargs):
+        bias = build(cls, pos, positions, *args, **kwargs)
+        mask = None if bias is None else bias.mask
+        built.append((len(positions), 0 if mask is None else mask.numel() * mask.element_size()))
+        return bias
+
+    monkeypatch.setattr(AttentionBias, "build", classmethod(recording))
+    return built
+
+
+@pytest.mark.parametrize(
+    ("pos", "attention"), [("learned", {}), ("alibi", {"window": 4, "window_pattern": "LG"})]
+)
+def test_greedy_generation_is_the_same_with_a_chunked_prefill(pos, attention, monkeypatch):
+    torch.manual_seed(0)
+    model = GPT(tiny(pos=pos, attention=attention, init_std=0.3)).eval()
+    prompt = torch.randint(0, 97, (2, 20))
+    whole = model.generate(prompt, 40)  # prompts in one chunk; pos=learned's window slides past 32
+    recompute = model.generate(prompt, 40, use_cache=False)
+    built = record_masks(monkeypatch)
+    monkeypatch.setattr(gpt, "PREFILL_MASK_BYTES", 4 * 4 * 64 * 3)  # 3 queries over 64 keys, 4 heads
+    chunked = model.generate(prompt, 40)
+    assert max(queries for queries, _ in built) < 20  # the prompt (and the slid window) went in chunks
+    assert torch.equal(chunked, whole)
+    assert torch.equal(chunked, recompute)
+
+
+def test_prefill_bounds_the_attention_mask_it_builds(monkeypatch):
+    assert gpt.prefill_chunk(12, 8192) == 682  # the default budget: 256 MiB over 8,192 keys with 12 heads
+    assert 12 * 682 * 8192 * 4 <= gpt.PREFILL_MASK_BYTES < 12 * 683 * 8192 * 4
+    torch.manual_seed(0)
+    model = GPT(tiny(pos="alibi", attention={"window": 4, "window_pattern": "LG"})).eval()
+    idx = torch.randint(0, 97, (1, 200))
+    built = record_masks(monkeypatch)
+    with torch.no_grad():
+        model(idx, cache=KVCache.empty(2))
+    one_call = max(size for _, size in built)
+    assert one_call == 4 * 200 * 200 * 4  # (n_head, T, T) fp32
+    built.clear()
+    budget = 64 * 1024
+    monkeypatch.setattr(gpt, "PREFILL_MASK_BYTES", budget)
+    with torch.no_grad():
+        model.prefill(idx, KVCache.empty(2))
+    assert {queries for queries, _ in built} == {20}  # 64 KiB / (4 heads x 200 keys x 4 bytes)
+    assert max(size for _, size in built) <= budget
+    with pytest.raises(ValueError, match="chunk=0 must be a positive number"):
+        model.prefill(idx, KVCache.empty(2), chunk=0)
+    with pytest.raises(ValueError, match="at least one token"):
+        model.prefill(idx[:, :0], KVCache.empty(2))

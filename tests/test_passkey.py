@@ -268,3 +268,46 @@ def test_each_prompt_gets_the_figures_it_gets_alone_whatever_else_shares_its_bat
                 (single,) = passkey.score_prompts(model, [p], gpt2)
                 assert example == {**single, "key_logprob": pytest.approx(single["key_logprob"], rel=1e-8)}
     assert mixed >= 2  # batches that hold answers of 3 and of 4 tokens
+
+
+def test_the_study_is_the_same_when_its_prompts_go_in_chunks(monkeypatch):
+    """The prompt goes into the KV cache through GPT.prefill, in chunks whose dense ALiBi mask stays within
+    PREFILL_MASK_BYTES: with a budget of a few queries per chunk, the answers and accuracies are those of one
+    call per prompt, the key log-probabilities the same to fp32 rounding."""
+    from gptlab.model import gpt
+
+    gpt2 = GPT2Tokenizer()
+    model = tiny_model("alibi", vocab=gpt2.vocab_size, block_size=64)
+    options = passkey.PasskeyOptions(depths=2, trials=3, seed=5)
+
+    def study() -> dict:
+        result = passkey.evaluate_passkey(model, gpt2, 64, [1, 2], options)
+        for row in result["cells"].values():
+            for cell in row.values():
+                del cell["seconds"]
+        return result
+
+    def answers(result: dict) -> list:
+        return [
+            [(e["answer"], e["correct"], e["digits_right"]) for e in cell["examples"]]
+            for row in result["cells"].values()
+            for cell in row.values()
+        ]
+
+    one_call = study()
+    chunks: list[int] = []
+    chunk_of = gpt.prefill_chunk
+
+    def recording_chunk(*args, **kwargs) -> int:
+        chunks.append(chunk_of(*args, **kwargs))
+        return chunks[-1]
+
+    monkeypatch.setattr(gpt, "prefill_chunk", recording_chunk)
+    monkeypatch.setattr(gpt, "PREFILL_MASK_BYTES", 2 * 128 * 4 * 9)  # 9 queries over 128 keys, 2 heads
+    chunked = study()
+    assert chunks and max(chunks) < 64  # every prompt (64 and 128 tokens) went in several chunks
+    assert answers(chunked) == answers(one_call)
+    assert {k: v for k, v in chunked["metrics"].items() if "acc@" in k} == {
+        k: v for k, v in one_call["metrics"].items() if "acc@" in k
+    }
+    assert chunked["metrics"] == pytest.approx(one_call["metrics"], rel=1e-5)

@@ -243,11 +243,11 @@ class GptlabLM(TemplateLM):
         temperature = float(temperature) if do_sample else 0.0
         idx = torch.tensor(contexts, dtype=torch.long, device=self._device)  # (B, T)
         cache = KVCache.empty(self.model.config.n_layer)
-        logits, _ = self.model(idx, cache=cache)
+        last = self.model.prefill(idx, cache)  # (B, vocab): the context in chunks of bounded attention mask
         generated: list[list[int]] = [[] for _ in contexts]
         done = [False] * len(contexts)
         for step in range(max(0, max_new)):
-            next_id = sample_next(logits[:, -1, :], temperature, top_k, top_p, self.generator)  # (B, 1)
+            next_id = sample_next(last, temperature, top_k, top_p, self.generator)  # (B, 1)
             for row, token in enumerate(next_id[:, 0].tolist()):
                 if done[row]:
                     continue
@@ -257,6 +257,7 @@ class GptlabLM(TemplateLM):
             if all(done) or step == max_new - 1:
                 break
             logits, _ = self.model(next_id, cache=cache)
+            last = logits[:, -1, :]
         return [cut_at_stops(self.tok_decode(g), stops) for g in generated]
 
 

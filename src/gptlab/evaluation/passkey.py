@@ -126,12 +126,13 @@ def score_prompts(model: GPT, prompts: list[Prompt], tokenizer: Tokenizer) -> li
 
     Every pass reads a KV cache (the prompt, the teacher-forced answer, each greedy token), and GPT.forward
     takes FlexAttention only without one: the study runs the dense route everywhere and compiles no
-    FlexAttention kernel, whatever its batch sizes (``tests/test_flex_compile.py`` counts them)."""
+    FlexAttention kernel, whatever its batch sizes (``tests/test_flex_compile.py`` counts them). The prompt
+    goes in through ``GPT.prefill``, in chunks of queries whose dense mask stays within
+    ``gptlab.model.gpt.PREFILL_MASK_BYTES`` (256 MiB) at any length."""
     device = next(model.parameters()).device
     idx = torch.tensor([p.ids for p in prompts], device=device)  # (B, P)
     cache = KVCache.empty(model.config.n_layer)
-    logits, _ = model(idx, cache=cache)  # (B, P, V)
-    first = logits[:, -1, :]
+    first = model.prefill(idx, cache)  # (B, V): the first answer token's logits, the prompt in bounded chunks
     own = [len(p.answer_ids) for p in prompts]  # each prompt's answer length
     n_answer = max(own)
     # Teacher forcing on the true answer, from a copy of the cache (its tensors are never written in place).

@@ -19,7 +19,29 @@ from gptlab.model.attention import FROM_SCHEME, AttentionBias, CausalSelfAttenti
 from gptlab.model.config import GPTConfig, hidden_init_std, output_multiplier
 from gptlab.model.head_loss import HeadLoss, soft_cap
 
-__all__ = ["GPT", "MLP", "Block", "CausalSelfAttention", "KVCache", "document_positions", "mlp_hidden_width"]
+__all__ = [
+    "GPT",
+    "MLP",
+    "Block",
+    "CausalSelfAttention",
+    "KVCache",
+    "document_positions",
+    "mlp_hidden_width",
+    "prefill_chunk",
+]
+
+
+#: The most bytes of attention mask that one chunk of ``GPT.prefill`` builds for a kind of layer (local,
+#: global): the dense fp32 (n_head, chunk, keys) mask of a bias, window or cap. 256 MiB holds 682 queries
+#: over 8,192 keys with 12 heads; the chunk shrinks as the prompt grows, so the bound holds at any length.
+PREFILL_MASK_BYTES = 256 * 2**20
+
+
+def prefill_chunk(n_head: int, key_length: int, budget: int | None = None) -> int:
+    """Queries per prefill chunk over at most ``key_length`` keys: the largest number whose fp32 mask
+    (n_head, chunk, key_length) fits in ``budget`` bytes (None: ``PREFILL_MASK_BYTES``), at least one."""
+    budget = PREFILL_MASK_BYTES if budget is None else budget
+    return max(1, budget // (4 * n_head * key_length))
 
 
 def mlp_hidden_width(config: GPTConfig) -> int:
@@ -165,6 +187,7 @@ class GPT(nn.Module):
         cache: KVCache | None = None,
         head_loss: HeadLoss | None = None,
         doc_ids: Tensor | None = None,
+        last_only: bool = False,
     ) -> tuple[Tensor | None, Tensor | None]:
         """idx: (B, T) token ids; targets: (B, T) next-token ids (-1 is ignored).
         ``doc_ids``: (B, T) the document of each token of a packed window, nondecreasing along T
@@ -173,8 +196,11 @@ class GPT(nn.Module):
         token (the bias schemes read q - k, the same wherever a document starts). None: one sequence.
         Returns logits (B, T, vocab_size) and the mean cross-entropy (or None without targets). With
         ``head_loss`` and targets, the output layer and loss are computed together (model/head_loss.py) and
-        the logits, never held whole, are None."""
+        the logits, never held whole, are None. ``last_only``: the logits of the last position alone,
+        (B, 1, vocab_size), without targets (a prompt's chunks in ``prefill``)."""
         B, T = idx.shape
+        if last_only and targets is not None:
+            raise ValueError("last_only=True gives the last position's logits alone: it takes no targets")
         if doc_ids is not None and cache is not None:
             raise ValueError(
                 "doc_ids with a KV cache: document masking applies to packed training windows; decoding "
@@ -194,7 +220,7 @@ class GPT(nn.Module):
                 # logits of the T before them (causality), so run at the bucket's length and keep T.
                 logits, _ = self(F.pad(idx, (0, padded - T)))
                 assert logits is not None
-                return logits[:, :T], None
+                return (logits[:, T - 1 : T] if last_only else logits[:, :T]), None
         start = cache.length if cache is not None else 0
         positions = torch.arange(start, start + T, device=idx.device)  # (T,)
         # The positions each token is embedded and rotated at: its place in the window, or in its document.
@@ -233,6 +259,8 @@ class GPT(nn.Module):
                     "set GPT.final_softcap to the loss's final_softcap"
                 )
             return None, head_loss(x, self.lm_head.weight, targets, self.lm_head.bias)
+        if last_only:
+            x = x[:, -1:]
         logits = soft_cap(self.lm_head(x), self.final_softcap)  # (B, T, vocab_size)
         loss = None
         if targets is not None:
@@ -249,6 +277,29 @@ class GPT(nn.Module):
         )
 
     # ---- decoding -------------------------------------------------------------------------------
+    def prefill(self, idx: Tensor, cache: KVCache, chunk: int | None = None) -> Tensor:
+        """Feed the prompt ``idx`` (B, T) into ``cache`` ``chunk`` tokens at a time and return the logits
+        (B, vocab_size) of its last position, the next token's: those of one call ``self(idx, cache=cache)``
+        to fp32 rounding, and the cache it leaves.
+
+        With a cache, attention takes SDPA: a positional bias, a window or a logit cap build a dense
+        (n_head, queries, keys) fp32 mask, 3.2 GB for one call over 8,192 tokens with 12 heads, and every
+        position's logits would be (B, T, vocab_size). In chunks of queries, each over the cached keys and its
+        own, the mask stays within ``PREFILL_MASK_BYTES`` (``prefill_chunk``, the default ``chunk``) and only
+        the last position of each chunk reaches the output layer."""
+        T = idx.size(1)
+        if T == 0:
+            raise ValueError("prefill needs a prompt of at least one token; idx has none")
+        if chunk is None:
+            chunk = prefill_chunk(self.config.n_head, cache.length + T)
+        if chunk < 1:
+            raise ValueError(f"prefill chunk={chunk} must be a positive number of tokens")
+        for start in range(0, T, chunk):
+            # through __call__, so that hooks on the model (FSDP2's gathering of its weights) run
+            logits, _ = self(idx[:, start : start + chunk], cache=cache, last_only=True)
+        assert logits is not None
+        return logits[:, -1]
+
     @torch.no_grad()
     def generate(
         self,
@@ -286,8 +337,13 @@ class GPT(nn.Module):
                 # The position table is full: slide the window and recompute from the cropped context.
                 cache = KVCache.empty(self.config.n_layer)
                 step_input = context(out)
-            logits, _ = self(step_input, cache=cache)
-            next_id = sample_next(logits[:, -1, :], temperature, top_k, top_p, generator)  # (B, 1)
+            if cache is None:
+                logits, _ = self(step_input)
+                assert logits is not None
+                last = logits[:, -1]
+            else:
+                last = self.prefill(step_input, cache)  # the prompt in bounded chunks, then one token a step
+            next_id = sample_next(last, temperature, top_k, top_p, generator)  # (B, 1)
             if eot_id is not None:
                 next_id = torch.where(finished[:, None], torch.full_like(next_id, eot_id), next_id)
                 finished |= next_id.squeeze(1) == eot_id
