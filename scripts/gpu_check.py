@@ -19,7 +19,8 @@ included, ends within ``WHOLE_RUN_S`` = 470 s, under 8 minutes, whatever hangs:
   pytest-timeout is installed, as on the GPU image, so that one hung test fails alone);
 - ``gpt2``: GPT-2 small (124M) at context 1024 in bf16 mixed precision, eager and with ``torch.compile`` on every
   block (``compile=true``): tokens/s, MFU against the chip's bf16 dense peak (6N + 12LhT FLOPs per token), peak
-  memory. The training step is gptlab's model, head and optimizer, outside Lightning;
+  memory; compiled also with ``loss.impl=chunked`` beside ``auto``. The training step is gptlab's model, head and
+  optimizer, outside Lightning;
 - ``loss``: every ``loss.impl`` (plain, chunked, torch, liger, cce) at B*T = 8,192, D = 768, V = 50,257 under bf16
   autocast, forward and backward: time, peak memory, and the loss and gradients against an fp32 reference;
 - ``attention``: alibi, relative and fire through FlexAttention and through SDPA (the same weights and batch):
@@ -287,8 +288,11 @@ def section_gpt2(ctx: Context) -> dict[str, Any]:
     peak = bf16_peak(torch.cuda.get_device_name(0)) if device.type == "cuda" else None
     flops = flops_per_token(config)["training"]
     rows = []
-    for compiled in (False, True) if ctx.with_compile else (False,):
-        row = _gpt2_rate(ctx, device, config, batch, compiled)
+    # loss.impl=auto (cce on CUDA in bf16), and compiled also with the chunked head, whose per-chunk softmax is
+    # one fused kernel there: the two heads in the step they serve, for AUTO_ORDER["cuda"].
+    variants = [(False, "auto"), (True, "auto"), (True, "chunked")] if ctx.with_compile else [(False, "auto")]
+    for compiled, impl in variants:
+        row = _gpt2_rate(ctx, device, config, batch, compiled, impl)
         tokens_per_s = row["tokens_per_s"]
         row["mfu_percent"] = round(100 * tokens_per_s * flops / peak, 1) if peak else None
         rows.append(row)
@@ -298,8 +302,10 @@ def section_gpt2(ctx: Context) -> dict[str, Any]:
     return {"ok": ok, "rows": rows, "flops_per_token": flops, "bf16_peak": peak}
 
 
-def _gpt2_rate(ctx: Context, device: Any, config: Any, batch: int, compiled: bool) -> dict[str, Any]:
-    """Training steps of gptlab's model, head (loss.impl=auto) and AdamW on random tokens: their rate."""
+def _gpt2_rate(
+    ctx: Context, device: Any, config: Any, batch: int, compiled: bool, impl: str = "auto"
+) -> dict[str, Any]:
+    """Training steps of gptlab's model, head (``loss.impl``) and AdamW on random tokens: their rate."""
     import torch
 
     from gptlab.model.gpt import GPT
@@ -314,7 +320,7 @@ def _gpt2_rate(ctx: Context, device: Any, config: Any, batch: int, compiled: boo
         parallelize(model, ParallelOptions(compile=True))  # compile=true: every block
     # lr 3e-4: the rate this check has always measured with (no schedule: the rate does not change a step's time)
     optimizer = build_optimizer(model, Choice("adamw", AdamWOptions(lr=3e-4)), fused=device.type == "cuda")
-    head = HeadLoss("auto")
+    head = HeadLoss(impl)
     g = torch.Generator(device=device).manual_seed(0)
     x = torch.randint(0, config.vocab_size, (batch, config.block_size), device=device, generator=g)
     y = torch.randint(0, config.vocab_size, (batch, config.block_size), device=device, generator=g)
@@ -338,7 +344,7 @@ def _gpt2_rate(ctx: Context, device: Any, config: Any, batch: int, compiled: boo
     return {
         "variant": "compile" if compiled else "eager",
         "batch": f"{batch} x {config.block_size}",
-        "loss_impl": head.resolve(device),
+        "loss_impl": head.resolve(device, dtype=torch.bfloat16 if device.type == "cuda" else None),
         "step_ms": round(seconds * 1e3, 1),
         "tokens_per_s": round(batch * config.block_size / seconds),
         "peak_memory_gib": _round(_peak_gib(device)),
@@ -694,16 +700,17 @@ def section_word2vec(ctx: Context) -> dict[str, Any]:
 # install and the start, under the 8 minutes a GPU session can give the check and still rerun one section.
 # On an H100 at 7f508f2 they took 10.5, 115.0, 31.7, 17.1, 36.3, 37.3 and 8.7 s, 257 s in all; main_command
 # (two train.py processes) took 56 s. gpu_tests has since 8 more compiled tests (about 30 s over 6 workers),
-# the loss section a compiled head, main_command a third process (300 steps, checkpoints in the foreground).
+# gpt2 a third variant (compiled, loss.impl=chunked), the loss section a compiled head, main_command a third
+# process (300 steps, checkpoints in the foreground).
 SECTIONS = [
     Section("environment", 20, section_environment),
-    Section("gpu_tests", 160, section_gpu_tests),
-    Section("gpt2", 40, section_gpt2),
+    Section("gpu_tests", 155, section_gpu_tests),
+    Section("gpt2", 50, section_gpt2),
     Section("loss", 38, section_loss),
     Section("attention", 42, section_attention),
     Section("strategies", 42, section_strategies),
     Section("word2vec", 13, section_word2vec),
-    Section("main_command", 95, section_main_command),
+    Section("main_command", 90, section_main_command),
 ]
 
 

@@ -292,3 +292,22 @@ def test_attention_variants_on_cuda_equal_the_cpu_and_train_in_bf16(attention):
         assert error < 1e-3, f"{name}: relative gradient error {error:.2e}"
     bf16_loss, _ = loss_and_grads(cuda_model, "cuda", bf16=True)
     assert math.isfinite(float(bf16_loss)) and abs(float(bf16_loss) - float(cpu_loss)) < 0.05
+
+
+def test_a_background_checkpoint_save_copies_cuda_tensors_at_their_step(tmp_path):
+    """The background writer's host copy of CUDA tensors (a tied pair among them): the file holds the values
+    at the save, not those the next steps write, with the tie kept."""
+    from gptlab.parallel.checkpoint_io import AtomicCheckpointIO
+
+    embedding = torch.randn(1000, 64, device="cuda")
+    at_save = embedding.cpu()
+    writer = AtomicCheckpointIO()
+    with writer.in_background():
+        writer.save_checkpoint(
+            {"state_dict": {"wte": embedding, "lm_head": embedding}, "global_step": 1}, tmp_path / "last.ckpt"
+        )
+    embedding.mul_(2.0)  # the next step, on the GPU, while the thread writes
+    writer.teardown()
+    saved = torch.load(tmp_path / "last.ckpt", map_location="cpu", weights_only=True)["state_dict"]
+    assert torch.equal(saved["wte"], at_save)
+    assert saved["wte"].untyped_storage().data_ptr() == saved["lm_head"].untyped_storage().data_ptr()
