@@ -7,8 +7,8 @@ import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
 from gptlab import torch_features
-from gptlab.model import head_loss
 from gptlab.errors import ConfigError
+from gptlab.model import head_loss
 from gptlab.model.config import GPTConfig
 from gptlab.model.gpt import GPT
 from gptlab.model.head_loss import (
