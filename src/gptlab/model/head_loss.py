@@ -9,7 +9,13 @@ are 1.6 GB in fp32, and again for their gradient. Four ways to the same loss and
   softmax gradient at once, so that nothing of a chunk outlives it. This is the trick of Liger-Kernel's
   fused linear cross-entropy (Hsu et al. 2024, arXiv:2410.10989) written in plain torch: computing the
   gradient in the forward pass saves the second (H @ W^T) product that a recompute in the backward would
-  cost. The backward only scales the stored gradients by the incoming one.
+  cost. The backward only scales the stored gradients by the incoming one. On CUDA with bf16 / fp16 products
+  (where triton is installed: ``fused_by_default``) each chunk's elementwise work, after its product, is one
+  kernel compiled by ``torch.compile`` (``chunk_loss_and_gradient``): the chunk's logits stay in the product
+  dtype, the kernel takes each row's maximum and sum of exponentials in fp32, the row's loss terms, and writes
+  the gradient (z-loss and softcap included) over the logits, instead of torch's eager operations over an fp32
+  copy of the chunk (several passes over it). Elsewhere the eager pass: on a CPU, bound by arithmetic, the
+  fused one was not faster and its compile costs seconds (docs/performance.md); ``fused=`` forces either.
 - ``torch`` (any device): torch's own version of the same trick, ``F.linear_cross_entropy`` with
   ``nn.LinearCrossEntropyOptions(batch_chunk_size=chunk_rows)`` (new in torch 2.13; see its docstring,
   ``help(torch.nn.functional.linear_cross_entropy)``). The chunk is always passed: torch's default options
