@@ -195,9 +195,11 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
     chunk (the logits, and the gradients of the hidden states and of the weight) run in ``matmul_dtype``: fp32
     (None), or bf16 / fp16 where training runs under that autocast on CUDA (``chunked_loss_terms``), as the
     plain head's products do there: an H100 multiplies bf16 about ten times faster than fp32, and the fp32
-    products made this path the slowest on one (60 ms where Cut Cross-Entropy took 13). Returns the objective
-    (differentiable), and the mean cross-entropy and mean squared log-partition (for logging, not
-    differentiable)."""
+    products made this path the slowest on one (60 ms where Cut Cross-Entropy took 13). With ``fused`` each
+    chunk's logits are kept in the product dtype and its elementwise work is one compiled kernel
+    (``fused_chunk_loss_and_gradient``) that writes their gradient over them; without, torch's eager operations
+    over an fp32 copy. Returns the objective (differentiable), and the mean cross-entropy and mean squared
+    log-partition (for logging, not differentiable)."""
 
     @staticmethod
     def forward(
