@@ -1,24 +1,29 @@
 """Time and measure the output layer + cross-entropy, forward and backward, on CPU: the plain path (whole
 logits, then ``F.cross_entropy``), gptlab's ``ChunkedLinearCrossEntropy`` (src/gptlab/model/head_loss.py) and
-torch's ``F.linear_cross_entropy`` with ``nn.LinearCrossEntropyOptions(batch_chunk_size=...)``.
+torch's ``F.linear_cross_entropy`` with ``nn.LinearCrossEntropyOptions(batch_chunk_size=...)``. ``--fused`` adds
+``ours-fused``: ``ChunkedLinearCrossEntropy`` with each chunk's elementwise work as one kernel compiled by
+``torch.compile`` (C++ on a CPU; the path ``loss.impl=chunked`` takes on CUDA in bf16), at the same chunk sizes
+as ours; its compile (seconds to tens of seconds) falls in the warm-up call and in no timing.
 
     python scripts/benchmark_head_loss.py --quick                    # 4 min of CPU time
     python scripts/benchmark_head_loss.py --json head_loss.json      # the full grid (an hour on 2 busy cores)
     python scripts/benchmark_head_loss.py --shapes default --torch-chunks 128 160 256 --ours-chunks 256
     python scripts/benchmark_head_loss.py --shapes default --threads 1 --clock cpu --no-memory
+    python scripts/benchmark_head_loss.py --shapes custom --custom 2048 256 --fused --ours-chunks --torch-chunks --no-memory
 
 Shapes (rows N = batch x context, width D, vocabulary V):
 
 - ``default``: the default run's head (conf/model/tiny.yaml n_embd and block_size, conf/data/default.yaml
   batch_size, the GPT-2 tokenizer of conf/train.yaml: V = 50,257);
-- ``gpt2-small``: D = 768, N = 8 x 1024 (``--quick``: 1 x 1024), V = 50,257.
+- ``gpt2-small``: D = 768, N = 8 x 1024 (``--quick``: 1 x 1024), V = 50,257;
+- ``custom``: ``--custom N D``, V = 50,257.
 
 What is measured:
 
 - time: one forward + backward of the loss (gradients of the hidden states and of the weight), the cases
   interleaved in one process, each round in a rotated order, after one warm-up call each. The table gives
   the median over rounds, and the median over rounds of each case's ratio to ``plain``, to ``ours`` at its
-  default chunk (``/ours``) and, for torch's, to ``ours`` at the same chunk size (``/ours@c``), each
+  default chunk (``/ours``) and, for torch's and ours-fused, to ``ours`` at the same chunk size (``/ours@c``), each
   measured in the same round (steadier than a ratio of medians on a shared machine). ``--threads 1 --clock
   cpu`` times this process's CPU time instead: the work, little disturbed by other jobs on the cores;
 - faults: minor page faults per call in the timing process (``getrusage``), the cost of freeing blocks
@@ -72,7 +77,7 @@ class Shape:
 
 @dataclass(frozen=True)
 class Case:
-    impl: str  # plain, ours, torch, torch-default
+    impl: str  # plain, ours, ours-fused, torch, torch-default
     chunk: int | None  # rows per chunk; None: the implementation's own choice
 
     @property
@@ -106,8 +111,11 @@ def default_shape() -> Shape:
 def loss_fn(case: Case) -> LossFn:
     if case.impl == "plain":
         return lambda h, w, t: plain_linear_cross_entropy(h, w, t)
-    if case.impl == "ours":
-        return lambda h, w, t: ChunkedLinearCrossEntropy.apply(h, w, None, t, -1, case.chunk, True)[0]
+    if case.impl in ("ours", "ours-fused"):
+        fused = case.impl == "ours-fused"
+        return lambda h, w, t: ChunkedLinearCrossEntropy.apply(
+            h, w, None, t, -1, case.chunk, True, 0.0, None, None, fused
+        )[0]
     options = nn.LinearCrossEntropyOptions(batch_chunk_size=case.chunk)  # chunk None: torch's default pick
     return lambda h, w, t: F.linear_cross_entropy(h, w, t, ignore_index=-1, options=options)
 
@@ -140,6 +148,9 @@ def child_peak(shape: Shape, case: Case) -> dict[str, float]:
     """In this (fresh) process: the RSS high-water mark over two calls, above the RSS with the inputs made."""
     hidden, weight, targets = make_inputs(shape)
     fn = loss_fn(case)
+    if case.impl == "ours-fused":  # the compile's memory is not the head's: compiled before the measure
+        step(fn, hidden, weight, targets)
+        hidden.grad = weight.grad = None
     gc.collect()
     base = status_kib("VmRSS")
     Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS
@@ -206,7 +217,7 @@ def run_shape(
             if ours is not None:
                 results[case]["ratio_ours"].append(this_round[case] / this_round[ours])
             same = Case("ours", case.chunk)  # ours at the same chunk size, when measured
-            if case.impl == "torch" and same in this_round:
+            if case.impl in ("torch", "ours-fused") and same in this_round:
                 results[case]["ratio_same"].append(this_round[case] / this_round[same])
         print(
             f"  round {r + 1}/{repeats}: " + ", ".join(f"{c.name} {this_round[c] * 1e3:.0f}" for c in cases),
@@ -275,13 +286,27 @@ def main() -> None:
         help="3 rounds, GPT-2 small at N=1024, torch's at 160/512/1024 rows and ours at 160/512",
     )
     parser.add_argument(
-        "--shapes", nargs="+", default=["default", "gpt2-small"], choices=["default", "gpt2-small"]
+        "--shapes",
+        nargs="+",
+        default=["default", "gpt2-small"],
+        choices=["default", "gpt2-small", "custom"],
+    )
+    parser.add_argument(
+        "--custom",
+        nargs=2,
+        type=int,
+        metavar=("N", "D"),
+        default=None,
+        help="the custom shape's rows and width",
+    )
+    parser.add_argument(
+        "--fused", action="store_true", help="add ours-fused at each of ours' chunk sizes (compiles once)"
     )
     parser.add_argument(
         "--gpt2-rows", type=int, default=None, help="N of gpt2-small (default 8192; --quick 1024)"
     )
     parser.add_argument(
-        "--torch-chunks", nargs="+", type=int, default=None, help="default 64 160 512 1024 2048"
+        "--torch-chunks", nargs="*", type=int, default=None, help="default 64 160 512 1024 2048 (none: none)"
     )
     parser.add_argument(
         "--ours-chunks",
@@ -329,6 +354,10 @@ def main() -> None:
     for name in args.shapes:
         if name == "default":
             shape = default_shape()
+        elif name == "custom":
+            if args.custom is None:
+                parser.error("--shapes custom needs --custom N D")
+            shape = Shape("custom", args.custom[0], args.custom[1], GPT2_VOCAB)
         else:
             rows = args.gpt2_rows or (1 if args.quick else 8) * 1024
             shape = Shape("gpt2-small", rows, 768, GPT2_VOCAB)
@@ -339,6 +368,8 @@ def main() -> None:
             for c in dict.fromkeys(min(c, shape.rows) for c in args.ours_chunks)
             if c != ours_default
         ]
+        if args.fused:
+            cases += [Case("ours-fused", c.chunk) for c in cases if c.impl == "ours"]
         cases += [Case("torch", c) for c in dict.fromkeys(min(c, shape.rows) for c in args.torch_chunks)]
         if args.torch_default:
             cases.append(Case("torch-default", None))

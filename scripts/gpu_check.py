@@ -23,6 +23,7 @@ included, ends within ``WHOLE_RUN_S`` = 470 s, under 8 minutes, whatever hangs:
   optimizer, outside Lightning;
 - ``loss``: every ``loss.impl`` (plain, chunked, torch, liger, cce) at B*T = 8,192, D = 768, V = 50,257 under bf16
   autocast, forward and backward: time, peak memory, and the loss and gradients against an fp32 reference;
+  ``chunked`` twice, its elementwise pass fused (one compiled kernel per chunk, compiled once) and eager;
 - ``attention``: alibi, relative and fire through FlexAttention and through SDPA (the same weights and batch):
   tokens/s of a training step, the same loss, and FlexAttention's compiles (one, for every layer and step);
 - ``strategies``: ``strategy=ddp`` and ``strategy=fsdp`` on one GPU over NCCL, with deterministic algorithms: a
@@ -363,6 +364,7 @@ def section_loss(ctx: Context) -> dict[str, Any]:
     from gptlab.model.head_loss import (
         IMPLEMENTATIONS,
         HeadLoss,
+        fused_by_default,
         plain_linear_cross_entropy,
         unavailable_reason,
     )
@@ -379,15 +381,23 @@ def section_loss(ctx: Context) -> dict[str, Any]:
     reference.backward()
     ref = (float(reference.detach()), h_ref.grad, w_ref.grad)
     rows, ok = [], True
-    heads = [
-        HeadLoss(impl) for impl in ("plain", *(i for i in IMPLEMENTATIONS if i not in ("auto", "plain")))
-    ]
+    heads: list[tuple[str, Any]] = []
+    for impl in ("plain", *(i for i in IMPLEMENTATIONS if i not in ("auto", "plain"))):
+        if impl == "chunked":
+            # its two elementwise passes, each forced: the fused one (compiled once in this process; the
+            # compile falls in the call before the timing) and the eager one
+            heads += [("chunked-fused", ChunkedPass(fused=True)), ("chunked-eager", ChunkedPass(fused=False))]
+        else:
+            heads.append((impl, HeadLoss(impl)))
     # the chunked paths' default chunk on CUDA (about 2,000 rows at this vocabulary; 160 on a CPU), and also the
     # whole batch as one chunk (on the GPU: 8,192 rows, 1.6 GB of fp32 logits), for the next choice of default
-    heads += [HeadLoss(impl, chunk_rows=ctx.sizes(8192, 64)) for impl in ("chunked", "torch")]
-    for head in heads:
-        label = head.impl + (f" ({head.chunk_rows} rows)" if head.chunk_rows else "")
+    for impl in ("chunked", "torch"):
+        head = HeadLoss(impl, chunk_rows=ctx.sizes(8192, 64))
+        heads.append((f"{impl} ({head.chunk_rows} rows)", head))
+    for label, head in heads:
         reason = unavailable_reason(head.impl, device.type)
+        if label == "chunked-fused" and not ctx.with_compile:
+            reason = "--no-compile (it compiles its kernel)"
         if reason is not None:
             rows.append({"impl": label, "status": f"not run: {reason}"})
             continue
@@ -398,7 +408,31 @@ def section_loss(ctx: Context) -> dict[str, Any]:
     timed = [r for r in rows if "ms_fwd_bwd" in r]
     fastest = min(timed, key=lambda r: r["ms_fwd_bwd"])["impl"] if timed else None
     chosen = HeadLoss("auto").resolve(device)
-    return {"ok": ok, "rows": rows, "reference_loss": ref[0], "fastest": fastest, "auto_chooses": chosen}
+    # which pass loss.impl=chunked takes here under the autocast the rows ran in (head_loss.fused_by_default)
+    autocast_dtype = torch.bfloat16 if device.type == "cuda" else None
+    chunked_pass = "fused" if fused_by_default(device.type, autocast_dtype) else "eager"
+    return {
+        "ok": ok,
+        "rows": rows,
+        "reference_loss": ref[0],
+        "fastest": fastest,
+        "auto_chooses": chosen,
+        "chunked_takes": chunked_pass,
+    }
+
+
+@dataclass(frozen=True)
+class ChunkedPass:
+    """``loss.impl=chunked`` with its elementwise pass forced (``chunked_loss_terms(fused=...)``): the fused one,
+    each chunk's softmax, loss and gradient one compiled kernel, or torch's eager operations."""
+
+    fused: bool
+    impl: str = "chunked"
+
+    def __call__(self, hidden: Any, weight: Any, targets: Any) -> Any:
+        from gptlab.model.head_loss import chunked_loss_terms
+
+        return chunked_loss_terms(hidden, weight, targets, fused=self.fused).loss
 
 
 def _loss_row(ctx: Context, device: Any, head: Any, hidden: Any, weight: Any, targets: Any, ref: Any) -> dict:

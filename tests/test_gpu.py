@@ -20,7 +20,13 @@ from hydra.core.global_hydra import GlobalHydra
 from gptlab.model.attention import KVCache
 from gptlab.model.config import GPTConfig
 from gptlab.model.gpt import GPT
-from gptlab.model.head_loss import HeadLoss, plain_linear_cross_entropy
+from gptlab.model.head_loss import (
+    HeadLoss,
+    chunked_loss_terms,
+    fused_by_default,
+    plain_linear_cross_entropy,
+    plain_loss_terms,
+)
 from gptlab.runs.layout import last_checkpoint
 from gptlab.tasks.gpt import run
 
@@ -164,6 +170,42 @@ def test_fused_loss_kernels_under_bf16_autocast_match_the_plain_head_through_the
     for name, want in plain_grads.items():
         error = (grads[name] - want).norm() / want.norm().clamp_min(1e-12)
         assert error < 5e-2, f"{name}: relative gradient error {error:.2e}"
+
+
+@pytest.mark.parametrize(("z_loss", "softcap"), [(0.0, None), (1e-4, 30.0)], ids=["ce", "zloss-softcap"])
+def test_the_chunked_heads_fused_pass_in_bf16_matches_the_plain_head_and_the_eager_pass(z_loss, softcap):
+    """On CUDA under bf16 autocast ``chunked`` takes the fused pass (its elementwise work one Triton kernel
+    per chunk, made by torch.compile): at GPT-2's vocabulary, two chunks of the CUDA default (2,080 rows and a
+    shorter one), ignored targets, its loss and gradients equal the plain head's under the same autocast
+    within bf16's rounding, and the eager pass's within a rounding flip of the bf16 gradient."""
+    assert fused_by_default("cuda", torch.bfloat16), "triton is not importable: the fused pass is not taken"
+    g = torch.Generator(device="cuda").manual_seed(0)
+    n, c, v = 4000, 256, 50257
+    hidden = torch.randn(n, c, device="cuda", generator=g).requires_grad_()
+    weight = (torch.randn(v, c, device="cuda", generator=g) * 0.02).requires_grad_()
+    targets = torch.randint(0, v, (n,), device="cuda", generator=g)
+    targets[::7] = -1
+
+    def run(fused: bool | str | None):  # "plain": the plain head
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            if fused == "plain":
+                terms = plain_loss_terms(hidden, weight, targets, None, -1, z_loss, softcap)
+            else:
+                terms = chunked_loss_terms(
+                    hidden, weight, targets, z_loss=z_loss, softcap=softcap, fused=fused
+                )
+        grads = torch.autograd.grad(terms.loss, [hidden, weight])
+        return terms, [gr.float() for gr in grads]
+
+    fused, fused_grads = run(None)  # the rule: fused here
+    eager, eager_grads = run(False)
+    plain, plain_grads = run("plain")
+    torch.testing.assert_close(fused.loss, eager.loss, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(fused.loss.float(), plain.loss.float(), rtol=1e-3, atol=1e-3)
+    for got, eager_want, plain_want in zip(fused_grads, eager_grads, plain_grads):
+        assert float((got - eager_want).norm() / eager_want.norm()) < 1e-3
+        assert float((got - plain_want).norm() / plain_want.norm()) < 2e-2  # bf16 operands: about 1e-2
+    assert torch.all(fused_grads[0][targets == -1] == 0)
 
 
 def test_the_plain_head_in_fp32_is_the_reference_on_cuda():

@@ -35,8 +35,20 @@ def test_each_section_runs_at_toy_size(smoke):
 
 def test_the_loss_section_holds_every_impl_to_the_fp32_reference(smoke):
     rows = {r["impl"]: r for r in smoke["loss"]["rows"]}
-    assert list(rows) == ["plain", "chunked", "torch", "liger", "cce", "chunked (64 rows)", "torch (64 rows)"]
-    for impl in ("plain", "chunked", "torch", "chunked (64 rows)", "torch (64 rows)"):
+    assert list(rows) == [
+        "plain",
+        "chunked-fused",
+        "chunked-eager",
+        "torch",
+        "liger",
+        "cce",
+        "chunked (64 rows)",
+        "torch (64 rows)",
+    ]
+    # the fused pass compiles its kernel: not in this run without compiles (the next test runs it)
+    assert rows["chunked-fused"]["status"] == "not run: --no-compile (it compiles its kernel)"
+    assert smoke["loss"]["chunked_takes"] == "eager"  # on a CPU loss.impl=chunked takes the eager pass
+    for impl in ("plain", "chunked-eager", "torch", "chunked (64 rows)", "torch (64 rows)"):
         if impl.startswith("torch") and not torch_features.has("linear_cross_entropy"):  # torch < 2.13
             assert rows[impl]["status"].startswith("not run: needs torch's chunked output layer")
             continue
@@ -44,6 +56,18 @@ def test_the_loss_section_holds_every_impl_to_the_fp32_reference(smoke):
     for impl in ("liger", "cce"):  # CUDA kernels: named, with the reason, not silently left out
         assert rows[impl]["status"].startswith("not run: cannot run on cpu")
     assert smoke["loss"]["auto_chooses"] == "chunked" and smoke["loss"]["fastest"] in rows
+
+
+def test_the_loss_sections_fused_row_compiles_and_equals_the_reference(gpu_check, tmp_path):
+    """With compiles on, as on the GPU, the section times the chunked head's fused pass beside the eager one:
+    compiled here to C++ (on the GPU to Triton), equal to the fp32 reference as the eager pass is."""
+    ctx = gpu_check.Context(smoke=True, out=tmp_path)
+    result = gpu_check.run_section("loss", ctx)
+    assert result["status"] == "ok", result.get("traceback") or result.get("error")
+    rows = {r["impl"]: r for r in result["rows"]}
+    for impl in ("chunked-fused", "chunked-eager"):
+        assert rows[impl]["status"] == "equal" and float(rows[impl]["grad_rel_error"]) < 1e-4, rows[impl]
+        assert rows[impl]["ms_fwd_bwd"] > 0
 
 
 def test_the_attention_section_compares_each_bias_scheme_across_the_two_routes(smoke):

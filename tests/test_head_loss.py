@@ -4,9 +4,11 @@ chunk size, ignored targets, a bias, and through the whole model with a tied or 
 import pytest
 import torch
 import torch.nn.functional as F
+from torch._dynamo.utils import counters
 
 from gptlab import torch_features
 from gptlab.errors import ConfigError
+from gptlab.model import head_loss
 from gptlab.model.config import GPTConfig
 from gptlab.model.gpt import GPT
 from gptlab.model.head_loss import (
@@ -14,6 +16,7 @@ from gptlab.model.head_loss import (
     chunked_linear_cross_entropy,
     chunked_loss_terms,
     default_chunk_rows,
+    fused_by_default,
     plain_loss_terms,
     refusal,
     soft_cap,
@@ -190,6 +193,91 @@ def test_the_chunked_products_in_half_precision_give_the_plain_heads_loss_and_gr
         assert float((g - w).norm() / w.norm()) < 4 * eps, name
         assert float((g - e).norm() / e.norm()) < 8 * eps, name
     assert torch.all(got_grads[0][targets == -1] == 0)  # an ignored row's hidden state gets no gradient
+
+
+def compiled_graphs() -> int:
+    """Graphs torch.compile has made in this process so far (each compile and each recompile)."""
+    return counters["stats"]["unique_graphs"]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_the_fused_chunk_pass_gives_the_eager_passs_loss_and_gradients(dtype):
+    """The fused elementwise pass (one compiled kernel per chunk: inductor's C++ here, Triton on CUDA), forced
+    on the CPU, against the eager pass at the same product dtype and against the plain head, in one call that
+    has it all: ignored targets, a last chunk shorter than the others (45 = 2 x 16 + 13), a bias, the z-loss
+    and the softcap; then the same under no_grad (evaluation)."""
+    z_loss, cap = 1e-2, 5.0
+    hidden, weight, b, targets = problem(n=45, c=32, v=211, bias=True, ignore_every=4)
+    params = [hidden, weight, b]
+
+    def terms(fused: bool):
+        return chunked_loss_terms(
+            hidden, weight, targets, b, -1, 16, z_loss, cap, matmul_dtype=dtype, fused=fused
+        )
+
+    eager = terms(fused=False)
+    eager_grads = torch.autograd.grad(eager.loss, params)
+    fused = terms(fused=True)
+    fused_grads = torch.autograd.grad(fused.loss, params)
+    # The same logits (the same product) and fp32 reductions in another order: fp32's rounding apart.
+    for name in ("loss", "cross_entropy", "lse_square"):
+        torch.testing.assert_close(getattr(fused, name), getattr(eager, name), rtol=1e-5, atol=1e-6)
+    for name, got, want in zip(("hidden", "weight", "bias"), fused_grads, eager_grads):
+        assert got.dtype == want.dtype == torch.float32 and got.shape == want.shape, name
+        if dtype == torch.float32:
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=name)
+        else:
+            # Both round the logits' gradient to bf16 before the products: an fp32 difference of one part in
+            # 10^7 may flip a rounding, moving that entry by one bf16 step (2^-8 of it); a small fraction of
+            # the norm. A wrong term (a missing z-loss factor or cap derivative) would be percents.
+            assert float((got - want).norm() / want.norm()) < torch.finfo(dtype).eps / 8, name
+    assert torch.all(fused_grads[0][targets == -1] == 0)  # an ignored row's hidden state gets no gradient
+    # the plain head, whole logits in fp32: exact in fp32; with bf16 products, within their rounding
+    exact = plain_loss_terms(hidden, weight, targets, b, -1, z_loss, cap)
+    exact_grads = torch.autograd.grad(exact.loss, params)
+    loose = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(fused.cross_entropy, exact.cross_entropy, **loose)
+    torch.testing.assert_close(fused.lse_square, exact.lse_square, **loose)
+    for name, got, want in zip(("hidden", "weight", "bias"), fused_grads, exact_grads):
+        assert float((got - want).norm() / want.norm()) < 8 * torch.finfo(dtype).eps, name
+    with torch.no_grad():
+        evaluated = terms(fused=True)
+    assert not evaluated.loss.requires_grad
+    torch.testing.assert_close(evaluated.loss, eager.loss.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_the_fused_pass_compiles_once_for_every_batch_size():
+    """The chunk's rows are dynamic in the compiled kernel: after the first call, other batch sizes (other
+    last-chunk lengths, a batch smaller than one chunk) make no new graph."""
+    hidden, weight, _, targets = problem(n=300, c=16, v=101)
+
+    def call(n: int) -> None:
+        loss = chunked_loss_terms(hidden[:n], weight, targets[:n], chunk_rows=64, fused=True).loss
+        loss.backward()
+        torch.testing.assert_close(loss, reference(hidden[:n], weight, None, targets[:n]), **TOL)
+
+    before = compiled_graphs()
+    call(300)  # chunks of 64, and 44: one graph (not one for 64 rows, then a dynamic one for 44)
+    assert compiled_graphs() - before <= 1  # 0 where this process compiled this case before
+    before = compiled_graphs()
+    for n in (150, 37, 64):  # last chunks of 22 and 37 rows; one chunk of 64
+        call(n)
+    assert compiled_graphs() == before
+
+
+def test_the_fused_pass_is_taken_on_cuda_with_half_products_where_triton_is(monkeypatch):
+    monkeypatch.setattr(head_loss, "_triton_available", lambda: True)
+    assert fused_by_default("cuda", torch.bfloat16) and fused_by_default("cuda", torch.float16)
+    assert not fused_by_default("cuda", torch.float32)  # full precision: the eager pass
+    assert not fused_by_default("cuda", None)
+    assert not fused_by_default("cpu", torch.bfloat16)
+    monkeypatch.setattr(head_loss, "_triton_available", lambda: False)
+    assert not fused_by_default("cuda", torch.bfloat16)
+    # on the CPU, loss.impl=chunked compiles nothing
+    hidden, weight, _, targets = problem()
+    before = compiled_graphs()
+    HeadLoss("chunked", chunk_rows=8)(hidden, weight, targets).backward()
+    assert compiled_graphs() == before
 
 
 def test_the_cuda_chunk_is_larger_and_the_cpu_chunk_unchanged():

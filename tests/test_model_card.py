@@ -12,12 +12,12 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 import gptlab
-from gptlab import planning
+from gptlab import planning, torch_features
 from gptlab.errors import ConfigError
 from gptlab.model import counting, positional
 from gptlab.model.config import GPTConfig
 from gptlab.model.gpt import GPT
-from gptlab.model.head_loss import HeadLoss, installed_kernel_modules
+from gptlab.model.head_loss import HeadLoss, chunked_loss_terms, installed_kernel_modules
 from gptlab.parallel import strategy_choice
 
 GiB = 1024**3
@@ -268,27 +268,59 @@ def head_peak_bytes(loss: HeadLoss, hidden: torch.Tensor, weight: torch.Tensor, 
     return peak
 
 
-@pytest.mark.parametrize(
-    "loss",
-    [
-        HeadLoss("plain"),
-        HeadLoss("plain", z_loss=1e-4, final_softcap=30.0),
-        HeadLoss("chunked"),
-        HeadLoss("chunked", chunk_rows=96, final_softcap=30.0),
-    ],
-    ids=["plain", "plain-zloss-softcap", "chunked", "chunked-96-softcap"],
+needs_torch_lce = pytest.mark.skipif(
+    not torch_features.has("linear_cross_entropy"), reason="the installed torch has no F.linear_cross_entropy"
 )
-def test_head_estimate_matches_the_heads_peak(loss):
+
+
+@pytest.mark.parametrize(
+    ("loss", "C"),
+    [
+        (HeadLoss("plain"), 32),
+        (HeadLoss("plain", z_loss=1e-4, final_softcap=30.0), 32),
+        (HeadLoss("chunked"), 32),
+        (HeadLoss("chunked", chunk_rows=96, final_softcap=30.0), 32),
+        # torch's holds the most during its chunks at this width, and at the end of its backward (two copies
+        # of each gradient) at the wider one
+        pytest.param(HeadLoss("torch", chunk_rows=96), 32, marks=needs_torch_lce),
+        pytest.param(HeadLoss("torch", chunk_rows=128), 256, marks=needs_torch_lce),
+    ],
+    ids=["plain", "plain-zloss-softcap", "chunked", "chunked-96-softcap", "torch-96", "torch-128-wide"],
+)
+def test_head_estimate_matches_the_heads_peak(loss, C):
     """What the card counts for the output layer and loss against what the allocator really held: the whole
-    logits and their gradients for plain, one chunk and the accumulated gradients for chunked."""
-    N, C, V = 1024, 32, 4096
+    logits and their gradients for plain, one chunk and the accumulated gradients for chunked and torch's."""
+    N, V = 1024, 4096
     config = tiny(vocab_size=V, n_embd=C)
     head = planning.HeadPlan.of(loss, "cpu", "32-true")
-    assert head.impl == ("plain" if loss.impl == "plain" else "chunked")
+    assert head.impl == ("chunked" if loss.impl == "auto" else loss.impl)
     hidden, weight = torch.randn(N, C), torch.randn(V, C) * 0.1
     measured = head_peak_bytes(loss, hidden, weight, torch.randint(0, V, (N,)))
     estimate = head.bytes(config, N)
     assert abs(estimate / measured - 1) < 0.1, (estimate, measured)
+
+
+def test_the_fused_chunked_heads_estimate_matches_its_peak():
+    """The chunked head's fused pass, counted as on CUDA in bf16 (a bf16 chunk that its gradient overwrites,
+    no fp32 one) against the allocator's record of the same pass forced on the CPU with bf16 products (a
+    compile of its kernel, some seconds)."""
+    N, C, V, rows = 1024, 256, 4096, 128
+    config = tiny(vocab_size=V, n_embd=C)
+    fused = planning.HeadPlan("chunked", rows, "cuda", half_products=True, fused=True)
+    eager = replace(fused, fused=False)
+
+    def loss(hidden, weight, targets):
+        return chunked_loss_terms(
+            hidden, weight, targets, chunk_rows=rows, matmul_dtype=torch.bfloat16, fused=True
+        ).loss
+
+    hidden, weight, targets = torch.randn(N, C), torch.randn(V, C) * 0.1, torch.randint(0, V, (N,))
+    head_peak_bytes(loss, hidden, weight, targets)  # compiled before the measure
+    measured = head_peak_bytes(loss, hidden, weight, targets)
+    assert abs(fused.bytes(config, N) / measured - 1) < 0.1, (fused.bytes(config, N), measured)
+    # the fp32 chunk is gone: 4 bytes a logit of the chunk fewer than the eager pass
+    assert eager.bytes(config, N) - fused.bytes(config, N) == rows * V * 4
+    assert "fused" in fused.describe(config) and "fused" not in eager.describe(config)
 
 
 def test_the_card_counts_the_head_the_run_takes(make_cfg):

@@ -36,11 +36,14 @@ Pure arithmetic on a :class:`GPTConfig` and a `strategy=` choice (no weights, no
   counted), 8 V more with the z-loss and 4 V with the softcap. ``chunked`` and ``torch`` hold one (rows, V) fp32
   buffer per call, a fixed size, not per token, and the gradients they accumulate in the forward pass, (N, h)
   and (V, h) in fp32 (plus, with bf16 / fp16 products on CUDA, the chunk and the weight in that dtype and a
-  (V, h) product); ``cce`` and ``liger`` hold no logits: a fixed allowance, ``KERNEL_HEAD_BYTES``. Which one a
-  run takes is ``HeadLoss.resolve`` on its device and precision (``auto``: ``chunked`` on a CPU, ``cce`` on
-  CUDA in bf16); the card says which it counted. Both CPU heads are checked against the CPU allocator's record
-  of a forward and backward pass (``tests/test_model_card.py``): ``plain`` held 12.0 V bytes per token, as
-  counted.
+  (V, h) product). ``chunked``'s fused pass (CUDA, bf16 / fp16, triton installed: ``head_loss.
+  fused_by_default``) holds no fp32 chunk: one (rows, V) chunk in the product dtype, the logits and then their
+  gradient. torch's also holds, at the end of its backward, two copies of each accumulated gradient, which at
+  a width like GPT-2's outweighs its chunk. ``cce`` and ``liger`` hold no logits: a fixed allowance,
+  ``KERNEL_HEAD_BYTES``. Which one a run takes is ``HeadLoss.resolve`` on its device and precision
+  (``auto``: ``chunked`` on a CPU, ``cce`` on CUDA in bf16); the card says which it counted. The CPU heads,
+  and the fused pass forced on a CPU in bf16, are checked against the CPU allocator's record of a forward and
+  backward pass (``tests/test_model_card.py``): ``plain`` held 12.0 V bytes per token, as counted.
 
 Estimates, not measurements: allocator slack, the CUDA context (about 0.5-1 GiB) and temporary buffers come
 on top, so a run is called a fit only below 90% of the device memory.
@@ -72,7 +75,7 @@ from gptlab.errors import ConfigError
 from gptlab.model.config import GPTConfig
 from gptlab.model.counting import flops_per_token, gate_width, human, parameter_counts
 from gptlab.model.gpt import mlp_hidden_width
-from gptlab.model.head_loss import HeadLoss, default_chunk_rows, precision_dtype
+from gptlab.model.head_loss import HeadLoss, default_chunk_rows, fused_by_default, precision_dtype
 from gptlab.parallel.strategies import Placement, StrategyChoice, strategy_choice, strategy_choices
 
 if TYPE_CHECKING:
@@ -109,9 +112,9 @@ class HeadPlan:
     """The output layer and loss a run computes, as far as its memory goes: ``impl`` as the run resolves
     ``loss.impl`` (never ``auto``), ``chunk_rows`` for ``chunked`` and ``torch`` (None:
     ``default_chunk_rows`` for ``device_type``), whether the z-loss and the softcap are on (``plain`` holds
-    two whole (N, V) tensors more for the one, one for the other), and whether the chunked products run in
-    bf16 / fp16 (on CUDA under a half precision). The default, ``plain``, is what a plan that does not know
-    its run's head counts: the whole logits."""
+    two whole (N, V) tensors more for the one, one for the other), whether the chunked products run in
+    bf16 / fp16 (on CUDA under a half precision), and whether ``chunked`` takes its fused pass there. The
+    default, ``plain``, is what a plan that does not know its run's head counts: the whole logits."""
 
     impl: str = "plain"
     chunk_rows: int | None = None
@@ -119,6 +122,7 @@ class HeadPlan:
     z_loss: bool = False
     softcap: bool = False
     half_products: bool = False
+    fused: bool = False  # chunked's elementwise pass compiled into one kernel (head_loss.fused_by_default)
 
     @classmethod
     def of(cls, loss: HeadLoss, device_type: str, precision: str | None) -> HeadPlan:
@@ -130,13 +134,15 @@ class HeadPlan:
             impl = loss.resolve(device_type, dtype=dtype)
         except RuntimeError as e:
             raise ConfigError(str(e)) from None
+        half_products = device_type == "cuda" and dtype != torch.float32
         return cls(
             impl=impl,
             chunk_rows=loss.chunk_rows,
             device_type=device_type,
             z_loss=bool(loss.z_loss),
             softcap=loss.final_softcap is not None,
-            half_products=device_type == "cuda" and dtype != torch.float32,
+            half_products=half_products,
+            fused=impl == "chunked" and half_products and fused_by_default(device_type, dtype),
         )
 
     def rows(self, config: GPTConfig) -> int:
@@ -152,12 +158,24 @@ class HeadPlan:
             return tokens * 4 * V * (3 + 2 * self.z_loss + self.softcap)
         if self.impl in ("chunked", "torch"):
             rows = min(self.rows(config), tokens)
+            # the fp32 gradients of the hidden states and of the weight, accumulated in the forward pass
+            gradients = tokens * h * 4 + V * h * 4
+            if self.fused:
+                # one (rows, V) chunk in the product dtype, the logits then their gradient written over them
+                # (row statistics in fp32: a few floats a row; the softcap needs no second buffer), the weight
+                # in that dtype, and the weight's product per chunk before it is added in fp32, with an fp32
+                # copy of it on a CPU (its elementwise cast; on CUDA cast in the kernel, counted anyway)
+                return rows * V * 2 + gradients + V * h * (2 + 2 + 4)
             buffers = 2 if self.softcap else 1  # the softcap's gradient keeps tanh beside the chunk
-            # the chunk (two with the softcap), the gradients of the hidden states and of the weight
-            held = buffers * rows * V * 4 + tokens * h * 4 + V * h * 4
+            # the fp32 chunk (two with the softcap)
+            held = buffers * rows * V * 4 + gradients
+            if self.impl == "torch":
+                # torch's holds the chunk's (rows, h) gradient beside it, and at the end of its backward two
+                # copies of each gradient (measured with the CPU allocator's record: tests/test_model_card.py)
+                held = max(held + rows * h * 4, 2 * gradients)
             if self.half_products:
                 # the chunk's gradient and the weight in the product dtype, and the weight's product before
-                # its fp32 copy is added
+                # its fp32 copy is added (torch's in bf16: not measured, counted as chunked's)
                 held += rows * V * 2 + V * h * 2 + V * h * (2 + 4)
             return held
         return KERNEL_HEAD_BYTES
@@ -165,7 +183,8 @@ class HeadPlan:
     def describe(self, config: GPTConfig) -> str:
         """What the card counted, e.g. ``loss.impl=chunked, 160 rows per chunk``."""
         if self.impl in ("chunked", "torch"):
-            return f"loss.impl={self.impl}, {self.rows(config):,} rows per chunk"
+            fused = ", fused (one compiled kernel a chunk)" if self.fused else ""
+            return f"loss.impl={self.impl}, {self.rows(config):,} rows per chunk{fused}"
         if self.impl == "plain":
             return "loss.impl=plain, the whole logits"
         return f"loss.impl={self.impl}, no logits kept"

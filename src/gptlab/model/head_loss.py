@@ -9,7 +9,13 @@ are 1.6 GB in fp32, and again for their gradient. Four ways to the same loss and
   softmax gradient at once, so that nothing of a chunk outlives it. This is the trick of Liger-Kernel's
   fused linear cross-entropy (Hsu et al. 2024, arXiv:2410.10989) written in plain torch: computing the
   gradient in the forward pass saves the second (H @ W^T) product that a recompute in the backward would
-  cost. The backward only scales the stored gradients by the incoming one.
+  cost. The backward only scales the stored gradients by the incoming one. On CUDA with bf16 / fp16 products
+  (where triton is installed: ``fused_by_default``) each chunk's elementwise work, after its product, is one
+  kernel compiled by ``torch.compile`` (``chunk_loss_and_gradient``): the chunk's logits stay in the product
+  dtype, the kernel takes each row's maximum and sum of exponentials in fp32, the row's loss terms, and writes
+  the gradient (z-loss and softcap included) over the logits, instead of torch's eager operations over an fp32
+  copy of the chunk (several passes over it). Elsewhere the eager pass: on a CPU, bound by arithmetic, the
+  fused one was not faster and its compile costs seconds (docs/performance.md); ``fused=`` forces either.
 - ``torch`` (any device): torch's own version of the same trick, ``F.linear_cross_entropy`` with
   ``nn.LinearCrossEntropyOptions(batch_chunk_size=chunk_rows)`` (new in torch 2.13; see its docstring,
   ``help(torch.nn.functional.linear_cross_entropy)``). The chunk is always passed: torch's default options
@@ -46,8 +52,9 @@ loaders never ignore a target).
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -80,6 +87,105 @@ def default_chunk_rows(vocab_size: int, device_type: str = "cpu") -> int:
     return max(8, budget // (4 * vocab_size) // 8 * 8)
 
 
+def chunk_loss_and_gradient(
+    logits: Tensor,
+    targets: Tensor,
+    counted: Tensor,
+    bias: Tensor | None,
+    z_loss: float,
+    softcap: float | None,
+    with_grad: bool,
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """One chunk's elementwise work after its product, written to be one fused kernel under ``torch.compile``
+    (``fused_chunk_loss_and_gradient``): from the (n, V) ``logits`` (in the product's dtype; ``bias`` (V,) fp32
+    or None added, then capped to ``softcap * tanh(s / softcap)`` when ``softcap`` is set), in fp32, each row's
+    log-partition log Z and, over the ``counted`` rows (the others contribute 0), the sum of the
+    cross-entropies against ``targets`` (n,) and the sum of log^2 Z. With ``with_grad`` it writes the gradient
+    of the summed objective with respect to the raw logits over ``logits``, in place and in its dtype:
+    (softmax * (1 + 2 z_loss log Z) - onehot(target)) * (1 - tanh^2 with the softcap), 0 on ignored rows (the
+    mean's 1 / count is left to the fp32 products that follow), and returns the fp32 sum of that gradient over
+    the rows, the bias's share, when there is a bias. Returns (cross-entropy sum, log^2 Z sum, bias gradient or
+    None).
+
+    Written for inductor: the row maximum is taken over the raw logits (tanh is increasing, so capping it gives
+    the capped row's maximum) and the exponentials are recomputed where the gradient needs them, so that no
+    fp32 (n, V) intermediate is held: the kernel reads the chunk for the maximum, for the sum of exponentials
+    and for the gradient, and writes it once. With a bias the gradient's column sum needs it whole, in fp32
+    (gptlab's model has no bias on its output layer)."""
+    raw = logits.float()
+    if bias is not None:
+        raw = raw + bias
+
+    def cap(x: Tensor) -> Tensor:
+        return x if softcap is None else torch.tanh(x / softcap) * softcap
+
+    top = cap(raw.amax(dim=1, keepdim=True))  # (n, 1)
+    log_z = top + torch.log(torch.exp(cap(raw) - top).sum(dim=1, keepdim=True))  # (n, 1)
+    target_logit = cap(raw.gather(1, targets[:, None]))  # (n, 1)
+    # where(), not a product with the mask: a row that is ignored contributes 0 even if its logits are not finite
+    cross_entropy = torch.where(counted, (log_z - target_logit).squeeze(1), 0.0).sum()
+    log_z_square = torch.where(counted, log_z.squeeze(1).square(), 0.0).sum()
+    if not with_grad:
+        return cross_entropy, log_z_square, None
+    if softcap is None:
+        grad = torch.exp(raw - log_z)
+    else:
+        tanh = torch.tanh(raw / softcap)
+        grad = torch.exp(tanh * softcap - log_z)
+    if z_loss:
+        grad = grad * (1.0 + 2.0 * z_loss * log_z)
+    onehot = torch.arange(raw.size(1), device=raw.device)[None, :] == targets[:, None]
+    grad = grad - onehot.to(grad.dtype)
+    if softcap is not None:
+        grad = grad * (1.0 - tanh * tanh)  # d(cap tanh(x / cap))/dx
+    grad = torch.where(counted[:, None], grad, 0.0)
+    grad_bias = grad.sum(dim=0) if bias is not None else None
+    logits.copy_(grad.to(logits.dtype))
+    return cross_entropy, log_z_square, grad_bias
+
+
+@functools.cache
+def fused_chunk_loss_and_gradient() -> Callable[..., tuple[Tensor, Tensor, Tensor | None]]:
+    """``chunk_loss_and_gradient`` compiled, once per process: a Triton kernel on CUDA, C++ on a CPU. Each
+    chunk's rows are marked dynamic at the call (``_fused_chunk``), so one compile serves every chunk and every
+    batch size; a new compile comes only with a new dtype, grad mode (training or evaluation), z-loss weight,
+    softcap, or with a bias."""
+    return torch.compile(chunk_loss_and_gradient)
+
+
+def _fused_chunk(
+    logits: Tensor,
+    targets: Tensor,
+    counted: Tensor,
+    bias: Tensor | None,
+    z_loss: float,
+    softcap: float | None,
+    with_grad: bool,
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    for t in (logits, targets, counted):
+        # the last chunk is shorter, and batches differ: the rows are a symbol of the compiled kernel, not a
+        # constant (maybe_: a chunk of one row may still specialize, rather than raise)
+        torch._dynamo.maybe_mark_dynamic(t, 0)
+    return fused_chunk_loss_and_gradient()(logits, targets, counted, bias, z_loss, softcap, with_grad)
+
+
+@functools.cache
+def _triton_available() -> bool:
+    try:
+        from torch.utils._triton import has_triton
+    except ImportError:
+        return False
+    return bool(has_triton())
+
+
+def fused_by_default(device_type: str, matmul_dtype: torch.dtype | None) -> bool:
+    """Whether ``chunked`` takes the fused elementwise pass (``chunk_loss_and_gradient`` compiled) when not
+    told: on CUDA, with bf16 / fp16 products (a bf16-mixed run's), where torch.compile can make its Triton
+    kernel (triton importable). Elsewhere the eager pass: on a CPU the compile (tens of seconds) is not repaid
+    in a short run, and fp32 products on CUDA are not the case it was written for."""
+    return device_type == "cuda" and matmul_dtype in HALF_DTYPES and _triton_available()
+
+
 class ChunkedLinearCrossEntropy(torch.autograd.Function):
     """mean over non-ignored rows of cross_entropy(s, targets) + z_loss * logsumexp(s)^2, chunk by chunk, where
     s = hidden @ weight^T + bias, capped to ``softcap * tanh(s / softcap)`` when ``softcap`` is set.
@@ -89,9 +195,11 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
     chunk (the logits, and the gradients of the hidden states and of the weight) run in ``matmul_dtype``: fp32
     (None), or bf16 / fp16 where training runs under that autocast on CUDA (``chunked_loss_terms``), as the
     plain head's products do there: an H100 multiplies bf16 about ten times faster than fp32, and the fp32
-    products made this path the slowest on one (60 ms where Cut Cross-Entropy took 13). Returns the objective
-    (differentiable), and the mean cross-entropy and mean squared log-partition (for logging, not
-    differentiable)."""
+    products made this path the slowest on one (60 ms where Cut Cross-Entropy took 13). With ``fused`` each
+    chunk's logits are kept in the product dtype and its elementwise work is one compiled kernel
+    (``fused_chunk_loss_and_gradient``) that writes their gradient over them; without, torch's eager operations
+    over an fp32 copy. Returns the objective (differentiable), and the mean cross-entropy and mean squared
+    log-partition (for logging, not differentiable)."""
 
     @staticmethod
     def forward(
@@ -106,6 +214,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         z_loss: float = 0.0,
         softcap: float | None = None,
         matmul_dtype: torch.dtype | None = None,
+        fused: bool = False,
     ) -> tuple[Tensor, Tensor, Tensor]:
         N = hidden.size(0)
         half = matmul_dtype is not None and matmul_dtype != torch.float32
@@ -125,12 +234,35 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         # each written over the last (no allocation per chunk). The softcap's gradient needs tanh(s / cap)
         # beside it: a second buffer, only then.
         rows_max = min(chunk_rows, N)
-        buffer = torch.empty(rows_max, weight.size(0), dtype=torch.float32, device=hidden.device)
-        capped = torch.empty_like(buffer) if softcap is not None and with_grad else None
+        # The fused pass keeps the logits in the product's dtype and writes their gradient over them; the
+        # eager one works in fp32.
+        buffer_dtype = w.dtype if fused else torch.float32
+        buffer = torch.empty(rows_max, weight.size(0), dtype=buffer_dtype, device=hidden.device)
+        capped = torch.empty_like(buffer) if softcap is not None and with_grad and not fused else None
         for start in range(0, N, chunk_rows):
             rows = slice(start, min(start + chunk_rows, N))
             h = hidden[rows].to(w.dtype)  # (n, C)
             z = buffer[: h.size(0)]  # (n, V)
+            if fused:
+                torch.mm(h, w.t(), out=z)
+                ce_part, lse_part, bias_part = _fused_chunk(
+                    z, safe_targets[rows], valid[rows], b, z_loss, softcap, with_grad
+                )
+                loss_sum += ce_part
+                lse_square_sum += lse_part
+                if with_grad:
+                    assert grad_hidden is not None and grad_weight is not None
+                    # z is now the gradient of the chunk's summed objective, ignored rows 0; the mean's
+                    # 1 / count is applied in fp32 to the products
+                    if half:
+                        grad_hidden[rows] = torch.mm(z, w).float().mul_(inv_count)  # (n, C)
+                        grad_weight.addcmul_(torch.mm(z.t(), h), inv_count)  # (V, C), summed in fp32
+                    else:
+                        torch.mm(z, w, out=grad_hidden[rows]).mul_(inv_count)
+                        grad_weight.addmm_(z.t(), h * inv_count)
+                    if grad_bias is not None and bias_part is not None:
+                        grad_bias.add_(bias_part.mul_(inv_count))
+                continue
             if half:
                 z.copy_(torch.mm(h, w.t()))  # the product in bf16 / fp16 (accumulated in fp32), kept in fp32
                 if b is not None:
@@ -206,7 +338,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
             grad_weight.mul_(grad_loss).to(w_dtype) if need_w else None,
             grad_bias.mul_(grad_loss).to(b_dtype) if grad_bias is not None and need_b else None,
         ]
-        return (*grads, None, None, None, None, None, None, None)
+        return (*grads, None, None, None, None, None, None, None, None)
 
 
 @dataclass(frozen=True)
@@ -239,21 +371,26 @@ def chunked_loss_terms(
     z_loss: float = 0.0,
     softcap: float | None = None,
     matmul_dtype: torch.dtype | None = None,
+    fused: bool | None = None,
 ) -> LossTerms:
     """``ChunkedLinearCrossEntropy`` on ``hidden`` (..., C) and ``targets`` (...), leading dimensions
     flattened, ``chunk_rows`` rows at a time (default: ``default_chunk_rows`` for the device). Its products run
     in ``matmul_dtype``; by default in the autocast dtype on CUDA, as every other product of a bf16-mixed run
-    does there, and in fp32 elsewhere (on a CPU, fp32 products are the faster ones)."""
+    does there, and in fp32 elsewhere (on a CPU, fp32 products are the faster ones). ``fused``: each chunk's
+    elementwise work as one compiled kernel (True) or as torch's eager operations (False); None takes
+    ``fused_by_default``, the fused pass on CUDA with bf16 / fp16 products where triton is installed."""
     hidden = hidden.reshape(-1, hidden.size(-1))
     targets = targets.reshape(-1)
     rows = chunk_rows or default_chunk_rows(weight.size(0), hidden.device.type)
     if matmul_dtype is None and hidden.device.type == "cuda":
         matmul_dtype = _kernel_dtype(hidden)
+    if fused is None:
+        fused = fused_by_default(hidden.device.type, matmul_dtype)
     with_grad = torch.is_grad_enabled() and (
         hidden.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
     )
     loss, cross_entropy, lse_square = ChunkedLinearCrossEntropy.apply(
-        hidden, weight, bias, targets, ignore_index, rows, with_grad, z_loss, softcap, matmul_dtype
+        hidden, weight, bias, targets, ignore_index, rows, with_grad, z_loss, softcap, matmul_dtype, fused
     )
     return LossTerms(loss, cross_entropy, lse_square if z_loss else None)
 
