@@ -280,6 +280,42 @@ def test_the_fused_pass_is_taken_on_cuda_with_half_products_where_triton_is(monk
     assert compiled_graphs() == before
 
 
+def test_a_fused_pass_that_cannot_compile_leaves_the_eager_pass_and_says_so(monkeypatch, tmp_path, caplog):
+    """A real failed compile: the C++ compiler inductor calls does not exist (as triton's launcher build fails
+    on a GPU machine without a C compiler). The fused pass is chosen as on CUDA; the first call falls back to
+    the eager pass, with its numbers, and a warning; later calls take the eager pass at once."""
+    import torch._dynamo
+    import torch._inductor.config as inductor_config
+
+    monkeypatch.setattr(head_loss, "fused_by_default", lambda device_type, matmul_dtype: True)
+    monkeypatch.setattr(head_loss, "_FUSED_COMPILE", head_loss._FusedCompile())
+    no_compiler = inductor_config.patch(
+        {"cpp.cxx": (None, str(tmp_path / "no-such-compiler")), "fx_graph_cache": False}
+    )
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))  # no kernel built before
+    head_loss.fused_chunk_loss_and_gradient.cache_clear()
+    torch._dynamo.reset()
+    hidden, weight, _, targets = problem(n=40, c=16, v=97)
+    try:
+        with no_compiler, caplog.at_level("WARNING", logger="gptlab.model.head_loss"):
+            got = chunked_loss_terms(hidden, weight, targets, chunk_rows=16)
+        (grad,) = torch.autograd.grad(got.loss, [hidden])
+        want = chunked_loss_terms(hidden, weight, targets, chunk_rows=16, fused=False)
+        (want_grad,) = torch.autograd.grad(want.loss, [hidden])
+        assert torch.equal(got.loss, want.loss) and torch.equal(grad, want_grad)
+        assert head_loss._FUSED_COMPILE.failed and not head_loss._FUSED_COMPILE.succeeded
+        assert (
+            "the fused pass did not compile" in caplog.text and "the eager pass runs instead" in caplog.text
+        )
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="gptlab.model.head_loss"):
+            chunked_loss_terms(hidden, weight, targets, chunk_rows=16)
+        assert caplog.text == ""  # said once
+    finally:
+        head_loss.fused_chunk_loss_and_gradient.cache_clear()
+        torch._dynamo.reset()
+
+
 def test_the_cuda_chunk_is_larger_and_the_cpu_chunk_unchanged():
     assert default_chunk_rows(50257) == 160
     assert default_chunk_rows(50257, "cuda") == 2080  # 2,048 rows measured faster than 160 on an H100

@@ -53,6 +53,7 @@ loaders never ignore a target).
 from __future__ import annotations
 
 import functools
+import logging
 import math
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
@@ -65,6 +66,8 @@ from torch import Tensor
 from gptlab import torch_features
 from gptlab.errors import ConfigError
 from gptlab.registry import check_keys
+
+log = logging.getLogger(__name__)
 
 IMPLEMENTATIONS = ("auto", "chunked", "torch", "plain", "liger", "cce")
 
@@ -384,15 +387,46 @@ def chunked_loss_terms(
     rows = chunk_rows or default_chunk_rows(weight.size(0), hidden.device.type)
     if matmul_dtype is None and hidden.device.type == "cuda":
         matmul_dtype = _kernel_dtype(hidden)
+    chosen = fused is None
     if fused is None:
-        fused = fused_by_default(hidden.device.type, matmul_dtype)
+        fused = fused_by_default(hidden.device.type, matmul_dtype) and not _FUSED_COMPILE.failed
     with_grad = torch.is_grad_enabled() and (
         hidden.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
     )
-    loss, cross_entropy, lse_square = ChunkedLinearCrossEntropy.apply(
-        hidden, weight, bias, targets, ignore_index, rows, with_grad, z_loss, softcap, matmul_dtype, fused
-    )
+    args = (hidden, weight, bias, targets, ignore_index, rows, with_grad, z_loss, softcap, matmul_dtype)
+    if fused and chosen and not _FUSED_COMPILE.succeeded:
+        # The first fused call compiles. Where that fails (a machine whose triton cannot build its launcher:
+        # no C compiler, no CUDA headers), the eager pass computes the same numbers: take it, say so once.
+        try:
+            terms = ChunkedLinearCrossEntropy.apply(*args, True)
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as e:
+            _FUSED_COMPILE.failed = True
+            log.warning(
+                "loss.impl=chunked: the fused pass did not compile (%s: %s); the eager pass runs instead, "
+                "with the same result and more memory traffic.",
+                type(e).__name__,
+                str(e).splitlines()[0] if str(e) else "",
+            )
+            terms = ChunkedLinearCrossEntropy.apply(*args, False)
+        else:
+            _FUSED_COMPILE.succeeded = True
+    else:
+        terms = ChunkedLinearCrossEntropy.apply(*args, fused)
+    loss, cross_entropy, lse_square = terms
     return LossTerms(loss, cross_entropy, lse_square if z_loss else None)
+
+
+@dataclass
+class _FusedCompile:
+    """Whether the fused pass has compiled in this process, or failed to (then ``chunked`` runs eager)."""
+
+    succeeded: bool = False
+    failed: bool = False
+
+
+_FUSED_COMPILE = _FusedCompile()
 
 
 def chunked_linear_cross_entropy(
