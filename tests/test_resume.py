@@ -316,6 +316,25 @@ def test_a_background_save_writes_the_state_of_its_step_while_the_tensors_change
     assert torch.equal(torch.load(ckpt, weights_only=True)["state_dict"]["wte"], embedding)
 
 
+def test_without_room_for_the_host_copy_checkpoints_are_written_in_the_foreground(
+    tmp_path, monkeypatch, caplog
+):
+    # The host's free memory is the one thing faked: exhausting this machine's RAM for real is not a test.
+    import gptlab.parallel.hardware as hardware
+
+    monkeypatch.setattr(hardware, "available_host_memory", lambda: 1e6)  # 1 MB, for a 4 MB checkpoint
+    ckpt = last_checkpoint(tmp_path)
+    writer = AtomicCheckpointIO()
+    for step in (2, 4):
+        with caplog.at_level("WARNING", logger="gptlab.parallel.checkpoint_io"):
+            with writer.in_background():
+                writer.save_checkpoint({"state_dict": {"w": torch.zeros(2**20)}, "global_step": step}, ckpt)
+        assert writer.pending_write is None  # written before the save returned
+        assert torch.load(ckpt, weights_only=True)["global_step"] == step and digests.check(ckpt).verified
+    assert caplog.text.count("written in the foreground from now on") == 1
+    assert "needs 4 MB more, and 1 MB are available" in caplog.text
+
+
 def test_non_finite_loss_stops_with_the_step_and_keeps_the_last_finite_checkpoint(tmp_path, cache_dir):
     # A learning rate of 1e30 blows the weights up in one update: the second loss is NaN.
     out = tmp_path / "run"

@@ -76,6 +76,7 @@ from gptlab.model.config import GPTConfig
 from gptlab.model.counting import flops_per_token, gate_width, human, parameter_counts
 from gptlab.model.gpt import mlp_hidden_width
 from gptlab.model.head_loss import HeadLoss, default_chunk_rows, fused_by_default, precision_dtype
+from gptlab.parallel.hardware import available_host_memory, host_memory_bytes
 from gptlab.parallel.strategies import Placement, StrategyChoice, strategy_choice, strategy_choices
 
 if TYPE_CHECKING:
@@ -350,24 +351,8 @@ def device_memory_bytes(accelerator: str | None = None) -> tuple[float, str]:
     if accelerator != "cpu" and torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
         return float(props.total_memory), f"{props.name}, {props.total_memory / GiB:.0f} GiB"
-    try:
-        ram = float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
-    except (ValueError, OSError, AttributeError):  # pragma: no cover - non-POSIX hosts
-        ram = 16.0 * GiB
+    ram = host_memory_bytes()
     return ram, f"CPU, {ram / GiB:.0f} GiB of RAM"
-
-
-def available_host_memory() -> float:
-    """Bytes of RAM this machine can give a new process now (``MemAvailable``: free memory plus the page
-    cache it can drop); the physical RAM where the kernel does not say."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return float(line.split()[1]) * 1024  # the kernel reports KiB
-    except OSError:  # pragma: no cover - not Linux
-        pass
-    return device_memory_bytes("cpu")[0]
 
 
 def fitting_options(

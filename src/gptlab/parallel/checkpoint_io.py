@@ -66,8 +66,19 @@ class HostSnapshot:
         self._buffers: dict[tuple[str, int, int], torch.UntypedStorage] = {}
 
     def take(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
+        """The copy; raises MemoryError, copying nothing, where its new buffers would take more than half the
+        memory the host has available (a second copy of a large model's state must not bring on the kernel's
+        out-of-memory killer)."""
         from lightning_utilities.core.apply_func import apply_to_collection
 
+        from gptlab.parallel.hardware import available_host_memory
+
+        new = tensor_bytes(checkpoint) - sum(b.nbytes() for b in self._buffers.values())
+        available = available_host_memory()
+        if new > available / 2:
+            raise MemoryError(
+                f"a host copy needs {new / MB:,.0f} MB more, and {available / MB:,.0f} MB are available"
+            )
         used: dict[tuple[str, int, int], torch.UntypedStorage] = {}
 
         def copy(tensor: torch.Tensor) -> torch.Tensor:
@@ -108,6 +119,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         self._worker: ThreadPoolExecutor | None = None
         self._pending: Future[None] | None = None
         self._snapshot = HostSnapshot()
+        self._foreground_only = False
 
     @contextmanager
     def in_background(self) -> Iterator[None]:
@@ -127,12 +139,18 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         if not self._background:
             self._write(checkpoint, Path(path))
             return
+        if self._foreground_only:
+            self._write(checkpoint, Path(path))
+            return
         try:
             copy = self._snapshot.take(checkpoint)
-        except (RuntimeError, MemoryError) as e:  # no host memory for a second copy: write it now
+        except (RuntimeError, MemoryError) as e:  # no host memory for a second copy: written now, from now on
             log.warning(
-                "%s written in the foreground: no copy in host memory for a background write (%s)", path, e
+                "Checkpoints are written in the foreground from now on: no room for their copy in host memory, "
+                "which a background write needs (%s).",
+                e,
             )
+            self._foreground_only = True
             self._snapshot = HostSnapshot()
             self._write(checkpoint, Path(path))
             return

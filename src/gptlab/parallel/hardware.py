@@ -136,3 +136,24 @@ def slurm_plugins() -> list[Any]:
     from lightning.fabric.plugins.environments import SLURMEnvironment
 
     return [SLURMEnvironment(auto_requeue=False)] if SLURMEnvironment.detect() else []
+
+
+def host_memory_bytes() -> float:
+    """The host's physical RAM in bytes (16 GiB where the system does not say)."""
+    try:
+        return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):  # pragma: no cover - non-POSIX hosts
+        return 16.0 * 2**30
+
+
+def available_host_memory() -> float:
+    """Bytes of RAM this machine can give now (``MemAvailable``: free memory plus the page cache it can drop);
+    the physical RAM where the kernel does not say."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return float(line.split()[1]) * 1024  # the kernel reports KiB
+    except OSError:  # pragma: no cover - not Linux
+        pass
+    return host_memory_bytes()
