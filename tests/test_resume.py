@@ -131,8 +131,9 @@ def start_and_stop_at(args: list[str], cwd: Path, step: int, sig: int) -> subpro
 def test_sigkill_three_times_then_resume_ends_bit_identical(tmp_path, cache_dir, reference):
     args = [*ARGS, "logger=csv", "trainer.log_every_n_steps=1", f"paths.root_dir={cache_dir}", "resume=auto"]
     rng = random.Random()
-    # From step 3 on: the first periodic checkpoint (step 2) is on disk whenever the kill lands.
-    steps = sorted(rng.sample(range(3, MAX_STEPS), 3))
+    # From step 5 on, a checkpoint is on disk whenever the kill lands: the save of step 4 waits for the
+    # background write of step 2's (which a kill at step 3 may find in flight).
+    steps = sorted(rng.sample(range(5, MAX_STEPS), 3))
     for step in steps:
         proc = start_and_stop_at(args, tmp_path, step, signal.SIGKILL)
         assert proc.returncode == -signal.SIGKILL, proc.output[-3000:]
@@ -314,6 +315,33 @@ def test_a_background_save_writes_the_state_of_its_step_while_the_tensors_change
     writer.teardown()  # waits for the write
     assert torch.load(ckpt, map_location="cpu", weights_only=True)["global_step"] == 4
     assert torch.equal(torch.load(ckpt, weights_only=True)["state_dict"]["wte"], embedding)
+
+
+def test_what_follows_a_background_write_waits_for_it_and_is_dropped_if_it_fails(tmp_path):
+    """The removal of the best checkpoint a new one displaces, and the scores naming it, run after the new one
+    is on disk, and not at all where its write failed: then the old best and its score stay as they were."""
+    writer = AtomicCheckpointIO()
+    state = {"state_dict": {"w": torch.ones(2**20)}, "global_step": 4}
+    new_best = tmp_path / "best-step4.ckpt"
+    seen: list[bool] = []
+    with writer.in_background():
+        writer.save_checkpoint(state, new_best)
+    writer.after_write(lambda: seen.append(new_best.is_file() and digests.check(new_best).verified))
+    writer.wait()
+    assert seen == [True]
+
+    blocked = tmp_path / "a-file"  # a folder that is a file: the write fails for real (root or not)
+    blocked.write_text("")
+    with writer.in_background():
+        writer.save_checkpoint(state, blocked / "best-step8.ckpt")
+    writer.after_write(lambda: new_best.unlink())
+    with pytest.raises(OSError):
+        writer.wait()
+    assert new_best.is_file()  # not removed: the write it waited for failed
+    writer.wait()  # the error was raised once
+    writer.after_write(lambda: seen.append(True))  # nothing in flight: at once
+    assert seen == [True, True]
+    writer.teardown()
 
 
 def test_without_room_for_the_host_copy_checkpoints_are_written_in_the_foreground(

@@ -107,7 +107,8 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 
     Inside :meth:`in_background` a save returns once the checkpoint is copied to host memory
     (:class:`HostSnapshot`), and one worker thread writes, fsyncs, hashes and renames it while training goes
-    on. One write is in flight at most: the next save, :meth:`wait` and :meth:`teardown` wait for it first, and
+    on; :meth:`after_write` queues what must follow it. One write is in flight at most: the next save,
+    :meth:`wait` and :meth:`teardown` wait for it first, and
     a write that failed (a full disk) raises its error there, or at :meth:`raise_if_failed`, polled once a
     step. A process killed while the thread writes leaves the previous checkpoint, as a kill during a save in
     the foreground does; a process that exits otherwise finishes the write first (the thread is joined at
@@ -162,6 +163,24 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     def pending_write(self) -> Future[None] | None:
         """The background write in flight (or finished and not yet waited for), None if there is none."""
         return self._pending
+
+    def after_write(self, operation: Callable[[], None]) -> None:
+        """Run ``operation`` (a file operation that must follow the checkpoint written in the background: the
+        removal of the one it replaces, a record naming it) in the worker once that write is on disk; at once
+        where no write is in flight. Where the write fails, the operation is not run: what is on disk stays as
+        it was, and the write's error is raised as before."""
+        previous = self._pending
+        if previous is None or self._worker is None:
+            operation()
+            return
+
+        def after() -> None:
+            error = previous.exception()  # done: the worker runs its tasks in order
+            if error is not None:
+                raise error
+            operation()
+
+        self._pending = self._worker.submit(after)
 
     def wait(self) -> None:
         """Block until the write in flight, if any, is on disk; raise its error if it failed."""

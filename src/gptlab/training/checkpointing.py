@@ -48,6 +48,7 @@ import lightning as L
 import numpy as np
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.trainer.states import TrainerFn
 
 from gptlab.errors import ConfigError, NonFiniteLossError, signal_name
 from gptlab.parallel import hardware
@@ -162,11 +163,12 @@ class PeriodicLastCheckpoint(ModelCheckpoint):
     directory; no ``-v1`` version), and a state holding a NaN or infinite parameter on any rank is never
     written over it.
 
-    With ``background`` (the default), the saves during training are written by a thread where the
-    checkpoint is one file written by rank 0 (:class:`gptlab.parallel.checkpoint_io.AtomicCheckpointIO`):
-    the step waits only for the copy to host memory. A save at the end of training, on a stop signal or
-    with a best checkpoint of the same step to link is written before the run goes on, as are sharded
-    directories (every rank writes its shards together)."""
+    With ``background`` (the default), the saves during training, this one's and a new best's
+    (:class:`BestCheckpoint`), are written by a thread where the checkpoint is one file written by rank 0
+    (:class:`gptlab.parallel.checkpoint_io.AtomicCheckpointIO`): the step waits only for the copy to host
+    memory. A save at the end of training, on a stop signal or with a best checkpoint of the same step to
+    link is written before the run goes on, as are sharded directories (every rank writes its shards
+    together)."""
 
     # Lightning names it CHECKPOINT_NAME_LAST + FILE_EXTENSION: the name gptlab.runs.layout gives it.
     CHECKPOINT_NAME_LAST = Path(LAST_CHECKPOINT).stem
@@ -256,10 +258,11 @@ class PeriodicLastCheckpoint(ModelCheckpoint):
         # name of this file: one file on disk, not two copies of the same step.
         if trainer.is_global_zero:
             for best in best_checkpoints(trainer):
-                if best.saved_step == trainer.global_step and best.saved_path and best.saved_path.is_file():
+                if best.saved_step == trainer.global_step and best.saved_path:
                     if writer is not None:
-                        writer.wait()
-                    link_checkpoint(path, best.saved_path)
+                        writer.wait()  # both files on disk first (rare: a validation at a save's step)
+                    if best.saved_path.is_file():
+                        link_checkpoint(path, best.saved_path)
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.save_now(trainer)
@@ -306,6 +309,20 @@ class BestCheckpoint(ModelCheckpoint):
         self.saved_path: Path | None = None
         self.saved_step: int | None = None
 
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # A best saved during training is written in the background where the last checkpoint's are
+        # (callbacks.last_checkpoint.background); the one after training's last step, in the foreground.
+        writer = background_writer(trainer)
+        last = last_checkpoint_callback(trainer)
+        during_training = (
+            trainer.state.fn == TrainerFn.FITTING and 0 <= trainer.global_step < trainer.max_steps
+        )
+        if writer is None or last is None or not last.background or not during_training:
+            super().on_validation_end(trainer, pl_module)
+            return
+        with writer.in_background():
+            super().on_validation_end(trainer, pl_module)
+
     def _update_best_and_save(
         self, current: torch.Tensor, trainer: L.Trainer, monitor_candidates: dict[str, torch.Tensor]
     ) -> None:
@@ -316,7 +333,14 @@ class BestCheckpoint(ModelCheckpoint):
                 for path, score in self.best_k_models.items()
                 if score is not None
             }
-            write_best_scores(self.dirpath, BestScores(str(self.monitor), self.mode, scores))
+            record = BestScores(str(self.monitor), self.mode, scores)
+            dirpath = self.dirpath
+            # once the new best is on disk: the scores never name a file that a kill could leave unwritten
+            after_write(trainer, lambda: write_best_scores(dirpath, record))
+
+    def _remove_checkpoint(self, trainer: L.Trainer, filepath: str) -> None:
+        # The best it displaces goes once the new one is on disk (a full disk keeps it, and its score).
+        after_write(trainer, lambda: super(BestCheckpoint, self)._remove_checkpoint(trainer, filepath))
 
     def _save_checkpoint(self, trainer: L.Trainer, filepath: str) -> None:
         last = next(
@@ -341,6 +365,20 @@ class BestCheckpoint(ModelCheckpoint):
 
 def best_checkpoints(trainer: L.Trainer) -> list[BestCheckpoint]:
     return [cb for cb in trainer.checkpoint_callbacks if isinstance(cb, BestCheckpoint)]
+
+
+def last_checkpoint_callback(trainer: L.Trainer) -> PeriodicLastCheckpoint | None:
+    return next((cb for cb in trainer.checkpoint_callbacks if isinstance(cb, PeriodicLastCheckpoint)), None)
+
+
+def after_write(trainer: L.Trainer, operation: Any) -> None:
+    """``operation`` once the checkpoint being written in the background is on disk, or now (rank 0 runs
+    these file operations; the writer of another rank has nothing in flight)."""
+    writer = background_writer(trainer)
+    if writer is None:
+        operation()
+    else:
+        writer.after_write(operation)
 
 
 # ---- stop signals -------------------------------------------------------------------------------------
