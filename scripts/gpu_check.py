@@ -19,7 +19,8 @@ included, ends within ``WHOLE_RUN_S`` = 470 s, under 8 minutes, whatever hangs:
   pytest-timeout is installed, as on the GPU image, so that one hung test fails alone);
 - ``gpt2``: GPT-2 small (124M) at context 1024 in bf16 mixed precision, eager and with ``torch.compile`` on every
   block (``compile=true``): tokens/s, MFU against the chip's bf16 dense peak (6N + 12LhT FLOPs per token), peak
-  memory; compiled also with ``loss.impl=chunked`` beside ``auto``. The training step is gptlab's model, head and
+  memory; compiled also with ``loss.impl=chunked`` beside ``auto``, and a profile of each compiled step (its
+  kernels by their own time: where the step goes, for the MFU). The training step is gptlab's model, head and
   optimizer, outside Lightning;
 - ``loss``: every ``loss.impl`` (plain, chunked, torch, liger, cce) at B*T = 8,192, D = 768, V = 50,257 under bf16
   autocast, forward and backward: time, peak memory, and the loss and gradients against an fp32 reference;
@@ -128,6 +129,38 @@ def _peak_gib(device: Any, baseline: int = 0) -> float | None:
     if device.type != "cuda":
         return None
     return (torch.cuda.max_memory_allocated() - baseline) / 2**30
+
+
+def _profile(fn: Callable[[], Any], device: Any, calls: int = 2, top: int = 12) -> list[dict[str, Any]]:
+    """torch.profiler over ``calls`` calls of ``fn``: the ``top`` operations and kernels by their own time on
+    the device (on a CPU, by their own CPU time), each per call and as a share of all, for where a step's
+    time goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for _ in range(calls):
+            fn()
+        _sync(device)
+    names = ("self_device_time_total", "self_cuda_time_total") if device.type == "cuda" else ()
+
+    def own_us(event: Any) -> float:
+        for name in names:
+            if hasattr(event, name):
+                return float(getattr(event, name))
+        return float(event.self_cpu_time_total)
+
+    events = [e for e in prof.key_averages() if own_us(e) > 0]
+    total = sum(own_us(e) for e in events) or 1.0
+    return [
+        {
+            "kernel": e.key[:100].replace("|", "/"),
+            "ms_per_step": round(own_us(e) / 1e3 / calls, 2),
+            "percent": round(100 * own_us(e) / total, 1),
+            "calls_per_step": e.count // calls,
+        }
+        for e in sorted(events, key=own_us, reverse=True)[:top]
+    ]
 
 
 def _time(fn: Callable[[], Any], device: Any, warmup: int, repeats: int) -> float:
@@ -292,15 +325,18 @@ def section_gpt2(ctx: Context) -> dict[str, Any]:
     # loss.impl=auto (cce on CUDA in bf16), and compiled also with the chunked head, whose per-chunk softmax is
     # one fused kernel there: the two heads in the step they serve, for AUTO_ORDER["cuda"].
     variants = [(False, "auto"), (True, "auto"), (True, "chunked")] if ctx.with_compile else [(False, "auto")]
+    profiles = {}
     for compiled, impl in variants:
         row = _gpt2_rate(ctx, device, config, batch, compiled, impl)
+        if "profile" in row:  # where a compiled step's time goes, by kernel: beside the table, not in it
+            profiles[f"{row['variant']}, loss.impl={impl} ({row['loss_impl']})"] = row.pop("profile")
         tokens_per_s = row["tokens_per_s"]
         row["mfu_percent"] = round(100 * tokens_per_s * flops / peak, 1) if peak else None
         rows.append(row)
         if device.type == "cuda":
             torch.cuda.empty_cache()
     ok = all(math.isfinite(r["final_loss"]) for r in rows)
-    return {"ok": ok, "rows": rows, "flops_per_token": flops, "bf16_peak": peak}
+    return {"ok": ok, "rows": rows, "flops_per_token": flops, "bf16_peak": peak, "profiles": profiles}
 
 
 def _gpt2_rate(
@@ -342,13 +378,16 @@ def _gpt2_rate(
     _reset_peak(device)
     steps, warmup = ctx.sizes((10, 3), (2, 1))
     seconds = _time(step, device, warmup=warmup, repeats=steps)
+    peak_gib = _peak_gib(device)
+    profiled = {"profile": _profile(step, device)} if compiled else {}
     return {
+        **profiled,
         "variant": "compile" if compiled else "eager",
         "batch": f"{batch} x {config.block_size}",
         "loss_impl": head.resolve(device, dtype=torch.bfloat16 if device.type == "cuda" else None),
         "step_ms": round(seconds * 1e3, 1),
         "tokens_per_s": round(batch * config.block_size / seconds),
-        "peak_memory_gib": _round(_peak_gib(device)),
+        "peak_memory_gib": _round(peak_gib),
         "first_step_s": round(first_step_s, 1),
         "final_loss": round(float(losses[-1]), 4),
     }
@@ -830,6 +869,14 @@ def markdown(results: dict[str, dict[str, Any]]) -> str:
         for key in ("fastest", "auto_chooses"):
             if key in result:
                 lines += [f"{key}: {result[key]}", ""]
+        for title, profile in result.get("profiles", {}).items():
+            lines += [f"Profile of a step, {title}: its operations by their own time", ""]
+            if profile:
+                columns = list(profile[0])
+                lines.append("| " + " | ".join(columns) + " |")
+                lines.append("|" + "---|" * len(columns))
+                lines += ["| " + " | ".join(str(r.get(c, "")) for c in columns) + " |" for r in profile]
+            lines.append("")
     return "\n".join(lines)
 
 

@@ -87,6 +87,25 @@ def test_the_gpt2_and_word2vec_sections_report_rates(smoke):
     assert smoke["word2vec"]["rows"][0]["words_per_s"] > 0
 
 
+def test_a_compiled_steps_profile_names_where_its_time_goes(gpu_check):
+    """The profile the gpt2 section keeps of each compiled step (here of a CPU step that is mostly one matrix
+    product): operations by their own time, per step and as a share, and its table in the report."""
+    import torch
+
+    a, b = torch.randn(512, 512), torch.randn(512, 512)
+
+    def step() -> None:
+        (a @ b).relu_().sum()
+
+    rows = gpu_check._profile(step, torch.device("cpu"), calls=3)
+    assert rows[0]["kernel"] in ("aten::mm", "aten::matmul") and rows[0]["calls_per_step"] == 1
+    assert rows[0]["percent"] > 50 and sum(r["percent"] for r in rows) <= 100.5
+    assert all(r["ms_per_step"] >= 0 for r in rows)
+    table = gpu_check.markdown({"gpt2": {"status": "ok", "seconds": 1.0, "profiles": {"compile": rows}}})
+    assert "Profile of a step, compile: its operations by their own time" in table
+    assert f"| {rows[0]['kernel']} | {rows[0]['ms_per_step']} |" in table
+
+
 def test_the_table_shows_every_section_and_its_status(gpu_check, smoke):
     table = gpu_check.markdown(smoke)
     for name in smoke:
