@@ -13,6 +13,9 @@ one rank does to a distributed run. GPTLAB_TEST_FAULT chooses it (read here only
   ``stop`` it is SIGSTOPped instead: alive but stuck (a hung file system, a lost node), answering nothing.
   With ``hang`` the other ranks' main threads then wait for ever, as in an NCCL collective whose peer is
   gone (over gloo their next collective would fail at once).
+- ``kill_in_background_write:<n>``: the process is SIGKILLed while its background checkpoint writer holds the
+  checkpoint of step n, unwritten, once step n + 1 is trained (rank 0 writes; the other ranks, past that save,
+  are left to notice).
 - ``die_in_hashing:<rank>``: that rank alone is SIGKILLed as it starts hashing its share of a sharded
   checkpoint's files, after the ranks exchanged the listing: the others wait for its digests.
 - ``race_start:<folder>:<n>[:hold]``: a start raced against n - 1 others: each process waits until all n
@@ -153,6 +156,33 @@ elif kind == "die_in_hashing":
         return original_compute_shared(checkpoint, name, this_rank, ranks, gather, die_first)
 
     digests.compute_shared = compute_shared
+elif kind == "kill_in_background_write":
+    import threading
+
+    from gptlab.parallel.checkpoint_io import AtomicCheckpointIO
+    from gptlab.training.callbacks import ValidateAtLastStep
+
+    fault_step = int(args[0])
+    original_write = AtomicCheckpointIO._write
+    original_batch_end = ValidateAtLastStep.on_train_batch_end
+    next_step_done = threading.Event()
+
+    def write(self, checkpoint, target):
+        # the writer thread, holding the checkpoint of that step until the ranks have trained the step after
+        # it (every rank past the save's barrier), then killed before writing a byte
+        in_writer = threading.current_thread() is not threading.main_thread()
+        if checkpoint.get("global_step") == fault_step and in_writer:
+            next_step_done.wait(timeout=120)
+            os.kill(os.getpid(), signal.SIGKILL)
+        original_write(self, checkpoint, target)
+
+    def on_train_batch_end(self, trainer, pl_module, *rest):
+        original_batch_end(self, trainer, pl_module, *rest)
+        if trainer.global_step == fault_step + 1:
+            next_step_done.set()
+
+    AtomicCheckpointIO._write = write
+    ValidateAtLastStep.on_train_batch_end = on_train_batch_end
 elif kind == "race_start":
     import time
 

@@ -254,6 +254,23 @@ def test_the_rank_a_killed_rank_0_started_stops_and_says_why(tmp_path):
     assert shlex.split(message.rsplit("with: ", 1)[1]) == ["python", str(FAULTS), *common, "resume=auto"]
 
 
+@pytest.mark.slow
+def test_a_rank_0_killed_while_it_writes_a_checkpoint_in_the_background_leaves_the_one_before_named(tmp_path):
+    run_dir = tmp_path / "run"
+    common = two_ranks("ddp", 8, tmp_path, run_dir)
+    # Rank 0 dies while its writer thread holds step 4's last.ckpt, unwritten, after the ranks trained step 5:
+    # rank 1, which took part in that save, must not name it, but the one on disk whole (step 2's: the save of
+    # step 4 waited for it).
+    proc = run_with_fault("kill_in_background_write:4", common, tmp_path, run_dir)
+    assert proc.returncode != 0, proc.stderr[-3000:]
+    message = failure_message(proc.stderr)
+    assert re.match(r"Rank 0 of 2 \(pid \d+\), which started this process, ended", message), message
+    last = last_checkpoint(run_dir)
+    assert f"The last intact checkpoint is {last} (step 2)" in message
+    assert _checkpoint_step(last) == 2 and digests.check(last).verified
+    assert not list((run_dir / "checkpoints").glob(".last.ckpt.tmp-*"))  # killed before its first byte
+
+
 def torchrun(port: int, script: Path, args: list[str], cwd: Path, env: dict | None = None):
     """``python -m torch.distributed.run`` (torchrun) with 2 ranks on this machine running ``script``."""
     launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={port}"]
@@ -271,7 +288,9 @@ def torchrun(port: int, script: Path, args: list[str], cwd: Path, env: dict | No
 @pytest.mark.parametrize("killed", [1, 0])
 def test_a_rank_killed_under_torchrun_is_named_recorded_and_the_torchrun_command_resumes(tmp_path, killed):
     run_dir = tmp_path / "run"
-    common = two_ranks("ddp", 6, tmp_path, run_dir)
+    # Checkpoints written before the next step: step 2's is on disk when rank 0 dies at step 3 (in the
+    # background it could still be in flight; the next test kills rank 0 there).
+    common = [*two_ranks("ddp", 6, tmp_path, run_dir), "callbacks.last_checkpoint.background=false"]
     port = _free_port()
     # The rank is SIGKILLed after its third step; torchrun's agent then sends SIGTERM to the other, whose
     # collective with it fails (over gloo) and whose watch of the rank beside it says which one is gone.

@@ -160,6 +160,11 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         self._pending = self._worker.submit(self._write, copy, Path(path))
 
     @property
+    def background_active(self) -> bool:
+        """Whether saves made now go to the worker thread (inside :meth:`in_background`)."""
+        return self._background and not self._foreground_only
+
+    @property
     def pending_write(self) -> Future[None] | None:
         """The background write in flight (or finished and not yet waited for), None if there is none."""
         return self._pending

@@ -460,7 +460,7 @@ def last_intact_checkpoint(trainer: L.Trainer) -> tuple[Path | None, int | None]
     from gptlab.training.checkpointing import PeriodicLastCheckpoint
 
     last = next((cb for cb in trainer.checkpoint_callbacks if isinstance(cb, PeriodicLastCheckpoint)), None)
-    path, step = (last.saved_path, last.saved_step) if last is not None else (None, None)
+    path, step = last.saved() if last is not None else (None, None)
     # written by ranks spawned from this process, or by the part before a run that only validated
     if path is None and last is not None and last.dirpath:
         on_disk = Path(last.dirpath) / LAST_CHECKPOINT

@@ -53,6 +53,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from gptlab.errors import ConfigError, NonFiniteLossError, signal_name
 from gptlab.parallel import hardware
 from gptlab.parallel.checkpoint_io import AtomicCheckpointIO, link_checkpoint
+from gptlab.runs import digests
 from gptlab.runs.layout import (
     BEST_FILENAME,
     BEST_PREFIX,
@@ -199,29 +200,48 @@ class PeriodicLastCheckpoint(ModelCheckpoint):
         self._saved: tuple[Path | None, int | None] = (None, None)
         # A save handed to the background writer: its path, step and write, the newest once that succeeds.
         self._queued: tuple[Path, int, Future[None]] | None = None
+        # On a rank other than 0, where rank 0 writes the file in the background: what is on disk says.
+        self._written_by_rank_0: Path | None = None
+        self._requested_step: int | None = None
 
     @property
     def saved_path(self) -> Path | None:
-        return self._settled()[0]
+        return self.saved()[0]
 
     @property
     def saved_step(self) -> int | None:
-        return self._settled()[1]
+        return self.saved()[1]
+
+    @property
+    def requested_step(self) -> int | None:
+        """The step of the newest save asked for (written, or being written in the background): the same on
+        every rank, for decisions every rank must take alike."""
+        return self._requested_step
+
+    def saved(self) -> tuple[Path | None, int | None]:
+        """The newest checkpoint on disk whole and its step, after the background write in flight, if any, has
+        ended (its error, if it failed, is left for the writer to raise)."""
+        return self._settled()
 
     def _settled(self) -> tuple[Path | None, int | None]:
-        """The newest checkpoint on disk whole, after the background write in flight, if any, has ended (its
-        error, if it failed, is left for the writer to raise)."""
         if self._queued is not None:
             path, step, write = self._queued
             if write.exception() is None:
                 self._saved = (path, step)
             self._queued = None
+        if self._written_by_rank_0 is not None:
+            # This rank cannot see rank 0's writer: the newest save is on disk when its digest says so (a
+            # rank 0 killed while writing left the one before, or none).
+            verdict = digests.check(self._written_by_rank_0) if self._written_by_rank_0.is_file() else None
+            if verdict is not None and verdict.verified and verdict.step is not None:
+                return self._written_by_rank_0, verdict.step
         return self._saved
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         super().on_train_start(trainer, pl_module)
         if trainer.ckpt_path:
             self._saved = (Path(trainer.ckpt_path), trainer.global_step)
+            self._requested_step = trainer.global_step
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
         writer = background_writer(trainer)
@@ -248,12 +268,24 @@ class PeriodicLastCheckpoint(ModelCheckpoint):
         self._settled()
         super()._save_last_checkpoint(trainer, monitor_candidates)
         path, step = Path(self.last_model_path), trainer.global_step
+        self._requested_step = step
         writer = background_writer(trainer)
         write = writer.pending_write if writer is not None else None
         if write is not None:
             self._queued = (path, step, write)
+        elif (
+            writer is not None
+            and writer.background_active
+            and not trainer.is_global_zero
+            and (
+                not getattr(
+                    trainer.strategy, "_save_distributed_checkpoint", False
+                )  # a sharded one: written here
+            )
+        ):
+            self._written_by_rank_0 = path
         else:
-            self._saved = (path, step)
+            self._saved, self._written_by_rank_0 = (path, step), None
         # A best checkpoint saved at this step (the validation just before training ended) becomes a second
         # name of this file: one file on disk, not two copies of the same step.
         if trainer.is_global_zero:
@@ -348,9 +380,14 @@ class BestCheckpoint(ModelCheckpoint):
             None,
         )
         linked = False
-        if last is not None and last.saved_step == trainer.global_step and last.saved_path is not None:
-            # Every rank takes the same branch: the full save below is collective for some strategies.
-            made = link_checkpoint(last.saved_path, Path(filepath)) if trainer.is_global_zero else False
+        if last is not None and last.requested_step == trainer.global_step:
+            # Every rank takes the same branch (the save this step asked for, the same on every rank): the full
+            # save below is collective for some strategies. Rank 0 links to the file once it is whole.
+            made = False
+            if trainer.is_global_zero:
+                saved_path, saved_step = last.saved()
+                if saved_path is not None and saved_step == trainer.global_step:
+                    made = link_checkpoint(saved_path, Path(filepath))
             linked = bool(trainer.strategy.broadcast(made, src=0))
         if not linked:
             super()._save_checkpoint(trainer, filepath)
@@ -561,11 +598,12 @@ def fit(
     if stopper is None:
         return None
     last = next((cb for cb in trainer.checkpoint_callbacks if isinstance(cb, PeriodicLastCheckpoint)), None)
+    saved = last.saved() if last is not None else (None, None)
     return SignalStop(
         signal=stopper.signal_name,
         # a rank a peer's signal stopped received none itself: the stop of a kill
         signum=int(stopper.received if stopper.received is not None else signal.SIGTERM),
         quit_at_once=stopper.quit_at_once,
-        checkpoint=last.saved_path if last is not None else None,
-        checkpoint_step=last.saved_step if last is not None else None,
+        checkpoint=saved[0],
+        checkpoint_step=saved[1],
     )
