@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import subprocess
 import sys
 import time
@@ -26,17 +25,9 @@ import torch
 from gptlab.model import GPT, GPTConfig, KVCache
 from gptlab.model.gpt import prefill_chunk
 
-
-def resident_mib() -> float:
-    """This process's resident memory now (Linux /proc), in MiB."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    raise RuntimeError("no VmRSS in /proc/self/status")
-
-
-def peak_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+# the same two measures as the document mask's script (scripts/ is this script's first import path)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from document_mask_memory import peak_mib, resident_mib  # noqa: E402
 
 
 def one_prompt(args: argparse.Namespace) -> dict[str, object]:
