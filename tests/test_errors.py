@@ -112,6 +112,11 @@ def test_override_typos_name_the_key_and_the_fix(make_cfg):
         ("optim.lr=fast", r"optim.lr='fast' must be a number \(e.g. optim.lr=0.004\)"),
         ("data.batch_size=abc", r"data.batch_size='abc' must be an integer \(got str\)"),
         ("seed=abc", r"seed='abc' must be an integer"),
+        (
+            "callbacks.last_checkpoint.background=sometimes",
+            r"callbacks.last_checkpoint.background='sometimes' must be true \(write the checkpoints saved during "
+            r"training in a thread",
+        ),
     ],
 )
 def test_values_of_the_wrong_type(make_cfg, tmp_path, override, message):
