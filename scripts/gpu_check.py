@@ -379,6 +379,7 @@ def _gpt2_rate(
     steps, warmup = ctx.sizes((10, 3), (2, 1))
     seconds = _time(step, device, warmup=warmup, repeats=steps)
     peak_gib = _peak_gib(device)
+    final_loss = float(losses[-1])  # after the same steps in every variant: before the profiled ones
     profiled = {"profile": _profile(step, device)} if compiled else {}
     return {
         **profiled,
@@ -389,7 +390,7 @@ def _gpt2_rate(
         "tokens_per_s": round(batch * config.block_size / seconds),
         "peak_memory_gib": _round(peak_gib),
         "first_step_s": round(first_step_s, 1),
-        "final_loss": round(float(losses[-1]), 4),
+        "final_loss": round(final_loss, 4),
     }
 
 
