@@ -273,16 +273,7 @@ class PeriodicLastCheckpoint(ModelCheckpoint):
         write = writer.pending_write if writer is not None else None
         if write is not None:
             self._queued = (path, step, write)
-        elif (
-            writer is not None
-            and writer.background_active
-            and not trainer.is_global_zero
-            and (
-                not getattr(
-                    trainer.strategy, "_save_distributed_checkpoint", False
-                )  # a sharded one: written here
-            )
-        ):
+        elif writer is not None and written_by_rank_0_in_background(trainer, writer):
             self._written_by_rank_0 = path
         else:
             self._saved, self._written_by_rank_0 = (path, step), None
@@ -307,6 +298,13 @@ class PeriodicLastCheckpoint(ModelCheckpoint):
         flight)."""
         if self._last_global_step_saved != trainer.global_step:
             self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+
+
+def written_by_rank_0_in_background(trainer: L.Trainer, writer: AtomicCheckpointIO) -> bool:
+    """On a rank other than 0, whether the save just asked for is one file that rank 0 writes in the
+    background (a sharded checkpoint is written by every rank before the save returns)."""
+    sharded = bool(getattr(trainer.strategy, "_save_distributed_checkpoint", False))
+    return writer.background_active and not trainer.is_global_zero and not sharded
 
 
 def background_writer(trainer: L.Trainer) -> AtomicCheckpointIO | None:
