@@ -108,11 +108,10 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     Inside :meth:`in_background` a save returns once the checkpoint is copied to host memory
     (:class:`HostSnapshot`), and one worker thread writes, fsyncs, hashes and renames it while training goes
     on; :meth:`after_write` queues what must follow it. One write is in flight at most: the next save,
-    :meth:`wait` and :meth:`teardown` wait for it first, and
-    a write that failed (a full disk) raises its error there, or at :meth:`raise_if_failed`, polled once a
-    step. A process killed while the thread writes leaves the previous checkpoint, as a kill during a save in
-    the foreground does; a process that exits otherwise finishes the write first (the thread is joined at
-    interpreter exit)."""
+    :meth:`wait` and :meth:`teardown` wait for it first, and a write that failed (a full disk) raises its error
+    there, or at :meth:`raise_if_failed`, polled once a step. A process killed while the thread writes leaves
+    the previous checkpoint, as a kill during a save in the foreground does; a process that exits otherwise
+    finishes the write first (the thread is joined at interpreter exit)."""
 
     def __init__(self) -> None:
         super().__init__()
