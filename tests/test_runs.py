@@ -3,6 +3,7 @@ through the one loader, by the library and by the scripts; checkpoints that coul
 
 from __future__ import annotations
 
+import io
 import os
 import pickle
 import runpy
@@ -18,7 +19,7 @@ from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 
 from gptlab.errors import CheckpointError
-from gptlab.runs import Run, find_run_dirs, run_of_path
+from gptlab.runs import Run, digests, find_run_dirs, run_of_path
 from gptlab.runs.checkpoints import load_checkpoint
 from gptlab.runs.layout import checkpoint_kind, last_checkpoint
 from gptlab.runs.trained import load_run
@@ -160,6 +161,43 @@ def test_a_checkpoint_that_would_run_code_is_refused(trained, tmp_path):
     with pytest.raises(CheckpointError, match=r"refers to posix.system.*refused"):
         load_checkpoint(bad_dir)
     assert not marker.exists()
+
+
+class LooksUp:
+    """Unpickles as ``getattr(pathlib.Path, "home")``: an attribute lookup that is not an enum member's."""
+
+    def __reduce__(self):
+        return (getattr, (Path, "home"))
+
+
+def test_a_distributed_checkpoint_whose_index_names_enums_by_name_loads(trained, tmp_path):
+    """Python 3.11.0-3.11.3 (Debian 12's 3.11.2) pickle an enum member as getattr(its class, its name): a DCP
+    index written there holds builtins.getattr for its memory formats. It loads; any other lookup is refused."""
+    import enum
+
+    _, _, _, sharded = trained
+    copy = tmp_path / "by_name"
+    shutil.copytree(sharded, copy)
+    metadata = pickle.loads((sharded / ".metadata").read_bytes())
+
+    class EnumsByName(pickle.Pickler):
+        def reducer_override(self, obj):
+            if isinstance(obj, enum.Enum):
+                return getattr, (type(obj), obj.name)
+            return NotImplemented
+
+    buffer = io.BytesIO()
+    EnumsByName(buffer).dump(metadata)  # the default protocol, as torch's writer uses
+    assert b"getattr" in buffer.getvalue()
+    (copy / ".metadata").write_bytes(buffer.getvalue())
+    digests.write_digest(copy, digests.compute(copy), digests.read_digest(sharded).step)  # re-sealed
+    want, got = load_checkpoint(sharded)["state_dict"], load_checkpoint(copy)["state_dict"]
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+
+    (copy / ".metadata").write_bytes(pickle.dumps(LooksUp()))
+    digests.write_digest(copy, digests.compute(copy), None)
+    with pytest.raises(CheckpointError, match=r"looks up 'home' on <class 'pathlib.Path'>.*refused"):
+        load_checkpoint(copy)
 
 
 def test_a_directory_that_is_not_a_checkpoint_is_named(tmp_path):

@@ -84,6 +84,8 @@ class _MetadataUnpickler(pickle.Unpickler):
             return super().find_class(module, name)
         if module == "builtins" and name in self._BUILTINS:
             return super().find_class(module, name)
+        if module == "builtins" and name == "getattr":
+            return _enum_member  # an enum member by name (how Python 3.11.0-3.11.3 pickle enums)
         # the checkpoint's own path (StorageMeta.checkpoint_id), and the lookup of a tensor layout by name
         if (module == "pathlib" and name in self._PATHS) or (module, name) == (
             "torch.serialization",
@@ -98,6 +100,25 @@ class _MetadataUnpickler(pickle.Unpickler):
             f"The distributed checkpoint's .metadata refers to {module}.{name}, which a checkpoint index "
             "never holds: refused (unpickling it could run code)."
         )
+
+
+def _enum_member(cls: Any, name: str) -> Any:
+    """``getattr`` as a DCP ``.metadata`` may hold it: a member of one of torch.distributed.checkpoint's enums
+    (``_MEM_FORMAT_ENCODING``), looked up by name; anything else is refused."""
+    import enum
+
+    if (
+        isinstance(cls, type)
+        and issubclass(cls, enum.Enum)
+        and cls.__module__.startswith("torch.distributed.checkpoint.")
+        and isinstance(name, str)
+        and name in cls.__members__
+    ):
+        return cls[name]
+    raise CheckpointError(
+        f"The distributed checkpoint's .metadata looks up {name!r} on {cls!r}, which a checkpoint index never "
+        "does: refused (unpickling it could run code)."
+    )
 
 
 def _dcp_reader(path: Path) -> Any:
