@@ -457,9 +457,9 @@ def timeout_message(trainer: L.Trainer, error: Exception) -> str:
 def last_intact_checkpoint(trainer: L.Trainer) -> tuple[Path | None, int | None]:
     """The last checkpoint written whole and its step, or (None, None)."""
     from gptlab.runs import digests
-    from gptlab.training.checkpointing import PeriodicLastCheckpoint
+    from gptlab.training.checkpointing import last_checkpoint_callback
 
-    last = next((cb for cb in trainer.checkpoint_callbacks if isinstance(cb, PeriodicLastCheckpoint)), None)
+    last = last_checkpoint_callback(trainer)
     path, step = last.saved() if last is not None else (None, None)
     # written by ranks spawned from this process, or by the part before a run that only validated
     if path is None and last is not None and last.dirpath:

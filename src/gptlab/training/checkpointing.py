@@ -205,14 +205,6 @@ class PeriodicLastCheckpoint(ModelCheckpoint):
         self._requested_step: int | None = None
 
     @property
-    def saved_path(self) -> Path | None:
-        return self.saved()[0]
-
-    @property
-    def saved_step(self) -> int | None:
-        return self.saved()[1]
-
-    @property
     def requested_step(self) -> int | None:
         """The step of the newest save asked for (written, or being written in the background): the same on
         every rank, for decisions every rank must take alike."""
@@ -221,14 +213,7 @@ class PeriodicLastCheckpoint(ModelCheckpoint):
     def saved(self) -> tuple[Path | None, int | None]:
         """The newest checkpoint on disk whole and its step, after the background write in flight, if any, has
         ended (its error, if it failed, is left for the writer to raise)."""
-        return self._settled()
-
-    def _settled(self) -> tuple[Path | None, int | None]:
-        if self._queued is not None:
-            path, step, write = self._queued
-            if write.exception() is None:
-                self._saved = (path, step)
-            self._queued = None
+        self._settle_write()
         if self._written_by_rank_0 is not None:
             # This rank cannot see rank 0's writer: the newest save is on disk when its digest says so (a
             # rank 0 killed while writing left the one before, or none).
@@ -236,6 +221,14 @@ class PeriodicLastCheckpoint(ModelCheckpoint):
             if verdict is not None and verdict.verified and verdict.step is not None:
                 return self._written_by_rank_0, verdict.step
         return self._saved
+
+    def _settle_write(self) -> None:
+        """Wait for this process's background write, if one is queued; the newest saved once it succeeded."""
+        if self._queued is not None:
+            path, step, write = self._queued
+            if write.exception() is None:
+                self._saved = (path, step)
+            self._queued = None
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         super().on_train_start(trainer, pl_module)
@@ -265,7 +258,7 @@ class PeriodicLastCheckpoint(ModelCheckpoint):
         # save has every row up to the checkpoint's step on disk, and a resumed run drops the rows after it.
         for logger in trainer.loggers:
             logger.save()
-        self._settled()
+        self._settle_write()
         super()._save_last_checkpoint(trainer, monitor_candidates)
         path, step = Path(self.last_model_path), trainer.global_step
         self._requested_step = step
@@ -373,10 +366,7 @@ class BestCheckpoint(ModelCheckpoint):
         after_write(trainer, lambda: super(BestCheckpoint, self)._remove_checkpoint(trainer, filepath))
 
     def _save_checkpoint(self, trainer: L.Trainer, filepath: str) -> None:
-        last = next(
-            (cb for cb in trainer.checkpoint_callbacks if isinstance(cb, PeriodicLastCheckpoint)),
-            None,
-        )
+        last = last_checkpoint_callback(trainer)
         linked = False
         if last is not None and last.requested_step == trainer.global_step:
             # Every rank takes the same branch (the save this step asked for, the same on every rank): the full
@@ -595,7 +585,7 @@ def fit(
     stopper = next((cb for cb in stoppers if cb.stopped or cb.quit_at_once), None)
     if stopper is None:
         return None
-    last = next((cb for cb in trainer.checkpoint_callbacks if isinstance(cb, PeriodicLastCheckpoint)), None)
+    last = last_checkpoint_callback(trainer)
     saved = last.saved() if last is not None else (None, None)
     return SignalStop(
         signal=stopper.signal_name,
