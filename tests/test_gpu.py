@@ -353,3 +353,43 @@ def test_a_background_checkpoint_save_copies_cuda_tensors_at_their_step(tmp_path
     saved = torch.load(tmp_path / "last.ckpt", map_location="cpu", weights_only=True)["state_dict"]
     assert torch.equal(saved["wte"], at_save)
     assert saved["wte"].untyped_storage().data_ptr() == saved["lm_head"].untyped_storage().data_ptr()
+
+
+def test_the_host_copy_of_cuda_tensors_is_pinned_equal_and_keeps_the_tie():
+    """The background writer's host copy of CUDA tensors goes to pinned buffers (queued without waiting, then
+    waited for once): the same bytes as a pageable copy, the tied pair still one storage, an optimizer state's
+    step count on the CPU copied too, and the next save reuses the pinned buffers."""
+    from gptlab.parallel.checkpoint_io import HostSnapshot
+
+    embedding = torch.randn(5000, 256, device="cuda")
+    state = {
+        "state_dict": {"wte": embedding, "lm_head": embedding, "ln": torch.ones(256, device="cuda")},
+        "optimizer_states": [{"state": {0: {"exp_avg": torch.randn(5000, 256, device="cuda")}}}],
+        "step": torch.tensor(3.0),
+    }
+    pinned, pageable = HostSnapshot(), HostSnapshot(pin=False)
+    at_save = embedding.cpu()
+    copy = pinned.take(state)
+    embedding.mul_(2.0)  # the next step, queued on the GPU after the copy
+    cuda_bytes = 2 * 5000 * 256 * 4 + 256 * 4  # the tied pair's one storage, exp_avg, ln; not the CPU step
+    assert pinned.pinned_bytes() == cuda_bytes and copy["state_dict"]["wte"].is_pinned()
+    assert not copy["step"].is_pinned()
+    assert torch.equal(copy["state_dict"]["wte"], at_save)
+    assert copy["state_dict"]["wte"].untyped_storage().data_ptr() == (
+        copy["state_dict"]["lm_head"].untyped_storage().data_ptr()
+    )
+    plain = pageable.take(state)
+    assert pageable.pinned_bytes() == 0
+    for got, want in (
+        (
+            copy["optimizer_states"][0]["state"][0]["exp_avg"],
+            plain["optimizer_states"][0]["state"][0]["exp_avg"],
+        ),
+        (copy["state_dict"]["ln"], plain["state_dict"]["ln"]),
+        (copy["step"], plain["step"]),
+    ):
+        assert got.device.type == "cpu" and torch.equal(got, want)
+    buffers = {id(b) for b in pinned._buffers.values()}
+    again = pinned.take(state)
+    assert {id(b) for b in pinned._buffers.values()} == buffers  # nothing pinned anew per save
+    assert torch.equal(again["state_dict"]["wte"], embedding.cpu())

@@ -363,6 +363,35 @@ def test_without_room_for_the_host_copy_checkpoints_are_written_in_the_foregroun
     assert "needs 4 MB more, and 1 MB are available" in caplog.text
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="pinning succeeds where CUDA is: tests/test_gpu.py")
+def test_where_pinning_fails_the_host_copy_is_pageable_equal_and_said_once(tmp_path, caplog):
+    """Pinned buffers asked for on a machine without CUDA (torch has no pinned allocator here): the copy falls
+    back to pageable buffers, with the same bytes and the tie kept, and says so once, not at each save; the
+    default asks for pinning only for CUDA tensors, so a CPU run never sees the warning."""
+    from gptlab.parallel.checkpoint_io import HostSnapshot
+
+    embedding = torch.randn(300, 16)
+    state = {"state_dict": {"wte": embedding, "lm_head": embedding, "ln": torch.ones(16)}, "global_step": 2}
+    snapshot = HostSnapshot(pin=True)
+    with caplog.at_level("WARNING", logger="gptlab.parallel.checkpoint_io"):
+        for step in (2, 3):
+            at_save = embedding.clone()
+            copy = snapshot.take({**state, "global_step": step})
+            embedding.add_(1.0)  # the next step: the copy keeps the save's values
+            assert torch.equal(copy["state_dict"]["wte"], at_save) and copy["global_step"] == step
+            assert copy["state_dict"]["wte"].untyped_storage().data_ptr() == (
+                copy["state_dict"]["lm_head"].untyped_storage().data_ptr()
+            )
+            assert snapshot.pinned_bytes() == 0 and not copy["state_dict"]["ln"].is_pinned()
+    assert caplog.text.count("Checkpoint copies go to pageable host memory from now on: pinning") == 1
+    assert "Background saves still work" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="gptlab.parallel.checkpoint_io"):
+        default = HostSnapshot()
+        assert torch.equal(default.take(state)["state_dict"]["wte"], embedding)
+    assert caplog.text == "" and default.pinned_bytes() == 0
+
+
 def test_non_finite_loss_stops_with_the_step_and_keeps_the_last_finite_checkpoint(tmp_path, cache_dir):
     # A learning rate of 1e30 blows the weights up in one update: the second loss is NaN.
     out = tmp_path / "run"

@@ -60,15 +60,48 @@ class HostSnapshot:
     allocates nothing (on glibc, no page faults for large blocks; on a GPU host, no allocation per save).
     Containers (dicts, lists, tuples) are rebuilt; other values are shared, as the objects Lightning puts in a
     checkpoint are made for it. A tensor that is not a plain strided one (a DTensor, a sparse tensor) is copied
-    to the host as it is."""
+    to the host as it is.
 
-    def __init__(self) -> None:
+    The buffers of CUDA tensors are pinned (page-locked) host memory where CUDA is available: the GPU's DMA
+    engine copies into them directly, without the staging through a pinned bounce buffer that pageable memory
+    takes, and the copies are queued without waiting (``non_blocking``), the whole snapshot then waited for
+    once. ``pin``: None pins the buffers of CUDA tensors (the default), False none (pageable buffers, as on a
+    CPU), True every buffer. Where pinning fails (no CUDA, or the driver refuses more page-locked memory), the
+    buffers are pageable from then on, said once."""
+
+    def __init__(self, pin: bool | None = None) -> None:
         self._buffers: dict[tuple[str, int, int], torch.UntypedStorage] = {}
+        self._pin = pin
+        self._pin_failed = False
+
+    def _wants_pinned(self, device: torch.device) -> bool:
+        if self._pin_failed or self._pin is False:
+            return False
+        return self._pin is True or (device.type == "cuda" and torch.cuda.is_available())
+
+    def _new_buffer(self, nbytes: int, device: torch.device) -> torch.UntypedStorage:
+        """A host buffer of ``nbytes``: pinned where wanted and possible (see the class doc), else pageable."""
+        if self._wants_pinned(device):
+            try:
+                return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).untyped_storage()
+            except RuntimeError as e:  # no pinned allocator (no CUDA), or page-locked memory refused
+                self._pin_failed = True
+                log.warning(
+                    "Checkpoint copies go to pageable host memory from now on: pinning %s bytes failed (%s). "
+                    "Background saves still work; a copy from the GPU is slower.",
+                    f"{nbytes:,}",
+                    str(e).splitlines()[0] if str(e) else type(e).__name__,
+                )
+        return torch.UntypedStorage(nbytes)
+
+    def pinned_bytes(self) -> int:
+        """The bytes of the last copy's buffers that are pinned host memory."""
+        return sum(b.nbytes() for b in self._buffers.values() if b.is_pinned())
 
     def take(self, checkpoint: dict[str, Any]) -> dict[str, Any]:
         """The copy; raises MemoryError, copying nothing, where its new buffers would take more than half the
         memory the host has available (a second copy of a large model's state must not bring on the kernel's
-        out-of-memory killer)."""
+        out-of-memory killer; pinned memory, which cannot be swapped, all the more)."""
         from lightning_utilities.core.apply_func import apply_to_collection
 
         from gptlab.parallel.hardware import available_host_memory
@@ -80,6 +113,7 @@ class HostSnapshot:
                 f"a host copy needs {new / MB:,.0f} MB more, and {available / MB:,.0f} MB are available"
             )
         used: dict[tuple[str, int, int], torch.UntypedStorage] = {}
+        queued: set[torch.device] = set()  # the CUDA devices whose copies were queued without waiting
 
         def copy(tensor: torch.Tensor) -> torch.Tensor:
             if type(tensor) is not torch.Tensor or tensor.layout != torch.strided:
@@ -88,13 +122,20 @@ class HostSnapshot:
             key = (str(tensor.device), source.data_ptr(), source.nbytes())
             buffer = used.get(key)
             if buffer is None:
-                buffer = self._buffers.get(key) or torch.UntypedStorage(source.nbytes())
-                buffer.copy_(source)
+                buffer = self._buffers.get(key) or self._new_buffer(source.nbytes(), tensor.device)
+                # From a GPU into pinned memory the copy is queued on the current stream, after the step
+                # that wrote the tensor and before any later one: the values are the save's
+                asynchronous = tensor.device.type == "cuda" and buffer.is_pinned()
+                buffer.copy_(source, non_blocking=asynchronous)
+                if asynchronous:
+                    queued.add(tensor.device)
                 used[key] = buffer
             view = torch.empty(0, dtype=tensor.dtype)
             return view.set_(buffer, tensor.storage_offset(), tensor.size(), tensor.stride())
 
         copied = apply_to_collection(checkpoint, torch.Tensor, copy)
+        for device in queued:  # every copy on the host before the writer thread reads a byte
+            torch.cuda.synchronize(device)
         self._buffers = used  # the buffers of storages gone since the last save are freed
         return copied
 
