@@ -24,7 +24,10 @@ included, ends within ``WHOLE_RUN_S`` = 470 s, under 8 minutes, whatever hangs:
   optimizer, outside Lightning;
 - ``loss``: every ``loss.impl`` (plain, chunked, torch, liger, cce) at B*T = 8,192, D = 768, V = 50,257 under bf16
   autocast, forward and backward: time, peak memory, and the loss and gradients against an fp32 reference;
-  ``chunked`` twice, its elementwise pass fused (one compiled kernel per chunk, compiled once) and eager;
+  ``chunked`` twice, its elementwise pass fused (one compiled kernel per chunk, compiled once) and eager, each at
+  its default chunk (sized by the chunk's dtype: bf16 logits in the fused pass, twice the rows of the eager
+  pass's fp32 ones), the fused pass also at the eager one's rows, and beside each chunked row the memory
+  ``planning.HeadPlan`` counts for it;
 - ``attention``: alibi, relative and fire through FlexAttention and through SDPA (the same weights and batch):
   tokens/s of a training step, the same loss, and FlexAttention's compiles (one, for every layer and step);
 - ``strategies``: ``strategy=ddp`` and ``strategy=fsdp`` on one GPU over NCCL, with deterministic algorithms: a
@@ -404,10 +407,13 @@ def section_loss(ctx: Context) -> dict[str, Any]:
     from gptlab.model.head_loss import (
         IMPLEMENTATIONS,
         HeadLoss,
+        chunk_logits_dtype,
+        default_chunk_rows,
         fused_by_default,
         plain_linear_cross_entropy,
         unavailable_reason,
     )
+    from gptlab.planning import HeadPlan
 
     device = _torch_device(ctx)
     n, d, v = ctx.sizes((8192, 768, 50257), (256, 32, 1000))
@@ -421,6 +427,14 @@ def section_loss(ctx: Context) -> dict[str, Any]:
     reference.backward()
     ref = (float(reference.detach()), h_ref.grad, w_ref.grad)
     rows, ok = [], True
+    # the products' dtype under the autocast the rows run in: bf16 on the GPU, fp32 on the CPU (smoke)
+    autocast_dtype = torch.bfloat16 if device.type == "cuda" else None
+    # the chunk's default rows in each pass: as many as the device's budget holds of its logits, bf16 ones in
+    # the fused pass on the GPU (4,168 rows at this vocabulary), fp32 ones in the eager pass (2,080)
+    fused_rows, eager_rows = (
+        default_chunk_rows(v, device.type, chunk_logits_dtype(autocast_dtype, fused))
+        for fused in (True, False)
+    )
     heads: list[tuple[str, Any]] = []
     for impl in ("plain", *(i for i in IMPLEMENTATIONS if i not in ("auto", "plain"))):
         if impl == "chunked":
@@ -429,27 +443,43 @@ def section_loss(ctx: Context) -> dict[str, Any]:
             heads += [("chunked-fused", ChunkedPass(fused=True)), ("chunked-eager", ChunkedPass(fused=False))]
         else:
             heads.append((impl, HeadLoss(impl)))
-    # the chunked paths' default chunk on CUDA (about 2,000 rows at this vocabulary; 160 on a CPU), and also the
-    # whole batch as one chunk (on the GPU: 8,192 rows, 1.6 GB of fp32 logits), for the next choice of default
+    # the fused pass also at the eager pass's chunk, the bytes of fp32 logits in bf16 ones: half its default rows
+    # (which were the default before the chunk was sized by its dtype), for the next choice of default
+    other = ctx.sizes(eager_rows, 64)
+    heads.append((f"chunked-fused ({other} rows)", ChunkedPass(fused=True, chunk_rows=other)))
+    # and the whole batch as one chunk (on the GPU: 8,192 rows, 1.6 GB of fp32 logits)
     for impl in ("chunked", "torch"):
         head = HeadLoss(impl, chunk_rows=ctx.sizes(8192, 64))
         heads.append((f"{impl} ({head.chunk_rows} rows)", head))
     for label, head in heads:
         reason = unavailable_reason(head.impl, device.type)
-        if label == "chunked-fused" and not ctx.with_compile:
+        if label.startswith("chunked-fused") and not ctx.with_compile:
             reason = "--no-compile (it compiles its kernel)"
         if reason is not None:
             rows.append({"impl": label, "status": f"not run: {reason}"})
             continue
         row = _loss_row(ctx, device, head, hidden, weight, targets, ref)
         row["impl"] = label
+        if head.impl == "chunked":
+            # the chunk it took, and what the memory plan (planning.HeadPlan) counts for it, beside the peak
+            fused = (
+                head.fused if isinstance(head, ChunkedPass) else fused_by_default(device.type, autocast_dtype)
+            )
+            chunk = head.chunk_rows or (fused_rows if fused else eager_rows)
+            plan = HeadPlan(
+                "chunked", chunk, device.type, half_products=autocast_dtype is not None, fused=fused
+            )
+            row["chunk_rows"] = min(chunk, n)
+            # less the inputs' fp32 gradients, (n, d) and (V, d): the peak column is above the previous call's,
+            # which this call frees as it makes its own, so it leaves them out
+            planned = plan.bytes(_head_config(v, d), n) - (n * d + v * d) * 4
+            row["planned_gib"] = round(planned / 2**30, 3)
         ok &= row["status"] == "equal"
         rows.append(row)
     timed = [r for r in rows if "ms_fwd_bwd" in r]
     fastest = min(timed, key=lambda r: r["ms_fwd_bwd"])["impl"] if timed else None
     chosen = HeadLoss("auto").resolve(device)
     # which pass loss.impl=chunked takes here under the autocast the rows ran in (head_loss.fused_by_default)
-    autocast_dtype = torch.bfloat16 if device.type == "cuda" else None
     chunked_pass = "fused" if fused_by_default(device.type, autocast_dtype) else "eager"
     return {
         "ok": ok,
@@ -461,18 +491,27 @@ def section_loss(ctx: Context) -> dict[str, Any]:
     }
 
 
+def _head_config(vocab_size: int, width: int) -> Any:
+    """A model config with the output layer of the loss section's problem (what planning.HeadPlan reads)."""
+    from gptlab.model.config import GPTConfig
+
+    return GPTConfig(vocab_size=vocab_size, block_size=8, n_layer=1, n_head=1, n_embd=width)
+
+
 @dataclass(frozen=True)
 class ChunkedPass:
     """``loss.impl=chunked`` with its elementwise pass forced (``chunked_loss_terms(fused=...)``): the fused one,
-    each chunk's softmax, loss and gradient one compiled kernel, or torch's eager operations."""
+    each chunk's softmax, loss and gradient one compiled kernel, or torch's eager operations; ``chunk_rows``
+    rows a chunk (None: the default for the pass, sized by its chunk's dtype)."""
 
     fused: bool
+    chunk_rows: int | None = None
     impl: str = "chunked"
 
     def __call__(self, hidden: Any, weight: Any, targets: Any) -> Any:
         from gptlab.model.head_loss import chunked_loss_terms
 
-        return chunked_loss_terms(hidden, weight, targets, fused=self.fused).loss
+        return chunked_loss_terms(hidden, weight, targets, chunk_rows=self.chunk_rows, fused=self.fused).loss
 
 
 def _loss_row(ctx: Context, device: Any, head: Any, hidden: Any, weight: Any, targets: Any, ref: Any) -> dict:

@@ -175,12 +175,13 @@ def test_fused_loss_kernels_under_bf16_autocast_match_the_plain_head_through_the
 @pytest.mark.parametrize(("z_loss", "softcap"), [(0.0, None), (1e-4, 30.0)], ids=["ce", "zloss-softcap"])
 def test_the_chunked_heads_fused_pass_in_bf16_matches_the_plain_head_and_the_eager_pass(z_loss, softcap):
     """On CUDA under bf16 autocast ``chunked`` takes the fused pass (its elementwise work one Triton kernel
-    per chunk, made by torch.compile): at GPT-2's vocabulary, two chunks of the CUDA default (2,080 rows and a
-    shorter one), ignored targets, its loss and gradients equal the plain head's under the same autocast
-    within bf16's rounding, and the eager pass's within a rounding flip of the bf16 gradient."""
+    per chunk, made by torch.compile): at GPT-2's vocabulary, two chunks of its CUDA default (4,168 rows of bf16
+    logits, and a shorter one), ignored targets, its loss and gradients equal the plain head's under the same
+    autocast within bf16's rounding, and the eager pass's (three chunks of 2,080 fp32 rows) within a rounding
+    flip of the bf16 gradient."""
     assert fused_by_default("cuda", torch.bfloat16), "triton is not importable: the fused pass is not taken"
     g = torch.Generator(device="cuda").manual_seed(0)
-    n, c, v = 4000, 256, 50257
+    n, c, v = 6000, 256, 50257
     hidden = torch.randn(n, c, device="cuda", generator=g).requires_grad_()
     weight = (torch.randn(v, c, device="cuda", generator=g) * 0.02).requires_grad_()
     targets = torch.randint(0, v, (n,), device="cuda", generator=g)

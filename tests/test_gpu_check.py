@@ -42,11 +42,13 @@ def test_the_loss_section_holds_every_impl_to_the_fp32_reference(smoke):
         "torch",
         "liger",
         "cce",
+        "chunked-fused (64 rows)",
         "chunked (64 rows)",
         "torch (64 rows)",
     ]
     # the fused pass compiles its kernel: not in this run without compiles (the next test runs it)
-    assert rows["chunked-fused"]["status"] == "not run: --no-compile (it compiles its kernel)"
+    for impl in ("chunked-fused", "chunked-fused (64 rows)"):
+        assert rows[impl]["status"] == "not run: --no-compile (it compiles its kernel)"
     assert smoke["loss"]["chunked_takes"] == "eager"  # on a CPU loss.impl=chunked takes the eager pass
     for impl in ("plain", "chunked-eager", "torch", "chunked (64 rows)", "torch (64 rows)"):
         if impl.startswith("torch") and not torch_features.has("linear_cross_entropy"):  # torch < 2.13
@@ -65,9 +67,13 @@ def test_the_loss_sections_fused_row_compiles_and_equals_the_reference(gpu_check
     result = gpu_check.run_section("loss", ctx)
     assert result["status"] == "ok", result.get("traceback") or result.get("error")
     rows = {r["impl"]: r for r in result["rows"]}
-    for impl in ("chunked-fused", "chunked-eager"):
+    for impl in ("chunked-fused", "chunked-eager", "chunked-fused (64 rows)"):
         assert rows[impl]["status"] == "equal" and float(rows[impl]["grad_rel_error"]) < 1e-4, rows[impl]
         assert rows[impl]["ms_fwd_bwd"] > 0
+    # the chunk each took: the default (on the CPU's budget the whole toy batch of 256 rows), or the one asked;
+    # beside it what the memory plan counts for it
+    assert [rows[i]["chunk_rows"] for i in ("chunked-fused", "chunked-fused (64 rows)")] == [256, 64]
+    assert rows["chunked-fused"]["planned_gib"] > 0 and "planned_gib" not in rows["plain"]
 
 
 def test_the_attention_section_compares_each_bias_scheme_across_the_two_routes(smoke):

@@ -321,6 +321,20 @@ def test_the_cuda_chunk_is_larger_and_the_cpu_chunk_unchanged():
     assert default_chunk_rows(50257, "cuda") == 2080  # 2,048 rows measured faster than 160 on an H100
 
 
+def test_a_half_precision_chunk_holds_twice_the_rows_in_the_same_bytes():
+    """The fused pass keeps its chunk of logits in the products' bf16 / fp16: the chunk's budget (400 MiB on
+    CUDA, 32 MiB on a CPU) holds twice the rows it holds in fp32; the eager pass's chunk is fp32 whatever the
+    products' dtype."""
+    for dtype in (torch.bfloat16, torch.float16):
+        assert default_chunk_rows(50257, "cuda", dtype) == 4168
+        assert default_chunk_rows(50257, "cpu", dtype) == 328
+        assert head_loss.chunk_logits_dtype(dtype, fused=True) == dtype
+        assert head_loss.chunk_logits_dtype(dtype, fused=False) == torch.float32
+    rows = default_chunk_rows(50257, "cuda", torch.bfloat16)
+    assert rows * 50257 * 2 <= head_loss.CUDA_CHUNK_BYTES < (rows + 8) * 50257 * 2
+    assert head_loss.chunk_logits_dtype(None, fused=True) == torch.float32  # the fused pass forced in fp32
+
+
 def test_the_default_chunk_buffer_stays_below_glibcs_mmap_threshold():
     rows = default_chunk_rows(50257)
     assert rows % 8 == 0 and rows * 50257 * 4 <= 32 * 2**20 < (rows + 8) * 50257 * 4

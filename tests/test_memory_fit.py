@@ -170,14 +170,16 @@ def test_a_run_is_sized_by_the_head_it_takes(make_cfg):
 def test_a_cuda_run_in_bf16_counts_the_chunked_pass_it_takes(monkeypatch, triton):
     """loss.impl=chunked on CUDA in bf16 takes the fused pass where triton is importable (head_loss.
     fused_by_default): its estimate counts a bf16 chunk that the gradient overwrites, not the eager pass's fp32
-    chunk beside a bf16 gradient, and the card says which it counted. In fp32 and on a CPU: the eager pass."""
+    chunk beside a bf16 gradient, twice the eager pass's rows in the same bytes, and the card says which it
+    counted. In fp32 and on a CPU: the eager pass."""
     from gptlab.model import head_loss
     from gptlab.model.config import GPTConfig
     from gptlab.model.head_loss import HeadLoss
 
     monkeypatch.setattr(head_loss, "_triton_available", lambda: triton)
     config = GPTConfig(vocab_size=50257, block_size=1024, n_layer=12, n_head=12, n_embd=768)
-    tokens, rows, V, h = 8192, 2080, 50257, 768
+    tokens, V, h = 8192, 50257, 768
+    rows = 4168 if triton else 2080  # 400 MiB of bf16 logits, or of fp32 ones
     head = planning.HeadPlan.of(HeadLoss("chunked"), "cuda", "bf16-mixed")
     assert head.fused is triton and head.rows(config) == rows
     gradients = tokens * h * 4 + V * h * 4  # the fp32 gradients of the hidden states and of the weight
@@ -185,7 +187,7 @@ def test_a_cuda_run_in_bf16_counts_the_chunked_pass_it_takes(monkeypatch, triton
         assert head.bytes(config, tokens) == rows * V * 2 + gradients + V * h * 8
         assert (
             head.describe(config)
-            == "loss.impl=chunked, 2,080 rows per chunk, fused (one compiled kernel a chunk)"
+            == "loss.impl=chunked, 4,168 rows per chunk, fused (one compiled kernel a chunk)"
         )
     else:
         assert head.bytes(config, tokens) == rows * V * (4 + 2) + gradients + V * h * 8

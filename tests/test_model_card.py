@@ -323,6 +323,27 @@ def test_the_fused_chunked_heads_estimate_matches_its_peak():
     assert "fused" in fused.describe(config) and "fused" not in eager.describe(config)
 
 
+def test_the_fused_heads_default_chunk_holds_twice_the_rows_in_the_same_bytes():
+    """Without ``chunk_rows`` the fused pass's chunk, in the products' bf16, takes twice the rows of the eager
+    pass's fp32 one (here the CPU's 32 MiB budget: 4,096 rows against 2,048 at V = 4,096), and what the card
+    counts for it is what the allocator held (the pass forced on the CPU with bf16 products; the vocabulary of
+    the test above, whose compiled kernel serves here)."""
+    N, C, V = 8192, 8, 4096
+    config = tiny(vocab_size=V, n_embd=C)
+    fused = planning.HeadPlan("chunked", None, "cpu", half_products=True, fused=True)
+    eager = replace(fused, fused=False)
+    assert (fused.rows(config), eager.rows(config)) == (4096, 2048)
+    assert "4,096 rows per chunk, fused" in fused.describe(config)
+
+    def loss(hidden, weight, targets):
+        return chunked_loss_terms(hidden, weight, targets, matmul_dtype=torch.bfloat16, fused=True).loss
+
+    hidden, weight, targets = torch.randn(N, C), torch.randn(V, C) * 0.1, torch.randint(0, V, (N,))
+    head_peak_bytes(loss, hidden, weight, targets)  # compiled before the measure
+    measured = head_peak_bytes(loss, hidden, weight, targets)
+    assert abs(fused.bytes(config, N) / measured - 1) < 0.1, (fused.bytes(config, N), measured)
+
+
 def test_the_card_counts_the_head_the_run_takes(make_cfg):
     """GPT-2 small at 32 x 1024 in bf16: the chunked head holds a third of a GiB where the plain one holds
     the whole logits and their gradients (18 GiB), and the card says which it counted."""
@@ -343,4 +364,6 @@ def test_the_card_counts_the_head_the_run_takes(make_cfg):
     if cce is not None:
         assert cce.head == planning.KERNEL_HEAD_BYTES
     text, cuda_chunked = card(HeadLoss("chunked"), "cuda")
-    assert "2,080 rows per chunk" in text and cuda_chunked.head < 1.5 * GiB
+    # 400 MiB of logits: fp32 ones in the eager pass; bf16 ones, twice the rows, in the fused pass (with triton)
+    fused = planning.HeadPlan.of(HeadLoss("chunked"), "cuda", "bf16-mixed").fused
+    assert f"{4168 if fused else 2080:,} rows per chunk" in text and cuda_chunked.head < 1.5 * GiB

@@ -38,7 +38,7 @@ Pure arithmetic on a :class:`GPTConfig` and a `strategy=` choice (no weights, no
   and (V, h) in fp32 (plus, with bf16 / fp16 products on CUDA, the chunk and the weight in that dtype and a
   (V, h) product). ``chunked``'s fused pass (CUDA, bf16 / fp16, triton installed: ``head_loss.
   fused_by_default``) holds no fp32 chunk: one (rows, V) chunk in the product dtype, the logits and then their
-  gradient. torch's also holds, at the end of its backward, two copies of each accumulated gradient, which at
+  gradient; its default chunk takes twice the rows of an fp32 one, in the same bytes. torch's also holds, at the end of its backward, two copies of each accumulated gradient, which at
   a width like GPT-2's outweighs its chunk. ``cce`` and ``liger`` hold no logits: a fixed allowance,
   ``KERNEL_HEAD_BYTES``. Which one a run takes is ``HeadLoss.resolve`` on its device and precision
   (``auto``: ``chunked`` on a CPU, ``cce`` on CUDA in bf16); the card says which it counted. The CPU heads,
@@ -75,7 +75,13 @@ from gptlab.errors import ConfigError
 from gptlab.model.config import GPTConfig
 from gptlab.model.counting import flops_per_token, gate_width, human, parameter_counts
 from gptlab.model.gpt import mlp_hidden_width
-from gptlab.model.head_loss import HeadLoss, default_chunk_rows, fused_by_default, precision_dtype
+from gptlab.model.head_loss import (
+    HeadLoss,
+    chunk_logits_dtype,
+    default_chunk_rows,
+    fused_by_default,
+    precision_dtype,
+)
 from gptlab.parallel.hardware import available_host_memory, host_memory_bytes
 from gptlab.parallel.strategies import Placement, StrategyChoice, strategy_choice, strategy_choices
 
@@ -147,8 +153,14 @@ class HeadPlan:
         )
 
     def rows(self, config: GPTConfig) -> int:
-        """Rows of B*T per chunk of ``chunked`` and ``torch``."""
-        return self.chunk_rows or default_chunk_rows(config.vocab_size, self.device_type)
+        """Rows of B*T per chunk of ``chunked`` and ``torch``: by default as many as the device's chunk budget
+        holds in the chunk's dtype (``head_loss.default_chunk_rows``), twice as many in the fused pass's bf16 /
+        fp16 chunk as in an fp32 one."""
+        if self.chunk_rows:
+            return self.chunk_rows
+        products = torch.bfloat16 if self.half_products else None  # bf16 and fp16: 2 bytes a logit alike
+        logits = chunk_logits_dtype(products, self.impl == "chunked" and self.fused)
+        return default_chunk_rows(config.vocab_size, self.device_type, logits)
 
     def bytes(self, config: GPTConfig, tokens: int) -> float:
         """Bytes the head holds at its peak for a micro-batch of ``tokens`` rows (see the module doc)."""

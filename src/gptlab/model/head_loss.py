@@ -71,23 +71,35 @@ log = logging.getLogger(__name__)
 
 IMPLEMENTATIONS = ("auto", "chunked", "torch", "plain", "liger", "cce")
 
-# Bytes of the one fp32 (rows, V) buffer a call uses: below glibc's largest dynamic mmap threshold (32 MiB), so
-# that after the first step it comes from the heap and a step takes no page faults; large enough that the
-# (V, C) weight gradient, accumulated once per chunk, is revisited only a few times (160 rows at V = 50,257).
+# Bytes of the one (rows, V) buffer a call uses: below glibc's largest dynamic mmap threshold (32 MiB), so that
+# after the first step it comes from the heap and a step takes no page faults; large enough that the (V, C) weight
+# gradient, accumulated once per chunk, is revisited only a few times (160 rows of fp32 logits at V = 50,257).
 CHUNK_BYTES = 32 * 2**20
 
 
 # On CUDA the chunk is larger: on an H100 (bf16 autocast, 8,192 x 768 x 50,257) 2,048 rows took 41.53 ms
 # forward and backward against 60.04 ms at 160 (each chunk's kernels are small and many); about 2,000 rows of
-# fp32 logits at the GPT-2 vocabulary, 0.39 GiB measured, still a tenth of the whole logits'.
+# fp32 logits at the GPT-2 vocabulary, 0.39 GiB measured, still a tenth of the whole logits'. The fused pass
+# keeps its logits in bf16 / fp16: the same bytes hold twice the rows (4,160 at that vocabulary).
 CUDA_CHUNK_BYTES = 400 * 2**20
 
 
-def default_chunk_rows(vocab_size: int, device_type: str = "cpu") -> int:
-    """Rows per chunk for a vocabulary: as many as fit ``CHUNK_BYTES`` of fp32 logits (``CUDA_CHUNK_BYTES`` on
-    CUDA), a multiple of 8."""
+def default_chunk_rows(
+    vocab_size: int, device_type: str = "cpu", logits_dtype: torch.dtype = torch.float32
+) -> int:
+    """Rows per chunk for a vocabulary: as many as fit ``CHUNK_BYTES`` of logits in ``logits_dtype``
+    (``CUDA_CHUNK_BYTES`` on CUDA), a multiple of 8. The logits' dtype is the chunk buffer's:
+    fp32 for the eager pass whatever the products' dtype, the products' (bf16 / fp16) for the fused pass
+    (``chunk_logits_dtype``)."""
     budget = CUDA_CHUNK_BYTES if device_type == "cuda" else CHUNK_BYTES
-    return max(8, budget // (4 * vocab_size) // 8 * 8)
+    itemsize = torch.empty((), dtype=logits_dtype).element_size()
+    return max(8, budget // (itemsize * vocab_size) // 8 * 8)
+
+
+def chunk_logits_dtype(matmul_dtype: torch.dtype | None, fused: bool) -> torch.dtype:
+    """The dtype of ``ChunkedLinearCrossEntropy``'s chunk of logits: the products' with the fused pass (fp32
+    where they are fp32), fp32 with the eager one."""
+    return (matmul_dtype or torch.float32) if fused else torch.float32
 
 
 def chunk_loss_and_gradient(
@@ -239,7 +251,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         rows_max = min(chunk_rows, N)
         # The fused pass keeps the logits in the product's dtype and writes their gradient over them; the
         # eager one works in fp32.
-        buffer_dtype = w.dtype if fused else torch.float32
+        buffer_dtype = chunk_logits_dtype(w.dtype, fused)
         buffer = torch.empty(rows_max, weight.size(0), dtype=buffer_dtype, device=hidden.device)
         capped = torch.empty_like(buffer) if softcap is not None and with_grad and not fused else None
         for start in range(0, N, chunk_rows):
@@ -377,14 +389,14 @@ def chunked_loss_terms(
     fused: bool | None = None,
 ) -> LossTerms:
     """``ChunkedLinearCrossEntropy`` on ``hidden`` (..., C) and ``targets`` (...), leading dimensions
-    flattened, ``chunk_rows`` rows at a time (default: ``default_chunk_rows`` for the device). Its products run
+    flattened, ``chunk_rows`` rows at a time (default: ``default_chunk_rows`` for the device and the chunk's
+    dtype, so twice the rows in the fused pass with bf16 / fp16 products). Its products run
     in ``matmul_dtype``; by default in the autocast dtype on CUDA, as every other product of a bf16-mixed run
     does there, and in fp32 elsewhere (on a CPU, fp32 products are the faster ones). ``fused``: each chunk's
     elementwise work as one compiled kernel (True) or as torch's eager operations (False); None takes
     ``fused_by_default``, the fused pass on CUDA with bf16 / fp16 products where triton is installed."""
     hidden = hidden.reshape(-1, hidden.size(-1))
     targets = targets.reshape(-1)
-    rows = chunk_rows or default_chunk_rows(weight.size(0), hidden.device.type)
     if matmul_dtype is None and hidden.device.type == "cuda":
         matmul_dtype = _kernel_dtype(hidden)
     chosen = fused is None
@@ -393,12 +405,19 @@ def chunked_loss_terms(
     with_grad = torch.is_grad_enabled() and (
         hidden.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
     )
-    args = (hidden, weight, bias, targets, ignore_index, rows, with_grad, z_loss, softcap, matmul_dtype)
+
+    def arguments(fused: bool) -> tuple[Any, ...]:
+        # the default chunk holds the same bytes of logits in either pass: twice the rows in bf16 / fp16
+        rows = chunk_rows or default_chunk_rows(
+            weight.size(0), hidden.device.type, chunk_logits_dtype(matmul_dtype, fused)
+        )
+        return (hidden, weight, bias, targets, ignore_index, rows, with_grad, z_loss, softcap, matmul_dtype)
+
     if fused and chosen and not _FUSED_COMPILE.succeeded:
         # The first fused call compiles. Where that fails (a machine whose triton cannot build its launcher:
         # no C compiler, no CUDA headers), the eager pass computes the same numbers: take it, say so once.
         try:
-            terms = ChunkedLinearCrossEntropy.apply(*args, True)
+            terms = ChunkedLinearCrossEntropy.apply(*arguments(True), True)
         except torch.OutOfMemoryError:
             raise
         except Exception as e:
@@ -409,11 +428,11 @@ def chunked_loss_terms(
                 type(e).__name__,
                 str(e).splitlines()[0] if str(e) else "",
             )
-            terms = ChunkedLinearCrossEntropy.apply(*args, False)
+            terms = ChunkedLinearCrossEntropy.apply(*arguments(False), False)
         else:
             _FUSED_COMPILE.succeeded = True
     else:
-        terms = ChunkedLinearCrossEntropy.apply(*args, fused)
+        terms = ChunkedLinearCrossEntropy.apply(*arguments(fused), fused)
     loss, cross_entropy, lse_square = terms
     return LossTerms(loss, cross_entropy, lse_square if z_loss else None)
 
