@@ -24,7 +24,7 @@ def smoke(gpu_check, tmp_path_factory):
     """The measuring sections at toy size on the CPU, in this process (gpt2 without its compiled variant:
     compiling takes tens of seconds on a CPU)."""
     ctx = gpu_check.Context(smoke=True, out=tmp_path_factory.mktemp("gpu_check"), with_compile=False)
-    names = ("environment", "gpt2", "loss", "attention", "word2vec")
+    names = ("environment", "gpt2", "loss", "attention", "checkpoint_copy", "word2vec")
     return {name: gpu_check.run_section(name, ctx) for name in names}
 
 
@@ -90,7 +90,21 @@ def test_the_gpt2_and_word2vec_sections_report_rates(smoke):
     (eager,) = smoke["gpt2"]["rows"]
     assert eager["variant"] == "eager" and eager["tokens_per_s"] > 0 and math.isfinite(eager["final_loss"])
     assert eager["mfu_percent"] is None  # no bf16 peak for a CPU
-    assert smoke["word2vec"]["rows"][0]["words_per_s"] > 0
+    rows = smoke["word2vec"]["rows"]
+    # at toy size the CPU only (the GPU adds CUDA's row and its rate over the CPU's at each batch size)
+    assert [(r["device"], r["batch_size"]) for r in rows] == [("cpu", 256), ("cpu", 1024)]
+    for row in rows:
+        assert row["words_per_s"] > 0 and row["words"] > 0 and math.isfinite(row["final_loss"]), row
+
+
+def test_the_checkpoint_copy_section_times_a_saves_wait_into_each_kind_of_buffer(smoke):
+    """The copy a background save makes the step wait for, into pageable and into pinned buffers, both equal to
+    the state they copied; without CUDA nothing is pinned (only CUDA tensors' buffers are)."""
+    pageable, pinned = smoke["checkpoint_copy"]["rows"]
+    assert (pageable["buffers"], pinned["buffers"]) == ("pageable", "pinned")
+    for row in (pageable, pinned):
+        assert row["same_bytes"] is True and row["checkpoint_gib"] > 0 and row["wait_per_save_ms"] > 0
+        assert row["pinned_gib"] == 0.0  # a CPU's tensors
 
 
 def test_a_compiled_steps_profile_names_where_its_time_goes(gpu_check):
