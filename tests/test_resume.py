@@ -392,6 +392,27 @@ def test_where_pinning_fails_the_host_copy_is_pageable_equal_and_said_once(tmp_p
     assert caplog.text == "" and default.pinned_bytes() == 0
 
 
+def test_a_host_copy_whose_pinned_buffers_would_not_fit_takes_pageable_ones(monkeypatch, caplog):
+    """torch's pinned allocator rounds each block up to a power of two: the guard counts a 3 MiB storage's pinned
+    buffer as 4 MiB. Where that is more than half the memory available and 3 MiB is not, the copy takes a
+    pageable buffer (said once) rather than being refused or pinning past the guard."""
+    import gptlab.parallel.hardware as hardware
+    from gptlab.parallel.checkpoint_io import HostSnapshot
+
+    # The host's free memory is the one thing faked, as in the test above.
+    monkeypatch.setattr(hardware, "available_host_memory", lambda: 7e6)  # half: 3.5 MB
+    weights = torch.randn(3 * 2**20 // 4)  # 3.1 MB; a pinned buffer of it: 4.2 MB
+    snapshot = HostSnapshot(pin=True)
+    with caplog.at_level("WARNING", logger="gptlab.parallel.checkpoint_io"):
+        for step in (1, 2):
+            copy = snapshot.take({"state_dict": {"w": weights}, "global_step": step})
+            assert torch.equal(copy["state_dict"]["w"], weights) and snapshot.pinned_bytes() == 0
+    assert caplog.text.count("new host buffers are pageable: pinned ones would take 4 MB") == 1
+    assert "pinning" not in caplog.text  # never tried: not a failure to pin
+    with pytest.raises(MemoryError, match="needs 4 MB more, and 7 MB are available"):
+        snapshot.take({"w": weights, "v": torch.zeros(2**20)})  # 4.2 MB more even as pageable: refused
+
+
 def test_non_finite_loss_stops_with_the_step_and_keeps_the_last_finite_checkpoint(tmp_path, cache_dir):
     # A learning rate of 1e30 blows the weights up in one update: the second loss is NaN.
     out = tmp_path / "run"

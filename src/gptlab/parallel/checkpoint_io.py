@@ -67,21 +67,56 @@ class HostSnapshot:
     takes, and the copies are queued without waiting (``non_blocking``), the whole snapshot then waited for
     once. ``pin``: None pins the buffers of CUDA tensors (the default), False none (pageable buffers, as on a
     CPU), True every buffer. Where pinning fails (no CUDA, or the driver refuses more page-locked memory), the
-    buffers are pageable from then on, said once."""
+    buffers are pageable from then on, said once. torch's pinned allocator rounds each block up to a power of
+    two and keeps the blocks it frees for reuse: the memory guard counts the rounded sizes, and where they do not
+    fit but pageable buffers would, that save's new buffers are pageable (also said once)."""
 
     def __init__(self, pin: bool | None = None) -> None:
         self._buffers: dict[tuple[str, int, int], torch.UntypedStorage] = {}
         self._pin = pin
         self._pin_failed = False
+        self._pin_this_copy = True  # False for a copy whose pinned buffers would not fit the guard
+        self._said_too_large = False
 
     def _wants_pinned(self, device: torch.device) -> bool:
         if self._pin_failed or self._pin is False:
             return False
         return self._pin is True or (device.type == "cuda" and torch.cuda.is_available())
 
+    def _new_bytes(self, checkpoint: dict[str, Any]) -> tuple[int, int]:
+        """The bytes of the new buffers a copy of ``checkpoint`` needs (its storages that have none yet, each
+        once, and the tensors copied as they are): as pageable buffers, and as the buffers it would take, pinned
+        ones rounded up to a power of two as torch's pinned allocator rounds them."""
+        storages: dict[tuple[str, int, int], torch.device] = {}
+        pageable = 0
+
+        def visit(item: Any) -> None:
+            nonlocal pageable
+            if isinstance(item, torch.Tensor):
+                if type(item) is not torch.Tensor or item.layout != torch.strided:
+                    pageable += item.untyped_storage().nbytes()  # copied whole, as it is, each save
+                    return
+                storage = item.untyped_storage()
+                storages[(str(item.device), storage.data_ptr(), storage.nbytes())] = item.device
+            elif isinstance(item, dict):
+                for v in item.values():
+                    visit(v)
+            elif isinstance(item, (list, tuple)):
+                for v in item:
+                    visit(v)
+
+        visit(checkpoint)
+        wanted = pageable
+        for key, device in storages.items():
+            if key in self._buffers:
+                continue
+            pageable += key[2]
+            wanted += _power_of_two_at_least(key[2]) if self._wants_pinned(device) else key[2]
+        return pageable, wanted
+
     def _new_buffer(self, nbytes: int, device: torch.device) -> torch.UntypedStorage:
         """A host buffer of ``nbytes``: pinned where wanted and possible (see the class doc), else pageable."""
-        if self._wants_pinned(device):
+        if self._pin_this_copy and self._wants_pinned(device):
             try:
                 return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).untyped_storage()
             except RuntimeError as e:  # no pinned allocator (no CUDA), or page-locked memory refused
@@ -106,11 +141,21 @@ class HostSnapshot:
 
         from gptlab.parallel.hardware import available_host_memory
 
-        new = tensor_bytes(checkpoint) - sum(b.nbytes() for b in self._buffers.values())
+        new, wanted = self._new_bytes(checkpoint)
         available = available_host_memory()
         if new > available / 2:
             raise MemoryError(
                 f"a host copy needs {new / MB:,.0f} MB more, and {available / MB:,.0f} MB are available"
+            )
+        self._pin_this_copy = wanted <= available / 2
+        if not self._pin_this_copy and not self._said_too_large:
+            self._said_too_large = True
+            log.warning(
+                "This checkpoint's new host buffers are pageable: pinned ones would take %s MB (each rounded up to "
+                "a power of two), more than half the %s MB of host memory available. A copy from the GPU into "
+                "them is slower.",
+                f"{wanted / MB:,.0f}",
+                f"{available / MB:,.0f}",
             )
         used: dict[tuple[str, int, int], torch.UntypedStorage] = {}
         queued: set[torch.device] = set()  # the CUDA devices whose copies were queued without waiting
@@ -315,6 +360,10 @@ def link_checkpoint(source: Path, target: Path) -> bool:
     digests.write_digest(target, files, step)
     fsync_dir(target.parent)
     return True
+
+
+def _power_of_two_at_least(n: int) -> int:
+    return 0 if n <= 0 else 1 << (n - 1).bit_length()
 
 
 def step_of(checkpoint: dict[str, Any]) -> int | None:
