@@ -103,8 +103,8 @@ def test_the_checkpoint_copy_section_times_a_saves_wait_into_each_kind_of_buffer
     pageable, pinned = smoke["checkpoint_copy"]["rows"]
     assert (pageable["buffers"], pinned["buffers"]) == ("pageable", "pinned")
     for row in (pageable, pinned):
-        assert row["same_bytes"] is True and row["checkpoint_gib"] > 0 and row["wait_per_save_ms"] > 0
-        assert row["pinned_gib"] == 0.0  # a CPU's tensors
+        assert row["same_bytes"] is True and row["checkpoint_mb"] > 0 and row["wait_per_save_ms"] > 0
+        assert row["pinned_mb"] == 0.0  # a CPU's tensors
 
 
 def test_a_compiled_steps_profile_names_where_its_time_goes(gpu_check):
