@@ -122,3 +122,123 @@ def test_two_processes_score_each_validation_window_once_and_say_what_was_not_sc
         f"It scored 96 of the {len(val)} validation tokens, leaving out the first (nothing precedes it) and the "
         f"last {tail} (short of a window)"
     ), line
+
+
+# ---- the learning rate at each step -------------------------------------------------------------------------
+
+
+def scheduled_rate(step: int, peak: float, warmup: int, max_steps: int, low: float, schedule: str) -> float:
+    """The documented schedule, written out: linear warmup from peak / warmup to the peak over ``warmup``
+    steps; cosine down to ``low`` x peak at max_steps, or WSD with a 1 - sqrt decay over the last 20%."""
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    if schedule == "cosine":
+        progress = (step - warmup) / (max_steps - warmup)
+        return peak * (low + (1 - low) * (1 + math.cos(math.pi * progress)) / 2)
+    decay_start = max_steps - round(0.2 * max_steps)
+    if step < decay_start:
+        return peak
+    return peak * (low + (1 - low) * (1 - math.sqrt((step - decay_start) / (max_steps - decay_start))))
+
+
+@pytest.mark.parametrize("schedule", ["cosine", "wsd"])
+def test_the_logged_rate_is_the_one_each_adamw_step_applied_and_the_schedules(tmp_path, schedule):
+    # Adam's update of a parameter without weight decay is -lr x m_hat / (sqrt(v_hat) + eps): from the
+    # gradients of each step (recorded before the step) the rate each step applied is read off the update,
+    # and compared with the logged lr and with the schedule written out above.
+    torch.manual_seed(0)
+    peak, warmup, max_steps, low = 1e-2, 3, 10, 0.1
+    module = GPTLitModule(
+        model=dict(vocab_size=64, block_size=8, n_layer=1, n_head=2, n_embd=16),
+        optim={"lr": peak, "warmup_steps": warmup, "min_lr_ratio": low, "schedule": schedule},
+    )
+    tokens = torch.randint(0, 64, (40, 9))
+    loader = DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=4)
+    bias = module.model.transformer.h[0].mlp.c_fc.bias  # a bias: AdamW's group without weight decay
+    seen: list[tuple[torch.Tensor, torch.Tensor]] = []  # (gradient, parameter) before each step
+
+    class Record(L.Callback):
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            seen.append((bias.grad.detach().clone(), bias.detach().clone()))
+
+    trainer = L.Trainer(
+        max_steps=max_steps, callbacks=[Record()], logger=csv_logger(str(tmp_path)), log_every_n_steps=1,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, accelerator="cpu",
+    )  # fmt: skip
+    trainer.fit(module, train_dataloaders=loader)
+    with open(tmp_path / "csv" / "metrics.csv") as f:
+        logged = {int(r["step"]): float(r["lr"]) for r in csv.DictReader(f) if r.get("lr")}
+    assert sorted(logged) == list(range(max_steps))
+    after = [p for _, p in seen[1:]] + [bias.detach()]
+    beta1, beta2, eps = 0.9, 0.95, 1e-8
+    m = torch.zeros_like(bias, dtype=torch.float64)
+    v = torch.zeros_like(bias, dtype=torch.float64)
+    for step, ((grad, before), now) in enumerate(zip(seen, after, strict=True)):
+        g = grad.double()
+        m, v = beta1 * m + (1 - beta1) * g, beta2 * v + (1 - beta2) * g * g
+        direction = (m / (1 - beta1 ** (step + 1))) / ((v / (1 - beta2 ** (step + 1))).sqrt() + eps)
+        big = direction.abs() > 0.1  # where the ratio is well defined
+        applied = ((before.double() - now.double())[big] / direction[big]).median().item()
+        expected = scheduled_rate(step, peak, warmup, max_steps, low, schedule)
+        assert applied == pytest.approx(expected, rel=1e-4), step
+        assert logged[step] == pytest.approx(expected, rel=1e-6), step
+
+
+# ---- FLOPs per token (MFU's numerator) ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "variant",
+    [{}, {"n_kv_head": 1}, {"activation": "swiglu"}, {"tie_weights": False}, {"bias": False, "pos": "rope"}],
+    ids=["default", "gqa", "swiglu", "untied", "no-bias-rope"],
+)
+def test_the_dense_flops_per_token_are_those_torch_counts_in_a_training_step(variant):
+    # 6N: torch's FLOP counter over one forward and backward pass of the real model counts every matrix
+    # product (the tied head's included, the embedding lookup not); attention's 12 L T d is the rest.
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from gptlab.model.config import GPTConfig
+    from gptlab.model.counting import flops_per_token
+    from gptlab.model.gpt import GPT
+
+    config = GPTConfig(vocab_size=97, block_size=16, n_layer=2, n_head=4, n_embd=32, **variant)
+    model = GPT(config)
+    x = torch.randint(0, 97, (2, 16))
+    with FlopCounterMode(display=False) as counter:
+        _, loss = model(x, x)
+        loss.backward()
+    counted = counter.get_flop_counts()["Global"]
+    matmuls = sum(n for op, n in counted.items() if "attention" not in str(op))
+    figures = flops_per_token(config, 16)
+    assert figures["dense"] == matmuls / x.numel()
+    assert figures["attention"] == 12 * config.n_layer * 16 * config.n_head * config.head_dim
+
+
+# ---- word-vector benchmarks ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["wordsim353.tsv", "simlex999.txt"])
+def test_word_pair_scores_are_spearman_over_the_pairs_in_the_vocabulary(name):
+    # random vectors for 70% of the benchmark's words, every fifth in capitals: rho and r recomputed with scipy
+    # from cosine similarities, over the pairs whose two words are in, whatever their case
+    from gensim.test.utils import datapath
+    from scipy import stats
+
+    from gptlab.word2vec import evaluation
+
+    with open(datapath(name), encoding="utf8") as f:
+        pairs = [line.rstrip("\n").split("\t") for line in f if line.strip() and not line.startswith("#")]
+    words = sorted({w.lower() for a, b, _ in pairs for w in (a, b)})
+    rng = np.random.default_rng(0)
+    kept = [w for w in words if rng.random() < 0.7]
+    vocabulary = [w.upper() if i % 5 == 0 else w for i, w in enumerate(kept)]
+    vectors = rng.normal(size=(len(vocabulary), 16)).astype(np.float32)
+    score = evaluation.word_pairs_score(evaluation.keyed_vectors(vocabulary, vectors), name)
+    row = {w.lower(): i for i, w in enumerate(vocabulary)}
+    unit = vectors / np.linalg.norm(vectors, axis=1, keepdims=True)
+    inside = [(a.lower(), b.lower(), float(h)) for a, b, h in pairs if a.lower() in row and b.lower() in row]
+    cosine = [float(unit[row[a]] @ unit[row[b]]) for a, b, _ in inside]
+    human = [h for _, _, h in inside]
+    assert score["pairs"] == len(inside) and score["coverage"] == len(inside) / len(pairs)
+    assert score["spearman"] == pytest.approx(stats.spearmanr(cosine, human).statistic, abs=1e-6)
+    assert score["pearson"] == pytest.approx(stats.pearsonr(cosine, human).statistic, abs=1e-5)
