@@ -242,3 +242,33 @@ def test_word_pair_scores_are_spearman_over_the_pairs_in_the_vocabulary(name):
     assert score["pairs"] == len(inside) and score["coverage"] == len(inside) / len(pairs)
     assert score["spearman"] == pytest.approx(stats.spearmanr(cosine, human).statistic, abs=1e-6)
     assert score["pearson"] == pytest.approx(stats.pearsonr(cosine, human).statistic, abs=1e-5)
+
+
+# ---- the length study ---------------------------------------------------------------------------------------
+
+
+def test_the_length_studys_losses_are_over_each_contexts_whole_windows_and_the_table_says_which():
+    from gptlab.evaluation import length
+    from gptlab.model.config import GPTConfig
+    from gptlab.model.gpt import GPT
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=40, block_size=16, n_layer=1, n_head=2, n_embd=16, pos="rope")).eval()
+    tokens = np.random.default_rng(1).integers(0, 40, 200)
+    options = length.LengthEvalOptions(factors=[1, 2, 4], max_tokens=150, rope_scalings=[], batch_tokens=48)
+    result = length.evaluate_lengths(model, tokens, 16, options)
+    studied = torch.as_tensor(tokens[:150])
+    for factor, scored in (("1", 144), ("2", 128), ("4", 128)):  # 9, 4 and 2 windows of 149 targets
+        context = 16 * int(factor)
+        entry = result["variants"]["rope"][factor]
+        with torch.no_grad():
+            nats = sum(
+                F.cross_entropy(model(w[None, :-1])[0][0].double(), w[1:], reduction="sum").item()
+                for w in studied.unfold(0, context + 1, context)
+            )
+        assert entry["tokens"] == scored and entry["loss"] == pytest.approx(nats / scored, rel=1e-6)
+        assert entry["ppl"] == pytest.approx(math.exp(nats / scored), rel=1e-6)
+    assert length.format_table(result).splitlines()[-1] == (
+        "Tokens scored at each context, its whole windows (the first token and the tail after the last window "
+        "are not): 1x 144, 2x 128, 4x 128, of the first 150 of the 200 validation tokens (eval_length.max_tokens)"
+    )
