@@ -81,41 +81,58 @@ def gpt2_ids(n: int) -> np.ndarray:
     raise AssertionError("the corpus is shorter than asked")
 
 
+def window_losses(model, windows: np.ndarray) -> list[float]:
+    """The summed next-token loss of each window (``block_size + 1`` ids a row), in nats, in float64."""
+    rows = torch.from_numpy(windows.astype(np.int64))
+    with torch.no_grad():
+        logits, _ = model(rows[:, :-1])
+    each = F.cross_entropy(logits.double().transpose(1, 2), rows[:, 1:], reduction="none")
+    return each.sum(1).tolist()
+
+
 @pytest.mark.slow
-def test_two_processes_score_each_validation_window_once_and_say_what_was_not_scored(tmp_path):
-    # Three validation windows of 32 on two ranks: Lightning's DistributedSampler gives rank 1 a copy of
-    # window 0 so that both run two. The validation loss is over the three windows, each once: the mean over
-    # their 96 targets, recomputed here from the final weights; the final line says which tokens were left out.
+def test_two_processes_log_the_mean_over_both_and_score_each_validation_window_once(tmp_path):
+    # Two ranks, a batch of one window each. Training holds two windows, A and B: each step one rank trains on
+    # A and the other on B, so the step's loss is the mean of the two, whichever rank drew which. Validation
+    # holds three: Lightning's DistributedSampler gives rank 1 a copy of window 0 so that both run two. The
+    # validation loss is over the three windows, each once; the final line says which tokens were left out.
     block, tail = 32, 11
     data = tmp_path / "tokens"
     data.mkdir()
-    ids = gpt2_ids(3000 + 3 * block + 1 + tail)
-    ids[:3000].tofile(data / "train.bin")
-    val = ids[3000:]
+    ids = gpt2_ids(2 * block + 1 + 3 * block + 1 + tail)
+    train, val = ids[: 2 * block + 1], ids[2 * block + 1 :]
+    train.tofile(data / "train.bin")
     val.tofile(data / "val.bin")
     run = tmp_path / "run"
     args = [
-        *TINY, f"model.block_size={block}", "data.batch_size=2", "trainer.max_steps=2",
-        "trainer.val_check_interval=2", "trainer.limit_val_batches=null", "tokenizer=gpt2",
-        f"data.path={data}", "strategy=ddp", "trainer.accelerator=cpu", "trainer.devices=2",
-        "callbacks.sample_generation.max_new_tokens=0", "logger=csv", f"hydra.run.dir={run}",
+        *TINY, f"model.block_size={block}", "data.batch_size=1", "trainer.max_steps=2",
+        "trainer.val_check_interval=1", "trainer.limit_val_batches=null", "trainer.log_every_n_steps=1",
+        "callbacks.model_checkpoint.save_top_k=-1", "tokenizer=gpt2", f"data.path={data}", "strategy=ddp",
+        "trainer.accelerator=cpu", "trainer.devices=2", "callbacks.sample_generation.max_new_tokens=0",
+        "logger=csv", f"hydra.run.dir={run}",
     ]  # fmt: skip
     proc = run_train(args, cwd=tmp_path)
     metrics = json.loads((run / "result.json").read_text())["metrics"]
 
     import gptlab
 
-    model = gptlab.load_run(run, which="last").model.eval()
-    windows = np.stack([val[i * block : i * block + block + 1] for i in range(3)]).astype(np.int64)
-    x, y = torch.from_numpy(windows[:, :-1]), torch.from_numpy(windows[:, 1:])
-    with torch.no_grad():
-        logits, _ = model(x)
-    nats = F.cross_entropy(logits.double().flatten(0, 1), y.flatten(), reduction="sum").item()
+    # the second step (logged at step 2: a run logs a step's training metrics once it is done) trained the
+    # weights saved after the first on A and B, one on each rank
+    after_first = gptlab.load_run(next((run / "checkpoints").glob("best-step000001-*.ckpt"))).model.eval()
+    both = np.stack([train[:-block], train[block:]])
+    expected = sum(window_losses(after_first, both)) / (2 * block)
+    with open(next(run.glob("csv/**/metrics.csv"))) as f:
+        logged = {int(r["step"]): float(r["train/loss"]) for r in csv.DictReader(f) if r.get("train/loss")}
+    assert sorted(logged) == [1, 2] and logged[2] == pytest.approx(expected, rel=1e-5)
+
+    final = gptlab.load_run(run, which="last").model.eval()
+    windows = np.stack([val[i * block : i * block + block + 1] for i in range(3)])
+    nats = sum(window_losses(final, windows))
     assert metrics["val/tokens"] == 3 * block
     assert metrics["val/loss"] == pytest.approx(nats / (3 * block), rel=1e-5)
     # bits per byte: over the UTF-8 bytes of the text the 96 targets decode to (<|endoftext|> covers none)
     tok = GPT2Tokenizer()
-    n_bytes = sum(len(tok.decode(row.tolist()).replace("<|endoftext|>", "").encode()) for row in y)
+    n_bytes = sum(len(tok.decode(row[1:].tolist()).replace("<|endoftext|>", "").encode()) for row in windows)
     assert metrics["val/bpb"] == pytest.approx(nats / (n_bytes * math.log(2)), rel=1e-5)
     line = next(line for line in proc.stdout.splitlines() if line.startswith("Final validation loss"))
     assert line.endswith(
