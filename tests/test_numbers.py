@@ -18,13 +18,15 @@ from torch.utils.data import DataLoader, TensorDataset
 from gptlab.data.tokenizers import GPT2Tokenizer
 from gptlab.tracking.loggers import csv_logger
 from gptlab.training.module import GPTLitModule
+from gptlab.training.spikes import SpikeDetector
 
 # ---- the training loss of a step --------------------------------------------------------------------------
 
 
 def test_an_accumulated_steps_train_loss_is_the_mean_over_its_micro_batches(tmp_path):
     # trainer.accumulate_grad_batches=2: one optimizer step over two micro-batches, whose gradient is that of
-    # the mean of their two losses. The logged train/loss is that mean, not the last micro-batch's alone.
+    # the mean of their two losses. The logged train/loss is that mean, not the last micro-batch's alone, and
+    # so is the loss the spike detector tests.
     torch.manual_seed(0)
     module = GPTLitModule(
         model=dict(vocab_size=64, block_size=8, n_layer=1, n_head=2, n_embd=16),
@@ -40,8 +42,11 @@ def test_an_accumulated_steps_train_loss_is_the_mean_over_its_micro_batches(tmp_
             if batch_idx % 2 == 0:
                 weights.append(copy.deepcopy(pl_module.model))
 
+    # the spike detector tests the same loss (with the z-loss: the loss the step optimizes); its warning names
+    # train/loss
+    detector = SpikeDetector(monitor="loss", window=8, min_history=8)
     trainer = L.Trainer(
-        max_steps=2, accumulate_grad_batches=2, callbacks=[Snapshot()], logger=csv_logger(str(tmp_path)),
+        max_steps=2, accumulate_grad_batches=2, callbacks=[Snapshot(), detector], logger=csv_logger(str(tmp_path)),
         log_every_n_steps=1, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, accelerator="cpu",
     )  # fmt: skip
@@ -49,6 +54,7 @@ def test_an_accumulated_steps_train_loss_is_the_mean_over_its_micro_batches(tmp_
     with open(tmp_path / "csv" / "metrics.csv") as f:
         rows = [r for r in csv.DictReader(f) if r.get("train/loss")]
     assert [int(r["step"]) for r in rows] == [0, 1]  # one row per optimizer step
+    watched = list(detector.windows["loss"].values)
     for step, row in enumerate(rows):
         model = weights[step]
         cross_entropy, z_loss = [], []
@@ -63,6 +69,7 @@ def test_an_accumulated_steps_train_loss_is_the_mean_over_its_micro_batches(tmp_
         assert cross_entropy[0] != pytest.approx(cross_entropy[1], rel=1e-3)  # the mean differs from either
         assert float(row["train/loss"]) == pytest.approx(sum(cross_entropy) / 2, rel=1e-5)
         assert float(row["train/z_loss"]) == pytest.approx(sum(z_loss) / 2, rel=1e-4)
+        assert watched[step] == pytest.approx((sum(cross_entropy) + sum(z_loss)) / 2, rel=1e-5)
 
 
 # ---- the validation loss over two processes ---------------------------------------------------------------

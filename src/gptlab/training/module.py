@@ -90,6 +90,7 @@ class GPTLitModule(L.LightningModule):
         self.last_train_loss: Tensor | None = None
         # (cross-entropy, weighted z-loss or None) of each micro-batch of the optimizer step under way
         self._step_terms: list[tuple[Tensor, Tensor | None]] = []
+        self._step_losses: list[Tensor] = []  # the loss (with any z-loss) of each of them
 
     def forward(self, idx: Tensor, targets: Tensor | None = None):
         return self.model(idx, targets)
@@ -153,7 +154,11 @@ class GPTLitModule(L.LightningModule):
         for group in groups:
             if group.get("group") == "hidden_muon":
                 self.log("lr/muon", group["lr"], on_step=True, on_epoch=False)
-        self.last_train_loss = loss.detach()  # read by the spike detector before the optimizer step
+        # read by the spike detector before the optimizer step: the loss of the step so far, the mean over its
+        # micro-batches (the whole step's at the last one: callbacks' on_before_optimizer_step run before this
+        # module's, which starts the next step's lists)
+        self._step_losses.append(loss.detach())
+        self.last_train_loss = torch.stack(self._step_losses).mean()
         return loss
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
@@ -161,7 +166,7 @@ class GPTLitModule(L.LightningModule):
         # (Lightning divides each micro-batch's loss by trainer.accumulate_grad_batches), and over the ranks,
         # which train on equal batches. Logged from the last micro-batch's training_step, it would be that
         # micro-batch's alone, and rank 0's alone.
-        terms, self._step_terms = self._step_terms, []
+        terms, self._step_terms, self._step_losses = self._step_terms, [], []
         if not terms:
             return
         distributed = self.trainer.world_size > 1
