@@ -6,13 +6,14 @@ import copy
 import csv
 import json
 import math
+import runpy
 
 import lightning as L
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import TINY, run_train
+from conftest import ROOT, TINY, run_train
 from torch.utils.data import DataLoader, TensorDataset
 
 from gptlab.data.tokenizers import GPT2Tokenizer
@@ -296,3 +297,31 @@ def test_the_length_studys_losses_are_over_each_contexts_whole_windows_and_the_t
         "Tokens scored at each context, its whole windows (the first token and the tail after the last window "
         "are not): 1x 144, 2x 128, 4x 128, of the first 150 of the 200 validation tokens (eval_length.max_tokens)"
     )
+
+
+# ---- the comparison table ------------------------------------------------------------------------------------
+
+
+def test_a_run_whose_mfu_went_above_its_peak_shows_no_mfu_in_the_table(tmp_path, capsys):
+    # A peak far too low (1 MFLOP/s): every window measures more than 100%, which the run logs as
+    # train/mfu_above_peak and never as train/mfu. The table's MFU cell says the figure is invalid, with the
+    # note saying why, rather than a median of the windows that stayed below the peak (or a bare "-").
+    import gptlab
+
+    gptlab.train(
+        *TINY, "tokenizer=char", "trainer.max_steps=4", "trainer.log_every_n_steps=2", "logger=csv",
+        "callbacks.throughput.peak_flops=1e6", f"paths.root_dir={tmp_path}", run_dir=tmp_path / "runs" / "low",
+    )  # fmt: skip
+    with open(next((tmp_path / "runs" / "low").glob("csv/**/metrics.csv"))) as f:
+        rows = list(csv.DictReader(f))
+    assert any(r.get("train/mfu_above_peak") for r in rows) and not any(r.get("train/mfu") for r in rows)
+    capsys.readouterr()
+    compare = runpy.run_path(str(ROOT / "scripts" / "compare.py"))["main"]
+    assert compare([str(tmp_path / "runs"), "--source", "csv"]) == 0
+    out = capsys.readouterr().out
+    header, row = (
+        [c.strip() for c in line.strip("|").split("|")] for line in out.splitlines() if line[:2] == "| "
+    )
+    cells = dict(zip(header, row, strict=True))
+    assert cells["MFU"] == "invalid (>100%)"
+    assert "MFU `invalid (>100%)`: a run measured more FLOP/s than the peak" in out
