@@ -682,15 +682,15 @@ def validation_coverage(scored: float | None, datamodule: Any, limit_val_batches
     block, stride = int(windows_set.block_size), int(windows_set.stride)
     scored_windows = int(scored) // block  # every scored window scores its block_size targets
     left_out = ["the first (nothing precedes it)"]
-    if scored_windows < windows:
-        cut = windows - scored_windows
-        left_out.append(f"{cut:,} of the {windows:,} windows (trainer.limit_val_batches={limit_val_batches})")
     if stride > block:
         left_out.append(f"{stride - block:,} after each window (data.val_stride={stride})")
     tail = n_tokens - 1 - ((windows - 1) * stride + block)
     if tail > 0:
         left_out.append(f"the last {tail:,} (short of a window)")
     leaving = ", ".join(left_out[:-1]) + (" and " if len(left_out) > 1 else "") + left_out[-1]
+    if scored_windows < windows:
+        cut = windows - scored_windows
+        leaving += f", and {cut:,} of the {windows:,} windows (trainer.limit_val_batches={limit_val_batches})"
     if stride < block:
         return (
             f"It scored {int(scored):,} predictions in the {n_tokens:,} validation tokens: the windows overlap "
