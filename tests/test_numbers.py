@@ -325,3 +325,24 @@ def test_a_run_whose_mfu_went_above_its_peak_shows_no_mfu_in_the_table(tmp_path,
     cells = dict(zip(header, row, strict=True))
     assert cells["MFU"] == "invalid (>100%)"
     assert "MFU `invalid (>100%)`: a run measured more FLOP/s than the peak" in out
+
+
+def test_the_scaling_fit_is_the_least_squares_one_scipy_finds():
+    # L(N) = E + A N^-alpha on a noisy ladder (5 sizes x 3 seeds): the fit's E, A, alpha and rmse against
+    # scipy's bounded nonlinear least squares over the same points
+    from scipy.optimize import least_squares
+
+    from gptlab.comparison.scaling import fit_power_law
+
+    rng = np.random.default_rng(3)
+    n = np.repeat([1e5, 3e5, 1e6, 3e6, 1e7], 3)
+    loss = 1.8 + 40 * n**-0.3 + rng.normal(0, 0.02, len(n))
+    fit = fit_power_law(n, loss)
+    scale = float(np.exp(np.mean(np.log(n))))  # N / its geometric mean: the solver's conditioning
+    found = least_squares(
+        lambda p: p[0] + p[1] * (n / scale) ** -p[2] - loss,
+        x0=[1.0, 1.0, 0.5], bounds=([0, 0, 0.01], [np.inf, np.inf, 3]), xtol=1e-14, ftol=1e-14,
+    )  # fmt: skip
+    E, A, alpha = found.x[0], found.x[1] * scale ** found.x[2], found.x[2]
+    assert (fit.E, fit.A, fit.alpha) == pytest.approx((E, A, alpha), rel=1e-5)
+    assert fit.rmse == pytest.approx(math.sqrt(np.mean(found.fun**2)), rel=1e-9)
