@@ -17,7 +17,9 @@ from conftest import ROOT, TINY, run_train
 from torch.utils.data import DataLoader, TensorDataset
 
 from gptlab.data.tokenizers import GPT2Tokenizer
+from gptlab.model import counting
 from gptlab.tracking.loggers import csv_logger
+from gptlab.training.metrics import TrainingThroughput
 from gptlab.training.module import GPTLitModule
 from gptlab.training.spikes import SpikeDetector
 
@@ -46,14 +48,27 @@ def test_an_accumulated_steps_train_loss_is_the_mean_over_its_micro_batches(tmp_
     # the spike detector tests the same loss (with the z-loss: the loss the step optimizes); its warning names
     # train/loss
     detector = SpikeDetector(monitor="loss", window=8, min_history=8)
+    # tokens: both micro-batches of each step, 2 x 4 x 8; MFU: tokens per second x FLOPs per token / peak
+    throughput = TrainingThroughput(window=1, peak_flops=1e11)
     trainer = L.Trainer(
-        max_steps=2, accumulate_grad_batches=2, callbacks=[Snapshot(), detector], logger=csv_logger(str(tmp_path)),
-        log_every_n_steps=1, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, accelerator="cpu",
+        max_steps=2, accumulate_grad_batches=2, callbacks=[Snapshot(), detector, throughput],
+        logger=csv_logger(str(tmp_path)), log_every_n_steps=1, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, accelerator="cpu",
     )  # fmt: skip
     trainer.fit(module, train_dataloaders=loader)
     with open(tmp_path / "csv" / "metrics.csv") as f:
-        rows = [r for r in csv.DictReader(f) if r.get("train/loss")]
+        logged = list(csv.DictReader(f))
+    rates = [r for r in logged if r.get("train/tokens_per_second")]
+    assert [float(r["train/tokens"]) for r in rates] == [64, 128]
+    flops_per_token = counting.flops_per_token(module.model_config, 8)["training"]
+    seconds, tokens_so_far = 0.0, 0.0  # each rate covers the step since the one before, from the start
+    for r in rates:
+        rate = float(r["train/tokens_per_second"])
+        time, length = float(r["train/time"]), float(r["train/lengths"])
+        assert rate == pytest.approx((length - tokens_so_far) / (time - seconds), rel=1e-6)
+        assert float(r["train/mfu"]) == pytest.approx(rate * flops_per_token / 1e11, rel=1e-6)
+        seconds, tokens_so_far = time, length
+    rows = [r for r in logged if r.get("train/loss")]
     assert [int(r["step"]) for r in rows] == [0, 1]  # one row per optimizer step
     watched = list(detector.windows["loss"].values)
     for step, row in enumerate(rows):
