@@ -87,6 +87,9 @@ class RunRecord:
     val_ppl: float | None = None
     tokens_per_second: float | None = None
     mfu: float | None = None
+    # the highest MFU a window of the run logged above 100% (train/mfu_above_peak, never logged as train/mfu):
+    # the one peak all its windows are measured against is too low, so none of its MFU figures is a utilisation
+    mfu_above_peak: float | None = None
     parameters: float | None = None
     outputs: dict[str, dict[str, float | None]] = field(
         default_factory=dict
@@ -309,6 +312,8 @@ def _fill(record: RunRecord, series: dict[str, list[tuple[int, float]]]) -> RunR
         [v for _, v in series.get("train/tokens_per_second", []) if math.isfinite(v)]
     )
     record.mfu = _median([v for _, v in series.get("train/mfu", []) if math.isfinite(v)])
+    above = [v for _, v in series.get("train/mfu_above_peak", []) if math.isfinite(v)]
+    record.mfu_above_peak = max(above) if above else None
     params = series.get("parameters/total")
     record.parameters = params[-1][1] if params else None
     return record
@@ -411,7 +416,7 @@ def read_run_dir(run_dir: str | Path, source: str = "auto") -> RunRecord:
     return record
 
 
-HISTORY_KEYS = ("val/loss", "val/ppl", "train/tokens_per_second", "train/mfu")
+HISTORY_KEYS = ("val/loss", "val/ppl", "train/tokens_per_second", "train/mfu", "train/mfu_above_peak")
 
 
 def record_from_api_run(run: Any) -> RunRecord:

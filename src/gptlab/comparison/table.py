@@ -284,7 +284,11 @@ def summarize(
                 val_ppl=_mean([r.val_ppl for r in members]),
                 tokens_per_second=_mean([r.tokens_per_second for r in members]),
                 mfu=_mean([r.mfu for r in members]),
-                mfu_invalid=any(r.mfu is not None and r.mfu > 1 for r in members),
+                # a window above 100% (logged apart) says the run's peak is too low: its other windows'
+                # MFU, taken against the same peak, is no utilisation either
+                mfu_invalid=any(
+                    (r.mfu is not None and r.mfu > 1) or r.mfu_above_peak is not None for r in members
+                ),
                 parameters=_mean([r.parameters for r in members]),
                 outputs={
                     name: {h: _mean([r.outputs.get(name, {}).get(h) for r in members]) for h in headers}

@@ -127,6 +127,7 @@ def evaluate_lengths(
     entries finished."""
     options = options or LengthEvalOptions()
     token_bytes = TokenBytes.of(tokenizer) if tokenizer is not None else None
+    split_tokens = len(tokens)
     if options.max_tokens is not None:
         tokens = tokens[: options.max_tokens]
     was_training = model.training
@@ -137,7 +138,8 @@ def evaluate_lengths(
         "pos_options": dataclasses.asdict(model.config.pos.options),
         "train_context": train_context,
         "factors": list(options.factors),
-        "validation_tokens": int(len(tokens)),
+        "validation_tokens": int(len(tokens)),  # those studied: the first eval_length.max_tokens
+        "split_tokens": int(split_tokens),  # the validation split's
         "variants": {},
     }
     try:
@@ -325,7 +327,29 @@ def format_table(result: dict[str, Any]) -> str:
             else:
                 cells.append("cannot run")
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    scored = scored_tokens_line(result)
+    return "\n".join(lines) + (f"\n{scored}" if scored else "")
+
+
+def scored_tokens_line(result: dict[str, Any]) -> str:
+    """Which tokens each column's figures are over: a context scores its whole windows of the studied
+    tokens, so a longer one can leave more of the tail out, and ``eval_length.max_tokens`` studies only the
+    first tokens of the split. Empty where no figure was measured."""
+    trained = result["variants"].get(result["pos"], {})
+    counts = [f"{factor}x {entry['tokens']:,}" for factor, entry in trained.items() if "tokens" in entry]
+    if not counts:
+        return ""
+    studied = int(result["validation_tokens"])
+    split = int(result.get("split_tokens", studied))  # a length.json written before it was recorded
+    of = (
+        f"the {studied:,} validation tokens"
+        if studied == split
+        else f"the first {studied:,} of the {split:,} validation tokens (eval_length.max_tokens)"
+    )
+    return (
+        f"Tokens scored at each context, its whole windows (the first token and the tail after the last window "
+        f"are not): {', '.join(counts)}, of {of}"
+    )
 
 
 # ---- outputs --------------------------------------------------------------------------------------

@@ -500,6 +500,8 @@ def collect_metrics(trainer: L.Trainer, parts: Parts, wall_seconds: float) -> di
 
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if v.numel() == 1 and k != "step"}
     metrics["unigram_entropy"] = parts.corpus.unigram_entropy
+    if parts.module.val_tokens is not None:  # the targets the final validation scored (validation_coverage)
+        metrics["val/tokens"] = float(parts.module.val_tokens)
     metrics["wall_seconds"] = wall_seconds
     metrics.update(run_rates(trainer, wall_seconds))
     return metrics
@@ -533,7 +535,11 @@ def report(
             **{k: metrics[k] for k in ("val/loss", "val/ppl", "val/bpb") if k in metrics},
         },
     )
-    lines = closing_lines(metrics, entropy, session.run_dir, trainer, loggers, step, session.start_step)
+    coverage = validation_coverage(metrics.get("val/tokens"), parts.datamodule, trainer.limit_val_batches)
+    counted_over = entropy_scope(parts)
+    lines = closing_lines(
+        metrics, entropy, session.run_dir, trainer, loggers, step, session.start_step, coverage, counted_over
+    )
     print("\n".join(lines), flush=True)
     study_stop: StudyStopped | None = None
     if settings.length_study is not None:
@@ -599,7 +605,7 @@ def report(
         extra={**extra, **divergence},
     )
     if divergence.get("diverged"):
-        log.warning(diverged_line(metrics["val/loss"], entropy, uniform))
+        log.warning(diverged_line(metrics["val/loss"], entropy, uniform, counted_over))
     if study_stop is not None:
         log.warning(study_stopped_line(study_stop, step, checkpoint, session.run_dir, settings))
 
@@ -646,27 +652,74 @@ def study_stopped_line(
     )
 
 
-def validation_line(val: float | None, entropy: float | None, bpb: float | None = None) -> str:
-    """The final validation against the corpus's unigram entropy, and in bits per byte when measured."""
+def validation_line(
+    val: float | None,
+    entropy: float | None,
+    bpb: float | None = None,
+    coverage: str = "",
+    counted_over: str = "the corpus",
+) -> str:
+    """The final validation against the unigram entropy (of ``counted_over``: :func:`entropy_scope`), and in
+    bits per byte when measured; ``coverage``: over which tokens (:func:`validation_coverage`)."""
     if val is None:
         return "No validation (it is off: trainer.limit_val_batches=0)"
     line = f"Final validation loss {val:.4f} nats (perplexity {_perplexity(val)})"
     if bpb is not None:
         line += f", {bpb:.4f} bits per byte"
-    if entropy is None:
-        return line
-    return (
-        f"{line}; unigram entropy of the corpus {entropy:.4f} nats ({abs(entropy - val):.3f} "
-        f"{'below' if val < entropy else 'above'} it)"
-    )
+    if entropy is not None:
+        line += (
+            f"; unigram entropy of {counted_over} {entropy:.4f} nats ({abs(entropy - val):.3f} "
+            f"{'below' if val < entropy else 'above'} it)"
+        )
+    return f"{line}. {coverage}" if coverage else line
 
 
-def diverged_line(val: float, entropy: float, uniform: float) -> str:
-    """The warning that ends a diverged run's log: the numbers that say so, and the usual fix."""
+def entropy_scope(parts: Parts) -> str:
+    """What the unigram entropy a run is held against was counted over: the whole prepared corpus, or the
+    validation split alone for token files and streams (their training tokens are not all read at the start)."""
+    if parts.corpus.meta.get("token_files") or parts.datamodule.spec.streaming:
+        return "the validation split"
+    return "the corpus"
+
+
+def validation_coverage(scored: float | None, datamodule: Any, limit_val_batches: Any = None) -> str:
+    """The sentence that follows the final validation: which of the validation split's tokens it scored,
+    and which it left out and why: the first token (nothing precedes it), the tail shorter than a window, the
+    windows that ``trainer.limit_val_batches`` cut, the tokens a ``data.val_stride`` above the block size
+    skips; with a smaller stride the windows overlap and a token is scored more than once. Empty without a
+    count."""
+    windows_set = getattr(datamodule, "val_set", None)
+    if scored is None or windows_set is None or len(windows_set) == 0:
+        return ""
+    n_tokens, windows = int(windows_set.n_tokens), len(windows_set)
+    block, stride = int(windows_set.block_size), int(windows_set.stride)
+    scored_windows = int(scored) // block  # every scored window scores its block_size targets
+    left_out = ["the first (nothing precedes it)"]
+    if stride > block:
+        left_out.append(f"{stride - block:,} after each window (data.val_stride={stride})")
+    tail = n_tokens - 1 - ((windows - 1) * stride + block)
+    if tail > 0:
+        left_out.append(f"the last {tail:,} (short of a window)")
+    leaving = ", ".join(left_out[:-1]) + (" and " if len(left_out) > 1 else "") + left_out[-1]
+    if scored_windows < windows:
+        cut = windows - scored_windows
+        leaving += f", and {cut:,} of the {windows:,} windows (trainer.limit_val_batches={limit_val_batches})"
+    if stride < block:
+        return (
+            f"It scored {int(scored):,} predictions in the {n_tokens:,} validation tokens: the windows overlap "
+            f"(data.val_stride={stride} < model.block_size={block}), a token is scored up to "
+            f"{math.ceil(block / stride)} times; left out: {leaving}"
+        )
+    return f"It scored {int(scored):,} of the {n_tokens:,} validation tokens, leaving out {leaving}"
+
+
+def diverged_line(val: float, entropy: float, uniform: float, counted_over: str = "the corpus") -> str:
+    """The warning that ends a diverged run's log: the numbers that say so, and the usual fix; the unigram
+    entropy is that of ``counted_over`` (:func:`entropy_scope`)."""
     from gptlab.comparison.records import DIVERGENCE_MARGIN
 
     why = (
-        f", {val:.4g} nats, is above the corpus's unigram entropy, {entropy:.4f} nats (what predicting each token "
+        f", {val:.4g} nats, is above {counted_over}'s unigram entropy, {entropy:.4f} nats (what predicting each token "
         f"by its frequency alone reaches), and more than {DIVERGENCE_MARGIN:g} nat above the loss of a uniform "
         f"guess, {uniform:.4f} nats (where training starts)"
         if math.isfinite(val)
@@ -710,6 +763,8 @@ def closing_lines(
     loggers: list,
     step: int,
     start_step: int = 0,
+    coverage: str = "",
+    counted_over: str = "the corpus",
 ) -> list[str]:
     """The final validation against the corpus's unigram entropy, the rates, and where everything is. A
     resumed run names the steps this part trained (``start_step`` to ``step``) and this part's time."""
@@ -735,7 +790,7 @@ def closing_lines(
     else:
         trained = f"Nothing left to train at step {step}: validated the checkpoint in {seconds:.0f} s"
     lines = [
-        validation_line(metrics.get("val/loss"), entropy, metrics.get("val/bpb")),
+        validation_line(metrics.get("val/loss"), entropy, metrics.get("val/bpb"), coverage, counted_over),
         trained,
         f"Outputs: {run_dir}",
     ]

@@ -84,9 +84,13 @@ class GPTLitModule(L.LightningModule):
         self._val_loss_sum = torch.zeros(())
         self._val_count = torch.zeros(())
         self._val_bytes = torch.zeros(())
+        self.val_tokens: int | None = None  # the targets the last validation scored, all ranks together
         self._token_bytes: TokenBytes | None = None  # the tokenizer's per-id byte counts, on this device
         self._batch_shape: tuple[int, ...] | None = None  # (B, T) of the last batch, for flops_per_batch
         self.last_train_loss: Tensor | None = None
+        # (cross-entropy, weighted z-loss or None) of each micro-batch of the optimizer step under way
+        self._step_terms: list[tuple[Tensor, Tensor | None]] = []
+        self._step_losses: list[Tensor] = []  # the loss (with any z-loss) of each of them
 
     def forward(self, idx: Tensor, targets: Tensor | None = None):
         return self.model(idx, targets)
@@ -131,11 +135,15 @@ class GPTLitModule(L.LightningModule):
         head = RecordingHeadLoss.of(self.head_loss)
         _, loss = self.model(x, y, head_loss=head, doc_ids=doc_ids[0] if doc_ids else None)
         check_finite_loss(loss, step=self.global_step + 1, strategy=self.trainer.strategy)
-        # train/loss is the cross-entropy alone, comparable across runs; the z-loss is logged apart
+        # train/loss is the cross-entropy alone, comparable across runs; the z-loss is logged apart. Both are
+        # logged once per optimizer step, over all of its micro-batches (on_before_optimizer_step).
         (terms,) = head.calls
-        self.log("train/loss", terms.cross_entropy, prog_bar=True, on_step=True, on_epoch=False)
-        if terms.lse_square is not None:
-            self.log("train/z_loss", self.head_loss.z_loss * terms.lse_square, on_step=True, on_epoch=False)
+        self._step_terms.append(
+            (
+                terms.cross_entropy.detach(),
+                None if terms.lse_square is None else (self.head_loss.z_loss * terms.lse_square).detach(),
+            )
+        )
         optimizer = self.optimizers()
         assert not isinstance(optimizer, list)  # configure_optimizers returns one optimizer
         # lr: optim.lr as scheduled (the rate of every group but muP's and Muon's hidden matrices);
@@ -146,8 +154,30 @@ class GPTLitModule(L.LightningModule):
         for group in groups:
             if group.get("group") == "hidden_muon":
                 self.log("lr/muon", group["lr"], on_step=True, on_epoch=False)
-        self.last_train_loss = loss.detach()  # read by the spike detector before the optimizer step
+        # read by the spike detector before the optimizer step: the loss of the step so far, the mean over its
+        # micro-batches (the whole step's at the last one: callbacks' on_before_optimizer_step run before this
+        # module's, which starts the next step's lists)
+        self._step_losses.append(loss.detach())
+        self.last_train_loss = torch.stack(self._step_losses).mean()
         return loss
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        # The step's loss is the mean over its micro-batches, the quantity whose gradient the step takes
+        # (Lightning divides each micro-batch's loss by trainer.accumulate_grad_batches), and over the ranks,
+        # which train on equal batches. Logged from the last micro-batch's training_step, it would be that
+        # micro-batch's alone, and rank 0's alone.
+        terms, self._step_terms, self._step_losses = self._step_terms, [], []
+        if not terms:
+            return
+        distributed = self.trainer.world_size > 1
+        cross_entropy = torch.stack([ce for ce, _ in terms]).mean()
+        self.log(
+            "train/loss", cross_entropy, prog_bar=True, on_step=True, on_epoch=False, sync_dist=distributed
+        )
+        z_terms = [z for _, z in terms if z is not None]
+        if z_terms:
+            z_loss = torch.stack(z_terms).mean()
+            self.log("train/z_loss", z_loss, on_step=True, on_epoch=False, sync_dist=distributed)
 
     # ---- validation -----------------------------------------------------------------------------
     def on_validation_epoch_start(self) -> None:
@@ -162,21 +192,43 @@ class GPTLitModule(L.LightningModule):
     def validation_step(self, batch: tuple[Tensor, ...], batch_idx: int) -> Tensor:
         x, y, *doc_ids = batch
         self._batch_shape = tuple(x.shape)
+        windows = self._validation_windows(batch_idx, x.size(0))
+        if windows < x.size(0):  # the rest are copies a distributed sampler added: run (FSDP), not scored
+            y = y.clone()
+            y[windows:] = self.head_loss.ignore_index
         head = RecordingHeadLoss.of(self.head_loss)
         self.model(x, y, head_loss=head, doc_ids=doc_ids[0] if doc_ids else None)
-        loss = head.calls[0].cross_entropy  # nats per token, without the z-loss
-        n = y.numel()
-        self._val_loss_sum += loss.double() * n
+        loss = head.calls[0].cross_entropy  # nats per scored token, without the z-loss
+        n = (y != self.head_loss.ignore_index).sum()  # a tensor: no wait for the device at each batch
+        # a batch of copies alone has a NaN mean over no token: it adds nothing
+        self._val_loss_sum += torch.where(n > 0, loss.double() * n, 0.0)
         self._val_count += n
         if self._token_bytes is not None:
-            self._val_bytes += self._token_bytes.count(x, y).double()
+            self._val_bytes += self._token_bytes.count(x, y, self.head_loss.ignore_index).double()
         return loss
+
+    def _validation_windows(self, batch_idx: int, rows: int) -> int:
+        """How many of the first rows of validation batch ``batch_idx`` are this rank's own windows. Under a
+        distributed strategy Lightning's ``DistributedSampler`` gives every rank the same number of windows,
+        padding the last ranks with copies of the first windows (torch's layout: rank r takes positions r,
+        r + W, ... of the windows followed by the copies); counted, a window would be scored twice."""
+        from torch.utils.data import DataLoader, DistributedSampler
+
+        loader = self.trainer.val_dataloaders if self._trainer is not None else None
+        if not isinstance(loader, DataLoader) or not loader.batch_size:
+            return rows
+        sampler = loader.sampler
+        if not isinstance(sampler, DistributedSampler) or sampler.drop_last:
+            return rows
+        own = len(range(sampler.rank, len(sampler.dataset), sampler.num_replicas))  # type: ignore[arg-type]  # map-style
+        return max(0, min(rows, own - batch_idx * loader.batch_size))
 
     def on_validation_epoch_end(self) -> None:
         # Mean over every validation token on every rank, so the figure does not depend on the batching.
         total = self.trainer.strategy.reduce(self._val_loss_sum, reduce_op="sum")
         count = self.trainer.strategy.reduce(self._val_count, reduce_op="sum")
         val_loss = (total / count.clamp_min(1)).float()
+        self.val_tokens = int(count)  # scored targets, every rank's, each window once
         # The same number on every rank already: Lightning's sync (max, exact, where a mean may round) agrees.
         self.log("val/loss", val_loss, prog_bar=True, sync_dist=True, reduce_fx="max")
         self.log("val/ppl", torch.exp(val_loss), sync_dist=True, reduce_fx="max")
