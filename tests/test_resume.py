@@ -245,9 +245,31 @@ def test_resume_from_an_explicit_checkpoint_continues_in_its_run_directory(tmp_p
     assert_bit_identical(weights(last_checkpoint(run_dir)), reference)
 
 
+# A real process writing a 192 MB checkpoint that stops once a quarter of its bytes are in the file, says so,
+# and waits there to be killed: the kill lands mid-write however slowly the test reads the line.
 WRITER = """
-import sys, torch
+import sys, threading, torch
 from gptlab.parallel.checkpoint_io import AtomicCheckpointIO
+
+class StopsMidWrite:
+    def __init__(self, file):
+        self.file, self.written = file, 0
+
+    def write(self, data):
+        view = memoryview(data).cast("B")
+        for start in range(0, len(view), 2**20):  # the tensor's bytes come as one call: written by the MiB
+            self.written += self.file.write(view[start : start + 2**20])
+            if self.written >= 48 * 2**20:
+                self.file.flush()
+                print("writing", flush=True)
+                threading.Event().wait()
+        return len(view)
+
+    def flush(self):
+        self.file.flush()
+
+save = torch.save
+torch.save = lambda obj, f, *args, **kwargs: save(obj, StopsMidWrite(f), *args, **kwargs)
 AtomicCheckpointIO().save_checkpoint({"state_dict": {"w": torch.ones(48 * 2**20)}}, sys.argv[1])
 """
 
@@ -258,18 +280,18 @@ def test_a_kill_during_a_checkpoint_write_leaves_the_previous_checkpoint(tmp_pat
     AtomicCheckpointIO().save_checkpoint(good, ckpt)
 
     # A real process writing a 192 MB checkpoint over it, killed while the bytes are going to disk.
-    child = subprocess.Popen([sys.executable, "-c", WRITER, str(ckpt)])
-    deadline = time.monotonic() + 60
-    tmp_files: list[Path] = []
-    while time.monotonic() < deadline:
-        tmp_files = [p for p in ckpt.parent.glob(".last.ckpt.tmp-*") if p.stat().st_size > 0]
-        if tmp_files:
-            break
-        time.sleep(0.001)
-    assert tmp_files, "the child never started writing"
-    child.kill()
-    assert child.wait() == -signal.SIGKILL
-    assert tmp_files[0].exists() and tmp_files[0].stat().st_size < 192 * 2**20  # killed mid-write
+    child = subprocess.Popen([sys.executable, "-c", WRITER, str(ckpt)], stdout=subprocess.PIPE, text=True)
+    watchdog = threading.Timer(600, child.kill)  # a child that never gets there ends the read below
+    watchdog.start()
+    try:
+        # its start (importing torch, Lightning) took over 40 s on a loaded machine: no deadline but the watchdog's
+        assert child.stdout.readline() == "writing\n", "the child ended before it was killed mid-write"
+    finally:
+        child.kill()
+        watchdog.cancel()
+    assert child.wait(timeout=120) == -signal.SIGKILL
+    (tmp_file,) = ckpt.parent.glob(".last.ckpt.tmp-*")
+    assert 48 * 2**20 <= tmp_file.stat().st_size < 192 * 2**20  # killed mid-write
 
     loaded = torch.load(ckpt, map_location="cpu", weights_only=True)
     assert loaded["global_step"] == 4 and torch.equal(loaded["state_dict"]["w"], good["state_dict"]["w"])
