@@ -176,7 +176,7 @@ elif kind == "kill_in_background_write":
         # it (every rank past the save's barrier), then killed before writing a byte
         in_writer = threading.current_thread() is not threading.main_thread()
         if checkpoint.get("global_step") == fault_step and in_writer:
-            next_step_done.wait(timeout=120)
+            next_step_done.wait(timeout=600)
             os.kill(os.getpid(), signal.SIGKILL)
         original_write(self, checkpoint, target)
 

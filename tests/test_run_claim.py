@@ -142,7 +142,7 @@ def test_a_claim_left_by_a_killed_process_is_taken_over(tmp_path, caplog):
     killed = subprocess.Popen(
         [sys.executable, "-c", holder], env={**os.environ, "PYTHONPATH": str(ROOT / "src")}
     )
-    assert killed.wait(timeout=120) == -signal.SIGKILL
+    assert killed.wait(timeout=600) == -signal.SIGKILL
     left = Claim.read(run_dir / CLAIM_FILE)
     assert left is not None and left.pid == killed.pid
     with caplog.at_level("WARNING"):

@@ -145,7 +145,7 @@ def test_deepspeed_on_cpu_is_refused_before_any_work(tmp_path):
         ],
         cwd=tmp_path,
         check=False,
-        timeout=120,
+        timeout=600,
     )
     assert proc.returncode == 2
     assert "gptlab: error: strategy=deepspeed_stage_2 needs CUDA GPUs" in proc.stderr
@@ -207,7 +207,7 @@ def test_a_multirun_with_ddp_is_refused_and_points_to_ddp_spawn_and_slurm(tmp_pa
         ],
         cwd=tmp_path,
         check=False,
-        timeout=120,
+        timeout=600,
     )
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0
