@@ -34,7 +34,7 @@ one rank does to a distributed run. GPTLAB_TEST_FAULT chooses it (read here only
   study under way``; ``hold_eval_length:passkey`` holds as the passkey study begins (the length study
   finished and written), printing ``passkey study under way``.
 - ``hold_at_step:<n>``: after the n-th optimizer step, before the run looks for a stop signal at that step,
-  it prints ``held at step <n>`` and holds there (up to 300 s, then goes on) until a signal (SIGTERM, SIGINT
+  rank 0 prints ``held at step <n>`` and holds there (up to 300 s, then goes on) until a signal (SIGTERM, SIGINT
   or SIGUSR1) has reached the handler in place, which runs as it would have: the run stops at step n however
   slowly the test reads the line.
 
@@ -315,7 +315,8 @@ elif kind == "hold_at_step":
                 signal.signal(signum, handler)
 
     def on_train_batch_end(self, trainer, pl_module, *rest):
-        if trainer.global_step == hold_step:
+        # rank 0 only (the process the test signals): the other ranks wait for it in the stop check's collective
+        if trainer.global_step == hold_step and trainer.global_rank == 0:
             hold_until_signalled()
         original_batch_end(self, trainer, pl_module, *rest)
 
