@@ -33,6 +33,9 @@ one rank does to a distributed run. GPTLAB_TEST_FAULT chooses it (read here only
   way at its n-th measurement (one context of one variant; the ones before it finished), printing ``length
   study under way``; ``hold_eval_length:passkey`` holds as the passkey study begins (the length study
   finished and written), printing ``passkey study under way``.
+- ``hold_after_word2vec_checkpoint``: word2vec's first checkpoint, once written, prints ``word2vec checkpoint
+  written at step <n>`` and holds there (up to 300 s, then goes on): a SIGKILL the test sends lands after it,
+  before the run could end, however slowly the test reads the line.
 - ``hold_at_step:<n>``: after the n-th optimizer step, before the run looks for a stop signal at that step,
   rank 0 prints ``held at step <n>`` and holds there (up to 300 s, then goes on) until a signal (SIGTERM, SIGINT
   or SIGUSR1) has reached the handler in place, which runs as it would have: the run stops at step n however
@@ -279,6 +282,26 @@ elif kind == "hold_eval_length":
             return original_measure(*args, **kwargs)
 
         length.loss_by_position = loss_by_position
+elif kind == "hold_after_word2vec_checkpoint":
+    import time
+
+    from gptlab.word2vec.task import Trainer as Word2VecTrainer
+
+    original_save_checkpoint = Word2VecTrainer.save_checkpoint
+    held = False
+
+    def save_checkpoint(self):
+        global held
+        path = original_save_checkpoint(self)
+        if not held:
+            held = True
+            print(f"word2vec checkpoint written at step {self.global_step}", flush=True)
+            deadline = time.monotonic() + 300
+            while time.monotonic() < deadline:
+                time.sleep(0.05)
+        return path
+
+    Word2VecTrainer.save_checkpoint = save_checkpoint
 elif kind == "hold_at_step":
     import threading
     import time
