@@ -33,6 +33,13 @@ one rank does to a distributed run. GPTLAB_TEST_FAULT chooses it (read here only
   way at its n-th measurement (one context of one variant; the ones before it finished), printing ``length
   study under way``; ``hold_eval_length:passkey`` holds as the passkey study begins (the length study
   finished and written), printing ``passkey study under way``.
+- ``hold_after_word2vec_checkpoint``: word2vec's first checkpoint, once written, prints ``word2vec checkpoint
+  written at step <n>`` and holds there (up to 300 s, then goes on): a SIGKILL the test sends lands after it,
+  before the run could end, however slowly the test reads the line.
+- ``hold_at_step:<n>``: after the n-th optimizer step, before the run looks for a stop signal at that step,
+  rank 0 prints ``held at step <n>`` and holds there (up to 300 s, then goes on) until a signal (SIGTERM, SIGINT
+  or SIGUSR1) has reached the handler in place, which runs as it would have: the run stops at step n however
+  slowly the test reads the line.
 
 Lightning starts ranks > 0 by re-running this command line, so the fault is in place in every rank.
 """
@@ -172,7 +179,7 @@ elif kind == "kill_in_background_write":
         # it (every rank past the save's barrier), then killed before writing a byte
         in_writer = threading.current_thread() is not threading.main_thread()
         if checkpoint.get("global_step") == fault_step and in_writer:
-            next_step_done.wait(timeout=120)
+            next_step_done.wait(timeout=600)
             os.kill(os.getpid(), signal.SIGKILL)
         original_write(self, checkpoint, target)
 
@@ -275,6 +282,68 @@ elif kind == "hold_eval_length":
             return original_measure(*args, **kwargs)
 
         length.loss_by_position = loss_by_position
+elif kind == "hold_after_word2vec_checkpoint":
+    import time
+
+    from gptlab.word2vec.task import Trainer as Word2VecTrainer
+
+    original_save_checkpoint = Word2VecTrainer.save_checkpoint
+    held = False
+
+    def save_checkpoint(self):
+        global held
+        path = original_save_checkpoint(self)
+        if not held:
+            held = True
+            print(f"word2vec checkpoint written at step {self.global_step}", flush=True)
+            deadline = time.monotonic() + 300
+            while time.monotonic() < deadline:
+                time.sleep(0.05)
+        return path
+
+    Word2VecTrainer.save_checkpoint = save_checkpoint
+elif kind == "hold_at_step":
+    import threading
+    import time
+
+    from gptlab.training.checkpointing import StopOnSignal
+
+    hold_step = int(args[0])
+    original_batch_end = StopOnSignal.on_train_batch_end
+
+    def hold_until_signalled() -> None:
+        signalled = threading.Event()
+        handlers = {
+            signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+        }
+
+        def note(signum, frame) -> None:
+            signalled.set()
+            handler = handlers[signum]
+            if callable(handler):
+                handler(signum, frame)
+            elif handler == signal.SIG_DFL:  # as it would have ended the process
+                signal.signal(signum, signal.SIG_DFL)
+                os.kill(os.getpid(), signum)
+
+        for signum in handlers:
+            signal.signal(signum, note)
+        try:
+            print(f"held at step {hold_step}", flush=True)
+            deadline = time.monotonic() + 300
+            while not signalled.is_set() and time.monotonic() < deadline:
+                time.sleep(0.05)
+        finally:
+            for signum, handler in handlers.items():
+                signal.signal(signum, handler)
+
+    def on_train_batch_end(self, trainer, pl_module, *rest):
+        # rank 0 only (the process the test signals): the other ranks wait for it in the stop check's collective
+        if trainer.global_step == hold_step and trainer.global_rank == 0:
+            hold_until_signalled()
+        original_batch_end(self, trainer, pl_module, *rest)
+
+    StopOnSignal.on_train_batch_end = on_train_batch_end
 else:
     raise SystemExit(f"unknown GPTLAB_TEST_FAULT {kind!r}")
 

@@ -213,7 +213,7 @@ def test_bad_input_fails_fast_with_the_fix(tmp_path, override, expected):
         [*TINY, override, f"paths.root_dir={tmp_path}", f"hydra.run.dir={tmp_path / 'r'}"],
         cwd=tmp_path,
         check=False,
-        timeout=120,
+        timeout=600,
     )
     assert proc.returncode != 0
     assert expected in proc.stdout + proc.stderr
@@ -245,7 +245,7 @@ def test_generate_script_continues_a_prompt_from_a_run(trained):
         ],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=600,
         check=True,
     )
     # greedy decoding: the script prints exactly the model's argmax continuation (cut at <|endoftext|>)
@@ -263,7 +263,7 @@ def test_generate_script_continues_a_prompt_from_a_run(trained):
         ],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=600,
         check=True,
     )
     assert sampled.stdout.count("-" * 40) == 2

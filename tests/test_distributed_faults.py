@@ -349,7 +349,7 @@ def test_a_watcher_reports_a_lost_rank_where_the_main_thread_waits_on(tmp_path):
         env={**os.environ, "PYTHONPATH": str(ROOT / "src")},
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=600,
     )
     assert proc.returncode == 1, proc.stderr[-3000:]
     lines = proc.stdout.splitlines()

@@ -358,7 +358,9 @@ def doc_runs(runners) -> dict[str, list[dict]]:
     """Every block that runs, run once: {block id: [{command, argv, exit, output, seconds}, ...]}."""
     results: dict[str, list[dict]] = {}
     for proc, result_file, log in runners or []:
-        proc.wait(timeout=900)
+        # a bound against a runner that hangs, not a duration: the pages' commands run side by side with the
+        # rest of the suite, and a loaded machine takes several times as long as an idle one
+        proc.wait(timeout=3600)
         if not result_file.exists():
             raise AssertionError(f"a runner failed ({proc.returncode}):\n{log.read_text()[-6000:]}")
         results |= json.loads(result_file.read_text())

@@ -10,7 +10,7 @@ import sys
 from conftest import CONF, ROOT
 
 
-def train_py(*args: str, cwd=ROOT, timeout: int = 120) -> subprocess.CompletedProcess:
+def train_py(*args: str, cwd=ROOT, timeout: int = 600) -> subprocess.CompletedProcess:
     """`python -X importtime train.py <args>`: its output, and (in stderr) every module it imported."""
     return subprocess.run(
         [sys.executable, "-X", "importtime", str(ROOT / "train.py"), *args],
@@ -224,7 +224,7 @@ def test_the_objects_left_at_exit_are_frozen_once_as_the_exit_begins_not_before(
         "atexit.register(lambda: print('frozen when a later handler runs:', gc.get_freeze_count() > 0))\n"
         "print('frozen while it runs:', gc.get_freeze_count() > 0)\n"
     )
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines() == [
         "frozen while it runs: False",

@@ -5,18 +5,16 @@ from __future__ import annotations
 
 import csv
 import os
-import re
 import shutil
 import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import CONF, ROOT, TINY, run_train
+from conftest import CONF, ROOT, TINY, run_train, signal_when_held
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import OmegaConf
@@ -147,7 +145,7 @@ def test_deepspeed_on_cpu_is_refused_before_any_work(tmp_path):
         ],
         cwd=tmp_path,
         check=False,
-        timeout=120,
+        timeout=600,
     )
     assert proc.returncode == 2
     assert "gptlab: error: strategy=deepspeed_stage_2 needs CUDA GPUs" in proc.stderr
@@ -209,7 +207,7 @@ def test_a_multirun_with_ddp_is_refused_and_points_to_ddp_spawn_and_slurm(tmp_pa
         ],
         cwd=tmp_path,
         check=False,
-        timeout=120,
+        timeout=600,
     )
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0
@@ -354,7 +352,7 @@ def test_a_preempted_slurm_job_saves_requeues_and_resumes_in_the_same_run_direct
         "PYTHONUNBUFFERED": "1",
     }
     run_dir = tmp_path / "job_4242"
-    max_steps = 40
+    max_steps = 8
     args = [
         *TINY,
         *QUIET,
@@ -364,29 +362,17 @@ def test_a_preempted_slurm_job_saves_requeues_and_resumes_in_the_same_run_direct
         f"paths.root_dir={tmp_path}",
         f"hydra.run.dir={run_dir}",
     ]
-    log = tmp_path / "first.log"
-    with open(log, "w") as out:
-        proc = subprocess.Popen(
-            [sys.executable, str(ROOT / "train.py"), *args],
-            cwd=tmp_path,
-            env={**os.environ, **env},
-            stdout=out,
-            stderr=subprocess.STDOUT,
-        )
-        try:
-            deadline = time.time() + 120
-            while not re.search(rf"\] - step [1-9]\d*/{max_steps}: ", log.read_text()):  # a progress line
-                assert proc.poll() is None and time.time() < deadline, log.read_text()[-3000:]
-                time.sleep(0.2)
-            proc.send_signal(signal.SIGUSR1)  # what SLURM sends before it preempts or times out the job
-            assert proc.wait(timeout=120) == 0, log.read_text()[-3000:]
-        finally:
-            proc.kill()
+    # held after step 3 until the signal has been handled: what SLURM sends before it preempts or times out
+    # the job lands mid-run however slowly this process reads the line
+    status, out = signal_when_held(
+        args, tmp_path, "hold_at_step:3", ("held at step 3",), signal.SIGUSR1, env=env
+    )
+    assert status == 0, out[-3000:]
     assert calls.read_text().split() == ["requeue", "4242"]
     saved_step = torch.load(run_dir / "hpc_ckpt_1.ckpt", map_location="cpu", weights_only=False)[
         "global_step"
     ]
-    assert 0 < saved_step < max_steps
+    assert saved_step == 3
 
     # The requeued job runs the same command again and finds the checkpoint in its run directory.
     proc = run_train(args, cwd=tmp_path, env=env)

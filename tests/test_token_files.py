@@ -228,5 +228,5 @@ def test_a_process_preparing_a_cache_another_one_prepares_waits_for_it(tmp_path)
         assert waited, "the second process did not wait for the lock"
         shutil.move(tmp_path / "finished", folder)  # the first process finishes: its cache appears
     rest = proc.stderr.read()
-    assert proc.wait(timeout=120) == 0, rest
+    assert proc.wait(timeout=600) == 0, rest
     assert "Preparing" not in rest  # it used the cache the first one made
