@@ -668,6 +668,9 @@ def test_a_diverging_run_says_so_where_its_loss_is_shown(tmp_path, make_cfg, cap
     assert f"(final {metrics['train/loss']:.4g})" in warnings[1]
     closing = f"final loss {metrics['train/loss']:.4g} per pair ({start:.4g} at the start)"
     assert closing in capsys.readouterr().out
+    # a resumed run is judged against the same start
+    ckpt = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=True)
+    assert ckpt["word2vec_start_loss"] == start
 
 
 @pytest.mark.gpu
