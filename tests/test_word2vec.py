@@ -153,12 +153,13 @@ OBJECTIVE_CASES = [(m, o) for m in ("skipgram", "cbow") for o in objectives.OBJE
 @pytest.mark.parametrize("mode,name", OBJECTIVE_CASES)
 def test_fast_update_is_one_sgd_step_of_the_autograd_reference(mode, name):
     """Same tables, same batch (repeated words included): the fast step without autograd (numpy on the CPU,
-    and the torch version the GPU runs) moves every row as one SGD step on the reference's summed loss."""
+    and the torch version the GPU runs) moves every row as one SGD step on the reference's summed loss; in
+    skip-gram, a row used k times with ``lr k > 1`` at a learning rate of 1 / k."""
     rng = np.random.default_rng(0)
     counts = np.array([40, 30, 20, 12, 9, 7, 5, 4, 3, 2, 2, 1])
     objective = objectives.build(name, counts, negatives=3, noise_power=0.75)
     batch = _window_batch(objective, mode, rng)
-    lr = 0.1
+    lr = 0.5  # large enough for skip-gram's bound to apply to the rows used twice or more
     reference_model = Word2Vec(12, 6, mode, objective.output_rows)
     torch.nn.init.normal_(reference_model.output.weight)
     torch.nn.init.normal_(reference_model.input.weight)
@@ -168,8 +169,18 @@ def test_fast_update_is_one_sgd_step_of_the_autograd_reference(mode, name):
         softmax=name == "softmax",
     )
     loss.backward()
-    expected_in = reference_model.input.weight.detach() - lr * reference_model.input.weight.grad.to_dense()
-    expected_out = reference_model.output.weight.detach() - lr * reference_model.output.weight.grad.to_dense()
+    # skip-gram's sigmoid step bounds each row's learning rate by 1 / (its uses in the batch): min(lr, 1 / k)
+    lr_in, lr_out = torch.full((12, 1), lr), torch.full((objective.output_rows, 1), lr)
+    if mode == "skipgram" and name != "softmax":
+        uses_in = np.bincount(batch.inputs[batch.inputs >= 0], minlength=12)
+        uses_out = np.bincount(t.rows.reshape(-1), weights=t.mask.reshape(-1), minlength=len(lr_out))
+        assert uses_in.max() * lr > 1 or uses_out.max() * lr > 1, "the bound applies to a row of this batch"
+        lr_in = torch.from_numpy(np.minimum(lr, 1 / np.maximum(uses_in, 1))).float()[:, None]
+        lr_out = torch.from_numpy(np.minimum(lr, 1 / np.maximum(uses_out, 1))).float()[:, None]
+    expected_in = reference_model.input.weight.detach() - lr_in * reference_model.input.weight.grad.to_dense()
+    expected_out = (
+        reference_model.output.weight.detach() - lr_out * reference_model.output.weight.grad.to_dense()
+    )
     steps = [fast.numpy_step, fast.torch_step]
     if mode == "cbow" and name != "softmax":
         lib = native.library()
@@ -606,6 +617,62 @@ def test_hogwild_workers_train_every_step_of_the_schedule_once(tmp_path, make_cf
     ckpt = torch.load(tmp_path / "two" / "checkpoints" / "last.ckpt", weights_only=True)
     assert ckpt["global_step"] == one["train/steps"]
     np.testing.assert_allclose(ckpt["state_dict"]["model.input.weight"].numpy(), b.vectors, atol=1e-5)
+
+
+def _embedded_corpus_run(make_cfg, run_dir, *overrides):
+    """Skip-gram on the embedded corpus (64,583 words, vocabulary 1,406), one worker, in this process."""
+    from gptlab.tasks.word2vec import run
+
+    return run(
+        make_cfg(
+            "task=word2vec",
+            "word2vec.device=cpu",
+            "word2vec.threads=1",
+            "word2vec.evaluate=false",
+            "logger=none",
+            f"paths.output_dir={run_dir}",
+            *overrides,
+        )
+    )
+
+
+def test_a_large_batch_trains_as_far_as_a_small_one_instead_of_diverging(tmp_path, make_cfg):
+    """Batches of 4,096 windows use a frequent word hundreds of times a step; summed at its old value, their
+    steps overshot and this run ended at a loss of 104,490 per pair. Bounded per row, it ends near the loss of
+    batches of 256, and result.json says it did not diverge."""
+    base = ["word2vec.dim=50", "word2vec.epochs=2"]
+    small = _embedded_corpus_run(make_cfg, tmp_path / "small", *base, "word2vec.batch_size=256")
+    large = _embedded_corpus_run(make_cfg, tmp_path / "large", *base, "word2vec.batch_size=4096")
+    assert large["train/steps"] < small["train/steps"] / 10  # the large batches are what they say
+    assert math.isfinite(large["train/loss"]) and large["train/loss"] < 1.1 * small["train/loss"]
+    assert json.loads((tmp_path / "large" / "result.json").read_text())["diverged"] is False
+
+
+def test_a_diverging_run_says_so_where_its_loss_is_shown(tmp_path, make_cfg, caplog, capsys):
+    """A learning rate far too large: the log warns as the loss passes twice its start, the closing line
+    shows the final loss beside the start's, and result.json says diverged: true with the numbers."""
+    caplog.set_level(logging.WARNING, logger="gptlab")
+    metrics = _embedded_corpus_run(
+        make_cfg, tmp_path, "word2vec.dim=16", "word2vec.epochs=1", "word2vec.lr=5"
+    )
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["diverged"] is True
+    divergence = result["divergence"]
+    start, bad = divergence["start_loss"], divergence["train/loss"]
+    # the untrained vectors' loss: 1 + 5 negatives, each scored 0 (ln 2), less the noise words equal to the
+    # target (masked)
+    assert 5.5 * math.log(2) < start <= 6 * math.log(2)
+    assert bad in ("nan", "inf") or bad > 2 * start
+    warnings = [r.getMessage() for r in caplog.records if "word2vec diverged" in r.getMessage()]
+    assert len(warnings) == 2  # as training logs the loss, and again at the end with the final one
+    assert f"step {divergence['step']}, more than 2x its {start:.4g} at the start" in warnings[0]
+    assert "Lower word2vec.lr or word2vec.batch_size" in warnings[0]
+    assert f"(final {metrics['train/loss']:.4g})" in warnings[1]
+    closing = f"final loss {metrics['train/loss']:.4g} per pair ({start:.4g} at the start)"
+    assert closing in capsys.readouterr().out
+    # a resumed run is judged against the same start
+    ckpt = torch.load(tmp_path / "checkpoints" / "last.ckpt", weights_only=True)
+    assert ckpt["word2vec_start_loss"] == start
 
 
 @pytest.mark.gpu

@@ -241,20 +241,31 @@ def report(
             recorded.update(dict.fromkeys(missing))
             metrics.update(dict.fromkeys(missing, math.nan))
             extra["evaluation_missing"] = missing
+    if "train/loss" in metrics:  # a part that trained: whether its loss diverged
+        extra.update(trainer.divergence.record())
     session.write_result(recorded, step, finished=finished, stopped=stopped_during is not None, extra=extra)
     for lg in loggers:
         lg.finalize("success")
     trained = (
         f"Trained {step} steps, {trainer.words_done:,.0f} words in {metrics['train/seconds']:.1f} s "
         f"({metrics['train/words_per_second']:,.0f} words/s, {trainer.threads} thread(s), "
-        f"{trainer.tables.device.type})"
+        f"{trainer.tables.device.type}); final loss {trainer.last_loss:.4g} per pair"
+        f"{start_of(trainer)}"
         if "train/seconds" in metrics
         else f"Nothing left to train at step {step}"
     )
     print(f"{trained}\nEmbeddings: {path}", flush=True)
+    if "train/loss" in metrics and trainer.divergence.diverged:
+        log.warning(trainer.divergence.line(trainer.last_loss))
     if stopped_during == "evaluation":
         log.info(evaluation_stopped_line(signals.received, step, path, run_dir))
     return metrics
+
+
+def start_of(trainer: Trainer) -> str:
+    """The closing line's loss at the start, beside the final one: how far training lowered it."""
+    start = trainer.divergence.start_loss
+    return "" if start is None else f" ({start:.4g} at the start)"
 
 
 def evaluation_stopped_line(signum: int | None, step: int, vectors: Path, run_dir: Path) -> str:

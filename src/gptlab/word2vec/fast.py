@@ -10,6 +10,21 @@ CBOW scores the mean of the inputs, ``h``, against the outputs (Mikolov et al. 2
 ``G = label - sigma(S)``, the gradient ascent step is ``X += lr G U`` and ``U += lr G^T X``, all computed from
 the values before the step (the gradient of the batch's summed log-likelihood), and added into the tables
 with ``index_add_``: one SGD step of the autograd reference (``gptlab.word2vec.model``) on the same batch.
+
+Skip-gram's steps are bounded per row (:func:`row_scales`). A row used k times in a batch (a frequent word as
+a context word in k slots, or as the target or a noise word of k windows) receives the sum of k steps, all
+computed at its old value, where word2vec.c's sequential SGD applies each to the vector the previous one
+moved, and the sigmoid's gradient shrinks as the scores move: the sum cannot see that. With ``lr k`` well
+above 1 it overshoots. On the embedded corpus (vocabulary 1,406), a batch of 2,048 windows uses a noise word
+up to ~400 times; with one worker, by step 4 the largest summed step of a row was 2.6x the largest row's norm
+and by step 16 the largest norm had grown from 0.03 to 32; with two, the loss per pair ended at 1,257 against
+2.7 at batches of 256 (4.1 at the start). So each use of a row is scaled by ``min(1, 1 / (lr k W))``: the
+row's summed step has a learning rate of at most ``1 / (k W)``, the plain step's total at ``lr k W = 1``, where
+``W`` is the number of workers stepping on the same tables at once (Hogwild: their batches land on the shared rows together; with two workers at
+batches of 4,096 the bound without ``W`` still diverged in one run of three). A row used fewer than
+``1 / (lr W)`` times (40 at lr 0.025, one worker) takes the plain sum, so small batches train as before, and as
+the learning rate decays the bound lets go. CBOW's step is left as it was: its input rows take the gradient of
+a mean, and at 4,096 it trained to a loss of 3.03 (2.86 at 256) without the bound.
 """
 
 from __future__ import annotations
@@ -87,18 +102,25 @@ def _tensors(batch: WindowBatch, device: torch.device):
 
 
 def sgd_step(
-    tables: Tables, batch: WindowBatch, lr: float, mode: str, softmax: bool = False, with_loss: bool = False
+    tables: Tables,
+    batch: WindowBatch,
+    lr: float,
+    mode: str,
+    softmax: bool = False,
+    with_loss: bool = False,
+    workers: int = 1,
 ) -> float | None:
     """One SGD step on the batch, in place. Returns the batch's summed loss (negative log-likelihood, before
-    the step) when ``with_loss``. On a CPU the gathers and products run in numpy (its stacked matmul is
+    the step) when ``with_loss``. ``workers``: how many workers step on the same tables at once (Hogwild),
+    for skip-gram's per-row bound (:func:`row_scales`). On a CPU the gathers and products run in numpy (its stacked matmul is
     about 3x torch's ``bmm`` on these small matrices here), the scatter-adds in torch."""
     if tables.device.type == "cpu" and not softmax:
-        return numpy_step(tables, batch, lr, mode, with_loss)
-    return torch_step(tables, batch, lr, mode, softmax, with_loss)
+        return numpy_step(tables, batch, lr, mode, with_loss, workers)
+    return torch_step(tables, batch, lr, mode, softmax, with_loss, workers)
 
 
 def numpy_step(
-    tables: Tables, batch: WindowBatch, lr: float, mode: str, with_loss: bool = False
+    tables: Tables, batch: WindowBatch, lr: float, mode: str, with_loss: bool = False, workers: int = 1
 ) -> float | None:
     """``torch_step`` for the sigmoid objectives on a CPU, the same arithmetic on numpy views of the tables,
     with few temporaries (the elementwise work is done in place)."""
@@ -118,6 +140,8 @@ def numpy_step(
     grad = _step_sizes(scores, labels, mask, lr)  # (G, C, M)
     d_x = np.matmul(grad, u)  # (G, C, d)
     d_u = np.matmul(grad.transpose(0, 2, 1), x)  # (G, M, d)
+    d_x *= row_scales(idx, present, lr, workers)[:, :, None]
+    d_u *= row_scales(t.rows, t.mask, lr, workers)[:, :, None]
     # index_add_ without alpha: with one it scales a copy of the source first (about 2.5x slower here)
     tables.input.index_add_(0, torch.from_numpy(idx.reshape(-1)), torch.from_numpy(d_x.reshape(-1, dim)))
     tables.output.index_add_(0, torch.from_numpy(t.rows.reshape(-1)), torch.from_numpy(d_u.reshape(-1, dim)))
@@ -150,6 +174,20 @@ def _numpy_cbow_step(tables: Tables, batch: WindowBatch, lr: float, with_loss: b
     return loss
 
 
+def row_scales(rows: np.ndarray, used: np.ndarray, lr: float, workers: int = 1) -> np.ndarray:
+    """The factor each use of a row in a batch scales its step by, ``min(1, 1 / (lr k workers))`` where the
+    row is used k times (``used``: 1 where a slot of ``rows`` is used, 0 where it is empty or masked), so that
+    a row's summed step has a learning rate of at most ``1 / (k workers)`` (see the module's docstring)."""
+    uses = np.bincount(rows.reshape(-1), weights=used.reshape(-1))  # float64 counts
+    return (1.0 / np.maximum(uses * (lr * workers), 1.0)).astype(np.float32)[rows]
+
+
+def torch_row_scales(rows: torch.Tensor, used: torch.Tensor, lr: float, workers: int = 1) -> torch.Tensor:
+    """:func:`row_scales` in torch, on the tables' device."""
+    uses = torch.bincount(rows.reshape(-1), weights=used.reshape(-1).to(torch.float32))
+    return (1.0 / (uses * (lr * workers)).clamp(min=1.0)).to(torch.float32)[rows]
+
+
 def _step_sizes(scores: np.ndarray, labels: np.ndarray, mask: np.ndarray, lr: float) -> np.ndarray:
     """``lr * mask * (label - sigma(s))``, computed in place of ``scores``."""
     s = np.clip(scores, -30.0, 30.0, out=scores)
@@ -169,7 +207,13 @@ def _np_loss(scores: np.ndarray, labels: np.ndarray, mask: np.ndarray) -> float:
 
 @torch.no_grad()
 def torch_step(
-    tables: Tables, batch: WindowBatch, lr: float, mode: str, softmax: bool = False, with_loss: bool = False
+    tables: Tables,
+    batch: WindowBatch,
+    lr: float,
+    mode: str,
+    softmax: bool = False,
+    with_loss: bool = False,
+    workers: int = 1,
 ) -> float | None:
     """The step in torch: on a GPU, for the full softmax, and as the CPU's cross-check."""
     inputs, rows, labels, mask, target = _tensors(batch, tables.device)
@@ -207,6 +251,8 @@ def torch_step(
     grad = (labels.unsqueeze(1) - torch.sigmoid(scores)) * (pair_mask * lr)
     d_x = torch.bmm(grad, u)  # (G, C, d)
     d_u = torch.bmm(grad.transpose(1, 2), x)  # (G, M, d)
+    d_x *= torch_row_scales(idx, weight, lr, workers).unsqueeze(2)
+    d_u *= torch_row_scales(rows, mask, lr, workers).unsqueeze(2)
     tables.input.index_add_(0, idx.reshape(-1), d_x.reshape(-1, dim))
     tables.output.index_add_(0, rows.reshape(-1), d_u.reshape(-1, dim))
     return loss

@@ -38,6 +38,7 @@ from gptlab.runs.signals import StopSignals
 from gptlab.word2vec import evaluation
 from gptlab.word2vec.config import Word2VecOptions
 from gptlab.word2vec.corpus import WordCorpus
+from gptlab.word2vec.divergence import DivergenceWatch
 from gptlab.word2vec.fast import Tables, WindowBatch, sgd_step
 from gptlab.word2vec.objectives import NegativeSampling
 from gptlab.word2vec.schedule import Runner, Schedule, make_runner
@@ -183,6 +184,7 @@ class Trainer:
         self.wandb_run_id: str | None = None
         self.signals = StopSignals()
         self.last_loss = math.nan
+        self.divergence = DivergenceWatch()
         self.words_done = 0.0
 
     @property
@@ -204,7 +206,9 @@ class Trainer:
         if self.native is not None:
             return self.native(self.tables, batch, lr, with_loss)
         if self.model is None:
-            return sgd_step(self.tables, batch, lr, self.options.mode, self.softmax, with_loss)
+            return sgd_step(
+                self.tables, batch, lr, self.options.mode, self.softmax, with_loss, workers=self.threads
+            )
         device = self.tables.device
         t = batch.outputs
         to = lambda a: torch.from_numpy(a).to(device)  # noqa: E731
@@ -288,6 +292,8 @@ class Trainer:
         for step, loss, progress in sorted(logged):
             self.global_step = step + 1
             self.last_loss = loss
+            if self.divergence.observe(step, loss):
+                log.warning(self.divergence.line())
             self.log_metrics(
                 {
                     "train/loss": loss,
@@ -354,6 +360,8 @@ class Trainer:
             checkpoint["optimizer_states"] = [self.optimizer.state_dict()]
         if self.wandb_run_id:
             checkpoint["wandb_run_id"] = self.wandb_run_id
+        if self.divergence.start_loss is not None:  # a resumed run is judged against its own start
+            checkpoint["word2vec_start_loss"] = self.divergence.start_loss
         return checkpoint
 
     def save_checkpoint(self) -> Path:
@@ -379,6 +387,7 @@ class Trainer:
         if self.optimizer is not None and checkpoint.get("optimizer_states"):
             self.optimizer.load_state_dict(checkpoint["optimizer_states"][0])
         self.global_step = int(checkpoint.get("global_step", 0))
+        self.divergence.start_loss = checkpoint.get("word2vec_start_loss")
 
 
 def evaluate_run(
