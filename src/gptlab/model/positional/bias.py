@@ -158,6 +158,7 @@ class FIREPositionalEncoding(PositionalEncoding):
         # distance alone: the MLP runs once on the Tk distances, not on each block's pairs. Built on the first
         # such block and shared by the rest, and by every layer.
         table: list[Tensor] = []
+        within = int((q_positions <= threshold).sum())  # the first rows (positions increase): one sync a pass
 
         def per_distance() -> Tensor:  # (n_head, Tk)
             if not table:
@@ -168,7 +169,7 @@ class FIREPositionalEncoding(PositionalEncoding):
 
         def rows(start: int, end: int, keys: int) -> Tensor:
             q, k = q_positions[start:end], k_positions[:keys]
-            if bool(q[-1] <= threshold):
+            if end <= within:
                 return distance_table_rows(per_distance(), q, k)(0, len(q), len(k))
             distance = (q[:, None] - k[None, :]).clamp_min(0)  # (rows, keys)
             scale = torch.maximum(q.to(dtype), threshold)  # (rows,)
