@@ -14,10 +14,11 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from gptlab.data.datamodule import document_ids
-from gptlab.model import attention
+from gptlab.model import attention, positional
 from gptlab.model.attention import AttentionBias, DenseMask, KVCache
 from gptlab.model.config import GPTConfig
 from gptlab.model.gpt import GPT
+from gptlab.model.positional import PositionalEncoding
 
 EOT = 60
 LG = {"window": 6, "window_pattern": "LG"}  # a local layer of 6 positions, then a global one
@@ -116,6 +117,28 @@ def test_queries_after_cached_keys_with_masks_built_per_block_equal_the_whole_ma
     with whole_masks(monkeypatch):
         whole = prefill_and_step()
     assert_same(per_block, whole)
+
+
+BIAS_SCHEMES: list[Any] = [
+    name for name in positional.names() if positional.get(name).bias is not PositionalEncoding.bias
+]
+
+
+@pytest.mark.parametrize("pos", [*BIAS_SCHEMES, {"name": "fire", "init_threshold": 20}], ids=str)
+@torch.no_grad()
+def test_every_schemes_bias_rows_are_the_rows_of_its_whole_bias(pos):
+    """``bias_rows(q, k)(start, end, keys)`` is ``bias(q, k)[:, start:end, :keys]`` for every bias scheme,
+    for a whole window and for queries after cached keys (positions 24..55 over keys 8..55); FIRE also past
+    its threshold, with rows of both its forms."""
+    scheme = model_of(pos=pos).transformer.pos
+    for q, k in ((torch.arange(48), torch.arange(48)), (torch.arange(24, 56), torch.arange(8, 56))):
+        whole, rows = scheme.bias(q, k), scheme.bias_rows(q, k)
+        offset = len(k) - len(q)
+        for start, end in ((0, 16), (16, 32), (5, len(q))):
+            keys = offset + end
+            torch.testing.assert_close(
+                rows(start, end, keys), whole[:, start:end, :keys], rtol=1e-6, atol=1e-6
+            )
 
 
 class LargestTensor(TorchDispatchMode):
