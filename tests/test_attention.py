@@ -1,6 +1,6 @@
-"""Attention with a positional bias (ALiBi, T5 relative, FIRE): the bias is built once per forward pass for
-every layer; FlexAttention's score_mods equal the dense route; the dense route in query blocks equals one masked
-call. The CUDA training-step comparison runs under the `gpu` marker."""
+"""Attention with a positional bias (ALiBi, T5 relative, FIRE): what the bias's blocks share is prepared once
+per forward pass for every layer; FlexAttention's score_mods equal the dense route; the dense route in query
+blocks equals one masked call. The CUDA training-step comparison runs under the `gpu` marker."""
 
 import warnings
 
