@@ -17,7 +17,7 @@
     built once, the stack's training step was 1.2-1.5x faster than with one masked call per layer over the
     whole (T, T) square (``scripts/bench_attention.py`` times both).
 - The attention variants (model/attention_variants.py) ride on the same two routes: a sliding window is a
-  mask (the FlexAttention block mask, or a boolean / -inf mask through SDPA), built once per forward pass
+  mask (the FlexAttention block mask, or a boolean / -inf mask through SDPA), prepared once per forward pass
   for the local layers and once for the global ones; a logit cap is part of the score_mod on CUDA and, since
   SDPA cannot cap, an explicit score computation elsewhere. QK-norm acts on q and k before any rotation.
   Differential attention calls the kernel twice, with each half of the queries and keys over the same values.
@@ -334,7 +334,8 @@ class DenseMask:
 
     def whole(self) -> Tensor:
         """Every row at once: the (n_head or 1, Tq, Tk) mask, (B, n_head or 1, Tq, Tk) with documents; the
-        reference the blocks are checked against, never built on the route itself."""
+        reference the blocks are checked against, and on the route only for the one exception that
+        ``AttentionBias.build`` names."""
         return self.rows(0, len(self.q_positions), len(self.k_positions))
 
 
