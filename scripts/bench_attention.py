@@ -7,7 +7,10 @@ the fused causal kernel (pos=learned), interleaved in one process, and print the
 The stack is the token embedding, the scheme, the blocks and the final norm; the output layer is left out
 (it is the same for every scheme and would hide the attention). Rows:
 
-- ``<pos>``: the model as it runs (bias built once per forward; query blocks on CPU, FlexAttention on CUDA);
+- ``<pos>``: the model as it runs (bias built once per forward; query blocks on CPU, each building its own
+  rows of the mask, FlexAttention on CUDA);
+- ``<pos> (whole mask, sliced per block)``: the whole (n_head, T, T) mask built once per forward and sliced by
+  the query blocks, the CPU route before the blocks built their own rows;
 - ``<pos> (bias per layer, one masked call)``: the route before either change, for comparison (CPU);
 - ``... flush denormals``: the same with ``torch.set_flush_denormal(True)``, as ``python train.py`` runs.
   ALiBi's large negative biases make softmax produce subnormal floats, which x86 CPUs process very slowly.
@@ -48,6 +51,26 @@ def route_before_shared_bias() -> Iterator[None]:
     finally:
         attention.QUERY_BLOCK = block
         attention.CausalSelfAttention.forward = forward
+
+
+@contextlib.contextmanager
+def route_with_whole_mask() -> Iterator[None]:
+    """The mask built whole, once per forward, and sliced by the query blocks."""
+    cls = attention.AttentionBias
+    original = cls.__dict__["build"]  # the classmethod itself, put back as it was
+    build = cls.build
+
+    def whole(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        bias = build(*args, **kwargs)
+        if bias is not None and isinstance(bias.mask, attention.DenseMask):
+            bias.mask = bias.mask.whole()
+        return bias
+
+    cls.build = whole  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        cls.build = original
 
 
 @contextlib.contextmanager
@@ -116,6 +139,7 @@ def main() -> None:
         if device.type == "cpu":
             cases[f"{pos}, flush denormals"] = (step, lambda: flushing_denormals(True))
             if pos != "learned":
+                cases[f"{pos} (whole mask, sliced per block)"] = (step, route_with_whole_mask)
                 cases[f"{pos} (bias per layer, one masked call)"] = (step, route_before_shared_bias)
 
     times: dict[str, list[float]] = {name: [] for name in cases}

@@ -4,9 +4,10 @@ bias (ALiBi, T5 relative, FIRE) on the dense SDPA route (CPU), at a realistic si
     python scripts/document_mask_memory.py                      # B=8, 12 heads of 64, T=1024, 2 layers
     python scripts/document_mask_memory.py --pos alibi --context 512 --batch 4
 
-Each row prints the tensors that ``AttentionBias.build`` makes for the step (their shapes and MiB) and the
-step's peak resident memory above what the process held just before it (``ru_maxrss``, the operating
-system's count, which sees every tensor the step allocates). ``--no-documents`` gives the same step without
+Each row prints the mask that ``AttentionBias.build`` makes for the step (its shape and MiB; one block of its
+rows where the route builds it a block of queries at a time) and the step's peak resident memory above what
+the process held just before it (``ru_maxrss``, the operating system's count, which sees every tensor the
+step allocates). ``--no-documents`` gives the same step without
 document masking: the bias alone, for comparison. The output layer is a 256-way head (a byte vocabulary),
 so that the attention's share shows.
 """
@@ -24,7 +25,7 @@ import torch
 
 from gptlab.data.datamodule import document_ids
 from gptlab.model import GPT, GPTConfig
-from gptlab.model.attention import AttentionBias
+from gptlab.model.attention import QUERY_BLOCK, AttentionBias, DenseMask
 
 MIB = 1 << 20
 
@@ -64,14 +65,16 @@ def one_step(args: argparse.Namespace) -> dict[str, object]:
     positions = torch.arange(args.context)
     # Built as the training step builds it (autograd on), then dropped: the step builds its own.
     built = AttentionBias.build(model.transformer.pos, positions, positions, False, None, None, doc_ids)
+    # A mask the route builds per block of queries is shown by one block of its rows (QUERY_BLOCK queries).
+    mask = built.mask
+    if isinstance(mask, DenseMask):
+        mask = mask.rows(0, min(QUERY_BLOCK, args.context), args.context)
     tensors = {
-        name: (
-            list(t.shape),
-            str(t.dtype).removeprefix("torch."),
-            round(t.numel() * t.element_size() / MIB, 1),
+        "mask" if isinstance(built.mask, torch.Tensor) else "mask, one block of queries": (
+            list(mask.shape),
+            str(mask.dtype).removeprefix("torch."),
+            round(mask.numel() * mask.element_size() / MIB, 1),
         )
-        for name, t in vars(built).items()
-        if isinstance(t, torch.Tensor)
     }
     del built
     before = resident_mib()

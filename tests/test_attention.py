@@ -1,6 +1,6 @@
-"""Attention with a positional bias (ALiBi, T5 relative, FIRE): the bias is built once per forward pass for
-every layer; FlexAttention's score_mods equal the dense route; the dense route in query blocks equals one masked
-call. The CUDA training-step comparison runs under the `gpu` marker."""
+"""Attention with a positional bias (ALiBi, T5 relative, FIRE): what the bias's blocks share is prepared once
+per forward pass for every layer; FlexAttention's score_mods equal the dense route; the dense route in query
+blocks equals one masked call. The CUDA training-step comparison runs under the `gpu` marker."""
 
 import warnings
 
@@ -26,12 +26,12 @@ BIASED = [
 
 
 @pytest.mark.parametrize("pos", BIASED)
-def test_the_bias_is_computed_once_per_forward_for_every_layer(pos, monkeypatch):
+def test_the_bias_rows_are_prepared_once_per_forward_for_every_layer(pos, monkeypatch):
     model = GPT(tiny(pos=pos, n_layer=3))
     scheme = model.transformer.pos
     calls = []
-    original = scheme.bias
-    monkeypatch.setattr(scheme, "bias", lambda q, k: calls.append(len(q)) or original(q, k))
+    original = scheme.bias_rows  # what every block of every layer shares
+    monkeypatch.setattr(scheme, "bias_rows", lambda q, k: calls.append(len(q)) or original(q, k))
     _, loss = model(torch.randint(0, 61, (2, 16)), torch.randint(0, 61, (2, 16)))
     loss.backward()
     assert calls == [16]
@@ -84,10 +84,11 @@ def test_the_dense_route_in_query_blocks_equals_one_masked_call(monkeypatch):
     positions = torch.arange(56)
     q, k, v = (t.requires_grad_() for t in attention_inputs(4, 4, 56, 56))
     mask = attention.AttentionBias.build(scheme, positions, positions, use_flex=False).mask
+    assert isinstance(mask, attention.DenseMask)
     blocked = attention.dense_bias_attention(q, k, v, mask, 0.0, gqa=False)
     params = [q, k, v, scheme.relative_attention_bias.weight]
     grads = torch.autograd.grad(blocked.square().sum(), params, retain_graph=True)
-    whole = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    whole = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.whole())
     expected = torch.autograd.grad(whole.square().sum(), params)
     torch.testing.assert_close(blocked, whole, rtol=1e-5, atol=1e-6)
     for got, want in zip(grads, expected):

@@ -10,22 +10,25 @@
     up to FLEX_RECOMPILE_LIMIT kernels a process; past it a warning says so);
   - elsewhere (FlexAttention has no CPU backward in torch 2.13), SDPA with the bias as an additive float
     mask, in blocks of ``QUERY_BLOCK`` queries that each read only the keys up to their last query: the
-    upper triangle is never computed. On a CPU at T=1024, with the bias built once, the stack's training step
-    was 1.2-1.5x faster than with one masked call per layer over the whole (T, T) square
-    (``scripts/bench_attention.py`` times both).
+    upper triangle is never computed. Each block builds its own rows of the mask (``DenseMask``: the
+    scheme's ``bias_rows``, causality, window, documents) and drops them after its call, so the whole
+    (n_head, T, T) mask is never held: extra memory is (n_head, QUERY_BLOCK, Tk) at any length. What the
+    rows share (a table per distance) is computed once per forward pass. On a CPU at T=1024, with the bias
+    built once, the stack's training step was 1.2-1.5x faster than with one masked call per layer over the
+    whole (T, T) square (``scripts/bench_attention.py`` times both).
 - The attention variants (model/attention_variants.py) ride on the same two routes: a sliding window is a
-  mask (the FlexAttention block mask, or a boolean / -inf mask through SDPA), built once per forward pass
+  mask (the FlexAttention block mask, or a boolean / -inf mask through SDPA), prepared once per forward pass
   for the local layers and once for the global ones; a logit cap is part of the score_mod on CUDA and, since
   SDPA cannot cap, an explicit score computation elsewhere. QK-norm acts on q and k before any rotation.
   Differential attention calls the kernel twice, with each half of the queries and keys over the same values.
 - Document masking (``data.document_mask=true``): the model gets each token's document id, and a query reads
   only the keys of its own document, on top of causality and any window: a per-window FlexAttention block
-  mask on CUDA (``document_block_mask``), a (B, 1, T, T) boolean mask through SDPA elsewhere. With a bias the
-  per-head bias (n_head, T, T) and the per-window document mask (B, 1, T, T) stay apart and are combined one
-  block of queries at a time: the (B, n_head, T, T) floats of both at once are never held, nor their
-  gradient (``scripts/document_mask_memory.py`` measures the step's memory). The exception is a bias without
-  a gradient (ALiBi) in a training step, which SDPA's CPU kernel keeps for the backward in every layer: there
-  one combined mask, shared by the layers, holds least.
+  mask on CUDA (``document_block_mask``), through SDPA elsewhere a block of (B, 1, rows, T) booleans, or
+  with a bias (B, n_head, rows, T) floats, built one block of queries at a time: the (B, n_head, T, T) floats
+  are never held, nor their gradient (``scripts/document_mask_memory.py`` measures the step's memory). The
+  exception is a bias without a gradient (ALiBi) in a training step: SDPA's CPU kernel takes a 4-d mask's
+  fused route and keeps the mask for the backward, in every layer; there one whole mask, shared by the
+  layers, holds least. (A 3-d mask, without documents, takes SDPA's explicit route, which keeps no mask.)
 """
 
 from __future__ import annotations
@@ -54,7 +57,7 @@ from gptlab.model.config import attention_scale
 
 if TYPE_CHECKING:
     from gptlab.model.config import GPTConfig
-    from gptlab.model.positional import PositionalEncoding, ScoreMod
+    from gptlab.model.positional import BiasRows, PositionalEncoding, ScoreMod
 
 log = logging.getLogger(__name__)
 
@@ -267,11 +270,6 @@ def causal_block_mask(q_len: int, kv_len: int, device: str, window: int | None =
     return create_block_mask(mask_mod, None, None, q_len, kv_len, device=device)
 
 
-def same_document(doc_ids: Tensor) -> Tensor:
-    """(B, T, T): True where query i and key j of a window are in the same document; doc_ids: (B, T)."""
-    return doc_ids[:, :, None] == doc_ids[:, None, :]
-
-
 def document_block_mask(doc_ids: Tensor, window: int | None = None) -> Any:
     """A FlexAttention block mask per window of ``doc_ids`` (B, T): query i sees key j when j <= i, both
     are in the same document, and with a ``window`` i - j < window. Built for every batch (the documents
@@ -299,20 +297,59 @@ def capped_score_mod(score_mod: ScoreMod | None, cap: float) -> ScoreMod:
 
 
 @dataclass
+class DenseMask:
+    """The dense route's attention mask, built one block of query rows at a time and never whole: a block's
+    rows are its slice of the positional bias (``PositionalEncoding.bias_rows``), -inf (or False, without a
+    bias) where causality, the window or the documents forbid a pair. A block of ``QUERY_BLOCK`` queries over
+    Tk keys is (n_head, 256, Tk) floats; the whole mask would be (n_head, Tq, Tk), 3.2 GB for 12 heads over
+    8,192 positions, and (B, n_head, Tq, Tk) with documents. Each layer builds its blocks anew and drops them
+    after its SDPA call; what the blocks share (a table per distance) is computed once per forward pass, by
+    ``bias_rows``."""
+
+    q_positions: Tensor  # (Tq,) the queries' positions in the window (or the whole sequence)
+    k_positions: Tensor  # (Tk,) the keys', the queries the last Tq of them
+    bias: BiasRows | None = None
+    window: int | None = None
+    doc_ids: Tensor | None = None  # (B, T) each token's document in a whole window (Tq == Tk == T)
+
+    def rows(self, start: int, end: int, keys: int) -> Tensor:
+        """The mask of queries ``start..end-1`` over the first ``keys`` keys: additive (n_head, rows, keys)
+        with a bias, boolean (1, rows, keys) without (True: attend); with document ids (B, n_head or 1,
+        rows, keys)."""
+        allowed = SlidingWindow.allowed(
+            self.q_positions[start:end], self.k_positions[:keys], self.window
+        )  # (rows, keys)
+        if self.doc_ids is not None:
+            ids = self.doc_ids
+            in_document = ids[:, start:end, None] == ids[:, None, :keys]  # (B, rows, keys)
+            allowed = (allowed & in_document)[:, None]  # (B, 1, rows, keys)
+        else:
+            allowed = allowed[None]  # (1, rows, keys)
+        if self.bias is None:
+            return allowed
+        bias = self.bias(start, end, keys)  # (n_head, rows, keys)
+        if self.doc_ids is not None:
+            return torch.where(allowed, bias, float("-inf"))  # (B, n_head, rows, keys)
+        return bias.masked_fill(~allowed, float("-inf"))
+
+    def whole(self) -> Tensor:
+        """Every row at once: the (n_head or 1, Tq, Tk) mask, (B, n_head or 1, Tq, Tk) with documents; the
+        reference the blocks are checked against, and on the route only for the one exception that
+        ``AttentionBias.build`` names."""
+        return self.rows(0, len(self.q_positions), len(self.k_positions))
+
+
+@dataclass
 class AttentionBias:
     """What every layer of one kind (local, global) adds to plain causal attention in one forward pass: a
-    positional bias, a window and a logit cap. Either a dense (n_head or 1, Tq, Tk) mask for SDPA (additive,
-    the future and the positions outside the window at -inf; or boolean, True where a query may look, when
-    there is no bias), or a FlexAttention block mask with a score_mod (the cap, then the bias). With document
-    ids and no bias the dense mask is a (B, 1, Tq, Tk) boolean, each window's own; with a bias it stays the
-    bias (n_head, Tq, Tk), and ``document`` (B, 1, Tq, Tk) says which pairs share a document (except for a
-    bias without a gradient in a training step: one (B, n_head, Tq, Tk) mask, see ``build``). The block
-    mask is per window."""
+    positional bias, a window, a logit cap and document masking. Either the dense route's mask for SDPA,
+    built a block of queries at a time (``DenseMask``; additive, the future and the positions outside the
+    window or the document at -inf; or boolean, True where a query may look, when there is no bias), or a
+    FlexAttention block mask with a score_mod (the cap, then the bias), per window with documents. One
+    exception holds a whole mask: a bias without a gradient (ALiBi) with documents in a training step (see
+    ``build``)."""
 
-    mask: Tensor | None = None
-    document: Tensor | None = (
-        None  # (B, 1, Tq, Tk) True where query and key share a document; with a bias only
-    )
+    mask: DenseMask | Tensor | None = None
     score_mod: ScoreMod | None = None
     block_mask: Any = None
     softcap: float | None = None  # the dense route's logit cap (FlexAttention's is in score_mod)
@@ -343,72 +380,56 @@ class AttentionBias:
             shape = (len(positions), len(k_positions), str(positions.device))
             mask = causal_block_mask(*shape) if window is None else causal_block_mask(*shape, window)
             return cls(score_mod=score_mod, block_mask=mask)
-        bias = pos.bias(positions, k_positions)  # (n_head, Tq, Tk)
+        bias = pos.bias_rows(positions, k_positions)
         if bias is None and window is None and softcap is None and doc_ids is None:
             return None
-        allowed = SlidingWindow.allowed(positions, k_positions, window)  # (Tq, Tk)
-        if doc_ids is not None:
-            in_document = (allowed & same_document(doc_ids))[:, None]  # (B, 1, Tq, Tk)
-            if bias is None:
-                return cls(mask=in_document, softcap=softcap)
-            if bias.requires_grad or not torch.is_grad_enabled() or softcap is not None:
-                # Per head and per window apart, combined one block of queries at a time in each layer and
-                # dropped after it: one (B, n_head, Tq, Tk) tensor would be B times the bias (and its
-                # gradient as large again).
-                mask = bias.masked_fill(~allowed, float("-inf"))
-                return cls(mask=mask, document=in_document, softcap=softcap)
-            # A bias without a gradient (ALiBi) in a training step: SDPA's fused CPU kernel keeps the mask
-            # it is given for its backward, so blocks combined in each layer would be held once per layer;
-            # one combined mask is held once, by every layer.
-            return cls(mask=torch.where(in_document, bias, float("-inf")), softcap=softcap)  # (B, n_head, ..)
-        if bias is None:
-            return cls(mask=allowed[None], softcap=softcap)  # (1, Tq, Tk) boolean
-        return cls(mask=bias.masked_fill(~allowed, float("-inf")), softcap=softcap)
+        dense = DenseMask(positions, k_positions, bias, window, doc_ids)
+        bias_has_grad = any(p.requires_grad for p in pos.parameters())
+        if doc_ids is not None and bias is not None and softcap is None:
+            if torch.is_grad_enabled() and not bias_has_grad:
+                # A bias without a gradient (ALiBi) with documents in a training step: SDPA's fused CPU kernel
+                # takes a (B, n_head, ..) mask and keeps it for its backward, so blocks built in each layer
+                # would be held once per layer; one whole mask is held once, by every layer.
+                return cls(mask=dense.whole(), softcap=softcap)  # (B, n_head, Tq, Tk)
+        return cls(mask=dense, softcap=softcap)
 
 
 def dense_bias_attention(
     q: Tensor,
     k: Tensor,
     v: Tensor,
-    mask: Tensor,
+    mask: DenseMask | Tensor,
     dropout_p: float,
     gqa: bool,
     scale: float | None = None,
     softcap: float | None = None,
-    document: Tensor | None = None,
 ) -> Tensor:
     """softmax(q k^T / sqrt(d) + mask) v in blocks of queries, each over the keys up to its last query only.
     q: (B, n_head, T, d); k, v: (B, n_kv_head, Tk, d) with the T queries the last T of the Tk positions;
-    mask: (n_head or 1, T, Tk), or (B, n_head or 1, T, Tk) per window (document masking), additive or
-    boolean (True: attend). ``scale``: the factor on q k^T instead of 1 / sqrt(d) (muP's). ``softcap``: the
-    scores are capped first, computed explicitly (SDPA cannot). ``document``: (B, 1, T, Tk), True where a
-    query and a key share a document; each block's additive mask is -inf outside it, built for that block
-    only."""
+    mask: a ``DenseMask``, whose rows each block builds for itself, or a whole (n_head or 1, T, Tk) or
+    (B, n_head or 1, T, Tk) mask that each block slices; additive or boolean (True: attend). ``scale``: the
+    factor on q k^T instead of 1 / sqrt(d) (muP's). ``softcap``: the scores are capped first, computed
+    explicitly (SDPA cannot)."""
     T, Tk = q.size(2), k.size(2)
-    if mask.is_floating_point():
-        mask = mask.to(q.dtype)
 
-    def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, document: Tensor | None) -> Tensor:
-        if document is not None:
-            mask = torch.where(document, mask, float("-inf"))  # (B, n_head, block, keys)
+    def attend(q: Tensor, k: Tensor, v: Tensor, start: int, end: int) -> Tensor:
+        keys = k.size(2)
+        rows = mask.rows(start, end, keys) if isinstance(mask, DenseMask) else mask[..., start:end, :keys]
+        if rows.is_floating_point():
+            rows = rows.to(q.dtype)
         if softcap is not None:
-            return softcapped_attention(q, k, v, mask, softcap, dropout_p, gqa, scale)
+            return softcapped_attention(q, k, v, rows, softcap, dropout_p, gqa, scale)
         return F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, dropout_p=dropout_p, enable_gqa=gqa, scale=scale
+            q, k, v, attn_mask=rows, dropout_p=dropout_p, enable_gqa=gqa, scale=scale
         )
 
     if T <= QUERY_BLOCK:
-        return attend(q, k, v, mask, document)
+        return attend(q, k, v, 0, T)
     blocks = []
     for start in range(0, T, QUERY_BLOCK):
         end = min(T, start + QUERY_BLOCK)
         keys = Tk - T + end  # keys past the block's last query are all in the future
-        in_document = None if document is None else document[..., start:end, :keys]
-        blocks.append(
-            attend(
-                q[:, :, start:end], k[:, :, :keys], v[:, :, :keys], mask[..., start:end, :keys], in_document
-            )
-        )
+        blocks.append(attend(q[:, :, start:end], k[:, :, :keys], v[:, :, :keys], start, end))
     return torch.cat(blocks, dim=2)  # (B, n_head, T, d)
 
 
@@ -536,9 +557,7 @@ class CausalSelfAttention(nn.Module):
         if bias is not None and bias.block_mask is not None:
             return compiled_flex_attention(q, k, v, bias.score_mod, bias.block_mask, gqa, scale)
         elif bias is not None and bias.mask is not None:
-            return dense_bias_attention(
-                q, k, v, bias.mask, dropout_p, gqa, scale, bias.softcap, bias.document
-            )
+            return dense_bias_attention(q, k, v, bias.mask, dropout_p, gqa, scale, bias.softcap)
         elif Tk == T:
             return F.scaled_dot_product_attention(
                 q, k, v, dropout_p=dropout_p, is_causal=True, enable_gqa=gqa, scale=scale

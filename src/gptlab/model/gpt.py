@@ -282,11 +282,11 @@ class GPT(nn.Module):
         (B, vocab_size) of its last position, the next token's: those of one call ``self(idx, cache=cache)``
         to fp32 rounding, and the cache it leaves.
 
-        With a cache, attention takes SDPA: a positional bias, a window or a logit cap build a dense
-        (n_head, queries, keys) fp32 mask, 3.2 GB for one call over 8,192 tokens with 12 heads, and every
-        position's logits would be (B, T, vocab_size). In chunks of queries, each over the cached keys and its
-        own, the mask stays within ``PREFILL_MASK_BYTES`` (``prefill_chunk``, the default ``chunk``) and only
-        the last position of each chunk reaches the output layer."""
+        With a cache, attention takes SDPA: a positional bias, a window or a logit cap build a dense fp32
+        mask, one block of ``QUERY_BLOCK`` queries at a time (``attention.DenseMask``), and every position's
+        logits would be (B, T, vocab_size). In chunks of queries, each over the cached keys and its own, even
+        a chunk's whole mask stays within ``PREFILL_MASK_BYTES`` (``prefill_chunk``, the default ``chunk``)
+        and only the last position of each chunk reaches the output layer."""
         T = idx.size(1)
         if T == 0:
             raise ValueError("prefill needs a prompt of at least one token; idx has none")

@@ -14,6 +14,7 @@ from gptlab.model.positional.absolute import (
 )
 from gptlab.model.positional.base import (
     REGISTRY,
+    BiasRows,
     PositionalEncoding,
     ScoreMod,
     build,
@@ -41,6 +42,7 @@ __all__ = [
     "REGISTRY",
     "ROPE_SCALINGS",
     "ALiBiPositionalEncoding",
+    "BiasRows",
     "FIREPositionalEncoding",
     "LearnedPositionalEncoding",
     "NoPositionalEncoding",

@@ -6,6 +6,8 @@ default, and the model always calls all three:
 - ``embed(x, positions)``: add a position vector to the token embeddings (learned, sinusoidal);
 - ``rotate(q, k, positions)``: transform queries and keys inside attention (rotary schemes);
 - ``bias(q_positions, k_positions)``: an additive attention bias per head (ALiBi, T5 relative buckets, FIRE).
+  The dense attention route reads it a block of query rows at a time through ``bias_rows``, which by default
+  calls ``bias`` on each block's positions; a scheme whose rows share work (a table per distance) overrides it.
 
 A scheme is built from its own options (its ``Options`` dataclass, which the registry builds from the ``pos``
 config node, checking every key and type) and the attention shape it serves:
@@ -32,6 +34,9 @@ names = REGISTRY.names
 
 #: FlexAttention's score_mod: (score, batch, head, q_idx, kv_idx) -> score.
 ScoreMod = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]
+#: A bias a block of query rows at a time: (start, end, keys) -> the (n_head, end - start, keys) bias of
+#: queries start..end-1 over the first ``keys`` keys (``PositionalEncoding.bias_rows``).
+BiasRows = Callable[[int, int, int], Tensor]
 
 
 class PositionalEncoding(nn.Module):
@@ -82,6 +87,22 @@ class PositionalEncoding(nn.Module):
         """An additive attention bias of shape (n_head, Tq, Tk), or None for no bias. It depends on the
         positions only, so the model computes it once per forward pass and every layer shares it."""
         return None
+
+    def bias_rows(self, q_positions: Tensor, k_positions: Tensor) -> BiasRows | None:
+        """``bias(q_positions, k_positions)`` one block of query rows at a time, for the dense attention route,
+        which never holds the whole (n_head, Tq, Tk) bias: a function (start, end, keys) -> the bias of
+        queries ``start..end-1`` over the first ``keys`` keys. What every block shares (a table per
+        distance) is computed once, here, for every layer and block of the forward pass; by default each
+        block calls ``bias`` on its own positions. None when the scheme has no bias."""
+        if not self.has_bias:
+            return None
+
+        def rows(start: int, end: int, keys: int) -> Tensor:
+            bias = self.bias(q_positions[start:end], k_positions[:keys])
+            assert bias is not None  # has_bias: the scheme implements bias
+            return bias
+
+        return rows
 
     def score_mod(self, q_positions: Tensor, k_positions: Tensor) -> ScoreMod | None:
         """The same bias as a FlexAttention ``score_mod`` (q_idx, kv_idx index ``q_positions``,

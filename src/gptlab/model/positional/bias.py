@@ -11,7 +11,7 @@ import torch
 from torch import Tensor, nn
 
 from gptlab.errors import ConfigError
-from gptlab.model.positional.base import PositionalEncoding, ScoreMod, register
+from gptlab.model.positional.base import BiasRows, PositionalEncoding, ScoreMod, register
 
 
 def alibi_slopes(n_head: int) -> Tensor:
@@ -56,6 +56,17 @@ class ALiBiPositionalEncoding(PositionalEncoding):
         return alibi
 
 
+def distance_table_rows(per_distance: Tensor, q_positions: Tensor, k_positions: Tensor) -> BiasRows:
+    """The rows of a bias that depends on the distance q - k alone, read from its (n_head, >= Tk) table per
+    distance 0, 1, ...; keys in the future read distance 0's entry (the mask hides them)."""
+
+    def rows(start: int, end: int, keys: int) -> Tensor:
+        distance = (q_positions[start:end, None] - k_positions[None, :keys]).clamp_min(0)  # (rows, keys)
+        return per_distance[:, distance]  # (n_head, rows, keys)
+
+    return rows
+
+
 def t5_relative_buckets(relative_position: Tensor, num_buckets: int = 32, max_distance: int = 128) -> Tensor:
     """Causal T5 buckets of distance n = max(i - j, 0): n itself below num_buckets/2, then logarithmically
     wider buckets up to max_distance, past which every distance shares the last bucket (Raffel et al. 2020,
@@ -95,13 +106,16 @@ class T5RelativePositionalEncoding(PositionalEncoding):
         self.relative_attention_bias = nn.Embedding(self.options.num_buckets, n_head)
 
     def bias(self, q_positions: Tensor, k_positions: Tensor) -> Tensor:
+        return self.bias_rows(q_positions, k_positions)(0, len(q_positions), len(k_positions))
+
+    def bias_rows(self, q_positions: Tensor, k_positions: Tensor) -> BiasRows:
         o = self.options
         # The bias is a function of the distance alone: look it up once per distance 0..Tk-1, then spread it
-        # over the (Tq, Tk) pairs (keys in the future get distance 0; they are masked anyway).
+        # over each block's (rows, keys) pairs (keys in the future get distance 0; they are masked anyway).
         d = torch.arange(len(k_positions), device=k_positions.device)  # (Tk,)
-        per_distance = self.relative_attention_bias(t5_relative_buckets(-d, o.num_buckets, o.max_distance))
-        distance = (q_positions[:, None] - k_positions[None, :]).clamp_min(0)  # (Tq, Tk)
-        return per_distance.T[:, distance]  # (n_head, Tq, Tk)
+        buckets = t5_relative_buckets(-d, o.num_buckets, o.max_distance)
+        per_distance = self.relative_attention_bias(buckets).T  # (n_head, Tk)
+        return distance_table_rows(per_distance, q_positions, k_positions)
 
 
 @register("fire")
@@ -135,19 +149,31 @@ class FIREPositionalEncoding(PositionalEncoding):
         self.log_threshold = nn.Parameter(torch.tensor(math.log(threshold)))
 
     def bias(self, q_positions: Tensor, k_positions: Tensor) -> Tensor:
+        return self.bias_rows(q_positions, k_positions)(0, len(q_positions), len(k_positions))
+
+    def bias_rows(self, q_positions: Tensor, k_positions: Tensor) -> BiasRows:
         dtype = self.log_c.dtype
         c, threshold = self.log_c.exp(), self.log_threshold.exp()
-        distance = (q_positions[:, None] - k_positions[None, :]).clamp_min(0)  # (Tq, Tk)
-        if bool(q_positions[-1] <= threshold):
-            # Every query is within the threshold, so every row is normalised by psi(L) and the bias is a
-            # function of the distance alone: the MLP runs on the Tk distances, not on Tq * Tk pairs.
-            d = torch.arange(len(k_positions), device=distance.device, dtype=dtype)  # (Tk,) distances
-            per_distance = self.mlp(
-                (torch.log1p(c * d) / torch.log1p(c * threshold))[:, None]
-            )  # (Tk, n_head)
-            return per_distance.T[:, distance]  # (n_head, Tq, Tk)
-        scale = torch.maximum(q_positions.to(dtype), threshold)  # (Tq,)
-        normalised = (
-            torch.log1p(c * distance.to(dtype)) / torch.log1p(c * scale)[:, None]
-        )  # (Tq, Tk) in [0, 1]
-        return self.mlp(normalised[..., None]).permute(2, 0, 1)  # (n_head, Tq, Tk)
+        # Rows of queries within the threshold are normalised by psi(L), so their bias is a function of the
+        # distance alone: the MLP runs once on the Tk distances, not on each block's pairs. Built on the first
+        # such block and shared by the rest, and by every layer.
+        table: list[Tensor] = []
+        within = int((q_positions <= threshold).sum())  # the first rows (positions increase): one sync a pass
+
+        def per_distance() -> Tensor:  # (n_head, Tk)
+            if not table:
+                d = torch.arange(len(k_positions), device=k_positions.device, dtype=dtype)  # (Tk,) distances
+                normalised = torch.log1p(c * d) / torch.log1p(c * threshold)  # (Tk,) in [0, 1]
+                table.append(self.mlp(normalised[:, None]).T)
+            return table[0]
+
+        def rows(start: int, end: int, keys: int) -> Tensor:
+            q, k = q_positions[start:end], k_positions[:keys]
+            if end <= within:
+                return distance_table_rows(per_distance(), q, k)(0, len(q), len(k))
+            distance = (q[:, None] - k[None, :]).clamp_min(0)  # (rows, keys)
+            scale = torch.maximum(q.to(dtype), threshold)  # (rows,)
+            normalised = torch.log1p(c * distance.to(dtype)) / torch.log1p(c * scale)[:, None]  # in [0, 1]
+            return self.mlp(normalised[..., None]).permute(2, 0, 1)  # (n_head, rows, keys)
+
+        return rows
