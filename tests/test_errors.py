@@ -224,6 +224,52 @@ def test_context_longer_than_the_learned_position_table(make_cfg, tmp_path):
     assert nothing_started(tmp_path)
 
 
+@pytest.mark.parametrize(
+    ("overrides", "window", "context"),
+    [
+        (["attention=sliding_window"], 64, 32),  # the preset's window, sized for the default 128 positions
+        (["attention=gemma2", "attention.window=32"], 32, 32),  # as long as the context: still no effect
+        (
+            ["attention.window=40", "model.block_size=64", "data.block_size=40"],
+            40,
+            40,
+        ),  # the training context
+    ],
+)
+def test_a_window_no_shorter_than_the_context_is_refused_before_the_data(
+    make_cfg, tmp_path, overrides, window, context
+):
+    with pytest.raises(ConfigError) as refused:
+        run_in_process(make_cfg, tmp_path, *overrides)
+    message = str(refused.value)
+    assert (
+        f"attention.window={window} is not shorter than the training context of {context} positions"
+        in message
+    )
+    assert f"Use attention.window below {context} (e.g. attention.window={context // 2})" in message
+    assert nothing_started(tmp_path)
+
+
+def test_a_window_shorter_than_the_context_trains(make_cfg):
+    from gptlab.config import parse_gpt
+
+    assert (
+        parse_gpt(make_cfg(*TINY, "attention=sliding_window", "attention.window=31")).model.attention.window
+        == 31
+    )
+
+
+def test_a_mistyped_task_gets_the_closest_one(make_cfg):
+    from gptlab.tasks import task_runner
+
+    with pytest.raises(ConfigError) as refused:
+        task_runner(make_cfg("task=word2vc"))
+    assert str(refused.value) == (
+        "task='word2vc' is not one of gpt, word2vec: task=gpt trains the language model, task=word2vec word "
+        "vectors. Did you mean task=word2vec?"
+    )
+
+
 def test_vocabulary_larger_than_the_models(make_cfg):
     cfg = make_cfg("model.vocab_size=1000")
     with pytest.raises(

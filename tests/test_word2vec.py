@@ -288,6 +288,22 @@ def test_options_are_checked_with_the_fix_in_the_message():
         Word2VecOptions(native="yes")  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize(
+    ("options", "shown"),
+    [
+        ({"mode": "cbw"}, "Did you mean word2vec.mode=cbow?"),
+        ({"objective": "hierarchichal"}, "Did you mean word2vec.objective=hierarchical?"),
+        ({"optimizer": "sparse-adam"}, "Did you mean word2vec.optimizer=sparse_adam?"),
+        ({"parallel": "thread"}, "Did you mean word2vec.parallel=threads?"),
+        ({"dim": 0}, "word2vec.dim=0 must be a positive integer (e.g. word2vec.dim=100)."),
+    ],
+)
+def test_a_mistyped_choice_or_a_bad_size_gets_the_fix(options, shown):
+    with pytest.raises(ConfigError) as refused:
+        Word2VecOptions(**options)
+    assert shown in str(refused.value)
+
+
 def test_the_evaluation_without_gensim_is_refused_before_training_with_both_fixes(monkeypatch, tmp_path):
     """Where gensim is not installed (a GPU image given only the wheels gptlab's GPU paths need), the evaluation
     that reads the vectors with it is refused when the config is checked, not after the training; a run that
