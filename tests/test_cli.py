@@ -12,6 +12,7 @@ import pytest
 import torch
 from conftest import TINY, run_train
 
+from gptlab.errors import ConfigError
 from gptlab.tracking.wandb_runs import find_runs, read_run
 
 
@@ -269,6 +270,28 @@ def test_generate_script_continues_a_prompt_from_a_run(trained):
     assert sampled.stdout.count("-" * 40) == 2
 
 
+@pytest.mark.parametrize(
+    ("override", "shown"),
+    [
+        ("temperature=-1", "callbacks.sample_generation.temperature=-1 is negative: use 0 for the greedy"),
+        (
+            "top_k=-1",
+            "callbacks.sample_generation.top_k=-1 must be a positive number of tokens (e.g. 40), or null",
+        ),
+        ("top_p=1.5", "callbacks.sample_generation.top_p=1.5 must be above 0 and at most 1 (e.g. 0.95"),
+        ("top_p=0", "callbacks.sample_generation.top_p=0 must be above 0 and at most 1"),
+    ],
+)
+def test_a_sampled_continuation_that_cannot_be_drawn_as_named_is_refused(make_cfg, override, shown):
+    """A sampling setting the sampler would read as another (a top_p above 1 as no nucleus) is refused with
+    its fix when the callbacks are made, before the trainer."""
+    from gptlab.training.callbacks import instantiate_callbacks
+
+    with pytest.raises(ConfigError) as refused:
+        instantiate_callbacks(make_cfg(f"callbacks.sample_generation.{override}").callbacks)
+    assert shown in str(refused.value)
+
+
 # ---- scripts/generate.py's arguments ----------------------------------------------------------------------
 
 
@@ -294,6 +317,19 @@ def generate_script():
         (["run", "temperature=hot"], "temperature=hot is not a valid temperature: it must be float"),
         (["run", "ckpt=other"], "two checkpoints given"),
         ([], "no checkpoint given: ckpt=<run dir or checkpoint> (or the path alone)"),
+        # values of the right type that cannot work: refused before the checkpoint is read, not sampled as
+        # something else (a negative temperature as greedy, top_p=1.5 as no nucleus, nothing generated)
+        (["run", "temperature=-1"], "temperature=-1 must be 0 (greedy decoding) or more"),
+        (["run", "top_p=1.5"], "top_p=1.5 must be above 0 and at most 1 (e.g. top_p=0.95"),
+        (["run", "top_p=0"], "top_p=0 must be above 0 and at most 1"),
+        (["run", "top_k=-5"], "top_k=-5 must be a positive number of tokens (e.g. top_k=40), or null (or 0)"),
+        (["run", "max_new_tokens=-3"], "max_new_tokens=-3 must be a positive number of tokens"),
+        (["run", "samples=0"], "samples=0 must be a positive number of continuations"),
+        (["run", "which=lst"], "which='lst' must be best (the best checkpoint by validation loss) or last."),
+        (
+            ["no-such-run"],
+            "generate: error: no-such-run does not exist: pass a run directory or a checkpoint.",
+        ),
     ],
 )
 def test_generate_refuses_a_mistyped_option_with_the_closest_one(generate_script, capsys, argv, shown):
