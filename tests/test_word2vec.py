@@ -974,3 +974,60 @@ def test_batched_analogies_answer_as_gensims_evaluate_word_analogies():
     answered = len(total["correct"]) + len(total["incorrect"])
     assert ours["questions"] == answered and 0 < len(total["correct"]) < answered
     assert ours["accuracy"] == pytest.approx(len(total["correct"]) / answered)
+
+
+def test_overrides_a_word2vec_run_does_not_read_are_named_once_with_word2vecs_own(
+    tmp_path, monkeypatch, capfd
+):
+    """`python train.py task=word2vec model=small optim.lr=0.5 ...`: the language model's settings change
+    nothing in a word2vec run, and the run says so before it trains, naming word2vec's own option where one
+    does what was meant; a preset (debug=fast) is not named, and the run still trains."""
+    from hydra.core.global_hydra import GlobalHydra
+
+    args = [
+        *SMALL,
+        "debug=fast",
+        "model=small",
+        "optim.lr=0.5",
+        "trainer.precision=bf16",
+        "trainer.max_steps=2",
+        "word2vec.evaluate=false",
+        "logger=none",
+        f"hydra.run.dir={tmp_path}/run",
+    ]
+    GlobalHydra.instance().clear()
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", [str(ROOT / "train.py"), *args])
+    try:
+        runpy.run_path(str(ROOT / "train.py"), run_name="__main__")
+    finally:
+        GlobalHydra.instance().clear()
+    printed = "".join(capfd.readouterr())
+    warning = (
+        "task=word2vec does not read model=small, optim.lr=0.5, trainer.precision=bf16: they change nothing in "
+        "this run. Set word2vec.lr=0.5 for optim.lr=0.5; word2vec's options are under word2vec.*"
+    )
+    assert printed.count(warning) == 1, printed
+    assert "Trained 2 steps" in printed
+    assert json.loads((tmp_path / "run" / "result.json").read_text())["global_step"] == 2
+
+
+def test_only_what_a_word2vec_run_ignores_counts_as_unread():
+    from gptlab.tasks.word2vec import unread_overrides
+
+    read = [
+        "word2vec.lr=0.05",
+        "seed=1",
+        "data.path=x.txt",
+        "trainer.max_steps=3",
+        "trainer.max_time=00:00:01:00",
+    ]
+    read += ["debug=fast", "logger=csv", "hydra.run.dir=out", "task=word2vec"]
+    unread = [
+        "pos=rope",
+        "+trainer.max_epochs=2",
+        "data.batch_size=64",
+        "attention.window=8",
+        "~callbacks.progress_bar",
+    ]
+    assert unread_overrides(read + unread) == unread
