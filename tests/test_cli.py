@@ -177,6 +177,17 @@ def test_the_progress_bar_and_the_logged_rate_agree_with_each_other_and_with_wal
     )
     assert training_rate == round(tokens / training)
     assert wall_rate <= tokens / fit_seconds < training_rate
+    # and the rate after the first step, whose warm-up the whole run's rate includes: the first step and the
+    # 29 after it make up the training time (to the printed digits: 0.05 s, and the rate's last digit)
+    after, first = re.search(
+        r"training rate [\d,]+ tokens/s \(validation excluded; ([\d,]+) after the first step, which took "
+        r"([\d.]+) s\)$",
+        proc.stdout,
+        re.M,
+    ).groups()
+    after_rate, first_seconds = float(after.replace(",", "")), float(first)
+    assert first_seconds <= 10 * 4 * 32 / logged[10] + 0.05  # within the first logged window
+    assert first_seconds + 29 * 4 * 32 / after_rate == pytest.approx(training, abs=0.05 + 0.01 * training)
 
 
 def test_second_run_reuses_the_token_cache(trained):

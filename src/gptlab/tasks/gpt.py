@@ -716,11 +716,17 @@ def closing_lines(
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     from gptlab.tracking.loggers import logger_lines
+    from gptlab.training.metrics import after_first_step
 
+    first = after_first_step(trainer)
     rates = (
         f": {metrics['tokens_per_second_wall']:,.0f} tokens/s of wall time (start-up, data, validation and "
         f"checkpoints included); training rate {metrics['tokens_per_second_training']:,.0f} tokens/s "
-        "(validation excluded)"
+        + (
+            f"(validation excluded; {first[1]:,.0f} after the first step, which took {first[0]:.1f} s)"
+            if first is not None
+            else "(validation excluded)"
+        )
         if "tokens_per_second_wall" in metrics
         else ""
     )

@@ -108,6 +108,9 @@ class TrainingThroughput(ThroughputMonitor):
         self.run_tokens = 0  # tokens trained by this process (all ranks)
         self._validation_t0: float | None = None
         self._warned_above_peak = False
+        # (training seconds, tokens) at the end of this process's first optimizer step: its warm-up (first
+        # kernels, allocations, a compile) is in the whole run's rate, and the closing line says how much
+        self.first_step: tuple[float, int] | None = None
 
     @property
     def training_seconds(self) -> float:
@@ -174,6 +177,8 @@ class TrainingThroughput(ThroughputMonitor):
         self.tokens_seen += tokens
         self.run_tokens += tokens
         super().on_train_batch_end(trainer, pl_module, outputs, batch, *args)
+        if self.first_step is None and not trainer.fit_loop._should_accumulate():
+            self.first_step = (self.training_seconds, self.run_tokens)
 
     def on_validation_start(self, trainer: L.Trainer, *args: Any) -> None:
         if trainer.is_global_zero and not trainer.sanity_checking and trainer.state.fn == TrainerFn.FITTING:
@@ -222,6 +227,19 @@ class TrainingThroughput(ThroughputMonitor):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.tokens_seen = int(state_dict.get("tokens_seen", 0))
+
+
+def after_first_step(trainer: L.Trainer) -> tuple[float, float] | None:
+    """(seconds of this process's first optimizer step, the training rate of the steps after it): the first
+    step carries the warm-up (a compile with compile=true: tens of seconds), which the whole run's training
+    rate includes. None without a second step, or off rank 0 (whose clock the rates are)."""
+    for callback in trainer.callbacks:  # type: ignore[attr-defined]  # set by Lightning's callback connector, undeclared
+        if isinstance(callback, TrainingThroughput) and callback.first_step is not None:
+            seconds, tokens = callback.first_step
+            later = callback.training_seconds - seconds
+            if seconds > 0 and later > 0 and callback.run_tokens > tokens:
+                return seconds, (callback.run_tokens - tokens) / later
+    return None
 
 
 def run_rates(trainer: L.Trainer, wall_seconds: float) -> dict[str, float]:
