@@ -112,6 +112,8 @@ def test_override_typos_name_the_key_and_the_fix(make_cfg):
         ("optim.lr=fast", r"optim.lr='fast' must be a number \(e.g. optim.lr=0.004\)"),
         ("data.batch_size=abc", r"data.batch_size='abc' must be an integer \(got str\)"),
         ("seed=abc", r"seed='abc' must be an integer"),
+        ("seed=-1", r"seed=-1 must be from 0 to 4294967295 \(numpy's range; e.g. seed=1337\)\.$"),
+        ("seed=4294967296", r"seed=4294967296 must be from 0 to 4294967295"),
         (
             "callbacks.last_checkpoint.background=sometimes",
             r"callbacks.last_checkpoint.background='sometimes' must be true \(write the checkpoints saved during "
