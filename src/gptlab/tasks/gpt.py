@@ -67,6 +67,9 @@ def run(cfg: DictConfig) -> dict[str, float]:
     quiet_launched_ranks()
     run_dir = record_run_dir(cfg)  # before the parse: the trainer's default_root_dir interpolates it
     settings = parse_gpt(cfg)  # before Lightning is imported (seconds): a refusal comes at once
+    warmup = settings.optim.options.warmup_outlasts(settings.trainer["max_steps"])
+    if warmup is not None and not launched_rank():  # one warning for the run, from rank 0
+        log.warning(warmup)
     # before the run directory, the data or any weight: a run that cannot fit its device is refused
     check_memory(settings)
     import lightning as L

@@ -100,6 +100,22 @@ class ScheduleOptions:
                 "the run: shorten the warmup, lower optim.decay_fraction or raise trainer.max_steps."
             )
 
+    def warmup_outlasts(self, max_steps: int) -> str | None:
+        """What a warmup no shorter than the run does to its learning rate, with the fix; None where the
+        warmup ends before the last step. Not refused: a smoke run of a few steps may mean it, but its loss
+        then says little about the recipe, and a newcomer reads it as the model's."""
+        if max_steps < 1 or self.warmup_steps < max_steps:
+            return None
+        peak = self.factor(max_steps)(max_steps - 1)  # the last step's multiplier: the highest it reaches
+        lr = getattr(self, "lr", None)
+        of_lr = f"optim.lr={lr:g} ({lr * peak:.3g})" if isinstance(lr, float) else "optim.lr"
+        return (
+            f"optim.warmup_steps={self.warmup_steps} is not shorter than trainer.max_steps={max_steps}: the "
+            f"learning rate rises for the whole run, to {peak:.0%} of {of_lr} at its last step, and never "
+            f"decays. Use optim.warmup_steps below {max_steps} (e.g. optim.warmup_steps={max(1, max_steps // 10)}), "
+            "or more steps."
+        )
+
     def factor(self, max_steps: int) -> Callable[[int], float]:
         """The multiplier of the peak rate at each optimizer step of a run of ``max_steps`` steps."""
 
