@@ -190,6 +190,29 @@ def test_the_progress_bar_and_the_logged_rate_agree_with_each_other_and_with_wal
     assert first_seconds + 29 * 4 * 32 / after_rate == pytest.approx(training, abs=0.05 + 0.01 * training)
 
 
+def test_the_run_says_before_its_first_step_the_least_time_its_steps_can_take(trained):
+    """The MFU line names the FLOPs of the steps to train and their time at the peak it names: a model too
+    large for the machine shows its hours before the first step. Here 30 steps of 4 x 32 tokens."""
+    from gptlab.training.metrics import duration
+
+    _, _, proc = trained
+    peak, per_token, total, shown = re.search(
+        r"MFU against ([\d.]+) GFLOP/s per device .*; ([\d.e+]+) FLOPs per token: the 30 steps to train are "
+        r"([\d.e+]+) FLOPs, (.+?) at that peak \(a lower bound: a run reaches a fraction of the peak\)$",
+        proc.stdout,
+        re.M,
+    ).groups()
+    assert float(total) == pytest.approx(30 * 4 * 32 * float(per_token), rel=2e-3)  # to the printed digits
+    assert shown == duration(float(total) / (float(peak) * 1e9))
+    assert [duration(s) for s in (0.031, 48, 720, 3 * 3600 + 300, 2.4 * 86400)] == [
+        "0.031 s",
+        "48 s",
+        "12 min",
+        "3 h 05 min",
+        "2.4 days",
+    ]
+
+
 def test_second_run_reuses_the_token_cache(trained):
     root, _, _ = trained
     proc = run_train(

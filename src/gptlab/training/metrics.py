@@ -152,7 +152,14 @@ class TrainingThroughput(ThroughputMonitor):
         datamodule = trainer.datamodule  # type: ignore[attr-defined]  # set by Lightning's data connector, undeclared
         module = cast("GPTLitModule", pl_module)
         flops_per_token = module.flops_per_token(getattr(datamodule, "block_size", None))
-        log.info("MFU against %s per device (%s); %.3g FLOPs per token", rate, self._source, flops_per_token)
+        bound = time_at_peak(trainer, datamodule, flops_per_token, peak)
+        log.info(
+            "MFU against %s per device (%s); %.3g FLOPs per token%s",
+            rate,
+            self._source,
+            flops_per_token,
+            f"{bound} (a lower bound: a run reaches a fraction of the peak)" if bound else "",
+        )
         facts = {
             "parameters/total": float(module.model.parameter_counts()["total"]),
             "model/flops_per_token": flops_per_token,
@@ -227,6 +234,39 @@ class TrainingThroughput(ThroughputMonitor):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.tokens_seen = int(state_dict.get("tokens_seen", 0))
+
+
+def duration(seconds: float) -> str:
+    """``seconds`` for a reader: 0.03 s, 48 s, 12 min, 3 h 05 min, 2.4 days."""
+    if seconds < 10:
+        return f"{seconds:.2g} s"
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    if seconds < 90 * 60:
+        return f"{seconds / 60:.0f} min"
+    if seconds < 48 * 3600:
+        hours, minutes = divmod(round(seconds / 60), 60)
+        return f"{hours} h {minutes:02d} min"
+    return f"{seconds / 86400:.1f} days"
+
+
+def time_at_peak(trainer: L.Trainer, datamodule: Any, flops_per_token: float, peak: float) -> str:
+    """``: the 320 steps to train are 1.35e+13 FLOPs, 32 s at that peak``: the least time the steps left to
+    train can take on these devices, so that a model too large for the machine (GPT-2 small on two CPU cores:
+    hours) says so before its first step, not after it. "" where the steps or the batch are unknown."""
+    max_steps = trainer.max_steps
+    batch, block = getattr(datamodule, "batch_size", None), getattr(datamodule, "block_size", None)
+    if not (isinstance(batch, int) and isinstance(block, int) and max_steps > 0 and peak > 0):
+        return ""
+    steps = max_steps - trainer.global_step
+    if steps <= 0:
+        return ""
+    tokens = steps * batch * block * trainer.accumulate_grad_batches * trainer.world_size
+    flops = tokens * flops_per_token
+    return (
+        f": the {steps:,} steps to train are {flops:.3g} FLOPs, "
+        f"{duration(flops / (peak * trainer.world_size))} at that peak"
+    )
 
 
 def after_first_step(trainer: L.Trainer) -> tuple[float, float] | None:
