@@ -434,6 +434,17 @@ def test_a_sweep_trains_both_modes_and_writes_vectors_gensim_reads(sweep, job, m
     assert logged.config["word2vec"]["mode"] == mode
 
 
+def test_compare_skips_a_word2vec_run_saying_what_it_is_and_what_scores_it(sweep):
+    from gptlab.comparison.records import read_run_dir
+
+    with pytest.raises(DataError) as skipped:
+        read_run_dir(sweep / "0")
+    assert str(skipped.value) == (
+        f"{sweep / '0'} is a task=word2vec run: its word vectors have no val/loss to compare (python "
+        f"scripts/eval_embeddings.py {sweep / '0'} scores them)"
+    )
+
+
 def test_trainer_max_steps_on_the_command_line_caps_the_run(tmp_path):
     out = run_train(
         [
