@@ -261,6 +261,33 @@ def test_a_window_shorter_than_the_context_trains(make_cfg):
     )
 
 
+@pytest.mark.parametrize(
+    ("overrides", "shown"),
+    [
+        (
+            ["pos=rope", "pos.scaling=yran"],
+            "pos.scaling='yran' must be one of 'none', 'linear', 'ntk', 'yarn' "
+            "(got str). Did you mean pos.scaling=yarn?",
+        ),
+        (
+            ["optim.schedule=cosin"],
+            "optim.schedule='cosin' must be one of cosine, wsd (e.g. "
+            "optim.schedule=cosine). Did you mean optim.schedule=cosine?",
+        ),
+        (
+            ["pos=rope", "pos.scaling=dynamic"],
+            "pos.scaling='dynamic' must be one of 'none', 'linear', 'ntk', 'yarn' (got str).",
+        ),  # nothing close: no guess
+    ],
+)
+def test_a_mistyped_choice_of_an_option_gets_the_closest_one(make_cfg, overrides, shown):
+    from gptlab.config import parse_gpt
+
+    with pytest.raises(ConfigError) as refused:
+        parse_gpt(make_cfg(*overrides))
+    assert str(refused.value) == shown
+
+
 def test_a_mistyped_task_gets_the_closest_one(make_cfg):
     from gptlab.tasks import task_runner
 

@@ -34,6 +34,7 @@ With ``model.param=mup`` the AdamW learning rate of the hidden matrices is scale
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import typing
 from collections.abc import Callable, Mapping
@@ -362,14 +363,18 @@ def _typed(value: Any, hint: Any, key: str, options_type: type) -> Any:
             return tuple(check_type(v, t, label) for v, t in zip(value, items))
         return check_type(value, hint, label)
     except ConfigError:
+        close: list[str] = []
         if typing.get_origin(hint) is tuple:
             what = f"a list of {len(typing.get_args(hint))} numbers"
         elif typing.get_origin(hint) is Literal:
-            what = "one of " + ", ".join(str(a) for a in typing.get_args(hint))
+            choices = [str(a) for a in typing.get_args(hint)]
+            what = "one of " + ", ".join(choices)
+            close = difflib.get_close_matches(str(value), choices, n=1)  # cosin: cosine
         else:
             what = _DESCRIPTIONS.get(hint, str(hint))
         raise ConfigError(
             f"{label}={value!r} must be {what} (e.g. {label}={_example(options_type, key)})."
+            + (f" Did you mean {label}={close[0]}?" if close else "")
         ) from None
 
 
