@@ -1042,3 +1042,17 @@ def test_only_what_a_word2vec_run_ignores_counts_as_unread():
         "~callbacks.progress_bar",
     ]
     assert unread_overrides(read + unread) == unread
+
+
+@needs_gensim
+def test_reading_and_scoring_vectors_leaves_gensims_info_records_out_of_the_run(tmp_path, caplog):
+    """A word2vec run's evaluation loads its vectors and the benchmarks with gensim, which logs a lifecycle
+    event per table and (on importing its benchmark files' module) a toy dictionary: not a run's lines."""
+    rng = np.random.default_rng(0)
+    words = ["king", "queen", "man", "woman", "city"]
+    path = evaluation.write_embeddings(tmp_path / "embeddings.txt", words, rng.normal(size=(5, 8)))
+    with caplog.at_level(logging.INFO):
+        kv = evaluation.load_embeddings(path)
+        evaluation.word_pairs_score(kv, "wordsim353.tsv")
+    assert kv.index_to_key == words
+    assert not [r.getMessage() for r in caplog.records if r.name.startswith("gensim")]
