@@ -43,6 +43,14 @@ class Options:
     which: str = "best"
 
 
+#: the options' types (as their annotations read), for a value of the wrong type
+TYPE_NAMES = {
+    "int": "an integer",
+    "float": "a number",
+    "int | None": "an integer or null",
+    "float | None": "a number or null",
+}
+
 USAGE = "usage: python scripts/generate.py ckpt=<run dir or checkpoint> [prompt='...'] [key=value ...]"
 
 
@@ -87,9 +95,12 @@ def parse_options(argv: list[str]) -> Options:
         given.append(arg)
         try:  # one at a time: the refusal names the value at fault
             OmegaConf.merge(OmegaConf.structured(Options), OmegaConf.from_dotlist([arg]))
-        except ValidationError as e:
+        except ValidationError:
             expected = next(f.type for f in fields(Options) if f.name == key)
-            refuse(f"{arg} is not a valid {key}: it must be {expected} ({str(e).splitlines()[0]})")
+            default = getattr(Options(), key)
+            refuse(
+                f"{arg} is not a valid {key}: it must be {TYPE_NAMES.get(str(expected), expected)} (e.g. {key}={default})"
+            )
     opts = OmegaConf.merge(OmegaConf.structured(Options), OmegaConf.from_dotlist(given))
     if OmegaConf.is_missing(opts, "ckpt"):
         refuse("no checkpoint given: ckpt=<run dir or checkpoint> (or the path alone)")

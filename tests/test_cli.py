@@ -349,7 +349,14 @@ def generate_script():
             ["--promt", "x"],
             "unrecognized argument --promt: options are given as key=value. Did you mean prompt=...?",
         ),
-        (["run", "temperature=hot"], "temperature=hot is not a valid temperature: it must be float"),
+        (
+            ["run", "temperature=hot"],
+            "temperature=hot is not a valid temperature: it must be a number (e.g. temperature=1.0)",
+        ),
+        (
+            ["run", "top_k=abc"],
+            "top_k=abc is not a valid top_k: it must be an integer or null (e.g. top_k=40)",
+        ),
         (["run", "ckpt=other"], "two checkpoints given"),
         ([], "no checkpoint given: ckpt=<run dir or checkpoint> (or the path alone)"),
         # values of the right type that cannot work: refused before the checkpoint is read, not sampled as
