@@ -16,6 +16,7 @@ model is often a run of newlines and spaces. The default prompt is the one a run
 from __future__ import annotations
 
 import difflib
+import math
 import sys
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -41,6 +42,14 @@ class Options:
     seed: int = 0
     which: str = "best"
 
+
+#: the options' types (as their annotations read), for a value of the wrong type
+TYPE_NAMES = {
+    "int": "an integer",
+    "float": "a number",
+    "int | None": "an integer or null",
+    "float | None": "a number or null",
+}
 
 USAGE = "usage: python scripts/generate.py ckpt=<run dir or checkpoint> [prompt='...'] [key=value ...]"
 
@@ -86,21 +95,55 @@ def parse_options(argv: list[str]) -> Options:
         given.append(arg)
         try:  # one at a time: the refusal names the value at fault
             OmegaConf.merge(OmegaConf.structured(Options), OmegaConf.from_dotlist([arg]))
-        except ValidationError as e:
+        except ValidationError:
             expected = next(f.type for f in fields(Options) if f.name == key)
-            refuse(f"{arg} is not a valid {key}: it must be {expected} ({str(e).splitlines()[0]})")
+            default = getattr(Options(), key)
+            refuse(
+                f"{arg} is not a valid {key}: it must be {TYPE_NAMES.get(str(expected), expected)} (e.g. {key}={default})"
+            )
     opts = OmegaConf.merge(OmegaConf.structured(Options), OmegaConf.from_dotlist(given))
     if OmegaConf.is_missing(opts, "ckpt"):
         refuse("no checkpoint given: ckpt=<run dir or checkpoint> (or the path alone)")
+    message = out_of_range(cast(Options, opts))
+    if message:
+        refuse(message)
     return cast(Options, opts)
+
+
+def out_of_range(opts: Options) -> str | None:
+    """Why a value of the right type cannot work, with the fix; None where every value can. Without this the
+    sampler would read a negative temperature as greedy, a top_p above 1 as no nucleus, and a negative
+    max_new_tokens as nothing to generate, and print the prompt alone."""
+    if opts.max_new_tokens < 1:
+        return f"max_new_tokens={opts.max_new_tokens} must be a positive number of tokens (e.g. max_new_tokens=64)."
+    if not (math.isfinite(opts.temperature) and opts.temperature >= 0):
+        return (
+            f"temperature={opts.temperature:g} must be 0 (greedy decoding) or more: 1 samples from the model's "
+            "distribution as it is, below 1 sharpens it (e.g. temperature=0.8)."
+        )
+    if opts.top_k is not None and opts.top_k < 0:
+        return (
+            f"top_k={opts.top_k} must be a positive number of tokens (e.g. top_k=40), or null (or 0) to sample "
+            "from the whole vocabulary."
+        )
+    if opts.top_p is not None and not 0 < opts.top_p <= 1:
+        return (
+            f"top_p={opts.top_p:g} must be above 0 and at most 1 (e.g. top_p=0.95: the likeliest tokens that hold "
+            "95% of the probability), or null for no nucleus."
+        )
+    if opts.samples < 1:
+        return f"samples={opts.samples} must be a positive number of continuations (e.g. samples=3)."
+    if opts.which not in ("best", "last"):
+        return f"which={opts.which!r} must be best (the best checkpoint by validation loss) or last."
+    return None
 
 
 def main(argv: list[str]) -> None:
     opts = parse_options(argv)
     try:
         run = load_run(opts.ckpt, which=opts.which)
-    except ConfigError as e:
-        sys.exit(f"generate: error: {e}")
+    except ConfigError as e:  # a path that is not there, or not a checkpoint: bad input, status 2
+        refuse(str(e))
     model, tok = run.model, run.tokenizer
     ids = tok.encode(opts.prompt) or [tok.eot_id]
     idx = torch.tensor([ids] * opts.samples)

@@ -153,6 +153,10 @@ def fill_placeholders(command: str, cwd: Path) -> str:
 # ---- running ----------------------------------------------------------------------------------------
 
 
+#: attention presets that set a window, shortened by :func:`with_test_arguments` to fit the plan's context
+WINDOWED_PRESETS = ("attention=sliding_window", "attention=gemma2")
+
+
 def key_of(arg: str) -> str | None:
     if arg.startswith("-") or "=" not in arg:
         return None
@@ -173,6 +177,10 @@ def with_test_arguments(argv: list[str], plan: dict, refusal: bool = False) -> l
             for o in plan["train_overrides"]
             if key_of(o) not in keys and key_of(o).split(".")[0] not in as_typed
         ]
+        if any(a in WINDOWED_PRESETS for a in argv[1:]) and "attention.window" not in keys:
+            # the presets' window (64) is sized for the default 128 positions; the plan's context is shorter,
+            # and a window no shorter than the context is refused
+            extra.append("attention.window=16")
         return [*argv, *extra]
     extra_args = plan["script_args"].get(script.removeprefix("./"))
     if extra_args and not any(a in ("--help", "-h") for a in argv[1:]):

@@ -12,6 +12,7 @@ import pytest
 import torch
 from conftest import TINY, run_train
 
+from gptlab.errors import ConfigError
 from gptlab.tracking.wandb_runs import find_runs, read_run
 
 
@@ -89,6 +90,7 @@ def test_a_run_prints_no_library_noise(trained):
         "'set_vital' is deprecated",  # torchdata's loader, under torch 2.13
         "LeafSpec",  # Lightning's own code, under torch 2.13
         "litlogger",  # Lightning's tip on every Trainer
+        "TPU available: False",  # Lightning's line on every Trainer of a machine without a TPU
     ):
         assert noise not in out, noise
     assert out.count("Token cache hit") + out.count("Preparing") == 1
@@ -175,6 +177,40 @@ def test_the_progress_bar_and_the_logged_rate_agree_with_each_other_and_with_wal
     )
     assert training_rate == round(tokens / training)
     assert wall_rate <= tokens / fit_seconds < training_rate
+    # and the rate after the first step, whose warm-up the whole run's rate includes: the first step and the
+    # 29 after it make up the training time (to the printed digits: 0.05 s, and the rate's last digit)
+    after, first = re.search(
+        r"training rate [\d,]+ tokens/s \(validation excluded; ([\d,]+) after the first step, which took "
+        r"([\d.]+) s\)$",
+        proc.stdout,
+        re.M,
+    ).groups()
+    after_rate, first_seconds = float(after.replace(",", "")), float(first)
+    assert first_seconds <= 10 * 4 * 32 / logged[10] + 0.05  # within the first logged window
+    assert first_seconds + 29 * 4 * 32 / after_rate == pytest.approx(training, abs=0.05 + 0.01 * training)
+
+
+def test_the_run_says_before_its_first_step_the_least_time_its_steps_can_take(trained):
+    """The MFU line names the FLOPs of the steps to train and their time at the peak it names: a model too
+    large for the machine shows its hours before the first step. Here 30 steps of 4 x 32 tokens."""
+    from gptlab.training.metrics import duration
+
+    _, _, proc = trained
+    peak, per_token, total, shown = re.search(
+        r"MFU against ([\d.]+) GFLOP/s per device .*; ([\d.e+]+) FLOPs per token: the 30 steps to train are "
+        r"([\d.e+]+) FLOPs, (.+?) at that peak \(a lower bound: a run reaches a fraction of the peak\)$",
+        proc.stdout,
+        re.M,
+    ).groups()
+    assert float(total) == pytest.approx(30 * 4 * 32 * float(per_token), rel=2e-3)  # to the printed digits
+    assert shown == duration(float(total) / (float(peak) * 1e9))
+    assert [duration(s) for s in (0.031, 48, 720, 3 * 3600 + 300, 2.4 * 86400)] == [
+        "0.031 s",
+        "48 s",
+        "12 min",
+        "3 h 05 min",
+        "2.4 days",
+    ]
 
 
 def test_second_run_reuses_the_token_cache(trained):
@@ -269,6 +305,28 @@ def test_generate_script_continues_a_prompt_from_a_run(trained):
     assert sampled.stdout.count("-" * 40) == 2
 
 
+@pytest.mark.parametrize(
+    ("override", "shown"),
+    [
+        ("temperature=-1", "callbacks.sample_generation.temperature=-1 is negative: use 0 for the greedy"),
+        (
+            "top_k=-1",
+            "callbacks.sample_generation.top_k=-1 must be a positive number of tokens (e.g. 40), or null",
+        ),
+        ("top_p=1.5", "callbacks.sample_generation.top_p=1.5 must be above 0 and at most 1 (e.g. 0.95"),
+        ("top_p=0", "callbacks.sample_generation.top_p=0 must be above 0 and at most 1"),
+    ],
+)
+def test_a_sampled_continuation_that_cannot_be_drawn_as_named_is_refused(make_cfg, override, shown):
+    """A sampling setting the sampler would read as another (a top_p above 1 as no nucleus) is refused with
+    its fix when the callbacks are made, before the trainer."""
+    from gptlab.training.callbacks import instantiate_callbacks
+
+    with pytest.raises(ConfigError) as refused:
+        instantiate_callbacks(make_cfg(f"callbacks.sample_generation.{override}").callbacks)
+    assert shown in str(refused.value)
+
+
 # ---- scripts/generate.py's arguments ----------------------------------------------------------------------
 
 
@@ -291,9 +349,29 @@ def generate_script():
             ["--promt", "x"],
             "unrecognized argument --promt: options are given as key=value. Did you mean prompt=...?",
         ),
-        (["run", "temperature=hot"], "temperature=hot is not a valid temperature: it must be float"),
+        (
+            ["run", "temperature=hot"],
+            "temperature=hot is not a valid temperature: it must be a number (e.g. temperature=1.0)",
+        ),
+        (
+            ["run", "top_k=abc"],
+            "top_k=abc is not a valid top_k: it must be an integer or null (e.g. top_k=40)",
+        ),
         (["run", "ckpt=other"], "two checkpoints given"),
         ([], "no checkpoint given: ckpt=<run dir or checkpoint> (or the path alone)"),
+        # values of the right type that cannot work: refused before the checkpoint is read, not sampled as
+        # something else (a negative temperature as greedy, top_p=1.5 as no nucleus, nothing generated)
+        (["run", "temperature=-1"], "temperature=-1 must be 0 (greedy decoding) or more"),
+        (["run", "top_p=1.5"], "top_p=1.5 must be above 0 and at most 1 (e.g. top_p=0.95"),
+        (["run", "top_p=0"], "top_p=0 must be above 0 and at most 1"),
+        (["run", "top_k=-5"], "top_k=-5 must be a positive number of tokens (e.g. top_k=40), or null (or 0)"),
+        (["run", "max_new_tokens=-3"], "max_new_tokens=-3 must be a positive number of tokens"),
+        (["run", "samples=0"], "samples=0 must be a positive number of continuations"),
+        (["run", "which=lst"], "which='lst' must be best (the best checkpoint by validation loss) or last."),
+        (
+            ["no-such-run"],
+            "generate: error: no-such-run does not exist: pass a run directory or a checkpoint.",
+        ),
     ],
 )
 def test_generate_refuses_a_mistyped_option_with_the_closest_one(generate_script, capsys, argv, shown):

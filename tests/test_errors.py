@@ -112,6 +112,8 @@ def test_override_typos_name_the_key_and_the_fix(make_cfg):
         ("optim.lr=fast", r"optim.lr='fast' must be a number \(e.g. optim.lr=0.004\)"),
         ("data.batch_size=abc", r"data.batch_size='abc' must be an integer \(got str\)"),
         ("seed=abc", r"seed='abc' must be an integer"),
+        ("seed=-1", r"seed=-1 must be from 0 to 4294967295 \(numpy's range; e.g. seed=1337\)\.$"),
+        ("seed=4294967296", r"seed=4294967296 must be from 0 to 4294967295"),
         (
             "callbacks.last_checkpoint.background=sometimes",
             r"callbacks.last_checkpoint.background='sometimes' must be true \(write the checkpoints saved during "
@@ -222,6 +224,79 @@ def test_context_longer_than_the_learned_position_table(make_cfg, tmp_path):
     with pytest.raises(ConfigError, match=r"data.block_size=64 is longer than the learned position table"):
         run_in_process(make_cfg, tmp_path, "data.block_size=64")
     assert nothing_started(tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "window", "context"),
+    [
+        (["attention=sliding_window"], 64, 32),  # the preset's window, sized for the default 128 positions
+        (["attention=gemma2", "attention.window=32"], 32, 32),  # as long as the context: still no effect
+        (
+            ["attention.window=40", "model.block_size=64", "data.block_size=40"],
+            40,
+            40,
+        ),  # the training context
+    ],
+)
+def test_a_window_no_shorter_than_the_context_is_refused_before_the_data(
+    make_cfg, tmp_path, overrides, window, context
+):
+    with pytest.raises(ConfigError) as refused:
+        run_in_process(make_cfg, tmp_path, *overrides)
+    message = str(refused.value)
+    assert (
+        f"attention.window={window} is not shorter than the training context of {context} positions"
+        in message
+    )
+    assert f"Use attention.window below {context} (e.g. attention.window={context // 2})" in message
+    assert nothing_started(tmp_path)
+
+
+def test_a_window_shorter_than_the_context_trains(make_cfg):
+    from gptlab.config import parse_gpt
+
+    assert (
+        parse_gpt(make_cfg(*TINY, "attention=sliding_window", "attention.window=31")).model.attention.window
+        == 31
+    )
+
+
+@pytest.mark.parametrize(
+    ("overrides", "shown"),
+    [
+        (
+            ["pos=rope", "pos.scaling=yran"],
+            "pos.scaling='yran' must be one of 'none', 'linear', 'ntk', 'yarn' "
+            "(got str). Did you mean pos.scaling=yarn?",
+        ),
+        (
+            ["optim.schedule=cosin"],
+            "optim.schedule='cosin' must be one of cosine, wsd (e.g. "
+            "optim.schedule=cosine). Did you mean optim.schedule=cosine?",
+        ),
+        (
+            ["pos=rope", "pos.scaling=dynamic"],
+            "pos.scaling='dynamic' must be one of 'none', 'linear', 'ntk', 'yarn' (got str).",
+        ),  # nothing close: no guess
+    ],
+)
+def test_a_mistyped_choice_of_an_option_gets_the_closest_one(make_cfg, overrides, shown):
+    from gptlab.config import parse_gpt
+
+    with pytest.raises(ConfigError) as refused:
+        parse_gpt(make_cfg(*overrides))
+    assert str(refused.value) == shown
+
+
+def test_a_mistyped_task_gets_the_closest_one(make_cfg):
+    from gptlab.tasks import task_runner
+
+    with pytest.raises(ConfigError) as refused:
+        task_runner(make_cfg("task=word2vc"))
+    assert str(refused.value) == (
+        "task='word2vc' is not one of gpt, word2vec: task=gpt trains the language model, task=word2vec word "
+        "vectors. Did you mean task=word2vec?"
+    )
 
 
 def test_vocabulary_larger_than_the_models(make_cfg):

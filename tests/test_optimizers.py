@@ -372,3 +372,32 @@ def test_muon_under_fsdp_on_two_processes_trains_and_resumes_the_same_curve(tmp_
     assert sorted(resumed_loss) == [4, 5, 6]
     for step in (4, 5, 6):  # Muon's momentum and AdamW's moments came back from the shards
         assert resumed_loss[step] == pytest.approx(full_loss[step], abs=1e-4)
+
+
+def test_a_warmup_that_outlasts_the_run_is_named_with_the_rate_it_reaches(make_cfg, caplog):
+    """optim.warmup_steps=30 in a run of 10 steps: the rate rises to a third of optim.lr and never decays.
+    Said once, before the data, with the fix; a warmup that ends before the last step says nothing, and the
+    smoke preset (debug=fast) fits its warmup in its steps."""
+    import logging
+
+    from gptlab.training.optimizers import AdamWOptions
+
+    message = AdamWOptions(warmup_steps=30).warmup_outlasts(10)
+    assert message == (
+        "optim.warmup_steps=30 is not shorter than trainer.max_steps=10: the learning rate rises for the whole "
+        "run, to 33% of optim.lr=0.004 (0.00133) at its last step, and never decays. Use optim.warmup_steps "
+        "below 10 (e.g. optim.warmup_steps=1), or more steps."
+    )
+    assert AdamWOptions(warmup_steps=10).warmup_outlasts(10) is not None  # peaks only at the last step
+    assert AdamWOptions(warmup_steps=9).warmup_outlasts(10) is None
+    fast = parse_gpt(make_cfg("debug=fast"))
+    assert fast.optim.options.warmup_outlasts(fast.trainer["max_steps"]) is None
+
+    # the run says it before anything else is checked or made: here a model too large for this machine is
+    # refused next, and the warning was already given, once
+    with (
+        caplog.at_level(logging.WARNING, logger="gptlab"),
+        pytest.raises(ConfigError, match="Nothing fits on this device"),
+    ):
+        run(make_cfg("model=gpt3", "optim.warmup_steps=30", "trainer.max_steps=10"))
+    assert [r.getMessage() for r in caplog.records].count(message) == 1

@@ -298,6 +298,22 @@ def test_options_are_checked_with_the_fix_in_the_message():
         Word2VecOptions(native="yes")  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize(
+    ("options", "shown"),
+    [
+        ({"mode": "cbw"}, "Did you mean word2vec.mode=cbow?"),
+        ({"objective": "hierarchichal"}, "Did you mean word2vec.objective=hierarchical?"),
+        ({"optimizer": "sparse-adam"}, "Did you mean word2vec.optimizer=sparse_adam?"),
+        ({"parallel": "thread"}, "Did you mean word2vec.parallel=threads?"),
+        ({"dim": 0}, "word2vec.dim=0 must be a positive integer (e.g. word2vec.dim=100)."),
+    ],
+)
+def test_a_mistyped_choice_or_a_bad_size_gets_the_fix(options, shown):
+    with pytest.raises(ConfigError) as refused:
+        Word2VecOptions(**options)
+    assert shown in str(refused.value)
+
+
 def test_the_evaluation_without_gensim_is_refused_before_training_with_both_fixes(monkeypatch, tmp_path):
     """Where gensim is not installed (a GPU image given only the wheels gptlab's GPU paths need), the evaluation
     that reads the vectors with it is refused when the config is checked, not after the training; a run that
@@ -426,6 +442,17 @@ def test_a_sweep_trains_both_modes_and_writes_vectors_gensim_reads(sweep, job, m
     assert logged.metric("train/words_per_second")
     assert "eval/analogy/coverage" in logged.summary
     assert logged.config["word2vec"]["mode"] == mode
+
+
+def test_compare_skips_a_word2vec_run_saying_what_it_is_and_what_scores_it(sweep):
+    from gptlab.comparison.records import read_run_dir
+
+    with pytest.raises(DataError) as skipped:
+        read_run_dir(sweep / "0")
+    assert str(skipped.value) == (
+        f"{sweep / '0'} is a task=word2vec run: its word vectors have no val/loss to compare (python "
+        f"scripts/eval_embeddings.py {sweep / '0'} scores them)"
+    )
 
 
 def test_trainer_max_steps_on_the_command_line_caps_the_run(tmp_path):
@@ -1020,3 +1047,74 @@ def test_batched_analogies_answer_as_gensims_evaluate_word_analogies():
     answered = len(total["correct"]) + len(total["incorrect"])
     assert ours["questions"] == answered and 0 < len(total["correct"]) < answered
     assert ours["accuracy"] == pytest.approx(len(total["correct"]) / answered)
+
+
+def test_overrides_a_word2vec_run_does_not_read_are_named_once_with_word2vecs_own(
+    tmp_path, monkeypatch, capfd
+):
+    """`python train.py task=word2vec model=small optim.lr=0.5 ...`: the language model's settings change
+    nothing in a word2vec run, and the run says so before it trains, naming word2vec's own option where one
+    does what was meant; a preset (debug=fast) is not named, and the run still trains."""
+    from hydra.core.global_hydra import GlobalHydra
+
+    args = [
+        *SMALL,
+        "debug=fast",
+        "model=small",
+        "optim.lr=0.5",
+        "trainer.precision=bf16",
+        "trainer.max_steps=2",
+        "word2vec.evaluate=false",
+        "logger=none",
+        f"hydra.run.dir={tmp_path}/run",
+    ]
+    GlobalHydra.instance().clear()
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", [str(ROOT / "train.py"), *args])
+    try:
+        runpy.run_path(str(ROOT / "train.py"), run_name="__main__")
+    finally:
+        GlobalHydra.instance().clear()
+    printed = "".join(capfd.readouterr())
+    warning = (
+        "task=word2vec does not read model=small, optim.lr=0.5, trainer.precision=bf16: they change nothing in "
+        "this run. Set word2vec.lr=0.5 for optim.lr=0.5; word2vec's options are under word2vec.*"
+    )
+    assert printed.count(warning) == 1, printed
+    assert "Trained 2 steps" in printed
+    assert json.loads((tmp_path / "run" / "result.json").read_text())["global_step"] == 2
+
+
+def test_only_what_a_word2vec_run_ignores_counts_as_unread():
+    from gptlab.tasks.word2vec import unread_overrides
+
+    read = [
+        "word2vec.lr=0.05",
+        "seed=1",
+        "data.path=x.txt",
+        "trainer.max_steps=3",
+        "trainer.max_time=00:00:01:00",
+    ]
+    read += ["debug=fast", "logger=csv", "hydra.run.dir=out", "task=word2vec"]
+    unread = [
+        "pos=rope",
+        "+trainer.max_epochs=2",
+        "data.batch_size=64",
+        "attention.window=8",
+        "~callbacks.progress_bar",
+    ]
+    assert unread_overrides(read + unread) == unread
+
+
+@needs_gensim
+def test_reading_and_scoring_vectors_leaves_gensims_info_records_out_of_the_run(tmp_path, caplog):
+    """A word2vec run's evaluation loads its vectors and the benchmarks with gensim, which logs a lifecycle
+    event per table and (on importing its benchmark files' module) a toy dictionary: not a run's lines."""
+    rng = np.random.default_rng(0)
+    words = ["king", "queen", "man", "woman", "city"]
+    path = evaluation.write_embeddings(tmp_path / "embeddings.txt", words, rng.normal(size=(5, 8)))
+    with caplog.at_level(logging.INFO):
+        kv = evaluation.load_embeddings(path)
+        evaluation.word_pairs_score(kv, "wordsim353.tsv")
+    assert kv.index_to_key == words
+    assert not [r.getMessage() for r in caplog.records if r.name.startswith("gensim")]

@@ -157,6 +157,22 @@ def check_context(model: GPTConfig, loader: LoaderOptions) -> int:
     return block_size
 
 
+def check_window(model: GPTConfig, block_size: int) -> None:
+    """A sliding window no shorter than the training context, refused: every local layer would see its whole
+    past, as under full attention, so the run would train ``attention=default`` under another name (as a
+    pattern without a local layer, refused with the attention options)."""
+    window = model.attention.window
+    if window is None or window < block_size:
+        return
+    example = max(1, block_size // 2)
+    raise ConfigError(
+        f"attention.window={window} is not shorter than the training context of {block_size} positions, so "
+        f"every local layer would see its whole past, as with full attention: the window would change "
+        f"nothing. Use attention.window below {block_size} (e.g. attention.window={example}), a longer "
+        "context (model.block_size), or attention.window=null for full attention in every layer."
+    )
+
+
 def check_document_mask(model: GPTConfig, loader: LoaderOptions, trainer: dict[str, Any]) -> None:
     """A document mask with differential attention, refused before the data where the run trains on CUDA: there
     the mask goes through FlexAttention, which differential attention's two half-width kernels do not take (on
@@ -271,7 +287,7 @@ def parse_gpt(cfg: DictConfig) -> GPTRunConfig:
     optim = parse_optim(cast(dict[str, Any], plain(cfg.optim)), trainer["max_steps"], strategy.label)
     model, from_tokenizer, init_from = parse_model(cfg)
     data, loader = parse_data(cfg.data)
-    check_context(model, loader)
+    check_window(model, check_context(model, loader))
     check_document_mask(model, loader, trainer)
     study, passkey = parse_studies(cfg)
     if study is not None:

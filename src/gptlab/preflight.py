@@ -23,9 +23,15 @@ def _is_int(value: Any) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+#: the seeds numpy (and so Lightning's seed_everything) takes: 0 to 2**32 - 1
+MAX_SEED = 2**32 - 1
+
+
 def check_seed(seed: Any) -> None:
     if not _is_int(seed):
         raise ConfigError(f"seed={seed!r} must be an integer (e.g. seed=1337).")
+    if not 0 <= seed <= MAX_SEED:  # else a traceback from numpy's seeding, after the run folder is made
+        raise ConfigError(f"seed={seed} must be from 0 to {MAX_SEED} (numpy's range; e.g. seed=1337).")
 
 
 @functools.cache

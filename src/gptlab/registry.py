@@ -191,7 +191,22 @@ def check_type(value: Any, hint: Any, label: str) -> Any:
     ok, converted = _match(value, hint)
     if ok:
         return converted
-    raise ConfigError(f"{label}={value!r} must be {_describe(hint)} (got {type(value).__name__}).")
+    close = difflib.get_close_matches(str(value), _literal_names(hint), n=1) if isinstance(value, str) else []
+    raise ConfigError(
+        f"{label}={value!r} must be {_describe(hint)} (got {type(value).__name__})."
+        + (f" Did you mean {label}={close[0]}?" if close else "")
+    )
+
+
+def _literal_names(hint: Any) -> list[str]:
+    """The string choices a hint allows (``Literal["none", "yarn"]``, also inside a union), for a typo's
+    closest one."""
+    origin = typing.get_origin(hint)
+    if origin is Literal:
+        return [a for a in typing.get_args(hint) if isinstance(a, str)]
+    if origin in (Union, types.UnionType):
+        return [name for arg in typing.get_args(hint) for name in _literal_names(arg)]
+    return []
 
 
 def _match(value: Any, hint: Any) -> tuple[bool, Any]:

@@ -409,6 +409,11 @@ def read_run_dir(run_dir: str | Path, source: str = "auto") -> RunRecord:
     _status(run, record, series)
     mark_divergence(record)
     if not record.val_loss:
+        if run.config().get("task") == "word2vec":  # word vectors: no language-model loss to rank
+            raise DataError(
+                f"{run.path} is a task=word2vec run: its word vectors have no val/loss to compare (python "
+                f"scripts/eval_embeddings.py {run.path} scores them)"
+            )
         raise DataError(
             f"{run.path} logged no val/loss ({record.describe_status()}: did it stop before its first "
             "validation?)"

@@ -9,6 +9,7 @@ A new task is a module here with ``run(cfg)`` and one line in ``TASKS``.
 
 from __future__ import annotations
 
+import difflib
 import importlib
 from collections.abc import Callable
 
@@ -26,8 +27,9 @@ def task_runner(cfg: DictConfig) -> Callable[[DictConfig], dict[str, float]]:
     import_plugins(cfg.get("plugins"))
     name = cfg.get("task") or "gpt"
     if name not in TASKS:
+        close = difflib.get_close_matches(str(name), list(TASKS), n=1)
         raise ConfigError(
-            f"task={name!r} is not one of {sorted(TASKS)}: task=gpt trains the language model, task=word2vec "
-            "word vectors."
+            f"task={name!r} is not one of {', '.join(sorted(TASKS))}: task=gpt trains the language model, "
+            "task=word2vec word vectors." + (f" Did you mean task={close[0]}?" if close else "")
         )
     return importlib.import_module(TASKS[name]).run

@@ -67,6 +67,9 @@ def run(cfg: DictConfig) -> dict[str, float]:
     quiet_launched_ranks()
     run_dir = record_run_dir(cfg)  # before the parse: the trainer's default_root_dir interpolates it
     settings = parse_gpt(cfg)  # before Lightning is imported (seconds): a refusal comes at once
+    warmup = settings.optim.options.warmup_outlasts(settings.trainer["max_steps"])
+    if warmup is not None and not launched_rank():  # one warning for the run, from rank 0
+        log.warning(warmup)
     # before the run directory, the data or any weight: a run that cannot fit its device is refused
     check_memory(settings)
     import lightning as L
@@ -771,11 +774,17 @@ def closing_lines(
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     from gptlab.tracking.loggers import logger_lines
+    from gptlab.training.metrics import after_first_step
 
+    first = after_first_step(trainer)
     rates = (
         f": {metrics['tokens_per_second_wall']:,.0f} tokens/s of wall time (start-up, data, validation and "
         f"checkpoints included); training rate {metrics['tokens_per_second_training']:,.0f} tokens/s "
-        "(validation excluded)"
+        + (
+            f"(validation excluded; {first[1]:,.0f} after the first step, which took {first[0]:.1f} s)"
+            if first is not None
+            else "(validation excluded)"
+        )
         if "tokens_per_second_wall" in metrics
         else ""
     )

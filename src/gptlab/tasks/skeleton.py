@@ -64,11 +64,15 @@ def record_run_dir(cfg: DictConfig) -> Path:
 
 
 class DropLightningTips(logging.Filter):
-    """Lightning's advertisement on every Trainer ("Tip: ... try installing litlogger"), which no setting
-    turns off; its other lines pass."""
+    """Lightning's advertisement on every Trainer ("Tip: ... try installing litlogger"), and its line on every
+    Trainer of a machine without a TPU ("TPU available: False, using: 0 TPU cores": the model card names the
+    device), which no setting turns off; its other lines pass (a TPU that is there, the GPU line)."""
+
+    DROPPED = ("Tip: For seamless cloud logging", "TPU available: False, using: 0 TPU cores")
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return "Tip: For seamless cloud logging" not in record.getMessage()
+        message = record.getMessage()
+        return not any(line in message for line in self.DROPPED)
 
 
 def route_lightning_logs() -> None:

@@ -8,6 +8,7 @@ loggers (:mod:`gptlab.tracking.plain_loggers`).
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import logging
 import math
@@ -35,6 +36,7 @@ from gptlab.word2vec.task import (
     Trainer,
     check_resume,
     evaluate_run,
+    explicit_overrides,
     pick_device,
     trainer_limits,
 )
@@ -72,6 +74,77 @@ class Word2VecRunConfig:
         return settings
 
 
+#: the nodes a word2vec run never reads: the language model, its training loop and its studies
+GPT_ONLY_NODES = (
+    "model",
+    "pos",
+    "activation",
+    "norm",
+    "attention",
+    "optim",
+    "loss",
+    "strategy",
+    "tokenizer",
+    "callbacks",
+    "compile",
+    "activation_checkpointing",
+    "allow_over_memory",
+    "eval_length",
+    "eval_harness",
+)
+#: the trainer's keys a word2vec run honours (:func:`gptlab.word2vec.task.trainer_limits`, the log interval)
+TRAINER_KEYS_READ = ("max_steps", "max_time", "log_every_n_steps")
+#: a language-model setting a newcomer reaches for, and word2vec's own
+WORD2VEC_EQUIVALENT = {
+    "optim.lr": "word2vec.lr",
+    "model.n_embd": "word2vec.dim",
+    "data.batch_size": "word2vec.batch_size",
+    "trainer.accelerator": "word2vec.device",
+    "trainer.devices": "word2vec.threads",
+}
+
+
+def unread_overrides(overrides: list[str]) -> list[str]:
+    """The command line's overrides that a word2vec run does not read (``model=small``, ``optim.lr=0.05``,
+    ``trainer.precision=bf16``, ``data.batch_size=64``): the language model's nodes, the trainer's keys other
+    than its limits, the data loader's keys beside the corpus's. A preset (``debug=fast``) is not one."""
+    from gptlab.data.sources import DataSpec
+
+    corpus_keys = {f.name for f in dataclasses.fields(DataSpec)}
+    unread = []
+    for override in overrides:
+        key = override.lstrip("+~").split("=", 1)[0]
+        node, _, rest = key.partition(".")
+        sub = rest.split(".", 1)[0]
+        if (
+            node in GPT_ONLY_NODES
+            or (node == "trainer" and sub and sub not in TRAINER_KEYS_READ)
+            or (node == "data" and sub and sub not in corpus_keys)
+        ):
+            unread.append(override)
+    return unread
+
+
+def warn_unread_overrides(overrides: list[str]) -> None:
+    """Say, once and before any work, which overrides change nothing in this run, and word2vec's own option
+    where one does what was meant: a run that ignored ``optim.lr=0.05`` silently would train at word2vec.lr."""
+    unread = unread_overrides(overrides)
+    if not unread:
+        return
+    fixes = []
+    for override in unread:
+        key, _, value = override.lstrip("+~").partition("=")
+        if key in WORD2VEC_EQUIVALENT:
+            fixes.append(f"{WORD2VEC_EQUIVALENT[key]}={value} for {override}")
+    log.warning(
+        "task=word2vec does not read %s: %s nothing in this run. %sword2vec's options are under word2vec.* "
+        "(python train.py task=word2vec --cfg job lists them).",
+        ", ".join(unread),
+        "it changes" if len(unread) == 1 else "they change",
+        f"Set {', '.join(fixes)}; " if fixes else "",
+    )
+
+
 def require_gensim_for_evaluation(options: Word2VecOptions) -> None:
     """Refuse, before any training, ``word2vec.evaluate=true`` where gensim is not installed: the evaluation reads
     the vectors and scores them on the benchmark files gensim ships, after the whole run (a GPU image given only
@@ -89,6 +162,7 @@ def run(cfg: DictConfig) -> dict[str, float]:
     t0 = time.perf_counter()
     run_dir = record_run_dir(cfg)  # before the config is parsed: nodes interpolate paths.output_dir
     settings = Word2VecRunConfig.parse(cfg)
+    warn_unread_overrides(explicit_overrides(cfg))
     options = settings.options
     device = pick_device(options)
     session = RunSession.start(cfg, settings.run, run_dir)

@@ -68,6 +68,18 @@ class SampleGeneration(L.Callback):
                 f"callbacks.sample_generation.temperature={temperature} is negative: use 0 for the greedy "
                 "continuation alone, or a positive temperature (e.g. 1.0) to sample one as well."
             )
+        # the sampler reads a negative top_k as no cap and a top_p outside (0, 1] as no nucleus: refused, so
+        # that the line's "sampled (...)" never names a restriction that was not applied
+        if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0):
+            raise ConfigError(
+                f"callbacks.sample_generation.top_k={top_k!r} must be a positive number of tokens (e.g. 40), or "
+                "null (or 0) to sample from the whole vocabulary."
+            )
+        if top_p is not None and not 0 < top_p <= 1:
+            raise ConfigError(
+                f"callbacks.sample_generation.top_p={top_p!r} must be above 0 and at most 1 (e.g. 0.95: the "
+                "likeliest tokens that hold 95% of the probability), or null for no nucleus."
+            )
         self.prompt = prompt
         self.max_new_tokens = max_new_tokens
         self.decodings = [Decoding()]

@@ -108,6 +108,9 @@ class TrainingThroughput(ThroughputMonitor):
         self.run_tokens = 0  # tokens trained by this process (all ranks)
         self._validation_t0: float | None = None
         self._warned_above_peak = False
+        # (training seconds, tokens) at the end of this process's first optimizer step: its warm-up (first
+        # kernels, allocations, a compile) is in the whole run's rate, and the closing line says how much
+        self.first_step: tuple[float, int] | None = None
 
     @property
     def training_seconds(self) -> float:
@@ -149,7 +152,14 @@ class TrainingThroughput(ThroughputMonitor):
         datamodule = trainer.datamodule  # type: ignore[attr-defined]  # set by Lightning's data connector, undeclared
         module = cast("GPTLitModule", pl_module)
         flops_per_token = module.flops_per_token(getattr(datamodule, "block_size", None))
-        log.info("MFU against %s per device (%s); %.3g FLOPs per token", rate, self._source, flops_per_token)
+        bound = time_at_peak(trainer, datamodule, flops_per_token, peak)
+        log.info(
+            "MFU against %s per device (%s); %.3g FLOPs per token%s",
+            rate,
+            self._source,
+            flops_per_token,
+            f"{bound} (a lower bound: a run reaches a fraction of the peak)" if bound else "",
+        )
         facts = {
             "parameters/total": float(module.model.parameter_counts()["total"]),
             "model/flops_per_token": flops_per_token,
@@ -174,6 +184,8 @@ class TrainingThroughput(ThroughputMonitor):
         self.tokens_seen += tokens
         self.run_tokens += tokens
         super().on_train_batch_end(trainer, pl_module, outputs, batch, *args)
+        if self.first_step is None and not trainer.fit_loop._should_accumulate():
+            self.first_step = (self.training_seconds, self.run_tokens)
 
     def on_validation_start(self, trainer: L.Trainer, *args: Any) -> None:
         if trainer.is_global_zero and not trainer.sanity_checking and trainer.state.fn == TrainerFn.FITTING:
@@ -222,6 +234,52 @@ class TrainingThroughput(ThroughputMonitor):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.tokens_seen = int(state_dict.get("tokens_seen", 0))
+
+
+def duration(seconds: float) -> str:
+    """``seconds`` for a reader: 0.03 s, 48 s, 12 min, 3 h 05 min, 2.4 days."""
+    if seconds < 10:
+        return f"{seconds:.2g} s"
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    if seconds < 90 * 60:
+        return f"{seconds / 60:.0f} min"
+    if seconds < 48 * 3600:
+        hours, minutes = divmod(round(seconds / 60), 60)
+        return f"{hours} h {minutes:02d} min"
+    return f"{seconds / 86400:.1f} days"
+
+
+def time_at_peak(trainer: L.Trainer, datamodule: Any, flops_per_token: float, peak: float) -> str:
+    """``: the 320 steps to train are 1.35e+13 FLOPs, 32 s at that peak``: the least time the steps left to
+    train can take on these devices, so that a model too large for the machine (GPT-2 small on two CPU cores:
+    hours) says so before its first step, not after it. "" where the steps or the batch are unknown."""
+    max_steps = trainer.max_steps
+    batch, block = getattr(datamodule, "batch_size", None), getattr(datamodule, "block_size", None)
+    if not (isinstance(batch, int) and isinstance(block, int) and max_steps > 0 and peak > 0):
+        return ""
+    steps = max_steps - trainer.global_step
+    if steps <= 0:
+        return ""
+    tokens = steps * batch * block * trainer.accumulate_grad_batches * trainer.world_size
+    flops = tokens * flops_per_token
+    return (
+        f": the {steps:,} steps to train are {flops:.3g} FLOPs, "
+        f"{duration(flops / (peak * trainer.world_size))} at that peak"
+    )
+
+
+def after_first_step(trainer: L.Trainer) -> tuple[float, float] | None:
+    """(seconds of this process's first optimizer step, the training rate of the steps after it): the first
+    step carries the warm-up (a compile with compile=true: tens of seconds), which the whole run's training
+    rate includes. None without a second step, or off rank 0 (whose clock the rates are)."""
+    for callback in trainer.callbacks:  # type: ignore[attr-defined]  # set by Lightning's callback connector, undeclared
+        if isinstance(callback, TrainingThroughput) and callback.first_step is not None:
+            seconds, tokens = callback.first_step
+            later = callback.training_seconds - seconds
+            if seconds > 0 and later > 0 and callback.run_tokens > tokens:
+                return seconds, (callback.run_tokens - tokens) / later
+    return None
 
 
 def run_rates(trainer: L.Trainer, wall_seconds: float) -> dict[str, float]:

@@ -34,6 +34,7 @@ With ``model.param=mup`` the AdamW learning rate of the hidden matrices is scale
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import typing
 from collections.abc import Callable, Mapping
@@ -99,6 +100,22 @@ class ScheduleOptions:
                 f"optim.decay_fraction={self.decay_fraction} of trainer.max_steps={max_steps}) exceed "
                 "the run: shorten the warmup, lower optim.decay_fraction or raise trainer.max_steps."
             )
+
+    def warmup_outlasts(self, max_steps: int) -> str | None:
+        """What a warmup no shorter than the run does to its learning rate, with the fix; None where the
+        warmup ends before the last step. Not refused: a smoke run of a few steps may mean it, but its loss
+        then says little about the recipe, and a newcomer reads it as the model's."""
+        if max_steps < 1 or self.warmup_steps < max_steps:
+            return None
+        peak = self.factor(max_steps)(max_steps - 1)  # the last step's multiplier: the highest it reaches
+        lr = getattr(self, "lr", None)
+        of_lr = f"optim.lr={lr:g} ({lr * peak:.3g})" if isinstance(lr, float) else "optim.lr"
+        return (
+            f"optim.warmup_steps={self.warmup_steps} is not shorter than trainer.max_steps={max_steps}: the "
+            f"learning rate rises for the whole run, to {peak:.0%} of {of_lr} at its last step, and never "
+            f"decays. Use optim.warmup_steps below {max_steps} (e.g. optim.warmup_steps={max(1, max_steps // 10)}), "
+            "or more steps."
+        )
 
     def factor(self, max_steps: int) -> Callable[[int], float]:
         """The multiplier of the peak rate at each optimizer step of a run of ``max_steps`` steps."""
@@ -346,14 +363,18 @@ def _typed(value: Any, hint: Any, key: str, options_type: type) -> Any:
             return tuple(check_type(v, t, label) for v, t in zip(value, items))
         return check_type(value, hint, label)
     except ConfigError:
+        close: list[str] = []
         if typing.get_origin(hint) is tuple:
             what = f"a list of {len(typing.get_args(hint))} numbers"
         elif typing.get_origin(hint) is Literal:
-            what = "one of " + ", ".join(str(a) for a in typing.get_args(hint))
+            choices = [str(a) for a in typing.get_args(hint)]
+            what = "one of " + ", ".join(choices)
+            close = difflib.get_close_matches(str(value), choices, n=1)  # cosin: cosine
         else:
             what = _DESCRIPTIONS.get(hint, str(hint))
         raise ConfigError(
             f"{label}={value!r} must be {what} (e.g. {label}={_example(options_type, key)})."
+            + (f" Did you mean {label}={close[0]}?" if close else "")
         ) from None
 
 

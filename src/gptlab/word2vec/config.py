@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
@@ -13,6 +14,13 @@ OPTIMIZERS = ("sgd", "sparse_adam")
 OBJECTIVES = ("negative", "hierarchical", "softmax")
 DEVICES = ("auto", "cpu", "cuda")
 PARALLEL = ("processes", "threads")
+
+
+def _closest(key: str, value: Any, allowed: tuple[str, ...]) -> str:
+    """The hint for a mistyped choice: the allowed value closest to it (``cbw``: "Did you mean
+    word2vec.mode=cbow?"), or nothing when none is close."""
+    close = difflib.get_close_matches(str(value), allowed, n=1)
+    return f" Did you mean word2vec.{key}={close[0]}?" if close else ""
 
 
 @dataclass
@@ -46,23 +54,30 @@ class Word2VecOptions:
         if self.mode not in MODES:
             raise ConfigError(
                 f"word2vec.mode={self.mode!r} is not one of {MODES} (e.g. word2vec.mode=skipgram)."
+                + _closest("mode", self.mode, MODES)
             )
         if self.objective not in OBJECTIVES:
             raise ConfigError(
                 f"word2vec.objective={self.objective!r} is not one of {OBJECTIVES} (e.g. word2vec.objective=negative)."
+                + _closest("objective", self.objective, OBJECTIVES)
             )
         if self.device not in DEVICES:
             raise ConfigError(
                 f"word2vec.device={self.device!r} is not one of {DEVICES} (auto: a CUDA GPU when there is one)."
+                + _closest("device", self.device, DEVICES)
             )
         if self.optimizer not in OPTIMIZERS:
             raise ConfigError(
                 f"word2vec.optimizer={self.optimizer!r} is not one of {OPTIMIZERS} (e.g. word2vec.optimizer=sgd)."
+                + _closest("optimizer", self.optimizer, OPTIMIZERS)
             )
         for name in ("dim", "window", "min_count", "batch_size", "checkpoint_every"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ConfigError(f"word2vec.{name}={value!r} must be a positive integer.")
+                default = next(f.default for f in fields(self) if f.name == name)
+                raise ConfigError(
+                    f"word2vec.{name}={value!r} must be a positive integer (e.g. word2vec.{name}={default})."
+                )
         if not isinstance(self.negatives, int) or self.negatives < 1:
             raise ConfigError(
                 f"word2vec.negatives={self.negatives!r} must be a positive integer (5-20 for small corpora, "
@@ -84,6 +99,7 @@ class Word2VecOptions:
         if self.parallel not in PARALLEL:
             raise ConfigError(
                 f"word2vec.parallel={self.parallel!r} is not one of {PARALLEL} (processes: forked workers on shared tables)."
+                + _closest("parallel", self.parallel, PARALLEL)
             )
         if not isinstance(self.native, bool):
             raise ConfigError(

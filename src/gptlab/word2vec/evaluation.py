@@ -32,8 +32,15 @@ PLOT_WORDS = (
 )  # fmt: skip
 
 
+def _quiet_gensim() -> None:
+    """gensim's INFO records (a lifecycle event per table loaded, the toy dictionary that importing
+    ``gensim.test.utils`` builds) off a run's console and log; its warnings stay. Called before each import."""
+    logging.getLogger("gensim").setLevel(logging.WARNING)
+
+
 def keyed_vectors(words: list[str], vectors: np.ndarray):
     """A gensim ``KeyedVectors`` of ``words`` (in this order) and their (V, dim) ``vectors``."""
+    _quiet_gensim()
     from gensim.models import KeyedVectors
 
     kv = KeyedVectors(vector_size=vectors.shape[1], count=0, dtype=np.float32)
@@ -80,6 +87,7 @@ def whole_word_vectors(kv):
 def load_embeddings(path: str | Path):
     """Word vectors from a word2vec text file, a word2vec run directory (its embeddings.txt), or a GPT run
     directory / checkpoint (the rows of its token embedding table that are whole words)."""
+    _quiet_gensim()
     from gensim.models import KeyedVectors
 
     path = Path(path)
@@ -123,16 +131,12 @@ def gpt_word_vectors(path: str | Path):
     return keyed_vectors(words, table[rows])
 
 
-def _quiet_gensim() -> None:
-    logging.getLogger("gensim").setLevel(logging.WARNING)
-
-
 def word_pairs_score(kv, name: str) -> dict[str, float]:
     """Spearman's rho (and Pearson's r) between cosine similarity and human scores, on the pairs whose both
     words are in the vocabulary; ``coverage`` is the share of the benchmark's pairs that are."""
+    _quiet_gensim()
     from gensim.test.utils import datapath
 
-    _quiet_gensim()
     path = datapath(name)
     total = sum(1 for line in open(path, encoding="utf8") if line.strip() and not line.startswith("#"))
     try:
@@ -165,6 +169,7 @@ def analogy_score(kv, chunk: int = 1024) -> dict[str, float]:
     The same rule as gensim's ``evaluate_word_analogies`` (a test checks they agree), computed as one matrix
     product per chunk of questions: gensim answers one question at a time in Python, minutes for a vocabulary
     of GPT-2's size."""
+    _quiet_gensim()
     from gensim.test.utils import datapath
 
     questions = read_analogies(datapath("questions-words.txt"))

@@ -70,7 +70,8 @@ def check_resume(path: Path, options: Word2VecOptions, words: list[str]) -> Resu
     return ResumePlan(path, int(checkpoint.get("global_step", 0)), str(run_id) if run_id else None)
 
 
-def _explicit_overrides(cfg: DictConfig) -> list[str]:
+def explicit_overrides(cfg: DictConfig) -> list[str]:
+    """The overrides of this job's command line (Hydra's task overrides), as typed."""
     from hydra.core.hydra_config import HydraConfig
 
     if HydraConfig.initialized():
@@ -102,7 +103,7 @@ def trainer_limits(cfg: DictConfig) -> tuple[int | None, float | None]:
     """(step cap, seconds cap): trainer.max_steps and trainer.max_time when they were given (on the command
     line or by a debug= preset). As in Lightning, they stop the run early; the learning rate still decays over
     word2vec.epochs (or word2vec.max_steps)."""
-    overrides = _explicit_overrides(cfg)
+    overrides = explicit_overrides(cfg)
 
     def given(key: str) -> bool:
         return any(o.lstrip("+").startswith(f"trainer.{key}=") or o.startswith("debug=") for o in overrides)
