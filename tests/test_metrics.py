@@ -113,6 +113,22 @@ def test_a_later_process_reuses_the_calibration_and_never_lowers_it(tmp_path, mo
     assert stored[peak.cpu_calibration_key()]["flops"] == second
 
 
+def test_a_bf16_run_on_a_cpu_is_measured_against_the_cpus_bf16_peak(tmp_path, monkeypatch):
+    """A CPU with bf16 units (AMX) multiplies bf16 several times faster than fp32: a bf16-mixed run's MFU
+    against the fp32 peak could read above 100%. Each dtype has its own measurement and calibration entry."""
+    monkeypatch.setenv("GPTLAB_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(peak, "_measured", {})
+    bf16, source = peak.device_peak_flops(torch.device("cpu"), torch.bfloat16)
+    assert "bf16 matmul" in source
+    assert bf16 == measure_matmul_peak("cpu", torch.bfloat16)
+    fp32, fp32_source = peak.device_peak_flops(torch.device("cpu"), torch.float32)
+    assert "fp32 matmul" in fp32_source and fp32 == measure_matmul_peak("cpu", torch.float32)
+    stored = json.loads((tmp_path / "peak_flops.json").read_text())
+    bf16_key, fp32_key = peak.cpu_calibration_key(dtype=torch.bfloat16), peak.cpu_calibration_key()
+    assert bf16_key != fp32_key
+    assert stored[bf16_key]["flops"] == bf16 and stored[fp32_key]["flops"] == fp32
+
+
 @pytest.mark.parametrize(
     "name, chip, bf16",
     [

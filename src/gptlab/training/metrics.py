@@ -3,8 +3,8 @@
 Throughput and MFU are Lightning's (``ThroughputMonitor``): MFU is the share of the
 hardware's peak that the model's own arithmetic uses (PaLM, Chowdhery et al. 2022, appendix B), tokens per
 second x FLOPs per token / peak FLOP/s. What Lightning lacks is added here: a peak that a busy machine
-cannot lower (gptlab.training.peak: dense datasheet figures for GPUs, the best calibrated fp32 matmul rate for
-CPUs), an MFU above 100% never logged as one (it shows that the peak is wrong, not the run fast), the
+cannot lower (gptlab.training.peak: dense datasheet figures for GPUs, the best calibrated matmul rate in the run's
+compute dtype for CPUs), an MFU above 100% never logged as one (it shows that the peak is wrong, not the run fast), the
 project's metric names (``train/tokens_per_second``, ``train/mfu``) and a token count that survives resume.
 """
 

@@ -151,10 +151,15 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine() or "unknown CPU"
 
 
-def cpu_calibration_key(threads: int | None = None) -> str:
-    """What a CPU figure depends on: the CPU model, its logical cores, torch's threads and torch's version."""
+DTYPE_LABELS = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def cpu_calibration_key(threads: int | None = None, dtype: torch.dtype = torch.float32) -> str:
+    """What a CPU figure depends on: the CPU model, its logical cores, torch's threads, torch's version and
+    the products' dtype (a CPU with bf16 units, AMX for one, multiplies bf16 several times faster than fp32)."""
     threads = threads or torch.get_num_threads()
-    return f"{cpu_model()} | {os.cpu_count()} cores | {threads} threads | torch {torch.__version__} | fp32"
+    label = DTYPE_LABELS.get(dtype, str(dtype))
+    return f"{cpu_model()} | {os.cpu_count()} cores | {threads} threads | torch {torch.__version__} | {label}"
 
 
 def record_calibration(path: Path, key: str, measured: float) -> float:
@@ -194,14 +199,16 @@ def read_calibrations(path: Path) -> dict[str, dict]:
     return table if isinstance(table, dict) else {}
 
 
-def cpu_peak_flops() -> tuple[float, str]:
-    """(FLOP/s, its source) of this CPU for fp32 matmuls at torch's current thread count: the best figure
-    measured on this machine so far, this process's measurement included."""
-    measured = measure_matmul_peak("cpu", torch.float32)
+def cpu_peak_flops(dtype: torch.dtype = torch.float32) -> tuple[float, str]:
+    """(FLOP/s, its source) of this CPU for matmuls in ``dtype`` (the run's compute dtype: bf16 in a
+    ``bf16-mixed`` run) at torch's current thread count: the best figure measured on this machine so far,
+    this process's measurement included."""
+    measured = measure_matmul_peak("cpu", dtype)
     path = calibration_path()
-    best = record_calibration(path, cpu_calibration_key(), measured)
+    best = record_calibration(path, cpu_calibration_key(dtype=dtype), measured)
     threads = torch.get_num_threads()
-    return best, f"best fp32 matmul measured on this CPU at {threads} thread(s), kept in {path}"
+    label = DTYPE_LABELS.get(dtype, str(dtype))
+    return best, f"best {label} matmul measured on this CPU at {threads} thread(s), kept in {path}"
 
 
 def device_peak_flops(device: torch.device, dtype: torch.dtype) -> tuple[float, str]:
@@ -216,11 +223,12 @@ def device_peak_flops(device: torch.device, dtype: torch.dtype) -> tuple[float, 
         return measure_matmul_peak(device, dtype), (
             f"measured {name} {dtype} matmul: no datasheet figure for this GPU, so MFU may read high"
         )
-    return cpu_peak_flops()
+    return cpu_peak_flops(dtype)
 
 
 __all__ = [
     "DATASHEET",
+    "DTYPE_LABELS",
     "ChipPeak",
     "chip_peak",
     "cpu_calibration_key",
