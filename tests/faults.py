@@ -34,6 +34,9 @@ one rank does to a distributed run. GPTLAB_TEST_FAULT chooses it (read here only
   study under way``; ``hold_eval_length:passkey`` holds as the passkey study begins (the length study
   finished and written), printing ``passkey study under way``.
 
+- ``hold_tokenizing``: the preparation of a token cache, its temporary folder made, prints ``tokenization under
+  way`` and holds there (up to 300 s, then goes on) until a signal the test sends ends it.
+
 Lightning starts ranks > 0 by re-running this command line, so the fault is in place in every rank.
 """
 
@@ -275,6 +278,21 @@ elif kind == "hold_eval_length":
             return original_measure(*args, **kwargs)
 
         length.loss_by_position = loss_by_position
+elif kind == "hold_tokenizing":
+    import time
+
+    from gptlab.data.tokenize_pool import TokenizeJob
+
+    original_pieces = TokenizeJob.pieces
+
+    def pieces(self):
+        print("\ntokenization under way", flush=True)  # on a line of its own, after the progress bar's
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            time.sleep(0.05)
+        yield from original_pieces(self)
+
+    TokenizeJob.pieces = pieces
 else:
     raise SystemExit(f"unknown GPTLAB_TEST_FAULT {kind!r}")
 

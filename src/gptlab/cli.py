@@ -7,6 +7,7 @@ import difflib
 import os
 import shlex
 import shutil
+import signal
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -352,6 +353,22 @@ def sweep_stopped_lines(stop: SweepStopped, hydra: Any, argv: list[str] | None =
     ]
 
 
+def stopped_before_training_lines() -> str:
+    """What a Ctrl-C before the first training step says: nothing was trained or kept half-made, and the
+    command that starts again (in a sweep, the one that continues it: its finished jobs stay as they are)."""
+    message = (
+        "Ctrl-C stopped the run before its first training step: nothing was trained, and nothing was left "
+        "half-written (a token cache is written whole or not at all; the checkpoints of a resumed run are as "
+        "they were)."
+    )
+    if not is_multirun():
+        return f"{message} The same command starts again."
+    hydra = HydraConfig.get()
+    stop = SweepStopped(signal.SIGINT, Path(str(hydra.runtime.output_dir)))
+    lines = sweep_stopped_lines(stop, hydra)
+    return "\n".join([message, *lines[1:]])
+
+
 def remove_refused_run_dir(run_dir: Path, job_log: str) -> bool:
     """Remove ``run_dir`` after a refusal when this command created it (it, or a folder above it, did not
     exist when the command started) and it holds only what a refused run writes: Hydra's ``.hydra/`` and
@@ -435,5 +452,13 @@ def run_task(cfg: DictConfig) -> float | None:
     except SweepStopped as stop:
         print("\n".join(sweep_stopped_lines(stop, HydraConfig.get())), flush=True)
         raise SystemExit(stop.exit_status) from None
+    except KeyboardInterrupt:
+        # Ctrl-C before training's own handler took the signal over (preparing the data, building the model,
+        # starting the loggers); from the first step on, training saves and stops, and the studies after it
+        # end cleanly. Nothing of the run was made yet: a folder this command made for it goes, as a refused
+        # run's does, and a token cache under way removed its unfinished files on the way out.
+        _remove_refused_run_dir()
+        print(f"\ngptlab: {stopped_before_training_lines()}", file=sys.stderr, flush=True)
+        raise SystemExit(128 + signal.SIGINT) from None
     metric = cfg.get("optimized_metric")
     return metrics.get(metric) if metric else None
