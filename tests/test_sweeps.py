@@ -109,7 +109,7 @@ def test_a_sweep_goes_on_past_failed_jobs_and_ends_naming_each_with_its_message(
     # the sweep's closing lines, then each failed job with its own message, and no traceback
     assert f"Sweep: 2 runs in {sweep_dir} (1 failed, 1 finished)\nCompare them: " in out
     assert "Traceback" not in err
-    closing = err[err.index("gptlab: error: 2 jobs of the sweep did not run to the end (the others did):") :]
+    closing = err[err.index("gptlab: error: 2 jobs of the sweep did not run to the end:") :]
     lines = closing.splitlines()
     assert lines[1] == "  job #0 (lr=-1) was refused: optim.lr=-1.0 must be positive (e.g. optim.lr=0.004)."
     assert lines[2].startswith("  job #1 (lr=1e+30) failed: The training loss is nan at step 2: ")

@@ -268,15 +268,16 @@ _failed_jobs: list[FailedJob] = []
 
 
 def note_failed_job(error: Exception, refused: bool) -> None:
-    """Say at once that this job of a sweep failed (the sweep goes on to its next job, whose lines follow),
-    and keep it for the sweep's closing lines."""
+    """Say at once that this job of a sweep failed (a grid sweep goes on to its next job, whose lines follow;
+    a search such as Optuna's stops at a failed trial unless told to bear some), and keep it for the sweep's
+    closing lines."""
     from gptlab.runs.naming import labels_from_hydra
 
     hydra = HydraConfig.get()
     labels = labels_from_hydra(hydra)
     job = FailedJob(int(hydra.job.num), labels.name or " ".join(labels.overrides), refused, str(error))
     _failed_jobs.append(job)
-    print(f"\ngptlab: {job.describe()}\nThe sweep goes on with its next job.", file=sys.stderr, flush=True)
+    print(f"\ngptlab: {job.describe()}", file=sys.stderr, flush=True)
 
 
 def end_failed_sweep(error: Exception) -> None:
@@ -298,7 +299,7 @@ def end_failed_sweep(error: Exception) -> None:
         print(f"\ngptlab: error: a job of the sweep failed: {error}", file=sys.stderr, flush=True)
         raise SystemExit(2 if refused else 1) from None
     jobs = f"{len(failed)} job{'s' if len(failed) != 1 else ''}"
-    lines = [f"gptlab: error: {jobs} of the sweep did not run to the end (the others did):"]
+    lines = [f"gptlab: error: {jobs} of the sweep did not run to the end:"]
     lines += [f"  {job.describe()}" for job in failed]
     print("\n" + "\n".join(lines), file=sys.stderr, flush=True)
     raise SystemExit(2 if all(job.refused for job in failed) else 1) from None
