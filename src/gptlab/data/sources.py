@@ -240,7 +240,15 @@ def _load(spec: DataSpec, streaming: bool):
             raise DataError(
                 f"A file in data.path={spec.path!r} is not UTF-8 text: {e}. Convert it to UTF-8."
             ) from e
-        raise DataError(f"Could not read data.path={spec.path!r} as {builder}: {e}") from e
+        # datasets wraps a builder's error in "An error occurred while generating the dataset": the cause is
+        # what names the problem (a JSON line that does not parse, and its row)
+        causes = []
+        cause = e.__cause__
+        while cause is not None and len(causes) < 3:
+            causes.append(f"{type(cause).__name__}: {cause}")
+            cause = cause.__cause__
+        because = f" ({'; '.join(causes)})" if causes else ""
+        raise DataError(f"Could not read data.path={spec.path!r} as {builder}: {e}{because}") from e
 
 
 def _text_column(spec: DataSpec, ds: Any) -> Any:
