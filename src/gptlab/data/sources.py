@@ -242,7 +242,7 @@ def _load(spec: DataSpec, streaming: bool):
             ) from e
         # datasets wraps a builder's error in "An error occurred while generating the dataset": the cause is
         # what names the problem (a JSON line that does not parse, and its row)
-        causes = []
+        causes: list[str] = []
         cause = e.__cause__
         while cause is not None and len(causes) < 3:
             causes.append(f"{type(cause).__name__}: {cause}")
