@@ -965,6 +965,23 @@ def test_a_full_disk_names_the_space_and_keeps_the_last_checkpoint_and_the_metri
         subprocess.run(["umount", str(out)], check=False)
 
 
+def test_a_run_directory_without_last_ckpt_is_refused_naming_its_best_checkpoint(tmp_path, reference_run):
+    # a run stopped before its first last.ckpt (or one whose last.ckpt was deleted) with a best checkpoint
+    run_dir = tmp_path / "run"
+    shutil.copytree(reference_run[0], run_dir)
+    for path in (run_dir / "checkpoints").glob("last.ckpt*"):
+        path.unlink()
+    (best,) = (run_dir / "checkpoints").glob("best-*.ckpt")
+    with pytest.raises(CheckpointError) as refused:
+        checkpoint_to_resume(str(run_dir), tmp_path / "new")
+    assert str(refused.value) == (
+        f"resume={run_dir}: the directory holds no checkpoints/last.ckpt to continue from. It holds {best.name} (a "
+        f"best checkpoint, saved at a validation): resume={best} continues from it. Give a checkpoint "
+        "(resume=<run>/checkpoints/<name>.ckpt), another run directory, or resume=auto."
+    )
+    assert checkpoint_to_resume(str(best), tmp_path / "new") == best  # the command it names is taken
+
+
 def test_a_full_disk_before_the_first_last_checkpoint_names_the_best_checkpoint_to_resume_from(
     tmp_path, cache_dir, reference_run
 ):
