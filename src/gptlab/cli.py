@@ -10,7 +10,7 @@ import shutil
 import signal
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -251,12 +251,16 @@ _sweep: tuple[Path, str | None] | None = None
 
 @dataclass(frozen=True)
 class FailedJob:
-    """A job of a sweep that was refused or failed while the sweep went on to its other jobs."""
+    """A job of a sweep that was refused (bad input) or failed in training."""
 
     num: int
     label: str  # what the job varies ("lr=0.01 seed=1"), as its W&B run is named
     refused: bool  # refused before training (bad input): it left no run directory
-    message: str
+    error: Exception = field(compare=False)
+
+    @property
+    def message(self) -> str:
+        return str(self.error)
 
     def describe(self) -> str:
         return f"job #{self.num} ({self.label}) {'was refused' if self.refused else 'failed'}: {self.message}"
@@ -275,7 +279,7 @@ def note_failed_job(error: Exception, refused: bool) -> None:
 
     hydra = HydraConfig.get()
     labels = labels_from_hydra(hydra)
-    job = FailedJob(int(hydra.job.num), labels.name or " ".join(labels.overrides), refused, str(error))
+    job = FailedJob(int(hydra.job.num), labels.name or " ".join(labels.overrides), refused, error)
     _failed_jobs.append(job)
     print(f"\ngptlab: {job.describe()}", file=sys.stderr, flush=True)
 
@@ -290,7 +294,8 @@ def end_failed_sweep(error: Exception) -> None:
     _sweep = None
     print("\n".join(sweep_closing_lines(sweep_dir, task)), flush=True)
     ours = (ConfigError, DataError, NonFiniteLossError, DiskFullError, RankLostError)
-    failed = list(_failed_jobs) if any(job.message == str(error) for job in _failed_jobs) else []
+    # the error Hydra raises is the first failed job's own, where the jobs ran in this process
+    failed = list(_failed_jobs) if any(job.error is error for job in _failed_jobs) else []
     _failed_jobs.clear()
     if not failed:  # the jobs ran in other processes (joblib, SLURM): their first error is all there is
         if not isinstance(error, ours):
