@@ -41,6 +41,9 @@ one rank does to a distributed run. GPTLAB_TEST_FAULT chooses it (read here only
   or SIGUSR1) has reached the handler in place, which runs as it would have: the run stops at step n however
   slowly the test reads the line.
 
+- ``hold_tokenizing``: the preparation of a token cache, its temporary folder made, prints ``tokenization under
+  way`` and holds there (up to 300 s, then goes on) until a signal the test sends ends it.
+
 Lightning starts ranks > 0 by re-running this command line, so the fault is in place in every rank.
 """
 
@@ -344,6 +347,21 @@ elif kind == "hold_at_step":
         original_batch_end(self, trainer, pl_module, *rest)
 
     StopOnSignal.on_train_batch_end = on_train_batch_end
+elif kind == "hold_tokenizing":
+    import time
+
+    from gptlab.data.tokenize_pool import TokenizeJob
+
+    original_pieces = TokenizeJob.pieces
+
+    def pieces(self):
+        print("\ntokenization under way", flush=True)  # on a line of its own, after the progress bar's
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            time.sleep(0.05)
+        yield from original_pieces(self)
+
+    TokenizeJob.pieces = pieces
 else:
     raise SystemExit(f"unknown GPTLAB_TEST_FAULT {kind!r}")
 

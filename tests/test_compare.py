@@ -520,3 +520,69 @@ def test_runs_that_share_a_seed_count_as_one_seed_and_are_marked_under_the_table
         and "count seed S once" in note
         for note in result.table_notes
     )
+
+
+def _record_offsets(data: bytes) -> list[tuple[int, int, int]]:
+    """(offset, length, type) of each record of a W&B run file, walked as the file's format lays them out."""
+    import struct
+
+    from gptlab.tracking.wandb_runs import BLOCK_SIZE, HEADER_SIZE
+
+    pos, found = HEADER_SIZE, []
+    while pos + HEADER_SIZE <= len(data):
+        left = BLOCK_SIZE - pos % BLOCK_SIZE
+        _, length, kind = (
+            struct.unpack("<IHB", data[pos : pos + HEADER_SIZE]) if left >= HEADER_SIZE else (0, 0, 0)
+        )
+        if kind == 0:
+            pos += left
+            continue
+        found.append((pos, length, kind))
+        pos += HEADER_SIZE + length
+    return found
+
+
+def test_a_damaged_wandb_file_is_read_past_the_damage_and_the_comparison_says_what_is_missing(
+    sweep, tmp_path
+):
+    from gptlab.errors import WandbFileError
+    from gptlab.tracking.wandb_runs import iter_payloads
+
+    _, sweep_dir = sweep
+    runs = _copy_runs(sweep_dir, tmp_path)
+    run_dir = runs[("rope", "gelu", "0")]
+    shutil.rmtree(run_dir / "csv")  # its metrics come from the W&B run file alone
+    (path,) = find_runs(run_dir)
+    whole = read_run(path)
+    data = bytearray(path.read_bytes())
+    # bytes overwritten in the middle of one record in the middle of the file (a bad sector, a crash)
+    records = [r for r in _record_offsets(bytes(data)) if r[1] > 16]
+    offset, length, _ = records[len(records) // 2]
+    data[offset + 7 + length // 2 : offset + 7 + length // 2 + 4] = b"\xde\xad\xbe\xef"
+    path.write_bytes(bytes(data))
+
+    with pytest.raises(WandbFileError, match="checksum mismatch"):  # the strict reader refuses it
+        list(iter_payloads(path))
+    damaged = read_run(path)
+    assert len(damaged.damage) == 1 and damaged.damage[0].startswith(f"bytes {offset:,}-")
+    # only that record is lost: every other history row, the run's identity and config are read
+    assert len(damaged.history) >= len(whole.history) - 1
+    assert all(row in whole.history for row in damaged.history)
+    assert (damaged.run_id, damaged.config) == (whole.run_id, whole.config)
+
+    record = read_run_dir(run_dir)
+    assert record.source == "wandb"
+    assert f"its W&B run file {path} is damaged (bytes {offset:,}-" in "\n".join(record.notes)
+    assert record.final_val_loss == pytest.approx(Run(run_dir).result()["metrics"]["val/loss"], rel=1e-6)
+
+
+def test_a_wandb_file_cut_in_its_last_record_is_read_whole_up_to_it(sweep, tmp_path):
+    # a run killed while W&B wrote: the last record is cut short, which is not damage
+    _, sweep_dir = sweep
+    (path,) = find_runs(find_run_dirs(sweep_dir)[0])
+    offset, length, _ = _record_offsets(path.read_bytes())[-1]
+    cut = tmp_path / path.name
+    cut.write_bytes(path.read_bytes()[: offset + 7 + length // 2])
+    read = read_run(cut)
+    assert read.damage == [] and read.history == read_run(path).history[: len(read.history)]
+    assert len(read.history) >= len(read_run(path).history) - 1

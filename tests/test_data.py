@@ -157,6 +157,39 @@ def test_missing_empty_and_non_utf8_files_are_refused(tmp_path):
         corpus.prepare(DataSpec(path=str(tmp_path / "latin.txt"), cache_dir=str(tmp_path)), "gpt2")
 
 
+def test_a_text_field_that_holds_no_text_is_refused_with_the_columns_that_do(tmp_path):
+    # numbers where the text should be (a jsonl written with the wrong key), or data.text_field naming an id
+    path = tmp_path / "records.jsonl"
+    path.write_text(
+        "\n".join(json.dumps({"text": i, "body": f"document {i} " * 20, "tags": ["a"]}) for i in range(50))
+    )
+    for field, kind in (("text", "int64"), ("tags", "List")):
+        spec = DataSpec(path=str(path), text_field=field, cache_dir=str(tmp_path / "c"))
+        with pytest.raises(DataError) as refused:
+            corpus.prepare(spec, "gpt2")
+        assert str(refused.value) == (
+            f"The column {field!r} of the corpus local files '{path}' holds {kind} values, not text. Set "
+            "data.text_field to the column that holds the text (its text columns: ['body'])."
+        )
+    assert not (tmp_path / "c").exists() or not any(p.is_dir() for p in (tmp_path / "c").iterdir())
+    prepared = corpus.prepare(
+        DataSpec(path=str(path), text_field="body", cache_dir=str(tmp_path / "c")), "gpt2"
+    )
+    assert prepared.meta["splits"]["train"]["documents"] + prepared.meta["splits"]["val"]["documents"] == 50
+
+
+def test_a_jsonl_line_that_does_not_parse_is_named_by_its_row(tmp_path):
+    path = tmp_path / "docs.jsonl"
+    lines = [json.dumps({"text": f"document {i} " * 20}) for i in range(60)]
+    lines[40] = '{"text": "a line cut short'
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(DataError) as refused:
+        corpus.prepare(DataSpec(path=str(path), cache_dir=str(tmp_path / "c")), "gpt2")
+    # the cause datasets wraps, with the row (counted from 0) where the file stops being JSON lines
+    assert str(refused.value).startswith(f"Could not read data.path='{path}' as json: ")
+    assert "(ArrowInvalid: JSON parse error: " in str(refused.value) and "in row 40)" in str(refused.value)
+
+
 def test_corpus_shorter_than_one_window_is_refused(tmp_path):
     for i in range(10):
         (tmp_path / f"{i}.txt").write_text(f"tiny document number {i}.")

@@ -332,3 +332,55 @@ def test_a_read_only_empty_cache_folder_is_named_with_the_fix(tmp_path):
         "caches alone)."
     )
     assert list((tmp_path / "ro").iterdir()) == []
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A real filesystem with 64 KiB of room (a tmpfs), unmounted after the test."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(disk)], capture_output=True
+    )
+    if mounted.returncode != 0:
+        pytest.skip(
+            f"cannot mount a tmpfs here (needs root outside an unprivileged container): {mounted.stderr!r}"
+        )
+    yield disk
+    subprocess.run(["umount", str(disk)], check=True)
+
+
+@pytest.mark.parametrize("num_proc", [1, 2])
+def test_a_disk_that_fills_while_tokens_are_written_is_named_with_the_fix_and_keeps_nothing(
+    small_disk, tmp_path, num_proc
+):
+    # 2,000 documents of 40 to 120 words: about 230 kB of GPT-2 ids, on a disk with 64 KiB
+    text = tmp_path / "corpus.jsonl"
+    rng = np.random.default_rng(0)
+    words = "the of and a to in is that for it as was with be by on not he this are or his".split()
+    with open(text, "w") as f:
+        for i in range(2000):
+            f.write(
+                json.dumps(
+                    {"text": f"Document {i}. " + " ".join(rng.choice(words, int(rng.integers(40, 120))))}
+                )
+            )
+            f.write("\n")
+    cache_dir = small_disk / "tokens"
+    spec = DataSpec(path=str(text), cache_dir=str(cache_dir), num_proc=num_proc)
+    with pytest.raises(DataError) as refused:
+        corpus.prepare(spec, "gpt2")
+    message = str(refused.value)
+    assert message.startswith(
+        f"No space left on {cache_dir} while writing the token cache of local files '{text}': the disk filled "
+        "after "
+    ), message
+    assert message.endswith(
+        "Nothing was kept: the unfinished cache was removed. Free space there, or put the token caches on another "
+        "disk with data.cache_dir=<a folder with room> (or paths.cache_dir=<folder> for every cache)."
+    )
+    # nothing is left but the lock file: neither a cache folder nor the unfinished one
+    assert [p.suffix for p in cache_dir.iterdir()] == [".lock"]
+    # the same corpus on a disk with room is prepared whole
+    prepared = corpus.prepare(DataSpec(path=str(text), cache_dir=str(tmp_path / "tokens")), "gpt2")
+    assert len(prepared.train) + len(prepared.val) > 64 * 1024 // 2

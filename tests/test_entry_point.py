@@ -180,7 +180,11 @@ def test_a_refusal_keeps_a_run_folder_that_was_there_before(tmp_path):
 def test_a_refused_sweep_leaves_no_job_folders(tmp_path):
     sweep = tmp_path / "sweep"
     proc = train_py("-m", "model.n_layer=-1,-2", f"hydra.sweep.dir={sweep}", cwd=tmp_path)
-    assert "model.n_layer=-1 must be a positive integer" in proc.stderr
+    assert "job #0 (n_layer=-1) was refused: model.n_layer=-1 must be a positive integer" in proc.stderr
+    assert "job #1 (n_layer=-2) was refused: model.n_layer=-2 must be a positive integer" in proc.stderr
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[
+        -3000:
+    ]  # as a single refused run
     assert [p.name for p in sweep.iterdir()] == ["multirun.yaml"]
 
 

@@ -1023,6 +1023,72 @@ def test_a_full_disk_names_the_space_and_keeps_the_last_checkpoint_and_the_metri
         subprocess.run(["umount", str(out)], check=False)
 
 
+def test_a_run_directory_without_last_ckpt_is_refused_naming_its_best_checkpoint(tmp_path, reference_run):
+    # a run stopped before its first last.ckpt (or one whose last.ckpt was deleted) with a best checkpoint
+    run_dir = tmp_path / "run"
+    shutil.copytree(reference_run[0], run_dir)
+    for path in (run_dir / "checkpoints").glob("last.ckpt*"):
+        path.unlink()
+    (best,) = (run_dir / "checkpoints").glob("best-*.ckpt")
+    with pytest.raises(CheckpointError) as refused:
+        checkpoint_to_resume(str(run_dir), tmp_path / "new")
+    assert str(refused.value) == (
+        f"resume={run_dir}: the directory holds no checkpoints/last.ckpt to continue from. It holds {best.name} (a "
+        f"best checkpoint, saved at a validation): resume={best} continues from it. Give a checkpoint "
+        "(resume=<run>/checkpoints/<name>.ckpt), another run directory, or resume=auto."
+    )
+    assert checkpoint_to_resume(str(best), tmp_path / "new") == best  # the command it names is taken
+
+
+def test_a_full_disk_before_the_first_last_checkpoint_names_the_best_checkpoint_to_resume_from(
+    tmp_path, cache_dir, reference_run
+):
+    """A real full filesystem (room for one checkpoint and a half) where last.ckpt is not due yet: the first
+    validation's best checkpoint fits, the second's does not. The message names the first, which holds the
+    run, rather than saying no checkpoint was written."""
+    size = (last_checkpoint(reference_run[0])).stat().st_size
+    out = tmp_path / "run"
+    out.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size * 3 // 2 // 4096 * 4096}", "tmpfs", str(out)],
+        capture_output=True,
+        text=True,
+    )
+    if mounted.returncode != 0:
+        pytest.skip(
+            f"cannot mount a tmpfs here (needs root outside an unprivileged container): {mounted.stderr}"
+        )
+    try:
+        cfg = compose_cfg(
+            *with_overrides(
+                ARGS,
+                "trainer.val_check_interval=2",
+                "callbacks.last_checkpoint.every_n_train_steps=100",  # no last.ckpt before the end
+                "callbacks.model_checkpoint.save_top_k=2",  # step 4's best is saved whatever its loss
+            ),
+            "logger=csv",
+            f"paths.root_dir={cache_dir}",
+            f"paths.output_dir={out}",
+        )
+        with pytest.raises(DiskFullError) as raised:
+            run(cfg)
+        checkpoints = out / "checkpoints"
+        (kept,) = checkpoints.glob("best-step000002-*.ckpt")
+        message = str(raised.value)
+        assert re.fullmatch(
+            rf"no space left on {checkpoints}: the checkpoint best-step000004-val[\d.]+\.ckpt needs about \d+ MB, "
+            rf"\d+ MB free\. Free space there, or start the run on another disk \(hydra.run.dir=<dir>\); no "
+            rf"last.ckpt was written yet, and the best checkpoint {kept} is intact: once there is space, "
+            rf"resume={kept} continues from it\.",
+            message,
+        ), message
+        assert not last_checkpoint(out).exists()
+        assert digests.check(kept).verified  # "intact", as the message says
+        assert torch.load(kept, map_location="cpu", weights_only=True)["global_step"] == 2
+    finally:
+        subprocess.run(["umount", str(out)], check=False)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "fault, signal_name, status", [("ctrl_c", "Ctrl-C", 130), ("sigterm", "SIGTERM", 143)]

@@ -5,13 +5,15 @@ import itertools
 import math
 import runpy
 import statistics
+import sys
 
 import pytest
 from conftest import ROOT, TINY, run_train
+from hydra.core.global_hydra import GlobalHydra
 from omegaconf import OmegaConf
 
 from gptlab.comparison.report import compare
-from gptlab.runs.layout import last_checkpoint
+from gptlab.runs.layout import Run, last_checkpoint
 from gptlab.tracking.wandb_runs import find_runs, read_run
 
 # A tiny character-level model: a job trains in seconds.
@@ -78,6 +80,41 @@ def test_a_sweep_ends_with_where_its_runs_are_and_the_command_that_compares_them
     closing = f"Sweep: {len(JOBS)} runs in {sweep_dir} ({len(JOBS)} finished)\n"
     closing += f"Compare them: python scripts/compare.py {sweep_dir}"
     assert proc.stdout.rstrip().endswith(closing), proc.stdout[-2000:]
+
+
+def test_a_sweep_goes_on_past_failed_jobs_and_ends_naming_each_with_its_message(tmp_path, monkeypatch, capfd):
+    # job 0 is refused (bad input), job 1 diverges at its second step, job 2 trains: run in this process as
+    # `python train.py -m ...` (the doc runner's way), a second interpreter would only add start-up time
+    sweep_dir = tmp_path / "sweep"
+    args = [
+        *FAST,
+        "trainer.max_steps=2",
+        "trainer.val_check_interval=2",
+        "logger=csv",
+        f"paths.root_dir={tmp_path}",
+        f"hydra.sweep.dir={sweep_dir}",
+    ]
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", [str(ROOT / "train.py"), "-m", *args, "optim.lr=-1,1e30,1e-3"])
+    GlobalHydra.instance().clear()
+    with pytest.raises(SystemExit) as ended:
+        runpy.run_path(str(ROOT / "train.py"), run_name="__main__")
+    out, err = capfd.readouterr()
+    assert ended.value.code == 1, err[-3000:]  # 1: a job failed in training (2 where every one was refused)
+
+    # the job after the failed ones ran to the end; the diverged one keeps its failure in result.json
+    assert Run(sweep_dir / "2").result()["finished"]
+    assert "failed" in Run(sweep_dir / "1").result()
+    assert not (sweep_dir / "0").exists()  # a refused job leaves no run directory
+    # the sweep's closing lines, then each failed job with its own message, and no traceback
+    assert f"Sweep: 2 runs in {sweep_dir} (1 failed, 1 finished)\nCompare them: " in out
+    assert "Traceback" not in err
+    closing = err[err.index("gptlab: error: 2 jobs of the sweep did not run to the end:") :]
+    lines = closing.splitlines()
+    assert lines[1] == "  job #0 (lr=-1) was refused: optim.lr=-1.0 must be positive (e.g. optim.lr=0.004)."
+    assert lines[2].startswith("  job #1 (lr=1e+30) failed: The training loss is nan at step 2: ")
+    # each failure was also said when it happened, before the next job's lines
+    assert err.index("gptlab: job #0 (lr=-1) was refused") < err.index("gptlab: job #1 (lr=1e+30) failed")
 
 
 def test_every_logger_of_logger_all_holds_the_run(sweep):

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import ROOT, TINY, run_train
+from conftest import ROOT, TINY, run_train, signal_when_held
 
 from gptlab.data import corpus
 from gptlab.data.corpus import DataSpec
@@ -128,6 +128,33 @@ def test_a_killed_preparation_leaves_no_cache_and_the_next_one_starts_clean(tmp_
     assert prepared.meta["splits"]["train"]["documents"] + prepared.meta["splits"]["val"]["documents"] == (
         60_000 - (60_000 // 17 + 1)
     )
+
+
+@pytest.mark.slow
+def test_ctrl_c_while_a_cache_is_prepared_says_so_leaves_nothing_half_made_and_the_same_command_recovers(
+    tmp_path,
+):
+    args = [*TINY, "tokenizer=char", "trainer.max_steps=2", "trainer.val_check_interval=2", "logger=csv"]
+    args.append(f"paths.root_dir={tmp_path}")
+    # Ctrl-C once the preparation has made its work folder and is tokenizing (tests/faults.py holds it there)
+    status, output = signal_when_held(
+        args, tmp_path, "hold_tokenizing", ("tokenization under way",), signal.SIGINT
+    )
+    assert status == 128 + signal.SIGINT, output[-3000:]
+    assert "Traceback" not in output, output[-3000:]
+    assert (
+        "gptlab: Ctrl-C stopped the run before its first training step: nothing was trained, and nothing was left "
+        "half-written (a token cache is written whole or not at all; the checkpoints of a resumed run are as "
+        "they were). The same command starts again."
+    ) in output
+    tokens = tmp_path / "outputs" / "cache" / "tokens"
+    assert [p.name for p in tokens.iterdir() if p.is_dir()] == []  # neither a cache nor its work folder
+    assert not (tmp_path / "outputs" / "runs").exists()  # the run folder it made, and its dated parents, went
+
+    proc = run_train(args, cwd=tmp_path)  # the same command, as the message says
+    assert "Final validation loss" in proc.stdout
+    (cache,) = [p for p in tokens.iterdir() if p.is_dir()]
+    assert json.loads((cache / "meta.json").read_text())["splits"]["train"]["tokens"] > 0
 
 
 # ---- the anchors' token files ---------------------------------------------------------------------------

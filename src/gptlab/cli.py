@@ -7,8 +7,10 @@ import difflib
 import os
 import shlex
 import shutil
+import signal
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -163,7 +165,10 @@ def suggest_choices() -> None:
         def composed_or_refused() -> Any:
             from hydra.errors import ConfigCompositionException, MissingConfigException
 
+            global _sweep
             _new_dirs.clear()  # what this command makes is noted anew (a process may run several: the docs' tests)
+            _sweep = None  # a sweep a stop signal ended never reached its closing lines
+            _failed_jobs.clear()
             try:
                 return func()
             except (MissingConfigException, ConfigCompositionException) as e:
@@ -174,6 +179,11 @@ def suggest_choices() -> None:
                 _remove_refused_sweep_dir()
                 print(f"gptlab: error: {message}", file=sys.stderr, flush=True)
                 raise SystemExit(2) from None
+            except Exception as e:
+                if _sweep is None or os.environ.get("HYDRA_FULL_ERROR") == "1":
+                    raise
+                end_failed_sweep(e)  # a job of a sweep failed: Hydra raises its error after the last job
+                raise
 
         return original(composed_or_refused)
 
@@ -218,12 +228,86 @@ class NoteNewDirectories(HydraCallback):
 
 class SweepSummary(HydraCallback):
     """A Hydra callback: after the last job of a sweep, where its runs are, how they ended, and the command
-    that compares them, after the last job's own lines (which say nothing of the sweep)."""
+    that compares them, after the last job's own lines (which say nothing of the sweep). Where a job failed,
+    Hydra skips this hook (its sweeper raises the job's error after the last job): ``end_failed_sweep`` then
+    says the same, and which jobs failed."""
+
+    def on_multirun_start(self, config: Any, **kwargs: Any) -> None:
+        global _sweep
+        _sweep = (Path(str(config.hydra.sweep.dir)), config.get("task"))
+        _failed_jobs.clear()
 
     def on_multirun_end(self, config: Any, **kwargs: Any) -> None:
+        global _sweep
+        _sweep = None
         print(
             "\n".join(sweep_closing_lines(Path(str(config.hydra.sweep.dir)), config.get("task"))), flush=True
         )
+
+
+#: The sweep under way in this process (its directory and task), from its start to its closing lines.
+_sweep: tuple[Path, str | None] | None = None
+
+
+@dataclass(frozen=True)
+class FailedJob:
+    """A job of a sweep that was refused (bad input) or failed in training."""
+
+    num: int
+    label: str  # what the job varies ("lr=0.01 seed=1"), as its W&B run is named
+    refused: bool  # refused before training (bad input): it left no run directory
+    error: Exception = field(compare=False)
+
+    @property
+    def message(self) -> str:
+        return str(self.error)
+
+    def describe(self) -> str:
+        return f"job #{self.num} ({self.label}) {'was refused' if self.refused else 'failed'}: {self.message}"
+
+
+#: The failed jobs of the sweep under way, in the order they ran (Hydra's basic launcher runs them in this
+#: process; a launcher that runs them elsewhere reports only the first failure's error, in ``end_failed_sweep``).
+_failed_jobs: list[FailedJob] = []
+
+
+def note_failed_job(error: Exception, refused: bool) -> None:
+    """Say at once that this job of a sweep failed (a grid sweep goes on to its next job, whose lines follow;
+    a search such as Optuna's stops at a failed trial unless told to bear some), and keep it for the sweep's
+    closing lines."""
+    from gptlab.runs.naming import labels_from_hydra
+
+    hydra = HydraConfig.get()
+    labels = labels_from_hydra(hydra)
+    job = FailedJob(int(hydra.job.num), labels.name or " ".join(labels.overrides), refused, error)
+    _failed_jobs.append(job)
+    print(f"\ngptlab: {job.describe()}", file=sys.stderr, flush=True)
+
+
+def end_failed_sweep(error: Exception) -> None:
+    """The end of a sweep whose job failed (Hydra raises the first failed job's error once the last job has
+    run): the sweep's closing lines, then every failed job with its message, exit status 2 where every one
+    was refused (bad input), else 1. An error that is not gptlab's (a bug) returns, for Hydra's traceback."""
+    global _sweep
+    assert _sweep is not None
+    sweep_dir, task = _sweep
+    _sweep = None
+    print("\n".join(sweep_closing_lines(sweep_dir, task)), flush=True)
+    ours = (ConfigError, DataError, NonFiniteLossError, DiskFullError, RankLostError)
+    # the error Hydra raises is the first failed job's own, where the jobs ran in this process
+    failed = list(_failed_jobs) if any(job.error is error for job in _failed_jobs) else []
+    _failed_jobs.clear()
+    if not failed:  # the jobs ran in other processes (joblib, SLURM): their first error is all there is
+        if not isinstance(error, ours):
+            return
+        refused = isinstance(error, (ConfigError, DataError))
+        print(f"\ngptlab: error: a job of the sweep failed: {error}", file=sys.stderr, flush=True)
+        raise SystemExit(2 if refused else 1) from None
+    jobs = f"{len(failed)} job{'s' if len(failed) != 1 else ''}"
+    lines = [f"gptlab: error: {jobs} of the sweep did not run to the end:"]
+    lines += [f"  {job.describe()}" for job in failed]
+    print("\n" + "\n".join(lines), file=sys.stderr, flush=True)
+    raise SystemExit(2 if all(job.refused for job in failed) else 1) from None
 
 
 def sweep_closing_lines(sweep_dir: Path, task: str | None = None) -> list[str]:
@@ -273,6 +357,22 @@ def sweep_stopped_lines(stop: SweepStopped, hydra: Any, argv: list[str] | None =
         "Continue the sweep (finished jobs stay as they are, a stopped one continues from its checkpoint, the "
         f"others start): {shlex.join(['python', args[0], *rest, 'resume=auto'])}",
     ]
+
+
+def stopped_before_training_lines() -> str:
+    """What a Ctrl-C before the first training step says: nothing was trained or kept half-made, and the
+    command that starts again (in a sweep, the one that continues it: its finished jobs stay as they are)."""
+    message = (
+        "Ctrl-C stopped the run before its first training step: nothing was trained, and nothing was left "
+        "half-written (a token cache is written whole or not at all; the checkpoints of a resumed run are as "
+        "they were)."
+    )
+    if not is_multirun():
+        return f"{message} The same command starts again."
+    hydra = HydraConfig.get()
+    stop = SweepStopped(signal.SIGINT, Path(str(hydra.runtime.output_dir)))
+    lines = sweep_stopped_lines(stop, hydra)
+    return "\n".join([message, *lines[1:]])
 
 
 def remove_refused_run_dir(run_dir: Path, job_log: str) -> bool:
@@ -345,16 +445,26 @@ def run_task(cfg: DictConfig) -> float | None:
     except (ConfigError, DataError) as e:
         _remove_refused_run_dir()  # nothing ran: a folder holding no metrics would only be in the way
         if is_multirun():
-            raise
+            note_failed_job(e, refused=True)
+            raise  # the sweep goes on; Hydra marks the job failed (an Optuna trial too)
         print(f"\ngptlab: error: {e}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None
     except (NonFiniteLossError, DiskFullError, RankLostError) as e:
         if is_multirun():
+            note_failed_job(e, refused=False)
             raise
         print(f"\ngptlab: training failed: {e}", file=sys.stderr, flush=True)
         raise SystemExit(1) from None
     except SweepStopped as stop:
         print("\n".join(sweep_stopped_lines(stop, HydraConfig.get())), flush=True)
         raise SystemExit(stop.exit_status) from None
+    except KeyboardInterrupt:
+        # Ctrl-C before training's own handler took the signal over (preparing the data, building the model,
+        # starting the loggers); from the first step on, training saves and stops, and the studies after it
+        # end cleanly. Nothing of the run was made yet: a folder this command made for it goes, as a refused
+        # run's does, and a token cache under way removed its unfinished files on the way out.
+        _remove_refused_run_dir()
+        print(f"\ngptlab: {stopped_before_training_lines()}", file=sys.stderr, flush=True)
+        raise SystemExit(128 + signal.SIGINT) from None
     metric = cfg.get("optimized_metric")
     return metrics.get(metric) if metric else None

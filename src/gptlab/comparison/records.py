@@ -282,6 +282,11 @@ def _series_from_wandb(
     """The series of one W&B run: the one ``wanted_id`` names, else the newest. A resumed run continues its
     W&B run, so several files of one id are one curve, in the order they were written."""
     runs = sorted((read_run(f) for f in files), key=lambda r: r.path.stat().st_mtime)
+    for damaged in (r for r in runs if r.damage):
+        notes.append(
+            f"its W&B run file {damaged.path} is damaged ({'; '.join(damaged.damage)}): what those bytes held "
+            "is missing from its curves"
+        )
     ids = list(dict.fromkeys(r.run_id for r in runs))
     chosen = wanted_id if wanted_id in ids else ids[-1]
     if len(ids) > 1:

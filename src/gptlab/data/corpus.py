@@ -16,6 +16,7 @@ while the others that need it wait.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
 import json
@@ -345,10 +346,33 @@ def _build_cache(spec: DataSpec, node: dict, cache: Path, key_material: dict) ->
             os.replace(tmp, cache)  # atomic: the cache appears whole or not at all
         except OSError:  # another process finished the same cache first
             shutil.rmtree(tmp, ignore_errors=True)
+    except OSError as e:
+        written = _folder_bytes(tmp)
+        shutil.rmtree(tmp, ignore_errors=True)
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise _no_space(spec, cache.parent, written) from None
+        raise
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     _log_corpus(meta, len(result.train_shards))
+
+
+def _folder_bytes(folder: Path) -> int:
+    return sum(f.stat().st_size for f in folder.glob("*") if f.is_file())
+
+
+def _no_space(spec: DataSpec, folder: Path, written: int) -> DataError:
+    """A disk (or quota) that filled while a token cache was written: how far it got, the room there is
+    now (the unfinished cache removed), and where else the caches can go."""
+    free = shutil.disk_usage(folder).free
+    return DataError(
+        f"No space left on {folder} while writing the token cache of {spec.describe()}: the disk filled after "
+        f"{written / 1e6:.1f} MB of tokens, and the whole cache needs more than that ({free / 1e6:.1f} MB free "
+        "there now). Nothing was kept: the unfinished cache was removed. Free space there, or put the token "
+        "caches on another disk with data.cache_dir=<a folder with room> (or paths.cache_dir=<folder> for "
+        "every cache)."
+    )
 
 
 def _split_validation(

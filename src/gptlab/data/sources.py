@@ -240,7 +240,15 @@ def _load(spec: DataSpec, streaming: bool):
             raise DataError(
                 f"A file in data.path={spec.path!r} is not UTF-8 text: {e}. Convert it to UTF-8."
             ) from e
-        raise DataError(f"Could not read data.path={spec.path!r} as {builder}: {e}") from e
+        # datasets wraps a builder's error in "An error occurred while generating the dataset": the cause is
+        # what names the problem (a JSON line that does not parse, and its row)
+        causes: list[str] = []
+        cause = e.__cause__
+        while cause is not None and len(causes) < 3:
+            causes.append(f"{type(cause).__name__}: {cause}")
+            cause = cause.__cause__
+        because = f" ({'; '.join(causes)})" if causes else ""
+        raise DataError(f"Could not read data.path={spec.path!r} as {builder}: {e}{because}") from e
 
 
 def _text_column(spec: DataSpec, ds: Any) -> Any:
@@ -250,8 +258,23 @@ def _text_column(spec: DataSpec, ds: Any) -> Any:
             f"The corpus {spec.describe()} has no column {spec.text_field!r} (columns: {columns}). "
             f"Set data.text_field to the column that holds the text."
         )
+    feature = (ds.features or {}).get(spec.text_field)  # None where a stream does not know its types yet
+    dtype = getattr(feature, "dtype", type(feature).__name__) if feature is not None else None
+    if dtype is not None and dtype not in (*TEXT_TYPES, "null"):  # all null: "holds no text", later
+        text_columns = [
+            name for name, f in (ds.features or {}).items() if getattr(f, "dtype", None) in TEXT_TYPES
+        ]
+        hint = f" (its text columns: {text_columns})" if text_columns else ""
+        raise DataError(
+            f"The column {spec.text_field!r} of the corpus {spec.describe()} holds {dtype} values, not text. "
+            f"Set data.text_field to the column that holds the text{hint}."
+        )
     ds = ds.select_columns([spec.text_field])
     return ds.rename_column(spec.text_field, "text") if spec.text_field != "text" else ds
+
+
+# The Arrow types of a text column as `datasets` names them.
+TEXT_TYPES = ("string", "large_string")
 
 
 def load_documents(spec: DataSpec):

@@ -412,7 +412,7 @@ def disk_full(error: BaseException, target: Path, checkpoint: Any) -> Exception 
     checkpoint, when ``error`` (raised saving ``checkpoint`` to ``target``) is a full disk: errno 28 in its
     chain, or torch's write failure with less space free than the checkpoint needs. None otherwise."""
     from gptlab.errors import DiskFullError
-    from gptlab.runs.layout import LAST_CHECKPOINT, checkpoint_kind
+    from gptlab.runs.layout import BEST_GLOB, LAST_CHECKPOINT, checkpoint_kind
 
     chain = _errors_in_chain(error)
     no_space = any(isinstance(e, OSError) and e.errno == errno.ENOSPC for e in chain)
@@ -425,16 +425,31 @@ def disk_full(error: BaseException, target: Path, checkpoint: Any) -> Exception 
     if not (no_space or (torch_write and free < needed)):
         return None
     last_good = next((p for p in (target, target.parent / LAST_CHECKPOINT) if checkpoint_kind(p)), None)
-    kept = (
-        f"the last good checkpoint {last_good} is intact: once there is space, resume=auto continues from it"
-        if last_good is not None
-        else "no earlier checkpoint was written"
+    # before the first last.ckpt (saved every callbacks.last_checkpoint.every_n_steps), a best checkpoint of
+    # a validation may already hold the run: the newest one is where it can go on from
+    best = sorted(
+        (p for p in target.parent.glob(BEST_GLOB) if p != target and checkpoint_kind(p)),
+        key=lambda p: p.stat().st_mtime,
     )
+    if last_good is not None:
+        kept = f"the last good checkpoint {last_good} is intact: once there is space, resume=auto continues from it"
+    elif best:
+        kept = (
+            f"no {LAST_CHECKPOINT} was written yet, and the best checkpoint {best[-1]} is intact: once there is "
+            f"space, resume={best[-1]} continues from it"
+        )
+    else:
+        kept = "no earlier checkpoint was written"
     return DiskFullError(
-        f"no space left on {target.parent}: the checkpoint {target.name} needs about {needed / MB:,.0f} MB, "
-        f"{free / MB:,.0f} MB free. Free space there, or start the run on another disk "
+        f"no space left on {target.parent}: the checkpoint {target.name} needs about {_megabytes(needed)} MB, "
+        f"{_megabytes(free)} MB free. Free space there, or start the run on another disk "
         f"(hydra.run.dir=<dir>); {kept}."
     )
+
+
+def _megabytes(size: float) -> str:
+    """Whole megabytes, or two decimals below one (a small model's checkpoint is not "0 MB")."""
+    return f"{size / MB:,.0f}" if size >= MB else f"{size / MB:.2f}"
 
 
 def _fsync_file(path: Path) -> None:

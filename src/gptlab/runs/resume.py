@@ -322,10 +322,19 @@ def checkpoint_to_resume(resume: Any, run_dir: Path) -> Path | None:
         return ckpt
     path = Path(str(resume)).expanduser()
     if path.is_dir() and checkpoint_kind(path) is None:  # a run directory, not a sharded checkpoint
-        ckpt = Run(path).resume_checkpoint()
+        run = Run(path)
+        ckpt = run.resume_checkpoint()
         if ckpt is None:
+            # a run stopped before its first last.ckpt may hold a best checkpoint of a validation: name it
+            best = sorted(run.best_checkpoints(), key=lambda p: p.stat().st_mtime)
+            hint = (
+                f" It holds {best[-1].name} (a best checkpoint, saved at a validation): resume={best[-1]} "
+                "continues from it."
+                if best
+                else ""
+            )
             raise CheckpointError(
-                f"resume={resume}: the directory holds no {LAST_CHECKPOINT_PATH} to continue from. Give a "
+                f"resume={resume}: the directory holds no {LAST_CHECKPOINT_PATH} to continue from.{hint} Give a "
                 "checkpoint (resume=<run>/checkpoints/<name>.ckpt), another run directory, or resume=auto."
             )
         return ckpt

@@ -5,6 +5,13 @@ W&B keeps no readable copy of an offline run's metrics and its API cannot see of
 the transaction log itself. The file is a LevelDB-style log: a 7-byte header (``:W&B``, magic 0xBEE1,
 version), then 32 KiB blocks of records, each with a 7-byte header (crc32, length, type FULL/FIRST/MIDDLE/
 LAST); a record's payload is a ``wandb_internal_pb2.Record`` protobuf.
+
+A file damaged on disk (bytes overwritten, a crash that left garbage) is read past the damage: where a
+record's checksum does not match, reading goes on at the next place a whole record with a matching checksum
+starts, and the fragments of a record cut by the damage are dropped whole. What was skipped is kept in
+``WandbRun.damage`` (byte ranges), for a reader to say that values are missing rather than show fewer as if
+they were all. A record cut short at the end of the file is one still being written (a run killed while W&B
+wrote), not damage.
 """
 
 from __future__ import annotations
@@ -28,8 +35,10 @@ FILE_IDENT = b":W&B"
 FILE_MAGIC = 0xBEE1
 
 
-def iter_payloads(path: str | os.PathLike) -> Iterator[bytes]:
-    """Yield each record's payload bytes, joining records split across blocks."""
+def iter_payloads(path: str | os.PathLike, damage: list[str] | None = None) -> Iterator[bytes]:
+    """Yield each record's payload bytes, joining records split across blocks. A record whose checksum does
+    not match raises :class:`WandbFileError`; with a ``damage`` list, reading goes on at the next whole record
+    instead, and the skipped bytes are noted there."""
     data = Path(path).read_bytes()
     if len(data) < HEADER_SIZE or data[:4] != FILE_IDENT:
         raise WandbFileError(f"{path} is not a W&B run file (no ':W&B' header)")
@@ -37,7 +46,7 @@ def iter_payloads(path: str | os.PathLike) -> Iterator[bytes]:
     if magic != FILE_MAGIC:
         raise WandbFileError(f"{path}: unexpected magic {magic:#x} (version {version})")
     pos = HEADER_SIZE
-    pending: list[bytes] = []
+    pending: list[bytes] | None = []  # None: skipping the fragments of a record cut by damage
     while pos + HEADER_SIZE <= len(data):
         left_in_block = BLOCK_SIZE - pos % BLOCK_SIZE
         if left_in_block < HEADER_SIZE:  # the block's tail is padding
@@ -47,22 +56,54 @@ def iter_payloads(path: str | os.PathLike) -> Iterator[bytes]:
         if length == 0 and kind == 0:  # zero padding, or the end of what was flushed
             pos += left_in_block
             continue
+        if pos + HEADER_SIZE + length > len(data) and (
+            damage is None or _next_record(data, pos + 1) == len(data)
+        ):
+            break  # a record still being written (no whole record after it: not a length damaged on disk)
         payload = data[pos + HEADER_SIZE : pos + HEADER_SIZE + length]
-        if len(payload) < length:
-            break  # a record still being written
-        if zlib.crc32(bytes([kind]) + payload) & 0xFFFFFFFF != checksum:
-            raise WandbFileError(f"{path}: checksum mismatch at byte {pos}")
+        if not _is_record(data, pos):
+            if damage is None:
+                raise WandbFileError(f"{path}: checksum mismatch at byte {pos}")
+            end = _next_record(data, pos + 1)
+            damage.append(f"bytes {pos:,}-{end:,} (no record whose checksum matches)")
+            pos, pending = end, None  # a record cut here loses its fragments after the damage too
+            continue
         pos += HEADER_SIZE + length
         if kind == FULL:
+            pending = []
             yield payload
         elif kind == FIRST:
             pending = [payload]
+        elif pending is None:  # the middle or the end of a record whose start was skipped
+            continue
         elif kind == MIDDLE:
             pending.append(payload)
         elif kind == LAST:
             pending.append(payload)
             yield b"".join(pending)
             pending = []
+
+
+def _is_record(data: bytes, pos: int) -> bool:
+    """Whether a whole record starts at ``pos``: a known type, inside its block, its checksum matching."""
+    left_in_block = BLOCK_SIZE - pos % BLOCK_SIZE
+    if left_in_block < HEADER_SIZE or pos + HEADER_SIZE > len(data):
+        return False
+    checksum, length, kind = struct.unpack("<IHB", data[pos : pos + HEADER_SIZE])
+    if kind not in (FULL, FIRST, MIDDLE, LAST) or HEADER_SIZE + length > left_in_block:
+        return False
+    payload = data[pos + HEADER_SIZE : pos + HEADER_SIZE + length]
+    return len(payload) == length and zlib.crc32(bytes([kind]) + payload) & 0xFFFFFFFF == checksum
+
+
+def _next_record(data: bytes, start: int) -> int:
+    """Where the first whole record at or after ``start`` begins (the end of ``data`` if none does): reading
+    resumes there after damage. A false match needs a 32-bit checksum to agree by chance."""
+    for pos in range(start, len(data) - HEADER_SIZE + 1):
+        if data[pos + 4] or data[pos + 5]:  # a record of some length (zero padding is not one)
+            if _is_record(data, pos):
+                return pos
+    return len(data)
 
 
 def _value(item: Any) -> Any:
@@ -86,6 +127,7 @@ class WandbRun:
     history: list[dict[str, Any]] = field(default_factory=list)
     summary: dict[str, Any] = field(default_factory=dict)
     exit_code: int | None = None
+    damage: list[str] = field(default_factory=list)  # what could not be read (byte ranges); empty when whole
 
     def metric(self, key: str) -> list[tuple[int, float]]:
         """(step, value) pairs of one metric, in logged order; the step is Lightning's global step."""
@@ -107,10 +149,16 @@ def read_run(path: str | os.PathLike) -> WandbRun:
         if not files:
             raise WandbFileError(f"{path} holds no .wandb file")
         path = files[0]
+    from google.protobuf.message import DecodeError  # type: ignore[import-untyped]
+
     run = WandbRun(path=path)
-    for payload in iter_payloads(path):
+    for payload in iter_payloads(path, run.damage):
         record = pb.Record()  # type: ignore[attr-defined]  # generated protobuf module without stubs
-        record.ParseFromString(payload)
+        try:
+            record.ParseFromString(payload)
+        except DecodeError:  # its checksum matched, its bytes are not a record: counted as damage too
+            run.damage.append(f"a record of {len(payload):,} bytes that is not a W&B record")
+            continue
         kind = record.WhichOneof("record_type")
         if kind == "run":
             r = record.run
