@@ -40,7 +40,6 @@ one rank does to a distributed run. GPTLAB_TEST_FAULT chooses it (read here only
   rank 0 prints ``held at step <n>`` and holds there (up to 300 s, then goes on) until a signal (SIGTERM, SIGINT
   or SIGUSR1) has reached the handler in place, which runs as it would have: the run stops at step n however
   slowly the test reads the line.
-
 - ``hold_tokenizing``: the preparation of a token cache, its temporary folder made, prints ``tokenization under
   way`` and holds there (up to 300 s, then goes on) until a signal the test sends ends it.
 
