@@ -146,7 +146,7 @@ def test_a_bad_value_is_refused_before_lightning_is_imported_and_leaves_no_run_f
     proc = train_py("model.n_layer=-1", cwd=tmp_path)  # the default run dir: outputs/runs/<date>/<time>
     err = without_import_times(proc.stderr)
     assert proc.returncode == 2, err
-    assert "gptlab: error: model.n_layer=-1 must be a positive integer." in err
+    assert "gptlab: error: model.n_layer=-1 must be a positive integer (e.g. model.n_layer=4)." in err
     assert not {"lightning", "lightning_fabric", "pytorch_lightning", "wandb", "datasets"} & imported(
         proc.stderr
     )

@@ -88,9 +88,12 @@ class GPTDataModule(L.LightningDataModule):
         document_mask: bool = False,
     ) -> None:
         super().__init__()
-        for name, value in (("data.batch_size", batch_size), ("model.block_size", block_size)):
+        for name, value, example in (
+            ("data.batch_size", batch_size, 8),
+            ("model.block_size", block_size, 256),
+        ):
             if not isinstance(value, int) or value <= 0:
-                raise ConfigError(f"{name}={value!r} must be a positive integer.")
+                raise ConfigError(f"{name}={value!r} must be a positive integer (e.g. {name}={example}).")
         for name, optional in (("data.stride", stride), ("data.val_stride", val_stride)):
             if optional is not None and (not isinstance(optional, int) or optional <= 0):
                 raise ConfigError(
