@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader, Dataset, default_collate
 from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
 
 from gptlab.data import corpus, tokenizers
-from gptlab.data.shards import TokenShards, token_counts, unigram_entropy
+from gptlab.data.shards import TokenShards
 from gptlab.errors import ConfigError, DataError
 
 log = logging.getLogger(__name__)
@@ -151,7 +151,6 @@ class GPTDataModule(L.LightningDataModule):
         meta = {
             "source": f"stream of {self.spec.describe()}",
             "splits": {"val": {"tokens": len(val)}},
-            "unigram_entropy_nats": unigram_entropy(token_counts(val, tok.vocab_size)),
         }
         return corpus.PreparedCorpus(TokenShards([], val.dtype), val, val.dtype, tok, meta)
 

@@ -539,9 +539,8 @@ def report(
         },
     )
     coverage = validation_coverage(metrics.get("val/tokens"), parts.datamodule, trainer.limit_val_batches)
-    counted_over = entropy_scope(parts)
     lines = closing_lines(
-        metrics, entropy, session.run_dir, trainer, loggers, step, session.start_step, coverage, counted_over
+        metrics, entropy, session.run_dir, trainer, loggers, step, session.start_step, coverage
     )
     print("\n".join(lines), flush=True)
     study_stop: StudyStopped | None = None
@@ -608,7 +607,7 @@ def report(
         extra={**extra, **divergence},
     )
     if divergence.get("diverged"):
-        log.warning(diverged_line(metrics["val/loss"], entropy, uniform, counted_over))
+        log.warning(diverged_line(metrics["val/loss"], entropy, uniform))
     if study_stop is not None:
         log.warning(study_stopped_line(study_stop, step, checkpoint, session.run_dir, settings))
 
@@ -660,10 +659,10 @@ def validation_line(
     entropy: float | None,
     bpb: float | None = None,
     coverage: str = "",
-    counted_over: str = "the corpus",
 ) -> str:
-    """The final validation against the unigram entropy (of ``counted_over``: :func:`entropy_scope`), and in
-    bits per byte when measured; ``coverage``: over which tokens (:func:`validation_coverage`)."""
+    """The final validation against the validation split's unigram entropy (:attr:`gptlab.data.corpus.
+    PreparedCorpus.unigram_entropy`), and in bits per byte when measured; ``coverage``: over which tokens
+    (:func:`validation_coverage`)."""
     if val is None:
         return "No validation (it is off: trainer.limit_val_batches=0)"
     line = f"Final validation loss {val:.4f} nats (perplexity {_perplexity(val)})"
@@ -671,18 +670,10 @@ def validation_line(
         line += f", {bpb:.4f} bits per byte"
     if entropy is not None:
         line += (
-            f"; unigram entropy of {counted_over} {entropy:.4f} nats ({abs(entropy - val):.3f} "
+            f"; unigram entropy of the validation split {entropy:.4f} nats ({abs(entropy - val):.3f} "
             f"{'below' if val < entropy else 'above'} it)"
         )
     return f"{line}. {coverage}" if coverage else line
-
-
-def entropy_scope(parts: Parts) -> str:
-    """What the unigram entropy a run is held against was counted over: the whole prepared corpus, or the
-    validation split alone for token files and streams (their training tokens are not all read at the start)."""
-    if parts.corpus.meta.get("token_files") or parts.datamodule.spec.streaming:
-        return "the validation split"
-    return "the corpus"
 
 
 def validation_coverage(scored: float | None, datamodule: Any, limit_val_batches: Any = None) -> str:
@@ -716,14 +707,13 @@ def validation_coverage(scored: float | None, datamodule: Any, limit_val_batches
     return f"It scored {int(scored):,} of the {n_tokens:,} validation tokens, leaving out {leaving}"
 
 
-def diverged_line(val: float, entropy: float, uniform: float, counted_over: str = "the corpus") -> str:
-    """The warning that ends a diverged run's log: the numbers that say so, and the usual fix; the unigram
-    entropy is that of ``counted_over`` (:func:`entropy_scope`)."""
+def diverged_line(val: float, entropy: float, uniform: float) -> str:
+    """The warning that ends a diverged run's log: the numbers that say so, and the usual fix."""
     from gptlab.comparison.records import DIVERGENCE_MARGIN
 
     why = (
-        f", {val:.4g} nats, is above {counted_over}'s unigram entropy, {entropy:.4f} nats (what predicting each token "
-        f"by its frequency alone reaches), and more than {DIVERGENCE_MARGIN:g} nat above the loss of a uniform "
+        f", {val:.4g} nats, is above the validation split's unigram entropy, {entropy:.4f} nats (the best that predicting each "
+        f"token by its frequency alone reaches), and more than {DIVERGENCE_MARGIN:g} nat above the loss of a uniform "
         f"guess, {uniform:.4f} nats (where training starts)"
         if math.isfinite(val)
         else f" is {val}"
@@ -767,7 +757,6 @@ def closing_lines(
     step: int,
     start_step: int = 0,
     coverage: str = "",
-    counted_over: str = "the corpus",
 ) -> list[str]:
     """The final validation against the corpus's unigram entropy, the rates, and where everything is. A
     resumed run names the steps this part trained (``start_step`` to ``step``) and this part's time."""
@@ -799,7 +788,7 @@ def closing_lines(
     else:
         trained = f"Nothing left to train at step {step}: validated the checkpoint in {seconds:.0f} s"
     lines = [
-        validation_line(metrics.get("val/loss"), entropy, metrics.get("val/bpb"), coverage, counted_over),
+        validation_line(metrics.get("val/loss"), entropy, metrics.get("val/bpb"), coverage),
         trained,
         f"Outputs: {run_dir}",
     ]
