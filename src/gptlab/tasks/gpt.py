@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import math
 import re
+import shlex
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -135,6 +136,10 @@ def run(cfg: DictConfig) -> dict[str, float]:
     return metrics
 
 
+#: result.json's key for the sentence after the final validation (:func:`validation_coverage`)
+COVERAGE_KEY = "val_coverage"
+
+
 def finished_result(run_dir: Path, resume: ResumePlan | None, max_steps: int) -> dict[str, Any] | None:
     """The ``result.json`` of a run that ``resume`` continues and that already finished at the checkpoint's
     step (so nothing is left to train, and its record stays as it is); None otherwise. A checkpoint at
@@ -156,10 +161,16 @@ def report_already_finished(run_dir: Path, result: dict[str, Any]) -> dict[str, 
 
     metrics = {k: float(v) for k, v in (result.get("metrics") or {}).items() if isinstance(v, (int, float))}
     step = int(result["global_step"])
+    # the sentence on which validation tokens were scored, as the run printed it (result.json keeps it: the
+    # windows it counts are not built here)
+    coverage = result.get(COVERAGE_KEY) or ""
     lines = [
         f"The run already finished at step {step}; nothing to do ({run_dir / RESULT_FILE} is left as it is).",
-        validation_line(metrics.get("val/loss"), metrics.get("unigram_entropy"), metrics.get("val/bpb")),
+        validation_line(
+            metrics.get("val/loss"), metrics.get("unigram_entropy"), metrics.get("val/bpb"), coverage
+        ),
         f"Outputs: {run_dir}",
+        *next_steps_lines(run_dir, finished=True),
     ]
     print("\n".join(lines), flush=True)
     return metrics
@@ -542,6 +553,8 @@ def report(
     lines = closing_lines(
         metrics, entropy, session.run_dir, trainer, loggers, step, session.start_step, coverage
     )
+    if stop is None:  # a stopped run's own lines say how to continue it
+        lines += next_steps_lines(session.run_dir, finished=step >= settings.trainer["max_steps"] > 0)
     print("\n".join(lines), flush=True)
     study_stop: StudyStopped | None = None
     if settings.length_study is not None:
@@ -604,7 +617,7 @@ def report(
         # a study stopped is not finished: resume=auto runs it (finished_result)
         finished=step >= max_steps > 0 and study_stop is None,
         stopped=stop is not None or study_stop is not None,
-        extra={**extra, **divergence},
+        extra={**extra, **divergence, **({COVERAGE_KEY: coverage} if coverage else {})},
     )
     if divergence.get("diverged"):
         log.warning(diverged_line(metrics["val/loss"], entropy, uniform))
@@ -652,6 +665,21 @@ def study_stopped_line(
         "is trained again: the checkpoint is validated and the whole study run; its figures go into "
         "result.json and the loggers)."
     )
+
+
+def next_steps_lines(run_dir: Path, finished: bool) -> list[str]:
+    """What a run's last lines suggest next: sampling from it, comparing it with the runs beside it, and for
+    a finished run training it further. None in a sweep, whose closing lines name the sweep's comparison."""
+    if is_multirun():
+        return []
+    run = shlex.quote(str(run_dir))
+    lines = [
+        f"Sample from it: python scripts/generate.py {run}; compare it with the runs beside it: "
+        f"python scripts/compare.py {shlex.quote(str(run_dir.parent))}"
+    ]
+    if finished:
+        lines.append(f"Train it further: the same command with resume={run} and a larger trainer.max_steps")
+    return lines
 
 
 def validation_line(
