@@ -786,7 +786,7 @@ def closing_lines(
     start_step: int = 0,
     coverage: str = "",
 ) -> list[str]:
-    """The final validation against the corpus's unigram entropy, the rates, and where everything is. A
+    """The final validation against the validation split's unigram entropy, the rates, and where everything is. A
     resumed run names the steps this part trained (``start_step`` to ``step``) and this part's time."""
     from lightning.pytorch.callbacks import ModelCheckpoint
 
