@@ -40,7 +40,7 @@ def test_train_run_lowers_the_loss_and_leaves_a_checkpoint(trained):
     root, run_dir, proc = trained
     out = proc.stdout + proc.stderr
     assert "Parameters: total" in out and "non-embedding" in out
-    assert "unigram entropy of the corpus" in out
+    assert "unigram entropy of the validation split" in out
     assert str(run_dir) in out
     ckpts = run_dir / "checkpoints"
     assert (ckpts / "last.ckpt").is_file()

@@ -459,7 +459,7 @@ def test_inf_finals_garbled_metrics_and_impossible_mfu_are_shown_as_such(sweep, 
 def test_a_baseline_that_diverged_is_refused_and_a_result_can_mark_divergence(sweep, tmp_path):
     _, sweep_dir = sweep
     runs = _copy_runs(sweep_dir, tmp_path)
-    # result.json says the run diverged (its final loss above the corpus's unigram entropy)
+    # result.json says the run diverged (its final loss above the validation split's unigram entropy)
     path = runs[("learned", "swiglu", "1")] / "result.json"
     result = json.loads(path.read_text())
     path.write_text(json.dumps({**result, "diverged": True}))

@@ -87,6 +87,30 @@ def test_token_cache_is_reused(tmp_path, monkeypatch):
     assert 5.0 < first.unigram_entropy < 6.5
 
 
+def test_the_unigram_baseline_is_the_validation_splits_entropy_for_a_cache_old_or_new(tmp_path):
+    # one definition for every source: the entropy of the validation tokens' own frequencies (the lowest loss
+    # a model that ignores context can score on them), not the whole corpus's; a cache whose meta.json
+    # recorded another figure (a cache prepared before) is held against the same number
+    prepared = corpus.prepare(DataSpec(cache_dir=str(tmp_path / "cache")), "gpt2")
+    val = np.asarray(prepared.val.array())
+    counts = np.bincount(val)
+    p = counts[counts > 0] / len(val)
+    expected = float(-(p * np.log(p)).sum())
+    assert prepared.unigram_entropy == pytest.approx(expected, rel=1e-12)
+    assert prepared.meta["unigram_entropy_nats"] == pytest.approx(expected, rel=1e-12)  # and the log's
+    train = np.asarray(prepared.train.array())
+    whole = np.bincount(np.concatenate([train, val]))
+    q = whole[whole > 0] / whole.sum()
+    assert abs(float(-(q * np.log(q)).sum()) - expected) > 0.1  # the two definitions differ here
+    cache = next(d for d in (tmp_path / "cache").iterdir() if (d / "meta.json").is_file())
+    meta = json.loads((cache / "meta.json").read_text())
+    meta["unigram_entropy_nats"] = 5.5745  # as a cache of the earlier format recorded it: the whole corpus
+    (cache / "meta.json").write_text(json.dumps(meta))
+    assert corpus.prepare(
+        DataSpec(cache_dir=str(tmp_path / "cache")), "gpt2"
+    ).unigram_entropy == pytest.approx(expected, rel=1e-12)
+
+
 def test_document_split_is_deterministic_and_by_document(tmp_path):
     lengths = [100 + 7 * i for i in range(50)]
     a = corpus.split_documents(lengths, 0.1, seed=3)

@@ -32,8 +32,8 @@ def test_a_run_at_a_huge_learning_rate_ends_marked_diverged_with_the_numbers(mak
     assert math.exp(numbers["uniform_loss"]) == pytest.approx(round(math.exp(numbers["uniform_loss"])))
     warning = caplog.records[-1]
     assert warning.levelname == "WARNING" and warning.getMessage().startswith(
-        f"The run diverged: its final validation loss, {final:.4g} nats, is above the corpus's unigram "
-        f"entropy, {entropy:.4f} nats"
+        f"The run diverged: its final validation loss, {final:.4g} nats, is above the validation split's "
+        f"unigram entropy, {entropy:.4f} nats"
     )
     assert "Lower the learning rate (optim.lr)" in warning.getMessage()
     # and the comparison reads it as diverged

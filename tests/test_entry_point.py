@@ -78,6 +78,23 @@ def test_the_help_pages_examples_compose(make_cfg):
         assert cfg.model is not None
 
 
+def test_version_names_gptlabs_and_the_versions_a_bug_report_needs(tmp_path):
+    from importlib import metadata
+
+    import gptlab
+
+    proc = train_py("--version", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout == (
+        f"gptlab {gptlab.__version__} (torch {metadata.version('torch')}, lightning {metadata.version('lightning')}, "
+        f"hydra-core {metadata.version('hydra-core')}, Python {sys.version.split()[0]})\n"
+    )
+    assert not {"torch", "lightning", "wandb"} & imported(proc.stderr)  # an answer in a fraction of a second
+    assert not any(tmp_path.iterdir())  # no run directory
+    listed = train_py("--help", cwd=tmp_path).stdout
+    assert "--version : Show gptlab's version" in listed and "Hydra's version" not in listed
+
+
 def test_hydras_own_help_is_one_flag_away():
     proc = train_py("--hydra-help")
     assert proc.returncode == 0
@@ -146,7 +163,7 @@ def test_a_bad_value_is_refused_before_lightning_is_imported_and_leaves_no_run_f
     proc = train_py("model.n_layer=-1", cwd=tmp_path)  # the default run dir: outputs/runs/<date>/<time>
     err = without_import_times(proc.stderr)
     assert proc.returncode == 2, err
-    assert "gptlab: error: model.n_layer=-1 must be a positive integer." in err
+    assert "gptlab: error: model.n_layer=-1 must be a positive integer (e.g. model.n_layer=4)." in err
     assert not {"lightning", "lightning_fabric", "pytorch_lightning", "wandb", "datasets"} & imported(
         proc.stderr
     )

@@ -128,6 +128,25 @@ def test_values_of_the_wrong_type(make_cfg, tmp_path, override, message):
 
 
 @pytest.mark.parametrize(
+    "override,message",
+    [
+        ("model.block_size=0", "model.block_size=0 must be a positive integer (e.g. model.block_size=256)."),
+        ("model.n_embd=-8", "model.n_embd=-8 must be a positive integer (e.g. model.n_embd=256)."),
+        ("data.batch_size=0", "data.batch_size=0 must be a positive integer (e.g. data.batch_size=8)."),
+        (
+            "data.num_workers=-1",
+            "data.num_workers=-1 must be 0 or a positive integer (e.g. data.num_workers=0).",
+        ),
+    ],
+)
+def test_a_size_out_of_range_is_refused_with_a_value_that_works(make_cfg, tmp_path, override, message):
+    with pytest.raises(ConfigError) as refused:
+        run_in_process(make_cfg, tmp_path, override)
+    assert str(refused.value) == message
+    assert nothing_started(tmp_path)
+
+
+@pytest.mark.parametrize(
     "overrides,message",
     [
         (

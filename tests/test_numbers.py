@@ -158,7 +158,7 @@ def test_two_processes_log_the_mean_over_both_and_score_each_validation_window_o
     n_bytes = sum(len(tok.decode(row[1:].tolist()).replace("<|endoftext|>", "").encode()) for row in windows)
     assert metrics["val/bpb"] == pytest.approx(nats / (n_bytes * math.log(2)), rel=1e-5)
     line = next(line for line in proc.stdout.splitlines() if line.startswith("Final validation loss"))
-    # token files are not all read at the start: the unigram entropy is the validation split's, and says so
+    # the unigram entropy is the validation split's (as for a prepared cache), and the line says so
     counts = np.bincount(val)
     p = counts[counts > 0] / len(val)
     assert metrics["unigram_entropy"] == pytest.approx(-(p * np.log(p)).sum(), rel=1e-9)

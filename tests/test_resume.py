@@ -653,6 +653,41 @@ def test_resuming_a_finished_run_does_nothing_and_rewrites_nothing(
     assert Run(tmp_path).result()["finished"] is True and ckpt.read_bytes() == saved
 
 
+def test_a_finished_run_resumed_closes_as_it_did_and_says_what_to_do_next(tmp_path, cache_dir, capsys):
+    run_dir = tmp_path / "runs" / "first"  # the runs beside it: those in tmp_path/runs
+    common = [
+        *TINY,
+        "trainer.max_steps=2",
+        "logger=csv",
+        f"paths.root_dir={cache_dir}",
+        f"paths.output_dir={run_dir}",
+    ]
+    capsys.readouterr()
+    run(compose_cfg(*common))
+    first = capsys.readouterr().out
+    run(compose_cfg(*common, f"resume={run_dir}"))
+    again = capsys.readouterr().out
+    assert "The run already finished at step 2; nothing to do" in again
+
+    def final_line(out: str) -> str:
+        return next(line for line in out.splitlines() if line.startswith("Final validation loss"))
+
+    # the same line, with the sentence on which validation tokens were scored (result.json keeps it)
+    assert final_line(again) == final_line(first)
+    assert re.search(r"It scored [\d,]+ of the [\d,]+ validation tokens", final_line(first)), first
+    suggested = [f"Sample from it: python scripts/generate.py {run_dir}", f"resume={run_dir} and a larger"]
+    for out in (first, again):
+        assert all(s in out for s in suggested), out
+    # the commands suggested run as they are printed (from the checkout, where train.py is)
+    line = next(line for line in first.splitlines() if line.startswith("Sample from it:"))
+    sample, compare = (part.split(": ")[-1] for part in line.split("; "))
+    for command, extra in ((sample, ["max_new_tokens=4"]), (compare, [])):
+        argv = [sys.executable, *shlex.split(command)[1:], *extra]
+        proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (tmp_path / "runs" / "comparison.md").is_file()  # the runs beside it, this one among them
+
+
 def csv_rows(path: Path) -> list[dict[str, str]]:
     import csv
 

@@ -145,6 +145,51 @@ def unknown_key(error: Exception) -> str | None:
     return f"{where} ({typed}). Its keys: {listed}.{hint}"
 
 
+def version_line() -> str:
+    """gptlab's version, and those of the packages a bug report needs beside it, on one line. The versions
+    are read from the installed packages' metadata: answering ``--version`` imports neither torch nor
+    Lightning."""
+    from importlib import metadata
+
+    import gptlab
+
+    def installed(package: str) -> str:
+        try:
+            return metadata.version(package)
+        except metadata.PackageNotFoundError:
+            return "not installed"
+
+    others = ", ".join(f"{name} {installed(name)}" for name in ("torch", "lightning", "hydra-core"))
+    return f"gptlab {gptlab.__version__} ({others}, Python {sys.version.split()[0]})"
+
+
+def state_gptlab_version() -> None:
+    """``python train.py --version`` answers with :func:`version_line` (status 0), and ``--help`` lists the
+    flag as that. Hydra's parser owns the flag and would name Hydra's version alone; ``hydra.main`` builds
+    the parser through its module's ``get_args_parser``, which this wraps (as :func:`suggest_choices` wraps
+    Hydra's report). Where a Hydra release lacks the function or the flag, Hydra's answer stands."""
+    import importlib
+
+    hydra_main: Any = importlib.import_module(
+        "hydra.main"
+    )  # the module: ``hydra.main`` is also the decorator
+    original = getattr(hydra_main, "get_args_parser", None)
+    if original is None or getattr(original, "states_gptlab_version", False):
+        return
+
+    def get_args_parser() -> argparse.ArgumentParser:
+        parser = original()
+        parser.formatter_class = argparse.RawDescriptionHelpFormatter  # the line unwrapped at 80 columns
+        for action in parser._actions:
+            if "--version" in action.option_strings and hasattr(action, "version"):
+                action.version = version_line()
+                action.help = "Show gptlab's version (and torch's, Lightning's, Hydra's, Python's) and exit"
+        return parser
+
+    get_args_parser.states_gptlab_version = True  # type: ignore[attr-defined]
+    hydra_main.get_args_parser = get_args_parser
+
+
 def suggest_choices() -> None:
     """A mistyped choice or key refused as gptlab refuses bad input: ``gptlab: error: ... Did you mean
     pos=sinusoidal?`` (or ``optim.lr=1e-3?``), status 2, without Hydra's config search path.

@@ -102,7 +102,7 @@ class RunRecord:
     max_steps: int | None = None
     notes: list[str] = field(default_factory=list)  # what the reader found and chose (more than one run, ...)
     unigram_entropy: float | None = (
-        None  # of the run's corpus (result.json), the bar a trained model is below
+        None  # of the run's validation split (result.json), the bar a trained model is below
     )
     diverged: bool = False  # final val/loss non-finite or above unigram_entropy (see mark_divergence)
     stopped_during: str | None = None  # a stopped run's part (result.json): training, eval_length, ...
@@ -168,8 +168,8 @@ DIVERGENCE_MARGIN = 1.0
 
 
 def is_diverged(final_val_loss: float, unigram_entropy: float, uniform_loss: float) -> bool:
-    """Whether a run diverged: its final validation loss is non-finite, or above the corpus's unigram entropy
-    (what a model predicting each token by its frequency alone reaches) and more than
+    """Whether a run diverged: its final validation loss is non-finite, or above the validation split's unigram
+    entropy (the best a model predicting each token by its frequency alone reaches) and more than
     :data:`DIVERGENCE_MARGIN` nats above the loss of a uniform guess, ln(vocabulary size), where training
     starts. Above the unigram entropy alone a run may simply be short (the suite's 7-step runs end at 4.5
     nats on a corpus of unigram entropy 3.25); well above the uniform guess, training made the model worse

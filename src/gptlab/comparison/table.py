@@ -116,7 +116,7 @@ REPEATED_SEED_NOTE = (
 )
 DIVERGED_NOTE = (
     "`diverged`: a run of the condition ended with a validation loss that is non-finite, or above the "
-    "corpus's unigram entropy and more than a nat above a uniform guess over the vocabulary (worse than "
+    "validation split's unigram entropy and more than a nat above a uniform guess over the vocabulary (worse than "
     "training started); the row is listed last, and neither tested nor used as the reference."
 )
 

@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader, Dataset, default_collate
 from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
 
 from gptlab.data import corpus, tokenizers
-from gptlab.data.shards import TokenShards, token_counts, unigram_entropy
+from gptlab.data.shards import TokenShards
 from gptlab.errors import ConfigError, DataError
 
 log = logging.getLogger(__name__)
@@ -88,9 +88,12 @@ class GPTDataModule(L.LightningDataModule):
         document_mask: bool = False,
     ) -> None:
         super().__init__()
-        for name, value in (("data.batch_size", batch_size), ("model.block_size", block_size)):
+        for name, value, example in (
+            ("data.batch_size", batch_size, 8),
+            ("model.block_size", block_size, 256),
+        ):
             if not isinstance(value, int) or value <= 0:
-                raise ConfigError(f"{name}={value!r} must be a positive integer.")
+                raise ConfigError(f"{name}={value!r} must be a positive integer (e.g. {name}={example}).")
         for name, optional in (("data.stride", stride), ("data.val_stride", val_stride)):
             if optional is not None and (not isinstance(optional, int) or optional <= 0):
                 raise ConfigError(
@@ -148,7 +151,6 @@ class GPTDataModule(L.LightningDataModule):
         meta = {
             "source": f"stream of {self.spec.describe()}",
             "splits": {"val": {"tokens": len(val)}},
-            "unigram_entropy_nats": unigram_entropy(token_counts(val, tok.vocab_size)),
         }
         return corpus.PreparedCorpus(TokenShards([], val.dtype), val, val.dtype, tok, meta)
 

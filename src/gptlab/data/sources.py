@@ -111,10 +111,14 @@ class LoaderOptions:
     document_mask: bool = False
 
     def __post_init__(self) -> None:
-        for key in ("batch_size", "num_workers"):
-            value = getattr(self, key)
-            if value < (1 if key == "batch_size" else 0):
-                raise ConfigError(f"data.{key}={value!r} must be a positive integer.")
+        if self.batch_size < 1:
+            raise ConfigError(
+                f"data.batch_size={self.batch_size!r} must be a positive integer (e.g. data.batch_size=8)."
+            )
+        if self.num_workers < 0:  # 0 loads in the training process itself
+            raise ConfigError(
+                f"data.num_workers={self.num_workers!r} must be 0 or a positive integer (e.g. data.num_workers=0)."
+            )
         for key in ("block_size", "stride", "val_stride"):
             value = getattr(self, key)
             if value is not None and value <= 0:

@@ -61,7 +61,7 @@ class JobResult:
     documents: dict[str, int]
     tokens: dict[str, int]
     characters: int
-    counts: np.ndarray  # (vocab_size,) token frequencies
+    counts: np.ndarray  # (vocab_size,) token frequencies of the validation split
     symbols: dict[str, int] = field(default_factory=lambda: {"train": 0, "val": 0})  # tokens but separators
     unknown: dict[str, int] = field(default_factory=lambda: {"train": 0, "val": 0})  # <|unk|> per split
 
@@ -115,7 +115,8 @@ def tokenize_job(job: TokenizeJob) -> JobResult:
                     flat[offset + len(x)] = tok.eot_id
                     offset += len(x) + 1
                 files[split].write(flat.tobytes())
-                counts += np.bincount(flat, minlength=tok.vocab_size)[: tok.vocab_size]
+                if want:  # the validation tokens' frequencies: the unigram baseline is theirs
+                    counts += np.bincount(flat, minlength=tok.vocab_size)[: tok.vocab_size]
                 if tok.unk_id is not None:
                     unknown[split] += int(np.count_nonzero(flat == tok.unk_id))
                 documents[split] += len(docs)

@@ -95,7 +95,10 @@ class GPTConfig:
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
-                raise ConfigError(f"model.{name}={value!r} must be a positive integer.")
+                example = next(f.default for f in fields(self) if f.name == name)
+                raise ConfigError(
+                    f"model.{name}={value!r} must be a positive integer (e.g. model.{name}={example})."
+                )
         if self.n_embd % self.n_head != 0:
             divisors = [h for h in range(1, min(self.n_embd, 64) + 1) if self.n_embd % h == 0]
             raise ConfigError(

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import math
 import re
+import shlex
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -135,6 +136,10 @@ def run(cfg: DictConfig) -> dict[str, float]:
     return metrics
 
 
+#: result.json's key for the sentence after the final validation (:func:`validation_coverage`)
+COVERAGE_KEY = "val_coverage"
+
+
 def finished_result(run_dir: Path, resume: ResumePlan | None, max_steps: int) -> dict[str, Any] | None:
     """The ``result.json`` of a run that ``resume`` continues and that already finished at the checkpoint's
     step (so nothing is left to train, and its record stays as it is); None otherwise. A checkpoint at
@@ -156,10 +161,16 @@ def report_already_finished(run_dir: Path, result: dict[str, Any]) -> dict[str, 
 
     metrics = {k: float(v) for k, v in (result.get("metrics") or {}).items() if isinstance(v, (int, float))}
     step = int(result["global_step"])
+    # the sentence on which validation tokens were scored, as the run printed it (result.json keeps it: the
+    # windows it counts are not built here)
+    coverage = result.get(COVERAGE_KEY) or ""
     lines = [
         f"The run already finished at step {step}; nothing to do ({run_dir / RESULT_FILE} is left as it is).",
-        validation_line(metrics.get("val/loss"), metrics.get("unigram_entropy"), metrics.get("val/bpb")),
+        validation_line(
+            metrics.get("val/loss"), metrics.get("unigram_entropy"), metrics.get("val/bpb"), coverage
+        ),
         f"Outputs: {run_dir}",
+        *next_steps_lines(run_dir, finished=True),
     ]
     print("\n".join(lines), flush=True)
     return metrics
@@ -539,10 +550,11 @@ def report(
         },
     )
     coverage = validation_coverage(metrics.get("val/tokens"), parts.datamodule, trainer.limit_val_batches)
-    counted_over = entropy_scope(parts)
     lines = closing_lines(
-        metrics, entropy, session.run_dir, trainer, loggers, step, session.start_step, coverage, counted_over
+        metrics, entropy, session.run_dir, trainer, loggers, step, session.start_step, coverage
     )
+    if stop is None:  # a stopped run's own lines say how to continue it
+        lines += next_steps_lines(session.run_dir, finished=step >= settings.trainer["max_steps"] > 0)
     print("\n".join(lines), flush=True)
     study_stop: StudyStopped | None = None
     if settings.length_study is not None:
@@ -605,10 +617,10 @@ def report(
         # a study stopped is not finished: resume=auto runs it (finished_result)
         finished=step >= max_steps > 0 and study_stop is None,
         stopped=stop is not None or study_stop is not None,
-        extra={**extra, **divergence},
+        extra={**extra, **divergence, **({COVERAGE_KEY: coverage} if coverage else {})},
     )
     if divergence.get("diverged"):
-        log.warning(diverged_line(metrics["val/loss"], entropy, uniform, counted_over))
+        log.warning(diverged_line(metrics["val/loss"], entropy, uniform))
     if study_stop is not None:
         log.warning(study_stopped_line(study_stop, step, checkpoint, session.run_dir, settings))
 
@@ -655,15 +667,30 @@ def study_stopped_line(
     )
 
 
+def next_steps_lines(run_dir: Path, finished: bool) -> list[str]:
+    """What a run's last lines suggest next: sampling from it, comparing it with the runs beside it, and for
+    a finished run training it further. None in a sweep, whose closing lines name the sweep's comparison."""
+    if is_multirun():
+        return []
+    run = shlex.quote(str(run_dir))
+    lines = [
+        f"Sample from it: python scripts/generate.py {run}; compare it with the runs beside it: "
+        f"python scripts/compare.py {shlex.quote(str(run_dir.parent))}"
+    ]
+    if finished:
+        lines.append(f"Train it further: the same command with resume={run} and a larger trainer.max_steps")
+    return lines
+
+
 def validation_line(
     val: float | None,
     entropy: float | None,
     bpb: float | None = None,
     coverage: str = "",
-    counted_over: str = "the corpus",
 ) -> str:
-    """The final validation against the unigram entropy (of ``counted_over``: :func:`entropy_scope`), and in
-    bits per byte when measured; ``coverage``: over which tokens (:func:`validation_coverage`)."""
+    """The final validation against the validation split's unigram entropy (:attr:`gptlab.data.corpus.
+    PreparedCorpus.unigram_entropy`), and in bits per byte when measured; ``coverage``: over which tokens
+    (:func:`validation_coverage`)."""
     if val is None:
         return "No validation (it is off: trainer.limit_val_batches=0)"
     line = f"Final validation loss {val:.4f} nats (perplexity {_perplexity(val)})"
@@ -671,18 +698,10 @@ def validation_line(
         line += f", {bpb:.4f} bits per byte"
     if entropy is not None:
         line += (
-            f"; unigram entropy of {counted_over} {entropy:.4f} nats ({abs(entropy - val):.3f} "
+            f"; unigram entropy of the validation split {entropy:.4f} nats ({abs(entropy - val):.3f} "
             f"{'below' if val < entropy else 'above'} it)"
         )
     return f"{line}. {coverage}" if coverage else line
-
-
-def entropy_scope(parts: Parts) -> str:
-    """What the unigram entropy a run is held against was counted over: the whole prepared corpus, or the
-    validation split alone for token files and streams (their training tokens are not all read at the start)."""
-    if parts.corpus.meta.get("token_files") or parts.datamodule.spec.streaming:
-        return "the validation split"
-    return "the corpus"
 
 
 def validation_coverage(scored: float | None, datamodule: Any, limit_val_batches: Any = None) -> str:
@@ -716,14 +735,13 @@ def validation_coverage(scored: float | None, datamodule: Any, limit_val_batches
     return f"It scored {int(scored):,} of the {n_tokens:,} validation tokens, leaving out {leaving}"
 
 
-def diverged_line(val: float, entropy: float, uniform: float, counted_over: str = "the corpus") -> str:
-    """The warning that ends a diverged run's log: the numbers that say so, and the usual fix; the unigram
-    entropy is that of ``counted_over`` (:func:`entropy_scope`)."""
+def diverged_line(val: float, entropy: float, uniform: float) -> str:
+    """The warning that ends a diverged run's log: the numbers that say so, and the usual fix."""
     from gptlab.comparison.records import DIVERGENCE_MARGIN
 
     why = (
-        f", {val:.4g} nats, is above {counted_over}'s unigram entropy, {entropy:.4f} nats (what predicting each token "
-        f"by its frequency alone reaches), and more than {DIVERGENCE_MARGIN:g} nat above the loss of a uniform "
+        f", {val:.4g} nats, is above the validation split's unigram entropy, {entropy:.4f} nats (the best that predicting each "
+        f"token by its frequency alone reaches), and more than {DIVERGENCE_MARGIN:g} nat above the loss of a uniform "
         f"guess, {uniform:.4f} nats (where training starts)"
         if math.isfinite(val)
         else f" is {val}"
@@ -767,9 +785,8 @@ def closing_lines(
     step: int,
     start_step: int = 0,
     coverage: str = "",
-    counted_over: str = "the corpus",
 ) -> list[str]:
-    """The final validation against the corpus's unigram entropy, the rates, and where everything is. A
+    """The final validation against the validation split's unigram entropy, the rates, and where everything is. A
     resumed run names the steps this part trained (``start_step`` to ``step``) and this part's time."""
     from lightning.pytorch.callbacks import ModelCheckpoint
 
@@ -799,7 +816,7 @@ def closing_lines(
     else:
         trained = f"Nothing left to train at step {step}: validated the checkpoint in {seconds:.0f} s"
     lines = [
-        validation_line(metrics.get("val/loss"), entropy, metrics.get("val/bpb"), coverage, counted_over),
+        validation_line(metrics.get("val/loss"), entropy, metrics.get("val/bpb"), coverage),
         trained,
         f"Outputs: {run_dir}",
     ]
