@@ -394,6 +394,18 @@ class AttentionBias:
         return cls(mask=dense, softcap=softcap)
 
 
+def fused_kernel_mask(mask: Tensor) -> Tensor:
+    """``mask`` as SDPA's (B or 1, n_head or 1, rows, keys), the shape that lets its CPU kernel take the fused
+    (flash) route: given fewer dimensions it takes the explicit route, which keeps the (B, n_head, rows, keys)
+    attention weights for the backward. The fused route is taken wherever the mask needs no gradient (a
+    boolean mask, ALiBi, any bias under ``no_grad``), also with GQA and after cached keys; it keeps the mask
+    itself instead, not expanded over the batch, and its results equal the explicit route's to float
+    rounding. A mask that needs a gradient (the learned biases of ``relative`` and ``fire`` in a training
+    step) takes the explicit route either way, in torch 2.11 and 2.13: the fused kernel gives no gradient
+    for a mask."""
+    return mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
+
+
 def dense_bias_attention(
     q: Tensor,
     k: Tensor,
@@ -420,7 +432,7 @@ def dense_bias_attention(
         if softcap is not None:
             return softcapped_attention(q, k, v, rows, softcap, dropout_p, gqa, scale)
         return F.scaled_dot_product_attention(
-            q, k, v, attn_mask=rows, dropout_p=dropout_p, enable_gqa=gqa, scale=scale
+            q, k, v, attn_mask=fused_kernel_mask(rows), dropout_p=dropout_p, enable_gqa=gqa, scale=scale
         )
 
     if T <= QUERY_BLOCK:
@@ -564,7 +576,7 @@ class CausalSelfAttention(nn.Module):
             )
         else:  # a chunk of queries after cached keys: an explicit causal mask
             k_positions = torch.arange(Tk, device=q.device) + (int(positions[-1]) + 1 - Tk)
-            mask = k_positions[None, :] <= positions[:, None]
+            mask = fused_kernel_mask(k_positions[None, :] <= positions[:, None])
             return F.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, dropout_p=dropout_p, enable_gqa=gqa, scale=scale
             )
