@@ -402,17 +402,17 @@ def fused_kernel_mask(mask: Tensor) -> Tensor:
     (flash) route: given fewer dimensions it takes the explicit route, which keeps the (B, n_head, rows, keys)
     attention weights for the backward. The fused route is taken wherever the mask needs no gradient (a
     boolean mask, ALiBi, any bias under ``no_grad``), also with GQA and after cached keys; it keeps the mask
-    itself instead, not expanded over the batch, and its results equal the explicit route's to float
-    rounding. A mask that needs a gradient (the learned biases of ``relative`` and ``fire`` in a training
-    step) takes the explicit route either way, in torch 2.11 and 2.13: the fused kernel gives no gradient
-    for a mask. Measured on a CPU, one thread (docs/performance.md, "The dense route's fused kernel"): one
-    SDPA call at T=1024, B=4, 4 heads of 64, forward and backward, 2.4-2.5x faster with a mask that needs no
-    gradient, unchanged with one that does; a training step of the bench's 2-layer stack with ALiBi at
-    T=1024, 1.24x faster and its peak memory 391 -> 237 MiB (954 -> 478 MiB at 2,048). The fused route keeps
-    each layer's blocks' masks, (n_head, T, ~T/2 + 128) floats a layer: still less than the explicit route's
-    weights and scores even at B=1 (a 2-layer step at T=2,048: 302 -> 216 MiB). One whole mask shared by the
-    layers keeps less as layers are added, but little shows in the peak (12 layers at T=1024: 1,010 against
-    1,060 MiB), so the blocks stay and no pass holds the whole mask."""
+    itself instead, not expanded over the batch, and its results equal the explicit route's to float rounding.
+    A mask that needs a gradient (the learned biases of ``relative`` and ``fire`` in a training step) takes
+    the explicit route either way, in torch 2.11 and 2.13: the fused kernel gives no gradient for a mask (a call
+    with attention dropout takes it too). Measured on a CPU, one thread (docs/performance.md, "The dense route's
+    fused kernel"): one SDPA call at T=1024, B=4, 4 heads of 64, forward and backward, 2.4-2.5x faster with a
+    mask that needs no gradient, unchanged with one that does; a training step of the bench's 2-layer stack
+    with ALiBi at T=1024, 1.24x faster and its peak memory 391 -> 237 MiB (954 -> 478 MiB at 2,048). The fused
+    route keeps each layer's blocks' masks, (n_head, T, ~T/2 + 128) floats a layer: still less than the
+    explicit route's weights and scores even at B=1 (a 2-layer step at T=2,048: 302 -> 216 MiB). One whole
+    mask shared by the layers keeps less as layers are added, but little shows in the peak (12 layers at
+    T=1024: 1,010 against 1,060 MiB), so the blocks stay and no pass holds the whole mask."""
     return mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
 
 
