@@ -177,3 +177,118 @@ def test_a_long_sequences_forward_never_allocates_the_whole_mask(case):
     with LargestTensor() as whole:  # the measure sees the whole mask where it is built
         AttentionBias.build(model.transformer.pos, torch.arange(T), torch.arange(T), False).mask.whole()
     assert whole.bytes >= 4 * T * T  # (1 or 4, T, T): boolean, or fp32 floats
+
+
+@contextmanager
+def three_d_masks(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Within the block SDPA gets the masks as (n_head or 1, rows, keys), as the route passed them before:
+    its CPU kernel then takes its explicit route whatever the mask."""
+    with monkeypatch.context() as patch:
+        patch.setattr(attention, "fused_kernel_mask", lambda mask: mask)
+        yield
+
+
+FUSED = "ScaledDotProductFlashAttentionForCpuBackward0"  # the autograd node of SDPA's fused CPU kernel
+EXPLICIT = "SafeSoftmaxBackward0"  # the softmax of SDPA's explicit route (the model has no other)
+
+
+def sdpa_backward_nodes(out: torch.Tensor) -> list[str]:
+    """The autograd nodes under ``out`` that SDPA's CPU routes leave, one per call: the fused kernel's, or the
+    explicit route's softmax."""
+    names, seen, stack = [], set(), [out.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        names.append(node.name())
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return [n for n in names if n in (FUSED, EXPLICIT)]
+
+
+@pytest.mark.parametrize(
+    ("case", "documents"),
+    [
+        *[(case, False) for case in ["alibi", "alibi, windows", "nope, windows", "relative"]],
+        *[(case, False) for case in ["fire past its threshold", "fire, grouped-query"]],
+        ("alibi", True),  # the whole (B, n_head, T, T) mask, sliced
+        ("relative", True),
+    ],
+    ids=str,
+)
+def test_a_training_step_with_4d_masks_equals_the_3d_masks(case, documents, monkeypatch):
+    """The masks passed 4-d, so that SDPA's CPU kernel takes its fused route where the mask needs no
+    gradient: the logits and every gradient (the bias scheme's own parameters' included) equal those of the
+    3-d masks and the explicit route, over three blocks of 16 queries. (With documents the masks were 4-d
+    already.)"""
+    monkeypatch.setattr(attention, "QUERY_BLOCK", 16)
+    model = model_of(**CASES[case]).train()
+    idx = torch.randint(0, EOT, (2, 49), generator=torch.Generator().manual_seed(1))
+    if documents:
+        idx[0, 11], idx[0, 30], idx[1, 25] = EOT, EOT, EOT
+    doc_ids = document_ids(idx[:, :-1], EOT) if documents else None
+    four_d = logits_and_grads(model, idx, doc_ids)
+    with three_d_masks(monkeypatch):
+        three_d = logits_and_grads(model, idx, doc_ids)
+    assert_same(four_d, three_d)
+
+
+@pytest.mark.parametrize("case", ["alibi, windows", "relative, windows and cap", "fire, grouped-query"])
+@torch.no_grad()
+def test_queries_after_cached_keys_with_4d_masks_equal_the_3d_masks(case, monkeypatch):
+    """A prompt fed in chunks after cached keys (``GPT.prefill``, the causal mask of a chunk without a bias
+    too), then one step: the same logits with the masks passed 4-d as 3-d."""
+    monkeypatch.setattr(attention, "QUERY_BLOCK", 16)
+    model = model_of(**CASES[case]).eval()
+    idx = torch.randint(0, EOT, (2, 56), generator=torch.Generator().manual_seed(2))
+
+    def prefill_and_step() -> list[torch.Tensor]:
+        cache = KVCache.empty(model.config.n_layer)
+        last = model.prefill(idx[:, :50], cache, chunk=40)
+        step, _ = model(idx[:, 50:], cache=cache)
+        assert step is not None
+        return [last, step]
+
+    four_d = prefill_and_step()
+    with three_d_masks(monkeypatch):
+        three_d = prefill_and_step()
+    assert_same(four_d, three_d)
+
+
+@pytest.mark.parametrize(
+    ("case", "fused"),
+    [("alibi", True), ("nope, windows", True), ("fire, grouped-query", False), ("relative", False)],
+)
+def test_the_fused_kernel_is_taken_where_the_mask_needs_no_gradient_and_keeps_less(case, fused, monkeypatch):
+    """Where the mask needs no gradient (ALiBi's, a window's booleans) every block of a training step takes
+    SDPA's fused CPU kernel, and what the step keeps for its backward is less than the explicit route kept
+    (the mask, not the batch's attention weights); a learned bias (``relative``, ``fire``) needs its gradient,
+    which only the explicit route gives: those steps are as before, byte for byte."""
+    monkeypatch.setattr(attention, "QUERY_BLOCK", 16)
+    model = model_of(**CASES[case]).train()
+    idx = torch.randint(0, EOT, (4, 48), generator=torch.Generator().manual_seed(3))
+
+    def kept_for_backward() -> tuple[list[str], int]:
+        kept: dict[tuple[int, int], int] = {}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            kept[(t.untyped_storage().data_ptr(), t.numel())] = t.numel() * t.element_size()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            logits, _ = model(idx)
+        assert logits is not None
+        return sdpa_backward_nodes(logits), sum(kept.values())
+
+    nodes, kept = kept_for_backward()
+    with three_d_masks(monkeypatch):
+        nodes_3d, kept_3d = kept_for_backward()
+    masked_blocks = nodes_3d.count(EXPLICIT)  # one per masked block
+    assert masked_blocks >= 3  # three blocks of 16 queries in each masked layer
+    if fused:
+        assert EXPLICIT not in nodes
+        assert nodes.count(FUSED) == nodes_3d.count(FUSED) + masked_blocks
+        assert kept < kept_3d
+    else:
+        assert nodes == nodes_3d
+        assert kept == kept_3d

@@ -15,7 +15,8 @@
     (n_head, T, T) mask is never held: extra memory is (n_head, QUERY_BLOCK, Tk) at any length. What the
     rows share (a table per distance) is computed once per forward pass. On a CPU at T=1024, with the bias
     built once, the stack's training step was 1.2-1.5x faster than with one masked call per layer over the
-    whole (T, T) square (``scripts/bench_attention.py`` times both).
+    whole (T, T) square (``scripts/bench_attention.py`` times both). The masks reach SDPA 4-d
+    (``fused_kernel_mask``), so that its CPU kernel takes its fused route wherever the mask needs no gradient.
 - The attention variants (model/attention_variants.py) ride on the same two routes: a sliding window is a
   mask (the FlexAttention block mask, or a boolean / -inf mask through SDPA), prepared once per forward pass
   for the local layers and once for the global ones; a logit cap is part of the score_mod on CUDA and, since
@@ -28,7 +29,9 @@
   are never held, nor their gradient (``scripts/document_mask_memory.py`` measures the step's memory). The
   exception is a bias without a gradient (ALiBi) in a training step: SDPA's CPU kernel takes a 4-d mask's
   fused route and keeps the mask for the backward, in every layer; there one whole mask, shared by the
-  layers, holds least. (A 3-d mask, without documents, takes SDPA's explicit route, which keeps no mask.)
+  layers, holds least. (Without documents the blocks' masks are (1, n_head, rows, T), what the fused route
+  keeps of them is less than the explicit route kept before, and they stay per block: see
+  ``fused_kernel_mask``.)
 """
 
 from __future__ import annotations
@@ -394,6 +397,25 @@ class AttentionBias:
         return cls(mask=dense, softcap=softcap)
 
 
+def fused_kernel_mask(mask: Tensor) -> Tensor:
+    """``mask`` as SDPA's (B or 1, n_head or 1, rows, keys), the shape that lets its CPU kernel take the fused
+    (flash) route: given fewer dimensions it takes the explicit route, which keeps the (B, n_head, rows, keys)
+    attention weights for the backward. The fused route is taken wherever the mask needs no gradient (a
+    boolean mask, ALiBi, any bias under ``no_grad``), also with GQA and after cached keys; it keeps the mask
+    itself instead, not expanded over the batch, and its results equal the explicit route's to float rounding.
+    A mask that needs a gradient (the learned biases of ``relative`` and ``fire`` in a training step) takes
+    the explicit route either way, in torch 2.11 and 2.13: the fused kernel gives no gradient for a mask (a call
+    with attention dropout takes it too). Measured on a CPU, one thread (docs/performance.md, "The dense route's
+    fused kernel"): one SDPA call at T=1024, B=4, 4 heads of 64, forward and backward, 2.4-2.5x faster with a
+    mask that needs no gradient, unchanged with one that does; a training step of the bench's 2-layer stack
+    with ALiBi at T=1024, 1.24x faster and its peak memory 391 -> 237 MiB (954 -> 478 MiB at 2,048). The fused
+    route keeps each layer's blocks' masks, (n_head, T, ~T/2 + 128) floats a layer: still less than the
+    explicit route's weights and scores even at B=1 (a 2-layer step at T=2,048: 302 -> 216 MiB). One whole
+    mask shared by the layers keeps less as layers are added, but little shows in the peak (12 layers at
+    T=1024: 1,010 against 1,060 MiB), so the blocks stay and no pass holds the whole mask."""
+    return mask.reshape((1,) * (4 - mask.dim()) + tuple(mask.shape))
+
+
 def dense_bias_attention(
     q: Tensor,
     k: Tensor,
@@ -420,7 +442,7 @@ def dense_bias_attention(
         if softcap is not None:
             return softcapped_attention(q, k, v, rows, softcap, dropout_p, gqa, scale)
         return F.scaled_dot_product_attention(
-            q, k, v, attn_mask=rows, dropout_p=dropout_p, enable_gqa=gqa, scale=scale
+            q, k, v, attn_mask=fused_kernel_mask(rows), dropout_p=dropout_p, enable_gqa=gqa, scale=scale
         )
 
     if T <= QUERY_BLOCK:
@@ -564,7 +586,7 @@ class CausalSelfAttention(nn.Module):
             )
         else:  # a chunk of queries after cached keys: an explicit causal mask
             k_positions = torch.arange(Tk, device=q.device) + (int(positions[-1]) + 1 - Tk)
-            mask = k_positions[None, :] <= positions[:, None]
+            mask = fused_kernel_mask(k_positions[None, :] <= positions[:, None])
             return F.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, dropout_p=dropout_p, enable_gqa=gqa, scale=scale
             )
