@@ -23,6 +23,7 @@ from gptlab.errors import (
     DataError,
     DiskFullError,
     NonFiniteLossError,
+    PreparationStopped,
     RankLostError,
     SweepStopped,
     signal_name,
@@ -404,18 +405,19 @@ def sweep_stopped_lines(stop: SweepStopped, hydra: Any, argv: list[str] | None =
     ]
 
 
-def stopped_before_training_lines() -> str:
-    """What a Ctrl-C before the first training step says: nothing was trained or kept half-made, and the
-    command that starts again (in a sweep, the one that continues it: its finished jobs stay as they are)."""
+def stopped_before_training_lines(signum: int = signal.SIGINT) -> str:
+    """What a Ctrl-C (or a SIGTERM while a token cache is prepared) before the first training step says:
+    nothing was trained or kept half-made, and the command that starts again (in a sweep, the one that
+    continues it: its finished jobs stay as they are)."""
     message = (
-        "Ctrl-C stopped the run before its first training step: nothing was trained, and nothing was left "
+        f"{signal_name(signum)} stopped the run before its first training step: nothing was trained, and nothing was left "
         "half-written (a token cache is written whole or not at all; the checkpoints of a resumed run are as "
         "they were)."
     )
     if not is_multirun():
         return f"{message} The same command starts again."
     hydra = HydraConfig.get()
-    stop = SweepStopped(signal.SIGINT, Path(str(hydra.runtime.output_dir)))
+    stop = SweepStopped(signum, Path(str(hydra.runtime.output_dir)))
     lines = sweep_stopped_lines(stop, hydra)
     return "\n".join([message, *lines[1:]])
 
@@ -503,13 +505,17 @@ def run_task(cfg: DictConfig) -> float | None:
     except SweepStopped as stop:
         print("\n".join(sweep_stopped_lines(stop, HydraConfig.get())), flush=True)
         raise SystemExit(stop.exit_status) from None
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as stop:
         # Ctrl-C before training's own handler took the signal over (preparing the data, building the model,
-        # starting the loggers); from the first step on, training saves and stops, and the studies after it
-        # end cleanly. Nothing of the run was made yet: a folder this command made for it goes, as a refused
-        # run's does, and a token cache under way removed its unfinished files on the way out.
+        # starting the loggers), or a SIGTERM while a token cache is prepared (a scheduler preempting the
+        # job); from the first step on, training saves and stops, and the studies after it end cleanly.
+        # Nothing of the run was made yet: a folder this command made for it goes, as a refused run's does,
+        # and a token cache under way removed its unfinished files on the way out. The exit status is 128 +
+        # the signal's number, as a shell reports a process that signal ended (143 for SIGTERM: what SLURM
+        # and Kubernetes take for a terminated job, not a failed one).
+        signum = stop.signum if isinstance(stop, PreparationStopped) else signal.SIGINT
         _remove_refused_run_dir()
-        print(f"\ngptlab: {stopped_before_training_lines()}", file=sys.stderr, flush=True)
-        raise SystemExit(128 + signal.SIGINT) from None
+        print(f"\ngptlab: {stopped_before_training_lines(signum)}", file=sys.stderr, flush=True)
+        raise SystemExit(128 + signum) from None
     metric = cfg.get("optimized_metric")
     return metrics.get(metric) if metric else None
