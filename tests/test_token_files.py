@@ -187,11 +187,20 @@ def test_work_folders_of_unfinished_preparations_on_any_host_are_removed_under_t
 
 @pytest.mark.slow
 def test_sigterm_while_a_cache_is_prepared_says_so_and_removes_its_work_folder(tmp_path):
-    """A scheduler's preemption during data preparation: one line, no traceback, the work folder and the run
-    folder gone, and the exit status 128 + 15 with which a shell reports a process SIGTERM ended."""
-    args = [*TINY, "tokenizer=char", "trainer.max_steps=2", "logger=csv", f"paths.root_dir={tmp_path}"]
+    """A scheduler's preemption during data preparation, the SIGTERM sent to every process of the job (the
+    pool's tokenizing workers too): one line, no traceback, the work folder and the run folder gone, and the
+    exit status 128 + 15 with which a shell reports a process SIGTERM ended."""
+    make_corpus(tmp_path / "c.jsonl", 300)
+    args = [
+        *TINY,
+        f"data.path={tmp_path / 'c.jsonl'}",
+        "data.num_proc=2",
+        "trainer.max_steps=2",
+        "logger=csv",
+    ]
+    args.append(f"paths.root_dir={tmp_path}")
     status, output = signal_when_held(
-        args, tmp_path, "hold_tokenizing", ("tokenization under way",), signal.SIGTERM
+        args, tmp_path, "hold_tokenizing", ("tokenization under way",), signal.SIGTERM, to_group=True
     )
     assert status == 128 + signal.SIGTERM, output[-3000:]
     assert "Traceback" not in output, output[-3000:]
