@@ -262,10 +262,13 @@ def signal_when_held(
     signum: int,
     timeout: float = 500,
     env: dict[str, str] | None = None,
+    to_group: bool = False,
 ) -> tuple[int, str]:
     """Run ``python train.py <args>`` through tests/faults.py with ``GPTLAB_TEST_FAULT=fault`` (a hook that
     prints a line and holds the run where the test wants it), and send ``signum`` once a line of the output
-    starts with one of ``ready``: no timing is assumed. Returns (exit status, the whole output)."""
+    starts with one of ``ready``: no timing is assumed. ``to_group``: to every process of the command (its
+    own session), as a terminal's Ctrl-C or a scheduler's SIGTERM reaches them. Returns (exit status, the whole
+    output)."""
     proc = subprocess.Popen(
         [sys.executable, str(ROOT / "tests" / "faults.py"), *args],
         cwd=cwd,
@@ -273,6 +276,7 @@ def signal_when_held(
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
+        start_new_session=to_group,
     )
     lines: list[str] = []
 
@@ -281,7 +285,10 @@ def signal_when_held(
         for line in proc.stdout:
             lines.append(line)
             if line.startswith(ready):
-                proc.send_signal(signum)
+                if to_group:
+                    os.killpg(proc.pid, signum)
+                else:
+                    proc.send_signal(signum)
 
     thread = threading.Thread(target=watch, daemon=True)
     thread.start()

@@ -7,6 +7,7 @@ import re
 import subprocess
 import sys
 
+import pytest
 from conftest import CONF, ROOT
 
 
@@ -202,6 +203,23 @@ def test_a_refused_sweep_leaves_no_job_folders(tmp_path):
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[
         -3000:
     ]  # as a single refused run
+    assert [p.name for p in sweep.iterdir()] == ["multirun.yaml"]
+
+
+@pytest.mark.slow
+def test_a_refused_sweep_under_joblib_leaves_no_job_folders_and_names_the_job(tmp_path):
+    """joblib runs each job in a worker process that shares none of the command's state: the folders the
+    command made reach it through the environment, and the job's number travels with its pickled error."""
+    sweep = tmp_path / "sweep"
+    proc = train_py(
+        "-m", "hydra/launcher=joblib", "model.n_layer=-1,-2", f"hydra.sweep.dir={sweep}", cwd=tmp_path
+    )
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert "job #1 (n_layer=-2) was refused: model.n_layer=-2 must be a positive integer" in proc.stderr
+    assert (
+        "gptlab: error: the first job of the sweep that did not run to the end: job #0 (n_layer=-1) was refused: "
+        "model.n_layer=-1 must be a positive integer"
+    ) in proc.stderr
     assert [p.name for p in sweep.iterdir()] == ["multirun.yaml"]
 
 

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from conftest import CONF, ROOT, TINY, run_train, signal_when_held, strict_json
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
@@ -1073,6 +1074,38 @@ def test_a_run_directory_without_last_ckpt_is_refused_naming_its_best_checkpoint
         "(resume=<run>/checkpoints/<name>.ckpt), another run directory, or resume=auto."
     )
     assert checkpoint_to_resume(str(best), tmp_path / "new") == best  # the command it names is taken
+
+
+def test_resume_auto_refuses_a_matching_run_without_last_ckpt_naming_its_best_checkpoint(
+    tmp_path, reference_run
+):
+    """resume=auto finds the run started with the same overrides even when it holds only a best checkpoint (a
+    disk filled before its first last.ckpt), and refuses as resume=<run dir> does, naming that checkpoint,
+    rather than starting a new run beside it as if there were nothing to continue."""
+    outputs = tmp_path / "outputs"
+    run_dir = outputs / "runs" / "2026-11-27" / "01-00-00"
+    shutil.copytree(reference_run[0], run_dir)
+    for path in (run_dir / "checkpoints").glob("last.ckpt*"):
+        path.unlink()
+    (best,) = (run_dir / "checkpoints").glob("best-*.ckpt")
+    overrides = Run(run_dir).overrides()
+    if overrides is None:  # composed in this process: the overrides Hydra's command line would have saved
+        (run_dir / ".hydra").mkdir(exist_ok=True)
+        (run_dir / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(list(ARGS)))
+        overrides = list(ARGS)
+    kept = sorted(p.name for p in run_dir.rglob("*") if p.is_file())
+    default = str(outputs / "runs" / "new")
+    chosen = choose_run_dir([*overrides, "resume=auto"], str(outputs), default)
+    assert chosen == str(run_dir)
+    with pytest.raises(CheckpointError) as refused:
+        checkpoint_to_resume("auto", Path(chosen))
+    assert str(refused.value) == (
+        f"resume=auto: the run {run_dir}, started with these overrides, holds no checkpoints/last.ckpt to continue "
+        f"from. It holds {best.name} (a best checkpoint, saved at a validation): resume={best} continues from it. "
+        "Or start a new run beside it with resume=null."
+    )
+    assert kept == sorted(p.name for p in run_dir.rglob("*") if p.is_file())  # the run is as it was
+    assert not (outputs / "runs" / "new").exists()
 
 
 def test_a_full_disk_before_the_first_last_checkpoint_names_the_best_checkpoint_to_resume_from(

@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -155,6 +156,61 @@ def test_ctrl_c_while_a_cache_is_prepared_says_so_leaves_nothing_half_made_and_t
     assert "Final validation loss" in proc.stdout
     (cache,) = [p for p in tokens.iterdir() if p.is_dir()]
     assert json.loads((cache / "meta.json").read_text())["splits"]["train"]["tokens"] > 0
+
+
+def test_work_folders_of_unfinished_preparations_on_any_host_are_removed_under_the_lock(tmp_path):
+    """A preempted job requeued on another node finds the work folder its first try left on the shared cache
+    folder: the preparation that takes the cache's lock removes it, whichever host made it and whatever process
+    now has the id in its name (here pid 1, alive on this host), since no live preparation can own one then."""
+    import socket
+
+    make_corpus(tmp_path / "c.jsonl", 300)
+    spec = DataSpec(path=str(tmp_path / "c.jsonl"), cache_dir=str(tmp_path / "cache"))
+    corpus.prepare(spec, "gpt2")
+    (cache,) = [p for p in (tmp_path / "cache").iterdir() if p.is_dir()]
+    left = [
+        cache.parent / f"{cache.name}.tmp-node17.cluster-4242",  # a dead job on another node
+        cache.parent / f"{cache.name}.tmp-{socket.gethostname()}-1",  # its pid now another live process's
+    ]
+    for folder in left:
+        folder.mkdir()
+        (folder / "train_000000.bin").write_bytes(b"\0" * 4096)
+    other = cache.parent / "pydoc-gpt2-0123456789abcdef.tmp-node17-4242"  # another cache's: not this lock's
+    other.mkdir()
+    shutil.rmtree(cache)  # the cache is prepared again
+
+    prepared = corpus.prepare(spec, "gpt2")
+    assert prepared.meta["splits"]["train"]["tokens"] > 0
+    assert [p for p in left if p.exists()] == []
+    assert other.is_dir()
+
+
+@pytest.mark.slow
+def test_sigterm_while_a_cache_is_prepared_says_so_and_removes_its_work_folder(tmp_path):
+    """A scheduler's preemption during data preparation, the SIGTERM sent to every process of the job (the
+    pool's tokenizing workers too): one line, no traceback, the work folder and the run folder gone, and the
+    exit status 128 + 15 with which a shell reports a process SIGTERM ended."""
+    make_corpus(tmp_path / "c.jsonl", 300)
+    args = [
+        *TINY,
+        f"data.path={tmp_path / 'c.jsonl'}",
+        "data.num_proc=2",
+        "trainer.max_steps=2",
+        "logger=csv",
+    ]
+    args.append(f"paths.root_dir={tmp_path}")
+    status, output = signal_when_held(
+        args, tmp_path, "hold_tokenizing", ("tokenization under way",), signal.SIGTERM, to_group=True
+    )
+    assert status == 128 + signal.SIGTERM, output[-3000:]
+    assert "Traceback" not in output, output[-3000:]
+    assert (
+        "gptlab: SIGTERM stopped the run before its first training step: nothing was trained, and nothing was "
+        "left half-written"
+    ) in output
+    tokens = tmp_path / "outputs" / "cache" / "tokens"
+    assert [p.name for p in tokens.iterdir() if p.is_dir()] == []  # neither a cache nor its work folder
+    assert not (tmp_path / "outputs" / "runs").exists()
 
 
 # ---- the anchors' token files ---------------------------------------------------------------------------

@@ -23,6 +23,7 @@ from gptlab.errors import (
     DataError,
     DiskFullError,
     NonFiniteLossError,
+    PreparationStopped,
     RankLostError,
     SweepStopped,
     signal_name,
@@ -243,6 +244,24 @@ def suggest_choices() -> None:
 _new_dirs: set[Path] = set()
 
 
+#: The environment variable that hands ``_new_dirs`` to the processes a launcher runs a sweep's jobs in
+#: (joblib's): ``<pid of the command>`` then the folders, os.pathsep-separated. Those processes start from
+#: the command's environment but none of its state, and a job refused there removes its folder only if the
+#: command made it.
+NEW_DIRS_ENV = "GPTLAB_NEW_DIRS"
+
+
+def _noted_new_dirs() -> set[Path]:
+    """The folders this command made: noted in this process, or, in a process a launcher started for a job
+    (whose hooks noted nothing), handed down by the command in :data:`NEW_DIRS_ENV`."""
+    if _new_dirs:
+        return _new_dirs
+    pid, *folders = os.environ.get(NEW_DIRS_ENV, "").split(os.pathsep)
+    if pid and pid != str(os.getpid()):
+        return {Path(f) for f in folders if f}
+    return _new_dirs
+
+
 def _absolute(path: Any) -> Path:
     return Path(os.path.abspath(str(path)))  # as Hydra makes runtime.output_dir
 
@@ -263,6 +282,7 @@ class NoteNewDirectories(HydraCallback):
             if candidate.exists() and candidate not in made:
                 break
             _new_dirs.add(candidate)
+        os.environ[NEW_DIRS_ENV] = os.pathsep.join([str(os.getpid()), *map(str, sorted(_new_dirs))])
 
     def on_run_start(self, config: Any, **kwargs: Any) -> None:
         self._note(config.hydra.run.dir)
@@ -314,6 +334,8 @@ class FailedJob:
 #: The failed jobs of the sweep under way, in the order they ran (Hydra's basic launcher runs them in this
 #: process; a launcher that runs them elsewhere reports only the first failure's error, in ``end_failed_sweep``).
 _failed_jobs: list[FailedJob] = []
+#: The attribute of a failed job's error that holds its (number, label, refused), set by note_failed_job.
+FAILED_JOB_ATTR = "gptlab_sweep_job"
 
 
 def note_failed_job(error: Exception, refused: bool) -> None:
@@ -326,6 +348,9 @@ def note_failed_job(error: Exception, refused: bool) -> None:
     labels = labels_from_hydra(hydra)
     job = FailedJob(int(hydra.job.num), labels.name or " ".join(labels.overrides), refused, error)
     _failed_jobs.append(job)
+    # A launcher that runs the job in another process (joblib) hands the sweep this error pickled, without
+    # _failed_jobs: the job's number and label travel with it (an exception's attributes are pickled).
+    setattr(error, FAILED_JOB_ATTR, (job.num, job.label, job.refused))
     print(f"\ngptlab: {job.describe()}", file=sys.stderr, flush=True)
 
 
@@ -346,7 +371,17 @@ def end_failed_sweep(error: Exception) -> None:
         if not isinstance(error, ours):
             return
         refused = isinstance(error, (ConfigError, DataError))
-        print(f"\ngptlab: error: a job of the sweep failed: {error}", file=sys.stderr, flush=True)
+        noted = getattr(error, FAILED_JOB_ATTR, None)
+        if noted is not None:  # each job's own line was printed where it ran, above
+            num, label, _ = noted
+            first = FailedJob(int(num), str(label), refused, error)
+            print(
+                f"\ngptlab: error: the first job of the sweep that did not run to the end: {first.describe()}",
+                file=sys.stderr,
+                flush=True,
+            )
+        else:
+            print(f"\ngptlab: error: a job of the sweep failed: {error}", file=sys.stderr, flush=True)
         raise SystemExit(2 if refused else 1) from None
     jobs = f"{len(failed)} job{'s' if len(failed) != 1 else ''}"
     lines = [f"gptlab: error: {jobs} of the sweep did not run to the end:"]
@@ -404,18 +439,19 @@ def sweep_stopped_lines(stop: SweepStopped, hydra: Any, argv: list[str] | None =
     ]
 
 
-def stopped_before_training_lines() -> str:
-    """What a Ctrl-C before the first training step says: nothing was trained or kept half-made, and the
-    command that starts again (in a sweep, the one that continues it: its finished jobs stay as they are)."""
+def stopped_before_training_lines(signum: int = signal.SIGINT) -> str:
+    """What a Ctrl-C (or a SIGTERM while a token cache is prepared) before the first training step says:
+    nothing was trained or kept half-made, and the command that starts again (in a sweep, the one that
+    continues it: its finished jobs stay as they are)."""
     message = (
-        "Ctrl-C stopped the run before its first training step: nothing was trained, and nothing was left "
+        f"{signal_name(signum)} stopped the run before its first training step: nothing was trained, and nothing was left "
         "half-written (a token cache is written whole or not at all; the checkpoints of a resumed run are as "
         "they were)."
     )
     if not is_multirun():
         return f"{message} The same command starts again."
     hydra = HydraConfig.get()
-    stop = SweepStopped(signal.SIGINT, Path(str(hydra.runtime.output_dir)))
+    stop = SweepStopped(signum, Path(str(hydra.runtime.output_dir)))
     lines = sweep_stopped_lines(stop, hydra)
     return "\n".join([message, *lines[1:]])
 
@@ -429,7 +465,8 @@ def remove_refused_run_dir(run_dir: Path, job_log: str) -> bool:
 
 
 def _remove_new_folder(folder: Path, leftovers: set[str]) -> bool:
-    if not _new_dirs & {folder, *folder.parents}:
+    made = _noted_new_dirs()
+    if not made & {folder, *folder.parents}:
         return False
     try:
         found = {entry.name for entry in folder.iterdir()}
@@ -440,7 +477,7 @@ def _remove_new_folder(folder: Path, leftovers: set[str]) -> bool:
     _close_logs_in(folder)
     shutil.rmtree(folder, ignore_errors=True)
     for parent in folder.parents:
-        if parent not in _new_dirs:
+        if parent not in made:
             break
         try:
             parent.rmdir()  # only an empty one: a sweep's other jobs, or a run started beside, stay
@@ -503,13 +540,17 @@ def run_task(cfg: DictConfig) -> float | None:
     except SweepStopped as stop:
         print("\n".join(sweep_stopped_lines(stop, HydraConfig.get())), flush=True)
         raise SystemExit(stop.exit_status) from None
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as stop:
         # Ctrl-C before training's own handler took the signal over (preparing the data, building the model,
-        # starting the loggers); from the first step on, training saves and stops, and the studies after it
-        # end cleanly. Nothing of the run was made yet: a folder this command made for it goes, as a refused
-        # run's does, and a token cache under way removed its unfinished files on the way out.
+        # starting the loggers), or a SIGTERM while a token cache is prepared (a scheduler preempting the
+        # job); from the first step on, training saves and stops, and the studies after it end cleanly.
+        # Nothing of the run was made yet: a folder this command made for it goes, as a refused run's does,
+        # and a token cache under way removed its unfinished files on the way out. The exit status is 128 +
+        # the signal's number, as a shell reports a process that signal ended (143 for SIGTERM: what SLURM
+        # and Kubernetes take for a terminated job, not a failed one).
+        signum = stop.signum if isinstance(stop, PreparationStopped) else signal.SIGINT
         _remove_refused_run_dir()
-        print(f"\ngptlab: {stopped_before_training_lines()}", file=sys.stderr, flush=True)
-        raise SystemExit(128 + signal.SIGINT) from None
+        print(f"\ngptlab: {stopped_before_training_lines(signum)}", file=sys.stderr, flush=True)
+        raise SystemExit(128 + signum) from None
     metric = cfg.get("optimized_metric")
     return metrics.get(metric) if metric else None

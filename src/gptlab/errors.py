@@ -76,6 +76,16 @@ class EvaluationStopped(BaseException):
         super().__init__(f"{signal_name(signum)} stopped the evaluation")
 
 
+class PreparationStopped(KeyboardInterrupt):
+    """A stop signal (a scheduler's SIGTERM) that ended a token cache's preparation, raised from the signal
+    handler. A ``KeyboardInterrupt``, as Ctrl-C's is: it takes the same way out (the work folder removed on
+    the way, one line, exit status 128 + the signal's number)."""
+
+    def __init__(self, signum: int) -> None:
+        self.signum = signum
+        super().__init__(f"{signal_name(signum)} stopped the preparation of a token cache")
+
+
 __all__ = [
     "CheckpointError",
     "ConfigError",
@@ -83,6 +93,7 @@ __all__ = [
     "DiskFullError",
     "EvaluationStopped",
     "NonFiniteLossError",
+    "PreparationStopped",
     "RankLostError",
     "SweepStopped",
     "WandbFileError",

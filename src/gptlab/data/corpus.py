@@ -24,7 +24,9 @@ import json
 import logging
 import os
 import shutil
+import signal
 import socket
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -47,7 +49,7 @@ from gptlab.data.shards import (
 )
 from gptlab.data.sources import BatchPlace, DataSpec, iter_batches, load_documents, source_fingerprint
 from gptlab.data.tokenize_pool import TokenizeJob, TokenizeResult, run_tokenize_jobs
-from gptlab.errors import ConfigError, DataError
+from gptlab.errors import ConfigError, DataError, PreparationStopped
 
 log = logging.getLogger(__name__)
 
@@ -194,7 +196,8 @@ def prepare(spec: DataSpec, tokenizer: str | dict[str, Any]) -> PreparedCorpus:
             if not isinstance(opened, tuple):  # still missing or damaged: this process prepares it
                 if opened is not None:
                     _remove_damaged(spec, cache, opened)
-                _build_cache(spec, node, cache, key_material)
+                with _stopped_by_sigterm():
+                    _build_cache(spec, node, cache, key_material)
                 opened = _open_cache(cache)
                 if not isinstance(opened, tuple):
                     raise opened
@@ -301,17 +304,36 @@ def _token_files(spec: DataSpec, node: dict, layout: str, splits: dict[str, Toke
 
 
 def _remove_stale(cache: Path) -> None:
-    """Temporary folders of preparations on this host whose process is gone (killed, or the machine
-    rebooted)."""
-    host = socket.gethostname()
-    for tmp in cache.parent.glob(f"{cache.name}.tmp-{host}-*"):
-        try:
-            os.kill(int(tmp.name.rsplit("-", 1)[1]), 0)
-        except ProcessLookupError:
+    """Temporary folders of this cache's earlier preparations that did not finish (killed, preempted, the
+    machine rebooted), on this host or another (a requeued job lands on another node of the cluster).
+
+    Called holding the cache's lock, the one a preparation holds from before it makes its temporary folder
+    until it has renamed or removed it: so no live preparation owns any of them, whatever its host. The
+    host and process id in the name are not asked: another host's processes cannot be seen from here, and
+    a process id of a dead preparation may since belong to another process."""
+    for tmp in cache.parent.glob(f"{cache.name}.tmp-*"):
+        if tmp.is_dir():
             log.info("Removing %s, left by a preparation that did not finish", tmp)
             shutil.rmtree(tmp, ignore_errors=True)
-        except (ValueError, PermissionError):
-            pass
+
+
+@contextmanager
+def _stopped_by_sigterm() -> Iterator[None]:
+    """SIGTERM raises :class:`PreparationStopped` while a cache is prepared, so that the work folder goes
+    as it does on Ctrl-C (by default SIGTERM ends the process at once, leaving it). The handler found is
+    put back after: training installs its own later."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # signal handlers can only be set from the main thread
+        return
+
+    def stop(signum: int, frame: Any) -> None:
+        raise PreparationStopped(signum)
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
 
 
 def _build_cache(spec: DataSpec, node: dict, cache: Path, key_material: dict) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import queue
+import signal
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -79,6 +80,21 @@ class TokenizeResult:
 
 def _init(tokenizer: Any, dtype: np.dtype, out_dir: Path, progress: Any) -> None:
     _worker.update(tokenizer=tokenizer, dtype=np.dtype(dtype), out_dir=Path(out_dir), progress=progress)
+
+
+def _init_pool_worker(tokenizer: Any, dtype: np.dtype, out_dir: Path, progress: Any) -> None:
+    # A stop signal is the parent's to report: it removes the work folder and says so in one line. A
+    # scheduler's SIGTERM and a terminal's Ctrl-C reach every process of the job: a worker ends quietly
+    # (SystemExit prints no traceback, as the parent's handlers, inherited by the fork, would), and by an
+    # exception, not at once, so that an idle worker lets go of the pool's queue lock on the way out (killed
+    # holding it, it would leave the pool's own shutdown waiting for it for ever).
+    signal.signal(signal.SIGINT, _quit)
+    signal.signal(signal.SIGTERM, _quit)
+    _init(tokenizer, dtype, out_dir, progress)
+
+
+def _quit(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)
 
 
 def _report(docs: int, tokens: int) -> None:
@@ -203,7 +219,9 @@ def _run_pool(
         except queue.Empty:
             pass
 
-    with ctx.Pool(num_proc, initializer=_init, initargs=(tokenizer, dtype, out_dir, progress)) as pool:
+    with ctx.Pool(
+        num_proc, initializer=_init_pool_worker, initargs=(tokenizer, dtype, out_dir, progress)
+    ) as pool:
         pending: list[Any] = []
         for job in jobs:
             pending.append(pool.apply_async(tokenize_job, (job,)))

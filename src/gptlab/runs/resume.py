@@ -94,8 +94,11 @@ def _resumable_runs(root: Path) -> list[_Resumable]:
     found = []
     for path in find_run_dirs(root, max_depth=5):
         run = Run(path)
-        # A checkpoint set aside by a kill mid-swap counts: train.run puts it back before it resumes.
-        ckpt = run.resume_checkpoint() or next(iter(run.set_aside_checkpoints()), None)
+        # A checkpoint set aside by a kill mid-swap counts: train.run puts it back before it resumes. So does
+        # a best checkpoint alone (a run stopped before its first last.ckpt): the run is found, and
+        # checkpoint_to_resume refuses it naming that checkpoint, as resume=<run dir> does, rather than a new
+        # run starting beside it unsaid.
+        ckpt = run.resume_checkpoint() or next(iter(run.set_aside_checkpoints()), None) or _newest_best(run)
         saved = run.overrides()
         if ckpt is None or saved is None:
             continue
@@ -305,12 +308,33 @@ ConditionsCheck = Callable[[dict[str, Any], Path], Any]
 DataCheck = Callable[[dict[str, Any], Path], None]
 
 
+def _newest_best(run: Run) -> Path | None:
+    """The newest best checkpoint of ``run`` (the one holding the most training), or None."""
+    return max(run.best_checkpoints(), key=lambda p: p.stat().st_mtime, default=None)
+
+
+def _best_hint(best: Path) -> str:
+    """How a refusal of a run without last.ckpt names its best checkpoint and the resume= that takes it. Not
+    taken unasked: it was saved at a validation, perhaps well before the run stopped, and a run continued from
+    it trains those steps again."""
+    return (
+        f" It holds {best.name} (a best checkpoint, saved at a validation): resume={best} continues from it."
+    )
+
+
 def checkpoint_to_resume(resume: Any, run_dir: Path) -> Path | None:
     """The checkpoint that ``resume`` (null, ``auto``, a run directory or a checkpoint) selects."""
     if resume in (None, False, "", "null", "none", "None"):
         return None
     if resume == "auto":
         ckpt = Run(run_dir).resume_checkpoint()
+        best = _newest_best(Run(run_dir)) if ckpt is None else None
+        if best is not None:
+            raise CheckpointError(
+                f"resume=auto: the run {run_dir}, started with these overrides, holds no "
+                f"{LAST_CHECKPOINT_PATH} to continue from.{_best_hint(best)} Or start a new run beside it "
+                "with resume=null."
+            )
         if ckpt is None:
             near = _NEAR_MISSES.get(str(run_dir.resolve()))
             if near is not None:
@@ -326,13 +350,8 @@ def checkpoint_to_resume(resume: Any, run_dir: Path) -> Path | None:
         ckpt = run.resume_checkpoint()
         if ckpt is None:
             # a run stopped before its first last.ckpt may hold a best checkpoint of a validation: name it
-            best = sorted(run.best_checkpoints(), key=lambda p: p.stat().st_mtime)
-            hint = (
-                f" It holds {best[-1].name} (a best checkpoint, saved at a validation): resume={best[-1]} "
-                "continues from it."
-                if best
-                else ""
-            )
+            best = _newest_best(run)
+            hint = _best_hint(best) if best is not None else ""
             raise CheckpointError(
                 f"resume={resume}: the directory holds no {LAST_CHECKPOINT_PATH} to continue from.{hint} Give a "
                 "checkpoint (resume=<run>/checkpoints/<name>.ckpt), another run directory, or resume=auto."
