@@ -152,7 +152,9 @@ def version_line() -> str:
     Lightning."""
     from importlib import metadata
 
-    import gptlab
+    # the package this module is in, imported before it: read, not imported (the package's lazy exports
+    # import gptlab.api, which imports this module)
+    version = sys.modules[__package__ or "gptlab"].__version__
 
     def installed(package: str) -> str:
         try:
@@ -161,7 +163,7 @@ def version_line() -> str:
             return "not installed"
 
     others = ", ".join(f"{name} {installed(name)}" for name in ("torch", "lightning", "hydra-core"))
-    return f"gptlab {gptlab.__version__} ({others}, Python {sys.version.split()[0]})"
+    return f"gptlab {version} ({others}, Python {sys.version.split()[0]})"
 
 
 def state_gptlab_version() -> None:

@@ -425,7 +425,7 @@ def disk_full(error: BaseException, target: Path, checkpoint: Any) -> Exception 
     if not (no_space or (torch_write and free < needed)):
         return None
     last_good = next((p for p in (target, target.parent / LAST_CHECKPOINT) if checkpoint_kind(p)), None)
-    # before the first last.ckpt (saved every callbacks.last_checkpoint.every_n_steps), a best checkpoint of
+    # before the first last checkpoint (saved every callbacks.last_checkpoint.every_n_steps), a best checkpoint of
     # a validation may already hold the run: the newest one is where it can go on from
     best = sorted(
         (p for p in target.parent.glob(BEST_GLOB) if p != target and checkpoint_kind(p)),

@@ -95,7 +95,7 @@ def _resumable_runs(root: Path) -> list[_Resumable]:
     for path in find_run_dirs(root, max_depth=5):
         run = Run(path)
         # A checkpoint set aside by a kill mid-swap counts: train.run puts it back before it resumes. So does
-        # a best checkpoint alone (a run stopped before its first last.ckpt): the run is found, and
+        # a best checkpoint alone (a run stopped before its first last checkpoint): the run is found, and
         # checkpoint_to_resume refuses it naming that checkpoint, as resume=<run dir> does, rather than a new
         # run starting beside it unsaid.
         ckpt = run.resume_checkpoint() or next(iter(run.set_aside_checkpoints()), None) or _newest_best(run)
@@ -314,7 +314,7 @@ def _newest_best(run: Run) -> Path | None:
 
 
 def _best_hint(best: Path) -> str:
-    """How a refusal of a run without last.ckpt names its best checkpoint and the resume= that takes it. Not
+    """How a refusal of a run without a last checkpoint names its best checkpoint and the resume= that takes it. Not
     taken unasked: it was saved at a validation, perhaps well before the run stopped, and a run continued from
     it trains those steps again."""
     return (
@@ -349,7 +349,7 @@ def checkpoint_to_resume(resume: Any, run_dir: Path) -> Path | None:
         run = Run(path)
         ckpt = run.resume_checkpoint()
         if ckpt is None:
-            # a run stopped before its first last.ckpt may hold a best checkpoint of a validation: name it
+            # a run stopped before its first last checkpoint may hold a best checkpoint of a validation: name it
             best = _newest_best(run)
             hint = _best_hint(best) if best is not None else ""
             raise CheckpointError(
