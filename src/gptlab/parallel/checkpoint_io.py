@@ -89,23 +89,12 @@ class HostSnapshot:
         ones rounded up to a power of two as torch's pinned allocator rounds them."""
         storages: dict[tuple[str, int, int], torch.device] = {}
         pageable = 0
-
-        def visit(item: Any) -> None:
-            nonlocal pageable
-            if isinstance(item, torch.Tensor):
-                if type(item) is not torch.Tensor or item.layout != torch.strided:
-                    pageable += item.untyped_storage().nbytes()  # copied whole, as it is, each save
-                    return
-                storage = item.untyped_storage()
-                storages[(str(item.device), storage.data_ptr(), storage.nbytes())] = item.device
-            elif isinstance(item, dict):
-                for v in item.values():
-                    visit(v)
-            elif isinstance(item, (list, tuple)):
-                for v in item:
-                    visit(v)
-
-        visit(checkpoint)
+        for item in tensors_in(checkpoint):
+            if type(item) is not torch.Tensor or item.layout != torch.strided:
+                pageable += item.untyped_storage().nbytes()  # copied whole, as it is, each save
+                continue
+            storage = item.untyped_storage()
+            storages[(str(item.device), storage.data_ptr(), storage.nbytes())] = item.device
         wanted = pageable
         for key, device in storages.items():
             if key in self._buffers:
@@ -391,20 +380,22 @@ def tensor_bytes(value: Any) -> int:
     """The bytes of the tensors in a checkpoint's nested dicts and lists, each storage once (a tied embedding
     and head share one, as ``torch.save`` writes them): about the checkpoint's size on disk."""
     storages: dict[tuple[str, int], int] = {}
-
-    def visit(item: Any) -> None:
-        if isinstance(item, torch.Tensor):
-            storage = item.untyped_storage()
-            storages[(str(item.device), storage.data_ptr())] = storage.nbytes()
-        elif isinstance(item, dict):
-            for v in item.values():
-                visit(v)
-        elif isinstance(item, (list, tuple)):
-            for v in item:
-                visit(v)
-
-    visit(value)
+    for item in tensors_in(value):
+        storage = item.untyped_storage()
+        storages[(str(item.device), storage.data_ptr())] = storage.nbytes()
     return sum(storages.values())
+
+
+def tensors_in(value: Any) -> Iterator[torch.Tensor]:
+    """The tensors in a checkpoint's nested dicts, lists and tuples, in order."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from tensors_in(item)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from tensors_in(item)
 
 
 def disk_full(error: BaseException, target: Path, checkpoint: Any) -> Exception | None:
