@@ -219,9 +219,8 @@ def _run_pool(
         except queue.Empty:
             pass
 
-    with ctx.Pool(
-        num_proc, initializer=_init_pool_worker, initargs=(tokenizer, dtype, out_dir, progress)
-    ) as pool:
+    pool = ctx.Pool(num_proc, initializer=_init_pool_worker, initargs=(tokenizer, dtype, out_dir, progress))
+    try:
         pending: list[Any] = []
         for job in jobs:
             pending.append(pool.apply_async(tokenize_job, (job,)))
@@ -236,7 +235,31 @@ def _run_pool(
                 drain(0.2)
             results.append(res.get())
         drain(0.0)
+    except BaseException:
+        _abandon(pool)
+        raise
+    pool.terminate()  # every job has its result: the workers are idle
     return results
+
+
+def _abandon(pool: Any) -> None:
+    """End a pool on the way out of an error or a stop signal without ``Pool.terminate``, which first takes the
+    task queue's lock: a worker that the signal ended while it held that lock (an idle worker holds it while
+    it waits for a task) never gives it back, and the shutdown then waits for ever (seen with SIGTERM sent to
+    a preparing job's process group). The pool's worker handler is stopped first, so that no worker is started
+    in place of one that ended; the workers are killed and reaped; the pool's own finalizer, which would take
+    the lock at exit, is cancelled (its handler threads are daemons and end with the process)."""
+    from multiprocessing.pool import TERMINATE
+
+    pool._worker_handler._state = TERMINATE
+    pool._change_notifier.put(None)
+    pool._worker_handler.join(timeout=10)
+    for worker in pool._pool:
+        if worker.exitcode is None:
+            worker.kill()
+    for worker in pool._pool:
+        worker.join(timeout=10)
+    pool._terminate.cancel()
 
 
 def _assemble(
