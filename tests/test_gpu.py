@@ -169,7 +169,10 @@ def test_fused_loss_kernels_under_bf16_autocast_match_the_plain_head_through_the
     torch.testing.assert_close(loss, plain_loss, rtol=1e-2, atol=1e-2)
     for name, want in plain_grads.items():
         error = (grads[name] - want).norm() / want.norm().clamp_min(1e-12)
-        assert error < 5e-2, f"{name}: relative gradient error {error:.2e}"
+        # Cut Cross-Entropy's rounding reaches the first layer: 3.15e-2 at ln_1.weight on an H100, 5.69e-2 at
+        # ln_1.bias on an H200 (gpu_check at ca8c4ce); the other kernels keep within 5e-2
+        bound = 8e-2 if impl == "cce" else 5e-2
+        assert error < bound, f"{name}: relative gradient error {error:.2e}"
 
 
 @pytest.mark.parametrize(("z_loss", "softcap"), [(0.0, None), (1e-4, 30.0)], ids=["ce", "zloss-softcap"])
@@ -204,7 +207,9 @@ def test_the_chunked_heads_fused_pass_in_bf16_matches_the_plain_head_and_the_eag
     torch.testing.assert_close(fused.loss, eager.loss, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(fused.loss.float(), plain.loss.float(), rtol=1e-3, atol=1e-3)
     for got, eager_want, plain_want in zip(fused_grads, eager_grads, plain_grads):
-        assert float((got - eager_want).norm() / eager_want.norm()) < 1e-3
+        # both write the gradient in bf16, each rounding within 2**-9 of it: 2.37e-3 apart on an H200 at
+        # ca8c4ce (against fp32 the fused pass is the closer: 4.6e-3 against the eager pass's 5.7e-3)
+        assert float((got - eager_want).norm() / eager_want.norm()) < 2**-8
         assert float((got - plain_want).norm() / plain_want.norm()) < 2e-2  # bf16 operands: about 1e-2
     assert torch.all(fused_grads[0][targets == -1] == 0)
 
