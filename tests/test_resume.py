@@ -1003,13 +1003,10 @@ def test_a_second_ctrl_c_during_the_save_quits_and_leaves_the_previous_checkpoin
     assert_bit_identical(weights(checkpoints / "last.ckpt"), reference)
 
 
-@pytest.mark.parametrize("background", [True, False])
-def test_a_full_disk_names_the_space_and_keeps_the_last_checkpoint_and_the_metrics(
-    tmp_path, cache_dir, reference_run, background
-):
-    """A real full filesystem: the run directory on a tmpfs with room for one checkpoint and a half. The
-    first save fits; the second, written beside the first before it replaces it, does not."""
-    size = (last_checkpoint(reference_run[0])).stat().st_size
+def disk_for_one_checkpoint_and_a_half(tmp_path, run_dir):
+    """A real filesystem (a tmpfs at ``tmp_path/run``) with room for one of ``run_dir``'s checkpoints and a half;
+    the test is skipped where none can be mounted."""
+    size = last_checkpoint(run_dir).stat().st_size
     out = tmp_path / "run"
     out.mkdir()
     mounted = subprocess.run(
@@ -1021,6 +1018,16 @@ def test_a_full_disk_names_the_space_and_keeps_the_last_checkpoint_and_the_metri
         pytest.skip(
             f"cannot mount a tmpfs here (needs root outside an unprivileged container): {mounted.stderr}"
         )
+    return out
+
+
+@pytest.mark.parametrize("background", [True, False])
+def test_a_full_disk_names_the_space_and_keeps_the_last_checkpoint_and_the_metrics(
+    tmp_path, cache_dir, reference_run, background
+):
+    """A real full filesystem: the run directory on a tmpfs with room for one checkpoint and a half. The
+    first save fits; the second, written beside the first before it replaces it, does not."""
+    out = disk_for_one_checkpoint_and_a_half(tmp_path, reference_run[0])
     try:
         cfg = compose_cfg(
             *with_overrides(ARGS, "trainer.val_check_interval=100"),  # no best-*.ckpt before the second save
@@ -1042,6 +1049,7 @@ def test_a_full_disk_names_the_space_and_keeps_the_last_checkpoint_and_the_metri
         )
         assert match, message
         needed, free = int(match.group(1)), int(match.group(2))
+        size = last_checkpoint(reference_run[0]).stat().st_size
         assert abs(needed * 1e6 - size) < 0.1 * size and free < needed  # about the checkpoint's real size
         # the old checkpoint is whole, no partial file is left, and result.json keeps what was logged
         saved = torch.load(checkpoints / "last.ckpt", map_location="cpu", weights_only=True)
@@ -1114,18 +1122,7 @@ def test_a_full_disk_before_the_first_last_checkpoint_names_the_best_checkpoint_
     """A real full filesystem (room for one checkpoint and a half) where last.ckpt is not due yet: the first
     validation's best checkpoint fits, the second's does not. The message names the first, which holds the
     run, rather than saying no checkpoint was written."""
-    size = (last_checkpoint(reference_run[0])).stat().st_size
-    out = tmp_path / "run"
-    out.mkdir()
-    mounted = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size={size * 3 // 2 // 4096 * 4096}", "tmpfs", str(out)],
-        capture_output=True,
-        text=True,
-    )
-    if mounted.returncode != 0:
-        pytest.skip(
-            f"cannot mount a tmpfs here (needs root outside an unprivileged container): {mounted.stderr}"
-        )
+    out = disk_for_one_checkpoint_and_a_half(tmp_path, reference_run[0])
     try:
         cfg = compose_cfg(
             *with_overrides(
