@@ -142,13 +142,14 @@ def test_compiled_blocks_in_bf16_equal_eager_under_every_attention_preset(preset
 @pytest.mark.parametrize(
     ("impl", "package"), [("liger", "liger_kernel"), ("cce", "cut_cross_entropy"), ("chunked", None)]
 )
-def test_fused_loss_kernels_under_bf16_autocast_match_the_plain_head_through_the_model(impl, package):
-    """Training runs the kernels under bf16 autocast (``_kernel_dtype``): the model's loss and every gradient
-    agree with the plain head's under the same autocast, within bf16's rounding. Cut Cross-Entropy rounds the
-    softmax's gradient to bf16 before its products: on an H100 its gradients at the head were 1.1e-2 from fp32's
-    (plain's 3.2e-3, scripts/gpu_check.py's loss section), and 3.15e-2 from plain's at the first layer's norm
-    weight of this model (with its filtered gradient, 3.5e-2 at the tied embedding). ``chunked`` multiplies in
-    bf16 there too (its products take the autocast dtype on CUDA)."""
+def test_fused_loss_kernels_under_bf16_autocast_against_an_fp32_reference_through_the_model(impl, package):
+    """Training runs the kernels under bf16 autocast (``_kernel_dtype``). Against the fp32 plain head (the
+    reference), each kernel's loss is the plain head's under the same autocast, and ``chunked`` and ``liger``
+    give every gradient within twice the plain head's own bf16 error (about 8e-3 at most on a CPU). Cut
+    Cross-Entropy adds its gradient tiles in bf16 in the order they finish (head_loss's module docstring): its
+    gradients are held to the size that arithmetic gives (``python scripts/head_gradient_accuracy.py``: up to
+    2.5e-1, at ``ln_f.weight``, 5-6% at the biases; 2.23e-1 from the plain head on an H200), which is why
+    ``auto`` does not take it."""
     if package is not None:
         pytest.importorskip(package)
     torch.manual_seed(0)
@@ -157,22 +158,27 @@ def test_fused_loss_kernels_under_bf16_autocast_match_the_plain_head_through_the
     idx = torch.randint(0, 50257, (8, 128), device="cuda")
     targets = torch.randint(0, 50257, (8, 128), device="cuda")
 
-    def loss_and_grads(head: HeadLoss | None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def loss_and_grads(head: HeadLoss, autocast: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         model.zero_grad(set_to_none=True)
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
             _, loss = model(idx, targets, head_loss=head)
         loss.backward()
-        return loss.detach().float(), {n: p.grad.float().clone() for n, p in model.named_parameters()}
+        return loss.detach().float(), {n: p.grad.double().clone() for n, p in model.named_parameters()}
 
-    plain_loss, plain_grads = loss_and_grads(HeadLoss("plain"))
-    loss, grads = loss_and_grads(HeadLoss(impl))
-    torch.testing.assert_close(loss, plain_loss, rtol=1e-2, atol=1e-2)
-    for name, want in plain_grads.items():
-        error = (grads[name] - want).norm() / want.norm().clamp_min(1e-12)
-        # Cut Cross-Entropy's rounding reaches the first layer: 3.15e-2 at ln_1.weight on an H100, 5.69e-2 at
-        # ln_1.bias on an H200 (gpu_check at ca8c4ce); the other kernels keep within 5e-2
-        bound = 8e-2 if impl == "cce" else 5e-2
-        assert error < bound, f"{name}: relative gradient error {error:.2e}"
+    _, reference = loss_and_grads(HeadLoss("plain"), autocast=False)
+    plain_loss, plain_grads = loss_and_grads(HeadLoss("plain"), autocast=True)
+    loss, grads = loss_and_grads(HeadLoss(impl), autocast=True)
+    torch.testing.assert_close(loss, plain_loss, rtol=1e-3, atol=1e-3)
+
+    def error(got: dict[str, torch.Tensor], name: str) -> float:
+        want = reference[name]
+        return float((got[name] - want).norm() / want.norm().clamp_min(1e-30))
+
+    for name in reference:
+        plain_error, kernel_error = error(plain_grads, name), error(grads, name)
+        assert plain_error < 2e-2, f"plain under autocast, {name}: {plain_error:.2e} from fp32"
+        bound = 0.4 if impl == "cce" else 2 * plain_error + 1e-3
+        assert kernel_error < bound, f"{name}: {kernel_error:.2e} from fp32 (plain: {plain_error:.2e})"
 
 
 @pytest.mark.parametrize(("z_loss", "softcap"), [(0.0, None), (1e-4, 30.0)], ids=["ce", "zloss-softcap"])

@@ -360,7 +360,9 @@ def test_the_card_counts_the_head_the_run_takes(make_cfg):
     assert "output layer and loss 18.40 GiB (loss.impl=plain, the whole logits)" in text
     assert plain.total - chunked.total > 18 * GiB
     # on CUDA, the kernels keep no logits: their fixed allowance; chunked's chunk is larger there
-    _, cce = card(HeadLoss(), "cuda") if "cut_cross_entropy" in installed_kernel_modules() else (None, None)
+    _, cce = (
+        card(HeadLoss("cce"), "cuda") if "cut_cross_entropy" in installed_kernel_modules() else (None, None)
+    )
     if cce is not None:
         assert cce.head == planning.KERNEL_HEAD_BYTES
     text, cuda_chunked = card(HeadLoss("chunked"), "cuda")

@@ -65,8 +65,8 @@ def test_loss_impl_torch_on_an_older_torch_is_refused_at_config_time(make_cfg, o
         "loss.impl=torch needs torch's chunked output layer + cross-entropy (F.linear_cross_entropy with "
         "nn.LinearCrossEntropyOptions), new in torch 2.13; the installed torch 2.8.0+cu128 lacks "
         "torch.nn.functional.linear_cross_entropy, torch.nn.LinearCrossEntropyOptions. Install torch>=2.13, "
-        "or use loss.impl=auto (here: chunked) or loss.impl=chunked; every loss.impl gives the same loss and "
-        "gradients."
+        "or use loss.impl=auto (here: chunked), which gives the plain head's loss and gradients without holding "
+        "the logits."
     )
     with pytest.raises(RuntimeError, match="loss.impl=torch needs"):
         HeadLoss("torch").resolve("cpu")  # a HeadLoss built outside a run is refused at its first call
@@ -84,10 +84,10 @@ def test_optim_muon_on_an_older_torch_is_refused_before_anything_starts(make_cfg
 
 
 def test_auto_takes_what_an_older_torch_has(make_cfg, older_torch):
-    # the loss: chunked (pure torch) on CPU; on CUDA the installed kernels, else chunked, never torch's
+    # the loss: chunked (pure torch) on CPU and on CUDA, never torch's
     assert parse_gpt(make_cfg(*TINY)).loss.resolve("cpu") == "chunked"
     assert HeadLoss("auto").resolve("cuda", installed=set()) == "chunked"
-    assert HeadLoss("auto").resolve("cuda", installed={"cut_cross_entropy"}) == "cce"
+    assert HeadLoss("auto").resolve("cuda", installed={"cut_cross_entropy"}) == "chunked"
     assert refusal("chunked", "cuda", set()) is None
     # attention: without FlexAttention a bias scheme takes the dense SDPA route on CUDA too
     assert not attention.flex_attention_available(torch.device("cuda"), head_dim=64)
@@ -104,5 +104,5 @@ def test_auto_takes_what_an_older_torch_has(make_cfg, older_torch):
 def test_with_the_features_present_auto_and_flex_are_unchanged():
     assert attention.flex_attention_available(torch.device("cuda"), head_dim=64)
     assert not attention.flex_attention_available(torch.device("cpu"), head_dim=64)
-    assert HeadLoss("auto").resolve("cuda", installed={"cut_cross_entropy", "liger_kernel"}) == "cce"
+    assert HeadLoss("auto").resolve("cuda", installed={"cut_cross_entropy", "liger_kernel"}) == "chunked"
     assert HeadLoss("torch").resolve("cpu") == "torch"

@@ -140,7 +140,6 @@ def test_auto_takes_a_head_that_computes_the_terms():
     assert HeadLoss("auto", z_loss=1e-4).resolve("cuda", installed={"cut_cross_entropy", "liger_kernel"}) == (
         "chunked"
     )
-    assert HeadLoss("auto").resolve("cuda", installed={"cut_cross_entropy"}) == "cce"
 
 
 def test_a_run_refuses_the_combination_before_it_starts(make_cfg, tmp_path):

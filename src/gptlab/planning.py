@@ -41,7 +41,7 @@ Pure arithmetic on a :class:`GPTConfig` and a `strategy=` choice (no weights, no
   gradient; its default chunk takes twice the rows of an fp32 one, in the same bytes. torch's also holds, at the end of its backward, two copies of each accumulated gradient, which at
   a width like GPT-2's outweighs its chunk. ``cce`` and ``liger`` hold no logits: a fixed allowance,
   ``KERNEL_HEAD_BYTES``. Which one a run takes is ``HeadLoss.resolve`` on its device and precision
-  (``auto``: ``chunked`` on a CPU, ``cce`` on CUDA in bf16); the card says which it counted. The CPU heads,
+  (``auto``: ``chunked``, on a CPU and on CUDA); the card says which it counted. The CPU heads,
   and the fused pass forced on a CPU in bf16, are checked against the CPU allocator's record of a forward and
   backward pass (``tests/test_model_card.py``): ``plain`` held 12.0 V bytes per token, as counted.
 

@@ -1,7 +1,7 @@
 """The output layer and its cross-entropy in one step, without holding the (B*T, vocab) logits.
 
 With the GPT-2 vocabulary the logits of a batch dwarf everything else the model holds: at B*T = 8,192 they
-are 1.6 GB in fp32, and again for their gradient. Four ways to the same loss and gradients:
+are 1.6 GB in fp32, and again for their gradient. Ways to the same loss (and, but for ``cce``, the same gradients):
 
 - ``plain``: ``lm_head(x)`` then ``F.cross_entropy``, the whole logits in memory.
 - ``chunked`` (any device, pure torch): :class:`ChunkedLinearCrossEntropy` takes ``chunk_rows`` rows of
@@ -22,10 +22,18 @@ are 1.6 GB in fp32, and again for their gradient. Four ways to the same loss and
   pick 2 rows per chunk at the default run's shape on CPU fp32, which took 80 s against 2 s at 160 rows
   (``--shapes default --torch-default``).
 - On CUDA, the field's kernels: ``liger`` (Liger-Kernel's fused linear cross-entropy) and ``cce`` (Cut
-  Cross-Entropy, Wijmans et al. 2024, arXiv:2411.09009), when installed (``pip install -e ".[gpu]"``).
+  Cross-Entropy, Wijmans et al. 2024, arXiv:2411.09009), when installed (``pip install -e ".[gpu]"``), each
+  asked for by name (``cce``'s gradients are less exact: below).
 
-``auto`` takes the first of ``AUTO_ORDER[device type]`` that can run here: on CUDA ``cce`` (in bf16 or fp16;
-fastest on an H100), then ``liger`` when installed, else ``chunked``; on CPU ``chunked``. ``torch`` needs
+``auto`` takes the first of ``AUTO_ORDER[device type]`` that can run here: ``chunked`` on CUDA as on CPU.
+``cce`` was faster on an H100 and an H200 (12.75 ms against 19.62 ms at B*T = 8,192, docs/performance.md) but
+its gradients are not the others': its backward adds each tile's product into bf16 gradient buffers, one tile
+at a time in whatever order the tiles finish (``cce_backward.py`` of cut-cross-entropy 25.1.1), about 393
+bf16 roundings per hidden state at V = 50,257. Through a 2-layer model at initialisation its gradients were up
+to 22-24% from fp32's (``ln_f.weight``; 5-7% at every bias) where ``plain`` and ``chunked`` under the same
+autocast were within 0.75%, and they changed from run to run (an H200, and ``python
+scripts/head_gradient_accuracy.py``, which reproduces the kernel's arithmetic on a CPU). ``liger`` and ``cce``
+stay explicit choices. ``torch`` needs
 torch >= 2.13 (``gptlab.torch_features``): an older torch refuses ``loss.impl=torch`` at config time and ``auto`` never takes it. On CPU ``chunked`` is
 kept ahead of ``torch`` because it was measurably faster with two threads and smaller at every chunk size
 (``python scripts/benchmark_head_loss.py``, fp32, 2-core CPU, torch 2.13; medians of interleaved rounds):
@@ -560,13 +568,21 @@ def _cce(hidden: Tensor, weight: Tensor, targets: Tensor, bias: Tensor | None, i
 
 # What ``auto`` takes, per device type: the first that can run here (``available``). ``chunked`` runs
 # anywhere and closes each list. CPU: ``chunked`` was faster and smaller than ``torch`` (module docstring).
-# CUDA: as scripts/gpu_check.py measured them on an H100 (torch 2.11, bf16, B*T = 8,192, D = 768, V = 50,257,
-# forward and backward; docs/performance.md): cce 12.62 ms, liger 26.67 ms, chunked 41.53 ms at 2,048 rows and
-# 60.04 ms at its default, each under 0.4 GiB; plain took 23.26 ms but 4.52 GiB (the whole logits), so it is
-# no choice of auto's. In full precision cce cannot run (HALF_ONLY): auto takes liger, else chunked.
+# CUDA: as scripts/gpu_check.py measured them on an H200 (torch 2.11, bf16, B*T = 8,192, D = 768, V = 50,257,
+# forward and backward; docs/performance.md): cce 12.75 ms, chunked 19.62 ms (its fused pass, 4,168 rows),
+# plain 21.74 ms with the whole logits (4.5 GiB), liger 26.49 ms. ``chunked`` is the fastest whose gradients
+# are the plain head's (module docstring: cce's are not, by up to 24% through a model); liger is slower.
 AUTO_ORDER: dict[str, tuple[str, ...]] = {
-    "cuda": ("cce", "liger", "chunked"),
+    "cuda": ("chunked",),
     "cpu": ("chunked",),
+}
+
+# What an explicit choice is told once, when its config is read: how its numbers differ from the others'.
+CAVEATS = {
+    "cce": "loss.impl=cce: Cut Cross-Entropy adds its gradients in bf16, tile by tile in whatever order the "
+    "tiles finish: through a 2-layer model at initialisation they were up to 24% from fp32's (plain and chunked: "
+    "0.75%) and differ from run to run, so runs are not reproducible and compare only with other cce runs. "
+    "loss.impl=auto (chunked) gives the plain head's gradients.",
 }
 
 # The CUDA kernels: (module to import, package to install).
@@ -648,8 +664,8 @@ def refusal(
     else:
         fix = "Use"
     return (
-        f"loss.impl={impl} {reason}. {fix} loss.impl=auto (here: {fallback}) or loss.impl=chunked; every "
-        "loss.impl gives the same loss and gradients."
+        f"loss.impl={impl} {reason}. {fix} loss.impl=auto (here: {fallback}), which gives the plain head's "
+        "loss and gradients without holding the logits."
     )
 
 
@@ -688,8 +704,8 @@ LOSS_KEYS = ("impl", "chunk_rows", "z_loss", "final_softcap")
 @dataclass(frozen=True)
 class HeadLoss:
     """How the model computes its output layer and loss in training and validation. ``impl``: one of
-    ``IMPLEMENTATIONS`` (not an architecture choice: every one gives the same loss and gradients);
-    ``chunk_rows``: rows of B*T per chunk for ``chunked`` and ``torch`` (null: ``default_chunk_rows``).
+    ``IMPLEMENTATIONS`` (not an architecture choice: every one gives the same loss, and all but ``cce`` the
+    same gradients); ``chunk_rows``: rows of B*T per chunk for ``chunked`` and ``torch`` (null: ``default_chunk_rows``).
 
     Two terms that do change the model, on ``plain`` and ``chunked`` (``auto`` takes ``chunked``):
 

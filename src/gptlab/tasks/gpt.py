@@ -71,6 +71,11 @@ def run(cfg: DictConfig) -> dict[str, float]:
     warmup = settings.optim.options.warmup_outlasts(settings.trainer["max_steps"])
     if warmup is not None and not launched_rank():  # one warning for the run, from rank 0
         log.warning(warmup)
+    from gptlab.model.head_loss import CAVEATS
+
+    caveat = CAVEATS.get(settings.loss.impl)
+    if caveat is not None and not launched_rank():
+        log.warning(caveat)
     # before the run directory, the data or any weight: a run that cannot fit its device is refused
     check_memory(settings)
     import lightning as L
