@@ -148,11 +148,13 @@ def resolved_settings(settings: GPTRunConfig, parts: Parts) -> dict[str, Any]:
     """What this part of the run took where its config let the hardware choose: ``compile`` (``auto``:
     on CUDA), ``loss.impl`` (``auto``) and ``trainer.precision`` (null), each under its config key; the
     config files keep what was asked."""
-    return {
-        "compile": bool(settings.parallel.compile),
-        "loss.impl": parts.module.loss_impl,
-        "trainer.precision": settings.trainer["precision"],
-    }
+    from gptlab.model.head_loss import precision_dtype
+
+    module = parts.module
+    precision = settings.trainer["precision"]
+    # set when the fit started; a run that only validated (resumed at its last step) resolves it here alike
+    impl = module.loss_impl or module.head_loss.resolve(module.device, dtype=precision_dtype(str(precision)))
+    return {"compile": bool(settings.parallel.compile), "loss.impl": impl, "trainer.precision": precision}
 
 
 def finished_result(run_dir: Path, resume: ResumePlan | None, max_steps: int) -> dict[str, Any] | None:
