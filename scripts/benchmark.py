@@ -314,6 +314,7 @@ def train_benchmark(args, overrides: list[str]) -> dict:
 
     import gptlab
     from gptlab.parallel import ParallelOptions, choose_precision
+    from gptlab.preflight import training_device_type
     from gptlab.tracking.loggers import csv_logger
     from gptlab.training.callbacks import instantiate_callbacks
     from gptlab.training.metrics import device_peak_flops
@@ -327,7 +328,11 @@ def train_benchmark(args, overrides: list[str]) -> dict:
     datamodule = gptlab.build_datamodule(cfg)
     optim = parse_optim(OmegaConf.to_container(cfg.optim, resolve=True))
     loss_cfg = OmegaConf.to_container(cfg.loss, resolve=True)
-    parallel = ParallelOptions.from_config({"compile": cfg.compile})
+    trainer_cfg = OmegaConf.to_container(cfg.trainer, resolve=True)
+    # compile=auto (the default) as a run takes it: on where it trains on CUDA
+    parallel = ParallelOptions.from_config({"compile": cfg.compile}).resolved(
+        training_device_type(trainer_cfg)
+    )
     module = GPTLitModule(
         model=model_config, optim=optim, loss=loss_cfg, parallel=parallel, tokenizer=tokenizer
     )
@@ -337,7 +342,6 @@ def train_benchmark(args, overrides: list[str]) -> dict:
 
         parallelize(plain_model, parallel)
 
-    trainer_cfg = OmegaConf.to_container(cfg.trainer, resolve=True)
     precision = choose_precision(trainer_cfg.get("precision"), trainer_cfg.get("accelerator"))
     max_steps = (args.warmup + args.rounds) * args.steps
     autocast = nullcontext
@@ -437,7 +441,7 @@ def train_benchmark(args, overrides: list[str]) -> dict:
         # above 1 only against a peak set too low: not an MFU to report
         "mfu_above_peak": lightning_tps * flops_per_token > peak_flops,
         "loss_impl": module.head_loss.resolve(device),
-        "compile": bool(cfg.compile),
+        "compile": bool(parallel.compile),
         "device": str(device),
         "threads": torch.get_num_threads(),
         "rounds": len(rounds),

@@ -32,7 +32,10 @@ from gptlab.tasks.gpt import run
 
 pytestmark = pytest.mark.gpu
 
-GPU = ["trainer.accelerator=gpu", "trainer.devices=1"]
+# compile=false: compile=auto compiles every block on CUDA, a compile per process and per shape; these tests
+# check other paths, and compile=true is checked against eager below (the gpu check's main_command section runs
+# the default, compiled).
+GPU = ["trainer.accelerator=gpu", "trainer.devices=1", "compile=false"]
 QUIET = ["callbacks.sample_generation.max_new_tokens=0", "trainer.log_every_n_steps=1"]
 # A character-level run that learns within a few dozen steps, so that a wrong path shows in the loss.
 LEARNS = [

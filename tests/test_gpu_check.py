@@ -225,6 +225,7 @@ def test_the_main_command_section_times_a_step_from_two_whole_processes(gpu_chec
     assert second["command"].endswith("trainer.max_steps=12")
     assert foreground["command"].endswith("callbacks.last_checkpoint.background=false trainer.max_steps=12")
     assert first["loss_impl"] == second["loss_impl"] == foreground["loss_impl"] == "chunked"
+    assert first["compile"] == second["compile"] == foreground["compile"] == "off"  # compile=auto on a CPU
     assert 0 < second["final_val_loss"] < first["final_val_loss"]  # the longer run trained further
     # where the checkpoints are written changes nothing trained (on a CPU, bit for bit)
     assert foreground["final_val_loss"] == second["final_val_loss"]

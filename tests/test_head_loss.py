@@ -437,6 +437,77 @@ def test_a_gpu_runs_precision_decides_whether_cut_cross_entropy_is_refused_at_co
     assert parse_loss({"impl": "auto"}, trainer).impl == "auto"
 
 
+def test_under_deterministic_algorithms_auto_passes_cut_cross_entropy_by_and_refuses_it_asked_for():
+    """Cut Cross-Entropy adds its gradient's blocks under locks in whatever order they finish: with
+    deterministic algorithms asked for, auto takes the next kernel in its CUDA order, and loss.impl=cce is
+    refused with both settings named and the fix."""
+    both = {"cut_cross_entropy", "liger_kernel"}
+    bf16 = torch.bfloat16
+    assert HeadLoss("auto").resolve("cuda", both, bf16, deterministic=False) == "cce"
+    assert HeadLoss("auto").resolve("cuda", both, bf16, deterministic=True) == "liger"
+    assert HeadLoss("auto").resolve("cuda", {"cut_cross_entropy"}, bf16, deterministic=True) == "chunked"
+    message = refusal("cce", "cuda", both, bf16, deterministic=True)
+    assert message == (
+        "loss.impl=cce adds its gradient's blocks into one bf16 buffer under locks, in whatever order the blocks "
+        "finish, so its gradients differ from run to run, and this run asks for trainer.deterministic=true. "
+        "Train with trainer.deterministic=false, or use loss.impl=auto (here: liger) or loss.impl=chunked; every "
+        "loss.impl gives the same loss and gradients."
+    )
+    assert refusal("liger", "cuda", both, bf16, deterministic=True) is None
+    assert refusal("chunked", "cuda", both, bf16, deterministic=True) is None
+    with pytest.raises(RuntimeError, match="trainer.deterministic=true"):
+        HeadLoss("cce").resolve("cuda", both, bf16, deterministic=True)
+
+
+def test_auto_reads_whether_torch_has_deterministic_algorithms_on():
+    """A run's loss resolves at each call with torch's flag, which Lightning's trainer.deterministic sets;
+    the warn-only mode passes cce by in auto too, and lets an explicit loss.impl=cce run."""
+    both = {"cut_cross_entropy", "liger_kernel"}
+    before = (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+    )
+    try:
+        torch.use_deterministic_algorithms(True)
+        assert HeadLoss("auto").resolve("cuda", both, torch.bfloat16) == "liger"
+        with pytest.raises(RuntimeError, match="trainer.deterministic=true"):
+            HeadLoss("cce").resolve("cuda", both, torch.bfloat16)
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        assert HeadLoss("auto").resolve("cuda", both, torch.bfloat16) == "liger"
+        assert HeadLoss("cce").resolve("cuda", both, torch.bfloat16) == "cce"
+        torch.use_deterministic_algorithms(False)
+        assert HeadLoss("auto").resolve("cuda", both, torch.bfloat16) == "cce"
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+
+
+@pytest.mark.parametrize(
+    "deterministic,refused", [(True, True), ("warn", False), (False, False), (None, False)]
+)
+def test_a_gpu_run_with_deterministic_algorithms_is_refused_cut_cross_entropy_at_config_time(
+    deterministic, refused, monkeypatch, caplog
+):
+    from gptlab.config import parse_loss
+    from gptlab.model import head_loss
+    from gptlab.planning import HeadPlan
+
+    monkeypatch.setattr(head_loss, "installed_kernel_modules", lambda: {"cut_cross_entropy", "liger_kernel"})
+    trainer = {"accelerator": "gpu", "precision": "bf16-mixed", "deterministic": deterministic}
+    if refused:
+        with pytest.raises(
+            ConfigError, match=r"trainer.deterministic=true\. Train with trainer.deterministic=false, or use"
+        ):
+            parse_loss({"impl": "cce"}, trainer)
+    else:
+        with caplog.at_level("WARNING", logger="gptlab"):
+            assert parse_loss({"impl": "cce"}, trainer).impl == "cce"
+        warned = [r.getMessage() for r in caplog.records if "trainer.deterministic=warn" in r.getMessage()]
+        assert len(warned) == (deterministic == "warn"), warned
+    # the memory plan counts the head the run takes
+    plan = HeadPlan.of(HeadLoss("auto"), "cuda", "bf16-mixed", deterministic=bool(deterministic))
+    assert plan.impl == ("liger" if deterministic else "cce")
+
+
 @pytest.mark.parametrize(
     "loss,expected",
     [

@@ -61,6 +61,17 @@ def test_the_layout_of_a_run(trained):
     assert checkpoint_kind(run_dir) is None
 
 
+def test_result_json_records_what_the_settings_left_to_the_hardware_took(trained):
+    """compile=auto, loss.impl=auto and trainer.precision=null as each run took them on this CPU: the config
+    files keep what was asked, result.json what was done; the run's header says why."""
+    root, run_dir, _, _ = trained
+    taken = {"compile": False, "loss.impl": "chunked", "trainer.precision": "32-true"}
+    for directory in (run_dir, root / "fsdp"):
+        assert Run(directory).result()["resolved"] == taken
+        assert Run(directory).config()["compile"] == "auto"
+    assert "Compile: off (auto: CPU, where it measured no gain)" in (root / "fsdp" / "train.log").read_text()
+
+
 def test_a_distributed_checkpoint_loads_the_same_model_as_the_file(trained, tmp_path):
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 

@@ -110,8 +110,43 @@ def test_bad_strategy_options_name_the_fix():
         build_strategy({"name": "ddp", "find_unused_parameters": "no"}, cpu)
     with pytest.raises(ConfigError, match=r"strategy.stage='2' must be an integer"):
         build_strategy({"name": "deepspeed", "stage": "2"}, cpu)
-    with pytest.raises(ConfigError, match="compile='yes' must be true or false"):
+    with pytest.raises(ConfigError, match="compile='yes' must be true or false or 'auto'"):
         ParallelOptions.from_config({"compile": "yes"})
+
+
+@pytest.mark.parametrize(
+    "setting,device,on,said",
+    [
+        ("auto", "cuda", True, "on (auto: CUDA)"),
+        ("auto", "cpu", False, "off (auto: CPU, where it measured no gain)"),
+        ("auto", "mps", False, "off (auto: mps, not measured there)"),
+        (True, "cpu", True, "on (compile=true)"),
+        (False, "cuda", False, "off (compile=false)"),
+    ],
+)
+def test_compile_auto_compiles_the_blocks_of_a_cuda_run_only(setting, device, on, said):
+    options = ParallelOptions.from_config({"compile": setting})
+    choice = options.compile_choice(device)
+    assert (choice.on, choice.describe()) == (on, said)
+    assert options.resolved(device).compile is on
+
+
+def test_compile_auto_resolves_with_the_config_for_the_device_the_run_trains_on(make_cfg):
+    """The default, compile=auto, is off for a run on this machine's CPU, whose config then holds a plain
+    false (what parallelize applies); parallelize refuses an unresolved auto rather than guess its device."""
+    from gptlab.config import parse_gpt
+
+    assert make_cfg().compile == "auto"
+    settings = parse_gpt(make_cfg("trainer.accelerator=cpu"))
+    assert settings.parallel.compile is False
+    assert (
+        settings.compile is not None
+        and settings.compile.describe() == "off (auto: CPU, where it measured no gain)"
+    )
+    assert parse_gpt(make_cfg("trainer.accelerator=cpu", "compile=true")).parallel.compile is True
+    model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_embd=16))
+    with pytest.raises(ValueError, match="compile=auto must be resolved"):
+        parallelize(model, ParallelOptions(compile="auto"))
 
 
 def test_the_process_group_timeout_is_a_strategy_option(make_cfg):

@@ -299,6 +299,37 @@ def test_options_are_checked_with_the_fix_in_the_message():
 
 
 @pytest.mark.parametrize(
+    ("setting", "cuda", "batch", "device", "why"),
+    [
+        ("auto", True, 256, "cpu", "batch 256 is below 1,024, where a CUDA GPU trained slower than the CPU"),
+        ("auto", True, 1023, "cpu", "batch 1,023 is below 1,024"),
+        ("auto", True, 1024, "cuda", "a CUDA GPU at batch 1,024: from 1,024 it trained faster than the CPU"),
+        ("auto", True, 4096, "cuda", "a CUDA GPU at batch 4,096"),
+        ("auto", False, 4096, "cpu", "word2vec.device=auto: no CUDA GPU"),
+        ("cuda", True, 256, "cuda", "word2vec.device=cuda"),
+        ("cpu", True, 4096, "cpu", "word2vec.device=cpu"),
+    ],
+)
+def test_device_auto_takes_the_gpu_from_the_batch_size_where_it_measured_faster(
+    setting, cuda, batch, device, why
+):
+    from gptlab.word2vec.task import choose_device
+
+    chosen, reason = choose_device(setting, cuda, batch)
+    assert chosen == device and why in reason, reason
+
+
+def test_the_log_says_which_device_word2vec_took_and_why(caplog):
+    from gptlab.word2vec.task import choose_device, pick_device
+
+    with caplog.at_level(logging.INFO, logger="gptlab"):
+        assert pick_device(Word2VecOptions(device="cpu")) == torch.device("cpu")
+    assert "word2vec: training on the CPU (word2vec.device=cpu)" in caplog.text
+    with pytest.raises(ConfigError, match="word2vec.device=cuda, but torch sees no CUDA GPU"):
+        choose_device("cuda", False, 256)
+
+
+@pytest.mark.parametrize(
     ("options", "shown"),
     [
         ({"mode": "cbw"}, "Did you mean word2vec.mode=cbow?"),

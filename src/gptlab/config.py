@@ -37,6 +37,7 @@ if TYPE_CHECKING:  # the nodes' types; their modules are imported where a node i
     from gptlab.model.config import GPTConfig
     from gptlab.model.head_loss import HeadLoss
     from gptlab.parallel import ParallelOptions, StrategyChoice
+    from gptlab.parallel.transforms import CompileChoice
 
 
 def plain(node: Any) -> Any:
@@ -102,6 +103,8 @@ class GPTRunConfig:
     length_study: LengthEvalOptions | None  # None: no length study after training
     passkey: PasskeyOptions | None
     downstream_eval: DownstreamEvalOptions | None = None  # None: no harness tasks during training
+    # whether the blocks are compiled and why (``compile=auto`` made concrete; ``parallel.compile`` holds it)
+    compile: CompileChoice | None = None
 
     @property
     def block_size(self) -> int:
@@ -201,16 +204,36 @@ def parse_tokenizer(node: Any) -> dict[str, Any]:
 
 
 def parse_loss(node: Any, trainer: dict[str, Any]) -> HeadLoss:
-    """The ``loss`` node, refused where its kernel cannot run (a CUDA kernel without CUDA or its package, or
-    Cut Cross-Entropy in a full-precision run)."""
-    from gptlab.model.head_loss import HeadLoss, precision_dtype, refusal
+    """The ``loss`` node, refused where its kernel cannot run (a CUDA kernel without CUDA or its package, Cut
+    Cross-Entropy in a full-precision run, or in a run with ``trainer.deterministic=true``: its gradients are
+    not deterministic). Under ``trainer.deterministic=warn`` (torch warns of its own nondeterministic
+    operations and runs them) such a kernel runs, with a warning."""
+    import logging
+
+    from gptlab.model.head_loss import (
+        NONDETERMINISTIC,
+        NONDETERMINISTIC_NOTES,
+        HeadLoss,
+        precision_dtype,
+        refusal,
+    )
     from gptlab.preflight import training_device_type
 
     loss = HeadLoss.from_node(plain(node))
     dtype = precision_dtype(trainer.get("precision"))
-    message = refusal(loss.impl, training_device_type(trainer), dtype=dtype)
+    deterministic = trainer.get("deterministic")
+    message = refusal(
+        loss.impl, training_device_type(trainer), dtype=dtype, deterministic=deterministic is True
+    )
     if message is not None:
         raise ConfigError(message)
+    if deterministic == "warn" and loss.impl in NONDETERMINISTIC:
+        logging.getLogger("gptlab").warning(
+            "loss.impl=%s %s; trainer.deterministic=warn lets it run. loss.impl=auto takes a deterministic "
+            "one.",
+            loss.impl,
+            NONDETERMINISTIC_NOTES[loss.impl],
+        )
     return loss
 
 
@@ -277,6 +300,7 @@ def parse_gpt(cfg: DictConfig) -> GPTRunConfig:
     """The typed tree of a ``task=gpt`` run, every node checked (see the module's docstring)."""
     from gptlab.data.sources import parse_data
     from gptlab.parallel import ParallelOptions, check_rank_zero_evaluation, strategy_choice
+    from gptlab.preflight import training_device_type
     from gptlab.training.optimizers import parse_optim
 
     run = RunSettings.parse(cfg)
@@ -296,6 +320,8 @@ def parse_gpt(cfg: DictConfig) -> GPTRunConfig:
     parallel = ParallelOptions.from_config(
         {k: cfg[k] for k in ("compile", "activation_checkpointing") if cfg.get(k) is not None}
     )
+    # compile=auto made concrete here, as trainer.precision=null is: for the device Lightning will pick
+    compile_choice = parallel.compile_choice(training_device_type(trainer))
     return GPTRunConfig(
         run=run,
         model=model,
@@ -309,7 +335,8 @@ def parse_gpt(cfg: DictConfig) -> GPTRunConfig:
         trainer=trainer,
         strategy=strategy,
         strategy_node=strategy_node,
-        parallel=parallel,
+        parallel=parallel.resolved(compile_choice.device_type),
+        compile=compile_choice,
         length_study=study,
         passkey=passkey,
         downstream_eval=downstream,

@@ -132,13 +132,16 @@ class HeadPlan:
     fused: bool = False  # chunked's elementwise pass compiled into one kernel (head_loss.fused_by_default)
 
     @classmethod
-    def of(cls, loss: HeadLoss, device_type: str, precision: str | None) -> HeadPlan:
+    def of(
+        cls, loss: HeadLoss, device_type: str, precision: str | None, deterministic: bool | None = None
+    ) -> HeadPlan:
         """The head ``loss`` resolves to on a ``device_type`` device under the Lightning ``precision``
-        (``HeadLoss.resolve`` with ``precision_dtype``); a CUDA kernel that cannot run there is refused
+        (``HeadLoss.resolve`` with ``precision_dtype``) in a run that asks for ``deterministic`` algorithms
+        (None: whether torch has them on now); a CUDA kernel that cannot run there is refused
         (:class:`ConfigError`), as a run refuses it."""
         dtype = precision_dtype(precision)
         try:
-            impl = loss.resolve(device_type, dtype=dtype)
+            impl = loss.resolve(device_type, dtype=dtype, deterministic=deterministic)
         except RuntimeError as e:
             raise ConfigError(str(e)) from None
         half_products = device_type == "cuda" and dtype != torch.float32
@@ -522,7 +525,12 @@ def training_plan(settings: GPTRunConfig) -> tuple[TrainingPlan, int]:
         micro_batch=settings.loader.batch_size,
         context=settings.block_size,
         activation_checkpointing=settings.parallel.activation_checkpointing,
-        head=HeadPlan.of(settings.loss, training_device_type(trainer), precision),
+        head=HeadPlan.of(
+            settings.loss,
+            training_device_type(trainer),
+            precision,
+            deterministic=bool(trainer.get("deterministic")),  # true or warn: auto passes cce by in either
+        ),
     )
     return plan, local
 

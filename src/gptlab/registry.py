@@ -239,7 +239,8 @@ def _match(value: Any, hint: Any) -> tuple[bool, Any]:
 def _describe(hint: Any) -> str:
     origin = typing.get_origin(hint)
     if origin is Literal:
-        return "one of " + ", ".join(repr(a) for a in typing.get_args(hint))
+        names = typing.get_args(hint)
+        return repr(names[0]) if len(names) == 1 else "one of " + ", ".join(repr(a) for a in names)
     if origin in (Union, types.UnionType):
         return " or ".join(_describe(a) for a in typing.get_args(hint))
     if hint is type(None):

@@ -33,7 +33,8 @@ bf16 roundings per hidden state at V = 50,257. Through a 2-layer model at initia
 to 22-24% from fp32's (``ln_f.weight``; 5-7% at every bias) where ``plain`` and ``chunked`` under the same
 autocast were within 0.75%, and they changed from run to run (an H200, and ``python
 scripts/head_gradient_accuracy.py``, which reproduces the kernel's arithmetic on a CPU). ``liger`` and ``cce``
-stay explicit choices. ``torch`` needs
+stay explicit choices (``cce`` refused under ``trainer.deterministic=true``: ``NONDETERMINISTIC``).
+``torch`` needs
 torch >= 2.13 (``gptlab.torch_features``): an older torch refuses ``loss.impl=torch`` at config time and ``auto`` never takes it. On CPU ``chunked`` is
 kept ahead of ``torch`` because it was measurably faster with two threads and smaller at every chunk size
 (``python scripts/benchmark_head_loss.py``, fp32, 2-core CPU, torch 2.13; medians of interleaved rounds):
@@ -596,6 +597,25 @@ def installed_kernel_modules() -> set[str]:
     return {module for module, _ in KERNELS.values() if importlib.util.find_spec(module) is not None}
 
 
+# The kernels whose gradients are not deterministic, which ``auto`` passes by and a run with
+# ``trainer.deterministic=true`` refuses (``NONDETERMINISTIC_NOTES`` says why each; the others are):
+# - ``cce``: Cut Cross-Entropy's backward (cut-cross-entropy 25.1.1, cce_backward.py) adds each block's share of
+#   the embeddings' and the classifier's gradients into one bf16 buffer under a spin lock (tl_utils.py's
+#   ``tl_lock_add``, an ``atomic_cas`` loop), in whatever order the blocks finish: the sums round differently
+#   run to run. On an H200 its gradients through a 2-layer model differed from the plain head's by 5.69e-2 in one
+#   run and 2.23e-1 in the next (docs/performance.md, "Measured on an H200").
+# - ``liger`` (Liger-Kernel 0.8.5, ops/fused_linear_cross_entropy.py, read for this): its chunks are taken in a
+#   Python loop, each chunk's gradients summed into the weight's by torch.mm / torch.addmm in chunk order, and
+#   its Triton kernel (ops/cross_entropy.py) writes each row's own gradient; no atomics: deterministic wherever
+#   torch's products are (Lightning's ``deterministic=true`` asks torch for that).
+# - ``chunked``: torch operations in a fixed order; its fused pass is one compiled kernel that reduces within a
+#   row and writes that row's gradient: deterministic as torch's operations are. ``plain`` and ``torch``: torch's.
+NONDETERMINISTIC = frozenset({"cce"})
+NONDETERMINISTIC_NOTES = {
+    "cce": "adds its gradient's blocks into one bf16 buffer under locks, in whatever order the blocks finish, "
+    "so its gradients differ from run to run",
+}
+
 # The kernels whose backward takes half-precision operands only: Cut Cross-Entropy's asserts "Backwards requires
 # embeddings to be bf16 or fp16" (seen on an H100 in a trainer.precision=32-true run, at its first backward).
 HALF_ONLY = frozenset({"cce"})
@@ -618,10 +638,11 @@ def unavailable_reason(
     device_type: str,
     installed: Collection[str] | None = None,
     dtype: torch.dtype | None = None,
+    deterministic: bool = False,
 ) -> str | None:
     """Why ``impl`` cannot run on a ``device_type`` device ("cpu", "cuda", ...) with the ``installed``
     modules (default: those importable here) and the installed torch, with the head computed in ``dtype``
-    (None: not asked), or None when it can."""
+    (None: not asked), in a run that asks for ``deterministic`` algorithms, or None when it can."""
     if impl == "torch":
         feature = torch_features.FEATURES["linear_cross_entropy"]
         missing = feature.missing()
@@ -643,20 +664,28 @@ def unavailable_reason(
             f"takes bf16 or fp16 operands only (its backward kernel refuses {str(dtype).removeprefix('torch.')}), "
             "and this run computes the output layer in full precision"
         )
+    if deterministic and impl in NONDETERMINISTIC:
+        return f"{NONDETERMINISTIC_NOTES[impl]}, and this run asks for trainer.deterministic=true"
     return None
 
 
 def refusal(
-    impl: str, device_type: str, installed: Collection[str] | None = None, dtype: torch.dtype | None = None
+    impl: str,
+    device_type: str,
+    installed: Collection[str] | None = None,
+    dtype: torch.dtype | None = None,
+    deterministic: bool = False,
 ) -> str | None:
-    """The message that refuses ``impl`` on ``device_type`` with the head in ``dtype`` (see
-    ``unavailable_reason``), with the fix; None when it can run."""
-    reason = unavailable_reason(impl, device_type, installed, dtype)
+    """The message that refuses ``impl`` on ``device_type`` with the head in ``dtype`` in a run that asks
+    for ``deterministic`` algorithms (see ``unavailable_reason``), with the fix; None when it can run."""
+    reason = unavailable_reason(impl, device_type, installed, dtype, deterministic)
     if reason is None:
         return None
-    fallback = HeadLoss("auto").resolve(device_type, installed, dtype)
+    fallback = HeadLoss("auto").resolve(device_type, installed, dtype, deterministic)
     if impl == "torch":
         fix = f"Install torch>={torch_features.FEATURES['linear_cross_entropy'].since}, or use"
+    elif unavailable_reason(impl, device_type, installed, dtype) is None:  # determinism alone
+        fix = "Train with trainer.deterministic=false, or use"
     elif unavailable_reason(impl, device_type, installed) is None:  # the dtype alone
         fix = "Train with trainer.precision=bf16-mixed (gptlab's choice on GPUs with bf16: null), or use"
     elif device_type == "cuda":
@@ -809,19 +838,31 @@ class HeadLoss:
         device: torch.device | str,
         installed: Collection[str] | None = None,
         dtype: torch.dtype | None = None,
+        deterministic: bool | None = None,
     ) -> str:
         """The implementation used on ``device`` (with the ``installed`` kernel modules, default: those
-        importable here) with the head computed in ``dtype`` (None: any): ``auto`` made concrete; a CUDA
-        kernel asked for where it cannot run raises an error that says what to install or choose instead (a
-        run refuses it at config time: ``refusal``)."""
+        importable here) with the head computed in ``dtype`` (None: any), in a run that asks for
+        ``deterministic`` algorithms (None: whether torch has them on now, as Lightning's
+        ``trainer.deterministic`` turns them on): ``auto`` made concrete, passing by the kernels whose
+        gradients are not deterministic (``NONDETERMINISTIC``) when they are asked for; a CUDA kernel asked
+        for where it cannot run raises an error that says what to install or choose instead (a run refuses it
+        at config time: ``refusal``). Under torch's warn-only determinism (``trainer.deterministic=warn``)
+        ``loss.impl=cce`` runs, as torch's own nondeterministic operations then do, with a warning at config
+        time (:func:`gptlab.config.parse_loss`)."""
+        strict = deterministic
+        if deterministic is None:
+            deterministic = torch.are_deterministic_algorithms_enabled()
+            strict = deterministic and not torch.is_deterministic_algorithms_warn_only_enabled()
         if self.impl == "auto":
             order = AUTO_ORDER.get(torch.device(device).type, AUTO_ORDER["cpu"])
             return next(
                 impl
                 for impl in order
-                if available(impl, device, installed, dtype) and self.extras_refusal(impl) is None
+                if available(impl, device, installed, dtype)
+                and not (deterministic and impl in NONDETERMINISTIC)
+                and self.extras_refusal(impl) is None
             )
-        message = refusal(self.impl, torch.device(device).type, installed, dtype)
+        message = refusal(self.impl, torch.device(device).type, installed, dtype, bool(strict))
         if message is not None:
             raise RuntimeError(message)
         return self.impl

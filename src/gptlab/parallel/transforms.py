@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
@@ -20,19 +20,64 @@ if TYPE_CHECKING:
 BLOCK_BACKEND: Any = "inductor"
 
 
+#: What ``compile=auto`` takes on each kind of device the run trains on. CUDA: on. GPT-2 small at 32 x 1024 in
+#: bf16 took 98.0 ms a step compiled against 106.4 eager on an H200 (8% faster) and 101.8 against 113.3 on an
+#: H100, for about 8 s of compilation at the first step (scripts/gpu_check.py; docs/performance.md, "Measured on
+#: an H200"). CPU: off. The default model's steady step showed no reliable gain (median of paired steps 0.97x:
+#: the output layer, not compiled, is most of a CPU step), for 20-45 s of compilation per process on an idle
+#: machine (docs/performance.md, "Speed per step"). Any other device (mps, ...): not measured, off.
+COMPILE_AUTO: dict[str, bool] = {"cuda": True, "cpu": False}
+#: Why ``compile=auto`` chose as it did, per device type (the run's header says it).
+COMPILE_AUTO_WHY = {"cuda": "CUDA", "cpu": "CPU, where it measured no gain"}
+
+
+@dataclass(frozen=True)
+class CompileChoice:
+    """Whether the blocks are compiled in a run, and why: ``setting`` is ``compile`` as given (true, false or
+    ``auto``), ``device_type`` the kind of device the run trains on ("cuda", "cpu", ...)."""
+
+    setting: bool | str
+    device_type: str
+
+    @property
+    def on(self) -> bool:
+        if self.setting == "auto":
+            return COMPILE_AUTO.get(self.device_type, False)
+        return bool(self.setting)
+
+    def describe(self) -> str:
+        """``on (auto: CUDA)``, ``off (auto: CPU, where it measured no gain)``, ``on (compile=true)``."""
+        state = "on" if self.on else "off"
+        if self.setting != "auto":
+            return f"{state} (compile={str(self.setting).lower()})"
+        why = COMPILE_AUTO_WHY.get(self.device_type, f"{self.device_type}, not measured there")
+        return f"{state} (auto: {why})"
+
+
 @dataclass
 class ParallelOptions:
     """Options applied to the built model in `configure_model`: per-block `torch.compile` and activation
     checkpointing (recompute each block's activations in the backward pass instead of storing them; Chen et
-    al. 2016, "Training Deep Nets with Sublinear Memory Cost", https://arxiv.org/abs/1604.06174)."""
+    al. 2016, "Training Deep Nets with Sublinear Memory Cost", https://arxiv.org/abs/1604.06174).
+    ``compile``: true, false, or ``auto`` (train.yaml's default: on where the run trains on CUDA,
+    ``COMPILE_AUTO``), which a run makes true or false when its config is read (:meth:`resolved`); built in
+    Python without it, nothing is compiled."""
 
-    compile: bool = False
+    compile: bool | Literal["auto"] = False
     activation_checkpointing: bool = False
 
     @classmethod
     def from_config(cls, values: dict[str, Any] | None) -> ParallelOptions:
         values = dict(values or {})
         return build_options(cls, values, "The run (train.yaml's top level)", "")
+
+    def compile_choice(self, device_type: str) -> CompileChoice:
+        """What ``compile`` means for a run that trains on a ``device_type`` device, and why."""
+        return CompileChoice(self.compile, device_type)
+
+    def resolved(self, device_type: str) -> ParallelOptions:
+        """These options with ``compile=auto`` made true or false for a run on a ``device_type`` device."""
+        return replace(self, compile=self.compile_choice(device_type).on)
 
 
 def parallelize(model: GPT, options: ParallelOptions, strategy: Any = None, precision: Any = None) -> None:
@@ -41,6 +86,8 @@ def parallelize(model: GPT, options: ParallelOptions, strategy: Any = None, prec
     Parameter names stay those of the plain model, so checkpoints load into an unwrapped GPT."""
     if getattr(model, "_gptlab_parallelized", False):  # configure_model runs again for validate/test
         return
+    if options.compile == "auto":  # a run resolves it with its config; here it would be a guess
+        raise ValueError("compile=auto must be resolved for the run's device first: ParallelOptions.resolved")
     blocks = list(model.transformer.h)
     if options.activation_checkpointing:
         from torch.distributed._composable import checkpoint

@@ -130,6 +130,8 @@ def run(cfg: DictConfig) -> dict[str, float]:
         if trainer.is_global_zero:
             log.info("Run directory: %s", session.run_dir)
             log.info("\n%s", model_summary(parts.module, trainer, settings))
+            if settings.compile is not None:
+                log.info("Compile: %s", settings.compile.describe())
         session.save_config(loggers)
         watch_lost_ranks(session, trainer, lambda: trainer.global_step, metrics_so_far)
         stop, step = fit(trainer, parts, resume, settings.trainer["max_steps"])
@@ -143,6 +145,21 @@ def run(cfg: DictConfig) -> dict[str, float]:
 
 #: result.json's key for the sentence after the final validation (:func:`validation_coverage`)
 COVERAGE_KEY = "val_coverage"
+#: result.json's key for what the settings that choose by the hardware took (:func:`resolved_settings`)
+RESOLVED_KEY = "resolved"
+
+
+def resolved_settings(settings: GPTRunConfig, parts: Parts) -> dict[str, Any]:
+    """What this part of the run took where its config let the hardware choose: ``compile`` (``auto``:
+    on CUDA), ``loss.impl`` (``auto``) and ``trainer.precision`` (null), each under its config key; the
+    config files keep what was asked."""
+    from gptlab.model.head_loss import precision_dtype
+
+    module = parts.module
+    precision = settings.trainer["precision"]
+    # set when the fit started; a run that only validated (resumed at its last step) resolves it here alike
+    impl = module.loss_impl or module.head_loss.resolve(module.device, dtype=precision_dtype(str(precision)))
+    return {"compile": bool(settings.parallel.compile), "loss.impl": impl, "trainer.precision": precision}
 
 
 def finished_result(run_dir: Path, resume: ResumePlan | None, max_steps: int) -> dict[str, Any] | None:
@@ -622,7 +639,12 @@ def report(
         # a study stopped is not finished: resume=auto runs it (finished_result)
         finished=step >= max_steps > 0 and study_stop is None,
         stopped=stop is not None or study_stop is not None,
-        extra={**extra, **divergence, **({COVERAGE_KEY: coverage} if coverage else {})},
+        extra={
+            **extra,
+            **divergence,
+            **({COVERAGE_KEY: coverage} if coverage else {}),
+            RESOLVED_KEY: resolved_settings(settings, parts),
+        },
     )
     if divergence.get("diverged"):
         log.warning(diverged_line(metrics["val/loss"], entropy, uniform))

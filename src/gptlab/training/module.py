@@ -88,6 +88,7 @@ class GPTLitModule(L.LightningModule):
         self._token_bytes: TokenBytes | None = None  # the tokenizer's per-id byte counts, on this device
         self._batch_shape: tuple[int, ...] | None = None  # (B, T) of the last batch, for flops_per_batch
         self.last_train_loss: Tensor | None = None
+        self.loss_impl: str | None = None  # the output layer and loss the fit takes (on_fit_start)
         # (cross-entropy, weighted z-loss or None) of each micro-batch of the optimizer step under way
         self._step_terms: list[tuple[Tensor, Tensor | None]] = []
         self._step_losses: list[Tensor] = []  # the loss (with any z-loss) of each of them
@@ -117,6 +118,7 @@ class GPTLitModule(L.LightningModule):
         # train.py refuses a CUDA kernel that cannot run at config time (preflight.check_loss); from Python,
         # it fails here, before the first step
         impl = self.head_loss.resolve(self.device, dtype=precision_dtype(str(self.trainer.precision)))
+        self.loss_impl = impl  # what loss.impl=auto took, for result.json
         if self.trainer.is_global_zero:
             log.info("Output layer and loss: %s (loss.impl=%s)", impl, self.head_loss.impl)
 
@@ -124,9 +126,10 @@ class GPTLitModule(L.LightningModule):
         # Sharding, activation checkpointing and compilation are applied from outside the model, per block.
         from gptlab.parallel import ParallelOptions, parallelize
 
-        parallelize(
-            self.model, self.parallel or ParallelOptions(), self.trainer.strategy, self.trainer.precision
-        )
+        parallel = self.parallel or ParallelOptions()
+        if parallel.compile == "auto":  # train.py resolves it with the config; from Python, for this device
+            parallel = parallel.resolved(self.trainer.strategy.root_device.type)
+        parallelize(self.model, parallel, self.trainer.strategy, self.trainer.precision)
 
     # ---- training -------------------------------------------------------------------------------
     def training_step(self, batch: tuple[Tensor, ...], batch_idx: int) -> Tensor:

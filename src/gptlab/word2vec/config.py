@@ -63,7 +63,8 @@ class Word2VecOptions:
             )
         if self.device not in DEVICES:
             raise ConfigError(
-                f"word2vec.device={self.device!r} is not one of {DEVICES} (auto: a CUDA GPU when there is one)."
+                f"word2vec.device={self.device!r} is not one of {DEVICES} (auto: a CUDA GPU when there is one "
+                "and word2vec.batch_size is 1,024 or more, else the CPU)."
                 + _closest("device", self.device, DEVICES)
             )
         if self.optimizer not in OPTIMIZERS:

@@ -122,14 +122,44 @@ def trainer_limits(cfg: DictConfig) -> tuple[int | None, float | None]:
     return max_steps, max_seconds
 
 
-def pick_device(options: Word2VecOptions) -> torch.device:
-    if options.device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(
-            "word2vec.device=cuda, but torch sees no CUDA GPU: use word2vec.device=auto or cpu."
+#: ``word2vec.device=auto`` takes a CUDA GPU from this batch size (``word2vec.batch_size``, centre words per step)
+#: up, and the CPU below it. On an H200 (scripts/gpu_check.py's word2vec section: the embedded corpus, skip-gram,
+#: dim 100, two epochs; the CPU's worker processes on every core of that machine) CUDA trained 0.69x the CPU's
+#: words/s at a batch of 256 (the default), 2.19x at 1,024 and 5.83x at 4,096 (docs/performance.md, "Measured
+#: on an H200"): a small batch's step is a few small operations, too little to keep a GPU busy.
+CUDA_FROM_BATCH = 1024
+
+
+def choose_device(setting: str, cuda_available: bool, batch_size: int) -> tuple[str, str]:
+    """The device (``"cuda"`` or ``"cpu"``) that ``word2vec.device=setting`` takes where a CUDA GPU is
+    ``cuda_available`` or not, at ``word2vec.batch_size=batch_size``, and why (the run's log says both).
+    ``cuda`` without a GPU is refused."""
+    if setting == "cuda":
+        if not cuda_available:
+            raise ConfigError(
+                "word2vec.device=cuda, but torch sees no CUDA GPU: use word2vec.device=auto or cpu."
+            )
+        return "cuda", "word2vec.device=cuda"
+    if setting != "auto":
+        return setting, f"word2vec.device={setting}"
+    if not cuda_available:
+        return "cpu", "word2vec.device=auto: no CUDA GPU"
+    if batch_size < CUDA_FROM_BATCH:
+        return "cpu", (
+            f"word2vec.device=auto: batch {batch_size:,} is below {CUDA_FROM_BATCH:,}, where a CUDA GPU "
+            f"trained slower than the CPU (0.69x at 256 on an H200); word2vec.device=cuda takes the GPU"
         )
-    if options.device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(options.device)
+    return "cuda", (
+        f"word2vec.device=auto: a CUDA GPU at batch {batch_size:,}: from {CUDA_FROM_BATCH:,} it trained faster "
+        "than the CPU (2.19x at 1,024, 5.83x at 4,096 on an H200)"
+    )
+
+
+def pick_device(options: Word2VecOptions) -> torch.device:
+    """The run's device (:func:`choose_device`), said in the log with why."""
+    device, why = choose_device(options.device, torch.cuda.is_available(), options.batch_size)
+    log.info("word2vec: training on the %s (%s)", "CUDA GPU" if device == "cuda" else device.upper(), why)
+    return torch.device(device)
 
 
 class Trainer:
@@ -432,4 +462,13 @@ def evaluate_run(
     return scores
 
 
-__all__ = ["StopSignals", "Trainer", "check_resume", "evaluate_run", "pick_device", "trainer_limits"]
+__all__ = [
+    "CUDA_FROM_BATCH",
+    "StopSignals",
+    "Trainer",
+    "check_resume",
+    "choose_device",
+    "evaluate_run",
+    "pick_device",
+    "trainer_limits",
+]
