@@ -437,21 +437,20 @@ def test_a_gpu_runs_precision_decides_whether_cut_cross_entropy_is_refused_at_co
     assert parse_loss({"impl": "auto"}, trainer).impl == "auto"
 
 
-def test_under_deterministic_algorithms_auto_passes_cut_cross_entropy_by_and_refuses_it_asked_for():
+def test_under_deterministic_algorithms_cut_cross_entropy_asked_for_is_refused():
     """Cut Cross-Entropy adds its gradient's blocks under locks in whatever order they finish: with
-    deterministic algorithms asked for, auto takes the next kernel in its CUDA order, and loss.impl=cce is
-    refused with both settings named and the fix."""
+    deterministic algorithms asked for, loss.impl=cce is refused with both settings named and the fix; auto,
+    which never takes it, is unchanged."""
     both = {"cut_cross_entropy", "liger_kernel"}
     bf16 = torch.bfloat16
-    assert HeadLoss("auto").resolve("cuda", both, bf16, deterministic=False) == "cce"
-    assert HeadLoss("auto").resolve("cuda", both, bf16, deterministic=True) == "liger"
-    assert HeadLoss("auto").resolve("cuda", {"cut_cross_entropy"}, bf16, deterministic=True) == "chunked"
+    for deterministic in (False, True):
+        assert HeadLoss("auto").resolve("cuda", both, bf16, deterministic=deterministic) == "chunked"
     message = refusal("cce", "cuda", both, bf16, deterministic=True)
     assert message == (
         "loss.impl=cce adds its gradient's blocks into one bf16 buffer under locks, in whatever order the blocks "
         "finish, so its gradients differ from run to run, and this run asks for trainer.deterministic=true. "
-        "Train with trainer.deterministic=false, or use loss.impl=auto (here: liger) or loss.impl=chunked; every "
-        "loss.impl gives the same loss and gradients."
+        "Train with trainer.deterministic=false, or use loss.impl=auto (here: chunked), which gives the plain "
+        "head's loss and gradients without holding the logits."
     )
     assert refusal("liger", "cuda", both, bf16, deterministic=True) is None
     assert refusal("chunked", "cuda", both, bf16, deterministic=True) is None
@@ -460,8 +459,8 @@ def test_under_deterministic_algorithms_auto_passes_cut_cross_entropy_by_and_ref
 
 
 def test_auto_reads_whether_torch_has_deterministic_algorithms_on():
-    """A run's loss resolves at each call with torch's flag, which Lightning's trainer.deterministic sets;
-    the warn-only mode passes cce by in auto too, and lets an explicit loss.impl=cce run."""
+    """A run's loss resolves at each call with torch's flag, which Lightning's trainer.deterministic sets:
+    an explicit loss.impl=cce is refused under it, and runs under the warn-only mode."""
     both = {"cut_cross_entropy", "liger_kernel"}
     before = (
         torch.are_deterministic_algorithms_enabled(),
@@ -469,14 +468,13 @@ def test_auto_reads_whether_torch_has_deterministic_algorithms_on():
     )
     try:
         torch.use_deterministic_algorithms(True)
-        assert HeadLoss("auto").resolve("cuda", both, torch.bfloat16) == "liger"
+        assert HeadLoss("auto").resolve("cuda", both, torch.bfloat16) == "chunked"
         with pytest.raises(RuntimeError, match="trainer.deterministic=true"):
             HeadLoss("cce").resolve("cuda", both, torch.bfloat16)
         torch.use_deterministic_algorithms(True, warn_only=True)
-        assert HeadLoss("auto").resolve("cuda", both, torch.bfloat16) == "liger"
         assert HeadLoss("cce").resolve("cuda", both, torch.bfloat16) == "cce"
         torch.use_deterministic_algorithms(False)
-        assert HeadLoss("auto").resolve("cuda", both, torch.bfloat16) == "cce"
+        assert HeadLoss("cce").resolve("cuda", both, torch.bfloat16) == "cce"
     finally:
         torch.use_deterministic_algorithms(before[0], warn_only=before[1])
 
@@ -505,7 +503,7 @@ def test_a_gpu_run_with_deterministic_algorithms_is_refused_cut_cross_entropy_at
         assert len(warned) == (deterministic == "warn"), warned
     # the memory plan counts the head the run takes
     plan = HeadPlan.of(HeadLoss("auto"), "cuda", "bf16-mixed", deterministic=bool(deterministic))
-    assert plan.impl == ("liger" if deterministic else "cce")
+    assert plan.impl == "chunked"
 
 
 @pytest.mark.parametrize(
