@@ -334,7 +334,11 @@ def section_gpt2(ctx: Context) -> dict[str, Any]:
     rows = []
     # loss.impl=auto (chunked: each chunk's softmax one fused kernel on CUDA), and compiled also with Cut
     # Cross-Entropy, the fastest kernel in the loss section but not auto's (its gradients: head_accuracy).
+    from gptlab.model.head_loss import available
+
     variants = [(False, "auto"), (True, "auto"), (True, "cce")] if ctx.with_compile else [(False, "auto")]
+    # cce where it can run (CUDA, its package): --cpu-smoke and a machine without it time the others
+    variants = [(c, i) for c, i in variants if i == "auto" or available(i, device, dtype=torch.bfloat16)]
     profiles = {}
     for compiled, impl in variants:
         row = _gpt2_rate(ctx, device, config, batch, compiled, impl)
