@@ -8,6 +8,8 @@ one rank does to a distributed run. GPTLAB_TEST_FAULT chooses it (read here only
   process group: start it in a session of its own) is SIGKILLed between the two renames.
 - ``kill_at_step:<n>:<overrides>``: the process is SIGKILLed after the n-th optimizer step of the (multirun)
   job whose overrides include every one of ``<overrides>`` (``pos=nope&seed=1``): a sweep dies in that job.
+- ``raise_at_step:<n>:<overrides>``: in the same job, a RuntimeError is raised after the n-th optimizer step
+  (a bug in the code that job ran): the job crashes, the sweep goes on.
 - ``die_at_step:<rank>:<n>[:stop|:hang]``: that rank alone is SIGKILLed after its n-th optimizer step (as
   the kernel's out-of-memory killer ends one process of a run); the other ranks are left to notice. With
   ``stop`` it is SIGSTOPped instead: alive but stuck (a hung file system, a lost node), answering nothing.
@@ -56,10 +58,12 @@ sys.path.insert(0, str(ROOT / "src"))
 
 import hydra  # noqa: E402
 
+from gptlab.cli import suggest_choices  # noqa: E402
 from gptlab.runs.layout import LAST_CHECKPOINT  # noqa: E402
 from gptlab.runs.resume import register_resolvers  # noqa: E402
 
 register_resolvers()
+suggest_choices()  # as train.py: gptlab reports what Hydra would (a mistyped choice, a sweep's failed jobs)
 kind, *args = os.environ["GPTLAB_TEST_FAULT"].split(":")
 rank = int(os.environ.get("LOCAL_RANK", "0")) + int(os.environ.get("NODE_RANK", "0"))
 
@@ -129,6 +133,22 @@ elif kind == "kill_at_step":
             HydraConfig.get().overrides.task
         ):
             os.kill(os.getpid(), signal.SIGKILL)
+        original_batch_end(self, trainer, pl_module, *rest)
+
+    ValidateAtLastStep.on_train_batch_end = on_train_batch_end
+elif kind == "raise_at_step":
+    from hydra.core.hydra_config import HydraConfig
+
+    from gptlab.training.callbacks import ValidateAtLastStep
+
+    fault_step, fault_overrides = int(args[0]), args[1].split("&")
+    original_batch_end = ValidateAtLastStep.on_train_batch_end
+
+    def on_train_batch_end(self, trainer, pl_module, *rest):
+        if trainer.global_step == fault_step and set(fault_overrides) <= set(
+            HydraConfig.get().overrides.task
+        ):
+            raise RuntimeError(f"a fault injected at step {fault_step}")
         original_batch_end(self, trainer, pl_module, *rest)
 
     ValidateAtLastStep.on_train_batch_end = on_train_batch_end

@@ -18,9 +18,10 @@ import pytest
 from conftest import ROOT
 from scipy import stats
 
-from gptlab.comparison.records import read_run_dir
+from gptlab.comparison.records import RunRecord, read_run_dir
 from gptlab.comparison.report import compare, write_comparison
 from gptlab.comparison.stats import contrasts, difference_interval, holm, verdict, welch
+from gptlab.comparison.table import summarize
 from gptlab.errors import DataError
 from gptlab.runs import Run, find_run_dirs
 from gptlab.runs.naming import identity, is_sweep_value, swept_keys_of
@@ -118,13 +119,14 @@ def test_length_table_has_a_row_per_condition(sweep):
         pos = row.choice["pos"]
         studies = [Run(r.path).length_result() for r in row.runs]
         assert all(s is not None and s["pos"] == pos for s in studies) and len(studies) == 2
-        ppl1 = statistics.fmean(s["variants"][pos]["1"]["ppl"] for s in studies)
+        # the perplexity of the seeds' mean loss: their perplexities' geometric mean
+        ppl1 = statistics.geometric_mean(s["variants"][pos]["1"]["ppl"] for s in studies)
         assert row.outputs["length"]["ppl@1x"] == pytest.approx(ppl1)
         if pos == "learned":  # a 32-position table cannot run at 64 tokens
             assert row.outputs["length"]["ppl@2x"] is None
             assert "error" in studies[0]["variants"]["learned"]["2"]
         else:
-            ppl2 = statistics.fmean(s["variants"][pos]["2"]["ppl"] for s in studies)
+            ppl2 = statistics.geometric_mean(s["variants"][pos]["2"]["ppl"] for s in studies)
             assert row.outputs["length"]["ppl@2x"] == pytest.approx(ppl2)
     header, *rows = table_rows(result.table)
     cells = {(r[1], r[2]): dict(zip(header, r)) for r in rows}
@@ -454,6 +456,71 @@ def test_inf_finals_garbled_metrics_and_impossible_mfu_are_shown_as_such(sweep, 
     assert auto.source == "wandb" and any(n.startswith("metrics unreadable: ") for n in auto.notes)
     logged = read_run(find_runs(unreadable)[0]).metric("val/loss")[-1][1]
     assert auto.final_val_loss == pytest.approx(logged, rel=1e-6)
+
+
+def test_a_conditions_perplexities_are_the_perplexity_of_its_mean_loss(sweep, tmp_path, capsys):
+    # rope/gelu seed 1 ends a nat above seed 0 (its final validation and its length study at 1x): the row's
+    # val/ppl must be exp of the val/loss beside it, not the mean of the seeds' perplexities (Jensen's gap)
+    _, sweep_dir = sweep
+    runs = _copy_runs(sweep_dir, tmp_path)
+    worse = runs[("rope", "gelu", "1")]
+
+    def a_nat_worse(header, rows):
+        last = max(i for i, r in enumerate(rows) if r[header.index("val/loss")])
+        loss = float(rows[last][header.index("val/loss")]) + 1.0
+        rows[last][header.index("val/loss")], rows[last][header.index("val/ppl")] = (
+            repr(loss),
+            repr(math.exp(loss)),
+        )
+
+    _edit_csv(worse, a_nat_worse)
+    result = json.loads((worse / "result.json").read_text())  # the run's own final, as it would have written
+    result["metrics"]["val/loss"] += 1.0
+    result["metrics"]["val/ppl"] = math.exp(result["metrics"]["val/loss"])
+    (worse / "result.json").write_text(json.dumps(result))
+    study_path = worse / "eval_length" / "length.json"
+    study = json.loads(study_path.read_text())
+    entry = study["variants"]["rope"]["1"]
+    entry["loss"] += 1.0
+    entry["ppl"] = math.exp(entry["loss"])
+    study_path.write_text(json.dumps(study))
+
+    script = runpy.run_path(str(ROOT / "scripts" / "compare.py"))
+    assert script["main"]([str(tmp_path), "--source", "csv", "--out", str(tmp_path / "report")]) == 0
+    header, *rows = table_rows(capsys.readouterr().out.split("\n\n")[0])
+    row = {(r[1], r[2]): dict(zip(header, r)) for r in rows}[("rope", "gelu")]
+    losses = [read_run_dir(runs[("rope", "gelu", seed)], "csv").final_val_loss for seed in "01"]
+    assert losses[1] - losses[0] > 0.9
+    assert row["val/loss"].split(" ± ")[0] == f"{statistics.fmean(losses):.4f}"
+    assert row["val/ppl"] == f"{math.exp(statistics.fmean(losses)):.2f}"
+    assert float(row["val/ppl"]) < statistics.fmean(map(math.exp, losses)) - 1  # the plain mean lies above
+    study_losses = [
+        Run(runs[("rope", "gelu", seed)]).length_result()["variants"]["rope"]["1"]["loss"] for seed in "01"
+    ]
+    assert row["ppl@1x"] == f"{math.exp(statistics.fmean(study_losses)):.2f}"
+    # the legend says what the columns are
+    text = (tmp_path / "report" / "comparison.md").read_text()
+    assert (
+        "`val/ppl`: exp of the mean final validation loss over seeds" in text and "`ppl@Nx`: likewise" in text
+    )
+
+
+def test_harness_perplexities_average_as_perplexities_and_accuracies_as_means(tmp_path):
+    runs = [
+        RunRecord(
+            path=tmp_path / f"seed{seed}",
+            overrides={"seed": str(seed)},
+            val_loss=[(7, loss)],
+            val_ppl=math.exp(loss),
+            outputs={"eval_harness": {"eval/wikitext/word_perplexity": ppl, "eval/piqa/acc": acc}},
+        )
+        for seed, loss, ppl, acc in [(0, 3.0, 10.0, 0.2), (1, 4.0, 40.0, 0.4)]
+    ]
+    (row,) = summarize(runs, keys=[])
+    assert row.val_ppl == pytest.approx(math.exp(3.5))
+    assert row.outputs["eval_harness"] == pytest.approx(
+        {"eval/wikitext/word_perplexity": 20.0, "eval/piqa/acc": 0.3}
+    )
 
 
 def test_a_baseline_that_diverged_is_refused_and_a_result_can_mark_divergence(sweep, tmp_path):

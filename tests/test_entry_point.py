@@ -203,6 +203,7 @@ def test_a_refused_sweep_leaves_no_job_folders(tmp_path):
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[
         -3000:
     ]  # as a single refused run
+    assert "Error executing job" not in proc.stderr  # Hydra's line, which would only repeat gptlab's
     assert [p.name for p in sweep.iterdir()] == ["multirun.yaml"]
 
 
@@ -215,6 +216,7 @@ def test_a_refused_sweep_under_joblib_leaves_no_job_folders_and_names_the_job(tm
         "-m", "hydra/launcher=joblib", "model.n_layer=-1,-2", f"hydra.sweep.dir={sweep}", cwd=tmp_path
     )
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert "Error executing job" not in proc.stderr  # Hydra's line, which would only repeat gptlab's
     assert "job #1 (n_layer=-2) was refused: model.n_layer=-2 must be a positive integer" in proc.stderr
     assert (
         "gptlab: error: the first job of the sweep that did not run to the end: job #0 (n_layer=-1) was refused: "

@@ -169,6 +169,45 @@ def test_two_processes_log_the_mean_over_both_and_score_each_validation_window_o
     ), line
 
 
+def test_the_final_line_counts_the_windows_scored_where_targets_inside_them_are_ignored(tmp_path):
+    # Five validation windows of 8 targets and a 3-token tail; batches of two windows, the first two batches
+    # validated (trainer.limit_val_batches=2), and the first window of each batch with 5 of its targets
+    # ignored (as a loss that skips targets inside a window would). The line counts the windows the validation
+    # scored (4) and says which targets it ignored: read off the targets (22 // 8), 2 windows would be "cut".
+    from types import SimpleNamespace
+
+    from torch.utils.data import default_collate
+
+    from gptlab.data.datamodule import TokenWindows
+    from gptlab.data.shards import Shard, TokenShards
+    from gptlab.tasks.gpt import validation_coverage
+
+    block, tail = 8, 3
+    path = tmp_path / "val.bin"
+    (np.arange(5 * block + 1 + tail) % 64).astype(np.uint16).tofile(path)
+    windows = TokenWindows(TokenShards([Shard(str(path), 5 * block + 1 + tail)], np.uint16), block, block)
+    assert len(windows) == 5
+
+    def ignore_inside_the_first_window(samples):
+        x, y = default_collate(samples)
+        y[0, :5] = -1
+        return x, y
+
+    module = GPTLitModule(model=dict(vocab_size=64, block_size=block, n_layer=1, n_head=2, n_embd=16))
+    trainer = L.Trainer(
+        limit_val_batches=2, logger=False, enable_progress_bar=False, enable_model_summary=False,
+        accelerator="cpu",
+    )  # fmt: skip
+    trainer.validate(module, DataLoader(windows, batch_size=2, collate_fn=ignore_inside_the_first_window))
+    assert (module.val_tokens, module.val_windows) == (4 * block - 2 * 5, 4)
+    line = validation_coverage(module.val_tokens, module.val_windows, SimpleNamespace(val_set=windows), 2)
+    assert line == (
+        f"It scored 22 of the {5 * block + 1 + tail} validation tokens, leaving out the first (nothing precedes "
+        f"it) and the last {tail} (short of a window), and 1 of the 5 windows (trainer.limit_val_batches=2), "
+        "and 10 targets inside the windows scored, which the loss ignores"
+    )
+
+
 # ---- the learning rate at each step -------------------------------------------------------------------------
 
 

@@ -5,7 +5,6 @@ import itertools
 import math
 import runpy
 import statistics
-import sys
 
 import pytest
 from conftest import ROOT, TINY, run_train
@@ -82,39 +81,53 @@ def test_a_sweep_ends_with_where_its_runs_are_and_the_command_that_compares_them
     assert proc.stdout.rstrip().endswith(closing), proc.stdout[-2000:]
 
 
-def test_a_sweep_goes_on_past_failed_jobs_and_ends_naming_each_with_its_message(tmp_path, monkeypatch, capfd):
-    # job 0 is refused (bad input), job 1 diverges at its second step, job 2 trains: run in this process as
-    # `python train.py -m ...` (the doc runner's way), a second interpreter would only add start-up time
+def test_a_sweep_goes_on_past_failed_jobs_and_ends_naming_each_once_with_its_message(tmp_path):
+    # job 0 is refused (bad input), job 1 diverges at its second step, job 2 crashes (an error that is not
+    # gptlab's: a bug, injected by tests/faults.py), job 3 trains: one `python train.py -m` as a user runs it
     sweep_dir = tmp_path / "sweep"
     args = [
+        "-m",
         *FAST,
         "trainer.max_steps=2",
         "trainer.val_check_interval=2",
         "logger=csv",
         f"paths.root_dir={tmp_path}",
         f"hydra.sweep.dir={sweep_dir}",
+        "optim.lr=-1,1e30,1e-3,2e-3",
     ]
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(sys, "argv", [str(ROOT / "train.py"), "-m", *args, "optim.lr=-1,1e30,1e-3"])
-    GlobalHydra.instance().clear()
-    with pytest.raises(SystemExit) as ended:
-        runpy.run_path(str(ROOT / "train.py"), run_name="__main__")
-    out, err = capfd.readouterr()
-    assert ended.value.code == 1, err[-3000:]  # 1: a job failed in training (2 where every one was refused)
+    fault = {"GPTLAB_TEST_FAULT": "raise_at_step:1:optim.lr=0.001"}  # as Hydra writes the job's override
+    proc = run_train(args, tmp_path, env=fault, check=False, script=ROOT / "tests" / "faults.py")
+    out, err = proc.stdout, proc.stderr
+    assert proc.returncode == 1, err[-3000:]  # 1: a job failed in training (2 where every one was refused)
 
-    # the job after the failed ones ran to the end; the diverged one keeps its failure in result.json
-    assert Run(sweep_dir / "2").result()["finished"]
-    assert "failed" in Run(sweep_dir / "1").result()
+    # the job after the failed ones ran to the end; the diverged and the crashed ones keep their failure
+    assert Run(sweep_dir / "3").result()["finished"]
+    assert "failed" in Run(sweep_dir / "1").result() and "failed" in Run(sweep_dir / "2").result()
     assert not (sweep_dir / "0").exists()  # a refused job leaves no run directory
-    # the sweep's closing lines, then each failed job with its own message, and no traceback
-    assert f"Sweep: 2 runs in {sweep_dir} (1 failed, 1 finished)\nCompare them: " in out
-    assert "Traceback" not in err
-    closing = err[err.index("gptlab: error: 2 jobs of the sweep did not run to the end:") :]
+    assert f"Sweep: 3 runs in {sweep_dir} (2 failed, 1 finished)\nCompare them: " in out
+    # each failed job: one line when it happened, then its message once, in the sweep's closing lines; not
+    # Hydra's line with the job's whole command line, nor a traceback
+    assert "Error executing job" not in err and "Traceback" not in err + out, err[-3000:]
+    said = [line for line in err.splitlines() if line.startswith("gptlab: job #")]
+    assert said == [
+        "gptlab: job #0 (lr=-1) was refused; the sweep's closing lines say why",
+        "gptlab: job #1 (lr=1e+30) failed; the sweep's closing lines say why",
+        "gptlab: job #2 (lr=0.001) crashed; the sweep's closing lines say why",
+    ]
+    closing = err[err.index("gptlab: error: 3 jobs of the sweep did not run to the end:") :]
     lines = closing.splitlines()
     assert lines[1] == "  job #0 (lr=-1) was refused: optim.lr=-1.0 must be positive (e.g. optim.lr=0.004)."
     assert lines[2].startswith("  job #1 (lr=1e+30) failed: The training loss is nan at step 2: ")
-    # each failure was also said when it happened, before the next job's lines
-    assert err.index("gptlab: job #0 (lr=-1) was refused") < err.index("gptlab: job #1 (lr=1e+30) failed")
+    log = sweep_dir / "2" / "faults.log"  # the job's log file (Hydra's, named after the script)
+    assert lines[3] == (
+        f"  job #2 (lr=0.001) crashed: RuntimeError: a fault injected at step 1 (its traceback is in {log})"
+    )
+    assert len(lines) == 4 and err.count("must be positive") == 1
+    # the crash's traceback is kept, in the file the line names, down to the line that raised
+    traceback = log.read_text()
+    assert "job #2 crashed:\nTraceback (most recent call last):" in traceback
+    assert 'raise RuntimeError(f"a fault injected at step {fault_step}")' in traceback
+    assert traceback.rstrip().endswith("RuntimeError: a fault injected at step 1")
 
 
 def test_every_logger_of_logger_all_holds_the_run(sweep):
@@ -219,7 +232,6 @@ def test_several_loggers_at_once(make_cfg, choice, expected):
 )
 def test_experiment_presets_sweep_their_choice_over_seeds(experiment, key):
     from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
 
     GlobalHydra.instance().clear()
     with initialize_config_dir(str(ROOT / "conf"), version_base="1.3"):

@@ -154,12 +154,15 @@ OBJECTIVE_CASES = [(m, o) for m in ("skipgram", "cbow") for o in objectives.OBJE
 def test_fast_update_is_one_sgd_step_of_the_autograd_reference(mode, name):
     """Same tables, same batch (repeated words included): the fast step without autograd (numpy on the CPU,
     and the torch version the GPU runs) moves every row as one SGD step on the reference's summed loss; in
-    skip-gram, a row used k times with ``lr k > 1`` at a learning rate of 1 / k."""
+    the sigmoid objectives (skip-gram's and CBOW's, C step included), a row used k times with ``lr k > 1`` at
+    a learning rate of 1 / k; a CBOW output row, whose use is one pair (a skip-gram one's is its window's C
+    context words), with ``lr k > C`` at C / k."""
     rng = np.random.default_rng(0)
     counts = np.array([40, 30, 20, 12, 9, 7, 5, 4, 3, 2, 2, 1])
     objective = objectives.build(name, counts, negatives=3, noise_power=0.75)
     batch = _window_batch(objective, mode, rng)
-    lr = 0.5  # large enough for skip-gram's bound to apply to the rows used twice or more
+    # large enough for the bounds to apply to the rows used a few times (C = 4 slots: CBOW's outputs at 2.5)
+    lr = 2.5 if mode == "cbow" else 0.5
     reference_model = Word2Vec(12, 6, mode, objective.output_rows)
     torch.nn.init.normal_(reference_model.output.weight)
     torch.nn.init.normal_(reference_model.input.weight)
@@ -169,14 +172,15 @@ def test_fast_update_is_one_sgd_step_of_the_autograd_reference(mode, name):
         softmax=name == "softmax",
     )
     loss.backward()
-    # skip-gram's sigmoid step bounds each row's learning rate by 1 / (its uses in the batch): min(lr, 1 / k)
+    # the sigmoid steps bound each row's learning rate by 1 / (its uses in the batch): min(lr, 1 / k)
     lr_in, lr_out = torch.full((12, 1), lr), torch.full((objective.output_rows, 1), lr)
-    if mode == "skipgram" and name != "softmax":
+    if name != "softmax":
+        pairs = batch.inputs.shape[1] if mode == "cbow" else 1
         uses_in = np.bincount(batch.inputs[batch.inputs >= 0], minlength=12)
         uses_out = np.bincount(t.rows.reshape(-1), weights=t.mask.reshape(-1), minlength=len(lr_out))
-        assert uses_in.max() * lr > 1 or uses_out.max() * lr > 1, "the bound applies to a row of this batch"
+        assert uses_in.max() * lr > 1 and uses_out.max() * lr > pairs, "both bounds apply in this batch"
         lr_in = torch.from_numpy(np.minimum(lr, 1 / np.maximum(uses_in, 1))).float()[:, None]
-        lr_out = torch.from_numpy(np.minimum(lr, 1 / np.maximum(uses_out, 1))).float()[:, None]
+        lr_out = torch.from_numpy(np.minimum(lr, pairs / np.maximum(uses_out, 1))).float()[:, None]
     expected_in = reference_model.input.weight.detach() - lr_in * reference_model.input.weight.grad.to_dense()
     expected_out = (
         reference_model.output.weight.detach() - lr_out * reference_model.output.weight.grad.to_dense()
@@ -704,6 +708,28 @@ def test_a_large_batch_trains_as_far_as_a_small_one_instead_of_diverging(tmp_pat
     assert large["train/steps"] < small["train/steps"] / 10  # the large batches are what they say
     assert math.isfinite(large["train/loss"]) and large["train/loss"] < 1.1 * small["train/loss"]
     assert json.loads((tmp_path / "large" / "result.json").read_text())["diverged"] is False
+
+
+def test_a_large_cbow_batch_at_a_larger_rate_trains_instead_of_diverging_and_is_warned_of(
+    tmp_path, make_cfg, caplog
+):
+    """CBOW at lr 0.1 (word2vec.c's CBOW default is 0.05): with batches of 4,096 its summed steps overshot
+    and this run ended at a loss of 9e20 per pair. Bounded per row in its C step too, it ends near the loss
+    of batches of 256; the configuration is warned of before training, with a batch size that keeps the
+    vectors close to small batches'."""
+    caplog.set_level(logging.WARNING, logger="gptlab")
+    base = ["word2vec.mode=cbow", "word2vec.lr=0.1", "word2vec.dim=50", "word2vec.epochs=2"]
+    small = _embedded_corpus_run(make_cfg, tmp_path / "small", *base, "word2vec.batch_size=256")
+    assert not caplog.records  # 256 x 0.1 = 25.6: small batches' vectors
+    large = _embedded_corpus_run(make_cfg, tmp_path / "large", *base, "word2vec.batch_size=4096")
+    assert large["train/steps"] < small["train/steps"] / 10
+    assert math.isfinite(large["train/loss"]) and large["train/loss"] < 1.1 * small["train/loss"]
+    assert json.loads((tmp_path / "large" / "result.json").read_text())["diverged"] is False
+    (warning,) = [r.getMessage() for r in caplog.records]
+    assert warning.startswith(
+        "word2vec.batch_size=4096 at word2vec.lr=0.1 (batch_size x lr = 409.6, above 25.6)"
+    )
+    assert warning.endswith("word2vec.batch_size=256 keeps them close.")
 
 
 def test_a_diverging_run_says_so_where_its_loss_is_shown(tmp_path, make_cfg, caplog, capsys):

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from hydra.core.hydra_config import HydraConfig
+from hydra.core.utils import JobReturn, JobStatus
 from hydra.experimental.callback import Callback as HydraCallback
 from omegaconf import DictConfig, OmegaConf
 
@@ -297,12 +298,18 @@ class SweepSummary(HydraCallback):
     """A Hydra callback: after the last job of a sweep, where its runs are, how they ended, and the command
     that compares them, after the last job's own lines (which say nothing of the sweep). Where a job failed,
     Hydra skips this hook (its sweeper raises the job's error after the last job): ``end_failed_sweep`` then
-    says the same, and which jobs failed."""
+    says the same, and which jobs failed, each once with gptlab's message: the job's failure reaches the
+    sweeper as a :class:`ReportedJobReturn`, which raises it without Hydra's own line for it."""
 
     def on_multirun_start(self, config: Any, **kwargs: Any) -> None:
         global _sweep
         _sweep = (Path(str(config.hydra.sweep.dir)), config.get("task"))
         _failed_jobs.clear()
+
+    def on_job_end(self, config: Any, job_return: JobReturn, **kwargs: Any) -> None:
+        # in the job's process (a launcher's worker too), before the sweeper reads the job's return
+        if job_return.status == JobStatus.FAILED and hasattr(job_return._return_value, FAILED_JOB_ATTR):
+            job_return.__class__ = ReportedJobReturn
 
     def on_multirun_end(self, config: Any, **kwargs: Any) -> None:
         global _sweep
@@ -316,6 +323,24 @@ class SweepSummary(HydraCallback):
 _sweep: tuple[Path, str | None] | None = None
 
 
+class ReportedJobReturn(JobReturn):
+    """The return of a job whose failure gptlab has reported (:func:`note_failed_job`): the sweeper that reads
+    it gets the job's error raised, as from Hydra's :class:`JobReturn`, without the line Hydra writes before
+    raising it (``Error executing job with overrides: [...]``, the job's whole command line), which would
+    only repeat, less clearly, what gptlab says of the job. A search (Optuna) still sees the trial fail."""
+
+    @property
+    def return_value(self) -> Any:
+        assert self.status != JobStatus.UNKNOWN, "return_value not yet available"
+        if self.status == JobStatus.COMPLETED:
+            return self._return_value
+        raise self._return_value
+
+    @return_value.setter
+    def return_value(self, value: Any) -> None:
+        self._return_value = value
+
+
 @dataclass(frozen=True)
 class FailedJob:
     """A job of a sweep that was refused (bad input) or failed in training."""
@@ -324,13 +349,27 @@ class FailedJob:
     label: str  # what the job varies ("lr=0.01 seed=1"), as its W&B run is named
     refused: bool  # refused before training (bad input): it left no run directory
     error: Exception = field(compare=False)
+    # a crash (an error that is not gptlab's: a bug): the job's log file that holds its traceback, or ""
+    # where it could not be written there (then the traceback went to the console, when it happened)
+    traceback_log: str | None = None
+
+    @property
+    def crashed(self) -> bool:
+        return self.traceback_log is not None
 
     @property
     def message(self) -> str:
-        return str(self.error)
+        if not self.crashed:
+            return str(self.error)
+        where = f"in {self.traceback_log}" if self.traceback_log else "above, where the job crashed"
+        return f"{type(self.error).__name__}: {self.error} (its traceback is {where})"
+
+    @property
+    def ended(self) -> str:
+        return "was refused" if self.refused else "crashed" if self.crashed else "failed"
 
     def describe(self) -> str:
-        return f"job #{self.num} ({self.label}) {'was refused' if self.refused else 'failed'}: {self.message}"
+        return f"job #{self.num} ({self.label}) {self.ended}: {self.message}"
 
 
 #: The failed jobs of the sweep under way, in the order they ran (Hydra's basic launcher runs them in this
@@ -340,20 +379,51 @@ _failed_jobs: list[FailedJob] = []
 FAILED_JOB_ATTR = "gptlab_sweep_job"
 
 
-def note_failed_job(error: Exception, refused: bool) -> None:
+def note_failed_job(error: Exception, refused: bool, crashed: bool = False) -> None:
     """Say at once that this job of a sweep failed (a grid sweep goes on to its next job, whose lines follow;
     a search such as Optuna's stops at a failed trial unless told to bear some), and keep it for the sweep's
-    closing lines."""
+    closing lines, which give its message: here one line names the job, so that the message is said once.
+    A job run in another process (a joblib worker, whose sweep's closing lines know only the first failed
+    job) says its message here. ``crashed``: an error that is not gptlab's (a bug): its traceback goes to the
+    job's log file, which the message names."""
     from gptlab.runs.naming import labels_from_hydra
 
     hydra = HydraConfig.get()
     labels = labels_from_hydra(hydra)
-    job = FailedJob(int(hydra.job.num), labels.name or " ".join(labels.overrides), refused, error)
+    log = _write_traceback(error, hydra) if crashed else None
+    job = FailedJob(int(hydra.job.num), labels.name or " ".join(labels.overrides), refused, error, log)
     _failed_jobs.append(job)
     # A launcher that runs the job in another process (joblib) hands the sweep this error pickled, without
     # _failed_jobs: the job's number and label travel with it (an exception's attributes are pickled).
-    setattr(error, FAILED_JOB_ATTR, (job.num, job.label, job.refused))
-    print(f"\ngptlab: {job.describe()}", file=sys.stderr, flush=True)
+    setattr(error, FAILED_JOB_ATTR, (job.num, job.label, job.refused, job.traceback_log))
+    if _sweep is None:  # a launcher's worker: the sweep's process does not hold this job
+        print(f"\ngptlab: {job.describe()}", file=sys.stderr, flush=True)
+    else:
+        print(
+            f"\ngptlab: job #{job.num} ({job.label}) {job.ended}; the sweep's closing lines say why",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
+def _write_traceback(error: Exception, hydra: Any) -> str:
+    """Append ``error``'s traceback to the job's log file (Hydra's ``<run dir>/<job name>.log``, which its
+    other log lines are in) and return the file's path; where it cannot be written, print the traceback to
+    the console and return ""."""
+    import logging
+    import traceback
+
+    path = Path(str(hydra.runtime.output_dir)) / f"{hydra.job.name}.log"
+    text = "".join(traceback.format_exception(type(error), error, error.__traceback__))
+    for handler in logging.getLogger().handlers:  # the job's own log lines first, in order
+        handler.flush()
+    try:
+        with path.open("a") as f:
+            f.write(f"job #{hydra.job.num} crashed:\n{text}")
+    except OSError:
+        print(text, file=sys.stderr, flush=True)
+        return ""
+    return str(path)
 
 
 def end_failed_sweep(error: Exception) -> None:
@@ -370,13 +440,13 @@ def end_failed_sweep(error: Exception) -> None:
     failed = list(_failed_jobs) if any(job.error is error for job in _failed_jobs) else []
     _failed_jobs.clear()
     if not failed:  # the jobs ran in other processes (joblib, SLURM): their first error is all there is
-        if not isinstance(error, ours):
+        noted = getattr(error, FAILED_JOB_ATTR, None)
+        if noted is None and not isinstance(error, ours):
             return
         refused = isinstance(error, (ConfigError, DataError))
-        noted = getattr(error, FAILED_JOB_ATTR, None)
         if noted is not None:  # each job's own line was printed where it ran, above
-            num, label, _ = noted
-            first = FailedJob(int(num), str(label), refused, error)
+            num, label, _, log = noted
+            first = FailedJob(int(num), str(label), refused, error, log)
             print(
                 f"\ngptlab: error: the first job of the sweep that did not run to the end: {first.describe()}",
                 file=sys.stderr,
@@ -554,5 +624,11 @@ def run_task(cfg: DictConfig) -> float | None:
         _remove_refused_run_dir()
         print(f"\ngptlab: {stopped_before_training_lines(signum)}", file=sys.stderr, flush=True)
         raise SystemExit(128 + signum) from None
+    except Exception as e:
+        # A crash (a bug, not bad input): a single run's traceback is Hydra's to print; in a sweep it goes to
+        # the job's log file, and the sweep's closing lines name the job, its error and that file.
+        if is_multirun() and os.environ.get("HYDRA_FULL_ERROR") != "1":
+            note_failed_job(e, refused=False, crashed=True)
+        raise
     metric = cfg.get("optimized_metric")
     return metrics.get(metric) if metric else None

@@ -42,13 +42,16 @@ FINISHED, STOPPED, FAILED, RUNNING, KILLED = "finished", "stopped", "failed", "r
 class OutputColumns:
     """Table columns read from a run's evaluation outputs: ``read(run)`` gives ``{header: value}``, a value
     of None where the run's output says it cannot be measured (shown as ``unavailable``), and no key where
-    the run has no such output. ``order`` sorts the headers."""
+    the run has no such output. ``order`` sorts the headers. ``geometric(header)``: the seeds' figures of that
+    column are averaged by their geometric mean (a perplexity: the perplexity of the seeds' mean loss), else
+    by their mean."""
 
     name: str
     read: Callable[[Run], dict[str, float | None]]
     fmt: str = "{:.2f}"
     unavailable: str = "n/a"
     order: Callable[[str], Any] = str
+    geometric: Callable[[str], bool] = lambda header: False
 
 
 def length_perplexities(run: Run) -> dict[str, float | None]:
@@ -70,9 +73,15 @@ def downstream_metrics(run: Run) -> dict[str, float | None]:
 
 # The evaluation outputs that become columns, in this order.
 OUTPUTS: list[OutputColumns] = [
-    OutputColumns("length", length_perplexities, order=long_context.factor_of),
+    OutputColumns("length", length_perplexities, order=long_context.factor_of, geometric=lambda header: True),
     OutputColumns("passkey", passkey_accuracy, order=long_context.factor_of),
-    OutputColumns("eval_harness", downstream_metrics, fmt="{:.4g}"),
+    # the harness's word_perplexity, byte_perplexity, perplexity: exp of a loss, as val/ppl
+    OutputColumns(
+        "eval_harness",
+        downstream_metrics,
+        fmt="{:.4g}",
+        geometric=lambda header: header.endswith("perplexity"),
+    ),
 ]
 
 

@@ -180,8 +180,19 @@ def _describe(
         f"final {'bits per byte' if bpb else 'losses'} to the {reference} condition with its 95% Welch confidence "
         "interval. "
         f"`vs {baseline or 'best'} (Holm)`: Welch's t-test against the {reference} condition, two-sided, its "
-        f"p-values adjusted for the {max(len(rows) - 1, 0)} comparisons with Holm's method, at p < {alpha:g}."
+        f"p-values adjusted for the {max(len(rows) - 1, 0)} comparisons with Holm's method, at p < {alpha:g}. "
+        + PPL_LEGEND
+        + (LENGTH_PPL_LEGEND if any(row.length_ppl for row in rows) else "")
     )
+
+
+# What the perplexity columns of a condition are: exp of the mean loss, not the mean of the seeds' exps (which
+# Jensen's inequality puts above it), so that val/ppl is the perplexity of the val/loss beside it.
+PPL_LEGEND = (
+    "`val/ppl`: exp of the mean final validation loss over seeds, i.e. the geometric mean of the seeds' "
+    "perplexities (the perplexity of the mean loss; their plain mean would lie above it)."
+)
+LENGTH_PPL_LEGEND = " `ppl@Nx`: likewise the geometric mean over seeds of the length study's perplexities."
 
 
 def write_comparison(

@@ -24,6 +24,7 @@ from pathlib import Path
 from gptlab.comparison.records import OUTPUTS, RunRecord
 from gptlab.comparison.stats import DEFAULT_ALPHA, Contrast, contrasts
 from gptlab.errors import DataError
+from gptlab.evaluation.long_context import perplexity
 from gptlab.runs.layout import Run
 from gptlab.runs.naming import is_silent, split_override, sweep_overrides_from_dir, swept_keys_of
 
@@ -250,6 +251,24 @@ def _mean(values: list[float | None]) -> float | None:
     return statistics.fmean(present) if present else None
 
 
+def geometric_mean(values: Sequence[float | None]) -> float | None:
+    """exp of the mean log of the values present: the mean of perplexities that is the perplexity of the mean
+    loss (a perplexity is exp of a loss); inf where one is inf, NaN where one is NaN."""
+    present = [v for v in values if v is not None]
+    return perplexity(statistics.fmean(math.log(v) for v in present)) if present else None
+
+
+def perplexity_over_seeds(runs: Sequence[RunRecord]) -> float | None:
+    """A condition's ``val/ppl``: exp of the mean final ``val/loss`` over its seeds (:func:`per_seed`), the
+    geometric mean of the seeds' perplexities, so that it is the perplexity of the ``val/loss`` beside it. The
+    arithmetic mean of the perplexities is not: exp of a mean is below the mean of the exps (Jensen), by more
+    the more the seeds differ. Where a run recorded a perplexity but no loss, the geometric mean of the
+    perplexities recorded."""
+    if runs and all(r.final_val_loss is not None for r in runs):
+        return perplexity(statistics.fmean(per_seed(runs, "val/loss")))
+    return geometric_mean([r.val_ppl for r in runs])
+
+
 def summarize(
     runs: list[RunRecord],
     keys: list[str],
@@ -281,7 +300,7 @@ def summarize(
                 runs=members,
                 val_loss_mean=sum(losses) / len(losses),  # inf for a run that ended at inf
                 val_loss_std=_stdev(losses),
-                val_ppl=_mean([r.val_ppl for r in members]),
+                val_ppl=perplexity_over_seeds(members),
                 tokens_per_second=_mean([r.tokens_per_second for r in members]),
                 mfu=_mean([r.mfu for r in members]),
                 # a window above 100% (logged apart) says the run's peak is too low: its other windows'
@@ -291,7 +310,10 @@ def summarize(
                 ),
                 parameters=_mean([r.parameters for r in members]),
                 outputs={
-                    name: {h: _mean([r.outputs.get(name, {}).get(h) for r in members]) for h in headers}
+                    name: {
+                        h: _average(name, h)([r.outputs.get(name, {}).get(h) for r in members])
+                        for h in headers
+                    }
                     for name, headers in _output_headers(members).items()
                 },
             )
@@ -355,6 +377,13 @@ def _short(value: str) -> str:
     except ValueError:
         return value
     return f"{number:.4g}" if "." in value and len(value) > 8 else value
+
+
+def _average(output: str, header: str) -> Callable[[list[float | None]], float | None]:
+    """How the seeds' figures of an evaluation output's column are averaged: a perplexity by its geometric
+    mean, anything else by its mean (:data:`OUTPUTS`, ``geometric``)."""
+    geometric = any(o.geometric(header) for o in OUTPUTS if o.name == output)
+    return geometric_mean if geometric else _mean
 
 
 def _output_headers(runs: list[RunRecord]) -> dict[str, list[str]]:

@@ -571,7 +571,9 @@ def report(
             **{k: metrics[k] for k in ("val/loss", "val/ppl", "val/bpb") if k in metrics},
         },
     )
-    coverage = validation_coverage(metrics.get("val/tokens"), parts.datamodule, trainer.limit_val_batches)
+    coverage = validation_coverage(
+        metrics.get("val/tokens"), parts.module.val_windows, parts.datamodule, trainer.limit_val_batches
+    )
     lines = closing_lines(
         metrics, entropy, session.run_dir, trainer, loggers, step, session.start_step, coverage
     )
@@ -731,18 +733,22 @@ def validation_line(
     return f"{line}. {coverage}" if coverage else line
 
 
-def validation_coverage(scored: float | None, datamodule: Any, limit_val_batches: Any = None) -> str:
-    """The sentence that follows the final validation: which of the validation split's tokens it scored,
-    and which it left out and why: the first token (nothing precedes it), the tail shorter than a window, the
-    windows that ``trainer.limit_val_batches`` cut, the tokens a ``data.val_stride`` above the block size
-    skips; with a smaller stride the windows overlap and a token is scored more than once. Empty without a
-    count."""
+def validation_coverage(
+    scored: float | None, scored_windows: int | None, datamodule: Any, limit_val_batches: Any = None
+) -> str:
+    """The sentence that follows the final validation: which of the validation split's tokens it scored
+    (``scored`` targets in ``scored_windows`` windows, both counted by the validation itself), and which it
+    left out and why: the first token (nothing precedes it), the tail shorter than a window, the windows that
+    ``trainer.limit_val_batches`` cut, the tokens a ``data.val_stride`` above the block size skips; with a
+    smaller stride the windows overlap and a token is scored more than once. Empty without the counts.
+
+    The windows are counted, not inferred as ``scored // block_size``: that holds only while every scored
+    window scores all its targets, and a window whose targets are partly ignored would read as windows cut."""
     windows_set = getattr(datamodule, "val_set", None)
-    if scored is None or windows_set is None or len(windows_set) == 0:
+    if scored is None or scored_windows is None or windows_set is None or len(windows_set) == 0:
         return ""
     n_tokens, windows = int(windows_set.n_tokens), len(windows_set)
     block, stride = int(windows_set.block_size), int(windows_set.stride)
-    scored_windows = int(scored) // block  # every scored window scores its block_size targets
     left_out = ["the first (nothing precedes it)"]
     if stride > block:
         left_out.append(f"{stride - block:,} after each window (data.val_stride={stride})")
@@ -753,6 +759,8 @@ def validation_coverage(scored: float | None, datamodule: Any, limit_val_batches
     if scored_windows < windows:
         cut = windows - scored_windows
         leaving += f", and {cut:,} of the {windows:,} windows (trainer.limit_val_batches={limit_val_batches})"
+    if (ignored := scored_windows * block - int(scored)) > 0:
+        leaving += f", and {ignored:,} targets inside the windows scored, which the loss ignores"
     if stride < block:
         return (
             f"It scored {int(scored):,} predictions in the {n_tokens:,} validation tokens: the windows overlap "

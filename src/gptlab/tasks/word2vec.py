@@ -164,6 +164,8 @@ def run(cfg: DictConfig) -> dict[str, float]:
     settings = Word2VecRunConfig.parse(cfg)
     warn_unread_overrides(explicit_overrides(cfg))
     options = settings.options
+    if large_batch := options.large_batch_warning():  # said before any work, once
+        log.warning(large_batch)
     device = pick_device(options)
     session = RunSession.start(cfg, settings.run, run_dir)
     threads = torch.get_num_threads()

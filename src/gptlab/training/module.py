@@ -84,7 +84,9 @@ class GPTLitModule(L.LightningModule):
         self._val_loss_sum = torch.zeros(())
         self._val_count = torch.zeros(())
         self._val_bytes = torch.zeros(())
+        self._val_windows = torch.zeros(())
         self.val_tokens: int | None = None  # the targets the last validation scored, all ranks together
+        self.val_windows: int | None = None  # the windows it scored a target of, all ranks together
         self._token_bytes: TokenBytes | None = None  # the tokenizer's per-id byte counts, on this device
         self._batch_shape: tuple[int, ...] | None = None  # (B, T) of the last batch, for flops_per_batch
         self.last_train_loss: Tensor | None = None
@@ -187,6 +189,7 @@ class GPTLitModule(L.LightningModule):
         self._val_loss_sum = torch.zeros((), device=self.device, dtype=torch.float64)
         self._val_count = torch.zeros((), device=self.device, dtype=torch.float64)
         self._val_bytes = torch.zeros((), device=self.device, dtype=torch.float64)
+        self._val_windows = torch.zeros((), device=self.device, dtype=torch.float64)
         if self.tokenizer is not None and (
             self._token_bytes is None or self._token_bytes.lengths.device != self.device
         ):
@@ -206,6 +209,9 @@ class GPTLitModule(L.LightningModule):
         # a batch of copies alone has a NaN mean over no token: it adds nothing
         self._val_loss_sum += torch.where(n > 0, loss.double() * n, 0.0)
         self._val_count += n
+        # counted where they are scored, not inferred from the targets (val/tokens // block_size), so that the
+        # closing line's count of windows holds also where targets inside a window are ignored
+        self._val_windows += (y != self.head_loss.ignore_index).any(dim=-1).sum()
         if self._token_bytes is not None:
             self._val_bytes += self._token_bytes.count(x, y, self.head_loss.ignore_index).double()
         return loss
@@ -232,6 +238,7 @@ class GPTLitModule(L.LightningModule):
         count = self.trainer.strategy.reduce(self._val_count, reduce_op="sum")
         val_loss = (total / count.clamp_min(1)).float()
         self.val_tokens = int(count)  # scored targets, every rank's, each window once
+        self.val_windows = int(self.trainer.strategy.reduce(self._val_windows, reduce_op="sum"))
         # The same number on every rank already: Lightning's sync (max, exact, where a mean may round) agrees.
         self.log("val/loss", val_loss, prog_bar=True, sync_dist=True, reduce_fx="max")
         self.log("val/ppl", torch.exp(val_loss), sync_dist=True, reduce_fx="max")

@@ -23,8 +23,20 @@ row's summed step has a learning rate of at most ``1 / (k W)``, the plain step's
 ``W`` is the number of workers stepping on the same tables at once (Hogwild: their batches land on the shared rows together; with two workers at
 batches of 4,096 the bound without ``W`` still diverged in one run of three). A row used fewer than
 ``1 / (lr W)`` times (40 at lr 0.025, one worker) takes the plain sum, so small batches train as before, and as
-the learning rate decays the bound lets go. CBOW's step is left as it was: its input rows take the gradient of
-a mean, and at 4,096 it trained to a loss of 3.03 (2.86 at 256) without the bound.
+the learning rate decays the bound lets go.
+
+CBOW's steps (numpy, torch, and the C loop of :mod:`gptlab.word2vec.native`) are bounded the same way. Unbounded,
+CBOW trained at batches of 4,096 at lr 0.025 (embedded corpus, two workers, 2 epochs: 3.05 per pair, 2.86 at
+256) but diverged from lr 0.05, word2vec.c's CBOW default (281 per pair at 4,096; 7e17 at lr 0.1; with one
+worker at lr 0.1, 9e20), and at 8,192 from 0.05. A context slot takes the window's whole gradient of ``h``,
+as a skip-gram input use takes its window's: the input rows' bound is skip-gram's. An output row's use is one
+pair (the window's ``h``) where a skip-gram output use carries its window's C context words, so it is bounded
+from C times as many uses (``pairs``). Both are needed: the input rows' bound alone still diverged at lr 0.2,
+a bound from 20 or 40 uses on both at lr 0.1. Bounded, those runs ended at 2.90 to 3.21 per pair; the cost
+is at batches of 4,096 and more at lr 0.025, where the unbounded step had not diverged: on gensim's Lee corpus
+x3 (3 epochs, two workers) the top-10 neighbours' agreement with gensim's vectors went from 0.475 to 0.242 at
+4,096 (0.520 to 0.515 at 256, 0.531 to 0.497 at 1,024); on the embedded corpus, 22 steps of 4,096 no longer
+leave the start (4.15 per pair). ``Word2VecOptions.large_batch_warning`` says so before such a run.
 """
 
 from __future__ import annotations
@@ -126,7 +138,7 @@ def numpy_step(
     with few temporaries (the elementwise work is done in place)."""
     t = batch.outputs
     if mode == "cbow":
-        return _numpy_cbow_step(tables, batch, lr, with_loss)
+        return _numpy_cbow_step(tables, batch, lr, with_loss, workers)
     w_in, w_out = tables.input.numpy(), tables.output.numpy()
     present = batch.inputs >= 0  # (G, C)
     idx = np.maximum(batch.inputs, 0)
@@ -148,14 +160,18 @@ def numpy_step(
     return loss
 
 
-def _numpy_cbow_step(tables: Tables, batch: WindowBatch, lr: float, with_loss: bool) -> float | None:
+def _numpy_cbow_step(
+    tables: Tables, batch: WindowBatch, lr: float, with_loss: bool, workers: int = 1
+) -> float | None:
     """CBOW's step: each window's hidden vector is the mean of its present context rows (``cbow_mean=1``),
     scored against its output rows; the whole gradient of the mean goes to every context word, as
-    word2vec.c and gensim apply it. Only the present slots are gathered and updated (their (row, slot)
-    pairs in row order, so that each window's slots are contiguous: embedding_bag's bags)."""
+    word2vec.c and gensim apply it, each use of a row bounded as skip-gram's (:func:`row_scales`). Only the
+    present slots are gathered and updated (their (row, slot) pairs in row order, so that each window's slots
+    are contiguous: embedding_bag's bags)."""
     t = batch.outputs
     window, slot = np.nonzero(batch.inputs >= 0)  # the present slots, window by window
-    valid = torch.from_numpy(batch.inputs[window, slot])  # (P,)
+    present = batch.inputs[window, slot]  # (P,)
+    valid = torch.from_numpy(present)
     counts = np.bincount(window, minlength=len(batch.inputs))  # (G,); an empty bag's mean is zero
     offsets = np.zeros(len(counts), dtype=np.int64)
     np.cumsum(counts[:-1], out=offsets[1:])
@@ -169,23 +185,31 @@ def _numpy_cbow_step(tables: Tables, batch: WindowBatch, lr: float, with_loss: b
     d_hidden = np.matmul(grad[:, None, :], u)[:, 0, :]  # (G, d)
     # the outer products in torch: about 2x numpy's broadcast multiply on these shapes here
     d_u = torch.from_numpy(grad)[:, :, None] * hidden_t[:, None, :]  # (G, M, d)
-    tables.input.index_add_(0, valid, torch.from_numpy(np.repeat(d_hidden, counts, axis=0)))
+    # an output row's use is one pair here, where skip-gram's carries its window's C context words
+    d_u *= torch.from_numpy(row_scales(t.rows, t.mask, lr, workers, batch.inputs.shape[1]))[:, :, None]
+    d_x = np.repeat(d_hidden, counts, axis=0)  # (P, d)
+    d_x *= row_scales(present, np.ones(len(present), dtype=np.float32), lr, workers)[:, None]
+    tables.input.index_add_(0, valid, torch.from_numpy(d_x))
     tables.output.index_add_(0, torch.from_numpy(t.rows.reshape(-1)), d_u.view(-1, d_u.shape[2]))
     return loss
 
 
-def row_scales(rows: np.ndarray, used: np.ndarray, lr: float, workers: int = 1) -> np.ndarray:
-    """The factor each use of a row in a batch scales its step by, ``min(1, 1 / (lr k workers))`` where the
-    row is used k times (``used``: 1 where a slot of ``rows`` is used, 0 where it is empty or masked), so that
-    a row's summed step has a learning rate of at most ``1 / (k workers)`` (see the module's docstring)."""
+def row_scales(rows: np.ndarray, used: np.ndarray, lr: float, workers: int = 1, pairs: int = 1) -> np.ndarray:
+    """The factor each use of a row in a batch scales its step by, ``min(1, pairs / (lr k workers))`` where
+    the row is used k times (``used``: 1 where a slot of ``rows`` is used, 0 where it is empty or masked), so
+    that a row's summed step has a learning rate of at most ``pairs / (k workers)`` (see the module's
+    docstring). ``pairs``: how many times fewer pairs a use carries than skip-gram's (1; CBOW's output rows:
+    the context slots C, a use is one pair where skip-gram's is its window's C)."""
     uses = np.bincount(rows.reshape(-1), weights=used.reshape(-1))  # float64 counts
-    return (1.0 / np.maximum(uses * (lr * workers), 1.0)).astype(np.float32)[rows]
+    return (1.0 / np.maximum(uses * (lr * workers / pairs), 1.0)).astype(np.float32)[rows]
 
 
-def torch_row_scales(rows: torch.Tensor, used: torch.Tensor, lr: float, workers: int = 1) -> torch.Tensor:
+def torch_row_scales(
+    rows: torch.Tensor, used: torch.Tensor, lr: float, workers: int = 1, pairs: int = 1
+) -> torch.Tensor:
     """:func:`row_scales` in torch, on the tables' device."""
     uses = torch.bincount(rows.reshape(-1), weights=used.reshape(-1).to(torch.float32))
-    return (1.0 / (uses * (lr * workers)).clamp(min=1.0)).to(torch.float32)[rows]
+    return (1.0 / (uses * (lr * workers / pairs)).clamp(min=1.0)).to(torch.float32)[rows]
 
 
 def _step_sizes(scores: np.ndarray, labels: np.ndarray, mask: np.ndarray, lr: float) -> np.ndarray:
@@ -236,6 +260,8 @@ def torch_step(
         d_u = grad.unsqueeze(2) * hidden.unsqueeze(1)  # (G, M, d)
         # every context word receives the whole gradient of h, as word2vec.c and gensim (cbow_mean=1) apply it
         d_x = weight.unsqueeze(2) * d_hidden.unsqueeze(1)  # (G, C, d)
+        d_x *= torch_row_scales(idx, weight, lr, workers).unsqueeze(2)
+        d_u *= torch_row_scales(rows, mask, lr, workers, c_slots).unsqueeze(2)
         tables.input.index_add_(0, idx.reshape(-1), d_x.reshape(-1, dim))
         tables.output.index_add_(0, rows.reshape(-1), d_u.reshape(-1, dim))
         return loss

@@ -64,6 +64,23 @@ static void axpy(float *y, float a, const float *x, int64_t d) {
 /* -log sigma(x), stably */
 static double softplus_neg(double x) { return x > 0 ? log1p(exp(-x)) : -x + log1p(exp(x)); }
 
+/* The factor each use of a row scales its step by, for a row the batch uses k times: min(1, 1 / (lr k W))
+   (gptlab.word2vec.fast.row_scales; lr_w = lr W). */
+static float use_scale(float lr_w, int32_t k) {
+    float s = lr_w * (float)k;
+    return s > 1.0f ? 1.0f / s : 1.0f;
+}
+
+/* Adds `add` to the count of each row the batch uses: uses_in over its present context slots, uses_out over
+   its output slots in the mask. +1 counts a batch into zeroed arrays, -1 afterwards zeroes what it touched. */
+static void count_uses(int32_t *uses_in, int32_t *uses_out, const int64_t *inputs, int64_t g_count,
+                       int64_t c_slots, const int64_t *rows, const float *mask, int64_t m_cols, int32_t add) {
+    for (int64_t j = 0; j < g_count * c_slots; j++)
+        if (inputs[j] >= 0) uses_in[inputs[j]] += add;
+    for (int64_t j = 0; j < g_count * m_cols; j++)
+        if (mask[j] != 0.0f) uses_out[rows[j]] += add;
+}
+
 /* scratch floats of a step on G windows: each window's hidden vector, its gradient, and its output rows'
    step sizes */
 static int64_t scratch_size(int64_t g_count, int64_t dim, int64_t m_cols) {
@@ -72,11 +89,18 @@ static int64_t scratch_size(int64_t g_count, int64_t dim, int64_t m_cols) {
 
 /* One CBOW step on G windows: inputs (G, C) context rows of w_in, -1 for an empty slot; rows, labels, mask
    (G, M) the output rows of w_out each window is scored against. Everything is computed from the tables
-   before the step, then added. Returns the summed loss when want_loss (else 0). */
+   before the step, then added, each use of a row scaled by use_scale (workers: Hogwild workers stepping on
+   the tables at once; uses_in, uses_out: zeroed counts, one per row of each table, left zeroed). Returns the
+   summed loss when want_loss (else 0). */
 static double cbow_step(float *w_in, float *w_out, int64_t dim, const int64_t *inputs, int64_t g_count,
                         int64_t c_slots, const int64_t *rows, const float *labels, const float *mask,
-                        int64_t m_cols, float lr, int want_loss, float *hidden) {
+                        int64_t m_cols, float lr, int want_loss, float *hidden, float workers,
+                        int32_t *uses_in, int32_t *uses_out) {
     double loss = 0.0;
+    /* an output row's use is one pair, where skip-gram's carries its window's C context words: C times the
+       uses before its bound (row_scales's pairs) */
+    float lr_w = lr * workers, lr_w_out = lr_w / (float)c_slots;
+    count_uses(uses_in, uses_out, inputs, g_count, c_slots, rows, mask, m_cols, 1);
     float *d_hidden = hidden + g_count * dim, *grad = d_hidden + g_count * dim;
     for (int64_t g = 0; g < g_count; g++) {
         float *h = hidden + g * dim, *dh = d_hidden + g * dim;
@@ -105,25 +129,34 @@ static double cbow_step(float *w_in, float *w_out, int64_t dim, const int64_t *i
     for (int64_t g = 0; g < g_count; g++) {
         for (int64_t m = 0; m < m_cols; m++) {
             int64_t j = g * m_cols + m;
-            if (grad[j] != 0.0f) axpy(w_out + rows[j] * dim, grad[j], hidden + g * dim, dim);
+            if (grad[j] != 0.0f)
+                axpy(w_out + rows[j] * dim, grad[j] * use_scale(lr_w_out, uses_out[rows[j]]), hidden + g * dim, dim);
         }
         for (int64_t c = 0; c < c_slots; c++) {
             int64_t i = inputs[g * c_slots + c];
-            if (i >= 0) axpy(w_in + i * dim, 1.0f, d_hidden + g * dim, dim);
+            if (i >= 0) axpy(w_in + i * dim, use_scale(lr_w, uses_in[i]), d_hidden + g * dim, dim);
         }
     }
+    count_uses(uses_in, uses_out, inputs, g_count, c_slots, rows, mask, m_cols, -1);
     return loss;
 }
 
-/* One step (cbow_step's arguments); NAN when out of memory. */
+/* Zeroed use counts for tables of n_in and n_out rows (calloc: untouched pages cost nothing); NULL when out
+   of memory. */
+static int32_t *use_counts(int64_t n_in, int64_t n_out) { return calloc(n_in + n_out, sizeof(int32_t)); }
+
+/* One step (cbow_step's arguments; n_in, n_out: the tables' rows); NAN when out of memory. */
 double w2v_cbow_step(float *w_in, float *w_out, int64_t dim, const int64_t *inputs, int64_t g_count,
                      int64_t c_slots, const int64_t *rows, const float *labels, const float *mask,
-                     int64_t m_cols, float lr, int want_loss) {
+                     int64_t m_cols, float lr, int want_loss, float workers, int64_t n_in, int64_t n_out) {
     float *scratch = malloc(sizeof(float) * scratch_size(g_count, dim, m_cols));
-    if (scratch == NULL) return NAN;
-    double loss =
-        cbow_step(w_in, w_out, dim, inputs, g_count, c_slots, rows, labels, mask, m_cols, lr, want_loss, scratch);
+    int32_t *uses = use_counts(n_in, n_out);
+    double loss = NAN;
+    if (scratch != NULL && uses != NULL)
+        loss = cbow_step(w_in, w_out, dim, inputs, g_count, c_slots, rows, labels, mask, m_cols, lr, want_loss,
+                         scratch, workers, uses, uses + n_in);
     free(scratch);
+    free(uses);
     return loss;
 }
 
@@ -133,19 +166,25 @@ double w2v_cbow_step(float *w_in, float *w_out, int64_t dim, const int64_t *inpu
 int w2v_cbow_steps(float *w_in, float *w_out, int64_t dim, const int64_t *inputs, int64_t c_slots,
                    const int64_t *rows, const float *labels, const float *mask, int64_t m_cols,
                    int64_t n_batches, const int64_t *bounds, const float *lrs, const int32_t *want_loss,
-                   double *losses) {
+                   double *losses, float workers, int64_t n_in, int64_t n_out) {
     int64_t largest = 0;
     for (int64_t b = 0; b < n_batches; b++)
         if (bounds[b + 1] - bounds[b] > largest) largest = bounds[b + 1] - bounds[b];
     float *scratch = malloc(sizeof(float) * (scratch_size(largest, dim, m_cols) + 1));
-    if (scratch == NULL) return -1;
+    int32_t *uses = use_counts(n_in, n_out);
+    if (scratch == NULL || uses == NULL) {
+        free(scratch);
+        free(uses);
+        return -1;
+    }
     for (int64_t b = 0; b < n_batches; b++) {
         int64_t g0 = bounds[b];
         losses[b] = cbow_step(w_in, w_out, dim, inputs + g0 * c_slots, bounds[b + 1] - g0, c_slots,
                               rows + g0 * m_cols, labels + g0 * m_cols, mask + g0 * m_cols, m_cols, lrs[b],
-                              want_loss[b], scratch);
+                              want_loss[b], scratch, workers, uses, uses + n_in);
     }
     free(scratch);
+    free(uses);
     return 0;
 }
 """
@@ -216,10 +255,10 @@ def _build(compiler: str, target: Path) -> None:
 def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     p, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
     fn = lib.w2v_cbow_step
-    fn.argtypes = [p, p, i64, p, i64, i64, p, p, p, i64, f32, ctypes.c_int]
+    fn.argtypes = [p, p, i64, p, i64, i64, p, p, p, i64, f32, ctypes.c_int, f32, i64, i64]
     fn.restype = ctypes.c_double
     steps = lib.w2v_cbow_steps
-    steps.argtypes = [p, p, i64, p, i64, p, p, p, i64, i64, p, p, p, p]
+    steps.argtypes = [p, p, i64, p, i64, p, p, p, i64, i64, p, p, p, p, f32, i64, i64]
     steps.restype = ctypes.c_int
     return lib
 
@@ -229,10 +268,16 @@ def _pointer(a: np.ndarray) -> int:
 
 
 def cbow_step(
-    lib: ctypes.CDLL, tables: Tables, batch: WindowBatch, lr: float, with_loss: bool = False
+    lib: ctypes.CDLL,
+    tables: Tables,
+    batch: WindowBatch,
+    lr: float,
+    with_loss: bool = False,
+    workers: int = 1,
 ) -> float | None:
-    """:func:`gptlab.word2vec.fast.numpy_step` for CBOW (negative sampling or hierarchical softmax), in C.
-    The tables must be contiguous float32 CPU tensors (as :class:`Tables` makes them)."""
+    """:func:`gptlab.word2vec.fast.numpy_step` for CBOW (negative sampling or hierarchical softmax), in C,
+    each row's step bounded as there (``workers``: :func:`gptlab.word2vec.fast.row_scales`). The tables must
+    be contiguous float32 CPU tensors (as :class:`Tables` makes them)."""
     t = batch.outputs
     inputs = np.ascontiguousarray(batch.inputs, dtype=np.int64)
     rows = np.ascontiguousarray(t.rows, dtype=np.int64)
@@ -252,6 +297,9 @@ def cbow_step(
         rows.shape[1],
         lr,
         int(with_loss),
+        float(workers),
+        tables.input.shape[0],
+        tables.output.shape[0],
     )
     if math.isnan(loss):
         raise MemoryError("word2vec's C step could not allocate its scratch space")
@@ -259,7 +307,12 @@ def cbow_step(
 
 
 def cbow_steps(
-    lib: ctypes.CDLL, tables: Tables, steps: StepBlock, lrs: np.ndarray, want_loss: np.ndarray
+    lib: ctypes.CDLL,
+    tables: Tables,
+    steps: StepBlock,
+    lrs: np.ndarray,
+    want_loss: np.ndarray,
+    workers: int = 1,
 ) -> np.ndarray:
     """Several consecutive steps in one call: each one :func:`cbow_step` on its batch at its learning rate
     ``lrs[i]`` (the same arithmetic, on the tables after the previous step), without a return to Python
@@ -288,6 +341,9 @@ def cbow_steps(
         _pointer(lrs),
         _pointer(want_loss),
         _pointer(losses),
+        float(workers),
+        tables.input.shape[0],
+        tables.output.shape[0],
     )
     if status != 0:
         raise MemoryError("word2vec's C step could not allocate its scratch space")

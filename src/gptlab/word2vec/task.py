@@ -207,10 +207,13 @@ class Trainer:
                 from gptlab.word2vec import native
 
                 lib = native.library()
-                self.native = None if lib is None else functools.partial(native.cbow_step, lib)
+                workers = self.threads  # for the per-row bound (gptlab.word2vec.fast.row_scales)
+                self.native = (
+                    None if lib is None else functools.partial(native.cbow_step, lib, workers=workers)
+                )
                 # negative sampling's outputs are as wide in every batch: a block's steps go in one call
                 if lib is not None and isinstance(schedule.objective, NegativeSampling):
-                    self.native_steps = functools.partial(native.cbow_steps, lib)
+                    self.native_steps = functools.partial(native.cbow_steps, lib, workers=workers)
         self.global_step = 0
         self.wandb_run_id: str | None = None
         self.signals = StopSignals()
