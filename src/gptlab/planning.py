@@ -300,7 +300,8 @@ def memory_per_device(config: GPTConfig, plan: TrainingPlan = TrainingPlan()) ->
     size = dict(
         SIXTEEN_BIT_MASTER if placement.sixteen_bit_master and precision in MIXED else BYTES[precision]
     )
-    n = parameter_counts(config)["total"]
+    counts = parameter_counts(config)
+    n = counts["total"] + counts["padding"]  # the padding rows are stored, with gradients and optimizer state
     T = plan.context or config.block_size
     shards = n_devices
 
