@@ -208,7 +208,12 @@ class GPT(nn.Module):
         total -= padding
         embedding = self.config.vocab_size * self.transformer.wte.weight.size(1)
         embedding += sum(p.numel() for p in self.transformer.pos.parameters())
-        return {"total": total, "embedding": embedding, "non_embedding": total - embedding, "padding": padding}
+        return {
+            "total": total,
+            "embedding": embedding,
+            "non_embedding": total - embedding,
+            "padding": padding,
+        }
 
     # ---- forward --------------------------------------------------------------------------------
     def forward(

@@ -436,7 +436,9 @@ def chunked_loss_terms(
         # the default chunk holds the same bytes of logits in either pass: twice the rows in bf16 / fp16 (the
         # fused pass's buffer is as wide as the stored rows, the eager one's as the vocabulary)
         width = weight.size(0) if fused else (vocab_size or weight.size(0))
-        rows = chunk_rows or default_chunk_rows(width, hidden.device.type, chunk_logits_dtype(matmul_dtype, fused))
+        rows = chunk_rows or default_chunk_rows(
+            width, hidden.device.type, chunk_logits_dtype(matmul_dtype, fused)
+        )
         return (hidden, weight, bias, targets, ignore_index, rows, with_grad, z_loss, softcap, matmul_dtype)
 
     if fused and chosen and not _FUSED_COMPILE.succeeded:

@@ -276,15 +276,19 @@ class GPTLitModule(L.LightningModule):
         vocab_rows = set(self.model.vocab_rows)
         for optimizer in self.trainer.optimizers:
             for name, p in self.model.named_parameters():
-                state = optimizer.state.get(p) if name in vocab_rows else None
-                for key, value in (state or {}).items():
+                if name not in vocab_rows or p not in optimizer.state:
+                    continue
+                state = optimizer.state[p]
+                for key, value in list(state.items()):
                     if (
                         isinstance(value, Tensor)
                         and value.dim() == p.dim()
                         and value.shape[1:] == p.shape[1:]
                         and value.size(0) != p.size(0)
                     ):
-                        state[key] = fit_vocab_rows(value, self.model.config, f"optimizer state {key} of {name}")
+                        state[key] = fit_vocab_rows(
+                            value, self.model.config, f"optimizer state {key} of {name}"
+                        )
 
     def apply_configured_optimizer(self) -> None:
         """After a resume: the optimizer's options and peak rates as this command configured them, in place of
