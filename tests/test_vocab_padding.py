@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from gptlab import torch_features
+from gptlab import planning, torch_features
 from gptlab.errors import ConfigError
 from gptlab.model import counting
 from gptlab.model.config import GPTConfig
@@ -235,3 +235,9 @@ def test_counts_are_the_vocabularys_and_the_padding_is_reported_apart():
     )
     assert counting.flops_per_token(gpt2) == counting.flops_per_token(unpadded)  # the model's FLOPs, V rows
     assert counting.parameter_counts(config(tie_weights=False))["padding"] == 2 * (128 - V) * 32
+    card = planning.model_card(gpt2)
+    assert (
+        "Parameters: total 124,439,808 (124.44M), embedding 39,383,808, non-embedding 85,056,000; and 36,096 of "
+        "padding, zero and never trained (the vocabulary stored as 50304 rows: model.vocab_multiple=64)"
+    ) in card
+    assert "of padding" not in planning.model_card(unpadded)
