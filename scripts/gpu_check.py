@@ -27,7 +27,9 @@ included, ends within ``WHOLE_RUN_S`` = 478 s, under 8 minutes, whatever hangs:
   ``chunked`` twice, its elementwise pass fused (one compiled kernel per chunk, compiled once) and eager, each at
   its default chunk (sized by the chunk's dtype: bf16 logits in the fused pass, twice the rows of the eager
   pass's fp32 ones), the fused pass also at the eager one's rows, and beside each chunked row the memory
-  ``planning.HeadPlan`` counts for it;
+  ``planning.HeadPlan`` counts for it; then ``plain`` and both chunked passes again with the output layer as the
+  model stores it, padded to 50,304 rows (``model.vocab_multiple=64``): the same numbers, the padding's gradient
+  0, and the time the aligned products save;
 - ``head_accuracy``: each ``loss.impl``'s gradients through a 2-layer model under bf16 autocast against the fp32
   plain head's, Cut Cross-Entropy's kernel beside its arithmetic followed in torch
   (``scripts/head_gradient_accuracy.py``): the largest relative error and where;
@@ -415,6 +417,7 @@ def _round(x: float | None, digits: int = 2) -> float | None:
 def section_loss(ctx: Context) -> dict[str, Any]:
     import torch
 
+    from gptlab.model.config import VOCAB_MULTIPLE
     from gptlab.model.head_loss import (
         IMPLEMENTATIONS,
         HeadLoss,
@@ -462,6 +465,17 @@ def section_loss(ctx: Context) -> dict[str, Any]:
     for impl in ("chunked", "torch"):
         head = HeadLoss(impl, chunk_rows=ctx.sizes(8192, 64))
         heads.append((f"{impl} ({head.chunk_rows} rows)", head))
+    # The output layer as the model stores it (model.vocab_multiple=64): 50,304 rows, the last 47 zero. The
+    # products take every row (aligned kernels: the unpadded layer's 50,257 ran in cutlass align1 kernels on an
+    # H200), the logits their first V columns: beside the rows above, the gain of the padding.
+    padded_rows = -(-v // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+    padded_weight = torch.cat([weight, weight.new_zeros(padded_rows - v, d)])
+    for label, inner in (
+        ("plain", HeadLoss("plain")),
+        ("chunked-fused", ChunkedPass(fused=True)),
+        ("chunked-eager", ChunkedPass(fused=False)),
+    ):
+        heads.append((f"{label} (padded to {padded_rows})", PaddedHead(inner, v)))
     for label, head in heads:
         reason = unavailable_reason(head.impl, device.type)
         if label.startswith("chunked-fused") and not ctx.with_compile:
@@ -469,14 +483,18 @@ def section_loss(ctx: Context) -> dict[str, Any]:
         if reason is not None:
             rows.append({"impl": label, "status": f"not run: {reason}"})
             continue
-        row = _loss_row(ctx, device, head, hidden, weight, targets, ref)
+        padded = isinstance(head, PaddedHead)
+        row = _loss_row(ctx, device, head, hidden, padded_weight if padded else weight, targets, ref)
         row["impl"] = label
+        inner = head.head if padded else head
         if head.impl == "chunked":
             # the chunk it took, and what the memory plan (planning.HeadPlan) counts for it, beside the peak
             fused = (
-                head.fused if isinstance(head, ChunkedPass) else fused_by_default(device.type, autocast_dtype)
+                inner.fused
+                if isinstance(inner, ChunkedPass)
+                else fused_by_default(device.type, autocast_dtype)
             )
-            chunk = head.chunk_rows or (fused_rows if fused else eager_rows)
+            chunk = inner.chunk_rows or (fused_rows if fused else eager_rows)
             plan = HeadPlan(
                 "chunked", chunk, device.type, half_products=autocast_dtype is not None, fused=fused
             )
@@ -519,10 +537,28 @@ class ChunkedPass:
     chunk_rows: int | None = None
     impl: str = "chunked"
 
-    def __call__(self, hidden: Any, weight: Any, targets: Any) -> Any:
+    def __call__(self, hidden: Any, weight: Any, targets: Any, vocab_size: int | None = None) -> Any:
         from gptlab.model.head_loss import chunked_loss_terms
 
-        return chunked_loss_terms(hidden, weight, targets, chunk_rows=self.chunk_rows, fused=self.fused).loss
+        return chunked_loss_terms(
+            hidden, weight, targets, chunk_rows=self.chunk_rows, fused=self.fused, vocab_size=vocab_size
+        ).loss
+
+
+@dataclass(frozen=True)
+class PaddedHead:
+    """``head`` given an output layer padded with zero rows (``model.vocab_multiple``), the vocabulary its first
+    ``vocab_size``: as the model calls it (``GPT.forward``)."""
+
+    head: Any
+    vocab_size: int
+
+    @property
+    def impl(self) -> str:
+        return str(self.head.impl)
+
+    def __call__(self, hidden: Any, weight: Any, targets: Any) -> Any:
+        return self.head(hidden, weight, targets, vocab_size=self.vocab_size)
 
 
 def _loss_row(ctx: Context, device: Any, head: Any, hidden: Any, weight: Any, targets: Any, ref: Any) -> dict:
@@ -543,12 +579,15 @@ def _loss_row(ctx: Context, device: Any, head: Any, hidden: Any, weight: Any, ta
     peak = _peak_gib(device, baseline)
     ref_loss, ref_h, ref_w = ref
     assert h.grad is not None and w.grad is not None
+    # a padded weight (PaddedHead): its first rows are the reference's, the padding's gradient must be 0
+    padding_grad = float(w.grad[ref_w.size(0) :].abs().max()) if w.size(0) > ref_w.size(0) else 0.0
     grad_error = max(
         float((h.grad.float() - ref_h).norm() / ref_h.norm()),
-        float((w.grad.float() - ref_w).norm() / ref_w.norm()),
+        float((w.grad[: ref_w.size(0)].float() - ref_w).norm() / ref_w.norm()),
     )
     loss_error = abs(out["loss"] - ref_loss)
-    equal = loss_error < 2e-2 and grad_error < 3e-2  # bf16 operands: about 1e-2 relative
+    # bf16 operands: about 1e-2 relative
+    equal = loss_error < 2e-2 and grad_error < 3e-2 and padding_grad == 0.0
     return {
         "impl": head.impl,
         "status": "equal" if equal else "DIFFERS",
@@ -557,6 +596,7 @@ def _loss_row(ctx: Context, device: Any, head: Any, hidden: Any, weight: Any, ta
         "loss": round(out["loss"], 5),
         "loss_error": f"{loss_error:.1e}",
         "grad_rel_error": f"{grad_error:.1e}",
+        **({"padding_grad_max": padding_grad} if w.size(0) > ref_w.size(0) else {}),
     }
 
 

@@ -303,7 +303,8 @@ def memory_per_device(config: GPTConfig, plan: TrainingPlan = TrainingPlan()) ->
     size = dict(
         SIXTEEN_BIT_MASTER if placement.sixteen_bit_master and precision in MIXED else BYTES[precision]
     )
-    n = parameter_counts(config)["total"]
+    counts = parameter_counts(config)
+    n = counts["total"] + counts["padding"]  # the padding rows are stored, with gradients and optimizer state
     T = plan.context or config.block_size
     shards = n_devices
 
@@ -701,7 +702,13 @@ def _model_lines(c: GPTConfig, counts: dict[str, int], flops: dict[str, float], 
         f"{'tied to' if c.tie_weights else 'separate from'} the token embedding"
         + ("" if c.attention.is_default else f"; attention: {c.attention.describe()}"),
         f"Parameters: total {counts['total']:,} ({human(counts['total'])}), embedding {counts['embedding']:,}, "
-        f"non-embedding {counts['non_embedding']:,}",
+        f"non-embedding {counts['non_embedding']:,}"
+        + (
+            f"; and {counts['padding']:,} of padding, zero and never trained (the vocabulary stored as "
+            f"{c.padded_vocab_size} rows: model.vocab_multiple={c.vocab_multiple})"
+            if counts.get("padding")
+            else ""
+        ),
         f"Training FLOPs per token at context {T}: {human(flops['training'])} (6N + 12 L h T: dense "
         f"{human(flops['dense'])}, attention {human(flops['attention'])})",
     ]

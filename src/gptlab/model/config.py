@@ -42,9 +42,17 @@ PARAMETRIZATIONS = ("standard", "mup")
 NORM_PLACEMENTS = ("pre", "post", "sandwich")
 
 
+#: The default of ``vocab_multiple``: the token table's rows padded to a multiple of 64 (GPT-2's 50,257 to
+#: 50,304 = 64 x 786, as nanoGPT does), so that the output layer's products run in aligned kernels on a GPU.
+VOCAB_MULTIPLE = 64
+
+
 @dataclass
 class GPTConfig:
     vocab_size: int = 50257
+    # The token table and the output layer are stored with vocab_size rounded up to a multiple of this
+    # (``padded_vocab_size``); the extra rows are zero and take part in nothing (model/gpt.py). 1: no padding.
+    vocab_multiple: int = VOCAB_MULTIPLE
     block_size: int = 256  # the training context, in tokens
     n_layer: int = 4
     n_head: int = 4
@@ -84,6 +92,12 @@ class GPTConfig:
         self.validate()
 
     @property
+    def padded_vocab_size(self) -> int:
+        """The rows the token table and the output layer are stored with: ``vocab_size`` rounded up to a
+        multiple of ``vocab_multiple``. Only the first ``vocab_size`` are ever read."""
+        return -(-self.vocab_size // self.vocab_multiple) * self.vocab_multiple
+
+    @property
     def head_dim(self) -> int:
         return self.n_embd // self.n_head
 
@@ -99,6 +113,13 @@ class GPTConfig:
                 raise ConfigError(
                     f"model.{name}={value!r} must be a positive integer (e.g. model.{name}={example})."
                 )
+        multiple = self.vocab_multiple
+        if isinstance(multiple, bool) or not isinstance(multiple, int) or multiple <= 0:
+            raise ConfigError(
+                f"model.vocab_multiple={multiple!r} must be a positive integer: the token table and output "
+                f"layer are stored with model.vocab_size rounded up to a multiple of it (e.g. "
+                f"model.vocab_multiple={VOCAB_MULTIPLE}; 1 for no padding)."
+            )
         if self.n_embd % self.n_head != 0:
             divisors = [h for h in range(1, min(self.n_embd, 64) + 1) if self.n_embd % h == 0]
             raise ConfigError(

@@ -11,6 +11,12 @@ V h, the positional scheme's own parameters, a final norm (pre-norm), V h again 
 2 (L - 1) learned value-residual lambdas. "Embedding" counts the token table and any learned position table
 (a tied head is counted there once).
 
+The padding (``model.vocab_multiple``): the token table and the output layer are stored with
+``padded_vocab_size`` rows, V rounded up to a multiple of 64 by default, so that a GPU's products over them run
+in aligned kernels. The extra rows are zero, never read and never trained: every count here is of the model's V
+rows (GPT-2 small stays 124,439,808), and ``padding`` gives the stored extra weights apart ((P - V) h, twice
+with an untied head).
+
 Training FLOPs per token (Chowdhery et al. 2022, "PaLM", appendix B; the count behind nanoGPT's MFU):
 
     6 N + 12 L h T,    N = the weights of every matrix product: the layers' matrices (an output gate's
@@ -22,6 +28,13 @@ a causal kernel skips about half of that term). A local layer (``attention.windo
 keys instead of T: the keys its queries can reach. Differential attention (``attention.differential``) has
 two score products at half width (together one at full width) and two weighted sums over V: 3 products of
 T x head_dim, 18 L h T. Kaplan et al. 2020 keep only 6 N (non-embedding).
+
+The head's term is V h, not the padded P h: these are the model's FLOPs (what MFU divides, as PaLM defines it:
+the work the model needs, whatever the implementation spends beyond it, like recomputation), not the
+products a kernel ran. The plain and chunked paths multiply by all P rows on a GPU, while torch's, Liger's and
+Cut Cross-Entropy's kernels take the first V rows only; counting V keeps one figure for every ``loss.impl``, so
+that a faster implementation shows as a higher MFU and never as more FLOPs. The difference is (P - V) / V of
+the head's share: 0.09% of it at GPT-2's vocabulary.
 """
 
 from __future__ import annotations
@@ -47,7 +60,8 @@ def positional_parameters(config: GPTConfig) -> int:
 
 
 def parameter_counts(config: GPTConfig) -> dict[str, int]:
-    """total, embedding, non_embedding, and per_layer parameters, from the config alone."""
+    """total, embedding, non_embedding, and per_layer parameters, from the config alone; ``padding``: the
+    zero rows stored beyond the vocabulary (``model.vocab_multiple``), in none of the others."""
     h, V, bias = config.n_embd, config.vocab_size, int(config.bias)
     qkv_width = (config.n_head + 2 * config.kv_heads) * config.head_dim
     attention = h * qkv_width + qkv_width * bias + h * h + h * bias
@@ -66,11 +80,13 @@ def parameter_counts(config: GPTConfig) -> dict[str, int]:
     # The value residual's learned lambdas: every layer's but the first's, outside per_layer.
     lambdas = ValueResidual.parameter_count(config.attention.value_residual, config.n_layer)
     total = embedding + config.n_layer * per_layer + lambdas + final_norm + head
+    padding = (config.padded_vocab_size - V) * h * (1 if config.tie_weights else 2)
     return {
         "total": total,
         "embedding": embedding,
         "non_embedding": total - embedding,
         "per_layer": per_layer,
+        "padding": padding,
     }
 
 
@@ -84,8 +100,9 @@ def gate_width(config: GPTConfig) -> int:
 
 
 def matmul_parameters(config: GPTConfig) -> int:
-    """The weights that enter a matrix product per token: every layer's matrices and the output head (the
-    input embedding is a lookup; biases and norm gains cost no multiply-adds worth counting)."""
+    """The weights that enter a matrix product per token: every layer's matrices and the output head, its V
+    rows (the input embedding is a lookup; biases and norm gains cost no multiply-adds worth counting; the
+    padding rows are no work of the model's: module docstring)."""
     h = config.n_embd
     qkv_width = (config.n_head + 2 * config.kv_heads) * config.head_dim
     f = mlp_hidden_width(config)

@@ -8,6 +8,7 @@ token embedding matrix. GPT-2's parameter names (``wte``, ``h``, ``ln_f``, ``lm_
 
 from __future__ import annotations
 
+import logging
 import math
 
 import torch
@@ -19,6 +20,8 @@ from gptlab.model.attention import FROM_SCHEME, AttentionBias, CausalSelfAttenti
 from gptlab.model.config import GPTConfig, hidden_init_std, output_multiplier
 from gptlab.model.head_loss import HeadLoss, soft_cap
 
+log = logging.getLogger(__name__)
+
 __all__ = [
     "GPT",
     "MLP",
@@ -26,6 +29,7 @@ __all__ = [
     "CausalSelfAttention",
     "KVCache",
     "document_positions",
+    "fit_vocab_rows",
     "mlp_hidden_width",
     "prefill_chunk",
 ]
@@ -138,6 +142,11 @@ class GPT(nn.Module):
             )
         )
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        # Both made with vocab_size rows (their constructors draw from the RNG as an unpadded model's do, so
+        # every later draw is the same), then given padded_vocab_size rows: the first vocab_size the tokens',
+        # the rest zero and never read (model.vocab_multiple).
+        pad_vocab_rows_(self.transformer.wte, config.padded_vocab_size)
+        pad_vocab_rows_(self.lm_head, config.padded_vocab_size)
         if config.tie_weights:
             self.lm_head.weight = self.transformer.wte.weight  # the output layer reuses the embedding matrix
         self.output_mult = output_multiplier(config)
@@ -145,13 +154,28 @@ class GPT(nn.Module):
         # produces logits; None: no cap.
         self.final_softcap: float | None = None
         self.reset_parameters()
+        # A checkpoint saved with another number of rows (before the padding, or under another
+        # model.vocab_multiple) is padded or cut to this model's rows as it loads.
+        self.register_load_state_dict_pre_hook(_fit_vocab_rows_on_load)
+
+    @property
+    def vocab_rows(self) -> tuple[str, ...]:
+        """The names of the parameters whose rows are the vocabulary's, padded to ``padded_vocab_size``."""
+        return ("transformer.wte.weight", "lm_head.weight")
 
     def reset_parameters(self) -> None:
         # Embeddings (and a tied head) at init_std; the blocks' matrices at init_std, or init_std / sqrt(m)
         # under muP (model/config.py).
         std = self.config.init_std
         hidden_std = hidden_init_std(self.config)
+        V = self.config.vocab_size
         for name, p in self.named_parameters():
+            if name in self.vocab_rows:
+                # The tokens' rows draw exactly what an unpadded table draws (the same RNG calls, the same
+                # order); the padding rows are zero, and stay zero: they get no gradient.
+                nn.init.normal_(p[:V], mean=0.0, std=std)
+                nn.init.zeros_(p[V:])
+                continue
             if p.dim() < 2:
                 if name.endswith("bias"):
                     nn.init.zeros_(p)
@@ -168,16 +192,28 @@ class GPT(nn.Module):
     # ---- counting -------------------------------------------------------------------------------
     def parameter_counts(self) -> dict[str, int]:
         """total, embedding (token table and any learned position table) and non-embedding parameters;
-        a tied head is counted once, with the embedding."""
+        a tied head is counted once, with the embedding. The token table and an untied head count their
+        ``vocab_size`` rows: the padding rows (``model.vocab_multiple``) are stored, never trained, and
+        ``padding`` counts them apart."""
         seen: set[int] = set()
         total = 0
-        for p in self.parameters():
+        padding = 0
+        rows = self.config.padded_vocab_size - self.config.vocab_size
+        for name, p in self.named_parameters():
             if id(p) not in seen:
                 seen.add(id(p))
                 total += p.numel()
-        embedding = self.transformer.wte.weight.numel()
+                if name in self.vocab_rows:
+                    padding += rows * p.size(1)
+        total -= padding
+        embedding = self.config.vocab_size * self.transformer.wte.weight.size(1)
         embedding += sum(p.numel() for p in self.transformer.pos.parameters())
-        return {"total": total, "embedding": embedding, "non_embedding": total - embedding}
+        return {
+            "total": total,
+            "embedding": embedding,
+            "non_embedding": total - embedding,
+            "padding": padding,
+        }
 
     # ---- forward --------------------------------------------------------------------------------
     def forward(
@@ -258,10 +294,14 @@ class GPT(nn.Module):
                     f"the loss caps logits at {head_loss.final_softcap} but the model at {self.final_softcap}: "
                     "set GPT.final_softcap to the loss's final_softcap"
                 )
-            return None, head_loss(x, self.lm_head.weight, targets, self.lm_head.bias)
+            return None, head_loss(
+                x, self.lm_head.weight, targets, self.lm_head.bias, vocab_size=self.config.vocab_size
+            )
         if last_only:
             x = x[:, -1:]
-        logits = soft_cap(self.lm_head(x), self.final_softcap)  # (B, T, vocab_size)
+        # The product with every stored row (aligned), then the vocabulary's columns alone: the padding rows'
+        # logits take part in nothing (no softmax, no sampling) and their gradient is zero.
+        logits = soft_cap(self.lm_head(x)[..., : self.config.vocab_size], self.final_softcap)  # (B, T, V)
         loss = None
         if targets is not None:
             loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-1)
@@ -353,6 +393,73 @@ class GPT(nn.Module):
                 break
         self.train(was_training)
         return out
+
+
+def pad_vocab_rows_(layer: nn.Embedding | nn.Linear, rows: int) -> None:
+    """Give ``layer``'s weight ``rows`` rows in place, its own first and zeros after."""
+    weight = layer.weight
+    if weight.size(0) == rows:
+        return
+    with torch.no_grad():
+        padded = torch.cat([weight, weight.new_zeros(rows - weight.size(0), weight.size(1))])
+    layer.weight = nn.Parameter(padded, requires_grad=weight.requires_grad)
+    if isinstance(layer, nn.Embedding):
+        layer.num_embeddings = rows
+    else:
+        layer.out_features = rows
+
+
+def _fit_vocab_rows_on_load(
+    module: nn.Module,
+    state_dict: dict[str, Tensor],
+    prefix: str,
+    local_metadata: dict,
+    strict: bool,
+    missing_keys: list[str],
+    unexpected_keys: list[str],
+    error_msgs: list[str],
+) -> None:
+    """A state dict whose token table (and head) has another number of rows than this model stores, padded
+    with zero rows or cut to them in place (``fit_vocab_rows``): a checkpoint saved before the padding, or
+    under another ``model.vocab_multiple``, loads as it was trained."""
+    assert isinstance(module, GPT)
+    for name in module.vocab_rows:
+        key = prefix + name
+        if key in state_dict:
+            state_dict[key] = fit_vocab_rows(state_dict[key], module.config, key)
+
+
+_TOLD: set[tuple[int, int]] = set()
+
+
+def fit_vocab_rows(tensor: Tensor, config: GPTConfig, name: str = "the token table") -> Tensor:
+    """``tensor`` (rows, ...) with ``config.padded_vocab_size`` rows: zero rows appended, or the rows past
+    the vocabulary cut (they are padding: zero, never read). A tensor with fewer rows than the vocabulary, or
+    anything but zeros in the rows cut, is returned as it is (loading then reports the size mismatch)."""
+    if tensor.dim() == 0:
+        return tensor
+    rows, V, padded = tensor.size(0), config.vocab_size, config.padded_vocab_size
+    if rows == padded or rows < V:
+        return tensor
+    if rows > padded:
+        extra = tensor[padded:]
+        if tensor.device.type != "meta" and bool(extra.count_nonzero()):
+            return tensor  # trained rows beyond this vocabulary: not padding, left to the size check
+        fitted = tensor[:padded]
+    else:
+        fitted = torch.cat([tensor, tensor.new_zeros((padded - rows, *tensor.shape[1:]))])
+    if (rows, padded) not in _TOLD:
+        _TOLD.add((rows, padded))
+        log.info(
+            "%s: %d rows saved for a vocabulary of %d; stored with %d (model.vocab_multiple=%d), the extra "
+            "rows zero and never read.",
+            name,
+            rows,
+            V,
+            padded,
+            config.vocab_multiple,
+        )
+    return fitted
 
 
 def document_positions(doc_ids: Tensor) -> Tensor:

@@ -239,9 +239,13 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         softcap: float | None = None,
         matmul_dtype: torch.dtype | None = None,
         fused: bool = False,
+        vocab_size: int | None = None,
     ) -> tuple[Tensor, Tensor, Tensor]:
         N = hidden.size(0)
         half = matmul_dtype is not None and matmul_dtype != torch.float32
+        # The vocabulary: the first V rows of the weight (the rest, when it is padded to an aligned number of
+        # rows, are zero and take part in no softmax; their gradient is 0).
+        V = weight.size(0) if vocab_size is None else vocab_size
         valid = targets != ignore_index  # (N,)
         count = valid.sum()
         safe_targets = torch.where(valid, targets, 0)
@@ -250,8 +254,15 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         grad_hidden = torch.empty_like(hidden, dtype=torch.float32) if with_grad else None
         grad_weight = torch.zeros_like(weight, dtype=torch.float32) if with_grad else None
         grad_bias = torch.zeros_like(bias, dtype=torch.float32) if with_grad and bias is not None else None
-        w = weight.to(matmul_dtype) if half else weight.float()
-        b = bias.float() if bias is not None else None
+        # The products in bf16 / fp16 (a GPU's) take every stored row: a padded weight's row count is a multiple
+        # of 64, the aligned kernels' case, and the padding's columns of the logits are cut before any
+        # elementwise work. The fp32 products (a CPU's, where alignment changes nothing) take the first V rows
+        # alone, exactly the unpadded layer's work.
+        w = weight.to(matmul_dtype) if half else weight.float()[:V]
+        b = bias.float()[:V] if bias is not None else None
+        # the stored rows the products touch, and their share of the weight's gradient (the rest stays 0)
+        w_rows = w.size(0)
+        grad_w_rows = grad_weight[:w_rows] if grad_weight is not None else None
         # 1 / count: the mean's scale, folded into each chunk's gradient
         inv_count = 1.0 / count.clamp_min(1).float()
         # One (chunk_rows, V) buffer serves every chunk: logits, then log-probabilities, then the gradient,
@@ -261,34 +272,43 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
         # The fused pass keeps the logits in the product's dtype and writes their gradient over them; the
         # eager one works in fp32.
         buffer_dtype = chunk_logits_dtype(w.dtype, fused)
-        buffer = torch.empty(rows_max, weight.size(0), dtype=buffer_dtype, device=hidden.device)
+        # The fused pass writes the products into a buffer as wide as the stored rows and works on its first V
+        # columns (a strided view its compiled kernel reads as such); the eager one keeps a contiguous (n, V)
+        # buffer (torch's log_softmax over a strided view copies it).
+        buffer_width = w_rows if fused else V
+        buffer = torch.empty(rows_max, buffer_width, dtype=buffer_dtype, device=hidden.device)
         capped = torch.empty_like(buffer) if softcap is not None and with_grad and not fused else None
         for start in range(0, N, chunk_rows):
             rows = slice(start, min(start + chunk_rows, N))
             h = hidden[rows].to(w.dtype)  # (n, C)
-            z = buffer[: h.size(0)]  # (n, V)
+            z = buffer[: h.size(0)]  # (n, V), or (n, w_rows) in the fused pass
             if fused:
-                torch.mm(h, w.t(), out=z)
+                full = z
+                torch.mm(h, w.t(), out=full)
+                z = full[:, :V]
                 ce_part, lse_part, bias_part = _fused_chunk(
                     z, safe_targets[rows], valid[rows], b, z_loss, softcap, with_grad
                 )
                 loss_sum += ce_part
                 lse_square_sum += lse_part
                 if with_grad:
-                    assert grad_hidden is not None and grad_weight is not None
-                    # z is now the gradient of the chunk's summed objective, ignored rows 0; the mean's
-                    # 1 / count is applied in fp32 to the products
+                    assert grad_hidden is not None and grad_w_rows is not None
+                    # z is now the gradient of the chunk's summed objective, ignored rows 0; the padding's
+                    # columns get none. The mean's 1 / count is applied in fp32 to the products.
+                    full[:, V:].zero_()
                     if half:
-                        grad_hidden[rows] = torch.mm(z, w).float().mul_(inv_count)  # (n, C)
-                        grad_weight.addcmul_(torch.mm(z.t(), h), inv_count)  # (V, C), summed in fp32
+                        grad_hidden[rows] = torch.mm(full, w).float().mul_(inv_count)  # (n, C)
+                        grad_w_rows.addcmul_(torch.mm(full.t(), h), inv_count)  # (rows, C), summed in fp32
                     else:
-                        torch.mm(z, w, out=grad_hidden[rows]).mul_(inv_count)
-                        grad_weight.addmm_(z.t(), h * inv_count)
+                        torch.mm(full, w, out=grad_hidden[rows]).mul_(inv_count)
+                        grad_w_rows.addmm_(full.t(), h * inv_count)
                     if grad_bias is not None and bias_part is not None:
-                        grad_bias.add_(bias_part.mul_(inv_count))
+                        grad_bias[:V].add_(bias_part.mul_(inv_count))
                 continue
             if half:
-                z.copy_(torch.mm(h, w.t()))  # the product in bf16 / fp16 (accumulated in fp32), kept in fp32
+                # the product in bf16 / fp16 (accumulated in fp32) with every stored row, its first V columns
+                # kept in fp32
+                z.copy_(torch.mm(h, w.t())[:, :V])
                 if b is not None:
                     z.add_(b)
             elif b is None:
@@ -315,7 +335,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
                 lse = (top - z.gather(1, top_at)).squeeze(1)  # (n,)
                 lse_square_sum += (lse.square() * counted).sum()
             if with_grad:
-                assert grad_hidden is not None and grad_weight is not None
+                assert grad_hidden is not None and grad_w_rows is not None
                 # d(loss)/d(s) = (softmax * (1 + 2 z_loss log Z) - onehot(target)) * scale; the scale is
                 # applied to the (n, C) factors rather than to the (n, V) gradient.
                 z.exp_()
@@ -326,16 +346,19 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
                     # d(cap tanh(x / cap))/dx = 1 - tanh^2
                     z.mul_(capped[: h.size(0)].square_().neg_().add_(1.0))
                 if half:
-                    # The ignored rows zeroed (exact in any dtype), the mean's 1 / count applied in fp32
+                    # The ignored rows zeroed (exact in any dtype), the mean's 1 / count applied in fp32; the
+                    # padding's columns 0, so that the products take every stored row (aligned)
                     g = z.mul_(counted[:, None]).to(w.dtype)  # (n, V)
+                    if w_rows > V:
+                        g = F.pad(g, (0, w_rows - V))  # (n, w_rows)
                     grad_hidden[rows] = torch.mm(g, w).float().mul_(inv_count)  # (n, C)
-                    grad_weight.add_(torch.mm(g.t(), h).float().mul_(inv_count))  # (V, C)
+                    grad_w_rows.add_(torch.mm(g.t(), h).float().mul_(inv_count))  # (w_rows, C)
                     del g
                 else:
                     torch.mm(z, w, out=grad_hidden[rows]).mul_(scale[:, None])  # (n, C)
-                    grad_weight.addmm_(z.t(), h * scale[:, None])  # (V, C)
+                    grad_w_rows.addmm_(z.t(), h * scale[:, None])  # (V, C)
                 if grad_bias is not None:
-                    grad_bias.addmv_(z.t(), scale)
+                    grad_bias[:V].addmv_(z.t(), scale)
         ctx.save_for_backward(grad_hidden, grad_weight, grad_bias)
         ctx.dtypes = (hidden.dtype, weight.dtype, bias.dtype if bias is not None else None)
         # 0 / 0 = nan when every target is ignored, as F.cross_entropy gives
@@ -362,7 +385,7 @@ class ChunkedLinearCrossEntropy(torch.autograd.Function):
             grad_weight.mul_(grad_loss).to(w_dtype) if need_w else None,
             grad_bias.mul_(grad_loss).to(b_dtype) if grad_bias is not None and need_b else None,
         ]
-        return (*grads, None, None, None, None, None, None, None, None)
+        return (*grads, None, None, None, None, None, None, None, None, None)
 
 
 @dataclass(frozen=True)
@@ -396,6 +419,7 @@ def chunked_loss_terms(
     softcap: float | None = None,
     matmul_dtype: torch.dtype | None = None,
     fused: bool | None = None,
+    vocab_size: int | None = None,
 ) -> LossTerms:
     """``ChunkedLinearCrossEntropy`` on ``hidden`` (..., C) and ``targets`` (...), leading dimensions
     flattened, ``chunk_rows`` rows at a time (default: ``default_chunk_rows`` for the device and the chunk's
@@ -403,7 +427,9 @@ def chunked_loss_terms(
     in ``matmul_dtype``; by default in the autocast dtype on CUDA, as every other product of a bf16-mixed run
     does there, and in fp32 elsewhere (on a CPU, fp32 products are the faster ones). ``fused``: each chunk's
     elementwise work as one compiled kernel (True) or as torch's eager operations (False); None takes
-    ``fused_by_default``, the fused pass on CUDA with bf16 / fp16 products where triton is installed."""
+    ``fused_by_default``, the fused pass on CUDA with bf16 / fp16 products where triton is installed.
+    ``vocab_size``: the vocabulary, the first rows of a ``weight`` padded with zero rows to an aligned count
+    (``model.vocab_multiple``); None: every row is a token's."""
     hidden = hidden.reshape(-1, hidden.size(-1))
     targets = targets.reshape(-1)
     if matmul_dtype is None and hidden.device.type == "cuda":
@@ -416,9 +442,11 @@ def chunked_loss_terms(
     )
 
     def arguments(fused: bool) -> tuple[Any, ...]:
-        # the default chunk holds the same bytes of logits in either pass: twice the rows in bf16 / fp16
+        # the default chunk holds the same bytes of logits in either pass: twice the rows in bf16 / fp16 (the
+        # fused pass's buffer is as wide as the stored rows, the eager one's as the vocabulary)
+        width = weight.size(0) if fused else (vocab_size or weight.size(0))
         rows = chunk_rows or default_chunk_rows(
-            weight.size(0), hidden.device.type, chunk_logits_dtype(matmul_dtype, fused)
+            width, hidden.device.type, chunk_logits_dtype(matmul_dtype, fused)
         )
         return (hidden, weight, bias, targets, ignore_index, rows, with_grad, z_loss, softcap, matmul_dtype)
 
@@ -426,7 +454,7 @@ def chunked_loss_terms(
         # The first fused call compiles. Where that fails (a machine whose triton cannot build its launcher:
         # no C compiler, no CUDA headers), the eager pass computes the same numbers: take it, say so once.
         try:
-            terms = ChunkedLinearCrossEntropy.apply(*arguments(True), True)
+            terms = ChunkedLinearCrossEntropy.apply(*arguments(True), True, vocab_size)
         except torch.OutOfMemoryError:
             raise
         except Exception as e:
@@ -437,11 +465,11 @@ def chunked_loss_terms(
                 type(e).__name__,
                 str(e).splitlines()[0] if str(e) else "",
             )
-            terms = ChunkedLinearCrossEntropy.apply(*arguments(False), False)
+            terms = ChunkedLinearCrossEntropy.apply(*arguments(False), False, vocab_size)
         else:
             _FUSED_COMPILE.succeeded = True
     else:
-        terms = ChunkedLinearCrossEntropy.apply(*arguments(fused), fused)
+        terms = ChunkedLinearCrossEntropy.apply(*arguments(fused), fused, vocab_size)
     loss, cross_entropy, lse_square = terms
     return LossTerms(loss, cross_entropy, lse_square if z_loss else None)
 
@@ -480,11 +508,13 @@ def torch_linear_cross_entropy(
     bias: Tensor | None = None,
     ignore_index: int = -1,
     chunk_rows: int | None = None,
+    vocab_size: int | None = None,
 ) -> Tensor:
     """torch's own chunked output layer + cross-entropy (``F.linear_cross_entropy``, torch >= 2.13), with the
     chunk set explicitly (``chunk_rows``, default ``default_chunk_rows``): its default options pick a few rows
     per chunk on CPU fp32 and run many times slower. hidden (..., C), targets (...): leading dimensions are
-    flattened."""
+    flattened. ``vocab_size``: the first rows of a padded ``weight`` (torch's function takes those alone)."""
+    weight, bias = vocabulary_rows(weight, bias, vocab_size)
     rows = int(chunk_rows or default_chunk_rows(weight.size(0), hidden.device.type))
     options = torch.nn.LinearCrossEntropyOptions(batch_chunk_size=rows)
     return F.linear_cross_entropy(
@@ -505,9 +535,13 @@ def plain_loss_terms(
     ignore_index: int = -1,
     z_loss: float = 0.0,
     softcap: float | None = None,
+    vocab_size: int | None = None,
 ) -> LossTerms:
-    """The whole logits, softcapped when ``softcap`` is set, then ``F.cross_entropy`` and the z-loss."""
-    logits = soft_cap(F.linear(hidden, weight, bias).flatten(0, -2).float(), softcap)  # (N, V)
+    """The whole logits, softcapped when ``softcap`` is set, then ``F.cross_entropy`` and the z-loss. With
+    ``vocab_size``, the product takes every row of a padded ``weight`` and its first ``vocab_size`` columns
+    alone are the logits."""
+    logits = F.linear(hidden, weight, bias)[..., :vocab_size]
+    logits = soft_cap(logits.flatten(0, -2).float(), softcap)  # (N, V)
     targets = targets.reshape(-1)
     cross_entropy = F.cross_entropy(logits, targets, ignore_index=ignore_index)
     if not z_loss:
@@ -527,6 +561,16 @@ def plain_linear_cross_entropy(
     softcap: float | None = None,
 ) -> Tensor:
     return plain_loss_terms(hidden, weight, targets, bias, ignore_index, z_loss, softcap).loss
+
+
+def vocabulary_rows(
+    weight: Tensor, bias: Tensor | None, vocab_size: int | None
+) -> tuple[Tensor, Tensor | None]:
+    """The first ``vocab_size`` rows of a padded output layer (contiguous views: no copy), for the kernels
+    that take the weight whole (torch's, Liger-Kernel's, Cut Cross-Entropy's): they never see the padding."""
+    if vocab_size is None or vocab_size == weight.size(0):
+        return weight, bias
+    return weight[:vocab_size], (bias[:vocab_size] if bias is not None else None)
 
 
 def _kernel_dtype(hidden: Tensor) -> torch.dtype:
@@ -867,12 +911,21 @@ class HeadLoss:
             raise RuntimeError(message)
         return self.impl
 
-    def terms(self, hidden: Tensor, weight: Tensor, targets: Tensor, bias: Tensor | None = None) -> LossTerms:
-        """The objective, cross-entropy and z-loss of ``hidden @ weight^T (+ bias)`` against ``targets``."""
+    def terms(
+        self,
+        hidden: Tensor,
+        weight: Tensor,
+        targets: Tensor,
+        bias: Tensor | None = None,
+        vocab_size: int | None = None,
+    ) -> LossTerms:
+        """The objective, cross-entropy and z-loss of ``hidden @ weight^T (+ bias)`` against ``targets``.
+        ``vocab_size``: the vocabulary, the first rows of a ``weight`` padded to an aligned number of rows
+        (``model.vocab_multiple``; the rest are never part of a softmax); None: all of its rows."""
         impl = self.resolve(hidden.device, dtype=_kernel_dtype(hidden))
         if impl == "plain":
             return plain_loss_terms(
-                hidden, weight, targets, bias, self.ignore_index, self.z_loss, self.final_softcap
+                hidden, weight, targets, bias, self.ignore_index, self.z_loss, self.final_softcap, vocab_size
             )
         if impl == "chunked":
             return chunked_loss_terms(
@@ -884,7 +937,9 @@ class HeadLoss:
                 self.chunk_rows,
                 self.z_loss,
                 self.final_softcap,
+                vocab_size=vocab_size,
             )
+        weight, bias = vocabulary_rows(weight, bias, vocab_size)
         if impl == "torch":
             loss = torch_linear_cross_entropy(
                 hidden, weight, targets, bias, self.ignore_index, self.chunk_rows
@@ -893,9 +948,16 @@ class HeadLoss:
             loss = (_liger if impl == "liger" else _cce)(hidden, weight, targets, bias, self.ignore_index)
         return LossTerms(loss, loss.detach())
 
-    def __call__(self, hidden: Tensor, weight: Tensor, targets: Tensor, bias: Tensor | None = None) -> Tensor:
+    def __call__(
+        self,
+        hidden: Tensor,
+        weight: Tensor,
+        targets: Tensor,
+        bias: Tensor | None = None,
+        vocab_size: int | None = None,
+    ) -> Tensor:
         """The objective (what is differentiated): the mean cross-entropy, plus the z-loss when it is on."""
-        return self.terms(hidden, weight, targets, bias).loss
+        return self.terms(hidden, weight, targets, bias, vocab_size).loss
 
 
 class CallLog:
@@ -932,7 +994,14 @@ class RecordingHeadLoss(HeadLoss):
     def of(cls, head_loss: HeadLoss) -> RecordingHeadLoss:
         return cls(**head_loss.options(), ignore_index=head_loss.ignore_index)
 
-    def __call__(self, hidden: Tensor, weight: Tensor, targets: Tensor, bias: Tensor | None = None) -> Tensor:
-        terms = self.terms(hidden, weight, targets, bias)
+    def __call__(
+        self,
+        hidden: Tensor,
+        weight: Tensor,
+        targets: Tensor,
+        bias: Tensor | None = None,
+        vocab_size: int | None = None,
+    ) -> Tensor:
+        terms = self.terms(hidden, weight, targets, bias, vocab_size)
         self.calls.append(terms)
         return terms.loss

@@ -47,7 +47,7 @@ from gptlab.errors import ConfigError
 from gptlab.model import positional
 from gptlab.model.attention_variants import AttentionOptions
 from gptlab.model.config import GPTConfig
-from gptlab.model.gpt import GPT, mlp_hidden_width
+from gptlab.model.gpt import GPT, fit_vocab_rows, mlp_hidden_width
 
 GPT2_ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu", "relu": "relu"}
 LLAMA_ACTIVATIONS = {"silu": "swiglu", "gelu": "geglu", "relu": "reglu"}
@@ -356,6 +356,10 @@ def load_pretrained(model: GPT, directory: str | Path) -> GPT:
         )
     state = read_hf_state_dict(directory)
     mapped = FORMATS[hf["model_type"]].to_gptlab(state, model.config)
+    # The checkpoint's vocab_size rows, given the zero rows the model stores beyond them (model.vocab_multiple)
+    for key in model.vocab_rows:
+        if key in mapped:
+            mapped[key] = fit_vocab_rows(mapped[key], model.config, f"init_from={directory}: {key}")
     ours = model.state_dict()
     for key, value in mapped.items():
         if key in ours and ours[key].shape != value.shape:

@@ -84,6 +84,8 @@ def _activation_scales(model: GPT, x: torch.Tensor) -> dict[str, float]:
         def hook(_m: nn.Module, _inp: Any, output: Any, name: str = name) -> None:
             if isinstance(output, tuple):  # a block or its attention: (output, the values it hands on)
                 output = output[0]
+            if name == "logits":  # the vocabulary's columns: the padding rows' (model.vocab_multiple) are 0
+                output = output[..., : model.config.vocab_size]
             out[name] = float(output.detach().abs().mean())
 
         handles.append(module.register_forward_hook(hook))

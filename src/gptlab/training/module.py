@@ -273,7 +273,32 @@ class GPTLitModule(L.LightningModule):
 
     def on_train_start(self) -> None:
         if self.trainer.ckpt_path:
+            self.fit_optimizer_vocab_rows()
             self.apply_configured_optimizer()
+
+    def fit_optimizer_vocab_rows(self) -> None:
+        """After a resume: the optimizer's state of the token table (and an untied head) given the rows the
+        model stores them with. A checkpoint saved before the padding (``model.vocab_multiple``) holds
+        moments of ``vocab_size`` rows; the weights were padded as they loaded (``GPT``), and the padding
+        rows' moments are zero, as they would have been had they been there all along (no gradient)."""
+        from gptlab.model.gpt import fit_vocab_rows
+
+        vocab_rows = set(self.model.vocab_rows)
+        for optimizer in self.trainer.optimizers:
+            for name, p in self.model.named_parameters():
+                if name not in vocab_rows or p not in optimizer.state:
+                    continue
+                state = optimizer.state[p]
+                for key, value in list(state.items()):
+                    if (
+                        isinstance(value, Tensor)
+                        and value.dim() == p.dim()
+                        and value.shape[1:] == p.shape[1:]
+                        and value.size(0) != p.size(0)
+                    ):
+                        state[key] = fit_vocab_rows(
+                            value, self.model.config, f"optimizer state {key} of {name}"
+                        )
 
     def apply_configured_optimizer(self) -> None:
         """After a resume: the optimizer's options and peak rates as this command configured them, in place of
