@@ -205,7 +205,8 @@ def test_a_cuda_loss_kernel_on_a_cpu_machine_through_the_cli(tmp_path, impl):
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert (
         f"gptlab: error: loss.impl={impl} cannot run on cpu: it is a CUDA kernel (it needs a CUDA GPU and its "
-        "package). Use loss.impl=auto (here: chunked) or loss.impl=chunked" in proc.stderr
+        "package). Use loss.impl=auto (here: chunked), which gives the plain head's loss and gradients without "
+        "holding the logits." in proc.stderr
     )
     assert "Traceback" not in proc.stderr
     # refused before the data, the loggers or the trainer: no W&B run, no token cache, no run files
