@@ -82,9 +82,18 @@ class TiledHead:
     def __init__(self, order_seed: int, final_softcap: float | None) -> None:
         self.order_seed, self.final_softcap = order_seed, final_softcap
 
-    def __call__(self, hidden: Tensor, weight: Tensor, targets: Tensor, bias: Tensor | None) -> Tensor:
+    def __call__(
+        self,
+        hidden: Tensor,
+        weight: Tensor,
+        targets: Tensor,
+        bias: Tensor | None,
+        vocab_size: int | None = None,
+    ) -> Tensor:
         assert bias is None
         flat = hidden.reshape(-1, hidden.size(-1))
+        # the vocabulary's rows, as the kernel is given them (the model stores the layer padded: vocab_multiple)
+        weight = weight if vocab_size is None else weight[:vocab_size]
         return TiledBf16Accumulation.apply(flat, weight, targets.reshape(-1), self.order_seed)
 
 

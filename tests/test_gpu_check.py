@@ -45,11 +45,21 @@ def test_the_loss_section_holds_every_impl_to_the_fp32_reference(smoke):
         "chunked-fused (64 rows)",
         "chunked (64 rows)",
         "torch (64 rows)",
+        "plain (padded to 1024)",
+        "chunked-fused (padded to 1024)",
+        "chunked-eager (padded to 1024)",
     ]
     # the fused pass compiles its kernel: not in this run without compiles (the next test runs it)
     for impl in ("chunked-fused", "chunked-fused (64 rows)"):
         assert rows[impl]["status"] == "not run: --no-compile (it compiles its kernel)"
     assert smoke["loss"]["chunked_takes"] == "eager"  # on a CPU loss.impl=chunked takes the eager pass
+    # the output layer as the model stores it (toy vocabulary 1,000 padded to 1,024): the same numbers, and the
+    # padding's rows get no gradient
+    for impl in ("plain (padded to 1024)", "chunked-eager (padded to 1024)"):
+        assert rows[impl]["status"] == "equal" and rows[impl]["padding_grad_max"] == 0.0, rows[impl]
+    assert (
+        rows["chunked-fused (padded to 1024)"]["status"] == "not run: --no-compile (it compiles its kernel)"
+    )
     for impl in ("plain", "chunked-eager", "torch", "chunked (64 rows)", "torch (64 rows)"):
         if impl.startswith("torch") and not torch_features.has("linear_cross_entropy"):  # torch < 2.13
             assert rows[impl]["status"].startswith("not run: needs torch's chunked output layer")
