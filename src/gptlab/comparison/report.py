@@ -133,13 +133,15 @@ def _relative_dir(override: str) -> str:
     return override
 
 
-def _provenance(runs: list[RunRecord], sweep_dir: Path | None, command: str | None) -> str:
+def _provenance(runs: list[RunRecord], sweep_dir: Path | None, command: str | None, commit: str) -> str:
+    """Which command trained the runs and at which commits, and which compared them at ``commit`` (read
+    before the comparison writes anything: writing into a tracked folder would make it read dirty)."""
     lines = []
     trained = sorted({r.commit for r in runs if r.commit})
     if sweep_dir is not None and (made := sweep_command(sweep_dir)):
         lines.append(f"- Trained with `{made}`" + (f" at commit {', '.join(trained)}" if trained else ""))
     if command:
-        lines.append(f"- Compared with `{command}` at commit {git_commit()}")
+        lines.append(f"- Compared with `{command}` at commit {commit}")
     return "\n".join(lines)
 
 
@@ -211,6 +213,7 @@ def write_comparison(
     length evaluations, ``loss_vs_context.png`` into ``out``. Unfinished runs are listed, not ranked,
     unless ``include_unfinished``."""
     skipped = skipped or []
+    compared_at = git_commit() if command else ""  # before this writes into ``out`` (maybe a tracked folder)
     keys = condition_keys(runs, sweep_dir, ignore)
     metric = ranking_metric([r for r in runs if r.finished or include_unfinished])
     rows = summarize(runs, keys, baseline, alpha, include_unfinished, metric)
@@ -225,7 +228,7 @@ def write_comparison(
     parts.append(f"![validation loss]({plot_path.name})")
     figure = _long_context_figure(rows, out, parts)
     length_table, length_plot = _length_section(ranked, keys, out, parts, metric)
-    if provenance := _provenance(runs, sweep_dir, command):
+    if provenance := _provenance(runs, sweep_dir, command, compared_at):
         parts.append(provenance)
     notes = [(r.path, note) for r in runs for note in r.notes]
     parts.append("".join(f"- read {p}: {m}\n" for p, m in notes).rstrip())
