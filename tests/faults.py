@@ -63,6 +63,10 @@ from gptlab.runs.layout import LAST_CHECKPOINT  # noqa: E402
 from gptlab.runs.resume import register_resolvers  # noqa: E402
 
 register_resolvers()
+# The tests send SIGINT as a terminal's Ctrl-C reaches a foreground command, which Python turns into a
+# KeyboardInterrupt. A suite run in the background (`pytest &`, a CI script) starts its commands with SIGINT
+# ignored, which Python then leaves ignored (as a background job should): put back the foreground's handler.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 suggest_choices()  # as train.py: gptlab reports what Hydra would (a mistyped choice, a sweep's failed jobs)
 kind, *args = os.environ["GPTLAB_TEST_FAULT"].split(":")
 rank = int(os.environ.get("LOCAL_RANK", "0")) + int(os.environ.get("NODE_RANK", "0"))
