@@ -129,3 +129,62 @@ def test_an_old_sharded_checkpoint_resumes_on_two_ranks_on_the_old_codes_traject
     assert moments["exp_avg_sq"][:VOCAB].any()
     old_weights = load_checkpoint(old)["state_dict"]["model.transformer.wte.weight"]
     assert not torch.equal(weights["model.transformer.wte.weight"][:VOCAB], old_weights)
+
+
+OLD_FILE = (
+    Path(__file__).parent / "data" / "e9c3ad3_rope_rmsnorm_swiglu.ckpt"
+)  # a single file, before the padding
+OLD_FILE_ARGS = [
+    "model=tiny",
+    "model.n_embd=32",
+    "model.n_head=2",
+    "model.n_layer=1",
+    "model.block_size=32",
+    "tokenizer=char",
+    "pos=rope",
+    "norm=rmsnorm",
+    "activation=swiglu",
+]
+
+
+def test_an_old_deepspeed_checkpoint_is_refused_before_training_with_the_multiple_it_was_saved_with(
+    tmp_path, make_cfg
+):
+    """Lightning's DeepSpeed strategy runs only on CUDA, so the directory is laid out as DeepSpeed writes it
+    (``latest`` naming the tag, Lightning's part as client state), from the single-file checkpoint saved before
+    the padding. DeepSpeed would restore its flat optimizer partitions as saved: the resume is refused while it
+    is planned, naming model.vocab_multiple=1, which it accepts, as it accepts the file under either multiple."""
+    from gptlab.api import build_model_config, build_tokenizer
+    from gptlab.errors import CheckpointError
+    from gptlab.runs.resume import plan_resume
+
+    checkpoint = torch.load(OLD_FILE, map_location="cpu", weights_only=True)
+    folder = tmp_path / "last.ckpt"
+    (folder / "checkpoint").mkdir(parents=True)
+    (folder / "latest").write_text("checkpoint")
+    client = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+    torch.save(
+        {"module": checkpoint["state_dict"], **client}, folder / "checkpoint" / "mp_rank_00_model_states.pt"
+    )
+    assert checkpoint_kind(folder) == "deepspeed"
+
+    def model_config(*overrides: str):
+        cfg = make_cfg(*OLD_FILE_ARGS, *overrides)
+        return build_model_config(cfg, build_tokenizer(cfg))
+
+    vocab = checkpoint["state_dict"]["model.transformer.wte.weight"].size(0)
+    padded = model_config().padded_vocab_size
+    assert padded > vocab
+    with pytest.raises(CheckpointError) as refused:
+        plan_resume(folder, model_config())
+    assert str(refused.value) == (
+        f"Checkpoint {folder} is a DeepSpeed checkpoint saved before model.vocab_multiple: its token table and "
+        f"output layer hold the vocabulary's {vocab} rows, and DeepSpeed restores its optimizer's flat "
+        f"partitions as they were saved, so they cannot be padded to {padded} rows as they load "
+        "(model.vocab_multiple=64). Resume it with model.vocab_multiple=1 (the rows it was saved with); "
+        "generation and evaluation read it as it is."
+    )
+    plan = plan_resume(folder, model_config("model.vocab_multiple=1"))
+    assert plan is not None and plan.global_step == checkpoint["global_step"]
+    for multiple in ("64", "1"):  # the file: padded as it loads, or as it was saved
+        assert plan_resume(OLD_FILE, model_config(f"model.vocab_multiple={multiple}")) is not None
