@@ -98,9 +98,8 @@ class GPTRunConfig:
     trainer: dict[str, Any]  # Lightning Trainer arguments, checked; precision chosen for the hardware
     strategy: StrategyChoice
     strategy_node: dict[str, Any]
-    parallel: (
-        ParallelOptions  # resolved for the device the run trains on: whether the blocks are compiled, and why
-    )
+    # resolved for the device the run trains on: whether the blocks are compiled, and why (compile_choice)
+    parallel: ParallelOptions
     length_study: LengthEvalOptions | None  # None: no length study after training
     passkey: PasskeyOptions | None
     downstream_eval: DownstreamEvalOptions | None = None  # None: no harness tasks during training
