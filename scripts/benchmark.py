@@ -337,7 +337,7 @@ def train_benchmark(args, overrides: list[str]) -> dict:
         model=model_config, optim=optim, loss=loss_cfg, parallel=parallel, tokenizer=tokenizer
     )
     plain_model = copy.deepcopy(module.model)  # the same weights
-    if parallel.compile:
+    if parallel.compiled:
         from gptlab.parallel import parallelize
 
         parallelize(plain_model, parallel)
@@ -441,7 +441,7 @@ def train_benchmark(args, overrides: list[str]) -> dict:
         # above 1 only against a peak set too low: not an MFU to report
         "mfu_above_peak": lightning_tps * flops_per_token > peak_flops,
         "loss_impl": module.head_loss.resolve(device),
-        "compile": bool(parallel.compile),
+        "compile": parallel.compiled,
         "device": str(device),
         "threads": torch.get_num_threads(),
         "rounds": len(rounds),

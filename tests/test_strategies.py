@@ -125,28 +125,30 @@ def test_bad_strategy_options_name_the_fix():
     ],
 )
 def test_compile_auto_compiles_the_blocks_of_a_cuda_run_only(setting, device, on, said):
-    options = ParallelOptions.from_config({"compile": setting})
-    choice = options.compile_choice(device)
+    options = ParallelOptions.from_config({"compile": setting}).resolved(device)
+    choice = options.compile_choice
     assert (choice.on, choice.describe()) == (on, said)
-    assert options.resolved(device).compile is on
+    assert options.compiled is on and options.compile == setting  # the setting kept as given
 
 
 def test_compile_auto_resolves_with_the_config_for_the_device_the_run_trains_on(make_cfg):
     """The default, compile=auto, is off for a run on this machine's CPU, whose config then holds a plain
-    false (what parallelize applies); parallelize refuses an unresolved auto rather than guess its device."""
+    false (what parallelize applies); parallelize refuses an unresolved auto rather than guess its device.
+    Built in Python, the options default to auto as train.yaml does."""
     from gptlab.config import parse_gpt
 
     assert make_cfg().compile == "auto"
     settings = parse_gpt(make_cfg("trainer.accelerator=cpu"))
-    assert settings.parallel.compile is False
-    assert (
-        settings.compile is not None
-        and settings.compile.describe() == "off (auto: CPU, where it measured no gain)"
-    )
-    assert parse_gpt(make_cfg("trainer.accelerator=cpu", "compile=true")).parallel.compile is True
+    assert settings.parallel.compiled is False
+    assert settings.parallel.compile_choice.describe() == "off (auto: CPU, where it measured no gain)"
+    assert parse_gpt(make_cfg("trainer.accelerator=cpu", "compile=true")).parallel.compiled is True
+    assert ParallelOptions() == ParallelOptions.from_config({}) and ParallelOptions().compile == "auto"
+    with pytest.raises(ConfigError, match="compile='maybe' must be true or false or 'auto'"):
+        parse_gpt(make_cfg("trainer.accelerator=cpu", "compile=maybe"))  # when the config is read
     model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_embd=16))
-    with pytest.raises(ValueError, match="compile=auto must be resolved"):
-        parallelize(model, ParallelOptions(compile="auto"))
+    for unresolved in (ParallelOptions(), ParallelOptions(compile="auto")):
+        with pytest.raises(ValueError, match="compile=auto must be resolved"):
+            parallelize(model, unresolved)
 
 
 def test_the_process_group_timeout_is_a_strategy_option(make_cfg):
@@ -280,7 +282,7 @@ def test_activation_checkpointing_keeps_the_loss_the_gradients_and_the_parameter
     config = GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=64, attention=attention)
     plain, wrapped = GPT(config), GPT(config)
     wrapped.load_state_dict(plain.state_dict())
-    parallelize(wrapped, ParallelOptions(activation_checkpointing=True))
+    parallelize(wrapped, ParallelOptions(activation_checkpointing=True).resolved("cpu"))
     assert list(wrapped.state_dict()) == list(plain.state_dict())
     x = torch.randint(0, 64, (3, 16))
     y = torch.randint(0, 64, (3, 16))

@@ -37,7 +37,6 @@ if TYPE_CHECKING:  # the nodes' types; their modules are imported where a node i
     from gptlab.model.config import GPTConfig
     from gptlab.model.head_loss import HeadLoss
     from gptlab.parallel import ParallelOptions, StrategyChoice
-    from gptlab.parallel.transforms import CompileChoice
 
 
 def plain(node: Any) -> Any:
@@ -99,12 +98,11 @@ class GPTRunConfig:
     trainer: dict[str, Any]  # Lightning Trainer arguments, checked; precision chosen for the hardware
     strategy: StrategyChoice
     strategy_node: dict[str, Any]
+    # resolved for the device the run trains on: whether the blocks are compiled, and why (compile_choice)
     parallel: ParallelOptions
     length_study: LengthEvalOptions | None  # None: no length study after training
     passkey: PasskeyOptions | None
     downstream_eval: DownstreamEvalOptions | None = None  # None: no harness tasks during training
-    # whether the blocks are compiled and why (``compile=auto`` made concrete; ``parallel.compile`` holds it)
-    compile: CompileChoice | None = None
 
     @property
     def block_size(self) -> int:
@@ -317,11 +315,10 @@ def parse_gpt(cfg: DictConfig) -> GPTRunConfig:
     if study is not None:
         check_rank_zero_evaluation(strategy, trainer, "eval_length.enabled=true")
     downstream = parse_downstream_node(cfg, strategy, trainer)
+    # compile=auto made concrete here, as trainer.precision=null is: for the device Lightning will pick
     parallel = ParallelOptions.from_config(
         {k: cfg[k] for k in ("compile", "activation_checkpointing") if cfg.get(k) is not None}
-    )
-    # compile=auto made concrete here, as trainer.precision=null is: for the device Lightning will pick
-    compile_choice = parallel.compile_choice(training_device_type(trainer))
+    ).resolved(training_device_type(trainer))
     return GPTRunConfig(
         run=run,
         model=model,
@@ -335,8 +332,7 @@ def parse_gpt(cfg: DictConfig) -> GPTRunConfig:
         trainer=trainer,
         strategy=strategy,
         strategy_node=strategy_node,
-        parallel=parallel.resolved(compile_choice.device_type),
-        compile=compile_choice,
+        parallel=parallel,
         length_study=study,
         passkey=passkey,
         downstream_eval=downstream,

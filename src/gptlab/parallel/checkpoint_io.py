@@ -33,8 +33,9 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 from lightning.pytorch.strategies import DeepSpeedStrategy, ModelParallelStrategy
 
 from gptlab.parallel.ranks import WatchedRanks
+from gptlab.parallel.sharded_vocab import load_fitting_vocab_rows
 from gptlab.runs import digests
-from gptlab.runs.layout import ASIDE, STAGING, remove_path
+from gptlab.runs.layout import ASIDE, DCP, STAGING, checkpoint_kind, remove_path
 
 log = logging.getLogger(__name__)
 
@@ -569,7 +570,16 @@ class FullyShardedStrategy(WatchedRanks, ModelParallelStrategy):
         )
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        verify_sharded_load(self, Path(self.broadcast(checkpoint_path)))
+        path = Path(self.broadcast(checkpoint_path))
+        verify_sharded_load(self, path)
+        if checkpoint_kind(path) == DCP:
+            # saved with the vocabulary's rows (before model.vocab_multiple): fitted as it loads
+            assert self.model is not None and self.lightning_module is not None
+            fitted = load_fitting_vocab_rows(
+                self.model, self.optimizers, path, self.lightning_module.strict_loading, weights_only
+            )
+            if fitted is not None:
+                return fitted
         return super().load_checkpoint(checkpoint_path, weights_only)
 
 

@@ -3,9 +3,10 @@
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
@@ -34,15 +35,22 @@ COMPILE_AUTO_WHY = {"cuda": "CUDA", "cpu": "CPU, where it measured no gain"}
 @dataclass(frozen=True)
 class CompileChoice:
     """Whether the blocks are compiled in a run, and why: ``setting`` is ``compile`` as given (true, false or
-    ``auto``), ``device_type`` the kind of device the run trains on ("cuda", "cpu", ...)."""
+    ``auto``), ``device_type`` the kind of device the run trains on ("cuda", "cpu", ...; None where it is not
+    known, which only an explicit true or false decides)."""
 
     setting: bool | str
-    device_type: str
+    device_type: str | None
+
+    def __post_init__(self) -> None:
+        if self.setting == "auto" and self.device_type is None:  # it would be a guess
+            raise ValueError(
+                "compile=auto must be resolved for the run's device first: ParallelOptions.resolved"
+            )
 
     @property
     def on(self) -> bool:
         if self.setting == "auto":
-            return COMPILE_AUTO.get(self.device_type, False)
+            return COMPILE_AUTO.get(str(self.device_type), False)
         return bool(self.setting)
 
     def describe(self) -> str:
@@ -50,7 +58,7 @@ class CompileChoice:
         state = "on" if self.on else "off"
         if self.setting != "auto":
             return f"{state} (compile={str(self.setting).lower()})"
-        why = COMPILE_AUTO_WHY.get(self.device_type, f"{self.device_type}, not measured there")
+        why = COMPILE_AUTO_WHY.get(str(self.device_type), f"{self.device_type}, not measured there")
         return f"{state} (auto: {why})"
 
 
@@ -59,25 +67,38 @@ class ParallelOptions:
     """Options applied to the built model in `configure_model`: per-block `torch.compile` and activation
     checkpointing (recompute each block's activations in the backward pass instead of storing them; Chen et
     al. 2016, "Training Deep Nets with Sublinear Memory Cost", https://arxiv.org/abs/1604.06174).
-    ``compile``: true, false, or ``auto`` (train.yaml's default: on where the run trains on CUDA,
-    ``COMPILE_AUTO``), which a run makes true or false when its config is read (:meth:`resolved`); built in
-    Python without it, nothing is compiled."""
+    ``compile``: true, false, or ``auto`` (the default, as in train.yaml: on where the run trains on CUDA,
+    ``COMPILE_AUTO``). Whether the blocks are compiled is one decision, :attr:`compile_choice`, made from the
+    setting and the device the run trains on (:meth:`resolved`, when a run's config is read, or by the module
+    for its device when built in Python): the run's header says it, result.json records it and `parallelize`
+    applies it (:attr:`compiled`)."""
 
-    compile: bool | Literal["auto"] = False
+    compile: bool | Literal["auto"] = "auto"
     activation_checkpointing: bool = False
+    # The kind of device the run trains on ("cuda", "cpu", ...), which compile=auto depends on; set by
+    # resolved(), never an option (init=False: no config key sets it).
+    device_type: str | None = field(default=None, init=False)
 
     @classmethod
     def from_config(cls, values: dict[str, Any] | None) -> ParallelOptions:
         values = dict(values or {})
         return build_options(cls, values, "The run (train.yaml's top level)", "")
 
-    def compile_choice(self, device_type: str) -> CompileChoice:
-        """What ``compile`` means for a run that trains on a ``device_type`` device, and why."""
-        return CompileChoice(self.compile, device_type)
-
     def resolved(self, device_type: str) -> ParallelOptions:
-        """These options with ``compile=auto`` made true or false for a run on a ``device_type`` device."""
-        return replace(self, compile=self.compile_choice(device_type).on)
+        """These options for a run that trains on a ``device_type`` device."""
+        options = copy.copy(self)
+        options.device_type = device_type
+        return options
+
+    @property
+    def compile_choice(self) -> CompileChoice:
+        """Whether the blocks are compiled, and why (a ValueError for ``auto`` not yet :meth:`resolved`)."""
+        return CompileChoice(self.compile, self.device_type)
+
+    @property
+    def compiled(self) -> bool:
+        """Whether the blocks are compiled: :attr:`compile_choice`, the one place it is decided."""
+        return self.compile_choice.on
 
 
 def parallelize(model: GPT, options: ParallelOptions, strategy: Any = None, precision: Any = None) -> None:
@@ -86,15 +107,14 @@ def parallelize(model: GPT, options: ParallelOptions, strategy: Any = None, prec
     Parameter names stay those of the plain model, so checkpoints load into an unwrapped GPT."""
     if getattr(model, "_gptlab_parallelized", False):  # configure_model runs again for validate/test
         return
-    if options.compile == "auto":  # a run resolves it with its config; here it would be a guess
-        raise ValueError("compile=auto must be resolved for the run's device first: ParallelOptions.resolved")
+    compiled = options.compiled  # compile=auto not resolved for the run's device is refused here
     blocks = list(model.transformer.h)
     if options.activation_checkpointing:
         from torch.distributed._composable import checkpoint
 
         for block in blocks:
             checkpoint(block, use_reentrant=False)
-    if options.compile:
+    if compiled:
         for block in blocks:
             block.compile(backend=BLOCK_BACKEND)
     if strategy is not None and not isinstance(strategy, str):

@@ -137,6 +137,18 @@ def _dcp_reader(path: Path) -> Any:
     return SafeFileSystemReader(str(path))
 
 
+def dcp_tensor_sizes(path: Path) -> dict[str, Any]:
+    """{name: torch.Size} of every tensor in the distributed checkpoint ``path``, from its index alone."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    index = _dcp_reader(path).read_metadata()
+    return {
+        key: item.size
+        for key, item in index.state_dict_metadata.items()
+        if isinstance(item, TensorStorageMetadata)
+    }
+
+
 def _load_dcp(path: Path, weights: bool) -> dict[str, Any]:
     meta_file = path / SHARDED_META_FILE
     checkpoint = _torch_load(meta_file) if meta_file.is_file() else {}

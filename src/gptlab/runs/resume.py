@@ -419,8 +419,9 @@ def inspect_checkpoint(
         )
     from gptlab.model.config import GPTConfig
 
+    raw = model_config_dict(checkpoint, path)
     try:
-        saved = GPTConfig.from_dict(model_config_dict(checkpoint, path)).to_dict()
+        saved = GPTConfig.from_dict(raw).to_dict()
     except CheckpointError:
         raise
     except ConfigError as e:
@@ -434,6 +435,8 @@ def inspect_checkpoint(
     current = model_config.to_dict()
     if not vocab_known:
         current["vocab_size"] = saved.get("vocab_size")
+    if "vocab_multiple" not in raw:
+        _saved_before_vocab_padding(path, saved, current)
     # a fitted vocabulary follows the corpus and the tokenizer: a refusal of either names the cause
     _refuse_other_model(path, saved, current, keep_vocab=refusal is None)
     if refusal is not None:
@@ -450,6 +453,26 @@ def inspect_checkpoint(
         warnings=list(getattr(outcome, "warnings", []) or []),
         vocab_checked=vocab_known,
     )
+
+
+def _saved_before_vocab_padding(path: Path, saved: dict[str, Any], current: dict[str, Any]) -> None:
+    """A checkpoint saved before ``model.vocab_multiple`` holds the token table (and head) with the vocabulary's
+    rows: it resumes under any multiple (a file or a distributed checkpoint is padded as it loads; under
+    ``model.vocab_multiple=1`` it is what the model stores), so the multiple is not compared. A DeepSpeed
+    directory is the exception: DeepSpeed restores its optimizer's flat partitions of every parameter as they
+    were saved, so rows cannot be added as it loads; it is refused before training with the multiple that
+    matches it."""
+    saved["vocab_multiple"] = current.get("vocab_multiple")
+    vocab, multiple = int(saved.get("vocab_size") or 0), int(current.get("vocab_multiple") or 1)
+    padded = -(-vocab // multiple) * multiple
+    if checkpoint_kind(path) == "deepspeed" and padded != vocab:
+        raise CheckpointError(
+            f"Checkpoint {path} is a DeepSpeed checkpoint saved before model.vocab_multiple: its token table "
+            f"and output layer hold the vocabulary's {vocab} rows, and DeepSpeed restores its optimizer's flat "
+            f"partitions as they were saved, so they cannot be padded to {padded} rows as they load "
+            f"(model.vocab_multiple={multiple}). Resume it with model.vocab_multiple=1 (the rows it was saved "
+            "with); generation and evaluation read it as it is."
+        )
 
 
 def _refuse_other_model(path: Path, saved: dict[str, Any], current: dict[str, Any], keep_vocab: bool) -> None:

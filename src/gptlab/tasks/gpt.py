@@ -130,8 +130,7 @@ def run(cfg: DictConfig) -> dict[str, float]:
         if trainer.is_global_zero:
             log.info("Run directory: %s", session.run_dir)
             log.info("\n%s", model_summary(parts.module, trainer, settings))
-            if settings.compile is not None:
-                log.info("Compile: %s", settings.compile.describe())
+            log.info("Compile: %s", settings.parallel.compile_choice.describe())
         session.save_config(loggers)
         watch_lost_ranks(session, trainer, lambda: trainer.global_step, metrics_so_far)
         stop, step = fit(trainer, parts, resume, settings.trainer["max_steps"])
@@ -159,7 +158,7 @@ def resolved_settings(settings: GPTRunConfig, parts: Parts) -> dict[str, Any]:
     precision = settings.trainer["precision"]
     # set when the fit started; a run that only validated (resumed at its last step) resolves it here alike
     impl = module.loss_impl or module.head_loss.resolve(module.device, dtype=precision_dtype(str(precision)))
-    return {"compile": bool(settings.parallel.compile), "loss.impl": impl, "trainer.precision": precision}
+    return {"compile": settings.parallel.compiled, "loss.impl": impl, "trainer.precision": precision}
 
 
 def finished_result(run_dir: Path, resume: ResumePlan | None, max_steps: int) -> dict[str, Any] | None:

@@ -80,7 +80,7 @@ class GPTLitModule(L.LightningModule):
         # final-logit softcapping is part of the model wherever it produces logits (generation, evaluation)
         self.model.final_softcap = self.head_loss.final_softcap
         self.tokenizer = tokenizer  # saved in checkpoints
-        self.parallel: Any = parallel  # gptlab.parallel.ParallelOptions (None: none)
+        self.parallel: Any = parallel  # gptlab.parallel.ParallelOptions (None: its defaults)
         self._val_loss_sum = torch.zeros(())
         self._val_count = torch.zeros(())
         self._val_bytes = torch.zeros(())
@@ -129,7 +129,7 @@ class GPTLitModule(L.LightningModule):
         from gptlab.parallel import ParallelOptions, parallelize
 
         parallel = self.parallel or ParallelOptions()
-        if parallel.compile == "auto":  # train.py resolves it with the config; from Python, for this device
+        if parallel.device_type is None:  # train.py resolves it with the config; from Python, for this device
             parallel = parallel.resolved(self.trainer.strategy.root_device.type)
         parallelize(self.model, parallel, self.trainer.strategy, self.trainer.precision)
 
