@@ -22,6 +22,8 @@ import numpy as np
 import pytest
 import torch
 from conftest import ROOT, TINY, run_train
+from hydra.core.global_hydra import GlobalHydra
+from hydra.core.hydra_config import HydraConfig
 
 import gptlab
 from gptlab.errors import CheckpointError, ConfigError
@@ -65,6 +67,7 @@ def process_state() -> dict[str, object]:
             torch.is_grad_enabled(),
         ),
         "cwd": os.getcwd(),
+        "hydra": (GlobalHydra.instance().is_initialized(), HydraConfig.initialized()),
     }
 
 
@@ -105,7 +108,7 @@ def losses(run_dir: Path) -> dict[str, list[tuple[str, str]]]:
 
 
 def test_runs_in_one_process_leave_it_as_it_was_and_train_as_in_a_fresh_one(
-    tmp_path, monkeypatch, built_modules
+    tmp_path, monkeypatch, built_modules, capfd
 ):
     """learned (logged to W&B offline), word2vec, then rope, one after the other: after each the process is as
     the caller had it (logging, warnings, environment, signal handlers, torch's settings, the caller's own
@@ -143,7 +146,9 @@ def test_runs_in_one_process_leave_it_as_it_was_and_train_as_in_a_fresh_one(
     draws = (random.random(), float(np.random.rand()), torch.rand(1).item())
     random.setstate(generators[0]), np.random.set_state(generators[1]), torch.set_rng_state(generators[2])
     assert draws == (random.random(), float(np.random.rand()), torch.rand(1).item())
-    for name, result in results.items():  # each run's log holds its own lines only
+    printed = capfd.readouterr().out
+    for name, result in results.items():  # each run's log holds its own lines only, each printed once
+        assert printed.count(f"Run directory: {result.run_dir}\n") == 1, name
         log = (result.run_dir / "train.log").read_text()
         others = [str(r.run_dir) for n, r in results.items() if n != name]
         assert str(result.run_dir) in log and not any(other in log for other in others), name
