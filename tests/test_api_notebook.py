@@ -26,7 +26,7 @@ from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
 
 import gptlab
-from gptlab.errors import CheckpointError, ConfigError
+from gptlab.errors import CheckpointError, ConfigError, DataError
 from gptlab.runs.identity import held_claim
 from gptlab.tasks import gpt as gpt_task
 from gptlab.training.callbacks import ValidateAtLastStep
@@ -241,6 +241,12 @@ def test_ctrl_c_as_lightning_starts_raises_keyboard_interrupt_not_system_exit(tm
         gptlab.train(*SMALL, f"paths.root_dir={tmp_path}", run_dir=tmp_path / "run")
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
     assert held_claim(tmp_path / "run") is None
+    # the folder keeps what the run wrote before Lightning started (its config, its CSV's folder): said as such
+    said = "the run ended without a result.json"
+    with pytest.raises(DataError, match=f"has no result.json: {said}"):
+        gptlab.TrainResult.read(tmp_path / "run")
+    with pytest.raises(CheckpointError, match=f"no checkpoint yet .*: {said}"):
+        gptlab.load_run(tmp_path / "run")
 
 
 def test_train_in_a_thread_runs_and_a_second_train_meanwhile_is_refused(tmp_path, monkeypatch):
