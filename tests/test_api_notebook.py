@@ -243,7 +243,7 @@ def test_ctrl_c_as_lightning_starts_raises_keyboard_interrupt_not_system_exit(tm
     assert held_claim(tmp_path / "run") is None
     # the folder keeps what the run wrote before Lightning started (its config, its CSV's folder): said as such
     said = "the run ended without a result.json"
-    with pytest.raises(DataError, match=f"has no result.json: {said}"):
+    with pytest.raises(DataError, match=f"run: {said}"):
         gptlab.TrainResult.read(tmp_path / "run")
     with pytest.raises(CheckpointError, match=f"no checkpoint yet .*: {said}"):
         gptlab.load_run(tmp_path / "run")

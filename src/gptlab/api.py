@@ -385,7 +385,7 @@ class TrainResult:
             if Run.is_run_dir(run_dir):  # a run's directory: whether it still trains, or ended without one
                 from gptlab.runs.trained import run_state
 
-                raise DataError(f"{run_dir} has no {RESULT_FILE}: {run_state(run_dir)}.")
+                raise DataError(f"{run_dir}: {run_state(run_dir)}.")
             raise DataError(
                 f"{run_dir} has no {RESULT_FILE}: the run is still running, was killed, or the directory is "
                 "not a run's (outputs/runs/<date>/<time>)."

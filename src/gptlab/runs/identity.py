@@ -326,8 +326,9 @@ def running_claim(run_dir: Path) -> Claim | None:
     its ``run.lock`` is there and locked, or, on a filesystem without locks, names a process alive on this
     host. A run that ended, however, holds no lock: its process gave the claim up, or is gone."""
     path = Path(run_dir) / CLAIM_FILE
-    if held_claim(run_dir) is not None:
-        return held_claim(run_dir)
+    own = held_claim(run_dir)
+    if own is not None:  # this process (another thread, or the caller's own run)
+        return own
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:

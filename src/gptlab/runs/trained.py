@@ -90,11 +90,16 @@ def run_state(run_dir: str | Path) -> str | None:
             f"the run is still training ({claim.describe()} holds {run_dir / CLAIM_FILE}); its result.json is "
             "written when it ends"
         )
-    result = Run(run_dir).result()
+    run = Run(run_dir)
+    result = run.result()
     if result is None:
-        return (
-            f"the run ended without a {RESULT_FILE} (killed, or its process stopped before training): "
+        again = (
             "resume=auto continues it from its last checkpoint"
+            if run.checkpoint("last") is not None
+            else "it left no checkpoint; resume=auto in this directory starts it again"
+        )
+        return (
+            f"the run ended without a {RESULT_FILE} (killed, or its process stopped before training): {again}"
         )
     step = result.get("global_step")
     if result.get("failed"):
