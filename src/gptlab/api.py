@@ -25,11 +25,17 @@ a part built here is the part it trains:
 from __future__ import annotations
 
 import copy
+import gc
 import logging
 import math
+import os
+import random
 import re
+import signal
 import sys
 import tempfile
+import threading
+import warnings
 import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, redirect_stderr
@@ -53,6 +59,8 @@ if TYPE_CHECKING:
     from gptlab.model.config import GPTConfig
     from gptlab.model.gpt import GPT
     from gptlab.runs.trained import TrainedRun
+
+log = logging.getLogger("gptlab")
 
 #: The root config ``python train.py`` composes (conf/train.yaml).
 CONFIG_NAME = "train"
@@ -374,6 +382,10 @@ class TrainResult:
         run_dir = Path(run_dir)
         result = Run(run_dir).result()
         if result is None:
+            if Run.is_run_dir(run_dir):  # a run's directory: whether it still trains, or ended without one
+                from gptlab.runs.trained import run_state
+
+                raise DataError(f"{run_dir}: {run_state(run_dir)}.")
             raise DataError(
                 f"{run_dir} has no {RESULT_FILE}: the run is still running, was killed, or the directory is "
                 "not a run's (outputs/runs/<date>/<time>)."
@@ -448,20 +460,127 @@ def _logging_restored() -> Iterator[None]:
             logger.setLevel(level)
 
 
+#: The environment variables a run sets for itself (Lightning's seed for its workers, the W&B mode it resolved,
+#: the folders the command made): the caller's values are put back when train() returns. Variables a library
+#: sets for the rest of the process (W&B's service address, torch's caches) stay.
+RUN_ENVIRONMENT = ("PL_GLOBAL_SEED", "PL_SEED_WORKERS", "WANDB_MODE", "WANDB_SILENT", "GPTLAB_NEW_DIRS")
+#: The signals a run handles (gptlab.runs.signals, gptlab.training.checkpointing): their handlers are put back.
+RUN_SIGNALS = tuple(
+    getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGUSR1") if hasattr(signal, name)
+)
+
+
+def _flushing_denormals() -> bool:
+    """Whether torch flushes subnormal floats to zero (``torch.set_flush_denormal``, which has no getter):
+    a subnormal times one is zero then."""
+    import torch
+
+    return bool((torch.tensor([1e-40], dtype=torch.float32) * 1.0).item() == 0.0)
+
+
+@contextmanager
+def _process_left_as_it_was() -> Iterator[None]:
+    """What a run changes in the process for itself, put back as the caller had it when train() returns,
+    however it ends: a notebook's next cell, or the next train(), starts from the caller's state.
+
+    - the random generators (Python's, NumPy's, torch's): the run seeds them with its ``seed``; without this
+      a caller's own draws after a run (a random search's next learning rate) would repeat after each run;
+    - the environment variables of :data:`RUN_ENVIRONMENT`;
+    - the warnings filters the run adds (Lightning's messages it drops);
+    - torch's flushing of subnormal floats (the task turns it on for speed; it changes the caller's numbers);
+    - the handlers of :data:`RUN_SIGNALS` (main thread);
+    - the run's objects held for the watch of lost ranks (:mod:`gptlab.parallel.ranks`: its trainer, model,
+      optimizer state and data), which would keep their memory, on a GPU too, until the next run; and the
+      run's objects themselves, collected at once."""
+    import numpy as np
+    import torch
+
+    generators = (random.getstate(), np.random.get_state(), torch.get_rng_state())
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    environment = {name: os.environ.get(name) for name in RUN_ENVIRONMENT}
+    flushing = _flushing_denormals()
+    main = threading.current_thread() is threading.main_thread()
+    handlers = {s: signal.getsignal(s) for s in RUN_SIGNALS} if main else {}
+    try:
+        with warnings.catch_warnings():
+            yield
+    finally:
+        from gptlab.parallel import ranks
+
+        # the closures the task registered name its trainer: the run's memory goes with them
+        ranks._state.describe = ranks._state.record = ranks._state.stand_in = None
+        # The run's trainer, model and data hold one another in cycles, which only the cyclic collector frees,
+        # whenever it next runs: collected now, their memory (the token files' maps, a GPU's tensors) is
+        # free for the caller's next cell.
+        gc.collect()
+        for s, handler in handlers.items():
+            signal.signal(s, handler if handler is not None else signal.SIG_DFL)
+        torch.set_flush_denormal(flushing)
+        for name, value in environment.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        random.setstate(generators[0])
+        np.random.set_state(generators[1])
+        torch.set_rng_state(generators[2])
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
+
+
+def _interrupted(error: BaseException) -> KeyboardInterrupt | None:
+    """The Ctrl-C behind ``error``: a KeyboardInterrupt, or the SystemExit Lightning raises after one (it
+    ends the process, the command line's way, where a notebook's kernel must go on)."""
+    seen: BaseException | None = error
+    while seen is not None:
+        if isinstance(seen, KeyboardInterrupt):
+            return seen
+        if not isinstance(seen, SystemExit):
+            return None
+        seen = seen.__context__
+    return None
+
+
 def _run_task(cfg: DictConfig) -> dict[str, float]:
     """Hydra's job: the task ``cfg.task`` names, as ``python train.py`` runs it (:func:`gptlab.cli.run_task`),
-    its errors raised where the command line prints them and exits."""
+    its errors raised where the command line prints them and exits. Ctrl-C (a notebook's "interrupt the
+    kernel") before training took the signal over raises KeyboardInterrupt, the folder of a run that trained
+    nothing removed as ``train.py`` removes it; during training it stops the run with a checkpoint, and the
+    run's result says so."""
     from hydra.core.hydra_config import HydraConfig
 
-    from gptlab.cli import remove_refused_run_dir
+    from gptlab.cli import remove_refused_run_dir, stopped_before_training_lines
+    from gptlab.errors import PreparationStopped
+    from gptlab.runs.identity import release_run_dir
     from gptlab.tasks import task_runner
 
+    hydra = HydraConfig.get()
+    run_dir = Path(hydra.runtime.output_dir)
     try:
         return task_runner(cfg)(cfg)
     except (ConfigError, DataError):
-        hydra = HydraConfig.get()  # nothing ran: the folder this call made goes, as train.py removes it
-        remove_refused_run_dir(Path(hydra.runtime.output_dir), f"{hydra.job.name}.log")
+        # nothing ran: the folder this call made goes, as train.py removes it
+        remove_refused_run_dir(run_dir, f"{hydra.job.name}.log")
         raise
+    except (KeyboardInterrupt, SystemExit) as e:
+        stop = _interrupted(e)
+        if stop is None:
+            raise
+        removed = remove_refused_run_dir(run_dir, f"{hydra.job.name}.log")
+        signum = stop.signum if isinstance(stop, PreparationStopped) else signal.SIGINT
+        again = (
+            "The same call starts again."
+            if removed or not run_dir.exists()
+            else f"{run_dir} keeps what the run wrote before it (no checkpoint): the same call with resume=auto "
+            "starts it again there."
+        )
+        said = stopped_before_training_lines(signum).replace("The same command starts again.", again)
+        log.warning("%s", said)
+        raise stop from None
+    finally:
+        # the claim on the directory (run.lock), which the run skeleton gives up once the task's work began:
+        # a run stopped or refused before that must not keep it while the process goes on
+        release_run_dir(run_dir)
 
 
 def _quoted_path(path: str | Path) -> str:
@@ -513,13 +632,39 @@ def train(*config: DictConfig | str | Sequence[str], run_dir: str | Path | None 
     if run_dir is not None:
         overrides = [o for o in overrides if _key_of(o) != "hydra.run.dir"]
         overrides.append(f"hydra.run.dir={_quoted_path(run_dir)}")
-    with _hydra() as hydra, _logging_restored(), _refusals_as_errors():
-        try:
-            job = hydra.run(CONFIG_NAME, task_function=_run_task, overrides=overrides)
-        except HydraException as e:
-            raise _hydra_refusal(e) from e
+    if not _TRAINING.acquire(blocking=False):
+        raise ConfigError(
+            f"gptlab.train() is already training in this process (in thread {_training_in!r}): a run's job "
+            "(Hydra's run directory, logging, the random generators) is one per process. Wait for it to return, "
+            "or train the other config in a process of its own (python train.py <overrides>)."
+        )
+    try:
+        _set_training_in(threading.current_thread().name)
+        with (
+            _process_left_as_it_was(),
+            _hydra() as hydra,
+            _logging_restored(),
+            _refusals_as_errors(),
+        ):
+            try:
+                job = hydra.run(CONFIG_NAME, task_function=_run_task, overrides=overrides)
+            except HydraException as e:
+                raise _hydra_refusal(e) from e
+    finally:
+        _TRAINING.release()
     assert job.hydra_cfg is not None  # run_job sets it
     return TrainResult.read(job.hydra_cfg.hydra.runtime.output_dir)
+
+
+# One train() at a time in a process: Hydra's job state, the logging it configures and the random generators
+# are the process's. The thread training now, for the refusal of a second call.
+_TRAINING = threading.Lock()
+_training_in = ""
+
+
+def _set_training_in(name: str) -> None:
+    global _training_in
+    _training_in = name
 
 
 # ---- load a run -----------------------------------------------------------------------------------------
@@ -530,7 +675,10 @@ class LoadedRun:
     """A trained run: its model (in eval mode), tokenizer, config and result."""
 
     trained: TrainedRun
-    result: TrainResult | None  # None: no result.json (a checkpoint outside a run, or a killed run)
+    result: TrainResult | None  # None: no result.json (a checkpoint outside a run, a killed or running run)
+    # where the run did not finish: what it is (still training in another process, stopped, failed, killed),
+    # as load_run warned; None for a finished run or a checkpoint outside a run
+    state: str | None = None
 
     @property
     def model(self) -> GPT:
@@ -594,15 +742,19 @@ def load_run(path: str | Path, device: str | torch.device = "cpu", which: str = 
     ``scripts/generate.py`` and ``scripts/eval_length.py``: the model on ``device`` in eval mode, from the
     ``last`` checkpoint (or the ``best`` by val/loss), its tokenizer, config and result."""
     from gptlab.runs.trained import load_run as load_trained
+    from gptlab.runs.trained import run_state
 
     trained = load_trained(path, device=device, which=which)
-    result = None
+    result, state = None, None
     if trained.run_dir is not None:
+        state = run_state(trained.run_dir)  # before its result: a run may end between the two looks
         try:
             result = TrainResult.read(trained.run_dir)
         except DataError:
             result = None
-    return LoadedRun(trained, result)
+    if state is not None:
+        log.warning("%s: %s. Loaded its checkpoint %s.", trained.run_dir, state, trained.checkpoint)
+    return LoadedRun(trained, result, state)
 
 
 # ---- compare --------------------------------------------------------------------------------------------
@@ -699,6 +851,18 @@ def compare(
         with tempfile.TemporaryDirectory(prefix="gptlab-compare-") as scratch:
             written = report.compare(sweep_dir, scratch, **options)
         kept = None
+    # compare.py prints these below its table; here they are said as warnings, and kept in the result
+    for run in written.unfinished:
+        log.warning(
+            "%s: %s: %s",
+            run.path,
+            run.describe_status(),
+            "ranked at the step it reached"
+            if include_unfinished
+            else "not ranked (include_unfinished=True ranks it at the step it reached)",
+        )
+    for path, reason in written.skipped:
+        log.warning("skipped %s: %s", path, reason)
     return SweepRows(
         written.rows, written.keys, written.table, list(written.unfinished), list(written.skipped), kept
     )

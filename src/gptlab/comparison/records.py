@@ -335,7 +335,7 @@ def _fill(record: RunRecord, series: dict[str, list[tuple[int, float]]]) -> RunR
 
 def _status(run: Run, record: RunRecord, series: dict[str, list[tuple[int, float]]]) -> None:
     """Whether the run finished, and its step: from ``result.json`` when it wrote one (also for a run
-    stopped by a signal or failed), else from its process (``run.json``: still alive?) and its last
+    stopped by a signal or failed), else from its claim (``run.lock``: still held?) and its last
     logged step."""
     from gptlab.runs.layout import read_run_info
 
@@ -364,7 +364,11 @@ def _status(run: Run, record: RunRecord, series: dict[str, list[tuple[int, float
         return
     logged = [s for values in series.values() for s, _ in values]
     record.step = max(logged) if logged else 0  # rows are logged at the optimizer steps done
-    record.status = RUNNING if info is not None and info.alive() else KILLED
+    # running while its process holds the directory's claim (run.lock): a run started in a process that goes
+    # on (a notebook's gptlab.train()) and ended without result.json is not running because that process is
+    from gptlab.runs.identity import running_claim
+
+    record.status = RUNNING if running_claim(run.path) is not None else KILLED
 
 
 def _final_from_result(record: RunRecord, result: dict[str, Any]) -> None:

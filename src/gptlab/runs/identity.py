@@ -321,6 +321,28 @@ def held_claim(run_dir: Path) -> Claim | None:
     return held.claim if held else None
 
 
+def running_claim(run_dir: Path) -> Claim | None:
+    """The claim of the process that runs in ``run_dir`` now (this process included), or None when none does:
+    its ``run.lock`` is there and locked, or, on a filesystem without locks, names a process alive on this
+    host. A run that ended, however, holds no lock: its process gave the claim up, or is gone."""
+    path = Path(run_dir) / CLAIM_FILE
+    own = held_claim(run_dir)
+    if own is not None:  # this process (another thread, or the caller's own run)
+        return own
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        claim = Claim.read(path)
+        locked = _lock(fd)
+        if locked is None:
+            return None if _abandoned_without_locks(claim) else claim
+        return claim if locked is False else None
+    finally:
+        os.close(fd)  # and with it the lock, where this look took it
+
+
 def _lock(fd: int) -> bool | None:
     """Try to take the lock of a claim's file: True when taken, False when another process holds it, None
     where the filesystem has no such locks."""

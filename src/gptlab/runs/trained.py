@@ -21,7 +21,16 @@ from gptlab.model.config import GPTConfig
 from gptlab.model.gpt import GPT
 from gptlab.registry import import_plugins
 from gptlab.runs.checkpoints import load_checkpoint, model_config_dict, model_weights
-from gptlab.runs.layout import BEST_GLOB, CONFIG_FILE, LAST_CHECKPOINT_PATH, Run, checkpoint_kind, run_of_path
+from gptlab.runs.layout import (
+    BEST_GLOB,
+    CLAIM_FILE,
+    CONFIG_FILE,
+    LAST_CHECKPOINT_PATH,
+    RESULT_FILE,
+    Run,
+    checkpoint_kind,
+    run_of_path,
+)
 
 log = logging.getLogger(__name__)
 
@@ -57,12 +66,49 @@ def find_checkpoint(path: str | Path, which: str = "last") -> tuple[Path, Run | 
         run = Run(path)
         found = run.checkpoint(which)
         if found is None:
+            state = run_state(path) if Run.is_run_dir(path) else None
+            if state is not None:  # a run's directory: why it has none yet
+                raise CheckpointError(f"{path} holds no checkpoint yet ({LAST_CHECKPOINT_PATH}): {state}.")
             raise CheckpointError(
                 f"{path} holds no checkpoint ({LAST_CHECKPOINT_PATH} or {BEST_GLOB}): pass a run directory written "
                 "by `python train.py` (outputs/runs/<date>/<time>) or a checkpoint."
             )
         return found, run if Run.is_run_dir(path) else None
     raise CheckpointError(f"{path} does not exist: pass a run directory or a checkpoint.")
+
+
+def run_state(run_dir: str | Path) -> str | None:
+    """What the run in ``run_dir`` is, where it did not finish (None where it did): still training (which
+    process holds it), stopped by a signal, failed, or ended without a ``result.json`` (killed); each with
+    the step it reached."""
+    from gptlab.runs.identity import running_claim
+
+    run_dir = Path(run_dir)
+    claim = running_claim(run_dir)
+    if claim is not None:
+        return (
+            f"the run is still training ({claim.describe()} holds {run_dir / CLAIM_FILE}); its result.json is "
+            "written when it ends"
+        )
+    run = Run(run_dir)
+    result = run.result()
+    if result is None:
+        again = (
+            "resume=auto continues it from its last checkpoint"
+            if run.checkpoint("last") is not None
+            else "it left no checkpoint; resume=auto in this directory starts it again"
+        )
+        return (
+            f"the run ended without a {RESULT_FILE} (killed, or its process stopped before training): {again}"
+        )
+    step = result.get("global_step")
+    if result.get("failed"):
+        return f"the run failed at step {step} ({result['failed']})"
+    if result.get("stopped_by_signal"):
+        return f"the run was stopped by {result.get('stop_signal') or 'a signal'} at step {step}: resume=auto continues it"
+    if not result.get("finished"):
+        return f"the run ended at step {step}, before its trainer.max_steps"
+    return None
 
 
 def load_run(path: str | Path, device: str | torch.device = "cpu", which: str = "last") -> TrainedRun:

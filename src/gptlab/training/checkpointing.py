@@ -38,6 +38,7 @@ import math
 import os
 import random
 import signal
+import threading
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -447,6 +448,10 @@ class StopOnSignal(L.Callback):
             previous(signum, frame)
 
     def _install(self) -> None:
+        # Handlers can be set in the main thread only: a run trained in another thread (gptlab.train() from
+        # a thread of a notebook or a server) catches no signal, and a signal reaches the main thread as usual.
+        if threading.current_thread() is not threading.main_thread():
+            return
         for signum in self.signals():
             signal.signal(signum, self._handle)
 
@@ -464,6 +469,8 @@ class StopOnSignal(L.Callback):
     def restore_handlers(self) -> None:
         """Put back the handlers found at setup. Lightning restores the handlers it found at fit start
         (this callback's among them) in its own teardown, after this callback's: ``fit`` calls this again."""
+        if threading.current_thread() is not threading.main_thread():
+            return  # none was installed (_install)
         for signum, previous in self._previous.items():
             current = signal.getsignal(signum)
             # Lightning ignores SIGINT after it caught a KeyboardInterrupt (a second Ctrl-C): put it back too.
