@@ -507,8 +507,7 @@ def _process_left_as_it_was() -> Iterator[None]:
     finally:
         from gptlab.parallel import ranks
 
-        # the closures the task registered name its trainer: the run's memory goes with them
-        ranks._state.describe = ranks._state.record = ranks._state.stand_in = None
+        ranks.clear_reporter()  # the closures the task registered name its trainer: its memory goes with them
         # The run's trainer, model and data hold one another in cycles, which only the cyclic collector frees,
         # whenever it next runs: collected now, their memory (the token files' maps, a GPU's tensors) is
         # free for the caller's next cell.

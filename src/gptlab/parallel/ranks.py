@@ -216,6 +216,13 @@ def set_reporter(
     _state.describe, _state.record, _state.stand_in = describe, record, stand_in
 
 
+def clear_reporter() -> None:
+    """Forget the task's reporter (:func:`set_reporter`) once its run is over: its closures hold the run's
+    trainer, model, optimizer and data, which would otherwise keep their memory (a GPU's too) until the next
+    run of the process sets another (``gptlab.train()`` calls this when it returns)."""
+    _state.describe = _state.record = _state.stand_in = None
+
+
 def _stand_in_for(lost: LostRank) -> None:
     """Where ``lost`` is rank 0, started beside this process, and no lower rank of the node is alive: this
     process records the run's failure in its place (``result.json``: rank 0 can no longer)."""
