@@ -129,7 +129,7 @@ def with_vocabulary(model: GPTConfig, from_tokenizer: bool, tokenizer: tokenizer
 
 
 def parse_model(cfg: DictConfig) -> tuple[GPTConfig, bool, str | None]:
-    """The ``model``, ``pos``, ``activation``, ``norm`` and ``attention`` nodes as one checked GPTConfig; whether its
+    """The ``model``, ``pos``, ``activation``, ``norm``, ``attention`` and ``mlp`` nodes as one checked GPTConfig; whether its
     vocabulary is the tokenizer's (``model.vocab_size: null``, checked with a stand-in size until the
     tokenizer exists); and ``model.init_from``."""
     from gptlab.model.config import GPTConfig
@@ -140,7 +140,16 @@ def parse_model(cfg: DictConfig) -> tuple[GPTConfig, bool, str | None]:
     if from_tokenizer:
         values["vocab_size"] = 1
     attention = plain(cfg.attention) if "attention" in cfg else None
-    config = GPTConfig.from_nodes(values, plain(cfg.pos), plain(cfg.activation), plain(cfg.norm), attention)
+    mlp = plain(cfg.mlp) if "mlp" in cfg else None
+    config = GPTConfig.from_nodes(
+        values, plain(cfg.pos), plain(cfg.activation), plain(cfg.norm), attention, mlp
+    )
+    if init_from and config.mlp.name != "dense":
+        raise ConfigError(
+            f"model.init_from={init_from} loads a Hugging Face GPT-2, Llama, Qwen3 or Gemma 2, whose feed-forward "
+            f"layers are dense MLPs, but mlp={config.mlp.name} builds other weights. Use mlp=dense with "
+            "model.init_from, or train the MoE from scratch (model.init_from=null)."
+        )
     return config, from_tokenizer, init_from
 
 

@@ -73,7 +73,8 @@ import torch
 
 from gptlab.errors import ConfigError
 from gptlab.model.config import GPTConfig
-from gptlab.model.counting import flops_per_token, gate_width, human, parameter_counts
+from gptlab.model.counting import flops_per_token, gate_width, human, moe_options, parameter_counts
+from gptlab.model.feedforward import expert_hidden_width
 from gptlab.model.gpt import mlp_hidden_width
 from gptlab.model.head_loss import (
     HeadLoss,
@@ -262,10 +263,20 @@ def activation_bytes_per_token(
     """Bytes of activations kept for the backward pass per token of a micro-batch, the output layer and loss
     aside (``HeadPlan.bytes``; see the module doc)."""
     h, p, L = config.n_embd, bytes_per_value, config.n_layer
-    f = mlp_hidden_width(config)
+    moe = moe_options(config)
+    # the widths a token's hidden activations take: the MLP's, or its top_k experts' and the shared MLP's
+    f = (
+        mlp_hidden_width(config)
+        if moe is None
+        else expert_hidden_width(config, moe) * (moe.top_k + moe.shared_experts)
+    )
     kv = config.kv_heads * config.head_dim
     hidden = 4 * f if config.gated else 2 * f
     per_layer = p * (2 * h + h + (h + 2 * kv) + h + h + hidden)
+    if moe is not None:
+        # each of a token's top_k assignments: its gathered input, its expert's output and the weighted output;
+        # and the router's fp32 logits and probabilities
+        per_layer += p * 3 * moe.top_k * h + 2 * 4 * moe.experts
     if config.dropout > 0:
         per_layer += 2 * h  # a 1-byte mask after attention and after the MLP
     if config.attention.qk_norm != "none":
@@ -696,13 +707,19 @@ def _model_lines(c: GPTConfig, counts: dict[str, int], flops: dict[str, float], 
     """The card's first lines: the architecture, the parameter counts and the training FLOPs per token."""
     gqa = f", {c.kv_heads} key/value heads" if c.kv_heads != c.n_head else ""
     return [
-        f"Model: {c.n_layer} layers x {c.n_head} heads{gqa} x {c.n_embd} wide, MLP {mlp_hidden_width(c)} wide, "
+        f"Model: {c.n_layer} layers x {c.n_head} heads{gqa} x {c.n_embd} wide, {_mlp_words(c)}, "
         f"context {c.block_size}, vocabulary {c.vocab_size}; pos={c.pos.name}, activation={c.activation.name}, "
         f"norm={c.norm.name} ({c.norm_placement}), bias {'on' if c.bias else 'off'}, head "
         f"{'tied to' if c.tie_weights else 'separate from'} the token embedding"
         + ("" if c.attention.is_default else f"; attention: {c.attention.describe()}"),
         f"Parameters: total {counts['total']:,} ({human(counts['total'])}), embedding {counts['embedding']:,}, "
         f"non-embedding {counts['non_embedding']:,}"
+        + (
+            f", active per token {counts['active']:,} ({human(counts['active'])}: the MoE layers' top_k "
+            "experts)"
+            if counts["active"] != counts["total"]
+            else ""
+        )
         + (
             f"; and {counts['padding']:,} of padding, zero and never trained (the vocabulary stored as "
             f"{c.padded_vocab_size} rows: model.vocab_multiple={c.vocab_multiple})"
@@ -712,6 +729,18 @@ def _model_lines(c: GPTConfig, counts: dict[str, int], flops: dict[str, float], 
         f"Training FLOPs per token at context {T}: {human(flops['training'])} (6N + 12 L h T: dense "
         f"{human(flops['dense'])}, attention {human(flops['attention'])})",
     ]
+
+
+def _mlp_words(c: GPTConfig) -> str:
+    """The feed-forward layer in words: the MLP's width, or the Mixture of Experts' shape."""
+    moe = moe_options(c)
+    if moe is None:
+        return f"MLP {mlp_hidden_width(c)} wide"
+    shared = f" + {moe.shared_experts} shared" if moe.shared_experts else ""
+    return (
+        f"MoE {moe.experts} experts x {expert_hidden_width(c, moe)} wide{shared}, top-{moe.top_k} "
+        f"({'renormalised' if moe.renormalize else 'router'} weights)"
+    )
 
 
 def _memory_line(c: GPTConfig, est: MemoryEstimate, plan: TrainingPlan, T: int, device_name: str) -> str:

@@ -302,6 +302,8 @@ def non_embedding_parameters(run_dir: Path) -> float:
     values.update({f"norm_{key}": value for key, value in norm.items()})
     if cfg.get("attention"):  # QK-norm's gains are parameters too; runs from before the node have none
         values["attention"] = dict(cfg["attention"])
+    if cfg.get("mlp"):  # an MoE's experts (all of them: the total, not the active count)
+        values["mlp"] = dict(cfg["mlp"])
     return float(parameter_counts(GPTConfig.from_dict(values))["non_embedding"])
 
 

@@ -1,5 +1,6 @@
 """The model's configuration: its sizes and switches, one :class:`~gptlab.registry.Choice` per variant
-family (positional scheme, activation, norm), each with that variant's typed options, and the attention
+family (positional scheme, activation, norm, feed-forward layer: ``mlp=dense|moe``, model/feedforward.py),
+each with that variant's typed options, and the attention
 variants (QK-norm, sliding windows, logit cap, output gate, value residual, differential attention:
 ``attention``, model/attention_variants.py).
 
@@ -7,7 +8,7 @@ Made once, and checked whole when it is made: every size, every variant name and
 ``Options`` dataclass, built by its registry), and the checks that need both (a rotary scheme's even head
 dimension). A variant is given by its name, its config node (``pos={"name": "rope", "base": 500.0}``) or a
 Choice. ``to_dict`` writes plain values (saved in checkpoints, logged to W&B); ``from_dict`` reads them back,
-also as saved by earlier versions (``pos`` + ``pos_options``, ``norm_eps``, ``norm_bias``, no ``attention``).
+also as saved by earlier versions (``pos`` + ``pos_options``, ``norm_eps``, ``norm_bias``, no ``attention``, no ``mlp``).
 
 How weights are initialised and scaled with width follows from the config too (``param``: the standard
 parametrisation, or muP; the functions at the end of this module).
@@ -35,7 +36,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from gptlab.errors import ConfigError
-from gptlab.model import activations, attention_variants, norms, positional
+from gptlab.model import activations, attention_variants, feedforward, norms, positional
 from gptlab.registry import Choice, check_keys
 
 PARAMETRIZATIONS = ("standard", "mup")
@@ -80,11 +81,14 @@ class GPTConfig:
     attention: attention_variants.AttentionOptions = field(
         default_factory=attention_variants.AttentionOptions
     )
+    # The feed-forward layer: dense (the MLP) or moe (a Mixture of Experts, model/feedforward.py).
+    mlp: Choice = field(default_factory=lambda: Choice("dense"))
 
     def __post_init__(self) -> None:
         self.attention = attention_variants.AttentionOptions.from_node(self.attention)
         self.pos = positional.REGISTRY.choose(self.pos)
         self.activation = activations.REGISTRY.choose(self.activation)
+        self.mlp = feedforward.REGISTRY.choose(self.mlp)
         norm = norms.REGISTRY.choose(self.norm)
         if getattr(norm.options, "bias", False) is None:  # a norm bias that follows the model's
             norm = Choice(norm.name, dataclasses.replace(norm.options, bias=self.bias))
@@ -149,6 +153,7 @@ class GPTConfig:
         if self.mlp_ratio is not None and self.mlp_ratio <= 0:
             raise ConfigError(f"model.mlp_ratio={self.mlp_ratio} must be positive (or null for the default).")
         self._validate_parametrization()
+        self._validate_mlp()
         self.attention.check_depth(self.n_layer)
         scheme = positional.get(self.pos.name)
         self.attention.check_model(
@@ -183,6 +188,17 @@ class GPTConfig:
                 f"{self.n_head}, e.g. model.mup_base_width={near}."
             )
 
+    def _validate_mlp(self) -> None:
+        """The combinations a Mixture of Experts cannot honour here."""
+        if self.mlp.name != "moe":
+            return
+        if self.param == "mup":
+            raise ConfigError(
+                "mlp=moe cannot take model.param=mup: muP's rules for the router and the experts' widths are "
+                "not derived here, so learning rates tuned at the base width would not transfer. Use "
+                "model.param=standard with mlp=moe, or mlp=dense with model.param=mup."
+            )
+
     @property
     def gated(self) -> bool:
         """Whether the activation gates (and so wants the doubled first projection)."""
@@ -190,10 +206,16 @@ class GPTConfig:
 
     @classmethod
     def from_nodes(
-        cls, model: dict[str, Any], pos: Any, activation: Any, norm: Any, attention: Any = None
+        cls,
+        model: dict[str, Any],
+        pos: Any,
+        activation: Any,
+        norm: Any,
+        attention: Any = None,
+        mlp: Any = None,
     ) -> GPTConfig:
-        """The config of the ``model``, ``pos``, ``activation``, ``norm`` and ``attention`` config nodes
-        (plain values): ``norm.placement`` is taken out of the norm's node, the rest of each node is its
+        """The config of the ``model``, ``pos``, ``activation``, ``norm``, ``attention`` and ``mlp`` config
+        nodes (plain values): ``norm.placement`` is taken out of the norm's node, the rest of each node is its
         variant's options."""
         norm = dict(norm) if not isinstance(norm, (str, Choice)) else norm
         placement = norm.pop("placement", "pre") if isinstance(norm, dict) else "pre"
@@ -205,12 +227,13 @@ class GPTConfig:
             norm=norm,
             norm_placement=placement,
             attention=attention_variants.AttentionOptions.from_node(attention),
+            mlp=mlp if mlp is not None else Choice("dense"),
         )
 
     def to_dict(self) -> dict[str, Any]:
         """Plain values: the sizes and switches, and each variant as its config node."""
         values = {f.name: getattr(self, f.name) for f in fields(self)}
-        for key in ("pos", "activation", "norm"):
+        for key in ("pos", "activation", "norm", "mlp"):
             values[key] = getattr(self, key).node()
         values["attention"] = self.attention.node()
         return values
@@ -240,7 +263,7 @@ class GPTConfig:
 _MODEL_KEYS = [
     f.name
     for f in fields(GPTConfig)
-    if f.name not in ("pos", "activation", "norm", "norm_placement", "attention")
+    if f.name not in ("pos", "activation", "norm", "norm_placement", "attention", "mlp")
 ]
 
 # The parametrisation: how weights are initialised and scaled with width.

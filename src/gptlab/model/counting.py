@@ -6,7 +6,10 @@ with h = n_embd, V = vocab_size, L = n_layer, T = context, f = MLP hidden width:
 Parameters. Per layer: attention h (n_head + 2 n_kv_head) head_dim for Q, K, V plus h^2 for the output
 projection, plus h n_head head_dim (h n_head headwise) for an output gate's projection (``attention.gate``),
 plus 3 head_dim for differential attention (four lambda vectors of head_dim / 2, a head norm's gain);
-MLP h f (x2 for gated activations) plus f h; two norms; biases where ``bias`` is on. Plus the token embedding
+MLP h f (x2 for gated activations) plus f h; two norms; biases where ``bias`` is on. A Mixture-of-Experts layer
+(``mlp=moe``) holds E experts of width f_e, each an MLP as above, a router's h E (no bias), and a shared MLP of
+width s f_e (``mlp.shared_experts``); its *active* parameters, those a token goes through, are the router's,
+the shared MLP's and top_k experts': ``active`` is the total less (E - top_k) experts a layer. Plus the token embedding
 V h, the positional scheme's own parameters, a final norm (pre-norm), V h again for an untied head, and
 2 (L - 1) learned value-residual lambdas. "Embedding" counts the token table and any learned position table
 (a tied head is counted there once).
@@ -27,7 +30,10 @@ head and token for the attention scores and their weighted sum (counted over the
 a causal kernel skips about half of that term). A local layer (``attention.window``) counts min(T, window)
 keys instead of T: the keys its queries can reach. Differential attention (``attention.differential``) has
 two score products at half width (together one at full width) and two weighted sums over V: 3 products of
-T x head_dim, 18 L h T. Kaplan et al. 2020 keep only 6 N (non-embedding).
+T x head_dim, 18 L h T. Kaplan et al. 2020 keep only 6 N (non-embedding). Under ``mlp=moe`` N counts the active
+weights (6 N_active, as Fedus et al. 2021 and DeepSeekMoE count an MoE's compute): each layer's router product
+h E (every token is scored against every expert), top_k experts' matrices and the shared MLP's; the grouping of
+tokens by expert and the weighted sum of the experts' outputs are no matrix products (O(top_k h) a token).
 
 The head's term is V h, not the padded P h: these are the model's FLOPs (what MFU divides, as PaLM defines it:
 the work the model needs, whatever the implementation spends beyond it, like recomputation), not the
@@ -44,7 +50,7 @@ import torch
 from gptlab.model import norms, positional
 from gptlab.model.attention_variants import AttentionGate, DifferentialAttention, QKNorm, ValueResidual
 from gptlab.model.config import GPTConfig
-from gptlab.model.gpt import mlp_hidden_width
+from gptlab.model.feedforward import MoEOptions, expert_hidden_width, mlp_hidden_width
 
 # ---- parameters -------------------------------------------------------------------------------------
 
@@ -69,9 +75,7 @@ def parameter_counts(config: GPTConfig) -> dict[str, int]:
     attention += h * gate_width(config)
     if config.attention.differential:
         attention += DifferentialAttention.parameter_count(config.head_dim)
-    f = mlp_hidden_width(config)
-    f_in = f * (2 if config.gated else 1)
-    mlp = h * f_in + f_in * bias + f * h + h * bias
+    mlp, inactive = mlp_parameters(config)
     norm = norms.get(config.norm.name).parameter_count(h, config.norm.options)
     per_layer = attention + mlp + (4 if config.norm_placement == "sandwich" else 2) * norm
     embedding = V * h + positional_parameters(config)
@@ -85,9 +89,48 @@ def parameter_counts(config: GPTConfig) -> dict[str, int]:
         "total": total,
         "embedding": embedding,
         "non_embedding": total - embedding,
+        "active": total - config.n_layer * inactive,
         "per_layer": per_layer,
         "padding": padding,
     }
+
+
+def moe_options(config: GPTConfig) -> MoEOptions | None:
+    """The Mixture-of-Experts options of ``config`` (``mlp=moe``), None for a dense feed-forward layer."""
+    options = config.mlp.options
+    return options if isinstance(options, MoEOptions) else None
+
+
+def mlp_parameters(config: GPTConfig) -> tuple[int, int]:
+    """A layer's feed-forward parameters, and how many of them a token does not go through (the experts it
+    is not routed to; 0 for a dense MLP)."""
+    h, bias = config.n_embd, int(config.bias)
+
+    def one_mlp(f: int) -> int:
+        f_in = f * (2 if config.gated else 1)
+        return h * f_in + f_in * bias + f * h + h * bias
+
+    moe = moe_options(config)
+    if moe is None:
+        return one_mlp(mlp_hidden_width(config)), 0
+    f_e = expert_hidden_width(config, moe)
+    shared = one_mlp(moe.shared_experts * f_e) if moe.shared_experts else 0
+    return h * moe.experts + moe.experts * one_mlp(f_e) + shared, (moe.experts - moe.top_k) * one_mlp(f_e)
+
+
+def mlp_matmul_parameters(config: GPTConfig) -> int:
+    """A layer's feed-forward weights that enter a matrix product per token: the MLP's two matrices, or under
+    ``mlp=moe`` the router's, top_k experts' and the shared MLP's."""
+    h = config.n_embd
+
+    def matrices(f: int) -> int:
+        return h * f * (2 if config.gated else 1) + f * h
+
+    moe = moe_options(config)
+    if moe is None:
+        return matrices(mlp_hidden_width(config))
+    f_e = expert_hidden_width(config, moe)
+    return h * moe.experts + moe.top_k * matrices(f_e) + matrices(moe.shared_experts * f_e)
 
 
 def gate_width(config: GPTConfig) -> int:
@@ -105,9 +148,7 @@ def matmul_parameters(config: GPTConfig) -> int:
     padding rows are no work of the model's: module docstring)."""
     h = config.n_embd
     qkv_width = (config.n_head + 2 * config.kv_heads) * config.head_dim
-    f = mlp_hidden_width(config)
-    f_in = f * (2 if config.gated else 1)
-    per_layer = h * qkv_width + h * gate_width(config) + h * h + h * f_in + f * h
+    per_layer = h * qkv_width + h * gate_width(config) + h * h + mlp_matmul_parameters(config)
     return config.n_layer * per_layer + config.vocab_size * h
 
 
@@ -140,6 +181,9 @@ __all__ = [
     "gate_width",
     "human",
     "matmul_parameters",
+    "mlp_matmul_parameters",
+    "mlp_parameters",
+    "moe_options",
     "parameter_counts",
     "positional_parameters",
 ]

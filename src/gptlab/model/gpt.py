@@ -15,9 +15,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from gptlab.model import activations, attention, norms, positional
+from gptlab.model import attention, feedforward, norms, positional
 from gptlab.model.attention import FROM_SCHEME, AttentionBias, CausalSelfAttention, KVCache
 from gptlab.model.config import GPTConfig, hidden_init_std, output_multiplier
+from gptlab.model.feedforward import MLP, MoE, RoutingLosses, mlp_hidden_width
 from gptlab.model.head_loss import HeadLoss, soft_cap
 
 log = logging.getLogger(__name__)
@@ -48,32 +49,6 @@ def prefill_chunk(n_head: int, key_length: int, budget: int | None = None) -> in
     return max(1, budget // (4 * n_head * key_length))
 
 
-def mlp_hidden_width(config: GPTConfig) -> int:
-    """The feed-forward hidden width: 4x n_embd, or for gated activations 2/3 of that rounded up to a
-    multiple of 64, which keeps the parameter count of the 4x MLP (Shazeer 2020, "GLU Variants Improve
-    Transformer"). ``mlp_ratio`` overrides either."""
-    if config.mlp_ratio is not None:
-        return int(round(config.mlp_ratio * config.n_embd))
-    if config.gated:
-        return 64 * math.ceil(2 * 4 * config.n_embd / 3 / 64)
-    return 4 * config.n_embd
-
-
-class MLP(nn.Module):
-    """The position-wise feed-forward network: expand, non-linearity, project back."""
-
-    def __init__(self, config: GPTConfig) -> None:
-        super().__init__()
-        hidden = mlp_hidden_width(config)
-        self.c_fc = nn.Linear(config.n_embd, hidden * (2 if config.gated else 1), bias=config.bias)
-        self.act = activations.build(config.activation)
-        self.c_proj = nn.Linear(hidden, config.n_embd, bias=config.bias)
-        self.dropout = nn.Dropout(config.dropout)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.dropout(self.c_proj(self.act(self.c_fc(x))))
-
-
 class Block(nn.Module):
     """One transformer layer. Pre-norm (GPT-2): x + f(norm(x)). Post-norm (the original transformer):
     norm(x + f(x)). Sandwich (Ding et al. 2021, "CogView"; Gemma 2): x + norm'(f(norm(x)))."""
@@ -84,7 +59,7 @@ class Block(nn.Module):
         self.ln_1 = norms.build(config.norm, config.n_embd)
         self.attn = CausalSelfAttention(config, layer)
         self.ln_2 = norms.build(config.norm, config.n_embd)
-        self.mlp = MLP(config)
+        self.mlp = feedforward.build(config)  # mlp=dense|moe
         # The sandwich's norms on the sublayers' outputs; the identity otherwise.
         sandwich = config.norm_placement == "sandwich"
         self.ln_1_out = norms.build(config.norm, config.n_embd) if sandwich else nn.Identity()
@@ -191,8 +166,9 @@ class GPT(nn.Module):
 
     # ---- counting -------------------------------------------------------------------------------
     def parameter_counts(self) -> dict[str, int]:
-        """total, embedding (token table and any learned position table) and non-embedding parameters;
-        a tied head is counted once, with the embedding. The token table and an untied head count their
+        """total, embedding (token table and any learned position table), non-embedding and active (those a
+        token goes through: all but the experts an MoE layer does not route it to) parameters; a tied head is
+        counted once, with the embedding. The token table and an untied head count their
         ``vocab_size`` rows: the padding rows (``model.vocab_multiple``) are stored, never trained, and
         ``padding`` counts them apart."""
         seen: set[int] = set()
@@ -208,12 +184,33 @@ class GPT(nn.Module):
         total -= padding
         embedding = self.config.vocab_size * self.transformer.wte.weight.size(1)
         embedding += sum(p.numel() for p in self.transformer.pos.parameters())
+        # A token goes through top_k of each MoE layer's experts: the others' weights are not active for it.
+        inactive = sum(
+            (m.options.experts - m.options.top_k) * m.expert_parameters()
+            for m in self.modules()
+            if isinstance(m, MoE)
+        )
         return {
             "total": total,
             "embedding": embedding,
             "non_embedding": total - embedding,
+            "active": total - inactive,
             "padding": padding,
         }
+
+    def routing_losses(self) -> RoutingLosses | None:
+        """The routing of the MoE layers (``mlp=moe``) in the last forward pass: the auxiliary losses a
+        training step adds to the language-model loss, and the experts' load; None for a dense model. Each
+        layer's record is taken (cleared), so that a later call never returns a stale pass."""
+        layers = []
+        for block in self.transformer.h:
+            mlp = getattr(block, "mlp", None)
+            if isinstance(mlp, MoE) and mlp.routing is not None:
+                layers.append(mlp.routing)
+                mlp.routing = None
+        if not layers:
+            return None
+        return RoutingLosses.of(layers, self.config.mlp.options)
 
     # ---- forward --------------------------------------------------------------------------------
     def forward(

@@ -198,6 +198,8 @@ def check_compatible(config: GPTConfig, hf: dict[str, Any], source: str = "the c
     want_width = round((wanted["mlp_ratio"] or 4) * wanted["n_embd"])
     if mlp_hidden_width(config) != want_width:
         problems.append(("model.mlp_ratio", config.mlp_ratio, wanted["mlp_ratio"]))
+    if config.mlp.name != "dense":  # these formats' feed-forward layers are dense MLPs
+        problems.append(("mlp", config.mlp.name, "dense"))
     for key in ("pos", "activation", "norm"):
         if getattr(config, key).name != wanted[key]["name"]:
             problems.append((key, getattr(config, key).name, wanted[key]["name"]))

@@ -565,7 +565,11 @@ def report(
         loggers,
         {
             "unigram_entropy": entropy,
-            "parameters/total": parts.module.model.parameter_counts()["total"],
+            **{
+                f"parameters/{k}": v
+                for k, v in parts.module.model.parameter_counts().items()
+                if k in ("total", "active")  # active: those a token goes through (mlp=moe's top_k experts)
+            },
             # the final validation, also when a finished run is resumed and logs nothing
             **{k: metrics[k] for k in ("val/loss", "val/ppl", "val/bpb") if k in metrics},
         },

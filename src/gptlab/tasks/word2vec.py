@@ -81,6 +81,7 @@ GPT_ONLY_NODES = (
     "activation",
     "norm",
     "attention",
+    "mlp",
     "optim",
     "loss",
     "strategy",

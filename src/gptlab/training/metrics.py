@@ -81,7 +81,7 @@ class TrainingThroughput(ThroughputMonitor):
     """Lightning's ``ThroughputMonitor`` counting tokens as its items, with its metrics (``train/device/
     items_per_sec``, ``train/device/mfu``, ...) and under this project's names ``train/tokens_per_second``
     (all ranks together), ``train/mfu`` and ``train/tokens`` (trained on so far, kept across a resume);
-    once at the start ``parameters/total``, ``model/flops_per_token`` and ``model/peak_flops_per_device``.
+    once at the start ``parameters/total``, ``parameters/active``, ``model/flops_per_token`` and ``model/peak_flops_per_device``.
 
     The training rate (``train/tokens_per_second``, the progress bar's ``tok/s``) is tokens trained per
     second of training time: the wall time of the fit less validation. Validation is timed from its start to
@@ -160,8 +160,10 @@ class TrainingThroughput(ThroughputMonitor):
             flops_per_token,
             f"{bound} (a lower bound: a run reaches a fraction of the peak)" if bound else "",
         )
+        counts = module.model.parameter_counts()
         facts = {
-            "parameters/total": float(module.model.parameter_counts()["total"]),
+            "parameters/total": float(counts["total"]),
+            "parameters/active": float(counts["active"]),  # a token's (mlp=moe: its top_k experts')
             "model/flops_per_token": flops_per_token,
             "model/peak_flops_per_device": float(peak),
         }

@@ -94,6 +94,8 @@ class GPTLitModule(L.LightningModule):
         # (cross-entropy, weighted z-loss or None) of each micro-batch of the optimizer step under way
         self._step_terms: list[tuple[Tensor, Tensor | None]] = []
         self._step_losses: list[Tensor] = []  # the loss (with any z-loss) of each of them
+        # the MoE layers' routing (mlp=moe) of each of them: detached losses and load, logged per step
+        self._step_routing: list[dict[str, Tensor]] = []
 
     def forward(self, idx: Tensor, targets: Tensor | None = None):
         return self.model(idx, targets)
@@ -140,6 +142,7 @@ class GPTLitModule(L.LightningModule):
         head = RecordingHeadLoss.of(self.head_loss)
         _, loss = self.model(x, y, head_loss=head, doc_ids=doc_ids[0] if doc_ids else None)
         check_finite_loss(loss, step=self.global_step + 1, strategy=self.trainer.strategy)
+        loss = self._add_routing_losses(loss)
         # train/loss is the cross-entropy alone, comparable across runs; the z-loss is logged apart. Both are
         # logged once per optimizer step, over all of its micro-batches (on_before_optimizer_step).
         (terms,) = head.calls
@@ -183,6 +186,30 @@ class GPTLitModule(L.LightningModule):
         if z_terms:
             z_loss = torch.stack(z_terms).mean()
             self.log("train/z_loss", z_loss, on_step=True, on_epoch=False, sync_dist=distributed)
+        routing, self._step_routing = self._step_routing, []
+        for key in routing[0] if routing else ():
+            values = torch.stack([r[key] for r in routing])
+            value = values.max() if key == "train/moe_load_max" else values.mean()
+            reduce = "max" if key == "train/moe_load_max" else "mean"
+            self.log(key, value, on_step=True, on_epoch=False, sync_dist=distributed, reduce_fx=reduce)
+
+    def _add_routing_losses(self, loss: Tensor) -> Tensor:
+        """``loss`` plus the MoE layers' auxiliary losses (mlp=moe: load balance and router z-loss, each
+        times its coefficient), which the step optimizes; train/loss and val/loss stay the cross-entropy.
+        Each weighted term and the experts' load are logged apart (on_before_optimizer_step)."""
+        routing = self.model.routing_losses()
+        if routing is None:
+            return loss
+        options = self.model_config.mlp.options
+        self._step_routing.append(
+            {
+                "train/moe_balance_loss": (options.balance_coef * routing.balance).detach(),
+                "train/moe_z_loss": (options.z_loss_coef * routing.z).detach(),
+                "train/moe_load_max": routing.load_max.detach(),
+                "train/moe_load_cv": routing.load_cv.detach(),
+            }
+        )
+        return loss + routing.objective
 
     # ---- validation -----------------------------------------------------------------------------
     def on_validation_epoch_start(self) -> None:
