@@ -344,6 +344,35 @@ def test_online_comparison_reads_the_group_through_the_wandb_api(tmp_path, monke
     assert (tmp_path / "comparison.md").is_file()
 
 
+def test_online_moe_runs_show_their_active_parameters_beside_their_total(tmp_path):
+    """Through the W&B API: an MoE run's summary holds both counts, a dense run of an older gptlab its total
+    alone (its active parameters are its total); an MoE run whose summary lacks the active count and whose
+    config cannot be counted shows ``-``, not its total."""
+    from gptlab.comparison.records import record_from_api_run
+    from gptlab.comparison.table import ACTIVE_NOTE
+
+    moe = ApiRunStandIn("rope", 0, [3.0, 2.0])
+    moe.config["mlp"] = {"name": "moe", "experts": 8, "top_k": 2}
+    moe.summary = {"parameters/total": 3_000_000, "parameters/active": 1_000_000}
+    dense = ApiRunStandIn("learned", 0, [3.2, 2.5])  # summary: parameters/total 2,000,000 only
+    result = write_comparison([record_from_api_run(r) for r in (moe, dense)], tmp_path, "me/gptlab group")
+    rows = {row[1]: row for row in table_rows(result.table)}
+    header = table_rows(result.table)[0]
+    at = header.index("parameters")
+    assert header[at + 1] == "active"
+    assert (rows["rope"][at], rows["rope"][at + 1]) == ("3.00M", "1.00M")
+    assert (rows["learned"][at], rows["learned"][at + 1]) == ("2.00M", "2.00M")
+    assert result.table_notes == (ACTIVE_NOTE,)
+
+    del moe.summary["parameters/active"]
+    record = record_from_api_run(moe)
+    assert record.parameters == 3_000_000 and record.active_parameters is None
+    assert record.notes[-1].endswith("its active parameters are unknown")
+    result = write_comparison([record, record_from_api_run(dense)], tmp_path, "me/gptlab group")
+    rows = {row[1]: row for row in table_rows(result.table)}
+    assert (rows["rope"][at], rows["rope"][at + 1]) == ("3.00M", "-")
+
+
 def test_identity_from_a_composed_config():
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra

@@ -783,8 +783,9 @@ class SweepRows:
     def records(self) -> list[dict[str, Any]]:
         """One flat dict per condition: its keys' values, the number of runs and of seeds (a seed run twice
         counts once), the mean final validation loss (``val_loss``; ``val_bpb`` where the table ranks runs of
-        several tokenizers by bits per byte) and its spread over seeds, perplexity, throughput, MFU, parameters, the verdict against the
-        reference row, and each evaluation output (``length/ppl@2x``, ...)."""
+        several tokenizers by bits per byte) and its spread over seeds, perplexity, throughput, MFU, parameters
+        (every weight) and ``active_parameters`` (those one token passes through: fewer under mlp=moe, the
+        same for a dense model), the verdict against the reference row, and each evaluation output (``length/ppl@2x``, ...)."""
         out = []
         for row in self.rows:
             record: dict[str, Any] = {
@@ -803,6 +804,7 @@ class SweepRows:
                 "tokens_per_second": row.tokens_per_second,
                 "mfu": row.mfu,
                 "parameters": row.parameters,
+                "active_parameters": row.active_parameters,
                 "significance": row.significance,
             }
             for name, values in row.outputs.items():

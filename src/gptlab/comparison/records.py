@@ -21,7 +21,7 @@ import csv
 import io
 import math
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -99,7 +99,10 @@ class RunRecord:
     # the highest MFU a window of the run logged above 100% (train/mfu_above_peak, never logged as train/mfu):
     # the one peak all its windows are measured against is too low, so none of its MFU figures is a utilisation
     mfu_above_peak: float | None = None
-    parameters: float | None = None
+    parameters: float | None = None  # parameters/total: every weight of the model, all of an MoE's experts
+    # parameters/active: the weights one token passes through (mlp=moe: the router's, the shared experts' and
+    # top_k experts'); a dense model's total (see active_parameters_of)
+    active_parameters: float | None = None
     outputs: dict[str, dict[str, float | None]] = field(
         default_factory=dict
     )  # output name -> header -> value
@@ -203,6 +206,65 @@ def _median(values: list[float]) -> float | None:
 # Logged once when training starts (training/metrics.py), at the step it starts from: 0 for a new run, the
 # checkpoint's step for a resumed one.
 START_MARKER = "model/flops_per_token"
+# The model's size, logged once when training starts (training/metrics.py): every weight, and those one token
+# passes through (they differ under mlp=moe, which came with the second key).
+PARAMETER_KEYS = ("parameters/total", "parameters/active")
+
+
+def config_parameter_counts(cfg: Mapping[str, Any]) -> dict[str, int]:
+    """``gptlab.model.counting.parameter_counts`` of the model a run's resolved config describes (its
+    ``config_resolved.yaml``, or the config a W&B run holds): the model, pos, activation, norm, attention and
+    mlp nodes read as the trainer reads them (``gptlab.config.parse_model``), without the training stack. A
+    vocabulary the config leaves to the tokenizer (``null``) is counted as 1 row: the counts that do not
+    include the token table (``non_embedding``, and the total less the active) do not depend on it."""
+    from gptlab.model.config import GPTConfig
+    from gptlab.model.counting import parameter_counts
+
+    values = {k: v for k, v in dict(cfg["model"]).items() if k != "init_from"}
+    if values.get("vocab_size") is None:
+        values["vocab_size"] = 1
+    values["pos"], values["activation"] = dict(cfg["pos"]), dict(cfg["activation"])
+    norm = dict(cfg["norm"])
+    values["norm"] = norm.pop("name")
+    values.update({f"norm_{key}": value for key, value in norm.items()})
+    if cfg.get("attention"):  # QK-norm's gains are parameters too; runs from before the node have none
+        values["attention"] = dict(cfg["attention"])
+    if cfg.get("mlp"):  # a Mixture of Experts' router and experts; runs from before the node are dense
+        values["mlp"] = dict(cfg["mlp"])
+    return parameter_counts(GPTConfig.from_dict(values))
+
+
+def is_mixture_of_experts(cfg: Mapping[str, Any]) -> bool:
+    """Whether a run's config says ``mlp=moe`` (a run from before the ``mlp`` node has a dense MLP)."""
+    mlp = cfg.get("mlp")
+    return isinstance(mlp, Mapping) and mlp.get("name") == "moe"
+
+
+def fill_active_parameters(record: RunRecord, cfg: Mapping[str, Any], mlp_choice: str | None = None) -> None:
+    """The active parameters of a run that logged its total but no ``parameters/active``. A dense run's are
+    its total (every run from before gptlab logged the count is dense: ``mlp=moe`` came with it). An MoE run's
+    (a W&B file damaged where the count was, a summary without it) are its total less the experts a token is
+    not routed to, counted from its config, with a note; where its config cannot be counted they stay unknown
+    (shown as ``-``), with a note, never its total. ``mlp_choice``: what the run chose for ``mlp`` (its
+    override, Hydra's choice), for a run whose config is missing."""
+    if record.active_parameters is not None or record.parameters is None:
+        return
+    if not is_mixture_of_experts(cfg) and mlp_choice != "moe":
+        record.active_parameters = record.parameters
+        return
+    try:
+        counts = config_parameter_counts(cfg)
+    except (ValueError, KeyError, TypeError) as e:  # a config of another gptlab, or cut short
+        record.notes.append(
+            f"an mlp=moe run that logged no parameters/active, and its config cannot be counted ({e}): its "
+            "active parameters are unknown"
+        )
+        return
+    record.active_parameters = record.parameters - (counts["total"] - counts["active"])
+    record.notes.append(
+        "an mlp=moe run that logged no parameters/active: its active parameters are counted from its config "
+        f"({record.active_parameters:,.0f} of {record.parameters:,.0f})"
+    )
 
 
 def _one_run_of(rows: list[tuple[int, dict[str, float]]], where: Path, notes: list[str]) -> list:
@@ -311,8 +373,9 @@ def _series_from_wandb(
             rows.append((step, {k: v for k, v in values.items() if v is not None}))
         summary.update(run.summary)
     series = _series(rows)
-    if "parameters/total" in summary and "parameters/total" not in series:
-        series["parameters/total"] = [(0, float(summary["parameters/total"]))]
+    for key in PARAMETER_KEYS:
+        if key in summary and key not in series and (value := _number(summary[key])) is not None:
+            series[key] = [(0, value)]
     return series
 
 
@@ -328,8 +391,9 @@ def _fill(record: RunRecord, series: dict[str, list[tuple[int, float]]]) -> RunR
     record.mfu = _median([v for _, v in series.get("train/mfu", []) if math.isfinite(v)])
     above = [v for _, v in series.get("train/mfu_above_peak", []) if math.isfinite(v)]
     record.mfu_above_peak = max(above) if above else None
-    params = series.get("parameters/total")
+    params, active = series.get("parameters/total"), series.get("parameters/active")
     record.parameters = params[-1][1] if params else None
+    record.active_parameters = active[-1][1] if active else None
     return record
 
 
@@ -422,6 +486,7 @@ def read_run_dir(run_dir: str | Path, source: str = "auto") -> RunRecord:
         wanted = {"auto": "neither csv/metrics.csv nor a W&B run file", "csv": "no csv/metrics.csv"}
         raise DataError(f"{run.path} holds no metrics ({wanted.get(source, 'no W&B run file')})")
     record = _fill(RunRecord(path=run.path, overrides=run.choices(), source=source, notes=notes), series)
+    fill_active_parameters(record, run.config(), run.setting("mlp"))
     for output in OUTPUTS:
         record.outputs[output.name] = output.read(run)
     _status(run, record, series)
@@ -459,6 +524,8 @@ def record_from_api_run(run: Any) -> RunRecord:
     )
     _fill(record, series)
     record.parameters = _float(run.summary.get("parameters/total"))
+    record.active_parameters = _float(run.summary.get("parameters/active"))
+    fill_active_parameters(record, run.config, record.overrides.get("mlp"))
     # W&B's own state of the run: finished, running, crashed (killed or lost), failed (exit code != 0)
     state = str(getattr(run, "state", FINISHED))
     record.status = {"finished": FINISHED, "running": RUNNING, "crashed": KILLED, "failed": FAILED}.get(

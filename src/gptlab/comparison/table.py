@@ -42,7 +42,7 @@ class Row:
     val_ppl: float | None
     tokens_per_second: float | None
     mfu: float | None
-    parameters: float | None
+    parameters: float | None  # every weight of the model (an MoE's experts all counted)
     outputs: dict[str, dict[str, float | None]] = field(default_factory=dict)  # output -> header -> mean
     significance: str = ""  # against the reference row: "worse, p=0.003", "cannot tell (1 seed)", ...
     contrast: Contrast | None = None  # the difference to the reference, its interval and p-values
@@ -50,6 +50,14 @@ class Row:
     metric: str = (
         "val/loss"  # what val_loss_mean and val_loss_std hold: val/loss, or val/bpb across tokenizers
     )
+    # the weights one token passes through (mlp=moe: the router's, shared and top_k experts'); a dense
+    # model's parameters; None where a run's are unknown
+    active_parameters: float | None = None
+
+    @property
+    def sparse(self) -> bool:
+        """Whether its active parameters are not its parameters (or not known): an MoE condition."""
+        return self.parameters is not None and self.active_parameters != self.parameters
 
     @property
     def length_ppl(self) -> dict[str, float | None]:
@@ -115,6 +123,12 @@ REPEATED_SEED_NOTE = (
     "test count seed S once, at the mean of its N runs. For more replicates give each run its own seed "
     "(`seed=0,1,2`)."
 )
+ACTIVE_NOTE = (
+    "`parameters`: every weight of the model, all of a Mixture of Experts' experts counted; `active`: the "
+    "weights one token passes through (mlp=moe: the routers', the shared experts' and its top_k experts'; a "
+    "dense model's are all of them). A token's training FLOPs (6 N) count the active ones: dense and MoE "
+    "conditions of equal `active` do about equal work per token."
+)
 DIVERGED_NOTE = (
     "`diverged`: a run of the condition ended with a validation loss that is non-finite, or above the "
     "validation split's unigram entropy and more than a nat above a uniform guess over the vocabulary (worse than "
@@ -132,6 +146,18 @@ METRIC_COLUMNS = [
     MetricColumn("MFU", lambda r: 2.0 if r.mfu_invalid else r.mfu, _mfu_cell),
     MetricColumn("parameters", lambda r: r.parameters, _human),
 ]
+# Beside ``parameters`` where a row's active parameters differ from them (an MoE condition): a table of dense
+# conditions only has no such column.
+ACTIVE_COLUMN = MetricColumn("active", lambda r: r.active_parameters, _human)
+
+
+def metric_columns(rows: Sequence[Row]) -> list[MetricColumn]:
+    """The metric columns of a table of ``rows``: :data:`METRIC_COLUMNS`, and ``active`` after ``parameters``
+    where any row's active parameters are not its parameters (:attr:`Row.sparse`)."""
+    if not any(row.sparse for row in rows):
+        return list(METRIC_COLUMNS)
+    at = [c.header for c in METRIC_COLUMNS].index("parameters") + 1
+    return [*METRIC_COLUMNS[:at], ACTIVE_COLUMN, *METRIC_COLUMNS[at:]]
 
 
 def _setting(run: RunRecord, key: str) -> str:
@@ -218,10 +244,12 @@ def _stdev(values: list[float]) -> float | None:
 
 
 def table_notes(rows: list[Row]) -> list[str]:
-    """The notes under the table for its marks: diverged rows, invalid MFU, seeds used more than once."""
+    """The notes under the table for its marks: diverged rows, invalid MFU, seeds used more than once, and
+    what ``parameters`` and ``active`` are where the table has both."""
     return [
         note
         for note, shown in (
+            (ACTIVE_NOTE, any(r.sparse for r in rows)),
             (DIVERGED_NOTE, any(r.diverged for r in rows)),
             (MFU_NOTE, any(r.mfu_invalid for r in rows)),
             (REPEATED_SEED_NOTE, any(r.repeated_seeds for r in rows)),
@@ -309,6 +337,9 @@ def summarize(
                     (r.mfu is not None and r.mfu > 1) or r.mfu_above_peak is not None for r in members
                 ),
                 parameters=_mean([r.parameters for r in members]),
+                active_parameters=_mean([r.active_parameters for r in members])
+                if all(r.active_parameters is not None for r in members)
+                else None,
                 outputs={
                     name: {
                         h: _average(name, h)([r.outputs.get(name, {}).get(h) for r in members])
@@ -409,9 +440,11 @@ def _output_cell(value: float | None, fmt: str, unavailable: str) -> str:
 def markdown_table(rows: list[Row], keys: list[str], reference: str = "best") -> str:
     """A markdown table, best first: the condition, seeds, final val/loss (mean ± std over seeds), the
     difference to the reference with its 95% interval, the verdict (Holm-adjusted p), the metric columns
-    and the evaluation-output columns. A row holding unfinished runs (``--include-unfinished``) says how
+    (``active`` among them where an MoE condition's active parameters differ from its total:
+    :func:`metric_columns`) and the evaluation-output columns. A row holding unfinished runs (``--include-unfinished``) says how
     many in its seeds cell."""
     extra = output_columns(rows)
+    columns = metric_columns(rows)
     header = [
         "#",
         *(keys or ["runs"]),
@@ -419,7 +452,7 @@ def markdown_table(rows: list[Row], keys: list[str], reference: str = "best") ->
         rows[0].metric if rows else "val/loss",
         f"Δ vs {reference} (95% CI)",
         f"vs {reference} (Holm)",
-        *(c.header for c in METRIC_COLUMNS),
+        *(c.header for c in columns),
         *(h for _, h, _, _ in extra),
     ]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
@@ -427,7 +460,7 @@ def markdown_table(rows: list[Row], keys: list[str], reference: str = "best") ->
         loss = f"{row.val_loss_mean:.4f}" + (
             f" ± {row.val_loss_std:.4f}" if row.val_loss_std is not None else ""
         )
-        metrics = [c.value(row) for c in METRIC_COLUMNS]
+        metrics = [c.value(row) for c in columns]
         marks = [f"{row.unfinished} unfinished"] * bool(row.unfinished)
         marks += [f"{row.diverged} diverged"] * bool(row.diverged)
         marks += [f"seed {seed} x{n}" for seed, n in row.repeated_seeds.items()]
@@ -439,7 +472,7 @@ def markdown_table(rows: list[Row], keys: list[str], reference: str = "best") ->
             loss,
             contrast_cell(row.contrast),
             row.significance,
-            *("-" if v is None else c.fmt(v) for c, v in zip(METRIC_COLUMNS, metrics)),
+            *("-" if v is None else c.fmt(v) for c, v in zip(columns, metrics)),
             *(_output_cell(row.outputs.get(name, {}).get(h), fmt, na) for name, h, fmt, na in extra),
         ]
         lines.append("| " + " | ".join(cells) + " |")
