@@ -2,7 +2,9 @@
 `python scripts/fit_scaling.py outputs/multirun/<date>/<time>` (after `python train.py -m
 experiment=scaling_ladder`).
 
-N is the non-embedding parameter count (from each run's config), the loss the final validation loss; one
+N is the non-embedding parameter count (from each run's config) of the weights a token passes through: a
+dense model's all, a Mixture-of-Experts model's (mlp=moe) active ones, its top_k experts' and not all of them
+(printed as "active", with the total beside); the loss is the final validation loss; one
 fit per condition (the overrides besides size and seed, e.g. pos=rope), with profile-likelihood intervals
 (Student's t on the residual degrees of freedom). Writes scaling.md, scaling.json and scaling.png into the sweep directory (or --out) and prints
 the table (src/gptlab/comparison/scaling.py).
@@ -50,14 +52,22 @@ def main(argv: list[str] | None = None) -> int:
     except DataError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    from gptlab.comparison.scaling import markdown_table
+    from gptlab.comparison.scaling import ACTIVE_N_NOTE, markdown_table, n_measure
 
     for path, why in skipped:
         print(f"left out {path}: {why}", file=sys.stderr)
-    print(f"{len(points)} runs; N = non-embedding parameters\n")
+    measure = n_measure(points)
+    print(
+        f"{len(points)} runs; N = {measure}" + (f" ({ACTIVE_N_NOTE})" if "active" in measure else "") + "\n"
+    )
     for condition in sorted({p.condition for p in points}):
-        sizes = sorted({p.n for p in points if p.condition == condition})
-        print(f"{condition}: N = {', '.join(f'{n:,.0f}' for n in sizes)}")
+        mine = [p for p in points if p.condition == condition]
+        sizes = sorted({p.n for p in mine})
+        line = f"{condition}: N = {', '.join(f'{n:,.0f}' for n in sizes)}"
+        if any(p.sparse for p in mine):  # an MoE condition: its N is active; its totals beside
+            totals = sorted({p.n_total or p.n for p in mine})
+            line += f" active (in all {', '.join(f'{n:,.0f}' for n in totals)})"
+        print(line)
     print()
     print(markdown_table(fits, args.confidence))
     if not fits:

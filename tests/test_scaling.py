@@ -87,7 +87,15 @@ def test_fewer_than_three_sizes_cannot_be_fitted():
         fit_power_law([1e4, 1e4, 1e5, 1e5], [3.0, 3.1, 2.5, 2.6])
 
 
-def _fake_run(path, overrides: list[str], n_embd: int, pos: str, val_loss: float, finished: bool = True):
+def _fake_run(
+    path,
+    overrides: list[str],
+    n_embd: int,
+    pos: str,
+    val_loss: float,
+    finished: bool = True,
+    mlp: dict | None = None,
+):
     (path / ".hydra").mkdir(parents=True)
     (path / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(overrides))
     model = {"n_layer": 2, "n_head": 4, "n_embd": n_embd, "block_size": 64, "vocab_size": None}
@@ -97,6 +105,8 @@ def _fake_run(path, overrides: list[str], n_embd: int, pos: str, val_loss: float
         "activation": {"name": "gelu"},
         "norm": {"name": "layernorm"},
     }
+    if mlp is not None:  # conf/mlp's node: {name: dense} or {name: moe, experts: ..., top_k: ...}
+        config["mlp"] = mlp
     (path / "config_resolved.yaml").write_text(yaml.safe_dump(config))
     (path / "csv").mkdir()
     (path / "csv" / "metrics.csv").write_text(f"step,val/loss\n99,{val_loss + 0.5}\n199,{val_loss}\n")
@@ -189,3 +199,85 @@ def test_unfinished_and_diverged_runs_are_left_out(tmp_path, monkeypatch):
     points, skipped = points_from_sweep(tmp_path)
     assert len(points) == 1 and sorted(p.name for p, _ in skipped) == ["1", "2"]
     assert dict((p.name, why) for p, why in skipped)["1"] == "diverged (final validation loss 1.9)"
+
+
+MOE = {"name": "moe", "experts": 8, "top_k": 2, "expert_hidden": None, "shared_experts": 0}
+
+
+def _non_embedding_of_a_token(n_embd: int, mlp: dict) -> tuple[int, int]:
+    """(non-embedding parameters in all, those one token passes through) of the model a _fake_run trained,
+    counted from the model's own weights (on the meta device): the latter less the (experts - top_k) experts
+    per layer that a token is not routed to."""
+    import torch
+
+    from gptlab.model.config import GPTConfig
+    from gptlab.model.gpt import GPT
+
+    config = {"n_layer": 2, "n_head": 4, "n_embd": n_embd, "block_size": 64, "vocab_size": 1}
+    with torch.device("meta"):
+        model = GPT(GPTConfig.from_dict({**config, "pos": {"name": "learned"}, "mlp": dict(mlp)}))
+    counts = model.parameter_counts()
+    unused = 0
+    if mlp["name"] == "moe":
+        unused = sum(
+            (mlp["experts"] - mlp["top_k"]) * block.mlp.expert_parameters() for block in model.transformer.h
+        )
+    return counts["non_embedding"], counts["non_embedding"] - unused
+
+
+def test_an_moe_ladder_is_fitted_on_its_active_parameters_and_says_so(tmp_path, capsys, monkeypatch):
+    """Dense and MoE ladders side by side: every point's N is the non-embedding parameters a token passes
+    through (the MoE's top_k experts, not all 8), its total kept in scaling.json, and the report, the plot's
+    axis and the script name N as active; a dense-only fit keeps its words."""
+    import gptlab.figures
+
+    widths = {}
+    for job, (mlp, E, n_embd) in enumerate(
+        (mlp, E, n_embd) for mlp, E in (({"name": "dense"}, 1.5), (MOE, 1.4)) for n_embd in (32, 64, 128, 256)
+    ):
+        n = _non_embedding_of_a_token(n_embd, mlp)[1]
+        overrides = [f"model.n_embd={n_embd}", f"mlp={mlp['name']}"]
+        _fake_run(tmp_path / f"{job}", overrides, n_embd, "learned", E + 30 * n**-0.3, mlp=mlp)
+        widths[str(tmp_path / f"{job}")] = (n_embd, mlp)
+    points, skipped = points_from_sweep(tmp_path)
+    assert not skipped and {p.condition for p in points} == {"mlp=dense", "mlp=moe"}
+    for point in points:
+        n_embd, mlp = widths[point.path]
+        total, active = _non_embedding_of_a_token(n_embd, mlp)
+        assert (point.n, point.n_total) == (active, total)
+        assert point.sparse == (mlp is MOE)
+        assert total > 2 * active if mlp is MOE else total == active
+
+    xlabels = []
+    save_figure = gptlab.figures.save_figure
+
+    def recording_the_axis(fig, path):
+        xlabels.append(fig.axes[0].get_xlabel())
+        return save_figure(fig, path)
+
+    monkeypatch.setattr(gptlab.figures, "save_figure", recording_the_axis)
+    out = tmp_path / "fit"
+    main = runpy.run_path(str(ROOT / "scripts" / "fit_scaling.py"))["main"]
+    assert main([str(tmp_path), "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert printed.startswith(f"8 runs; N = active non-embedding parameters ({scaling.ACTIVE_N_NOTE})\n")
+    moe = sorted((p for p in points if p.condition == "mlp=moe"), key=lambda p: p.n)
+    dense = sorted((p for p in points if p.condition == "mlp=dense"), key=lambda p: p.n)
+    assert (
+        f"mlp=moe: N = {', '.join(f'{p.n:,.0f}' for p in moe)} active "
+        f"(in all {', '.join(f'{p.n_total:,.0f}' for p in moe)})\n"
+    ) in printed
+    assert f"mlp=dense: N = {', '.join(f'{p.n:,.0f}' for p in dense)}\n" in printed
+    saved = strict_json(out / "scaling.json")
+    for condition in ("mlp=dense", "mlp=moe"):  # the generating exponent, 0.3, found on the active N
+        assert saved["fits"][condition]["alpha"] == pytest.approx(0.3, abs=1e-3)
+    assert saved["n"] == "active non-embedding parameters"
+    assert sorted((p["n"], p["n_total"]) for p in saved["points"]) == sorted((p.n, p.n_total) for p in points)
+    report = (out / "scaling.md").read_text()
+    assert f"N = active non-embedding parameters ({scaling.ACTIVE_N_NOTE}); " in report
+    assert xlabels == ["active non-embedding parameters N (MoE: a token's experts, not all)"]
+
+    scaling.write_fits(dense, [], tmp_path / "dense_fit", "dense")
+    assert "N = non-embedding parameters; " in (tmp_path / "dense_fit" / "scaling.md").read_text()
+    assert strict_json(tmp_path / "dense_fit" / "scaling.json")["n"] == "non-embedding parameters"
+    assert xlabels[-1] == "non-embedding parameters N"

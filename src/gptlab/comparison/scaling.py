@@ -5,7 +5,13 @@ The form is Kaplan et al. 2020 ("Scaling Laws for Neural Language Models", https
 eq. 1.1 with an irreducible term) and the N-part of Hoffmann et al. 2022 ("Training Compute-Optimal Large
 Language Models", https://arxiv.org/abs/2203.15556, eq. 2, approach 3). N is the **non-embedding**
 parameter count (Kaplan et al.'s choice: the embedding table's size says little about the loss at small N),
-counted from each run's ``config_resolved.yaml`` (``gptlab.model.counting``). The loss is the run's final
+counted from each run's ``config_resolved.yaml`` (``gptlab.model.counting``), of the weights a token passes
+through: all of a dense model's, and of a Mixture-of-Experts model (``mlp=moe``) its *active* ones, the
+routers', the shared experts' and top_k experts' (Clark et al. 2022, "Unified Scaling Laws for Routed Language
+Models", https://arxiv.org/abs/2202.01169, fit an MoE's loss against this dense-equivalent size, the expert
+count apart). Every point is then on one measure, the one its training FLOPs per token (6 N) count, and an MoE
+curve lies beside the dense one at equal work per token; its total (every expert) is kept in ``scaling.json``
+(``n_total``), and wherever N is active the report, the plot and the script say so. The loss is the run's final
 validation loss; every run was trained on the same number of tokens, so the fit describes L(N) at that data
 budget, not a compute-optimal frontier.
 
@@ -44,12 +50,35 @@ INTERVAL_METHOD = "profile likelihood, Student's t on {df} residual degrees of f
 
 @dataclass(frozen=True)
 class ScalingPoint:
-    """One run: its non-embedding parameters, final validation loss and condition."""
+    """One run: its non-embedding parameters a token passes through (``n``: a dense model's all, an MoE's
+    active ones), final validation loss and condition; ``n_total``: its non-embedding parameters in all (every
+    expert), None where not recorded (taken as ``n``)."""
 
     n: float
     loss: float
     condition: str = ""
     path: str = ""
+    n_total: float | None = None
+
+    @property
+    def sparse(self) -> bool:
+        """Whether its N is fewer than its parameters in all: an MoE run's active count."""
+        return self.n_total is not None and self.n_total != self.n
+
+
+# What N is, in the report's, the plot's and the script's words.
+DENSE_N = "non-embedding parameters"
+ACTIVE_N = "active non-embedding parameters"
+ACTIVE_N_NOTE = (
+    "the weights one token passes through: a Mixture-of-Experts run's routers', shared and top_k experts', "
+    "not all its experts (their total is each point's n_total in scaling.json); a dense run's all"
+)
+
+
+def n_measure(points: Sequence[ScalingPoint]) -> str:
+    """What the points' N is: ``non-embedding parameters``, or ``active non-embedding parameters`` where an
+    MoE run's count of the weights a token passes through is among them."""
+    return ACTIVE_N if any(p.sparse for p in points) else DENSE_N
 
 
 @dataclass
@@ -282,36 +311,33 @@ def interval_coverage(
 
 
 # ---- reading a sweep --------------------------------------------------------------------------------------
-def non_embedding_parameters(run_dir: Path) -> float:
-    """The non-embedding parameter count of the model a run trained, from its ``config_resolved.yaml``
-    (the vocabulary does not enter it). Reads the model, pos, activation and norm nodes as the trainer does
-    (``gptlab.config.parse_model``), without importing the training stack."""
-    from gptlab.model.config import GPTConfig
-    from gptlab.model.counting import parameter_counts
+def non_embedding_counts(run_dir: Path) -> tuple[float, float]:
+    """(non-embedding parameters in all, those a token passes through) of the model a run trained, from its
+    ``config_resolved.yaml`` (the vocabulary does not enter them): equal for a dense model; under ``mlp=moe``
+    the second counts a token's top_k experts, not all of them. Read as the trainer reads the config
+    (:func:`gptlab.comparison.records.config_parameter_counts`), without importing the training stack."""
+    from gptlab.comparison.records import config_parameter_counts
     from gptlab.runs.layout import Run
 
     cfg = Run(Path(run_dir)).config()
     if not cfg or "model" not in cfg:
         raise DataError(f"{run_dir} has no config_resolved.yaml: its model size is unknown.")
-    values = {k: v for k, v in cfg["model"].items() if k != "init_from"}
-    if values.get("vocab_size") is None:
-        values["vocab_size"] = 1  # the token table is embedding: its size does not change the count
-    values["pos"], values["activation"] = dict(cfg["pos"]), dict(cfg["activation"])
-    norm = dict(cfg["norm"])
-    values["norm"] = norm.pop("name")
-    values.update({f"norm_{key}": value for key, value in norm.items()})
-    if cfg.get("attention"):  # QK-norm's gains are parameters too; runs from before the node have none
-        values["attention"] = dict(cfg["attention"])
-    if cfg.get("mlp"):  # an MoE's experts (all of them: the total, not the active count)
-        values["mlp"] = dict(cfg["mlp"])
-    return float(parameter_counts(GPTConfig.from_dict(values))["non_embedding"])
+    counts = config_parameter_counts(cfg)
+    return float(counts["non_embedding"]), float(counts["active"] - counts["embedding"])
+
+
+def non_embedding_parameters(run_dir: Path) -> float:
+    """The non-embedding parameter count of the model a run trained, every expert of an MoE counted
+    (:func:`non_embedding_counts`)."""
+    return non_embedding_counts(run_dir)[0]
 
 
 def points_from_sweep(
     sweep_dir: str | Path, size_keys: Sequence[str] = SIZE_KEYS
 ) -> tuple[list[ScalingPoint], list[tuple[Path, str]]]:
     """(one point per finished run, the runs left out with the reason), read through ``read_sweep``; a
-    point's condition is the comparison's (:mod:`gptlab.comparison.table`), the size keys left out."""
+    point's N is its non-embedding parameters a token passes through (an MoE run's active ones), its
+    condition the comparison's (:mod:`gptlab.comparison.table`), the size keys left out."""
     from gptlab.comparison.report import read_sweep
     from gptlab.comparison.table import condition_keys, condition_of, label_of
 
@@ -331,14 +357,13 @@ def points_from_sweep(
     points = []
     for run in finished:
         try:
-            n = non_embedding_parameters(Path(run.path))
+            total, active = non_embedding_counts(Path(run.path))
         except DataError as e:
             skipped.append((Path(run.path), str(e)))
             continue
         assert run.final_val_loss is not None
-        points.append(
-            ScalingPoint(n, float(run.final_val_loss), label_of(condition_of(run, keys)), str(run.path))
-        )
+        condition = label_of(condition_of(run, keys))
+        points.append(ScalingPoint(active, float(run.final_val_loss), condition, str(run.path), total))
     return points, skipped
 
 
@@ -379,8 +404,8 @@ def markdown_table(fits: dict[str, PowerLawFit], confidence: float = 0.95) -> st
 
 
 def plot_fits(points: Sequence[ScalingPoint], fits: dict[str, PowerLawFit], path: Path) -> Path:
-    """Final validation loss against non-embedding parameters (log x), one colour per condition, with the
-    fitted curve."""
+    """Final validation loss against N (log x), one colour per condition, with the fitted curve; the x axis
+    says which N (:func:`n_measure`: active where an MoE run is among the points)."""
     from gptlab.figures import pyplot, save_figure
 
     fig, ax = pyplot().subplots(figsize=(7.5, 4.5), dpi=120)
@@ -393,7 +418,8 @@ def plot_fits(points: Sequence[ScalingPoint], fits: dict[str, PowerLawFit], path
             grid = np.geomspace(min(p.n for p in mine) / 1.3, max(p.n for p in mine) * 1.3, 100)
             ax.plot(grid, fit.predict(grid), color=dots.get_facecolor()[0], linewidth=1.2)
     ax.set_xscale("log")
-    ax.set_xlabel("non-embedding parameters N")
+    measure = n_measure(points)
+    ax.set_xlabel(f"{measure} N" + (" (MoE: a token's experts, not all)" if measure == ACTIVE_N else ""))
     ax.set_ylabel("final validation loss (nats)")
     ax.set_title("L(N) = E + A N^-alpha per condition")
     ax.grid(alpha=0.3, which="both")
@@ -429,13 +455,16 @@ def write_fits(
     out.mkdir(parents=True, exist_ok=True)
     plot_fits(points, fits, out / "scaling.png")
     table = markdown_table(fits, confidence)
+    measure = n_measure(points)
+    what = f"{measure} ({ACTIVE_N_NOTE})" if measure == ACTIVE_N else measure
     (out / "scaling.md").write_text(
-        f"# Scaling fits: {title}\n\nL(N) = E + A N^-alpha, N = non-embedding parameters; "
+        f"# Scaling fits: {title}\n\nL(N) = E + A N^-alpha, N = {what}; "
         f"{confidence:.0%} profile-likelihood intervals (Student's t on the residual degrees of freedom: "
         f"the runs less 3).\n\n{table}\n\n"
         "![scaling](scaling.png)\n"
     )
     payload: dict[str, Any] = {
+        "n": measure,
         "fits": {c: fit_as_json(f) for c, f in fits.items()},
         "points": [asdict(p) for p in points],
         "skipped": [[str(p), why] for p, why in skipped],
