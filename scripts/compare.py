@@ -2,7 +2,8 @@
 
 Writes comparison.md (the conditions sorted by final validation loss: mean ± std over seeds, the difference to
 the best or --baseline with its 95% interval and Welch's t-test, Holm-adjusted over the table, throughput,
-perplexity at longer contexts; unfinished runs listed apart with their step; the length study's table when
+the parameters (every weight; and where a Mixture-of-Experts condition's differ, the active ones a token
+passes through, beside them), perplexity at longer contexts; unfinished runs listed apart with their step; the length study's table when
 the runs hold one; the commit and the commands), val_loss.png and
 loss_vs_context.png into the sweep directory, or --out, and prints the tables. --readme FILE also replaces the
 block between `<!-- comparison: NAME -->` and `<!-- /comparison: NAME -->` in FILE (NAME: the sweep
