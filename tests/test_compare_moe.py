@@ -14,8 +14,9 @@ import pytest
 from conftest import TINY, load_script
 
 import gptlab
+from gptlab.comparison.records import RunRecord
 from gptlab.comparison.report import compare
-from gptlab.comparison.table import ACTIVE_NOTE
+from gptlab.comparison.table import ACTIVE_NOTE, markdown_table, summarize
 from gptlab.model.counting import human
 
 # Two tiny runs in one folder, one dense and one MoE (8 experts, top-2: a token passes through a quarter of
@@ -144,3 +145,15 @@ def test_a_run_that_logged_no_active_count_is_read_as_what_it_is(runs, tmp_path)
         "an mlp=moe run that logged no parameters/active, and its config cannot be counted"
     )
     assert note.endswith("its active parameters are unknown")
+
+
+def test_a_run_that_logged_no_count_at_all_leaves_a_dense_row_dense(tmp_path):
+    """A dense condition whose second seed logged no parameters at all (killed before the count): its
+    parameters and active are the first seed's, equal, and the table has no active column."""
+    counted = RunRecord(
+        tmp_path / "a", {"seed": "0"}, val_loss=[(2, 2.0)], parameters=1e3, active_parameters=1e3
+    )
+    uncounted = RunRecord(tmp_path / "b", {"seed": "1"}, val_loss=[(2, 2.1)])
+    (row,) = summarize([counted, uncounted], [])
+    assert row.parameters == row.active_parameters == 1e3 and not row.sparse
+    assert markdown_table([row], []).splitlines()[0] == DENSE_ONLY_HEADER

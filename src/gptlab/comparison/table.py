@@ -274,6 +274,16 @@ def per_seed(runs: Sequence[RunRecord], metric: str) -> list[float]:
     return [sum(values) / len(values) for values in by_seed.values()]  # inf for a run that ended at inf
 
 
+def _active_parameters(runs: Sequence[RunRecord]) -> float | None:
+    """The mean active parameters of the runs whose ``parameters`` are counted (the same runs as that mean,
+    so that a dense condition's two are equal); None where one of them has no active count (an MoE run whose
+    count is unknown): never a mean of the others passed off as the condition's."""
+    counted = [r for r in runs if r.parameters is not None]
+    if any(r.active_parameters is None for r in counted):
+        return None
+    return _mean([r.active_parameters for r in counted])
+
+
 def _mean(values: list[float | None]) -> float | None:
     present = [v for v in values if v is not None]
     return statistics.fmean(present) if present else None
@@ -337,9 +347,7 @@ def summarize(
                     (r.mfu is not None and r.mfu > 1) or r.mfu_above_peak is not None for r in members
                 ),
                 parameters=_mean([r.parameters for r in members]),
-                active_parameters=_mean([r.active_parameters for r in members])
-                if all(r.active_parameters is not None for r in members)
-                else None,
+                active_parameters=_active_parameters(members),
                 outputs={
                     name: {
                         h: _average(name, h)([r.outputs.get(name, {}).get(h) for r in members])
