@@ -54,7 +54,7 @@ class RunSettings:
     seed: int = 1337
     resume: str | None = None  # auto, a run directory or a checkpoint; None: a new run
     overwrite: bool = False
-    optimized_metric: str | None = None
+    optimized_metric: str | None = "val/loss"  # the metric the task returns to a sweeper
     plugins: tuple[str, ...] = ()  # the user's modules of variants, recorded with the checkpoints
     # start a run whose memory estimate exceeds what its device has (gptlab.planning)
     allow_over_memory: bool = False

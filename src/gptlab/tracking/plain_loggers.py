@@ -32,7 +32,7 @@ import string
 import sys
 import tempfile
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -172,10 +172,10 @@ def wandb_init_args(
     entity: str | None = None,
     name: str | None = None,
     group: str | None = None,
-    job_type: str | None = "train",
-    tags: list[str] | None = None,
+    job_type: str | None = None,  # None: derived (train, sweep or search), as conf/logger/wandb.yaml's null
+    tags: Sequence[str] | None = (),
     id: str | None = None,
-    mode: str | None = None,
+    mode: str | None = "auto",
     **kwargs: Any,
 ) -> tuple[str, dict[str, Any]]:
     """(the mode W&B runs in, the arguments of ``wandb.init``) for a run whose files live in ``save_dir``

@@ -56,8 +56,8 @@ class SampleGeneration(L.Callback):
 
     def __init__(
         self,
-        prompt: str = "The",
-        max_new_tokens: int = 32,
+        prompt: str = "In this case, the",  # mid-sentence (conf/callbacks/default.yaml says why)
+        max_new_tokens: int = 48,
         temperature: float = 1.0,
         top_k: int | None = 40,
         top_p: float | None = None,
