@@ -9,6 +9,11 @@ train.yaml parses into a dataclass, and the callbacks' and loggers' constructors
 
 A listing that no longer matches anything fails too, so the lists stay the truth. Nothing is built beyond
 config objects: no model, no data, no training.
+
+Not walked, and why: ``trainer`` (Lightning's Trainer arguments: their defaults are Lightning's, and
+gptlab.preflight refuses an unknown key); ``paths`` (interpolations of the environment); ``hydra``; and
+``experiment``, ``debug``, ``hparams_search`` (overrides of the nodes above, different from their defaults
+by design).
 """
 
 from __future__ import annotations
