@@ -64,7 +64,7 @@ class RunSettings:
         check_seed(cfg.get("seed"))
         resume = cfg.get("resume")
         return cls(
-            task=str(cfg.get("task", "gpt")),
+            task=str(cfg.get("task", cls.task)),  # a key absent: the default above
             seed=int(cfg.seed),
             resume=None if resume in (None, "", False) else str(resume),
             overwrite=bool(cfg.get("overwrite")),
