@@ -117,8 +117,9 @@ def choices(group: str) -> list[str]:
     return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
 
 
-def init_fields(options_type: type, leave_out: tuple[str, ...] = ()) -> tuple[str, ...]:
-    return tuple(f.name for f in dataclasses.fields(options_type) if f.init and f.name not in leave_out)
+def init_fields(options_type: type) -> tuple[str, ...]:
+    """The options a config may set: the dataclass's fields its constructor takes."""
+    return tuple(f.name for f in dataclasses.fields(options_type) if f.init)
 
 
 # The registered families: one YAML per choice, its options the registered class's Options.
@@ -349,6 +350,12 @@ def test_every_registered_choice_has_its_yaml():
     from gptlab.parallel.strategies import STRATEGIES
 
     assert {group_node("strategy", c)["name"] for c in choices("strategy")} == set(STRATEGIES.names())
+
+
+def test_the_walks_reading_of_a_preset_is_hydras(make_cfg):
+    """group_node merges a preset's defaults list as Hydra does (the walk reads files, not composes them)."""
+    for group, choice in (("attention", "gemma2"), ("optim", "muon"), ("pos", "rope")):
+        assert group_node(group, choice) == OmegaConf.to_container(make_cfg(f"{group}={choice}")[group])
 
 
 def test_every_yaml_default_is_its_dataclass_default_or_listed_with_why(make_cfg):
