@@ -83,6 +83,34 @@ def test_a_mistyped_key_gets_its_nodes_keys_and_the_closest_one(make_cfg, overri
     assert "hydra" not in message.split("Its keys: ")[1].split(".")[0].split(", ")
 
 
+@pytest.mark.parametrize(
+    "override,shown",
+    [
+        # Hydra adds any +key at the top; no task reads it, so the run would train with the default
+        ("+max_steps=3", "+max_steps=3 adds a top-level key that no part of gptlab reads"),
+        ("+max_steps=3", "Did you mean trainer.max_steps=3 or word2vec.max_steps=3?"),
+        ("+sed=7", "Did you mean seed=7?"),
+        ("+notes=x", "Remove it; the top level takes: activation, activation_checkpointing,"),
+    ],
+)
+def test_a_top_level_key_nothing_reads_is_refused_with_the_nested_key(make_cfg, override, shown):
+    from gptlab.config import RunSettings
+
+    with pytest.raises(ConfigError) as e:
+        RunSettings.parse(make_cfg(override))
+    assert shown in str(e.value), str(e.value)
+
+
+def test_every_top_level_key_of_every_composition_is_read(make_cfg):
+    from gptlab.config import RunSettings
+
+    # the experiment, debug and search files write at the top level (@package _global_): none adds a key
+    overrides = [f"experiment={p.stem}" for p in sorted((CONF / "experiment").glob("*.yaml"))]
+    overrides += ["debug=fast", "hparams_search=optuna", "task=word2vec"]
+    for override in overrides:
+        RunSettings.parse(make_cfg(override))  # refuses a key outside the root config's
+
+
 def test_override_typos_name_the_key_and_the_fix(make_cfg):
     with pytest.raises(
         ConfigError,

@@ -18,6 +18,7 @@ nothing else.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
@@ -61,6 +62,7 @@ class RunSettings:
 
     @classmethod
     def parse(cls, cfg: DictConfig) -> RunSettings:
+        check_top_level(cfg)
         check_seed(cfg.get("seed"))
         resume = cfg.get("resume")
         return cls(
@@ -72,6 +74,62 @@ class RunSettings:
             plugins=tuple(str(m) for m in cfg.get("plugins") or ()),
             allow_over_memory=_flag(cfg, "allow_over_memory"),
         )
+
+
+def top_level_keys() -> frozenset[str]:
+    """The keys the root config (conf/train.yaml) has: its own and one per group of its defaults list. An
+    experiment or debug file (``# @package _global_``) sets some of them; none adds another."""
+    from gptlab.registry import CONFIG_DIR
+
+    root = cast(dict[str, Any], OmegaConf.to_container(OmegaConf.load(CONFIG_DIR / "train.yaml")))
+    groups = set()
+    for entry in root.get("defaults", []):
+        name = next(iter(entry)) if isinstance(entry, dict) else str(entry)
+        groups.add(name.split()[-1].lstrip("/").split("/")[0])  # "optional x", "override /x"
+    return frozenset(k for k in root if k != "defaults") | frozenset(groups - {"_self_"}) | {"hydra"}
+
+
+def check_top_level(cfg: DictConfig) -> None:
+    """Refuse a top-level key no part of gptlab reads (``+max_steps=100``): Hydra adds whatever a ``+``
+    override names, so a misplaced key would otherwise be dropped without a word and the run would train
+    with the default. The message names the nested key of that name (``trainer.max_steps``) where there is
+    one."""
+    known = top_level_keys()
+    unknown = [str(k) for k in cfg if str(k) not in known]
+    if not unknown:
+        return
+    key = unknown[0]
+    value: Any = cfg._get_node(key)
+    typed = key if isinstance(value, DictConfig) else f"{key}={value}"
+    nested = sorted(path for path in _dotted_keys(cfg, skip=set(unknown)) if path.rsplit(".", 1)[-1] == key)
+    close = difflib.get_close_matches(key, sorted(known), n=1)
+    suffix = typed[len(key) :]  # "=value", or nothing for a node
+    if nested:
+        hint = f" Did you mean {' or '.join(path + suffix for path in nested)}?"
+    elif close:
+        hint = f" Did you mean {close[0]}{suffix}?"
+    else:
+        hint = ""
+    raise ConfigError(
+        f"+{typed} adds a top-level key that no part of gptlab reads: the run would ignore it.{hint} Remove "
+        f"it; the top level takes: {', '.join(sorted(known - {'hydra'}))}."
+    )
+
+
+def _dotted_keys(node: Any, prefix: str = "", skip: set[str] | None = None, depth: int = 3) -> list[str]:
+    """The dotted paths of ``node``'s keys, ``depth`` levels down (interpolations left unresolved)."""
+    if not isinstance(node, DictConfig) or depth == 0:
+        return []
+    paths: list[str] = []
+    for k in node.keys():
+        if skip and str(k) in skip:
+            continue
+        path = f"{prefix}{k!s}"
+        paths.append(path)
+        child = node._get_node(k)
+        if isinstance(child, DictConfig):
+            paths += _dotted_keys(child, path + ".", depth=depth - 1)
+    return paths
 
 
 def _flag(cfg: DictConfig, key: str) -> bool:
