@@ -36,6 +36,7 @@ from typing import Any
 
 from gptlab.errors import ConfigError
 from gptlab.model import activations, attention_variants, norms, positional
+from gptlab.model.mtp import MTPOptions
 from gptlab.registry import Choice, check_keys
 
 PARAMETRIZATIONS = ("standard", "mup")
@@ -80,9 +81,13 @@ class GPTConfig:
     attention: attention_variants.AttentionOptions = field(
         default_factory=attention_variants.AttentionOptions
     )
+    # Multi-token prediction's extra heads (the ``mtp`` config node, model/mtp.py): part of the model that
+    # trains them, so that its checkpoints hold them; depth 0 (the default) has none.
+    mtp: MTPOptions = field(default_factory=MTPOptions)
 
     def __post_init__(self) -> None:
         self.attention = attention_variants.AttentionOptions.from_node(self.attention)
+        self.mtp = MTPOptions.from_node(self.mtp)
         self.pos = positional.REGISTRY.choose(self.pos)
         self.activation = activations.REGISTRY.choose(self.activation)
         norm = norms.REGISTRY.choose(self.norm)
@@ -150,6 +155,7 @@ class GPTConfig:
             raise ConfigError(f"model.mlp_ratio={self.mlp_ratio} must be positive (or null for the default).")
         self._validate_parametrization()
         self.attention.check_depth(self.n_layer)
+        self.mtp.check_model(self)
         scheme = positional.get(self.pos.name)
         self.attention.check_model(
             self.head_dim,
@@ -213,6 +219,7 @@ class GPTConfig:
         for key in ("pos", "activation", "norm"):
             values[key] = getattr(self, key).node()
         values["attention"] = self.attention.node()
+        values["mtp"] = self.mtp.node()
         return values
 
     @classmethod
@@ -240,7 +247,7 @@ class GPTConfig:
 _MODEL_KEYS = [
     f.name
     for f in fields(GPTConfig)
-    if f.name not in ("pos", "activation", "norm", "norm_placement", "attention")
+    if f.name not in ("pos", "activation", "norm", "norm_placement", "attention", "mtp")
 ]
 
 # The parametrisation: how weights are initialised and scaled with width.

@@ -425,8 +425,9 @@ def schedule_of(optim: Choice, max_steps: int) -> Callable[[int], float]:
 def is_hidden_matrix(name: str, p: torch.Tensor) -> bool:
     """A 2-D weight inside a transformer block (attention Q/K/V and output projections, the MLP's two
     matrices): Muon's parameters, and the ones muP's Adam rule rescales. Embeddings, the head and any
-    positional scheme's own weights sit outside the blocks."""
-    return name.startswith("transformer.h.") and p.dim() == 2
+    positional scheme's own weights sit outside the blocks. Multi-token prediction's extra heads are blocks too
+    (model.param=mup refuses them)."""
+    return name.startswith(("transformer.h.", "mtp.blocks.")) and p.dim() == 2
 
 
 def split_parameters(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter], list[nn.Parameter]]:
