@@ -148,9 +148,13 @@ class GPT(nn.Module):
         # the rest zero and never read (model.vocab_multiple).
         pad_vocab_rows_(self.transformer.wte, config.padded_vocab_size)
         pad_vocab_rows_(self.lm_head, config.padded_vocab_size)
-        # Multi-token prediction's extra heads (mtp.depth > 0, model/mtp.py): made after every other layer, so
-        # that the model's own weights draw what they draw without them; used in training alone.
-        self.mtp = MTPHeads(config) if config.mtp.depth > 0 else None
+        # Multi-token prediction's extra heads (mtp.depth > 0, model/mtp.py), used in training alone. Their
+        # constructors' draws are discarded (reset_parameters draws every weight) and their parameters come
+        # last, so that the model's own weights are those drawn without them.
+        self.mtp: MTPHeads | None = None
+        if config.mtp.depth > 0:
+            with torch.random.fork_rng(devices=[]):
+                self.mtp = MTPHeads(config)
         if config.tie_weights:
             self.lm_head.weight = self.transformer.wte.weight  # the output layer reuses the embedding matrix
         self.output_mult = output_multiplier(config)
