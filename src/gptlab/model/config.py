@@ -36,7 +36,7 @@ from typing import Any
 
 from gptlab.errors import ConfigError
 from gptlab.model import activations, attention_variants, norms, positional
-from gptlab.model.mtp import MTPOptions
+from gptlab.model import mtp as multi_token
 from gptlab.registry import Choice, check_keys
 
 PARAMETRIZATIONS = ("standard", "mup")
@@ -83,11 +83,11 @@ class GPTConfig:
     )
     # Multi-token prediction's extra heads (the ``mtp`` config node, model/mtp.py): part of the model that
     # trains them, so that its checkpoints hold them; depth 0 (the default) has none.
-    mtp: MTPOptions = field(default_factory=MTPOptions)
+    mtp: multi_token.MTPOptions = field(default_factory=multi_token.MTPOptions)
 
     def __post_init__(self) -> None:
         self.attention = attention_variants.AttentionOptions.from_node(self.attention)
-        self.mtp = MTPOptions.from_node(self.mtp)
+        self.mtp = multi_token.MTPOptions.from_node(self.mtp)
         self.pos = positional.REGISTRY.choose(self.pos)
         self.activation = activations.REGISTRY.choose(self.activation)
         norm = norms.REGISTRY.choose(self.norm)
@@ -155,7 +155,7 @@ class GPTConfig:
             raise ConfigError(f"model.mlp_ratio={self.mlp_ratio} must be positive (or null for the default).")
         self._validate_parametrization()
         self.attention.check_depth(self.n_layer)
-        self.mtp.check_model(self)
+        self.mtp.check_model(self.block_size, self.param)
         scheme = positional.get(self.pos.name)
         self.attention.check_model(
             self.head_dim,

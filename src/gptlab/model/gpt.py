@@ -154,7 +154,9 @@ class GPT(nn.Module):
         self.mtp: MTPHeads | None = None
         if config.mtp.depth > 0:
             with torch.random.fork_rng(devices=[]):
-                self.mtp = MTPHeads(config)
+                self.mtp = MTPHeads(
+                    config.mtp, config.n_embd, config.norm, lambda: Block(config, config.n_layer - 1)
+                )
         if config.tie_weights:
             self.lm_head.weight = self.transformer.wte.weight  # the output layer reuses the embedding matrix
         self.output_mult = output_multiplier(config)

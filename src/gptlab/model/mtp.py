@@ -25,17 +25,16 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
 
 from gptlab.errors import ConfigError
-from gptlab.registry import build_options
-
-if TYPE_CHECKING:
-    from gptlab.model.config import GPTConfig
+from gptlab.model import norms
+from gptlab.registry import Choice, build_options
 
 __all__ = ["STYLES", "MTPHeads", "MTPOptions", "shifted_targets"]
 
@@ -97,12 +96,13 @@ class MTPOptions:
                 f"{context} (e.g. mtp.depth=1), or a longer context."
             )
 
-    def check_model(self, config: GPTConfig) -> None:
-        """The model settings the extra heads cannot honour, refused with the fix."""
+    def check_model(self, block_size: int, param: str) -> None:
+        """The model settings (``model.block_size``, ``model.param``) the extra heads cannot honour, refused
+        with the fix."""
         if self.depth == 0:
             return
-        self.check_context(config.block_size, "model.block_size")
-        if config.param == "mup":
+        self.check_context(block_size, "model.block_size")
+        if param == "mup":
             raise ConfigError(
                 f"mtp.depth={self.depth} with model.param=mup: the extra heads' initialisation and learning "
                 "rates are not scaled with the width, so the hyperparameters would not transfer. Use "
@@ -131,23 +131,21 @@ def shifted_targets(targets: Tensor, k: int, doc_ids: Tensor | None, ignore_inde
 
 
 class MTPHeads(nn.Module):
-    """The extra heads of :class:`MTPOptions` ``depth`` > 0: ``blocks[k-1]`` (a transformer layer, built as the
-    model's last) predicts the token k after the next one; the sequential style adds, per module, norms of the
-    previous hidden state and of the token embedding and the projection of their concatenation."""
+    """The extra heads of :class:`MTPOptions` ``depth`` > 0: ``blocks[k-1]`` (a transformer layer made by
+    ``make_block``, the model's last layer's kind) predicts the token k after the next one; the sequential
+    style adds, per module, ``norm``s (the model's norm, width ``n_embd``) of the previous hidden state and of
+    the token embedding, and the projection of their concatenation."""
 
-    def __init__(self, config: GPTConfig) -> None:
+    def __init__(
+        self, options: MTPOptions, n_embd: int, norm: Choice, make_block: Callable[[], nn.Module]
+    ) -> None:
         super().__init__()
-        from gptlab.model import norms
-        from gptlab.model.gpt import Block
-
-        options = config.mtp
         self.options = options
-        last = config.n_layer - 1
-        self.blocks = nn.ModuleList([Block(config, last) for _ in range(options.depth)])
+        self.blocks = nn.ModuleList([make_block() for _ in range(options.depth)])
         if options.style == "sequential":
-            h = config.n_embd
-            self.norm_hidden = nn.ModuleList([norms.build(config.norm, h) for _ in range(options.depth)])
-            self.norm_embed = nn.ModuleList([norms.build(config.norm, h) for _ in range(options.depth)])
+            h = n_embd
+            self.norm_hidden = nn.ModuleList([norms.build(norm, h) for _ in range(options.depth)])
+            self.norm_embed = nn.ModuleList([norms.build(norm, h) for _ in range(options.depth)])
             self.proj = nn.ModuleList([nn.Linear(2 * h, h, bias=False) for _ in range(options.depth)])
 
     def losses(
