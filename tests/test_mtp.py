@@ -283,6 +283,17 @@ def test_a_tiny_run_learns_and_logs_each_head_apart(make_cfg, tmp_path, capsys):
     trained = load_run(out)  # the checkpoint holds the heads; generation runs without them
     assert trained.model.mtp is not None and trained.model.config.mtp.depth == 2
     assert trained.model.generate(torch.zeros(1, 2, dtype=torch.long), 4).shape == (1, 6)
+    # resumed under another depth or weight: another model and objective, refused by name before training
+    from gptlab.errors import CheckpointError
+    from gptlab.runs.resume import inspect_checkpoint
+
+    ckpt = out / "checkpoints" / "last.ckpt"
+    config = trained.model.config
+    for other, named in (({"depth": 1, "weight": 0.5}, "mtp.depth=2"), ({"depth": 2}, "mtp.weight=0.5")):
+        changed = GPTConfig.from_dict({**config.to_dict(), "mtp": other})
+        with pytest.raises(CheckpointError, match=rf"is from a different model: .*Resume with .*{named}"):
+            inspect_checkpoint(ckpt, changed)
+    inspect_checkpoint(ckpt, config)
 
 
 @pytest.fixture
