@@ -412,3 +412,22 @@ def test_a_model_built_in_python_refuses_the_same(monkeypatch):
     with pytest.raises(ConfigError, match=r"mtp.depth=True must be a whole number"):
         MTPOptions(depth=True)
     assert isinstance(model_of(mtp={"depth": 11}).mtp.blocks[0], nn.Module)
+
+
+def test_the_model_card_and_the_memory_estimate_count_the_heads():
+    from gptlab.planning import activation_bytes_per_token, memory_per_device, model_card
+
+    config = GPTConfig(**SMALL, mtp={"depth": 2})
+    base = GPTConfig(**SMALL)
+    card = model_card(config, short=True)
+    mtp = counting.parameter_counts(config)["mtp"]
+    assert (
+        f"; of these, {mtp:,} in the 2 extra head(s) of multi-token prediction (mtp.style=parallel)" in card
+    )
+    assert "multi-token prediction" not in model_card(base, short=True)
+    # each head keeps at least a layer's activations, and its own output layer and loss until the backward
+    per_layer = activation_bytes_per_token(
+        GPTConfig(**{**SMALL, "n_layer": 3}), 4
+    ) - activation_bytes_per_token(base, 4)
+    assert activation_bytes_per_token(config, 4) >= activation_bytes_per_token(base, 4) + 2 * per_layer
+    assert memory_per_device(config).head == 3 * memory_per_device(base).head
