@@ -285,7 +285,9 @@ def interval_coverage(
 def non_embedding_parameters(run_dir: Path) -> float:
     """The non-embedding parameter count of the model a run trained, from its ``config_resolved.yaml``
     (the vocabulary does not enter it). Reads the model, pos, activation and norm nodes as the trainer does
-    (``gptlab.config.parse_model``), without importing the training stack."""
+    (``gptlab.config.parse_model``), without importing the training stack. Multi-token prediction's extra
+    heads (the ``mtp`` node) are left out: the fitted loss, val/loss, is the next-token model's, which does
+    not use them (the run's training FLOPs, model/flops_per_token, do count them)."""
     from gptlab.model.config import GPTConfig
     from gptlab.model.counting import parameter_counts
     from gptlab.runs.layout import Run

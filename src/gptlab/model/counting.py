@@ -42,8 +42,8 @@ and in the sequential style two norms and a 2 h x h projection; ``total`` and ``
 (they are trained), and ``mtp`` gives them apart: the model that generates has ``total - mtp``. Training FLOPs
 per token: each head's layer (its matrices and its attention over the last layer's keys), the shared output
 layer's V h once more for each head, and the sequential projection's 2 h^2, the part ``mtp`` of ``training``
-(so that MFU and the scaling fits count the work a step does); a forward pass in evaluation is a third of
-``training - mtp``.
+(so that MFU counts the work a step does); a forward pass in evaluation is a third of ``training - mtp``. The
+scaling fit's N leaves the heads out (comparison/scaling.py): the loss it fits is the next-token model's.
 """
 
 from __future__ import annotations
