@@ -186,6 +186,8 @@ def test_a_head_scores_only_its_documents_targets_and_adds_nothing_where_it_has_
     assert len(losses) == 1 and torch.isfinite(objective) and torch.equal(objective, losses[0])
     objective.backward()
     assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+    # the heads took part (a zero gradient for each of their weights, as distributed data parallel expects)
+    assert all(p.grad is not None and not p.grad.any() for p in model.mtp.parameters())
 
 
 # ---- gradients --------------------------------------------------------------------------------------------

@@ -165,8 +165,8 @@ class MTPHeads(nn.Module):
         (the parallel heads' input); ``final``: its output (the sequential modules' depth 0); ``embed``:
         token ids -> scaled embeddings; ``layer(block, x)``: ``block`` run at the model's positions, masks
         and biases. A head whose targets are all ignored (a window whose documents all end within k tokens)
-        adds nothing; the ignored targets of head k are a subset of head k+1's, so the losses returned are
-        those of the first heads, in order."""
+        adds zero and is not passed to ``output_loss``; the ignored targets of head k are a subset of head
+        k+1's, so the heads that reach ``output_loss`` are the first ones, in order."""
         out: list[Tensor] = []
         previous = final
         if self.options.style == "sequential":
@@ -174,9 +174,6 @@ class MTPHeads(nn.Module):
             ahead = torch.cat([idx, targets[:, -1:].clamp_min(0)], dim=1)
         for k, block in enumerate(self.blocks, start=1):
             shifted = shifted_targets(targets, k, doc_ids, ignore_index)
-            # A mean over no target is NaN (and so would be its gradients): checked here, one small sync.
-            if not bool((shifted != ignore_index).any()):
-                break
             if self.options.style == "parallel":
                 hidden = layer(block, trunk)
             else:
@@ -188,5 +185,11 @@ class MTPHeads(nn.Module):
                 )
                 hidden = layer(block, self.proj[k - 1](mixed))
                 previous = hidden
-            out.append(output_loss(hidden, shifted))
+            # A mean over no target is NaN, and so would be its gradients: checked here (one small sync). Such
+            # a head adds zero, through its weights all the same, so that every parameter takes part in each
+            # step (DistributedDataParallel expects a gradient for each), and it calls no output layer.
+            if bool((shifted != ignore_index).any()):
+                out.append(output_loss(hidden, shifted))
+            else:
+                out.append(hidden.sum() * 0.0)
         return out
