@@ -433,3 +433,33 @@ def test_the_model_card_and_the_memory_estimate_count_the_heads():
     ) - activation_bytes_per_token(base, 4)
     assert activation_bytes_per_token(config, 4) >= activation_bytes_per_token(base, 4) + 2 * per_layer
     assert memory_per_device(config).head == 3 * memory_per_device(base).head
+
+
+def test_what_the_module_reports_as_loss_and_flops_is_the_next_token_models(tmp_path):
+    import copy
+
+    import lightning as L
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from gptlab.training.module import GPTLitModule
+
+    torch.manual_seed(0)
+    module = GPTLitModule(model={**SMALL, "mtp": {"depth": 2}}, loss={"impl": "plain"})
+    before = copy.deepcopy(module.model)
+    x, y = batch()
+    trainer = L.Trainer(
+        accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, max_steps=1, limit_val_batches=0, default_root_dir=tmp_path,
+    )  # fmt: skip
+    trainer.fit(module, DataLoader(TensorDataset(x, y), batch_size=B))
+    next_token, _ = recorded(before, x, y, mtp=False)
+    objective, _ = recorded(before, x, y)
+    # the spike detector's train/loss (the step's, read before the update) is the next-token loss, not the
+    # objective it is part of
+    torch.testing.assert_close(module.last_train_loss, next_token.detach())
+    assert objective > next_token * 1.5
+    flops = counting.flops_per_token(module.model_config, T)
+    module.train()
+    assert module.flops_per_batch == int(flops["training"] * B * T)
+    module.eval()  # validation runs the next-token model alone
+    assert module.flops_per_batch == int((flops["training"] - flops["mtp"]) * B * T / 3)

@@ -172,8 +172,9 @@ class GPTLitModule(L.LightningModule):
                 self.log("lr/muon", group["lr"], on_step=True, on_epoch=False)
         # read by the spike detector before the optimizer step: the loss of the step so far, the mean over its
         # micro-batches (the whole step's at the last one: callbacks' on_before_optimizer_step run before this
-        # module's, which starts the next step's lists)
-        self._step_losses.append(loss.detach())
+        # module's, which starts the next step's lists). Under multi-token prediction, the next-token loss: the
+        # detector reports it as train/loss, and the objective adds the extra heads' losses to it.
+        self._step_losses.append(terms.loss.detach() if self.model.mtp is not None else loss.detach())
         self.last_train_loss = torch.stack(self._step_losses).mean()
         return loss
 
