@@ -155,9 +155,9 @@ class MTPHeads(nn.Module):
         idx: Tensor,
         targets: Tensor,
         doc_ids: Tensor | None,
-        embed: Any,
-        layer: Any,
-        output_loss: Any,
+        embed: Callable[[Tensor], Tensor],
+        layer: Callable[[nn.Module, Tensor], Tensor],
+        output_loss: Callable[[Tensor, Tensor], Tensor],
         ignore_index: int = -1,
     ) -> list[Tensor]:
         """The extra losses L_1..L_depth, in order, each through ``output_loss(hidden, targets)`` (the
