@@ -208,6 +208,10 @@ def parse_model(cfg: DictConfig) -> tuple[GPTConfig, bool, str | None]:
             f"layers are dense MLPs, but mlp={config.mlp.name} builds other weights. Use mlp=dense with "
             "model.init_from, or train the MoE from scratch (model.init_from=null)."
         )
+    if cfg.get("mtp") is not None:  # multi-token prediction's extra heads (model/mtp.py), held by the model
+        from gptlab.model.mtp import MTPOptions
+
+        config = dataclasses.replace(config, mtp=MTPOptions.from_node(plain(cfg.mtp)))
     return config, from_tokenizer, init_from
 
 
@@ -239,6 +243,20 @@ def check_window(model: GPTConfig, block_size: int) -> None:
         f"nothing. Use attention.window below {block_size} (e.g. attention.window={example}), a longer "
         "context (model.block_size), or attention.window=null for full attention in every layer."
     )
+
+
+def check_mtp(model: GPTConfig, context: int, init_from: str | None) -> None:
+    """Multi-token prediction's extra heads where the run cannot honour them: a training context too short
+    for their targets, or initial weights from a Hugging Face checkpoint, which holds no extra heads."""
+    if model.mtp.depth == 0:
+        return
+    model.mtp.check_context(context, "data.block_size")
+    if init_from:
+        raise ConfigError(
+            f"mtp.depth={model.mtp.depth} with model.init_from={init_from}: the checkpoint holds the next-token "
+            "model alone, not the extra heads, so they cannot be initialised from it. Train from scratch with "
+            "mtp.depth, or fine-tune from the checkpoint with mtp.depth=0."
+        )
 
 
 def check_document_mask(model: GPTConfig, loader: LoaderOptions, trainer: dict[str, Any]) -> None:
@@ -376,7 +394,9 @@ def parse_gpt(cfg: DictConfig) -> GPTRunConfig:
     optim = parse_optim(cast(dict[str, Any], plain(cfg.optim)), trainer["max_steps"], strategy.label)
     model, from_tokenizer, init_from = parse_model(cfg)
     data, loader = parse_data(cfg.data)
-    check_window(model, check_context(model, loader))
+    context = check_context(model, loader)
+    check_window(model, context)
+    check_mtp(model, context, init_from)
     check_document_mask(model, loader, trainer)
     study, passkey = parse_studies(cfg)
     if study is not None:

@@ -297,9 +297,13 @@ def activation_bytes_per_token(
         # input: one (N, h) more per norm
         per_layer += p * h * (4 if config.norm_placement == "sandwich" else 2)
         outside += p * h
+    # multi-token prediction: each extra head's layer (never recomputed) and its final norm's input; the
+    # sequential modules also keep the two normed inputs and their concatenation
+    sequential = config.mtp.style == "sequential"
+    mtp = config.mtp.depth * (per_layer + p * h + (4 * p * h if sequential else 0))
     if activation_checkpointing:
-        return L * p * h + per_layer + outside
-    return L * per_layer + outside
+        return L * p * h + per_layer + outside + mtp
+    return L * per_layer + outside + mtp
 
 
 def memory_per_device(config: GPTConfig, plan: TrainingPlan = TrainingPlan()) -> MemoryEstimate:
@@ -355,7 +359,9 @@ def memory_per_device(config: GPTConfig, plan: TrainingPlan = TrainingPlan()) ->
         activations=acts,
         buffers=buffers,
         host=host,
-        head=plan.head.bytes(config, micro_batch * T),
+        # the output layer and loss once for the next token and once for each head of multi-token prediction,
+        # each call's kept until the backward pass
+        head=plan.head.bytes(config, micro_batch * T) * (1 + config.mtp.depth),
     )
 
 
@@ -721,13 +727,21 @@ def _model_lines(c: GPTConfig, counts: dict[str, int], flops: dict[str, float], 
             else ""
         )
         + (
+            f"; of these, {counts['mtp']:,} in the {c.mtp.depth} extra head(s) of multi-token prediction "
+            f"(mtp.style={c.mtp.style}), trained and never used in inference"
+            if counts.get("mtp")
+            else ""
+        )
+        + (
             f"; and {counts['padding']:,} of padding, zero and never trained (the vocabulary stored as "
             f"{c.padded_vocab_size} rows: model.vocab_multiple={c.vocab_multiple})"
             if counts.get("padding")
             else ""
         ),
         f"Training FLOPs per token at context {T}: {human(flops['training'])} (6N + 12 L h T: dense "
-        f"{human(flops['dense'])}, attention {human(flops['attention'])})",
+        f"{human(flops['dense'])}, attention {human(flops['attention'])}"
+        + (f", multi-token prediction's heads {human(flops['mtp'])}" if flops.get("mtp") else "")
+        + ")",
     ]
 
 

@@ -315,7 +315,9 @@ def non_embedding_counts(run_dir: Path) -> tuple[float, float]:
     """(non-embedding parameters in all, those a token passes through) of the model a run trained, from its
     ``config_resolved.yaml`` (the vocabulary does not enter them): equal for a dense model; under ``mlp=moe``
     the second counts a token's top_k experts, not all of them. Read as the trainer reads the config
-    (:func:`gptlab.comparison.records.config_parameter_counts`), without importing the training stack."""
+    (:func:`gptlab.comparison.records.config_parameter_counts`), without importing the training stack. Multi-token prediction's extra heads (the
+    ``mtp`` node) are left out: the fitted loss, val/loss, is the next-token model's, which does not use them
+    (the run's training FLOPs, model/flops_per_token, do count them)."""
     from gptlab.comparison.records import config_parameter_counts
     from gptlab.runs.layout import Run
 

@@ -37,6 +37,7 @@ from typing import Any
 
 from gptlab.errors import ConfigError
 from gptlab.model import activations, attention_variants, feedforward, norms, positional
+from gptlab.model import mtp as multi_token
 from gptlab.registry import Choice, check_keys
 
 PARAMETRIZATIONS = ("standard", "mup")
@@ -83,9 +84,13 @@ class GPTConfig:
     )
     # The feed-forward layer: dense (the MLP) or moe (a Mixture of Experts, model/feedforward.py).
     mlp: Choice = field(default_factory=lambda: Choice("dense"))
+    # Multi-token prediction's extra heads (the ``mtp`` config node, model/mtp.py): part of the model that
+    # trains them, so that its checkpoints hold them; depth 0 (the default) has none.
+    mtp: multi_token.MTPOptions = field(default_factory=multi_token.MTPOptions)
 
     def __post_init__(self) -> None:
         self.attention = attention_variants.AttentionOptions.from_node(self.attention)
+        self.mtp = multi_token.MTPOptions.from_node(self.mtp)
         self.pos = positional.REGISTRY.choose(self.pos)
         self.activation = activations.REGISTRY.choose(self.activation)
         self.mlp = feedforward.REGISTRY.choose(self.mlp)
@@ -155,6 +160,7 @@ class GPTConfig:
         self._validate_parametrization()
         self._validate_mlp()
         self.attention.check_depth(self.n_layer)
+        self.mtp.check_model(self.block_size, self.param)
         scheme = positional.get(self.pos.name)
         self.attention.check_model(
             self.head_dim,
@@ -236,6 +242,7 @@ class GPTConfig:
         for key in ("pos", "activation", "norm", "mlp"):
             values[key] = getattr(self, key).node()
         values["attention"] = self.attention.node()
+        values["mtp"] = self.mtp.node()
         return values
 
     @classmethod
@@ -263,7 +270,7 @@ class GPTConfig:
 _MODEL_KEYS = [
     f.name
     for f in fields(GPTConfig)
-    if f.name not in ("pos", "activation", "norm", "norm_placement", "attention", "mlp")
+    if f.name not in ("pos", "activation", "norm", "norm_placement", "attention", "mlp", "mtp")
 ]
 
 # The parametrisation: how weights are initialised and scaled with width.

@@ -41,6 +41,15 @@ products a kernel ran. The plain and chunked paths multiply by all P rows on a G
 Cut Cross-Entropy's kernels take the first V rows only; counting V keeps one figure for every ``loss.impl``, so
 that a faster implementation shows as a higher MFU and never as more FLOPs. The difference is (P - V) / V of
 the head's share: 0.09% of it at GPT-2's vocabulary.
+
+Multi-token prediction (``mtp.depth`` = D > 0, model/mtp.py): D extra heads that training alone runs and
+inference never uses. Parameters: each head one more layer of the model's last layer's shape (``per_layer``),
+and in the sequential style two norms and a 2 h x h projection; ``total`` and ``non_embedding`` include them
+(they are trained), and ``mtp`` gives them apart: the model that generates has ``total - mtp``. Training FLOPs
+per token: each head's layer (its matrices and its attention over the last layer's keys), the shared output
+layer's V h once more for each head, and the sequential projection's 2 h^2, the part ``mtp`` of ``training``
+(so that MFU counts the work a step does); a forward pass in evaluation is a third of ``training - mtp``. The
+scaling fit's N leaves the heads out (comparison/scaling.py): the loss it fits is the next-token model's.
 """
 
 from __future__ import annotations
@@ -83,15 +92,18 @@ def parameter_counts(config: GPTConfig) -> dict[str, int]:
     head = 0 if config.tie_weights else V * h
     # The value residual's learned lambdas: every layer's but the first's, outside per_layer.
     lambdas = ValueResidual.parameter_count(config.attention.value_residual, config.n_layer)
-    total = embedding + config.n_layer * per_layer + lambdas + final_norm + head
+    mtp = config.mtp.depth * (per_layer + (2 * norm + 2 * h * h if config.mtp.style == "sequential" else 0))
+    total = embedding + config.n_layer * per_layer + lambdas + final_norm + head + mtp
     padding = (config.padded_vocab_size - V) * h * (1 if config.tie_weights else 2)
     return {
         "total": total,
         "embedding": embedding,
         "non_embedding": total - embedding,
-        "active": total - config.n_layer * inactive,
+        # the MoE layers' experts a token is not routed to, in the blocks and in any extra head's block
+        "active": total - (config.n_layer + config.mtp.depth) * inactive,
         "per_layer": per_layer,
         "padding": padding,
+        "mtp": mtp,  # multi-token prediction's extra heads: trained, never used in inference
     }
 
 
@@ -152,6 +164,15 @@ def matmul_parameters(config: GPTConfig) -> int:
     return config.n_layer * per_layer + config.vocab_size * h
 
 
+def mtp_head_matmul_parameters(config: GPTConfig) -> int:
+    """The weights of one multi-token prediction head that enter a matrix product per token: a layer's
+    (the mean layer's of ``matmul_parameters``), the shared output layer's V rows, and the sequential
+    style's 2 h x h projection."""
+    h, V = config.n_embd, config.vocab_size
+    layer = (matmul_parameters(config) - V * h) // config.n_layer
+    return layer + V * h + (2 * h * h if config.mtp.style == "sequential" else 0)
+
+
 def flops_per_token(config: GPTConfig, context: int | None = None) -> dict[str, float]:
     """Training (forward + backward) FLOPs per token, 6 N + 12 L h T (PaLM, appendix B), and its parts;
     N = ``matmul_parameters``."""
@@ -161,8 +182,17 @@ def flops_per_token(config: GPTConfig, context: int | None = None) -> dict[str, 
     # Per key, head and head dimension: 2 FLOPs a multiply-add x 3 (forward and backward) x the matrix
     # products (2: the scores and the weighted sum; differential: two half-width scores and two sums, 3).
     products = 3 if config.attention.differential else 2
-    attention = 6 * products * keys * config.n_head * config.head_dim
-    return {"training": float(dense + attention), "dense": float(dense), "attention": float(attention)}
+    per_key = 6 * products * config.n_head * config.head_dim
+    attention = per_key * keys
+    # multi-token prediction: each extra head a layer like the last (its keys), the output layer once more
+    last_keys = min(T, config.attention.layer_window(config.n_layer - 1) or T)
+    mtp = config.mtp.depth * (6 * mtp_head_matmul_parameters(config) + per_key * last_keys)
+    return {
+        "training": float(dense + attention + mtp),
+        "dense": float(dense),
+        "attention": float(attention),
+        "mtp": float(mtp),
+    }
 
 
 # ---- printing ---------------------------------------------------------------------------------------
@@ -184,6 +214,7 @@ __all__ = [
     "mlp_matmul_parameters",
     "mlp_parameters",
     "moe_options",
+    "mtp_head_matmul_parameters",
     "parameter_counts",
     "positional_parameters",
 ]

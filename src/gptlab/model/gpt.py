@@ -20,6 +20,7 @@ from gptlab.model.attention import FROM_SCHEME, AttentionBias, CausalSelfAttenti
 from gptlab.model.config import GPTConfig, hidden_init_std, output_multiplier
 from gptlab.model.feedforward import MLP, MoE, RoutingLosses, mlp_hidden_width
 from gptlab.model.head_loss import HeadLoss, soft_cap
+from gptlab.model.mtp import MTPHeads
 
 log = logging.getLogger(__name__)
 
@@ -122,6 +123,15 @@ class GPT(nn.Module):
         # the rest zero and never read (model.vocab_multiple).
         pad_vocab_rows_(self.transformer.wte, config.padded_vocab_size)
         pad_vocab_rows_(self.lm_head, config.padded_vocab_size)
+        # Multi-token prediction's extra heads (mtp.depth > 0, model/mtp.py), used in training alone. Their
+        # constructors' draws are discarded (reset_parameters draws every weight) and their parameters come
+        # last, so that the model's own weights are those drawn without them.
+        self.mtp: MTPHeads | None = None
+        if config.mtp.depth > 0:
+            with torch.random.fork_rng(devices=[]):
+                self.mtp = MTPHeads(
+                    config.mtp, config.n_embd, config.norm, lambda: Block(config, config.n_layer - 1)
+                )
         if config.tie_weights:
             self.lm_head.weight = self.transformer.wte.weight  # the output layer reuses the embedding matrix
         self.output_mult = output_multiplier(config)
@@ -196,6 +206,8 @@ class GPT(nn.Module):
             "non_embedding": total - embedding,
             "active": total - inactive,
             "padding": padding,
+            # multi-token prediction's extra heads, in total and non_embedding: trained, never used in inference
+            "mtp": sum(p.numel() for p in self.mtp.parameters()) if self.mtp is not None else 0,
         }
 
     def routing_losses(self) -> RoutingLosses | None:
@@ -203,8 +215,7 @@ class GPT(nn.Module):
         training step adds to the language-model loss, and the experts' load; None for a dense model. Each
         layer's record is taken (cleared), so that a later call never returns a stale pass."""
         layers = []
-        for block in self.transformer.h:
-            mlp = getattr(block, "mlp", None)
+        for mlp in self.modules():  # the blocks', then multi-token prediction's extra blocks' (mtp.depth)
             if isinstance(mlp, MoE) and mlp.routing is not None:
                 layers.append(mlp.routing)
                 mlp.routing = None
@@ -221,6 +232,7 @@ class GPT(nn.Module):
         head_loss: HeadLoss | None = None,
         doc_ids: Tensor | None = None,
         last_only: bool = False,
+        mtp: bool = False,
     ) -> tuple[Tensor | None, Tensor | None]:
         """idx: (B, T) token ids; targets: (B, T) next-token ids (-1 is ignored).
         ``doc_ids``: (B, T) the document of each token of a packed window, nondecreasing along T
@@ -230,7 +242,10 @@ class GPT(nn.Module):
         Returns logits (B, T, vocab_size) and the mean cross-entropy (or None without targets). With
         ``head_loss`` and targets, the output layer and loss are computed together (model/head_loss.py) and
         the logits, never held whole, are None. ``last_only``: the logits of the last position alone,
-        (B, 1, vocab_size), without targets (a prompt's chunks in ``prefill``)."""
+        (B, 1, vocab_size), without targets (a prompt's chunks in ``prefill``). ``mtp``: with ``head_loss``
+        and targets, the loss is the training objective of multi-token prediction (model/mtp.py), the
+        next-token loss plus ``mtp.weight`` times the extra heads' losses, each computed by ``head_loss``
+        after the next-token one; without it (evaluation, generation) the extra heads are not run."""
         B, T = idx.shape
         if last_only and targets is not None:
             raise ValueError("last_only=True gives the last position's logits alone: it takes no targets")
@@ -269,6 +284,8 @@ class GPT(nn.Module):
         softcap = self.config.attention.logit_softcap
         biases: dict[int | None, AttentionBias | None] = {}
         first_values: Tensor | None = None
+        run_mtp = mtp and self.mtp is not None and targets is not None and head_loss is not None
+        trunk: Tensor | None = None  # the last layer's input, multi-token prediction's shared trunk
         for i, block in enumerate(self.transformer.h):
             window = self.config.attention.layer_window(i)
             if window not in biases:
@@ -277,9 +294,12 @@ class GPT(nn.Module):
                 biases[window] = AttentionBias.build(
                     pos, positions, k_positions, use_flex, window, softcap, doc_ids
                 )
+            if run_mtp and i == self.config.n_layer - 1:
+                trunk = x
             x, values = block(x, pos, token_positions, cache, biases[window], first_values)
             if i == 0:
                 first_values = values  # the value residual's V_1 (None without one)
+        final = x
         x = self.transformer.ln_f(x)
         if self.output_mult != 1.0:
             x = x * self.output_mult  # muP's readout multiplier 1/m on the logits, applied before the head
@@ -291,9 +311,33 @@ class GPT(nn.Module):
                     f"the loss caps logits at {head_loss.final_softcap} but the model at {self.final_softcap}: "
                     "set GPT.final_softcap to the loss's final_softcap"
                 )
-            return None, head_loss(
+            objective = head_loss(
                 x, self.lm_head.weight, targets, self.lm_head.bias, vocab_size=self.config.vocab_size
             )
+            if run_mtp:
+                assert self.mtp is not None and trunk is not None
+                last_bias = biases[self.config.attention.layer_window(self.config.n_layer - 1)]
+
+                def layer(block: nn.Module, h: Tensor) -> Tensor:
+                    return block(h, pos, token_positions, None, last_bias, first_values)[0]
+
+                def embed(tokens: Tensor) -> Tensor:
+                    e = self.transformer.wte(tokens)
+                    return e * self.config.embed_scale if self.config.embed_scale != 1.0 else e
+
+                def output_loss(h: Tensor, shifted: Tensor) -> Tensor:
+                    h = self.transformer.ln_f(h)
+                    h = h * self.output_mult if self.output_mult != 1.0 else h
+                    return head_loss(
+                        h, self.lm_head.weight, shifted, self.lm_head.bias, vocab_size=self.config.vocab_size
+                    )
+
+                extra = self.mtp.losses(
+                    trunk, final, idx, targets, doc_ids, embed, layer, output_loss, head_loss.ignore_index
+                )
+                if extra:
+                    objective = objective + self.mtp.options.weight * torch.stack(extra).sum()
+            return None, objective
         if last_only:
             x = x[:, -1:]
         # The product with every stored row (aligned), then the vocabulary's columns alone: the padding rows'

@@ -96,6 +96,8 @@ class GPTLitModule(L.LightningModule):
         self._step_losses: list[Tensor] = []  # the loss (with any z-loss) of each of them
         # the MoE layers' routing (mlp=moe) of each of them: detached losses and load, logged per step
         self._step_routing: list[dict[str, Tensor]] = []
+        # under multi-token prediction: (each extra head's cross-entropy, the objective) of each of them
+        self._step_mtp: list[tuple[list[Tensor], Tensor]] = []
 
     def forward(self, idx: Tensor, targets: Tensor | None = None):
         return self.model(idx, targets)
@@ -116,7 +118,13 @@ class GPTLitModule(L.LightningModule):
         if self._batch_shape is None:
             return 0
         B, T = self._batch_shape
-        return int(self.flops_per_token(T) * B * T / (1 if self.training else 3))
+        if self.training:
+            return int(self.flops_per_token(T) * B * T)
+        from gptlab.model.counting import flops_per_token
+
+        # evaluation runs the next-token model alone: not multi-token prediction's extra heads
+        counts = flops_per_token(self.model_config, T)
+        return int((counts["training"] - counts["mtp"]) * B * T / 3)
 
     def on_fit_start(self) -> None:
         # train.py refuses a CUDA kernel that cannot run at config time (preflight.check_loss); from Python,
@@ -140,12 +148,15 @@ class GPTLitModule(L.LightningModule):
         x, y, *doc_ids = batch  # doc_ids: [(B, T) document ids] under data.document_mask=true, else []
         self._batch_shape = tuple(x.shape)
         head = RecordingHeadLoss.of(self.head_loss)
-        _, loss = self.model(x, y, head_loss=head, doc_ids=doc_ids[0] if doc_ids else None)
+        _, loss = self.model(x, y, head_loss=head, doc_ids=doc_ids[0] if doc_ids else None, mtp=True)
         check_finite_loss(loss, step=self.global_step + 1, strategy=self.trainer.strategy)
         loss = self._add_routing_losses(loss)
         # train/loss is the cross-entropy alone, comparable across runs; the z-loss is logged apart. Both are
-        # logged once per optimizer step, over all of its micro-batches (on_before_optimizer_step).
-        (terms,) = head.calls
+        # logged once per optimizer step, over all of its micro-batches (on_before_optimizer_step). Under
+        # multi-token prediction the next-token call comes first, then one per extra head (model/mtp.py).
+        terms, *extra = head.calls
+        if self.model.mtp is not None:
+            self._step_mtp.append(([t.cross_entropy.detach() for t in extra], loss.detach()))
         self._step_terms.append(
             (
                 terms.cross_entropy.detach(),
@@ -164,8 +175,9 @@ class GPTLitModule(L.LightningModule):
                 self.log("lr/muon", group["lr"], on_step=True, on_epoch=False)
         # read by the spike detector before the optimizer step: the loss of the step so far, the mean over its
         # micro-batches (the whole step's at the last one: callbacks' on_before_optimizer_step run before this
-        # module's, which starts the next step's lists)
-        self._step_losses.append(loss.detach())
+        # module's, which starts the next step's lists). Under multi-token prediction, the next-token loss: the
+        # detector reports it as train/loss, and the objective adds the extra heads' losses to it.
+        self._step_losses.append(terms.loss.detach() if self.model.mtp is not None else loss.detach())
         self.last_train_loss = torch.stack(self._step_losses).mean()
         return loss
 
@@ -175,9 +187,12 @@ class GPTLitModule(L.LightningModule):
         # which train on equal batches. Logged from the last micro-batch's training_step, it would be that
         # micro-batch's alone, and rank 0's alone.
         terms, self._step_terms, self._step_losses = self._step_terms, [], []
+        mtp, self._step_mtp = self._step_mtp, []
         if not terms:
             return
         distributed = self.trainer.world_size > 1
+        if mtp:
+            self._log_mtp(mtp, distributed)
         cross_entropy = torch.stack([ce for ce, _ in terms]).mean()
         self.log(
             "train/loss", cross_entropy, prog_bar=True, on_step=True, on_epoch=False, sync_dist=distributed
@@ -210,6 +225,19 @@ class GPTLitModule(L.LightningModule):
             }
         )
         return loss + routing.objective
+
+    def _log_mtp(self, micro_batches: list[tuple[list[Tensor], Tensor]], distributed: bool) -> None:
+        """train/objective (what the step differentiates: the next-token loss plus mtp.weight times the extra
+        heads') and train/mtp_loss_<k>, the cross-entropy of the head predicting the token k after the next
+        one, each the mean over the step's micro-batches. A head whose targets were all ignored in a
+        micro-batch (model/mtp.py) is averaged over the others; in none of them, it is NaN."""
+        objective = torch.stack([o for _, o in micro_batches]).mean()
+        self.log("train/objective", objective, on_step=True, on_epoch=False, sync_dist=distributed)
+        for k in range(1, self.model_config.mtp.depth + 1):
+            values = [losses[k - 1] for losses, _ in micro_batches if len(losses) >= k]
+            # every key on every rank (a distributed log is a collective); NaN where no target was scored
+            value = torch.stack(values).mean() if values else torch.full((), float("nan"), device=self.device)
+            self.log(f"train/mtp_loss_{k}", value, on_step=True, on_epoch=False, sync_dist=distributed)
 
     # ---- validation -----------------------------------------------------------------------------
     def on_validation_epoch_start(self) -> None:

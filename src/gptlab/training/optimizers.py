@@ -425,11 +425,16 @@ def schedule_of(optim: Choice, max_steps: int) -> Callable[[int], float]:
 def is_hidden_matrix(name: str, p: torch.Tensor) -> bool:
     """A 2-D weight inside a transformer block (attention Q/K/V and output projections, the MLP's two
     matrices, each MoE expert's two, one matrix per expert): Muon's parameters, and the ones muP's Adam rule
-    rescales. Embeddings, the head and any positional scheme's own weights sit outside the blocks. An MoE
-    router (``mlp.router``) is not one: like the head it is a readout, a token's logits over a few classes
-    (the experts) whose scale the softmax and the z-loss read, and an orthogonalised update would give each of
-    its few rows the same step whatever its gradient; it takes AdamW, with the embeddings and the head."""
-    return name.startswith("transformer.h.") and p.dim() == 2 and not name.endswith(".mlp.router.weight")
+    rescales. Embeddings, the head and any positional scheme's own weights sit outside the blocks. Multi-token
+    prediction's extra heads are blocks too (model.param=mup refuses them). An MoE router (``mlp.router``) is
+    not one: like the head it is a readout, a token's logits over a few classes (the experts) whose scale the
+    softmax and the z-loss read, and an orthogonalised update would give each of its few rows the same step
+    whatever its gradient; it takes AdamW, with the embeddings and the head."""
+    return (
+        name.startswith(("transformer.h.", "mtp.blocks."))
+        and p.dim() == 2
+        and not name.endswith(".mlp.router.weight")
+    )
 
 
 def split_parameters(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter], list[nn.Parameter]]:
