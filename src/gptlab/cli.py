@@ -76,10 +76,134 @@ def group_choices(group: str) -> str:
     return ", ".join(sorted(GlobalHydra.instance().config_loader().get_group_options(group)))
 
 
+#: What each config group of conf/ swaps, a line each on ``python train.py --help`` (tests/test_entry_point.py
+#: checks that every group has one); docs/configuration.md has the table and the keys.
+GROUP_SUMMARIES = {
+    "model": "depth, width, heads and context (tiny ~ 6.8M parameters ... gpt3 175B, meta device only)",
+    "pos": "the positional encoding",
+    "activation": "the feed-forward network's non-linearity (swiglu, geglu, reglu: gated)",
+    "norm": "Add & Norm: LayerNorm or RMSNorm (norm.placement below)",
+    "attention": "QK-norm, sliding windows, logit softcap, output gate, value residual, differential",
+    "tokenizer": "tokenization: GPT-2's byte-pair encoding, a word vocabulary, characters",
+    "data": "the corpus, its windows and document masking (data.path / data.name below)",
+    "optim": "the optimizer and its learning-rate schedule (optim.schedule below)",
+    "loss": "how the output layer and its cross-entropy are computed (loss.impl below), z-loss, softcap",
+    "trainer": "steps, devices, precision, validation: every trainer.* key goes to lightning.Trainer",
+    "strategy": "the parallel strategy, for trainer.devices > 1 or several nodes",
+    "logger": "experiment tracking (W&B offline unless logged in); several at once: 'logger=[wandb,csv]'",
+    "callbacks": "checkpoints, the progress line, samples at each validation, the spike detector",
+    "paths": "where run directories and token caches go",
+    "debug": "a 10-step run of a very small model: does the command work?",
+    "experiment": "a sweep preset, run with -m",
+    "hparams_search": "an Optuna search over the learning rate and the warmup, run with -m",
+    "word2vec": "the options of task=word2vec",
+}
+
+
+@dataclass(frozen=True)
+class KeyChoices:
+    """A choice made by a key rather than a group (``loss.impl=chunked``), for the help page. ``values`` are
+    the accepted ones, in the order the code lists them (tests check them against it); empty for a key whose
+    value is free (a path), which ``shown`` then describes."""
+
+    key: str
+    values: tuple[str, ...]
+    summary: str
+    shown: str = ""
+
+
+#: The help page's choices made by a key: the values each takes and what it chooses.
+KEY_CHOICES = (
+    KeyChoices(
+        "task", ("gpt", "word2vec"), "what to train: the language model, or word vectors (word2vec.*)"
+    ),
+    KeyChoices(
+        "loss.impl",
+        ("auto", "chunked", "torch", "plain", "liger", "cce"),
+        "how the output layer and its loss are computed, same loss (auto: chunked); liger and cce: CUDA kernels",
+    ),
+    KeyChoices(
+        "data.path",
+        (),
+        "txt/jsonl/json/parquet/csv files, a glob or a folder; or nanoGPT's / llm.c's token files",
+        "data.path=<files>",
+    ),
+    KeyChoices(
+        "data.name",
+        (),
+        "a Hugging Face hub dataset (network; data.config_name, data.split); with neither: the embedded corpus",
+        "data.name=<dataset>",
+    ),
+    KeyChoices("norm.placement", ("pre", "post", "sandwich"), "where the norms sit around each sublayer"),
+    KeyChoices("optim.schedule", ("cosine", "wsd"), "after the warmup: cosine decay, or warmup-stable-decay"),
+    KeyChoices(
+        "compile",
+        ("auto", "true", "false"),
+        "torch.compile per block (auto: on CUDA, off on a CPU, as the run says)",
+    ),
+)
+
+HELP_INDENT = "    "
+HELP_WIDTH = 110
+
+
+def _chosen(values: list[str], current: Any) -> str:
+    """``values`` comma-separated, the one this command takes marked with a ``*``."""
+    return ", ".join(f"{value}*" if value == str(current) else value for value in values)
+
+
+def _wrapped(text: str) -> str:
+    import textwrap
+
+    return textwrap.fill(
+        text, HELP_WIDTH, initial_indent=HELP_INDENT, subsequent_indent=HELP_INDENT, break_on_hyphens=False
+    )
+
+
+def help_groups(*, _root_: DictConfig) -> str:
+    """The help page's config groups: each group of conf/ (the same list as Hydra's own page), what it swaps
+    (:data:`GROUP_SUMMARIES`), and its choices with the one this command takes marked (``pos=rope --help``
+    marks rope). Read when the page is shown, so it lists the YAML files that are there."""
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.object_type import ObjectType
+
+    if not GlobalHydra.instance().is_initialized():
+        return ""
+    loader = GlobalHydra.instance().config_loader()
+    taken = OmegaConf.select(_root_, "hydra.runtime.choices", default=None) or {}
+    lines = []
+    for group in sorted(loader.list_groups("")):
+        options = sorted(loader.get_group_options(group, ObjectType.CONFIG))
+        if group == "hydra" or not options:
+            continue
+        lines.append(f"{group}: {GROUP_SUMMARIES.get(group, '')}".rstrip())
+        lines.append(_wrapped(_chosen(options, taken.get(group))))
+    return "\n".join(lines)
+
+
+def help_keys(*, _root_: DictConfig) -> str:
+    """The help page's choices made by a key (:data:`KEY_CHOICES`), the value this command takes marked."""
+    lines = []
+    for choice in KEY_CHOICES:
+        current = OmegaConf.select(_root_, choice.key, default=None)
+        if isinstance(current, bool):
+            current = str(current).lower()
+        shown = choice.shown or f"{choice.key}: {_chosen(list(choice.values), current)}"
+        lines.append(shown)
+        lines.append(_wrapped(choice.summary))
+    return "\n".join(lines)
+
+
 def register_help_resolver() -> None:
-    """``${gptlab_choices:GROUP}`` for conf/hydra/help/gptlab.yaml."""
-    if not OmegaConf.has_resolver("gptlab_choices"):
-        OmegaConf.register_new_resolver("gptlab_choices", group_choices)
+    """``${gptlab_choices:GROUP}``, ``${gptlab_groups:}`` and ``${gptlab_keys:}`` for
+    conf/hydra/help/gptlab.yaml."""
+    for name, resolver in (
+        ("gptlab_choices", group_choices),
+        ("gptlab_groups", help_groups),
+        ("gptlab_keys", help_keys),
+    ):
+        if not OmegaConf.has_resolver(name):
+            OmegaConf.register_new_resolver(name, resolver)
 
 
 def unknown_choice(error: Exception) -> str | None:
