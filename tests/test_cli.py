@@ -404,11 +404,67 @@ def test_generate_takes_a_run_directory_as_a_bare_path_and_says_which_checkpoint
     generate_script.main([str(run_dir), *args])
     by_path = capsys.readouterr()
     best = next((run_dir / "checkpoints").glob("best-*.ckpt"))
-    assert by_path.err.strip() == f"# {best} (the run's best checkpoint)"
+    assert by_path.err.splitlines()[0] == f"# {best} (the run's best checkpoint)"
     generate_script.main([f"ckpt={best}", *args])
     by_file = capsys.readouterr()
-    assert by_file.err.strip() == f"# {best}"  # a checkpoint given is the one read: nothing to say
+    assert by_file.err.splitlines()[0] == f"# {best}"  # a checkpoint given is the one read: nothing to say
     assert by_file.out == by_path.out and by_path.out.startswith("The")
+
+
+@pytest.mark.parametrize(
+    "args,said",
+    [
+        (
+            [],
+            "# sampled at temperature=1, top_k=40, top_p=null (no nucleus), seed=0; at most 4 new tokens, "
+            "ending early at <|endoftext|>",
+        ),
+        (
+            ["temperature=0.7", "top_k=0", "top_p=0.9", "seed=3"],
+            "# sampled at temperature=0.7, top_k=null (the whole vocabulary), top_p=0.9, seed=3; at most 4 new "
+            "tokens, ending early at <|endoftext|>",
+        ),
+        (
+            ["temperature=0"],
+            "# greedy decoding (temperature=0: the likeliest token each time; top_k and top_p do not apply); at "
+            "most 4 new tokens, ending early at <|endoftext|>",
+        ),
+    ],
+)
+def test_generate_says_how_it_chose_the_tokens(trained, generate_script, capsys, args, said):
+    _, run_dir, _ = trained
+    generate_script.main([str(run_dir), "prompt=The", "max_new_tokens=4", *args])
+    printed = capsys.readouterr()
+    assert printed.err.splitlines()[1:] == [said]
+    assert said not in printed.out  # the text alone on stdout, for a file or a pipe
+
+
+def test_generate_shows_the_prompt_apart_on_a_terminal_and_plain_elsewhere(
+    trained, generate_script, monkeypatch
+):
+    import io
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    _, run_dir, _ = trained
+    args = [str(run_dir), "prompt=The for", "max_new_tokens=4", "samples=2"]
+    printed = {}
+    for name, stream in (("pipe", io.StringIO()), ("terminal", Terminal())):
+        monkeypatch.setattr(sys, "stdout", stream)
+        generate_script.main(args)
+        printed[name] = stream.getvalue()
+    monkeypatch.setenv("NO_COLOR", "1")
+    monkeypatch.setattr(sys, "stdout", Terminal())
+    generate_script.main(args)
+    printed["NO_COLOR"] = sys.stdout.getvalue()
+    samples = [text for text in printed["pipe"].split("-" * 40 + "\n") if text]
+    assert len(samples) == 2 and all(text.startswith("The for") for text in samples)
+    # the same text, the prompt bold: the continuation after it is what the model wrote
+    assert printed["terminal"] == printed["pipe"].replace("The for", "\x1b[1mThe for\x1b[0m")
+    assert printed["terminal"].count("\x1b[1mThe for\x1b[0m") == 2
+    assert printed["NO_COLOR"] == printed["pipe"]
 
 
 def test_progress_is_a_bar_on_a_terminal_and_lines_elsewhere(monkeypatch):
