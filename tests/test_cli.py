@@ -10,7 +10,7 @@ from datetime import datetime
 
 import pytest
 import torch
-from conftest import TINY, run_train
+from conftest import ROOT, TINY, run_train
 
 from gptlab.errors import ConfigError
 from gptlab.tracking.wandb_runs import find_runs, read_run
@@ -375,6 +375,10 @@ def generate_script():
             ["no-such-run"],
             "generate: error: no-such-run does not exist: pass a run directory or a checkpoint.",
         ),
+        (  # a file of the run that is not a checkpoint: said so, without the advice to delete it
+            [str(ROOT / "docs" / "tour" / "val_loss.png")],
+            "val_loss.png cannot be read: it is not a PyTorch checkpoint (it begins b'\\x89PNG",
+        ),
     ],
 )
 def test_generate_refuses_a_mistyped_option_with_the_closest_one(generate_script, capsys, argv, shown):
@@ -383,7 +387,7 @@ def test_generate_refuses_a_mistyped_option_with_the_closest_one(generate_script
     err = capsys.readouterr().err
     assert ended.value.code == 2
     assert err.startswith("usage: python scripts/generate.py ckpt=") and shown in err, err
-    assert "Traceback" not in err
+    assert "Traceback" not in err and "delete it" not in err
 
 
 def test_generate_has_a_help_page_with_every_option_and_its_default(generate_script, capsys):

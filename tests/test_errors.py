@@ -634,9 +634,13 @@ def test_unreadable_checkpoint_names_the_file(trained, make_cfg, tmp_path, damag
         with open(bad, "r+b") as f:
             f.truncate(bad.stat().st_size // 2)
         message = rf"Checkpoint {bad} cannot be read .*truncated, corrupt"
-    elif damage == "not-a-checkpoint":
+    elif damage == "not-a-checkpoint":  # another file where a checkpoint goes: not told to delete it
         bad.write_text("hello")
-        message = rf"Checkpoint {bad} cannot be read"
+        message = (
+            rf"^Checkpoint {bad} cannot be read: it is not a PyTorch checkpoint \(it begins b'hello'; "
+            r"torch.save's files begin with a zip archive's b'PK'\)\. Pass a run directory written by "
+            r"`python train.py` \(outputs/runs/<date>/<time>\) or one of its checkpoints"
+        )
     else:
         message = rf"resume={bad}: no such file or directory.*resume=auto"
     model_config = build_model_config(make_cfg(*TINY), build_tokenizer(make_cfg(*TINY)))
