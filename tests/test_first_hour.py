@@ -10,7 +10,7 @@ import sys
 import warnings
 
 import pytest
-from conftest import TINY, load_script
+from conftest import ROOT, TINY, load_script
 
 import gptlab
 
@@ -106,3 +106,25 @@ def test_a_short_precision_reaches_lightning_by_its_full_name_without_its_warnin
             default_root_dir=tmp_path,
         )
     assert not [w for w in caught if "precision" in str(w.message)], [str(w.message) for w in caught]
+
+
+@pytest.mark.parametrize("script", ["compare", "eval_length", "evaluate", "model_card"])
+def test_a_scripts_usage_is_the_command_that_runs_it_and_its_errors_are_named_as_its_own(
+    script, capsys, monkeypatch
+):
+    """``usage: python scripts/compare.py ...`` (the command to copy, as scripts/generate.py's), and argparse's
+    refusals named as the script's own are (``compare: error: ...``)."""
+    monkeypatch.setattr(sys, "argv", [str(ROOT / "scripts" / f"{script}.py")])
+    module = load_script(script)
+    try:
+        with pytest.raises(SystemExit) as helped:
+            module.main(["--help"])
+        page = capsys.readouterr().out
+        with pytest.raises(SystemExit) as ended:
+            module.main(["--no-such-flag"])
+    finally:
+        sys.modules.pop(script, None)
+    err = capsys.readouterr().err
+    assert helped.value.code == 0 and page.startswith(f"usage: python scripts/{script}.py "), page
+    assert ended.value.code == 2 and err.startswith(f"usage: python scripts/{script}.py "), err
+    assert f"\n{script}: error: " in err, err

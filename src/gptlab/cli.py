@@ -36,7 +36,24 @@ from gptlab.runs.naming import is_multirun
 class ArgumentParser(argparse.ArgumentParser):
     """The scripts' argument parser: argparse's, whose refusal of an option it does not know names the
     closest one it does (``--basline``: "Did you mean --baseline?"), as ``train.py`` does for a mistyped
-    choice or key."""
+    choice or key. Its usage line is the command that runs the script (``usage: python
+    scripts/compare.py ...``, as scripts/generate.py's), and its refusals begin as the scripts' own do
+    (``compare: error: ...``, status 2)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        script = Path(sys.argv[0]) if sys.argv and sys.argv[0] else None
+        if (
+            "prog" not in kwargs
+            and script is not None
+            and script.suffix == ".py"
+            and script.parent.name == "scripts"
+        ):
+            kwargs["prog"] = f"python scripts/{script.name}"
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str) -> Any:
+        self.print_usage(sys.stderr)
+        self.exit(2, f"{Path(self.prog.split()[-1]).stem}: error: {message}\n")
 
     def parse_args(self, args: Any = None, namespace: Any = None) -> Any:
         parsed, extras = self.parse_known_args(args, namespace)
