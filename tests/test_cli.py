@@ -39,6 +39,12 @@ def trained(tmp_path_factory):
 def test_train_run_lowers_the_loss_and_leaves_a_checkpoint(trained):
     root, run_dir, proc = trained
     out = proc.stdout + proc.stderr
+    # the closing block opens with what the command changed and the seed: pasted alone, it says its run
+    closing = proc.stdout[proc.stdout.index("\nOverrides: ") + 1 :].splitlines()
+    assert closing[0].startswith(f"Overrides: {' '.join(TINY)} trainer.max_steps=30 "), closing[0]
+    assert closing[0].endswith(f" paths.root_dir={root} (seed 1337)") and closing[1].startswith(
+        "Final validation"
+    )
     assert "Parameters: total" in out and "non-embedding" in out
     assert "unigram entropy of the validation split" in out
     assert str(run_dir) in out
@@ -496,3 +502,9 @@ def test_progress_is_a_bar_on_a_terminal_and_lines_elsewhere(monkeypatch):
     assert progress_bar("bar", refresh_rate=0).refresh_rate == 0  # Lightning's way to draw no bar
     with pytest.raises(ConfigError, match=r"refresh_rate=-1 must be a whole number of steps, 0 or more"):
         progress_bar(refresh_rate=-1)
+
+
+def test_the_closing_overrides_line_of_a_run_outside_hydra_says_it_took_the_defaults():
+    from gptlab.tasks.gpt import overrides_line
+
+    assert overrides_line(7) == "Overrides: none, the defaults (seed 7)"
