@@ -380,3 +380,12 @@ def test_the_card_counts_the_head_the_run_takes(make_cfg):
     # 400 MiB of logits: fp32 ones in the eager pass; bf16 ones, twice the rows, in the fused pass (with triton)
     fused = planning.HeadPlan.of(HeadLoss("chunked"), "cuda", "bf16-mixed").fused
     assert f"{4168 if fused else 2080:,} rows per chunk" in text and cuda_chunked.head < 1.5 * GiB
+
+
+def test_the_cards_first_line_counts_one_layer_and_one_head_in_the_singular(make_cfg):
+    from gptlab.planning import model_card
+
+    one = model_card(gptlab.build_model_config(make_cfg("model.n_layer=1", "model.n_head=1"))).splitlines()[0]
+    assert one.startswith("Model: 1 layer x 1 head x 128 wide, "), one
+    two = model_card(gptlab.build_model_config(make_cfg())).splitlines()[0]
+    assert two.startswith("Model: 2 layers x 4 heads x 128 wide, "), two

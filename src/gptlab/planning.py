@@ -696,7 +696,8 @@ def _model_lines(c: GPTConfig, counts: dict[str, int], flops: dict[str, float], 
     """The card's first lines: the architecture, the parameter counts and the training FLOPs per token."""
     gqa = f", {c.kv_heads} key/value heads" if c.kv_heads != c.n_head else ""
     return [
-        f"Model: {c.n_layer} layers x {c.n_head} heads{gqa} x {c.n_embd} wide, MLP {mlp_hidden_width(c)} wide, "
+        f"Model: {c.n_layer} layer{'s' * (c.n_layer != 1)} x {c.n_head} head{'s' * (c.n_head != 1)}{gqa} x "
+        f"{c.n_embd} wide, MLP {mlp_hidden_width(c)} wide, "
         f"context {c.block_size}, vocabulary {c.vocab_size}; pos={c.pos.name}, activation={c.activation.name}, "
         f"norm={c.norm.name} ({c.norm_placement}), bias {'on' if c.bias else 'off'}, head "
         f"{'tied to' if c.tie_weights else 'separate from'} the token embedding"
