@@ -64,6 +64,7 @@ def test_a_short_epoch_logs_at_every_interval_without_lightnings_warning_or_noti
         ("plot_positions", ["--positons", "64"], "--positions"),
         ("eval_embeddings", ["--against-gensin"], "--against-gensim"),
         ("coord_check", ["--widhts", "64"], "--widths"),
+        ("benchmark", ["model=small", "--roudns", "3"], "--rounds"),
     ],
 )
 def test_a_scripts_mistyped_flag_is_refused_with_the_closest_one(script, argv, closest, capsys):
@@ -110,7 +111,7 @@ def test_a_short_precision_reaches_lightning_by_its_full_name_without_its_warnin
     assert not [w for w in caught if "precision" in str(w.message)], [str(w.message) for w in caught]
 
 
-@pytest.mark.parametrize("script", ["compare", "eval_length", "evaluate", "model_card"])
+@pytest.mark.parametrize("script", ["compare", "eval_length", "evaluate", "model_card", "benchmark"])
 def test_a_scripts_usage_is_the_command_that_runs_it_and_its_errors_are_named_as_its_own(
     script, capsys, monkeypatch
 ):

@@ -57,15 +57,18 @@ class ArgumentParser(argparse.ArgumentParser):
 
     def parse_args(self, args: Any = None, namespace: Any = None) -> Any:
         parsed, extras = self.parse_known_args(args, namespace)
-        self._refuse(extras)
+        self.refuse_unknown(extras)
         return parsed
 
     def parse_intermixed_args(self, args: Any = None, namespace: Any = None) -> Any:
         parsed, extras = self.parse_known_intermixed_args(args, namespace)
-        self._refuse(extras)
+        self.refuse_unknown(extras)
         return parsed
 
-    def _refuse(self, extras: list[str]) -> None:
+    def refuse_unknown(self, extras: list[str]) -> None:
+        """Refuse the arguments ``extras`` that the parser does not take (none: nothing to do), each
+        mistyped flag with the closest one it does take (a script that passes the rest on, as Hydra
+        overrides, calls it with the flags left over)."""
         if not extras:
             return
         flags = [flag for action in self._actions for flag in action.option_strings if flag.startswith("--")]
