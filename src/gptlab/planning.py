@@ -768,7 +768,9 @@ def startup_card(
 
 
 def _gib(n: float, decimals: int = 2) -> str:
-    """``n`` bytes in GiB, or in MiB below a unit of the last decimal (the card 2 decimals, a refusal 1)."""
-    if n >= 10**-decimals * GiB:
+    """``n`` bytes in GiB with ``decimals`` decimals (the card 2, a refusal 1), or in MiB with one fewer below
+    ten units of the last decimal, so that every figure keeps two significant digits (AdamW's 12.4 MiB, not
+    "0.01 GiB")."""
+    if n >= 10 ** (1 - decimals) * GiB:
         return f"{n / GiB:,.{decimals}f} GiB"
     return f"{n / 2**20:,.{decimals - 1}f} MiB"
