@@ -1051,9 +1051,9 @@ def startup_benchmark(args, overrides: list[str]) -> tuple[dict, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    from gptlab.cli import ArgumentParser  # its usage line is the command (python scripts/benchmark.py)
+
+    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
         "--rounds", type=int, default=None, help="timed rounds (default 5; --per-step: 2; --startup: 3)"
     )
@@ -1085,9 +1085,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--max-steps", type=int, default=1, help="--startup: trainer.max_steps of each run")
     args, overrides = parser.parse_known_args(argv)
-    bad = [o for o in overrides if o.startswith("-")]
-    if bad:
-        parser.error(f"unknown option(s) {bad}; Hydra overrides are written key=value")
+    parser.refuse_unknown([o for o in overrides if o.startswith("-")])  # Hydra overrides are key=value
     report = None
     if args.startup:
         result, report = startup_benchmark(args, overrides)

@@ -31,7 +31,13 @@ from gptlab.runs import find_run_dirs
 def main(argv: list[str] | None = None) -> int:
     parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("path", nargs="?", help="a run directory or a checkpoint (file or sharded directory)")
-    parser.add_argument("--factors", type=int, nargs="+", default=list(DEFAULT_FACTORS))
+    parser.add_argument(
+        "--factors",
+        type=int,
+        nargs="+",
+        default=list(DEFAULT_FACTORS),
+        help=f"multiples of the training context to evaluate at (default {' '.join(map(str, DEFAULT_FACTORS))})",
+    )
     parser.add_argument("--max-tokens", type=int, default=None, help="validation tokens to use (default all)")
     parser.add_argument("--batch-tokens", type=int, default=4096, help="tokens per forward pass")
     parser.add_argument("--out", default=None, help="output folder (default <run dir>/eval_length)")

@@ -11,12 +11,17 @@ at temperature 1 from the 40 most likely, seeded: the same command prints the sa
 top_k most likely and/or the top_p nucleus; temperature=0 is greedy decoding, which for a briefly trained
 model is often a run of newlines and spaces. The default prompt is the one a run's samples continue
 (conf/callbacks/default.yaml).
+
+stdout holds the text alone, each sample the prompt and its continuation (on a terminal the prompt is shown
+bold, apart from what the model wrote; NO_COLOR=1 turns that off); stderr says which checkpoint was read and
+how the tokens were chosen.
 """
 
 from __future__ import annotations
 
 import difflib
 import math
+import os
 import sys
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -138,6 +143,30 @@ def out_of_range(opts: Options) -> str | None:
     return None
 
 
+def decoding(opts: Options) -> str:
+    """How the tokens are chosen, with every setting that applies, for the line on stderr: a reader of the
+    samples knows what they are samples of, and the command that gives the same text."""
+    if opts.temperature == 0:
+        chosen = (
+            "greedy decoding (temperature=0: the likeliest token each time; top_k and top_p do not apply)"
+        )
+    else:
+        top_k = f"top_k={opts.top_k}" if opts.top_k else "top_k=null (the whole vocabulary)"
+        top_p = f"top_p={opts.top_p:g}" if opts.top_p is not None else "top_p=null (no nucleus)"
+        chosen = f"sampled at temperature={opts.temperature:g}, {top_k}, {top_p}, seed={opts.seed}"
+    return f"{chosen}; at most {opts.max_new_tokens} new tokens, ending early at <|endoftext|>"
+
+
+def prompt_apart(prompt: str, stream: object) -> str:
+    """The prompt as printed before its continuation: bold on a terminal, so that what the model wrote stands
+    apart from it (the continuation often goes on mid-word); as it is where the text goes to a file or a
+    pipe, or where NO_COLOR is set (no-color.org)."""
+    isatty = getattr(stream, "isatty", None)
+    if not prompt or os.environ.get("NO_COLOR") or not (isatty and isatty()):
+        return prompt
+    return f"\x1b[1m{prompt}\x1b[0m"
+
+
 def main(argv: list[str]) -> None:
     opts = parse_options(argv)
     try:
@@ -159,11 +188,13 @@ def main(argv: list[str]) -> None:
     )
     chosen = "" if run.checkpoint == Path(opts.ckpt) else f" (the run's {opts.which} checkpoint)"
     print(f"# {run.checkpoint}{chosen}", file=sys.stderr)
+    print(f"# {decoding(opts)}", file=sys.stderr, flush=True)
+    shown = prompt_apart(opts.prompt, sys.stdout)
     for row in out.tolist():
         continuation = row[len(ids) :]
         if tok.eot_id in continuation:
             continuation = continuation[: continuation.index(tok.eot_id)]
-        print(opts.prompt + tok.decode(continuation))
+        print(shown + tok.decode(continuation))
         if opts.samples > 1:
             print("-" * 40)
 

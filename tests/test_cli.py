@@ -10,7 +10,7 @@ from datetime import datetime
 
 import pytest
 import torch
-from conftest import TINY, run_train
+from conftest import ROOT, TINY, run_train
 
 from gptlab.errors import ConfigError
 from gptlab.tracking.wandb_runs import find_runs, read_run
@@ -39,6 +39,12 @@ def trained(tmp_path_factory):
 def test_train_run_lowers_the_loss_and_leaves_a_checkpoint(trained):
     root, run_dir, proc = trained
     out = proc.stdout + proc.stderr
+    # the closing block opens with what the command changed and the seed: pasted alone, it says its run
+    closing = proc.stdout[proc.stdout.index("\nOverrides: ") + 1 :].splitlines()
+    assert closing[0].startswith(f"Overrides: {' '.join(TINY)} trainer.max_steps=30 "), closing[0]
+    assert closing[0].endswith(f" paths.root_dir={root} (seed 1337)") and closing[1].startswith(
+        "Final validation"
+    )
     assert "Parameters: total" in out and "non-embedding" in out
     assert "unigram entropy of the validation split" in out
     assert str(run_dir) in out
@@ -91,6 +97,8 @@ def test_a_run_prints_no_library_noise(trained):
         "LeafSpec",  # Lightning's own code, under torch 2.13
         "litlogger",  # Lightning's tip on every Trainer
         "TPU available: False",  # Lightning's line on every Trainer of a machine without a TPU
+        "GPU available: False",  # and without a GPU: the model card names the device
+        "`Trainer.fit` stopped",  # Lightning's end of the steps, above gptlab's "Trained 30 steps in"
     ):
         assert noise not in out, noise
     assert out.count("Token cache hit") + out.count("Preparing") == 1
@@ -155,10 +163,11 @@ def test_the_progress_bar_and_the_logged_rate_agree_with_each_other_and_with_wal
     for step, value in shown:
         assert value == round(logged[max(k for k in logged if k <= step)]), (step, value)
 
-    # against wall time: the fit's wall time from the log's time stamps (the start of training, the end of
-    # the fit) holds the training time (train/time) and the validations; the rates cover it without a gap
+    # against wall time: the fit's wall time from the log's time stamps (the start of training, the last
+    # validation's line) holds the training time (train/time) and the validations; the rates cover it
+    # without a gap
     start = log_time(proc.stdout, "MFU against")
-    end = log_time(proc.stdout, "`Trainer.fit` stopped")
+    end = log_time(proc.stdout, "step 30 validation:")
     fit_seconds = (end - start).total_seconds()
     training = float(rows[-1]["train/time"])
     tokens = float(rows[-1]["train/lengths"])
@@ -372,6 +381,10 @@ def generate_script():
             ["no-such-run"],
             "generate: error: no-such-run does not exist: pass a run directory or a checkpoint.",
         ),
+        (  # a file of the run that is not a checkpoint: said so, without the advice to delete it
+            [str(ROOT / "docs" / "tour" / "val_loss.png")],
+            "val_loss.png cannot be read: it is not a PyTorch checkpoint (it begins b'\\x89PNG",
+        ),
     ],
 )
 def test_generate_refuses_a_mistyped_option_with_the_closest_one(generate_script, capsys, argv, shown):
@@ -380,7 +393,7 @@ def test_generate_refuses_a_mistyped_option_with_the_closest_one(generate_script
     err = capsys.readouterr().err
     assert ended.value.code == 2
     assert err.startswith("usage: python scripts/generate.py ckpt=") and shown in err, err
-    assert "Traceback" not in err
+    assert "Traceback" not in err and "delete it" not in err
 
 
 def test_generate_has_a_help_page_with_every_option_and_its_default(generate_script, capsys):
@@ -401,11 +414,67 @@ def test_generate_takes_a_run_directory_as_a_bare_path_and_says_which_checkpoint
     generate_script.main([str(run_dir), *args])
     by_path = capsys.readouterr()
     best = next((run_dir / "checkpoints").glob("best-*.ckpt"))
-    assert by_path.err.strip() == f"# {best} (the run's best checkpoint)"
+    assert by_path.err.splitlines()[0] == f"# {best} (the run's best checkpoint)"
     generate_script.main([f"ckpt={best}", *args])
     by_file = capsys.readouterr()
-    assert by_file.err.strip() == f"# {best}"  # a checkpoint given is the one read: nothing to say
+    assert by_file.err.splitlines()[0] == f"# {best}"  # a checkpoint given is the one read: nothing to say
     assert by_file.out == by_path.out and by_path.out.startswith("The")
+
+
+@pytest.mark.parametrize(
+    "args,said",
+    [
+        (
+            [],
+            "# sampled at temperature=1, top_k=40, top_p=null (no nucleus), seed=0; at most 4 new tokens, "
+            "ending early at <|endoftext|>",
+        ),
+        (
+            ["temperature=0.7", "top_k=0", "top_p=0.9", "seed=3"],
+            "# sampled at temperature=0.7, top_k=null (the whole vocabulary), top_p=0.9, seed=3; at most 4 new "
+            "tokens, ending early at <|endoftext|>",
+        ),
+        (
+            ["temperature=0"],
+            "# greedy decoding (temperature=0: the likeliest token each time; top_k and top_p do not apply); at "
+            "most 4 new tokens, ending early at <|endoftext|>",
+        ),
+    ],
+)
+def test_generate_says_how_it_chose_the_tokens(trained, generate_script, capsys, args, said):
+    _, run_dir, _ = trained
+    generate_script.main([str(run_dir), "prompt=The", "max_new_tokens=4", *args])
+    printed = capsys.readouterr()
+    assert printed.err.splitlines()[1:] == [said]
+    assert said not in printed.out  # the text alone on stdout, for a file or a pipe
+
+
+def test_generate_shows_the_prompt_apart_on_a_terminal_and_plain_elsewhere(
+    trained, generate_script, monkeypatch
+):
+    import io
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    _, run_dir, _ = trained
+    args = [str(run_dir), "prompt=The for", "max_new_tokens=4", "samples=2"]
+    printed = {}
+    for name, stream in (("pipe", io.StringIO()), ("terminal", Terminal())):
+        monkeypatch.setattr(sys, "stdout", stream)
+        generate_script.main(args)
+        printed[name] = stream.getvalue()
+    monkeypatch.setenv("NO_COLOR", "1")
+    monkeypatch.setattr(sys, "stdout", Terminal())
+    generate_script.main(args)
+    printed["NO_COLOR"] = sys.stdout.getvalue()
+    samples = [text for text in printed["pipe"].split("-" * 40 + "\n") if text]
+    assert len(samples) == 2 and all(text.startswith("The for") for text in samples)
+    # the same text, the prompt bold: the continuation after it is what the model wrote
+    assert printed["terminal"] == printed["pipe"].replace("The for", "\x1b[1mThe for\x1b[0m")
+    assert printed["terminal"].count("\x1b[1mThe for\x1b[0m") == 2
+    assert printed["NO_COLOR"] == printed["pipe"]
 
 
 def test_progress_is_a_bar_on_a_terminal_and_lines_elsewhere(monkeypatch):
@@ -433,3 +502,9 @@ def test_progress_is_a_bar_on_a_terminal_and_lines_elsewhere(monkeypatch):
     assert progress_bar("bar", refresh_rate=0).refresh_rate == 0  # Lightning's way to draw no bar
     with pytest.raises(ConfigError, match=r"refresh_rate=-1 must be a whole number of steps, 0 or more"):
         progress_bar(refresh_rate=-1)
+
+
+def test_the_closing_overrides_line_of_a_run_outside_hydra_says_it_took_the_defaults():
+    from gptlab.tasks.gpt import overrides_line
+
+    assert overrides_line(7) == "Overrides: none, the defaults (seed 7)"

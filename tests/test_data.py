@@ -75,6 +75,24 @@ def test_local_files_txt_jsonl_parquet_are_tokenized_and_cached(tmp_path):
     assert results["txt"] == results["jsonl"] == results["parquet"]
 
 
+def test_tokenizing_into_a_file_or_a_pipe_logs_lines_and_draws_no_bar(tmp_path, capsys, caplog, monkeypatch):
+    """Where stderr is not a terminal (a SLURM log, a file), the tokenization's progress comes as log lines
+    (here one for each report: the interval set to 0 s), not as a bar redrawn with carriage returns."""
+    import logging
+
+    from gptlab.data import tokenize_pool
+
+    monkeypatch.setattr(tokenize_pool, "PROGRESS_LINE_SECONDS", 0.0)
+    spec = DataSpec(cache_dir=str(tmp_path / "cache"))  # the embedded corpus: 79 documents
+    with caplog.at_level(logging.INFO, logger="gptlab.data.tokenize_pool"):
+        corpus.prepare(spec, "gpt2")
+    err = capsys.readouterr().err
+    assert "\r" not in err and "doc/s" not in err, err
+    lines = [r.getMessage() for r in caplog.records if r.name == "gptlab.data.tokenize_pool"]
+    assert lines and lines[-1].startswith("Tokenizing ") and lines[-1].endswith(" tok/s"), lines
+    assert ": 79 / 79 documents, " in lines[-1], lines
+
+
 def test_token_cache_is_reused(tmp_path, monkeypatch):
     spec = DataSpec(cache_dir=str(tmp_path / "cache"))
     first = corpus.prepare(spec, "gpt2")

@@ -736,6 +736,34 @@ def test_the_config_group_tables_list_every_choice():
     assert checked
 
 
+def yaml_keys(path: Path) -> list[str]:
+    """The top-level keys of a config file, ``defaults`` and Hydra's own left out."""
+    return [
+        k for k in (yaml.safe_load(path.read_text()) or {}) if k not in ("defaults", "name") and k[0] != "_"
+    ]
+
+
+def test_the_positional_table_lists_each_schemes_options_and_no_other():
+    """configuration.md's table of `pos=` choices names, for each, exactly the keys its YAML has (`pos.base`
+    of rope, ...): an option added to or taken from conf/pos/ shows up as a difference here."""
+    page = (ROOT / "docs" / "configuration.md").read_text()
+    rows = dict(re.findall(r"^\| `(\w+)` \|[^|]*\|([^|]*)\| [^|]*\|$", page.split("| `pos=` |", 1)[1], re.M))
+    assert set(rows) == {p.stem for p in (CONF / "pos").glob("*.yaml")}
+    for scheme, column in rows.items():
+        named = set(re.findall(r"`(\w+)`", column))
+        if "the `rope` options" in column:
+            named = (named - {"rope"}) | set(yaml_keys(CONF / "pos" / "rope.yaml"))
+        assert named == set(yaml_keys(CONF / "pos" / f"{scheme}.yaml")), scheme
+
+
+def test_every_attention_key_is_documented():
+    page = (ROOT / "docs" / "configuration.md").read_text()
+    for key in yaml_keys(CONF / "attention" / "default.yaml"):
+        assert f"`attention.{key}`" in page, (
+            f"attention.{key} (conf/attention/default.yaml) is not in configuration.md"
+        )
+
+
 # ---- the layout and the API reference ---------------------------------------------------------------
 
 

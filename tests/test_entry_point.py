@@ -47,10 +47,11 @@ def test_help_lists_the_groups_their_choices_the_examples_and_the_manual(tmp_pat
     assert proc.returncode == 0, proc.stderr[-3000:]
     page = proc.stdout
     assert page.startswith("gptlab:") and "powered by Hydra" not in page
-    for group in sorted(p.name for p in CONF.iterdir() if p.is_dir() and p.name != "hydra"):
-        assert f"{group}: {', '.join(choices(group))}\n" in page, group
+    for group, listed in help_groups(page).items():
+        assert listed == choices(group), group
+    assert set(help_groups(page)) == {p.name for p in CONF.iterdir() if p.is_dir() and p.name != "hydra"}
     # Hydra's launchers: gptlab's own (conf/hydra/launcher) and the installed plugins' basic one
-    launchers = re.search(r"^hydra/launcher: (.*?)\s{2,}", page, re.M)
+    launchers = re.search(r"^hydra/launcher: .*\n    (.*)$", page, re.M)
     assert launchers is not None, page
     assert {"basic", *choices("hydra/launcher")} <= set(launchers.group(1).split(", "))
     for example in (
@@ -66,6 +67,59 @@ def test_help_lists_the_groups_their_choices_the_examples_and_the_manual(tmp_pat
     # a page, not a run: nothing heavy is imported and no run folder is made
     assert not {"torch", "lightning", "wandb"} & imported(proc.stderr)
     assert list(tmp_path.iterdir()) == []
+
+
+def help_groups(page: str) -> dict[str, list[str]]:
+    """The help page's config groups: each group's choices (its line below the group's own, wrapped), the
+    marked one without its mark."""
+    section = page.split("== Config groups", 1)[1].split("\nhydra/launcher:", 1)[0]
+    groups: dict[str, list[str]] = {}
+    for line in section.splitlines()[1:]:
+        if not line.startswith(" "):
+            group = line.split(":", 1)[0]
+            groups[group] = []
+        else:
+            groups[group] += [c.strip().rstrip("*") for c in line.split(",") if c.strip()]
+    return groups
+
+
+def test_help_says_what_each_group_swaps_and_marks_the_choices_the_command_takes(tmp_path):
+    from gptlab.cli import GROUP_SUMMARIES
+
+    page = train_py("pos=rope", "task=word2vec", "compile=false", "--help", cwd=tmp_path).stdout
+    for group in help_groups(page):
+        assert f"\n{group}: {GROUP_SUMMARIES[group]}\n" in page, (
+            f"conf/{group}/ has no line in GROUP_SUMMARIES"
+        )
+    assert set(GROUP_SUMMARIES) == set(help_groups(page)), "a GROUP_SUMMARIES line for a group conf/ lacks"
+    assert "alibi, fire, learned, nope, relative, rope*, sinusoidal, xpos\n" in page
+    assert "    char, gpt2*, word\n" in page  # the default, where the command chose nothing
+    assert "\ntask: gpt, word2vec*\n" in page and "\ncompile: auto, true, false*\n" in page
+    assert "\nloss.impl: auto*, chunked, torch, plain, liger, cce\n" in page
+    assert max(len(line) for line in page.split("== Examples ==")[0].splitlines()) <= 110
+
+
+def test_the_help_pages_choices_made_by_a_key_are_those_the_code_takes():
+    """The values the help page lists for a key are those its parser accepts, in the order it lists them."""
+    import typing
+
+    from gptlab.cli import KEY_CHOICES
+    from gptlab.model.config import NORM_PLACEMENTS
+    from gptlab.model.head_loss import IMPLEMENTATIONS
+    from gptlab.tasks import TASKS
+    from gptlab.training.optimizers import AdamWOptions
+
+    schedules = typing.get_args(typing.get_type_hints(AdamWOptions)["schedule"])
+    taken = {
+        "task": tuple(TASKS),
+        "loss.impl": IMPLEMENTATIONS,
+        "norm.placement": NORM_PLACEMENTS,
+        "optim.schedule": schedules,
+        "compile": ("auto", "true", "false"),
+        "data.path": (),
+        "data.name": (),
+    }
+    assert {choice.key: choice.values for choice in KEY_CHOICES} == taken
 
 
 def test_the_help_pages_examples_compose(make_cfg):

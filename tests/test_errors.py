@@ -67,6 +67,9 @@ def test_unknown_group_choice_lists_the_choices(make_cfg):
         # a mistyped group at the top: the group
         ("modle=small", "The config has no key or group 'modle' (modle=small). Its keys: task, seed, "),
         ("modle=small", "Did you mean model=small?"),
+        # a node's key typed at the top: the nested keys of that name (a + would add a key nothing reads)
+        ("max_steps=100", "Its keys: task, seed, "),
+        ("max_steps=100", "Did you mean trainer.max_steps=100 or word2vec.max_steps=100?"),
         # a Lightning Trainer argument that conf/trainer leaves out is suggested with its +
         ("trainer.max_epoch=3", "Did you mean +trainer.max_epochs=3? (trainer.max_epochs is a Lightning"),
         # nothing close: how to add a key the YAML leaves out
@@ -662,9 +665,13 @@ def test_unreadable_checkpoint_names_the_file(trained, make_cfg, tmp_path, damag
         with open(bad, "r+b") as f:
             f.truncate(bad.stat().st_size // 2)
         message = rf"Checkpoint {bad} cannot be read .*truncated, corrupt"
-    elif damage == "not-a-checkpoint":
+    elif damage == "not-a-checkpoint":  # another file where a checkpoint goes: not told to delete it
         bad.write_text("hello")
-        message = rf"Checkpoint {bad} cannot be read"
+        message = (
+            rf"^Checkpoint {bad} cannot be read: it is not a PyTorch checkpoint \(it begins b'hello'; "
+            r"torch.save's files begin with a zip archive's b'PK'\)\. Pass a run directory written by "
+            r"`python train.py` \(outputs/runs/<date>/<time>\) or one of its checkpoints"
+        )
     else:
         message = rf"resume={bad}: no such file or directory.*resume=auto"
     model_config = build_model_config(make_cfg(*TINY), build_tokenizer(make_cfg(*TINY)))

@@ -10,7 +10,7 @@ import sys
 import warnings
 
 import pytest
-from conftest import TINY, load_script
+from conftest import ROOT, TINY, load_script
 
 import gptlab
 
@@ -39,8 +39,10 @@ def test_a_short_epoch_logs_at_every_interval_without_lightnings_warning_or_noti
     shown = [str(w.message) for w in caught] + (out + err).splitlines()
     assert not [m for m in shown if "smaller than the logging interval" in m], shown
     assert not [m for m in shown if "limit_val_batches" in m], shown
-    windows = re.search(r"Windows of 33 tokens: (\d+) train", out)
-    assert windows is not None and int(windows.group(1)) // 4 < 8, out  # an epoch shorter than the interval
+    windows = re.search(r"Windows of 33 tokens: ([\d,]+) train", out)
+    assert windows is not None and int(windows.group(1).replace(",", "")) // 4 < 8, (
+        out
+    )  # an epoch shorter than the interval
     with open(tmp_path / "run" / "csv" / "metrics.csv") as f:
         logged = [int(float(row["step"])) for row in csv.DictReader(f) if row.get("train/loss")]
     assert logged == [8, 16]  # every log_every_n_steps steps, across the epochs
@@ -62,6 +64,7 @@ def test_a_short_epoch_logs_at_every_interval_without_lightnings_warning_or_noti
         ("plot_positions", ["--positons", "64"], "--positions"),
         ("eval_embeddings", ["--against-gensin"], "--against-gensim"),
         ("coord_check", ["--widhts", "64"], "--widths"),
+        ("benchmark", ["model=small", "--roudns", "3"], "--rounds"),
     ],
 )
 def test_a_scripts_mistyped_flag_is_refused_with_the_closest_one(script, argv, closest, capsys):
@@ -106,3 +109,25 @@ def test_a_short_precision_reaches_lightning_by_its_full_name_without_its_warnin
             default_root_dir=tmp_path,
         )
     assert not [w for w in caught if "precision" in str(w.message)], [str(w.message) for w in caught]
+
+
+@pytest.mark.parametrize("script", ["compare", "eval_length", "evaluate", "model_card", "benchmark"])
+def test_a_scripts_usage_is_the_command_that_runs_it_and_its_errors_are_named_as_its_own(
+    script, capsys, monkeypatch
+):
+    """``usage: python scripts/compare.py ...`` (the command to copy, as scripts/generate.py's), and argparse's
+    refusals named as the script's own are (``compare: error: ...``)."""
+    monkeypatch.setattr(sys, "argv", [str(ROOT / "scripts" / f"{script}.py")])
+    module = load_script(script)
+    try:
+        with pytest.raises(SystemExit) as helped:
+            module.main(["--help"])
+        page = capsys.readouterr().out
+        with pytest.raises(SystemExit) as ended:
+            module.main(["--no-such-flag"])
+    finally:
+        sys.modules.pop(script, None)
+    err = capsys.readouterr().err
+    assert helped.value.code == 0 and page.startswith(f"usage: python scripts/{script}.py "), page
+    assert ended.value.code == 2 and err.startswith(f"usage: python scripts/{script}.py "), err
+    assert f"\n{script}: error: " in err, err

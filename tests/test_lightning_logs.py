@@ -74,3 +74,24 @@ def test_lightnings_other_lines_pass_in_a_bf16_run(h100):
     with matmul_advice_for("bf16-mixed"):
         rank_zero_info("GPU available: True (cuda), used: True")
     assert [r.getMessage() for r in h100.records] == ["GPU available: True (cuda), used: True"]
+
+
+def test_lightnings_lines_show_only_a_device_that_is_there_and_an_early_stop(caplog):
+    """A CPU machine's "GPU available: False, used: False" and "TPU available: False" go (the model card names
+    the device), and so does the end of a fit that trained its steps; a GPU that is there stays said, used or
+    not (Lightning then also warns that it is idle), and so does a fit stopped by its time limit."""
+    from lightning.fabric.utilities.rank_zero import rank_zero_info
+
+    route_lightning_logs()
+    lines = (
+        "GPU available: False, used: False",
+        "TPU available: False, using: 0 TPU cores",
+        "`Trainer.fit` stopped: `max_steps=30` reached.",  # gptlab's "Trained 30 steps in ..." follows
+        "GPU available: True (cuda), used: False",
+        "GPU available: True (cuda), used: True",
+        "`Trainer.fit` stopped: `max_time={'minutes': 5}` reached.",
+    )
+    with caplog.at_level(logging.INFO):
+        for line in lines:
+            rank_zero_info(line)
+    assert [r.getMessage() for r in caplog.records] == list(lines[3:])

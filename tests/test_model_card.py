@@ -2,6 +2,7 @@
 memory against the tensors autograd really keeps, and the memory arithmetic of each strategy, read from the
 same strategy choices that training builds."""
 
+import re
 import sys
 from dataclasses import replace
 
@@ -380,3 +381,26 @@ def test_the_card_counts_the_head_the_run_takes(make_cfg):
     # 400 MiB of logits: fp32 ones in the eager pass; bf16 ones, twice the rows, in the fused pass (with triton)
     fused = planning.HeadPlan.of(HeadLoss("chunked"), "cuda", "bf16-mixed").fused
     assert f"{4168 if fused else 2080:,} rows per chunk" in text and cuda_chunked.head < 1.5 * GiB
+
+
+def test_the_cards_first_line_counts_one_layer_and_one_head_in_the_singular(make_cfg):
+    from gptlab.planning import model_card
+
+    one = model_card(gptlab.build_model_config(make_cfg("model.n_layer=1", "model.n_head=1"))).splitlines()[0]
+    assert one.startswith("Model: 1 layer x 1 head x 128 wide, "), one
+    two = model_card(gptlab.build_model_config(make_cfg())).splitlines()[0]
+    assert two.startswith("Model: 2 layers x 4 heads x 128 wide, "), two
+
+
+def test_the_cards_memory_figures_keep_two_significant_digits(make_cfg):
+    """A term under 0.1 GiB is given in MiB (debug=fast's AdamW state: 12.4 MiB, which "0.01 GiB" rounded by
+    a fifth); the larger ones in GiB."""
+    _gib = planning._gib
+    assert _gib(12.4 * 2**20) == "12.4 MiB" and _gib(0.3 * 2**20) == "0.3 MiB"
+    assert _gib(0.17 * 2**30) == "0.17 GiB" and _gib(3758.4 * 2**30, 1) == "3,758.4 GiB"
+    assert _gib(0.5 * 2**30, 1) == "512 MiB"
+    card = planning.model_card(gptlab.build_model_config(make_cfg("debug=fast")), short=True)
+    memory = next(line for line in card.splitlines() if line.startswith("Memory per device"))
+    assert re.search(r" = weights \d+\.\d MiB \+ gradients \d+\.\d MiB \+ AdamW \d\d\.\d MiB ", memory), (
+        memory
+    )

@@ -36,19 +36,39 @@ from gptlab.runs.naming import is_multirun
 class ArgumentParser(argparse.ArgumentParser):
     """The scripts' argument parser: argparse's, whose refusal of an option it does not know names the
     closest one it does (``--basline``: "Did you mean --baseline?"), as ``train.py`` does for a mistyped
-    choice or key."""
+    choice or key. Its usage line is the command that runs the script (``usage: python
+    scripts/compare.py ...``, as scripts/generate.py's), and its refusals begin as the scripts' own do
+    (``compare: error: ...``, status 2)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        script = Path(sys.argv[0]) if sys.argv and sys.argv[0] else None
+        if (
+            "prog" not in kwargs
+            and script is not None
+            and script.suffix == ".py"
+            and script.parent.name == "scripts"
+        ):
+            kwargs["prog"] = f"python scripts/{script.name}"
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str) -> Any:
+        self.print_usage(sys.stderr)
+        self.exit(2, f"{Path(self.prog.split()[-1]).stem}: error: {message}\n")
 
     def parse_args(self, args: Any = None, namespace: Any = None) -> Any:
         parsed, extras = self.parse_known_args(args, namespace)
-        self._refuse(extras)
+        self.refuse_unknown(extras)
         return parsed
 
     def parse_intermixed_args(self, args: Any = None, namespace: Any = None) -> Any:
         parsed, extras = self.parse_known_intermixed_args(args, namespace)
-        self._refuse(extras)
+        self.refuse_unknown(extras)
         return parsed
 
-    def _refuse(self, extras: list[str]) -> None:
+    def refuse_unknown(self, extras: list[str]) -> None:
+        """Refuse the arguments ``extras`` that the parser does not take (none: nothing to do), each
+        mistyped flag with the closest one it does take (a script that passes the rest on, as Hydra
+        overrides, calls it with the flags left over)."""
         if not extras:
             return
         flags = [flag for action in self._actions for flag in action.option_strings if flag.startswith("--")]
@@ -76,10 +96,136 @@ def group_choices(group: str) -> str:
     return ", ".join(sorted(GlobalHydra.instance().config_loader().get_group_options(group)))
 
 
+#: What each config group of conf/ swaps, a line each on ``python train.py --help`` (tests/test_entry_point.py
+#: checks that every group has one); docs/configuration.md has the table and the keys.
+GROUP_SUMMARIES = {
+    "model": "depth, width, heads and context (tiny ~ 6.8M parameters ... gpt3 175B, meta device only)",
+    "pos": "the positional encoding",
+    "activation": "the feed-forward network's non-linearity (swiglu, geglu, reglu: gated)",
+    "norm": "Add & Norm: LayerNorm or RMSNorm (norm.placement below)",
+    "attention": "QK-norm, sliding windows, logit softcap, output gate, value residual, differential",
+    "mlp": "the feed-forward layer: the dense MLP, or a Mixture of Experts (mlp=moe)",
+    "mtp": "multi-token prediction: extra heads trained to predict further tokens (mtp.depth; 0: off)",
+    "tokenizer": "tokenization: GPT-2's byte-pair encoding, a word vocabulary, characters",
+    "data": "the corpus, its windows and document masking (data.path / data.name below)",
+    "optim": "the optimizer and its learning-rate schedule (optim.schedule below)",
+    "loss": "how the output layer and its cross-entropy are computed (loss.impl below), z-loss, softcap",
+    "trainer": "steps, devices, precision, validation: every trainer.* key goes to lightning.Trainer",
+    "strategy": "the parallel strategy, for trainer.devices > 1 or several nodes",
+    "logger": "experiment tracking (W&B offline unless logged in); several at once: 'logger=[wandb,csv]'",
+    "callbacks": "checkpoints, the progress line, samples at each validation, the spike detector",
+    "paths": "where run directories and token caches go",
+    "debug": "a 10-step run of a very small model: does the command work?",
+    "experiment": "a sweep preset, run with -m",
+    "hparams_search": "an Optuna search over the learning rate and the warmup, run with -m",
+    "word2vec": "the options of task=word2vec",
+}
+
+
+@dataclass(frozen=True)
+class KeyChoices:
+    """A choice made by a key rather than a group (``loss.impl=chunked``), for the help page. ``values`` are
+    the accepted ones, in the order the code lists them (tests check them against it); empty for a key whose
+    value is free (a path), which ``shown`` then describes."""
+
+    key: str
+    values: tuple[str, ...]
+    summary: str
+    shown: str = ""
+
+
+#: The help page's choices made by a key: the values each takes and what it chooses.
+KEY_CHOICES = (
+    KeyChoices(
+        "task", ("gpt", "word2vec"), "what to train: the language model, or word vectors (word2vec.*)"
+    ),
+    KeyChoices(
+        "loss.impl",
+        ("auto", "chunked", "torch", "plain", "liger", "cce"),
+        "how the output layer and its loss are computed, same loss (auto: chunked); liger and cce: CUDA kernels",
+    ),
+    KeyChoices(
+        "data.path",
+        (),
+        "txt/jsonl/json/parquet/csv files, a glob or a folder; or nanoGPT's / llm.c's token files",
+        "data.path=<files>",
+    ),
+    KeyChoices(
+        "data.name",
+        (),
+        "a Hugging Face hub dataset (network; data.config_name, data.split); with neither: the embedded corpus",
+        "data.name=<dataset>",
+    ),
+    KeyChoices("norm.placement", ("pre", "post", "sandwich"), "where the norms sit around each sublayer"),
+    KeyChoices("optim.schedule", ("cosine", "wsd"), "after the warmup: cosine decay, or warmup-stable-decay"),
+    KeyChoices(
+        "compile",
+        ("auto", "true", "false"),
+        "torch.compile per block (auto: on CUDA, off on a CPU, as the run says)",
+    ),
+)
+
+HELP_INDENT = "    "
+HELP_WIDTH = 110
+
+
+def _chosen(values: list[str], current: Any) -> str:
+    """``values`` comma-separated, the one this command takes marked with a ``*``."""
+    return ", ".join(f"{value}*" if value == str(current) else value for value in values)
+
+
+def _wrapped(text: str) -> str:
+    import textwrap
+
+    return textwrap.fill(
+        text, HELP_WIDTH, initial_indent=HELP_INDENT, subsequent_indent=HELP_INDENT, break_on_hyphens=False
+    )
+
+
+def help_groups(*, _root_: DictConfig) -> str:
+    """The help page's config groups: each group of conf/ (the same list as Hydra's own page), what it swaps
+    (:data:`GROUP_SUMMARIES`), and its choices with the one this command takes marked (``pos=rope --help``
+    marks rope). Read when the page is shown, so it lists the YAML files that are there."""
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.core.object_type import ObjectType
+
+    if not GlobalHydra.instance().is_initialized():
+        return ""
+    loader = GlobalHydra.instance().config_loader()
+    taken = OmegaConf.select(_root_, "hydra.runtime.choices", default=None) or {}
+    lines = []
+    for group in sorted(loader.list_groups("")):
+        options = sorted(loader.get_group_options(group, ObjectType.CONFIG))
+        if group == "hydra" or not options:
+            continue
+        lines.append(f"{group}: {GROUP_SUMMARIES.get(group, '')}".rstrip())
+        lines.append(_wrapped(_chosen(options, taken.get(group))))
+    return "\n".join(lines)
+
+
+def help_keys(*, _root_: DictConfig) -> str:
+    """The help page's choices made by a key (:data:`KEY_CHOICES`), the value this command takes marked."""
+    lines = []
+    for choice in KEY_CHOICES:
+        current = OmegaConf.select(_root_, choice.key, default=None)
+        if isinstance(current, bool):
+            current = str(current).lower()
+        shown = choice.shown or f"{choice.key}: {_chosen(list(choice.values), current)}"
+        lines.append(shown)
+        lines.append(_wrapped(choice.summary))
+    return "\n".join(lines)
+
+
 def register_help_resolver() -> None:
-    """``${gptlab_choices:GROUP}`` for conf/hydra/help/gptlab.yaml."""
-    if not OmegaConf.has_resolver("gptlab_choices"):
-        OmegaConf.register_new_resolver("gptlab_choices", group_choices)
+    """``${gptlab_choices:GROUP}``, ``${gptlab_groups:}`` and ``${gptlab_keys:}`` for
+    conf/hydra/help/gptlab.yaml."""
+    for name, resolver in (
+        ("gptlab_choices", group_choices),
+        ("gptlab_groups", help_groups),
+        ("gptlab_keys", help_keys),
+    ):
+        if not OmegaConf.has_resolver(name):
+            OmegaConf.register_new_resolver(name, resolver)
 
 
 def unknown_choice(error: Exception) -> str | None:
@@ -140,6 +286,14 @@ def unknown_key(error: Exception) -> str | None:
         hint = f" Did you mean {fix}{'=' + value if value is not None else ''}?"
         if close[0] in added:
             hint += f" ({dotted(close[0])} is a Lightning Trainer argument that conf/trainer leaves out.)"
+    elif not owner:
+        # a key of a node typed at the top (max_steps=100): the nested key of that name, never the + that
+        # would add a top-level key no part of gptlab reads (refused: config.check_top_level)
+        from gptlab.config import dotted_keys
+
+        nested = sorted(p for p in dotted_keys(node, skip={"hydra"}) if p.rsplit(".", 1)[-1] == key)
+        suffix = "=" + value if value is not None else ""
+        hint = f" Did you mean {' or '.join(p + suffix for p in nested)}?" if nested else ""
     else:
         hint = f" A key the config leaves out is added with a leading +: +{typed}."
     where = f"{owner} has no key {key!r}" if owner else f"The config has no key or group {key!r}"

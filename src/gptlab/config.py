@@ -101,7 +101,7 @@ def check_top_level(cfg: DictConfig) -> None:
     key = unknown[0]
     value: Any = cfg._get_node(key)
     typed = key if isinstance(value, DictConfig) else f"{key}={value}"
-    nested = sorted(path for path in _dotted_keys(cfg, skip=set(unknown)) if path.rsplit(".", 1)[-1] == key)
+    nested = sorted(path for path in dotted_keys(cfg, skip=set(unknown)) if path.rsplit(".", 1)[-1] == key)
     close = difflib.get_close_matches(key, sorted(known), n=1)
     suffix = typed[len(key) :]  # "=value", or nothing for a node
     if nested:
@@ -116,7 +116,7 @@ def check_top_level(cfg: DictConfig) -> None:
     )
 
 
-def _dotted_keys(node: Any, prefix: str = "", skip: set[str] | None = None, depth: int = 3) -> list[str]:
+def dotted_keys(node: Any, prefix: str = "", skip: set[str] | None = None, depth: int = 3) -> list[str]:
     """The dotted paths of ``node``'s keys, ``depth`` levels down (interpolations left unresolved)."""
     if not isinstance(node, DictConfig) or depth == 0:
         return []
@@ -128,7 +128,7 @@ def _dotted_keys(node: Any, prefix: str = "", skip: set[str] | None = None, dept
         paths.append(path)
         child = node._get_node(k)
         if isinstance(child, DictConfig):
-            paths += _dotted_keys(child, path + ".", depth=depth - 1)
+            paths += dotted_keys(child, path + ".", depth=depth - 1)
     return paths
 
 

@@ -713,7 +713,8 @@ def _model_lines(c: GPTConfig, counts: dict[str, int], flops: dict[str, float], 
     """The card's first lines: the architecture, the parameter counts and the training FLOPs per token."""
     gqa = f", {c.kv_heads} key/value heads" if c.kv_heads != c.n_head else ""
     return [
-        f"Model: {c.n_layer} layers x {c.n_head} heads{gqa} x {c.n_embd} wide, {_mlp_words(c)}, "
+        f"Model: {c.n_layer} layer{'s' * (c.n_layer != 1)} x {c.n_head} head{'s' * (c.n_head != 1)}{gqa} x "
+        f"{c.n_embd} wide, {_mlp_words(c)}, "
         f"context {c.block_size}, vocabulary {c.vocab_size}; pos={c.pos.name}, activation={c.activation.name}, "
         f"norm={c.norm.name} ({c.norm_placement}), bias {'on' if c.bias else 'off'}, head "
         f"{'tied to' if c.tie_weights else 'separate from'} the token embedding"
@@ -810,7 +811,9 @@ def startup_card(
 
 
 def _gib(n: float, decimals: int = 2) -> str:
-    """``n`` bytes in GiB, or in MiB below a unit of the last decimal (the card 2 decimals, a refusal 1)."""
-    if n >= 10**-decimals * GiB:
+    """``n`` bytes in GiB with ``decimals`` decimals (the card 2, a refusal 1), or in MiB with one fewer below
+    ten units of the last decimal, so that every figure keeps two significant digits (AdamW's 12.4 MiB, not
+    "0.01 GiB")."""
+    if n >= 10 ** (1 - decimals) * GiB:
         return f"{n / GiB:,.{decimals}f} GiB"
     return f"{n / 2**20:,.{decimals - 1}f} MiB"

@@ -466,12 +466,12 @@ def _write_index_and_meta(
 def _log_corpus(meta: dict[str, Any], n_train_shards: int) -> None:
     """Log the prepared corpus: documents and tokens per split, shards, throughput and unigram entropy."""
     log.info(
-        "Corpus: %d train / %d val documents, %d / %d tokens in %d shard(s), %.1f MB/s of text, unigram "
+        "Corpus: %s train / %s val documents, %s / %s tokens in %d shard(s), %.1f MB/s of text, unigram "
         "entropy %.3f nats (of the validation split)",
-        meta["splits"]["train"]["documents"],
-        meta["splits"]["val"]["documents"],
-        meta["splits"]["train"]["tokens"],
-        meta["splits"]["val"]["tokens"],
+        f"{meta['splits']['train']['documents']:,}",  # counts with thousands separators, as the run's others
+        f"{meta['splits']['val']['documents']:,}",
+        f"{meta['splits']['train']['tokens']:,}",
+        f"{meta['splits']['val']['tokens']:,}",
         n_train_shards,
         meta["characters"] / 1e6 / max(meta["seconds"], 1e-9),
         meta["unigram_entropy_nats"],

@@ -192,11 +192,11 @@ class GPTDataModule(L.LightningDataModule):
                 + f", use more text, or lower model.block_size (at most {max(1, self.val_set.n_tokens - 1)})."
             )
         log.info(
-            "Windows of %d tokens: %s train (stride %d), %d validation (stride %d)",
+            "Windows of %d tokens: %s train (stride %d), %s validation (stride %d)",
             window,
-            "streamed" if self.train_set is None else len(self.train_set),
+            "streamed" if self.train_set is None else f"{len(self.train_set):,}",
             self.stride,
-            len(self.val_set),
+            f"{len(self.val_set):,}",
             self.val_stride,
         )
 

@@ -8,6 +8,7 @@ directly. At most ``num_proc + 1`` runs of documents are in flight, which bounds
 
 from __future__ import annotations
 
+import logging
 import multiprocessing as mp
 import os
 import queue
@@ -21,6 +22,8 @@ from typing import Any
 import numpy as np
 
 from gptlab.data.sources import BatchPlace, read_batch
+
+log = logging.getLogger(__name__)
 
 SUB_BATCH = 256  # documents per tiktoken call and per progress report
 
@@ -152,6 +155,51 @@ def _sub_batches(pieces: Iterator[tuple[list[str], np.ndarray]]) -> Iterator[tup
             yield texts[start : start + SUB_BATCH], flags[start : start + SUB_BATCH]
 
 
+#: Seconds between two progress lines of a tokenization whose output is not a terminal.
+PROGRESS_LINE_SECONDS = 60.0
+
+
+class ProgressLines:
+    """The tokenization's progress where stderr is not a terminal (a SLURM log, a file, a pipe): a log line
+    every :data:`PROGRESS_LINE_SECONDS` ("Tokenizing ...: 40,000 / 79,000 documents, 1.65M tok/s"), as a
+    run's training progress is given there, instead of a bar that tqdm redraws with carriage returns into
+    one ever-longer line. A tokenization shorter than that prints nothing here: the corpus line that follows
+    it says what was made."""
+
+    def __init__(self, total: int, desc: str, every_seconds: float | None = None) -> None:
+        self.total, self.desc = total, desc
+        self.every_seconds = PROGRESS_LINE_SECONDS if every_seconds is None else every_seconds
+        self.n = 0
+        self.postfix = ""
+        self.last = time.monotonic()
+
+    def update(self, n: int) -> None:
+        self.n += n
+        if time.monotonic() - self.last >= self.every_seconds:
+            self.last = time.monotonic()
+            rate = f", {self.postfix}" if self.postfix else ""
+            log.info("%s: %s / %s documents%s", self.desc, f"{self.n:,}", f"{self.total:,}", rate)
+
+    def set_postfix_str(self, s: str, refresh: bool = False) -> None:
+        self.postfix = s
+
+    def close(self) -> None:
+        pass
+
+
+def progress(total: int, desc: str) -> Any:
+    """tqdm's bar on a terminal and in a notebook (tqdm.auto's widget: a notebook's stderr is no terminal),
+    :class:`ProgressLines` elsewhere."""
+    import sys
+
+    from tqdm import autonotebook, std
+    from tqdm.auto import tqdm
+
+    if autonotebook.tqdm is std.tqdm and not sys.stderr.isatty():
+        return ProgressLines(total, desc)
+    return tqdm(total=total, desc=desc, unit="doc", dynamic_ncols=True, mininterval=1.0, smoothing=0.1)
+
+
 def run_tokenize_jobs(
     jobs: Iterator[TokenizeJob],
     tokenizer: Any,
@@ -164,18 +212,16 @@ def run_tokenize_jobs(
 ) -> TokenizeResult:
     """Run the jobs (in order of ``task``) with a progress bar; stop reading once ``max_tokens`` training
     tokens are written. Leaves ``train_<task>.bin`` shards and one ``val.bin`` in ``out_dir``."""
-    from tqdm.auto import tqdm
-
     t0 = time.perf_counter()
-    bar = tqdm(total=n_docs, desc=desc, unit="doc", dynamic_ncols=True, mininterval=1.0, smoothing=0.1)
+    bar = progress(n_docs, desc)
     n_tokens = 0
 
     def advance(docs: int, tokens: int) -> None:
         nonlocal n_tokens
         n_tokens += tokens
-        bar.update(docs)
         elapsed = time.perf_counter() - t0
         bar.set_postfix_str(f"{n_tokens / max(elapsed, 1e-9) / 1e6:.2f}M tok/s", refresh=False)
+        bar.update(docs)  # after the rate: a progress line gives the rate up to these documents
 
     results: list[JobResult] = []
 

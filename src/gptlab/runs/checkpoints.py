@@ -46,6 +46,28 @@ def _first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
 
 
+#: How the files ``torch.save`` writes begin: a zip archive (torch >= 1.6), or a pickle (the legacy format).
+CHECKPOINT_STARTS = (b"PK\x03\x04", b"\x80")
+
+
+def not_a_checkpoint(path: Path) -> str | None:
+    """Why the file ``path`` is no checkpoint at all (a figure, a log, a config passed where a checkpoint
+    goes), from its first bytes, before its digest is looked for or torch reads it; None where it may be one
+    (an empty or truncated checkpoint still begins as one: :func:`_torch_load` says what is wrong with it)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(8)
+    except OSError:
+        return None  # torch.load's own error names the reason
+    if not head or head.startswith(CHECKPOINT_STARTS):
+        return None
+    return (
+        f"Checkpoint {path} cannot be read: it is not a PyTorch checkpoint (it begins {head!r}; torch.save's "
+        "files begin with a zip archive's b'PK'). Pass a run directory written by `python train.py` "
+        "(outputs/runs/<date>/<time>) or one of its checkpoints (checkpoints/last.ckpt, best-*.ckpt)."
+    )
+
+
 def _torch_load(path: Path, allowed: Sequence[Any] = ()) -> dict[str, Any]:
     """``torch.load`` with tensors and plain values only, plus the classes ``allowed`` (plain data holders)."""
     import torch
@@ -256,6 +278,8 @@ def load_checkpoint(
     the work: :func:`gptlab.parallel.checkpoint_io.verify_sharded_load`)."""
     path = Path(path)
     kind = checkpoint_kind(path)
+    if kind == FILE and not_a_checkpoint(path):
+        raise CheckpointError(f"{not_a_checkpoint(path)}{intact_alternatives(path, use_instead)}")
     if kind is not None:
         verify_checkpoint(
             path, use_instead, verdict=None if hash_shards else digests.check(path, hash_files=kind == FILE)

@@ -580,6 +580,7 @@ def report(
     lines = closing_lines(
         metrics, entropy, session.run_dir, trainer, loggers, step, session.start_step, coverage
     )
+    lines.insert(0, overrides_line(settings.run.seed))
     if stop is None:  # a stopped run's own lines say how to continue it
         lines += next_steps_lines(session.run_dir, finished=step >= settings.trainer["max_steps"] > 0)
     print("\n".join(lines), flush=True)
@@ -697,6 +698,18 @@ def study_stopped_line(
         "is trained again: the checkpoint is validated and the whole study run; its figures go into "
         "result.json and the loggers)."
     )
+
+
+def overrides_line(seed: int) -> str:
+    """The first of a run's closing lines: what the command changed from the defaults, and the seed, so that
+    the block pasted into a lab notebook says which run its figures are of (the model card, at the top,
+    says what they resolved to)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    overrides = [str(o) for o in HydraConfig.get().overrides.task] if HydraConfig.initialized() else []
+    seeded = any(o.split("=", 1)[0].lstrip("+~") == "seed" for o in overrides)
+    said = " ".join(shlex.quote(o) for o in overrides) if overrides else "none, the defaults"
+    return f"Overrides: {said}" + ("" if seeded else f" (seed {seed})")
 
 
 def next_steps_lines(run_dir: Path, finished: bool) -> list[str]:

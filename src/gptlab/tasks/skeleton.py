@@ -64,11 +64,19 @@ def record_run_dir(cfg: DictConfig) -> Path:
 
 
 class DropLightningTips(logging.Filter):
-    """Lightning's advertisement on every Trainer ("Tip: ... try installing litlogger"), and its line on every
-    Trainer of a machine without a TPU ("TPU available: False, using: 0 TPU cores": the model card names the
-    device), which no setting turns off; its other lines pass (a TPU that is there, the GPU line)."""
+    """Lightning's advertisement on every Trainer ("Tip: ... try installing litlogger"), and its lines on every
+    Trainer of a machine without a TPU ("TPU available: False, using: 0 TPU cores") or a GPU ("GPU available:
+    False, used: False"): the model card names the device the run trains on, and no setting turns them off.
+    And its line at the end of every run that trained its steps ("`Trainer.fit` stopped: `max_steps=320`
+    reached."), just above gptlab's own ("Trained 320 steps in ..."). Its other lines pass: a TPU that is
+    there, a GPU that is there, used or not, and a fit that stopped for another reason (``max_time``)."""
 
-    DROPPED = ("Tip: For seamless cloud logging", "TPU available: False, using: 0 TPU cores")
+    DROPPED = (
+        "Tip: For seamless cloud logging",
+        "TPU available: False, using: 0 TPU cores",
+        "GPU available: False, used: False",
+        "`Trainer.fit` stopped: `max_steps=",
+    )
 
     def filter(self, record: logging.LogRecord) -> bool:
         message = record.getMessage()
