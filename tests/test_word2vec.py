@@ -754,11 +754,11 @@ def test_a_large_cbow_batch_at_a_larger_rate_trains_instead_of_diverging_and_is_
 
 
 def test_a_large_full_softmax_batch_trains_instead_of_diverging(tmp_path, make_cfg):
-    """The full softmax steps every output row for every pair: with batches of 4,096 windows (lr 0.05 decayed
+    """The full softmax steps every output row for every pair: with batches of 4,096 windows (lr 0.1 decayed
     over 11 steps) the summed steps overshot and this run's loss passed 2x its start (ln 1,406 = 7.25 per pair)
     by step 10, as 2 epochs at the default lr 0.025 did. Bounded per row as the sigmoid objectives' steps, its
     loss falls and result.json says it did not diverge."""
-    base = ["word2vec.objective=softmax", "word2vec.lr=0.05", "word2vec.max_steps=11"]
+    base = ["word2vec.objective=softmax", "word2vec.dim=50", "word2vec.lr=0.1", "word2vec.max_steps=11"]
     large = _embedded_corpus_run(make_cfg, tmp_path / "large", *base, "word2vec.batch_size=4096")
     result = json.loads((tmp_path / "large" / "result.json").read_text())
     assert result["diverged"] is False and large["train/steps"] == 11
