@@ -272,10 +272,18 @@ def test_a_refused_sweep_under_joblib_leaves_no_job_folders_and_names_the_job(tm
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert "Error executing job" not in proc.stderr  # Hydra's line, which would only repeat gptlab's
     assert "job #1 (n_layer=-2) was refused: model.n_layer=-2 must be a positive integer" in proc.stderr
+    assert "job #0 (n_layer=-1) was refused: model.n_layer=-1 must be a positive integer" in proc.stderr
+    # the sweep's last line names the first failed job; its message was printed once, by the worker that ran
+    # it on this same stderr
     assert (
-        "gptlab: error: the first job of the sweep that did not run to the end: job #0 (n_layer=-1) was refused: "
-        "model.n_layer=-1 must be a positive integer"
+        "gptlab: error: the first job of the sweep that did not run to the end: job #0 (n_layer=-1) was refused "
+        "(its message is above)"
     ) in proc.stderr
+    for message in (
+        "model.n_layer=-1 must be a positive integer",
+        "model.n_layer=-2 must be a positive integer",
+    ):
+        assert proc.stderr.count(message) == 1, proc.stderr[-3000:]
     assert [p.name for p in sweep.iterdir()] == ["multirun.yaml"]
 
 
@@ -328,3 +336,34 @@ def test_the_objects_left_at_exit_are_frozen_once_as_the_exit_begins_not_before(
     ]
     source = (ROOT / "train.py").read_text()
     assert "exit_without_collecting()" in source.split('if __name__ == "__main__":', 1)[1]
+
+
+def test_the_first_failed_jobs_message_is_repeated_at_the_end_only_where_its_worker_printed_it_elsewhere(
+    tmp_path, capfd
+):
+    """A launcher's worker that shares the command's stderr (joblib's) said the job's message there: the
+    sweep's last line names the job only. One whose stderr is another file (a SLURM job's log) said it where
+    the user may not look: the last line gives the message."""
+    from gptlab import cli
+    from gptlab.errors import ConfigError
+
+    def last_line(printed_to):
+        error = ConfigError("model.n_layer=-1 must be a positive integer (e.g. model.n_layer=4).")
+        setattr(error, cli.FAILED_JOB_ATTR, (0, "n_layer=-1", True, None, printed_to))
+        cli._sweep = (tmp_path, None)
+        with pytest.raises(SystemExit) as stop:
+            cli.end_failed_sweep(error)
+        assert stop.value.code == 2
+        return capfd.readouterr().err.strip().splitlines()[-1]
+
+    here = cli._stderr_identity()
+    assert here is not None
+    assert last_line(here) == (
+        "gptlab: error: the first job of the sweep that did not run to the end: job #0 (n_layer=-1) was refused "
+        "(its message is above)"
+    )
+    elsewhere = (here[0], here[1] + 1)
+    assert last_line(elsewhere) == (
+        "gptlab: error: the first job of the sweep that did not run to the end: job #0 (n_layer=-1) was refused: "
+        "model.n_layer=-1 must be a positive integer (e.g. model.n_layer=4)."
+    )

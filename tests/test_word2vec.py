@@ -150,6 +150,22 @@ def _window_batch(objective, mode, rng, vocab=12, windows=5, slots=4):
 OBJECTIVE_CASES = [(m, o) for m in ("skipgram", "cbow") for o in objectives.OBJECTIVES]
 
 
+def softmax_uses(model: Word2Vec, batch, mode: str) -> np.ndarray:
+    """Each output row's uses in a full-softmax batch: the sum over the batch's pairs (skip-gram: a context
+    word and its centre word; CBOW: a window's mean and its centre word) of |onehot(target) - p|."""
+    with torch.no_grad():
+        x = model.input.weight[torch.from_numpy(np.maximum(batch.inputs, 0))]  # (G, C, d)
+        present = torch.from_numpy(batch.inputs >= 0)
+        target = torch.from_numpy(batch.target)
+        if mode == "cbow":
+            hidden = (x * present[:, :, None]).sum(1) / present.sum(1, keepdim=True).clamp(min=1)
+        else:
+            hidden, target = x[present], target[:, None].expand(present.shape)[present]
+        coefficients = -torch.softmax(hidden @ model.output.weight.T, dim=1)
+        coefficients[torch.arange(len(target)), target] += 1
+        return coefficients.abs().sum(0).double().numpy()
+
+
 @pytest.mark.parametrize("mode,name", OBJECTIVE_CASES)
 def test_fast_update_is_one_sgd_step_of_the_autograd_reference(mode, name):
     """Same tables, same batch (repeated words included): the fast step without autograd (numpy on the CPU,
@@ -173,14 +189,19 @@ def test_fast_update_is_one_sgd_step_of_the_autograd_reference(mode, name):
     )
     loss.backward()
     # the sigmoid steps bound each row's learning rate by 1 / (its uses in the batch): min(lr, 1 / k)
-    lr_in, lr_out = torch.full((12, 1), lr), torch.full((objective.output_rows, 1), lr)
-    if name != "softmax":
-        pairs = batch.inputs.shape[1] if mode == "cbow" else 1
-        uses_in = np.bincount(batch.inputs[batch.inputs >= 0], minlength=12)
-        uses_out = np.bincount(t.rows.reshape(-1), weights=t.mask.reshape(-1), minlength=len(lr_out))
-        assert uses_in.max() * lr > 1 and uses_out.max() * lr > pairs, "both bounds apply in this batch"
-        lr_in = torch.from_numpy(np.minimum(lr, 1 / np.maximum(uses_in, 1))).float()[:, None]
-        lr_out = torch.from_numpy(np.minimum(lr, pairs / np.maximum(uses_out, 1))).float()[:, None]
+    # (the full softmax's: an output row's uses are the sizes of its coefficients, |onehot - p|, over the pairs)
+    pairs = batch.inputs.shape[1] if mode == "cbow" and name != "softmax" else 1
+    uses_in = np.bincount(batch.inputs[batch.inputs >= 0], minlength=12)
+    if name == "softmax":
+        uses_out = softmax_uses(reference_model, batch, mode)
+    else:
+        uses_out = np.bincount(
+            t.rows.reshape(-1), weights=t.mask.reshape(-1), minlength=objective.output_rows
+        )
+    assert uses_in.max() * lr > 1 and uses_out.max() * lr > pairs, "both bounds apply in this batch"
+    lr_in = torch.from_numpy(np.minimum(lr, 1 / np.maximum(uses_in, 1))).float()[:, None]
+    # lr min(1, pairs / (lr k)); the softmax's k is fractional, and a row it uses less than once is bounded too
+    lr_out = torch.from_numpy(np.minimum(lr, pairs / np.maximum(uses_out, 1e-12))).float()[:, None]
     expected_in = reference_model.input.weight.detach() - lr_in * reference_model.input.weight.grad.to_dense()
     expected_out = (
         reference_model.output.weight.detach() - lr_out * reference_model.output.weight.grad.to_dense()
@@ -730,6 +751,18 @@ def test_a_large_cbow_batch_at_a_larger_rate_trains_instead_of_diverging_and_is_
         "word2vec.batch_size=4096 at word2vec.lr=0.1 (batch_size x lr = 409.6, above 25.6)"
     )
     assert warning.endswith("word2vec.batch_size=256 keeps them close.")
+
+
+def test_a_large_full_softmax_batch_trains_instead_of_diverging(tmp_path, make_cfg):
+    """The full softmax steps every output row for every pair: with batches of 4,096 windows (lr 0.1 decayed
+    over 11 steps) the summed steps overshot and this run's loss passed 2x its start (ln 1,406 = 7.25 per pair)
+    by step 10, as 2 epochs at the default lr 0.025 did. Bounded per row as the sigmoid objectives' steps, its
+    loss falls and result.json says it did not diverge."""
+    base = ["word2vec.objective=softmax", "word2vec.dim=50", "word2vec.lr=0.1", "word2vec.max_steps=11"]
+    large = _embedded_corpus_run(make_cfg, tmp_path / "large", *base, "word2vec.batch_size=4096")
+    result = json.loads((tmp_path / "large" / "result.json").read_text())
+    assert result["diverged"] is False and large["train/steps"] == 11
+    assert math.isfinite(large["train/loss"]) and large["train/loss"] < math.log(1406)
 
 
 def test_a_diverging_run_says_so_where_its_loss_is_shown(tmp_path, make_cfg, caplog, capsys):

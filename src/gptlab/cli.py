@@ -529,7 +529,8 @@ class FailedJob:
 #: The failed jobs of the sweep under way, in the order they ran (Hydra's basic launcher runs them in this
 #: process; a launcher that runs them elsewhere reports only the first failure's error, in ``end_failed_sweep``).
 _failed_jobs: list[FailedJob] = []
-#: The attribute of a failed job's error that holds its (number, label, refused), set by note_failed_job.
+#: The attribute of a failed job's error that holds its (number, label, refused, traceback log, the stderr its
+#: worker printed its message to), set by note_failed_job.
 FAILED_JOB_ATTR = "gptlab_sweep_job"
 
 
@@ -548,8 +549,10 @@ def note_failed_job(error: Exception, refused: bool, crashed: bool = False) -> N
     job = FailedJob(int(hydra.job.num), labels.name or " ".join(labels.overrides), refused, error, log)
     _failed_jobs.append(job)
     # A launcher that runs the job in another process (joblib) hands the sweep this error pickled, without
-    # _failed_jobs: the job's number and label travel with it (an exception's attributes are pickled).
-    setattr(error, FAILED_JOB_ATTR, (job.num, job.label, job.refused, job.traceback_log))
+    # _failed_jobs: the job's number and label travel with it (an exception's attributes are pickled), and
+    # where its message was printed, so that the sweep's last line does not say it again on the same console.
+    printed_to = _stderr_identity() if _sweep is None else None
+    setattr(error, FAILED_JOB_ATTR, (job.num, job.label, job.refused, job.traceback_log, printed_to))
     if _sweep is None:  # a launcher's worker: the sweep's process does not hold this job
         print(f"\ngptlab: {job.describe()}", file=sys.stderr, flush=True)
     else:
@@ -558,6 +561,16 @@ def note_failed_job(error: Exception, refused: bool, crashed: bool = False) -> N
             file=sys.stderr,
             flush=True,
         )
+
+
+def _stderr_identity() -> tuple[int, int] | None:
+    """The file this process's stderr writes to (its device and inode: a terminal, a pipe, a log file), or
+    None where it has none: a launcher's worker that inherited the command's stderr gives the command's."""
+    try:
+        stat = os.fstat(sys.stderr.fileno())
+    except (AttributeError, OSError, ValueError):  # no stderr, or one without a file descriptor
+        return None
+    return (stat.st_dev, stat.st_ino)
 
 
 def _write_traceback(error: Exception, hydra: Any) -> str:
@@ -598,11 +611,16 @@ def end_failed_sweep(error: Exception) -> None:
         if noted is None and not isinstance(error, ours):
             return
         refused = isinstance(error, (ConfigError, DataError))
-        if noted is not None:  # each job's own line was printed where it ran, above
-            num, label, _, log = noted
+        if noted is not None:  # each job's own line was printed where it ran
+            num, label, _, log, printed_to = noted
             first = FailedJob(int(num), str(label), refused, error, log)
+            # joblib's workers write to this command's stderr: their line, above, gave the message; a worker
+            # whose stderr is elsewhere (a SLURM job's log file) said it where the user may not look
+            said = printed_to is not None and printed_to == _stderr_identity()
+            named = f"job #{first.num} ({first.label}) {first.ended} (its message is above)"
+            what = named if said else first.describe()
             print(
-                f"\ngptlab: error: the first job of the sweep that did not run to the end: {first.describe()}",
+                f"\ngptlab: error: the first job of the sweep that did not run to the end: {what}",
                 file=sys.stderr,
                 flush=True,
             )

@@ -126,7 +126,7 @@ class Word2VecOptions:
         ``batch_size * lr`` is at most :data:`LARGE_BATCH_LR`. Not refused: the run trains (the per-row bound
         keeps it from diverging, :func:`gptlab.word2vec.fast.row_scales`), but its vectors drift from what
         small batches give, as the bound binds more of each batch's rows (for the SGD step with the sigmoid
-        objectives, where the bound applies)."""
+        objectives, where that drift was measured; the full softmax's step is bounded too, its drift unmeasured)."""
         if self.optimizer != "sgd" or self.objective == "softmax":
             return None
         if self.batch_size * self.lr <= LARGE_BATCH_LR:

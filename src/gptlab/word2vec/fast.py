@@ -37,6 +37,9 @@ is at batches of 4,096 and more at lr 0.025, where the unbounded step had not di
 x3 (3 epochs, two workers) the top-10 neighbours' agreement with gensim's vectors went from 0.475 to 0.242 at
 4,096 (0.520 to 0.515 at 256, 0.531 to 0.497 at 1,024); on the embedded corpus, 22 steps of 4,096 no longer
 leave the start (4.15 per pair). ``Word2VecOptions.large_batch_warning`` says so before such a run.
+
+The full softmax's step is bounded the same way (:func:`_softmax_step`: an output row's uses are the sizes of
+its coefficients over the batch's pairs); unbounded, it diverged from batches of 1,024 at lr 0.025.
 """
 
 from __future__ import annotations
@@ -251,7 +254,7 @@ def torch_step(
         n = weight.sum(1, keepdim=True).clamp(min=1)  # (G, 1)
         hidden = (torch.bmm(weight.unsqueeze(1), x) / n.unsqueeze(2)).squeeze(1)  # (G, d)
         if softmax:
-            return _softmax_step(tables, hidden, target, lr, with_loss, idx, weight)
+            return _softmax_step(tables, hidden, target, lr, with_loss, idx, weight, workers)
         u = tables.output.index_select(0, rows.reshape(-1)).view(*rows.shape, dim)  # (G, M, d)
         scores = torch.bmm(u, hidden.unsqueeze(2)).squeeze(2)  # (G, M)
         loss = _sigmoid_loss(scores, labels, mask) if with_loss else None
@@ -269,7 +272,9 @@ def torch_step(
         keep = present.reshape(-1)
         pairs = x.reshape(-1, dim)[keep]  # (P, d)
         pair_target = target.unsqueeze(1).expand(g_count, c_slots).reshape(-1)[keep]
-        return _softmax_step(tables, pairs, pair_target, lr, with_loss, idx.reshape(-1)[keep])
+        return _softmax_step(
+            tables, pairs, pair_target, lr, with_loss, idx.reshape(-1)[keep], workers=workers
+        )
     u = tables.output.index_select(0, rows.reshape(-1)).view(*rows.shape, dim)  # (G, M, d)
     scores = torch.bmm(x, u.transpose(1, 2))  # (G, C, M)
     pair_mask = weight.unsqueeze(2) * mask.unsqueeze(1)  # (G, C, M)
@@ -297,21 +302,36 @@ def _softmax_step(
     with_loss: bool,
     idx: torch.Tensor,
     weight: torch.Tensor | None = None,
+    workers: int = 1,
 ) -> float | None:
     """The full softmax: ``hidden`` (P, d) against every output row; ``idx`` the input rows that made each
-    hidden vector (P,) for skip-gram, (P, C) with ``weight`` for CBOW."""
+    hidden vector (P,) for skip-gram, (P, C) with ``weight`` for CBOW.
+
+    Bounded per row as the sigmoid objectives' steps (:func:`row_scales`). Every pair steps every output row,
+    by ``onehot - p`` times its hidden vector: a row's uses in the batch are the sum of those coefficients'
+    sizes over the pairs (its count as a target, less its probability there, plus its probability where it is
+    not the target: up to 2 a pair over all rows, as a negative-sampling pair's use of a row is at most 1),
+    and its summed step is scaled by ``min(1, 1 / (lr uses W))``. The input rows take skip-gram's (CBOW's)
+    bound from their count. Unbounded, skip-gram on the embedded corpus (vocabulary 1,406, one worker, lr
+    0.025, 2 epochs) diverged from batches of 1,024 (8e22 per pair; 2.8e16 at 4,096) where 256 ended at 6.67."""
     logits = hidden @ tables.output.T  # (P, V)
     log_p = torch.log_softmax(logits, dim=1)
     loss = float(-log_p.gather(1, target.unsqueeze(1)).sum()) if with_loss else None
     grad = -log_p.exp_()  # d log p_t / d logits = onehot - p
     grad[torch.arange(len(target), device=grad.device), target] += 1
+    uses = grad.abs().sum(0)  # (V,): each output row's share of the batch's pairs
+    output_scales = 1.0 / (uses * (lr * workers)).clamp(min=1.0)
     grad.mul_(lr)
     d_hidden = grad @ tables.output  # (P, d)
-    tables.output.add_(grad.T @ hidden)
+    tables.output.add_((grad.T @ hidden).mul_(output_scales.unsqueeze(1)))
     dim = hidden.shape[1]
     if weight is None:
+        d_hidden *= torch_row_scales(idx, torch.ones_like(idx, dtype=d_hidden.dtype), lr, workers).unsqueeze(
+            1
+        )
         tables.input.index_add_(0, idx, d_hidden)
     else:
         d_x = weight.unsqueeze(2) * d_hidden.unsqueeze(1)
+        d_x *= torch_row_scales(idx, weight, lr, workers).unsqueeze(2)
         tables.input.index_add_(0, idx.reshape(-1), d_x.reshape(-1, dim))
     return loss
