@@ -770,6 +770,9 @@ class SweepRows:
     unfinished: list[RunRecord]  # runs that did not finish (ranked only with include_unfinished=True)
     skipped: list[tuple[Path, str]]  # directories that could not be read, with the reason
     report: Path | None = None  # comparison.md, when out_dir was given
+    # the notes under the table: what its marks mean, and where its runs' environments (thread counts, torch,
+    # device, precision, commit) differ, so that a difference between rows is not only their settings'
+    notes: list[str] = field(default_factory=list)
 
     def __iter__(self) -> Iterator[Row]:
         return iter(self.rows)
@@ -864,6 +867,17 @@ def compare(
         )
     for path, reason in written.skipped:
         log.warning("skipped %s: %s", path, reason)
+    from gptlab.comparison.environment import ENVIRONMENT_HEADER
+
+    for note in written.table_notes:
+        if note.startswith(ENVIRONMENT_HEADER):  # the rows' differences are not only their settings'
+            log.warning("%s", note)
     return SweepRows(
-        written.rows, written.keys, written.table, list(written.unfinished), list(written.skipped), kept
+        written.rows,
+        written.keys,
+        written.table,
+        list(written.unfinished),
+        list(written.skipped),
+        kept,
+        list(written.table_notes),
     )

@@ -28,6 +28,7 @@ from typing import Any
 
 from gptlab.errors import DataError
 from gptlab.evaluation import long_context
+from gptlab.runs.environment import ENVIRONMENT_KEY, recorded_environment
 from gptlab.runs.jsonfile import read_figure
 from gptlab.runs.layout import Run
 from gptlab.runs.naming import split_override
@@ -118,6 +119,9 @@ class RunRecord:
     )
     diverged: bool = False  # final val/loss non-finite or above unigram_entropy (see mark_divergence)
     stopped_during: str | None = None  # a stopped run's part (result.json): training, eval_length, ...
+    # what its numbers depend on beyond its settings (gptlab.runs.environment: threads, device, versions...);
+    # None for a run from before the record
+    environment: dict[str, Any] | None = None
 
     @property
     def final_val_loss(self) -> float | None:
@@ -348,10 +352,11 @@ def read_metrics_csv(path: Path, notes: list[str]) -> list[tuple[int, dict[str, 
 
 
 def _series_from_wandb(
-    files: list[Path], notes: list[str], wanted_id: str | None = None
+    files: list[Path], notes: list[str], wanted_id: str | None = None, config: dict[str, Any] | None = None
 ) -> dict[str, list[tuple[int, float]]]:
     """The series of one W&B run: the one ``wanted_id`` names, else the newest. A resumed run continues its
-    W&B run, so several files of one id are one curve, in the order they were written."""
+    W&B run, so several files of one id are one curve, in the order they were written. ``config``, when
+    given, receives the run's config (its latest file's values last)."""
     runs = sorted((read_run(f) for f in files), key=lambda r: r.path.stat().st_mtime)
     for damaged in (r for r in runs if r.damage):
         notes.append(
@@ -372,6 +377,8 @@ def _series_from_wandb(
             }
             rows.append((step, {k: v for k, v in values.items() if v is not None}))
         summary.update(run.summary)
+        if config is not None:
+            config.update(run.config)
     series = _series(rows)
     for key in PARAMETER_KEYS:
         if key in summary and key not in series and (value := _number(summary[key])) is not None:
@@ -415,6 +422,7 @@ def _status(run: Run, record: RunRecord, series: dict[str, list[tuple[int, float
         )
         result = {}
     if result:
+        record.environment = recorded_environment(result.get(ENVIRONMENT_KEY)) or record.environment
         _final_from_result(record, result)
         record.diverged = bool(result.get("diverged"))
         record.step = int(result.get("global_step") or 0)
@@ -472,6 +480,7 @@ def read_run_dir(run_dir: str | Path, source: str = "auto") -> RunRecord:
     wandb_files = find_runs(run.path) if source in ("auto", "wandb") else []
     notes: list[str] = []
     series: dict[str, list[tuple[int, float]]] | None = None
+    wandb_config: dict[str, Any] = {}
     if csv_files:
         try:
             series, source = _series_from_csv(csv_files[0], notes), "csv"
@@ -481,11 +490,13 @@ def read_run_dir(run_dir: str | Path, source: str = "auto") -> RunRecord:
             notes.append(f"{UNREADABLE}: {e}; read the W&B run file instead")
     if series is None and wandb_files:
         wanted = (run.result() or {}).get("wandb_run_id")
-        series, source = _series_from_wandb(wandb_files, notes, wanted), "wandb"
+        series, source = _series_from_wandb(wandb_files, notes, wanted, wandb_config), "wandb"
     elif series is None:
         wanted = {"auto": "neither csv/metrics.csv nor a W&B run file", "csv": "no csv/metrics.csv"}
         raise DataError(f"{run.path} holds no metrics ({wanted.get(source, 'no W&B run file')})")
     record = _fill(RunRecord(path=run.path, overrides=run.choices(), source=source, notes=notes), series)
+    # a run without result.json (killed) recorded its environment in its W&B run's config, when it has one
+    record.environment = recorded_environment(wandb_config.get(ENVIRONMENT_KEY))
     fill_active_parameters(record, run.config(), run.setting("mlp"))
     for output in OUTPUTS:
         record.outputs[output.name] = output.read(run)
@@ -523,6 +534,7 @@ def record_from_api_run(run: Any) -> RunRecord:
         source="wandb-api",
     )
     _fill(record, series)
+    record.environment = recorded_environment(run.config.get(ENVIRONMENT_KEY))
     record.parameters = _float(run.summary.get("parameters/total"))
     record.active_parameters = _float(run.summary.get("parameters/active"))
     fill_active_parameters(record, run.config, record.overrides.get("mlp"))

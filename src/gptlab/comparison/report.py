@@ -21,6 +21,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from gptlab.comparison import length_table as lengths
+from gptlab.comparison.environment import environment_notes, shared_environment
 from gptlab.comparison.records import SOURCES, RunRecord, read_run_dir, record_from_api_run
 from gptlab.comparison.stats import DEFAULT_ALPHA
 from gptlab.comparison.table import (
@@ -56,7 +57,8 @@ class Comparison:
     figures: tuple[Path, ...] = ()  # every figure the body links to (by file name, beside comparison.md)
     unfinished: tuple[RunRecord, ...] = ()  # runs that did not finish (not ranked unless asked)
     notes: tuple[tuple[Path, str], ...] = ()  # what the readers found and chose, per run
-    table_notes: tuple[str, ...] = ()  # what the table's marks mean (diverged, invalid MFU), when it has any
+    # what the table's marks mean (diverged, invalid MFU) and where its runs' environments differ, when they do
+    table_notes: tuple[str, ...] = ()
 
 
 def _curves_per_seed(row: Row, bpb: bool) -> list[dict[int, float]]:
@@ -134,12 +136,18 @@ def _relative_dir(override: str) -> str:
 
 
 def _provenance(runs: list[RunRecord], sweep_dir: Path | None, command: str | None, commit: str) -> str:
-    """Which command trained the runs and at which commits, and which compared them at ``commit`` (read
-    before the comparison writes anything: writing into a tracked folder would make it read dirty)."""
+    """Which command trained the runs, at which commits and in which environment where every run shares it
+    (:func:`shared_environment`), and which compared them at ``commit`` (read before the comparison writes
+    anything: writing into a tracked folder would make it read dirty)."""
     lines = []
     trained = sorted({r.commit for r in runs if r.commit})
     if sweep_dir is not None and (made := sweep_command(sweep_dir)):
-        lines.append(f"- Trained with `{made}`" + (f" at commit {', '.join(trained)}" if trained else ""))
+        shared = shared_environment(runs)
+        lines.append(
+            f"- Trained with `{made}`"
+            + (f" at commit {', '.join(trained)}" if trained else "")
+            + (f"; every run with {shared}" if shared else "")
+        )
     if command:
         lines.append(f"- Compared with `{command}` at commit {commit}")
     return "\n".join(lines)
@@ -222,7 +230,7 @@ def write_comparison(
     table = markdown_table(rows, keys, reference=baseline or "best")
     out.mkdir(parents=True, exist_ok=True)
     plot_path = plot_val_loss(rows, out / "val_loss.png", title=f"Validation loss, {title}", metric=metric)
-    marks = table_notes(rows)
+    marks = table_notes(rows) + environment_notes(rows)
     parts = [_describe(runs, rows, keys, ignore, baseline, alpha, include_unfinished, metric), table, *marks]
     parts += _unfinished_section(unfinished, keys, sweep_dir, include_unfinished)
     parts.append(f"![validation loss]({plot_path.name})")

@@ -127,6 +127,9 @@ def run(cfg: DictConfig) -> dict[str, float]:
     ):
         trainer = make_trainer(cfg, settings, parts, loggers)
         session.is_global_zero = trainer.is_global_zero
+        # the device and precision the trainer resolved (accelerator=auto, precision=null), for the run's record
+        session.device_type = trainer.strategy.root_device.type
+        session.precision = str(trainer.precision)
         if trainer.is_global_zero:
             log.info("Run directory: %s", session.run_dir)
             log.info("\n%s", model_summary(parts.module, trainer, settings))

@@ -39,7 +39,7 @@ from gptlab.config import RunSettings
 from gptlab.errors import SweepStopped
 from gptlab.runs.identity import release_run_dir
 from gptlab.runs.jsonfile import figures_as_json
-from gptlab.runs.layout import Run, git_commit, read_run_info, result_file
+from gptlab.runs.layout import Run, read_run_info, result_file
 from gptlab.runs.resume import check_writable, enter_run
 from gptlab.tasks.collector import startup_over
 
@@ -192,6 +192,10 @@ class RunSession:
         # scores of its vectors): an earlier part's value is carried into result.json only where this part
         # ends at the step that part's result recorded, else it scored other weights and is left out.
         self.final_state_figures: tuple[str, ...] = ()
+        # What the task computes on, for the run's environment record (gptlab.runs.environment): the device
+        # type (cpu, cuda) and the trainer's precision; None where the task has no such setting.
+        self.device_type: str | None = None
+        self.precision: str | None = None
 
     @classmethod
     def start(
@@ -247,11 +251,23 @@ class RunSession:
 
         return wandb_run_id(self.loggers)
 
+    def environment(self) -> dict[str, Any]:
+        """What this run's numbers depend on beyond its config (:func:`gptlab.runs.environment.run_environment`):
+        thread counts, device, precision, versions, commit."""
+        from gptlab.runs.environment import run_environment
+
+        return run_environment(self.device_type, self.precision)
+
     def save_config(self, loggers: list) -> None:
-        """The resolved config into every logger and into ``<run dir>/config_resolved.yaml``."""
+        """The resolved config into every logger, with the run's environment beside it (a W&B run's config
+        holds it for a comparison through the W&B API), and into ``<run dir>/config_resolved.yaml``."""
+        from gptlab.runs.environment import ENVIRONMENT_KEY
+
         resolved = OmegaConf.to_container(self.cfg, resolve=True)
-        for lg in loggers:
-            lg.log_hyperparams(resolved)
+        if loggers:
+            logged = {**resolved, ENVIRONMENT_KEY: self.environment()}  # type: ignore[dict-item]
+            for lg in loggers:
+                lg.log_hyperparams(logged)
         if self.is_global_zero:
             OmegaConf.save(self.cfg, self.run_dir / "config_resolved.yaml", resolve=True)
         startup_over()  # the task's loop comes next: nothing more is frozen (gptlab.tasks.collector)
@@ -266,7 +282,8 @@ class RunSession:
         extra: Mapping[str, Any] | None = None,
     ) -> None:
         """``<run dir>/result.json``: what the run reported, its last step, whether it finished (or why not),
-        which run it is (``run.json``'s id, and its W&B run's), the commit it ran at, and ``extra`` (the
+        which run it is (``run.json``'s id, and its W&B run's), the commit it ran at, the environment it ran
+        in (``environment``: :mod:`gptlab.runs.environment`), and ``extra`` (the
         task's own keys, e.g. ``diverged``, or the names of the figures it could not measure). A resumed
         run's result is merged with the earlier parts' (module doc). Strict JSON
         (:mod:`gptlab.runs.jsonfile`): a non-finite metric is written as the string ``"inf"``, ``"-inf"`` or
@@ -288,6 +305,7 @@ class RunSession:
         if earlier is None or run_id is None or earlier.get("run_id") != run_id:
             earlier = None  # the first part, or a directory's result from before run ids: not merged
         latest = {k: None if v is None else float(v) for k, v in metrics.items()}
+        environment = self.environment()
         Run(self.run_dir).write_result(
             {
                 "metrics": figures_as_json(
@@ -302,7 +320,8 @@ class RunSession:
                 **({"failed": failed} if failed is not None else {}),
                 "run_id": run_id,
                 "wandb_run_id": self.wandb_run_id(),
-                "git_commit": git_commit(),
+                "git_commit": environment["commit"],
+                "environment": environment,
                 **(extra or {}),
             }
         )

@@ -204,6 +204,7 @@ def train(
     # the scores describe the vectors of one step: result.json carries an earlier part's only where no step
     # was trained since (a part with word2vec.evaluate=false that trains on drops them)
     session.final_state_figures = ("eval/",)
+    session.device_type = device.type  # for the run's environment record (fp32 throughout: no precision)
     # gptlab's loggers written without Lightning: its import would cost more than training on a small corpus
     loggers = session.open_loggers(
         resume.wandb_run_id if resume else None, resume.global_step if resume else None, lightning=False
