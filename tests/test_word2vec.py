@@ -989,6 +989,8 @@ def test_every_json_file_of_a_word2vec_run_is_strict_json_with_missing_and_non_f
         strict_json(path)
     result = strict_json(out / "result.json")
     assert result["stopped_during"] == "evaluation" and result["evaluation_missing"] == missing
+    # its environment as it trained: one thread on the CPU (word2vec's own choice), no trainer precision
+    assert (result["environment"]["torch_threads"], result["environment"]["precision"]) == (1, None)
     assert all(result["metrics"][k] is None for k in missing)
     read = TrainResult.read(out)
     assert sorted(read.missing) == sorted(missing) and not set(missing) & set(read.metrics)

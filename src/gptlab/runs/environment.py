@@ -83,7 +83,7 @@ def run_environment(device_type: str | None = None, precision: str | None = None
         "device": device_name(device_type),
         "precision": None if precision is None else str(precision),
         "deterministic": torch.are_deterministic_algorithms_enabled(),
-        "torch": torch.__version__,
+        "torch": str(torch.__version__),  # a TorchVersion, a str that OmegaConf (plain loggers) refuses
         "lightning": _version("lightning"),
         "gptlab": gptlab.__version__,
         "commit": git_commit(),
