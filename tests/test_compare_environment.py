@@ -147,3 +147,29 @@ def test_one_environment_gives_no_note_and_old_runs_are_said_not_recorded_once(r
         path.write_text(json.dumps(result))
     none = compare(old, tmp_path / "none")
     assert not any(ENVIRONMENT_HEADER in n for n in none.table_notes)
+
+
+def test_a_run_resumed_with_another_thread_count_says_so(runs, tmp_path):
+    run_dir = tmp_path / "runs" / "learned0"
+    shutil.copytree(runs / "learned0", run_dir)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        gptlab.train(
+            [*SMALL, f"paths.root_dir={tmp_path}"],
+            "pos=learned",
+            "seed=0",
+            "trainer.max_steps=4",
+            "resume=auto",
+            run_dir=run_dir,
+        )
+    finally:
+        torch.set_num_threads(threads)
+    result = strict_json(run_dir / "result.json")
+    assert result["environment"]["torch_threads"] == 2
+    assert [p.get("environment_changed") for p in result["parts"]] == [None, {"torch_threads": [1, 2]}]
+    record = read_run_dir(run_dir)
+    assert (
+        "its part from step 2 ran in another environment than the part before it (torch threads 1 -> 2): its "
+        "final figures are not those of one environment"
+    ) in record.notes

@@ -423,6 +423,7 @@ def _status(run: Run, record: RunRecord, series: dict[str, list[tuple[int, float
         result = {}
     if result:
         record.environment = recorded_environment(result.get(ENVIRONMENT_KEY)) or record.environment
+        _note_environment_changes(record, result)
         _final_from_result(record, result)
         record.diverged = bool(result.get("diverged"))
         record.step = int(result.get("global_step") or 0)
@@ -441,6 +442,27 @@ def _status(run: Run, record: RunRecord, series: dict[str, list[tuple[int, float
     from gptlab.runs.identity import running_claim
 
     record.status = RUNNING if running_claim(run.path) is not None else KILLED
+
+
+def _note_environment_changes(record: RunRecord, result: dict[str, Any]) -> None:
+    """A note for each resumed part of the run that ran in another environment than the part before it
+    (result.json's ``environment_changed``): its seeds' spread then holds more than seed noise."""
+    from gptlab.comparison.environment import value_text
+    from gptlab.runs.environment import FIELDS
+
+    for part in result.get("parts") or []:
+        changed = part.get("environment_changed") if isinstance(part, dict) else None
+        if not isinstance(changed, dict) or not changed:
+            continue
+        what = ", ".join(
+            f"{FIELDS.get(k, k)} {value_text(k, v[0])} -> {value_text(k, v[1])}"
+            for k, v in changed.items()
+            if isinstance(v, list) and len(v) == 2
+        )
+        record.notes.append(
+            f"its part from step {part.get('from_step')} ran in another environment than the part before it "
+            f"({what}): its final figures are not those of one environment"
+        )
 
 
 def _final_from_result(record: RunRecord, result: dict[str, Any]) -> None:

@@ -306,6 +306,8 @@ class RunSession:
             earlier = None  # the first part, or a directory's result from before run ids: not merged
         latest = {k: None if v is None else float(v) for k, v in metrics.items()}
         environment = self.environment()
+        if moved := environment_changes((earlier or {}).get("environment"), environment):
+            part["environment_changed"] = moved  # this part ran elsewhere than the part before it
         Run(self.run_dir).write_result(
             {
                 "metrics": figures_as_json(
@@ -391,6 +393,15 @@ def end_sweep_if_signalled(signum: int | None, run_dir: Path) -> None:
         return
     if signum == signal.SIGINT or is_sweep_in_this_process():
         raise SweepStopped(signum, run_dir)
+
+
+def environment_changes(before: Any, now: Mapping[str, Any]) -> dict[str, list[Any]]:
+    """The fields of a run's environment record that this part changed, ``{field: [before, now]}`` (a
+    resumed run continued with another thread count, torch, device...); empty for a first part, or where the
+    earlier part recorded none."""
+    if not isinstance(before, Mapping):
+        return {}
+    return {k: [before.get(k), v] for k, v in now.items() if k in before and before.get(k) != v}
 
 
 def earlier_parts(earlier: Mapping[str, Any] | None) -> list[dict[str, Any]]:
