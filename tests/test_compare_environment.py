@@ -7,6 +7,7 @@ count, and says nothing where the runs share one."""
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 import sys
 
@@ -58,7 +59,7 @@ def test_a_run_records_its_environment_in_result_json_and_its_wandb_config(runs)
         assert wandb_config["environment"] == env
 
 
-def test_rows_run_with_other_thread_counts_are_named_under_the_table(runs, tmp_path, capsys):
+def test_rows_run_with_other_thread_counts_are_named_under_the_table(runs, tmp_path, capsys, caplog):
     result = compare(runs, tmp_path)
     learned, rope = row_of(result, "learned"), row_of(result, "rope")
     line = f"- torch threads: 1 in row {learned}, 2 in row {rope}"
@@ -77,8 +78,10 @@ def test_rows_run_with_other_thread_counts_are_named_under_the_table(runs, tmp_p
     out = capsys.readouterr().out
     assert ENVIRONMENT_HEADER in out and line in out
 
-    api = gptlab.compare(runs)
-    assert any(line in note for note in api.notes)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="gptlab"):
+        api = gptlab.compare(runs)
+    assert any(line in note for note in api.notes) and line in caplog.text
 
 
 def test_the_wandb_path_says_the_same(runs, tmp_path):
