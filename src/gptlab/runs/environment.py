@@ -61,7 +61,10 @@ def device_name(device_type: str | None) -> str:
     import torch
 
     if device_type == "cuda" and torch.cuda.is_available():
-        return torch.cuda.get_device_name()
+        try:
+            return torch.cuda.get_device_name()
+        except RuntimeError as e:  # a device that stopped answering: the record must not hide the run's error
+            return f"cuda (its name unreadable: {e})"[:200]
     if device_type not in (None, "cpu"):
         return device_type
     return cpu_model()
