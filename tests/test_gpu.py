@@ -3,7 +3,9 @@
 NCCL resuming to the uninterrupted run's loss, an exact resume with deterministic algorithms, and KV-cache
 decoding. Every test here is marked ``gpu`` and skipped without CUDA (conftest); ``scripts/gpu_check.py`` runs
 them with its measurements. FlexAttention against SDPA is in test_attention.py, liger and cce against the plain
-path in fp32 in test_head_loss.py, word2vec's CUDA step in test_word2vec.py."""
+path in fp32 in test_head_loss.py, word2vec's CUDA step in test_word2vec.py; the Mixture of Experts compiled by
+inductor in test_moe.py and multi-token prediction through each output kernel in test_mtp.py (parametrized over
+conftest's ``CPU_AND_CUDA``: their CPU cases run here too)."""
 
 from __future__ import annotations
 

@@ -247,3 +247,13 @@ def test_the_main_command_section_times_a_step_from_two_whole_processes(gpu_chec
             result["tokens_per_step"] / (per_step["step_ms"] / 1e3), rel=0.01
         )
     assert per_save["command"].endswith("(3 saves)") and isinstance(per_save["save_ms"], float)
+
+
+def test_the_gpu_tests_section_takes_every_file_with_a_cuda_case(gpu_check):
+    """Files parametrized over conftest's list of a CPU and a CUDA case have gpu tests without the marker in
+    their text: the Mixture of Experts compiled by inductor, multi-token prediction through each output kernel,
+    FlexAttention's decoding compile. The section runs them; it leaves out files with no gpu test."""
+    files = gpu_check.gpu_test_files()
+    for name in ("test_gpu.py", "test_moe.py", "test_mtp.py", "test_flex_compile.py", "test_head_loss.py"):
+        assert f"tests/{name}" in files, files
+    assert "tests/test_gpu_check.py" not in files and "tests/test_docs.py" not in files

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import TINY, assert_cached_decoding_is_the_whole_pass
+from conftest import CPU_AND_CUDA, TINY, assert_cached_decoding_is_the_whole_pass
 from torch import Tensor
 
 from gptlab.config import parse_gpt
@@ -331,3 +331,77 @@ def test_trains_through_the_run_path_logs_the_routing_apart_and_resumes_exactly(
     b = torch.load(last_checkpoint(stopped), map_location="cpu", weights_only=True)["state_dict"]
     assert a.keys() == b.keys()
     assert [k for k in a if not torch.equal(a[k], b[k])] == []
+
+
+def compiled_against_eager_in_bf16(device: str, train_steps: int = 3) -> None:
+    """A bf16-autocast training step of a tiny MoE model (a router far from uniform, the routing losses
+    added), its blocks compiled as ``compile=true`` compiles them (gptlab.parallel.parallelize, with
+    ``transforms.BLOCK_BACKEND``), against the same weights eager; then a few AdamW steps of the compiled
+    model on one batch."""
+    from gptlab.parallel import transforms
+
+    config = tiny(
+        {"experts": 4, "z_loss_coef": 0.01, "shared_experts": 1},
+        vocab_size=97,
+        block_size=64,
+        n_layer=1,
+        n_head=4,
+        n_embd=64,
+    )
+    torch.manual_seed(0)
+    eager = GPT(config).to(device)
+    with torch.no_grad():
+        for block in eager.transformer.h:
+            block.mlp.router.weight.normal_(0.0, 0.5)
+    compiled = GPT(config).to(device)
+    compiled.load_state_dict(eager.state_dict())
+    torch._dynamo.reset()
+    transforms.parallelize(compiled, transforms.ParallelOptions(compile=True))
+    idx = torch.randint(0, 97, (4, 64), device=device)
+
+    def step(model: GPT) -> Tensor:
+        with torch.autocast(device, dtype=torch.bfloat16):
+            _, loss = model(idx, idx)
+            total = loss + model.routing_losses().objective
+        total.backward()
+        return total.detach().float()
+
+    want, got = step(eager), step(compiled)
+    assert abs(float(got - want)) < 1e-2, (float(got), float(want))
+    # A token whose second and third experts are within bf16's rounding of each other may go to another
+    # expert in one of the two (their inputs are rounded differently): that moves one token's share of two
+    # experts' gradients, so the routed experts of a layer are compared together, every other parameter alone.
+    groups: dict[str, list[tuple[Tensor, Tensor]]] = {}
+    for (name, p), q in zip(eager.named_parameters(), compiled.parameters(), strict=True):
+        assert (p.grad is None) == (q.grad is None), name
+        if p.grad is not None:
+            group = name.split(".experts.")[0] + ".experts" if ".experts." in name else name
+            groups.setdefault(group, []).append((p.grad.float().flatten(), q.grad.float().flatten()))
+    total_norm = float(torch.cat([a for pairs in groups.values() for a, _ in pairs]).norm())
+    for group, pairs in groups.items():
+        want_grad = torch.cat([a for a, _ in pairs])
+        got_grad = torch.cat([b for _, b in pairs])
+        difference = float((got_grad - want_grad).norm())
+        scale = max(float(want_grad.norm()), 1e-4 * total_norm)  # near-0 gradients: against the whole
+        assert difference < 5e-2 * scale, f"{group}: {difference:.2e} against {scale:.2e}"
+
+    optimizer = torch.optim.AdamW(compiled.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(train_steps):
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(float(step(compiled)))
+        optimizer.step()
+    assert all(math.isfinite(loss) for loss in losses), losses
+    assert losses[-1] < losses[0] - 0.3, losses  # one batch learned: the loss falls
+
+
+@pytest.mark.parametrize("device", CPU_AND_CUDA)
+def test_compiled_blocks_in_bf16_equal_eager_and_train(device, monkeypatch):
+    """The routing's argsort, bincount and ``counts.tolist()`` split sizes under torch.compile (graph breaks,
+    and new split sizes each step): on CUDA through inductor, compile=true's backend there; on the CPU through
+    AOTAutograd's eager backend (the same graphs and breaks, forward and backward, without code generation's
+    tens of seconds). The loss and gradients equal eager's within bf16's rounding, and training falls."""
+    from gptlab.parallel import transforms
+
+    monkeypatch.setattr(transforms, "BLOCK_BACKEND", "inductor" if device == "cuda" else "aot_eager")
+    compiled_against_eager_in_bf16(device)

@@ -21,7 +21,7 @@ from gptlab.model.config import GPTConfig
 from gptlab.model.gpt import GPT
 from gptlab.model.head_loss import HeadLoss, RecordingHeadLoss
 from gptlab.model.mtp import MTPOptions, shifted_targets
-from tests.conftest import TINY
+from tests.conftest import CPU_AND_CUDA, TINY
 
 V, T, B = 61, 12, 3
 SMALL = dict(vocab_size=V, block_size=T, n_layer=2, n_head=2, n_embd=16)
@@ -485,3 +485,69 @@ def test_what_the_module_reports_as_loss_and_flops_is_the_next_token_models(tmp_
     assert module.flops_per_batch == int(flops["training"] * B * T)
     module.eval()  # validation runs the next-token model alone
     assert module.flops_per_batch == int((flops["training"] - flops["mtp"]) * B * T / 3)
+
+
+# ---- the output paths under bf16 autocast, on the CPU and on CUDA --------------------------------------------
+
+
+ON_CUDA = CPU_AND_CUDA[1].marks  # gpu, and skipped without a CUDA device
+OUTPUT_PATHS = [
+    ("cpu", "chunked", None),  # the kernels below are CUDA's
+    *(
+        pytest.param("cuda", impl, package, marks=ON_CUDA, id=f"cuda-{impl}")
+        for impl, package in [("chunked", None), ("liger", "liger_kernel"), ("cce", "cut_cross_entropy")]
+    ),
+]
+
+
+@pytest.mark.parametrize("style", ["parallel", "sequential"])
+@pytest.mark.parametrize(("device", "impl", "package"), OUTPUT_PATHS)
+def test_every_output_path_gives_the_plain_heads_objective_and_gradients_under_bf16(
+    device, impl, package, style
+):
+    """The extra head's loss goes through ``loss.impl``'s output path as the next-token loss does: under bf16
+    autocast (training's dtype on a GPU) the objective L_next + L_1 equals the plain head's under the same
+    autocast, and every gradient is held to test_gpu.py's bounds against the fp32 plain head: within twice
+    the plain head's own bf16 error (``chunked``, ``liger``), Cut Cross-Entropy within its bf16 tile sums'
+    0.4. On CUDA at GPT-2's vocabulary; on the CPU (``chunked`` alone) at a small one, where bf16 products
+    are slow."""
+    if package is not None:
+        pytest.importorskip(package)
+    vocab, width, batch_size, context = (50257, 256, 8, 128) if device == "cuda" else (499, 32, 4, 16)
+    torch.manual_seed(0)
+    config = GPTConfig(
+        vocab_size=vocab,
+        block_size=context,
+        n_layer=2,
+        n_head=4,
+        n_embd=width,
+        mtp={"depth": 1, "style": style},
+    )
+    model = GPT(config).to(device)
+    idx = torch.randint(0, vocab, (batch_size, context), device=device)
+    targets = torch.randint(0, vocab, (batch_size, context), device=device)
+
+    def objective_and_grads(impl: str, autocast: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        model.zero_grad(set_to_none=True)
+        head = RecordingHeadLoss.of(HeadLoss(impl))
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast):
+            _, objective = model(idx, targets, head_loss=head, mtp=True)
+        assert len(head.calls) == 2  # the next-token head and the extra one, both through the path
+        objective.backward()
+        return objective.detach().float(), {n: p.grad.double() for n, p in model.named_parameters()}
+
+    _, reference = objective_and_grads("plain", autocast=False)
+    plain_objective, plain_grads = objective_and_grads("plain", autocast=True)
+    objective, grads = objective_and_grads(impl, autocast=True)
+    torch.testing.assert_close(objective, plain_objective, rtol=1e-3, atol=1e-3)
+    assert any(name.startswith("mtp.") for name in reference)  # the extra head's own weights are compared
+
+    def error(got: dict[str, torch.Tensor], name: str) -> float:
+        want = reference[name]
+        return float((got[name] - want).norm() / want.norm().clamp_min(1e-30))
+
+    for name in reference:
+        plain_error, path_error = error(plain_grads, name), error(grads, name)
+        assert plain_error < 2e-2, f"plain under autocast, {name}: {plain_error:.2e} from fp32"
+        bound = 0.4 if impl == "cce" else 2 * plain_error + 1e-3
+        assert path_error < bound, f"{name}: {path_error:.2e} from fp32 (plain: {plain_error:.2e})"
