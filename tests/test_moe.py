@@ -23,6 +23,7 @@ from gptlab.model.config import GPTConfig
 from gptlab.model.counting import flops_per_token, parameter_counts
 from gptlab.model.feedforward import MoE
 from gptlab.model.gpt import GPT
+from gptlab.model.head_loss import HeadLoss
 
 
 def tiny(mlp: dict | str = "moe", **kw) -> GPTConfig:
@@ -405,3 +406,30 @@ def test_compiled_blocks_in_bf16_equal_eager_and_train(device, monkeypatch):
 
     monkeypatch.setattr(transforms, "BLOCK_BACKEND", "inductor" if device == "cuda" else "aot_eager")
     compiled_against_eager_in_bf16(device)
+
+
+def test_a_compiled_block_is_not_recompiled_as_the_routing_changes():
+    # The experts' split sizes are the routing's data: in the graph, each new split recompiled the block,
+    # until torch's recompile limit left it uncompiled without a word. Outside it, the block compiles once.
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    config = GPTConfig(
+        vocab_size=97,
+        block_size=16,
+        n_layer=1,
+        n_head=2,
+        n_embd=32,
+        mlp={"name": "moe", "experts": 16, "top_k": 2},
+    )
+    model = GPT(config)
+    model.transformer.h[0].compile(backend="aot_eager")
+    graphs = []
+    for step in range(5):
+        g = torch.Generator().manual_seed(step)
+        x = torch.randint(0, config.vocab_size, (2, 16), generator=g)
+        _, loss = model(x, torch.roll(x, -1, 1), head_loss=HeadLoss())
+        loss.backward()
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs[1:] == [graphs[0]] * 4, graphs  # every graph made at the first step, none since

@@ -200,17 +200,23 @@ class MoE(nn.Module):
         order = assigned.argsort(stable=True)
         counts = torch.bincount(assigned, minlength=E)  # (E,)
         token_of = order // k  # the token of each assignment, in expert order
-        inputs = tokens.index_select(0, token_of)  # (N k, h)
-        outputs = [
-            expert(part) for expert, part in zip(self.experts, inputs.split(counts.tolist()), strict=True)
-        ]
-        routed = torch.cat(outputs)  # (N k, h), in expert order
+        routed = self._run_experts(tokens.index_select(0, token_of), counts)  # (N k, h), in expert order
         routed = routed * weights.reshape(-1).index_select(0, order).unsqueeze(-1).to(routed.dtype)
         out = routed.new_zeros(N, self.n_embd).index_add(0, token_of, routed)
         if self.shared is not None:
             out = out + self.shared(tokens)
         self.routing = self._statistics(logits, probs, counts, N)
         return self.dropout(out.reshape(*x.shape[:-1], self.n_embd))
+
+    @torch.compiler.disable
+    def _run_experts(self, inputs: Tensor, counts: Tensor) -> Tensor:
+        """Each expert over its own rows of ``inputs`` (grouped by expert, ``counts`` rows each), in eager mode
+        under torch.compile: the split sizes are the routing's data, so a compiled graph would be specialised
+        to them and recompiled as they change (6 graphs in 4 steps of one layer), until torch's recompile
+        limit silently left the block uncompiled. Left out of the graph, the block compiles once, around a
+        break here; the experts' products are large matrix products that compiling would not speed up."""
+        parts = inputs.split(counts.tolist())
+        return torch.cat([expert(part) for expert, part in zip(self.experts, parts, strict=True)])
 
     def _statistics(self, logits: Tensor, probs: Tensor, counts: Tensor, N: int) -> Routing:
         E, k = self.options.experts, self.options.top_k
