@@ -348,6 +348,27 @@ def state_gptlab_version() -> None:
     hydra_main.get_args_parser = get_args_parser
 
 
+#: conf/hydra/launcher's YAMLs whose name is also an installed launcher plugin's ConfigStore entry (the joblib
+#: plugin stores its schema as hydra/launcher/joblib): each YAML carries every field the plugin reads.
+LAUNCHER_YAMLS_NAMED_AS_THEIR_PLUGIN = ("joblib",)
+
+
+def prefer_launcher_yamls() -> None:
+    """A launcher YAML of conf/ named as its plugin's ConfigStore entry (``joblib``) is the one config
+    ``hydra/launcher=joblib`` loads. Hydra finds the plugin's entry of that name and validates the YAML against
+    it by name, a matching it deprecated since 1.1, with a warning from every process of the sweep (the command's
+    composition and each joblib worker's). The plugins' registration runs when Hydra scans them, once a process
+    (``Plugins.instance()``, which re-imports their modules), so the same-named entry is dropped after that scan;
+    the workers receive the ConfigStore as it stands then."""
+    from hydra.core.config_store import ConfigStore
+    from hydra.core.plugins import Plugins
+
+    Plugins.instance()
+    launchers = ConfigStore.instance().repo.get("hydra", {}).get("launcher", {})
+    for name in LAUNCHER_YAMLS_NAMED_AS_THEIR_PLUGIN:
+        launchers.pop(f"{name}.yaml", None)
+
+
 def suggest_choices() -> None:
     """A mistyped choice or key refused as gptlab refuses bad input: ``gptlab: error: ... Did you mean
     pos=sinusoidal?`` (or ``optim.lr=1e-3?``), status 2, without Hydra's config search path.
