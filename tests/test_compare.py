@@ -552,6 +552,45 @@ def test_harness_perplexities_average_as_perplexities_and_accuracies_as_means(tm
     )
 
 
+def test_every_perplexity_prints_five_significant_digits_and_at_most_two_decimals(tmp_path):
+    """val/ppl, ppl@Nx, the harness's perplexities and the run's closing line print a perplexity alike: 8.81,
+    118.53, 1234.6, 13314 (no decimals at that size), a diverged model's as 1.23e+37; committed tables
+    (every perplexity under 1,000) read as they did with two decimals."""
+    from gptlab.comparison.table import markdown_table
+    from gptlab.tasks.gpt import validation_line
+
+    ppls = {"a": 8.8123, "b": 118.5317, "c": 1234.5678, "d": 13314.34}
+    runs = [
+        RunRecord(
+            path=tmp_path / name,
+            overrides={"pos": name, "seed": "0"},
+            val_loss=[(7, math.log(ppl))],
+            val_ppl=ppl,
+            outputs={
+                "length": {"ppl@1x": ppl},
+                "eval_harness": {"eval/wikitext/word_perplexity": ppl, "eval/piqa/acc": 0.25},
+            },
+        )
+        for name, ppl in ppls.items()
+    ]
+    header, *rows = table_rows(markdown_table(summarize(runs, keys=["pos"]), ["pos"]))
+    cells = {
+        r[header.index("pos")]: [
+            r[header.index(h)] for h in ("val/ppl", "ppl@1x", "eval/wikitext/word_perplexity")
+        ]
+        for r in rows
+    }
+    expected = {"a": "8.81", "b": "118.53", "c": "1234.6", "d": "13314"}
+    assert cells == {name: [shown] * 3 for name, shown in expected.items()}
+    assert [r[header.index("eval/piqa/acc")] for r in rows] == [
+        "0.25"
+    ] * 4  # not a perplexity: its own format
+    for name, shown in expected.items():
+        assert f"(perplexity {shown})" in validation_line(math.log(ppls[name]), None)
+    assert "(perplexity 1.23e+37)" in validation_line(math.log(1.234e37), None)
+    assert "(perplexity inf)" in validation_line(800.0, None)
+
+
 def test_a_baseline_that_diverged_is_refused_and_a_result_can_mark_divergence(sweep, tmp_path):
     _, sweep_dir = sweep
     runs = _copy_runs(sweep_dir, tmp_path)

@@ -819,12 +819,11 @@ def divergence_of(val_loss: float | None, entropy: float, uniform: float) -> dic
 
 
 def _perplexity(loss: float) -> str:
-    """exp(loss) to one decimal; a diverged run's in three digits (1.23e+37), inf where exp overflows, nan for
-    a NaN loss."""
-    from gptlab.evaluation.long_context import perplexity
+    """exp(loss) as the comparison prints perplexities (:func:`~gptlab.evaluation.long_context.
+    format_perplexity`): inf where exp overflows, nan for a NaN loss."""
+    from gptlab.evaluation.long_context import format_perplexity, perplexity
 
-    ppl = perplexity(loss)
-    return f"{ppl:.1f}" if ppl < 1e6 else f"{ppl:.3g}"
+    return format_perplexity(perplexity(loss))
 
 
 def closing_lines(
