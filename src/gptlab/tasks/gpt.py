@@ -365,6 +365,9 @@ def model_summary(module: GPTLitModule, trainer: L.Trainer | None, settings: GPT
         head=planning.HeadPlan.of(module.head_loss, device_type, precision),
     )
     summary = planning.startup_card(module.model_config, plan, on_cpu=on_cpu, loss=module.head_loss)
+    module.announced_loss_impl = (
+        plan.head.impl
+    )  # the card's memory line says it: the module says it only if other
     if settings and settings.loader.document_mask:
         summary += f"\n{DOCUMENT_MASK_LINE}"
     return summary
