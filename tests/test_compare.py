@@ -23,6 +23,7 @@ from gptlab.comparison.report import compare, write_comparison
 from gptlab.comparison.stats import contrasts, difference_interval, holm, verdict, welch
 from gptlab.comparison.table import summarize
 from gptlab.errors import DataError
+from gptlab.evaluation.long_context import format_perplexity
 from gptlab.runs import Run, find_run_dirs
 from gptlab.runs.naming import identity, is_sweep_value, swept_keys_of
 from gptlab.tracking.wandb_runs import find_runs, read_run
@@ -521,12 +522,12 @@ def test_a_conditions_perplexities_are_the_perplexity_of_its_mean_loss(sweep, tm
     losses = [read_run_dir(runs[("rope", "gelu", seed)], "csv").final_val_loss for seed in "01"]
     assert losses[1] - losses[0] > 0.9
     assert row["val/loss"].split(" ± ")[0] == f"{statistics.fmean(losses):.4f}"
-    assert row["val/ppl"] == f"{math.exp(statistics.fmean(losses)):.2f}"
+    assert row["val/ppl"] == format_perplexity(math.exp(statistics.fmean(losses)))
     assert float(row["val/ppl"]) < statistics.fmean(map(math.exp, losses)) - 1  # the plain mean lies above
     study_losses = [
         Run(runs[("rope", "gelu", seed)]).length_result()["variants"]["rope"]["1"]["loss"] for seed in "01"
     ]
-    assert row["ppl@1x"] == f"{math.exp(statistics.fmean(study_losses)):.2f}"
+    assert row["ppl@1x"] == format_perplexity(math.exp(statistics.fmean(study_losses)))
     # the legend says what the columns are
     text = (tmp_path / "report" / "comparison.md").read_text()
     assert (
