@@ -201,18 +201,30 @@ def test_the_progress_bar_and_the_logged_rate_agree_with_each_other_and_with_wal
 
 def test_the_run_says_before_its_first_step_the_least_time_its_steps_can_take(trained):
     """The MFU line names the FLOPs of the steps to train and their time at the peak it names: a model too
-    large for the machine shows its hours before the first step. Here 30 steps of 4 x 32 tokens."""
+    large for the machine shows its hours before the first step. Here 30 steps of 4 x 32 tokens, at the FLOPs
+    per token the card's line gives (the MFU line does not say them again, nor in another form)."""
     from gptlab.training.metrics import duration
 
     _, _, proc = trained
-    peak, per_token, total, shown = re.search(
-        r"MFU against ([\d.]+) GFLOP/s per device .*; ([\d.e+]+) FLOPs per token: the 30 steps to train are "
-        r"([\d.e+]+) FLOPs, (.+?) at that peak \(a lower bound: a run reaches a fraction of the peak\)$",
+    scale = {"": 1.0, "k": 1e3, "M": 1e6, "B": 1e9, "T": 1e12, "P": 1e15}
+    (per_token, per_token_unit), *more = re.findall(
+        r"^Training FLOPs per token at context 32: ([\d.]+)([kMBTP]?) ", proc.stdout, re.M
+    )
+    assert not more and proc.stdout.count("FLOPs per token") == 1, proc.stdout[:3000]
+    peak, total, total_unit, shown = re.search(
+        r"MFU against ([\d.]+) GFLOP/s per device \([^;]*\): the 30 steps to train are "
+        r"([\d.]+)([kMBTP]?) FLOPs, (.+?) at that peak \(a lower bound: a run reaches a fraction of the peak\)$",
         proc.stdout,
         re.M,
     ).groups()
-    assert float(total) == pytest.approx(30 * 4 * 32 * float(per_token), rel=2e-3)  # to the printed digits
-    assert shown == duration(float(total) / (float(peak) * 1e9))
+    total_flops = float(total) * scale[total_unit]
+    # to the printed digits (four: 41.35M)
+    assert total_flops == pytest.approx(30 * 4 * 32 * float(per_token) * scale[per_token_unit], rel=2e-3)
+    assert shown == duration(total_flops / (float(peak) * 1e9))
+    # likewise the output layer: the card's memory line says what loss.impl=auto took, and no other line
+    # says it again
+    assert "(loss.impl=auto: chunked, " in proc.stdout
+    assert "Output layer and loss" not in proc.stdout + proc.stderr
     assert [duration(s) for s in (0.031, 48, 720, 3 * 3600 + 300, 2.4 * 86400)] == [
         "0.031 s",
         "48 s",

@@ -23,6 +23,7 @@ from gptlab.comparison.report import compare, write_comparison
 from gptlab.comparison.stats import contrasts, difference_interval, holm, verdict, welch
 from gptlab.comparison.table import summarize
 from gptlab.errors import DataError
+from gptlab.evaluation.long_context import format_perplexity
 from gptlab.runs import Run, find_run_dirs
 from gptlab.runs.naming import identity, is_sweep_value, swept_keys_of
 from gptlab.tracking.wandb_runs import find_runs, read_run
@@ -521,12 +522,12 @@ def test_a_conditions_perplexities_are_the_perplexity_of_its_mean_loss(sweep, tm
     losses = [read_run_dir(runs[("rope", "gelu", seed)], "csv").final_val_loss for seed in "01"]
     assert losses[1] - losses[0] > 0.9
     assert row["val/loss"].split(" ± ")[0] == f"{statistics.fmean(losses):.4f}"
-    assert row["val/ppl"] == f"{math.exp(statistics.fmean(losses)):.2f}"
+    assert row["val/ppl"] == format_perplexity(math.exp(statistics.fmean(losses)))
     assert float(row["val/ppl"]) < statistics.fmean(map(math.exp, losses)) - 1  # the plain mean lies above
     study_losses = [
         Run(runs[("rope", "gelu", seed)]).length_result()["variants"]["rope"]["1"]["loss"] for seed in "01"
     ]
-    assert row["ppl@1x"] == f"{math.exp(statistics.fmean(study_losses)):.2f}"
+    assert row["ppl@1x"] == format_perplexity(math.exp(statistics.fmean(study_losses)))
     # the legend says what the columns are
     text = (tmp_path / "report" / "comparison.md").read_text()
     assert (
@@ -550,6 +551,45 @@ def test_harness_perplexities_average_as_perplexities_and_accuracies_as_means(tm
     assert row.outputs["eval_harness"] == pytest.approx(
         {"eval/wikitext/word_perplexity": 20.0, "eval/piqa/acc": 0.3}
     )
+
+
+def test_every_perplexity_prints_five_significant_digits_and_at_most_two_decimals(tmp_path):
+    """val/ppl, ppl@Nx, the harness's perplexities and the run's closing line print a perplexity alike: 8.81,
+    118.53, 1234.6, 13314 (no decimals at that size), a diverged model's as 1.23e+37; committed tables
+    (every perplexity under 1,000) read as they did with two decimals."""
+    from gptlab.comparison.table import markdown_table
+    from gptlab.tasks.gpt import validation_line
+
+    ppls = {"a": 8.8123, "b": 118.5317, "c": 1234.5678, "d": 13314.34}
+    runs = [
+        RunRecord(
+            path=tmp_path / name,
+            overrides={"pos": name, "seed": "0"},
+            val_loss=[(7, math.log(ppl))],
+            val_ppl=ppl,
+            outputs={
+                "length": {"ppl@1x": ppl},
+                "eval_harness": {"eval/wikitext/word_perplexity": ppl, "eval/piqa/acc": 0.25},
+            },
+        )
+        for name, ppl in ppls.items()
+    ]
+    header, *rows = table_rows(markdown_table(summarize(runs, keys=["pos"]), ["pos"]))
+    cells = {
+        r[header.index("pos")]: [
+            r[header.index(h)] for h in ("val/ppl", "ppl@1x", "eval/wikitext/word_perplexity")
+        ]
+        for r in rows
+    }
+    expected = {"a": "8.81", "b": "118.53", "c": "1234.6", "d": "13314"}
+    assert cells == {name: [shown] * 3 for name, shown in expected.items()}
+    assert [r[header.index("eval/piqa/acc")] for r in rows] == [
+        "0.25"
+    ] * 4  # not a perplexity: its own format
+    for name, shown in expected.items():
+        assert f"(perplexity {shown})" in validation_line(math.log(ppls[name]), None)
+    assert "(perplexity 1.23e+37)" in validation_line(math.log(1.234e37), None)
+    assert "(perplexity inf)" in validation_line(800.0, None)
 
 
 def test_a_baseline_that_diverged_is_refused_and_a_result_can_mark_divergence(sweep, tmp_path):

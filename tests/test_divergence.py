@@ -77,7 +77,7 @@ def test_a_missing_metric_is_null_and_the_table_shows_it_as_unavailable(tmp_path
     assert math.isnan(read.metrics["eval/task/bits_per_byte"])
     columns = final_values(Run(tmp_path))
     assert columns == {"eval/task/acc": None, "eval/task/bits_per_byte": None, "eval/other/acc": 0.5}
-    cells = {k: _output_cell(v, "{:.4g}", "n/a") for k, v in columns.items()}
+    cells = {k: _output_cell(v, "{:.4g}".format, "n/a") for k, v in columns.items()}
     assert cells == {"eval/task/acc": "n/a", "eval/task/bits_per_byte": "n/a", "eval/other/acc": "0.5"}
 
     with pytest.raises(ValueError, match="not JSON compliant"):

@@ -285,6 +285,9 @@ def test_a_refused_sweep_under_joblib_leaves_no_job_folders_and_names_the_job(tm
     ):
         assert proc.stderr.count(message) == 1, proc.stderr[-3000:]
     assert [p.name for p in sweep.iterdir()] == ["multirun.yaml"]
+    # conf/hydra/launcher/joblib.yaml is the config loaded, without Hydra's warning (from the command and from
+    # each worker) that it matched the plugin's same-named schema
+    assert "validated against ConfigStore schema" not in proc.stderr, proc.stderr[-3000:]
 
 
 def test_only_what_the_refused_run_wrote_in_folders_it_made_is_removed(tmp_path):

@@ -74,6 +74,8 @@ def test_unknown_group_choice_lists_the_choices(make_cfg):
         ("trainer.max_epoch=3", "Did you mean +trainer.max_epochs=3? (trainer.max_epochs is a Lightning"),
         # nothing close: how to add a key the YAML leaves out
         ("optim.zzz=1", "A key the config leaves out is added with a leading +: +optim.zzz=1."),
+        # the evaluation's interval keeps its name: no other node's spelling of a checkpoint interval is it
+        ("eval_harness.checkpoint_every=5", "A key the config leaves out is added with a leading +:"),
     ],
 )
 def test_a_mistyped_key_gets_its_nodes_keys_and_the_closest_one(make_cfg, override, shown):
@@ -84,6 +86,56 @@ def test_a_mistyped_key_gets_its_nodes_keys_and_the_closest_one(make_cfg, overri
     message = unknown_key(e.value)
     assert message is not None and shown in message, message
     assert "hydra" not in message.split("Its keys: ")[1].split(".")[0].split(", ")
+
+
+# one case per entry of cli.SAME_SETTING_ELSEWHERE (the node's key it suggests, then the overrides that type
+# another node's spelling under it), none of them close to the node's own spelling
+SAME_SETTING_CASES = [
+    ("checkpoint_every", ["word2vec.every_n_steps=100"], "Did you mean word2vec.checkpoint_every=100?"),
+    (
+        "every_n_train_steps",
+        ["callbacks.last_checkpoint.checkpoint_every=20"],
+        "Did you mean callbacks.last_checkpoint.every_n_train_steps=20?",
+    ),
+    ("dim", ["word2vec.n_embd=64"], "Did you mean word2vec.dim=64?"),
+    ("n_embd", ["model.dim=64"], "Did you mean model.n_embd=64?"),
+    (
+        "cpu_offload",
+        ["strategy=fsdp", "strategy.offload_parameters=true"],
+        "Did you mean strategy.cpu_offload=true?",
+    ),
+    (
+        "offload_optimizer",
+        ["strategy=deepspeed_stage_2", "strategy.cpu_offload=true"],
+        "Did you mean strategy.offload_optimizer=true or strategy.offload_parameters=true?",
+    ),
+    (
+        "offload_parameters",
+        ["strategy=deepspeed_stage_3", "strategy.cpu_offload=true"],
+        "Did you mean strategy.offload_optimizer=true or strategy.offload_parameters=true?",
+    ),
+    ("lr", ["optim.learning_rate=1e-3"], "Did you mean optim.lr=1e-3?"),
+]
+
+
+@pytest.mark.parametrize("entry,overrides,shown", SAME_SETTING_CASES, ids=[c[0] for c in SAME_SETTING_CASES])
+def test_a_key_spelled_as_another_node_spells_it_gets_this_nodes_spelling(make_cfg, entry, overrides, shown):
+    """word2vec.every_n_steps=100 is nothing like any of word2vec's keys; it is how callbacks and the
+    evaluation spell an interval: the refusal names word2vec's own key for the checkpoint interval."""
+    from gptlab.cli import SAME_SETTING_ELSEWHERE, unknown_key
+
+    with pytest.raises(ConfigCompositionException) as e:
+        make_cfg(*overrides)
+    message = unknown_key(e.value)
+    node, typed = overrides[-1].split("=")[0].rsplit(".", 1)
+    assert message is not None and message.endswith(f"{shown} ({node}'s name for that setting.)"), message
+    assert typed in SAME_SETTING_ELSEWHERE[entry]
+
+
+def test_every_entry_of_the_same_setting_table_has_its_case():
+    from gptlab.cli import SAME_SETTING_ELSEWHERE
+
+    assert sorted(c[0] for c in SAME_SETTING_CASES) == sorted(SAME_SETTING_ELSEWHERE)
 
 
 @pytest.mark.parametrize(

@@ -366,8 +366,9 @@ def test_the_card_counts_the_head_the_run_takes(make_cfg):
         planned = replace(plan, head=planning.HeadPlan.of(loss, device_type, "bf16-mixed"))
         return planning.model_card(config, planned, short=True), planning.memory_per_device(config, planned)
 
-    text, chunked = card(HeadLoss(), "cpu")
-    assert "output layer and loss 0.27 GiB (loss.impl=chunked, 160 rows per chunk)" in text
+    text, chunked = card(HeadLoss(), "cpu")  # loss.impl=auto: the card says what it took
+    assert "output layer and loss 0.27 GiB (loss.impl=auto: chunked, 160 rows per chunk)" in text
+    assert "(loss.impl=chunked, 160 rows per chunk)" in card(HeadLoss("chunked"), "cpu")[0]
     text, plain = card(HeadLoss("plain"), "cpu")
     assert "output layer and loss 18.40 GiB (loss.impl=plain, the whole logits)" in text
     assert plain.total - chunked.total > 18 * GiB

@@ -244,6 +244,32 @@ def unknown_choice(error: Exception) -> str | None:
     )
 
 
+#: A node's key -> how other nodes (or other tools) spell the same setting: a key typed under the wrong node
+#: (word2vec.every_n_steps=100) far from any of that node's own spellings (difflib finds none) is answered with
+#: the node's key for it (word2vec.checkpoint_every). One way only: ``every_n_steps`` is also the evaluation's
+#: and the progress bar's interval, which no other spelling here means.
+SAME_SETTING_ELSEWHERE: dict[str, tuple[str, ...]] = {
+    # how often a checkpoint is written: word2vec's, and callbacks.last_checkpoint's (Lightning's name)
+    "checkpoint_every": ("every_n_steps", "every_n_train_steps", "save_every"),
+    "every_n_train_steps": ("checkpoint_every", "save_every"),
+    # the embedding width: word2vec's, the model's (nanoGPT's name), and the common others
+    "dim": ("n_embd", "d_model", "hidden_size", "embedding_dim"),
+    "n_embd": ("dim", "d_model", "hidden_size", "embedding_dim"),
+    # state in CPU memory: strategy=fsdp's switch, and the DeepSpeed strategies' two
+    "cpu_offload": ("offload", "offload_optimizer", "offload_parameters"),
+    "offload_optimizer": ("offload", "cpu_offload"),
+    "offload_parameters": ("offload", "cpu_offload"),
+    # the learning rate: optim's and word2vec's, as Hugging Face spells it
+    "lr": ("learning_rate",),
+}
+
+
+def same_setting(key: str, keys: list[str]) -> list[str]:
+    """The keys among ``keys`` (one node's) that spell the setting ``key`` names elsewhere
+    (:data:`SAME_SETTING_ELSEWHERE`)."""
+    return [k for k in keys if key in SAME_SETTING_ELSEWHERE.get(k, ())]
+
+
 def unknown_key(error: Exception) -> str | None:
     """gptlab's message for Hydra's refusal to override a key that does not exist (``optim.lrr=1e-3``,
     ``modle=small``): the node's keys and the closest one, with the value typed, instead of Hydra's advice to
@@ -281,6 +307,7 @@ def unknown_key(error: Exception) -> str | None:
         return f"{owner}.{name}" if owner else name
 
     close = difflib.get_close_matches(key, keys + added, n=1)
+    synonyms = same_setting(key, keys) if owner else []
     if close:
         fix = "+" + dotted(close[0]) if close[0] in added else dotted(close[0])
         hint = f" Did you mean {fix}{'=' + value if value is not None else ''}?"
@@ -294,6 +321,9 @@ def unknown_key(error: Exception) -> str | None:
         nested = sorted(p for p in dotted_keys(node, skip={"hydra"}) if p.rsplit(".", 1)[-1] == key)
         suffix = "=" + value if value is not None else ""
         hint = f" Did you mean {' or '.join(p + suffix for p in nested)}?" if nested else ""
+    elif synonyms:  # the setting as another node spells it (word2vec.n_embd): this node's spelling
+        suffix = "=" + value if value is not None else ""
+        hint = f" Did you mean {' or '.join(dotted(k) + suffix for k in synonyms)}? ({owner}'s name for that setting.)"
     else:
         hint = f" A key the config leaves out is added with a leading +: +{typed}."
     where = f"{owner} has no key {key!r}" if owner else f"The config has no key or group {key!r}"
@@ -346,6 +376,27 @@ def state_gptlab_version() -> None:
 
     get_args_parser.states_gptlab_version = True  # type: ignore[attr-defined]
     hydra_main.get_args_parser = get_args_parser
+
+
+#: conf/hydra/launcher's YAMLs whose name is also an installed launcher plugin's ConfigStore entry (the joblib
+#: plugin stores its schema as hydra/launcher/joblib): each YAML carries every field the plugin reads.
+LAUNCHER_YAMLS_NAMED_AS_THEIR_PLUGIN = ("joblib",)
+
+
+def prefer_launcher_yamls() -> None:
+    """A launcher YAML of conf/ named as its plugin's ConfigStore entry (``joblib``) is the one config
+    ``hydra/launcher=joblib`` loads. Hydra finds the plugin's entry of that name and validates the YAML against
+    it by name, a matching it deprecated since 1.1, with a warning from every process of the sweep (the command's
+    composition and each joblib worker's). The plugins' registration runs when Hydra scans them, once a process
+    (``Plugins.instance()``, which re-imports their modules), so the same-named entry is dropped after that scan;
+    the workers receive the ConfigStore as it stands then."""
+    from hydra.core.config_store import ConfigStore
+    from hydra.core.plugins import Plugins
+
+    Plugins.instance()
+    launchers = ConfigStore.instance().repo.get("hydra", {}).get("launcher", {})
+    for name in LAUNCHER_YAMLS_NAMED_AS_THEIR_PLUGIN:
+        launchers.pop(f"{name}.yaml", None)
 
 
 def suggest_choices() -> None:

@@ -131,6 +131,7 @@ class HeadPlan:
     softcap: bool = False
     half_products: bool = False
     fused: bool = False  # chunked's elementwise pass compiled into one kernel (head_loss.fused_by_default)
+    asked: str | None = None  # loss.impl as set, where it is not impl (auto): the card says both, once
 
     @classmethod
     def of(
@@ -154,6 +155,7 @@ class HeadPlan:
             softcap=loss.final_softcap is not None,
             half_products=half_products,
             fused=impl == "chunked" and half_products and fused_by_default(device_type, dtype),
+            asked=loss.impl if loss.impl != impl else None,
         )
 
     def rows(self, config: GPTConfig) -> int:
@@ -198,13 +200,15 @@ class HeadPlan:
         return KERNEL_HEAD_BYTES
 
     def describe(self, config: GPTConfig) -> str:
-        """What the card counted, e.g. ``loss.impl=chunked, 160 rows per chunk``."""
+        """What the card counted, e.g. ``loss.impl=chunked, 160 rows per chunk``, or where ``loss.impl=auto``
+        chose, what it took: ``loss.impl=auto: chunked, 160 rows per chunk``."""
+        impl = f"loss.impl={self.asked}: {self.impl}" if self.asked else f"loss.impl={self.impl}"
         if self.impl in ("chunked", "torch"):
             fused = ", fused (one compiled kernel a chunk)" if self.fused else ""
-            return f"loss.impl={self.impl}, {self.rows(config):,} rows per chunk{fused}"
+            return f"{impl}, {self.rows(config):,} rows per chunk{fused}"
         if self.impl == "plain":
-            return "loss.impl=plain, the whole logits"
-        return f"loss.impl={self.impl}, no logits kept"
+            return f"{impl}, the whole logits"
+        return f"{impl}, no logits kept"
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from pathlib import Path
 from gptlab.comparison.records import OUTPUTS, RunRecord
 from gptlab.comparison.stats import DEFAULT_ALPHA, Contrast, contrasts
 from gptlab.errors import DataError
-from gptlab.evaluation.long_context import perplexity
+from gptlab.evaluation.long_context import format_perplexity, perplexity
 from gptlab.runs.layout import Run
 from gptlab.runs.naming import is_silent, split_override, sweep_overrides_from_dir, swept_keys_of
 
@@ -141,7 +141,7 @@ def _mfu_cell(value: float) -> str:
 
 
 METRIC_COLUMNS = [
-    MetricColumn("val/ppl", lambda r: r.val_ppl, "{:.2f}".format),
+    MetricColumn("val/ppl", lambda r: r.val_ppl, format_perplexity),
     MetricColumn("tokens/s", lambda r: r.tokens_per_second, "{:,.0f}".format),
     MetricColumn("MFU", lambda r: 2.0 if r.mfu_invalid else r.mfu, _mfu_cell),
     MetricColumn("parameters", lambda r: r.parameters, _human),
@@ -435,14 +435,20 @@ def _output_headers(runs: list[RunRecord]) -> dict[str, list[str]]:
     return found
 
 
-def output_columns(rows: list[Row]) -> list[tuple[str, str, str, str]]:
-    """(output name, header, format, unavailable text) of the output columns of the table."""
+def output_columns(rows: list[Row]) -> list[tuple[str, str, Callable[[float], str], str]]:
+    """(output name, header, formatter, unavailable text) of the output columns of the table. A column of
+    perplexities (those averaged geometrically over seeds: ppl@Nx, the harness's word and byte perplexities)
+    is printed as val/ppl is."""
     headers = _output_headers([r for row in rows for r in row.runs])
-    return [(o.name, h, o.fmt, o.unavailable) for o in OUTPUTS for h in headers.get(o.name, [])]
+    return [
+        (o.name, h, format_perplexity if o.geometric(h) else o.fmt.format, o.unavailable)
+        for o in OUTPUTS
+        for h in headers.get(o.name, [])
+    ]
 
 
-def _output_cell(value: float | None, fmt: str, unavailable: str) -> str:
-    return unavailable if value is None else fmt.format(value)
+def _output_cell(value: float | None, fmt: Callable[[float], str], unavailable: str) -> str:
+    return unavailable if value is None else fmt(value)
 
 
 def markdown_table(rows: list[Row], keys: list[str], reference: str = "best") -> str:

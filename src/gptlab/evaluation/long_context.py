@@ -36,6 +36,29 @@ def perplexity(loss: float) -> float:
         return math.inf
 
 
+#: How many significant digits a printed perplexity carries (a comparison's cells, a run's closing line), at most
+#: :data:`PERPLEXITY_DECIMALS` of them after the point: 8.81, 118.53, 1234.6, 13314; a perplexity's whole part
+#: is never rounded.
+PERPLEXITY_DIGITS = 5
+PERPLEXITY_DECIMALS = 2
+
+
+def format_perplexity(ppl: float) -> str:
+    """``ppl`` as every perplexity is printed: :data:`PERPLEXITY_DIGITS` significant digits, at most
+    :data:`PERPLEXITY_DECIMALS` decimals, none once the whole part has that many digits (13314, not
+    13314.34); a diverged model's, from a million up, in three digits and a power of ten (1.23e+37); ``inf``
+    and ``nan`` as such."""
+    if not math.isfinite(ppl):
+        return str(ppl)
+    if abs(ppl) >= 1e6:
+        return f"{ppl:.3g}"
+    for decimals in range(PERPLEXITY_DECIMALS, 0, -1):
+        text = f"{ppl:.{decimals}f}"
+        if len(text.split(".")[0].lstrip("-")) + decimals <= PERPLEXITY_DIGITS:
+            return text
+    return f"{ppl:.0f}"
+
+
 def read_length_study(run_dir: str | Path) -> dict[str, float | None]:
     """{"ppl@1x": 8.2, "ppl@2x": None, ...}: the validation perplexity of the scheme as trained at each
     length of the run's study (``eval_length/length.json``); None where the scheme cannot run at that length

@@ -368,6 +368,9 @@ def model_summary(module: GPTLitModule, trainer: L.Trainer | None, settings: GPT
         head=planning.HeadPlan.of(module.head_loss, device_type, precision),
     )
     summary = planning.startup_card(module.model_config, plan, on_cpu=on_cpu, loss=module.head_loss)
+    module.announced_loss_impl = (
+        plan.head.impl
+    )  # the card's memory line says it: the module says it only if other
     if settings and settings.loader.document_mask:
         summary += f"\n{DOCUMENT_MASK_LINE}"
     return summary
@@ -822,12 +825,11 @@ def divergence_of(val_loss: float | None, entropy: float, uniform: float) -> dic
 
 
 def _perplexity(loss: float) -> str:
-    """exp(loss) to one decimal; a diverged run's in three digits (1.23e+37), inf where exp overflows, nan for
-    a NaN loss."""
-    from gptlab.evaluation.long_context import perplexity
+    """exp(loss) as the comparison prints perplexities (:func:`~gptlab.evaluation.long_context.
+    format_perplexity`): inf where exp overflows, nan for a NaN loss."""
+    from gptlab.evaluation.long_context import format_perplexity, perplexity
 
-    ppl = perplexity(loss)
-    return f"{ppl:.1f}" if ppl < 1e6 else f"{ppl:.3g}"
+    return format_perplexity(perplexity(loss))
 
 
 def closing_lines(

@@ -20,6 +20,7 @@ from lightning.pytorch.callbacks import ThroughputMonitor
 from lightning.pytorch.callbacks.throughput_monitor import _plugin_to_compute_dtype
 from lightning.pytorch.trainer.states import RunningStage, TrainerFn
 
+from gptlab.model.counting import human
 from gptlab.training.peak import device_peak_flops
 
 if TYPE_CHECKING:
@@ -153,11 +154,11 @@ class TrainingThroughput(ThroughputMonitor):
         module = cast("GPTLitModule", pl_module)
         flops_per_token = module.flops_per_token(getattr(datamodule, "block_size", None))
         bound = time_at_peak(trainer, datamodule, flops_per_token, peak)
+        # the FLOPs per token themselves are the model card's line (Training FLOPs per token at context T)
         log.info(
-            "MFU against %s per device (%s); %.3g FLOPs per token%s",
+            "MFU against %s per device (%s)%s",
             rate,
             self._source,
-            flops_per_token,
             f"{bound} (a lower bound: a run reaches a fraction of the peak)" if bound else "",
         )
         counts = module.model.parameter_counts()
@@ -253,7 +254,7 @@ def duration(seconds: float) -> str:
 
 
 def time_at_peak(trainer: L.Trainer, datamodule: Any, flops_per_token: float, peak: float) -> str:
-    """``: the 320 steps to train are 1.35e+13 FLOPs, 32 s at that peak``: the least time the steps left to
+    """``: the 320 steps to train are 13.53T FLOPs, 32 s at that peak`` (counted as the card counts): the least time the steps left to
     train can take on these devices, so that a model too large for the machine (GPT-2 small on two CPU cores:
     hours) says so before its first step, not after it. "" where the steps or the batch are unknown."""
     max_steps = trainer.max_steps
@@ -266,7 +267,7 @@ def time_at_peak(trainer: L.Trainer, datamodule: Any, flops_per_token: float, pe
     tokens = steps * batch * block * trainer.accumulate_grad_batches * trainer.world_size
     flops = tokens * flops_per_token
     return (
-        f": the {steps:,} steps to train are {flops:.3g} FLOPs, "
+        f": the {steps:,} steps to train are {human(flops)} FLOPs, "
         f"{duration(flops / (peak * trainer.world_size))} at that peak"
     )
 

@@ -91,6 +91,9 @@ class GPTLitModule(L.LightningModule):
         self._batch_shape: tuple[int, ...] | None = None  # (B, T) of the last batch, for flops_per_batch
         self.last_train_loss: Tensor | None = None
         self.loss_impl: str | None = None  # the output layer and loss the fit takes (on_fit_start)
+        # what the run's model card said the fit takes (tasks.gpt.model_summary): the fit's own line is then
+        # logged only where it takes another (None: no card was printed, as from a bare Trainer)
+        self.announced_loss_impl: str | None = None
         # (cross-entropy, weighted z-loss or None) of each micro-batch of the optimizer step under way
         self._step_terms: list[tuple[Tensor, Tensor | None]] = []
         self._step_losses: list[Tensor] = []  # the loss (with any z-loss) of each of them
@@ -131,7 +134,7 @@ class GPTLitModule(L.LightningModule):
         # it fails here, before the first step
         impl = self.head_loss.resolve(self.device, dtype=precision_dtype(str(self.trainer.precision)))
         self.loss_impl = impl  # what loss.impl=auto took, for result.json
-        if self.trainer.is_global_zero:
+        if self.trainer.is_global_zero and impl != self.announced_loss_impl:
             log.info("Output layer and loss: %s (loss.impl=%s)", impl, self.head_loss.impl)
 
     def configure_model(self) -> None:
