@@ -405,3 +405,17 @@ def test_the_cards_memory_figures_keep_two_significant_digits(make_cfg):
     assert re.search(r" = weights \d+\.\d MiB \+ gradients \d+\.\d MiB \+ AdamW \d\d\.\d MiB ", memory), (
         memory
     )
+
+
+def test_counts_read_with_a_suffix_up_to_yotta_and_in_powers_of_ten_beyond():
+    from gptlab.model.counting import human
+
+    # GPT-3's training, 3.14e23 FLOPs, read as 314.00Z (it printed as 314000.00E)
+    assert [human(n) for n in (999, 1234, 124.4e6, 3.14e23, 9.9e26, 2e28)] == [
+        "999",
+        "1.23k",
+        "124.40M",
+        "314.00Z",
+        "990.00Y",
+        "2.00e+28",
+    ]

@@ -199,8 +199,20 @@ def flops_per_token(config: GPTConfig, context: int | None = None) -> dict[str, 
 
 
 def human(n: float) -> str:
-    """A count with an SI suffix: 1.23B, 45.00M, 6.00k."""
-    for unit, scale in (("E", 1e18), ("P", 1e15), ("T", 1e12), ("B", 1e9), ("M", 1e6), ("k", 1e3)):
+    """A count with an SI suffix: 1.23B, 45.00M, 6.00k; up to 999.99Y (GPT-3's training, 3.14e23 FLOPs, is
+    314.00Z), beyond that in powers of ten."""
+    if abs(n) >= 1e27:
+        return f"{n:.2e}"
+    for unit, scale in (
+        ("Y", 1e24),
+        ("Z", 1e21),
+        ("E", 1e18),
+        ("P", 1e15),
+        ("T", 1e12),
+        ("B", 1e9),
+        ("M", 1e6),
+        ("k", 1e3),
+    ):
         if abs(n) >= scale:
             return f"{n / scale:.2f}{unit}"
     return f"{n:.0f}"
