@@ -1,7 +1,8 @@
 """Multi-token prediction (mtp.depth, model/mtp.py): off, the model and its loss are today's to the bit; each
 extra head's loss is the cross-entropy of the k-shifted targets written out here; targets beyond the window
 and in another document are ignored; every head trains the trunk; val/loss stays the next-token loss;
-generation takes the next-token head; a tiny run learns and resumes exactly; counts; every refusal."""
+generation takes the next-token head; a tiny run learns and resumes exactly; counts; every refusal; the heads'
+blocks are checkpointed, compiled and sharded as the trunk's."""
 
 from __future__ import annotations
 
