@@ -1,7 +1,8 @@
 """Multi-token prediction (mtp.depth, model/mtp.py): off, the model and its loss are today's to the bit; each
 extra head's loss is the cross-entropy of the k-shifted targets written out here; targets beyond the window
 and in another document are ignored; every head trains the trunk; val/loss stays the next-token loss;
-generation takes the next-token head; a tiny run learns and resumes exactly; counts; every refusal."""
+generation takes the next-token head; a tiny run learns and resumes exactly; counts; every refusal; the heads'
+blocks are checkpointed, compiled and sharded as the trunk's."""
 
 from __future__ import annotations
 
@@ -454,6 +455,12 @@ def test_the_model_card_and_the_memory_estimate_count_the_heads():
         GPTConfig(**{**SMALL, "n_layer": 3}), 4
     ) - activation_bytes_per_token(base, 4)
     assert activation_bytes_per_token(config, 4) >= activation_bytes_per_token(base, 4) + 2 * per_layer
+    # under activation checkpointing the heads' layers are checkpointed as the trunk's: each keeps its input
+    # (the parallel heads share the trunk's) and its final norm's input, far from a layer's activations
+    for style, kept in (("parallel", 1), ("sequential", 6)):
+        heads = GPTConfig(**SMALL, mtp={"depth": 2, "style": style})
+        added = activation_bytes_per_token(heads, 4, True) - activation_bytes_per_token(base, 4, True)
+        assert added == 2 * kept * 4 * SMALL["n_embd"] < per_layer, style
     assert memory_per_device(config).head == 3 * memory_per_device(base).head
 
 
@@ -551,3 +558,138 @@ def test_every_output_path_gives_the_plain_heads_objective_and_gradients_under_b
         assert plain_error < 2e-2, f"plain under autocast, {name}: {plain_error:.2e} from fp32"
         bound = 0.4 if impl == "cce" else 2 * plain_error + 1e-3
         assert path_error < bound, f"{name}: {path_error:.2e} from fp32 (plain: {plain_error:.2e})"
+
+
+# ---- activation checkpointing, compile and FSDP: the heads' blocks are blocks -------------------------------
+
+
+def objective_and_grads(model: GPT, x, y) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    model.zero_grad(set_to_none=True)
+    _, objective = model(x, y, head_loss=HeadLoss("plain"), mtp=True)
+    objective.backward()
+    return objective.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def calls_of_each_heads_mlp(model: GPT) -> list[int]:
+    """For each extra head's block, how many times its MLP has run."""
+    calls = [0 for _ in model.mtp.blocks]
+    for k, block in enumerate(model.mtp.blocks):
+        block.mlp.register_forward_pre_hook(lambda module, args, k=k: calls.__setitem__(k, calls[k] + 1))
+    return calls
+
+
+@pytest.mark.parametrize("style", ["parallel", "sequential"])
+def test_activation_checkpointing_recomputes_the_heads_blocks_and_keeps_the_objective_and_gradients(style):
+    """The heads' blocks are checkpointed as the trunk's are (each one's forward runs again in the backward
+    pass), and the objective and every gradient are those of the plain model, to the bit on the CPU in fp32."""
+    from gptlab.parallel import ParallelOptions, parallelize
+
+    plain = model_of(mtp={"depth": 2, "style": style})
+    wrapped = model_of(mtp={"depth": 2, "style": style})
+    parallelize(wrapped, ParallelOptions(activation_checkpointing=True).resolved("cpu"))
+    assert list(wrapped.state_dict()) == list(plain.state_dict())
+    calls = calls_of_each_heads_mlp(wrapped)
+    x, y = batch()
+    want, want_grads = objective_and_grads(plain, x, y)
+    got, got_grads = objective_and_grads(wrapped, x, y)
+    assert calls == [2, 2]  # the forward pass, then the recomputation
+    assert torch.equal(got, want)
+    assert got_grads.keys() == want_grads.keys()
+    assert any(name.startswith("mtp.blocks.1.") for name in got_grads)
+    for name, grad in want_grads.items():
+        assert torch.equal(got_grads[name], grad), name
+
+
+@pytest.mark.parametrize("style", ["parallel", "sequential"])
+def test_compile_compiles_the_heads_blocks_and_keeps_the_objective(style, monkeypatch):
+    """compile=true (and compile=auto on CUDA) compiles the heads' blocks as the trunk's: on the CPU through
+    AOTAutograd's eager backend (the same graphs without code generation), the heads' blocks run inside a
+    compiled graph, the objective and gradients equal eager's within fp32's rounding, and the evaluations'
+    `uncompiled_blocks` runs them eagerly."""
+    from torch._dynamo.backends.registry import lookup_backend
+
+    from gptlab.parallel import ParallelOptions, parallelize, transforms, uncompiled_blocks
+
+    runs: list[int] = []  # one entry per run of a compiled graph
+
+    def counting_aot_eager(graph, inputs):
+        compiled = lookup_backend("aot_eager")(graph, inputs)
+
+        def run(*args):
+            runs.append(1)
+            return compiled(*args)
+
+        return run
+
+    monkeypatch.setattr(transforms, "BLOCK_BACKEND", counting_aot_eager)
+    torch._dynamo.reset()
+    eager = model_of(mtp={"depth": 2, "style": style})
+    compiled = model_of(mtp={"depth": 2, "style": style})
+    parallelize(compiled, ParallelOptions(compile=True))
+    assert all(block._compiled_call_impl is not None for block in compiled.mtp.blocks)
+    x, y = batch()
+    want, want_grads = objective_and_grads(eager, x, y)
+    got, got_grads = objective_and_grads(compiled, x, y)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    assert got_grads.keys() == want_grads.keys()
+    for name, grad in want_grads.items():
+        torch.testing.assert_close(got_grads[name], grad, rtol=1e-5, atol=1e-6, msg=name)
+    # the graphs one training step runs, against a pass of the trunk alone: the heads' two blocks ran compiled
+    runs.clear()
+    objective_and_grads(compiled, x, y)
+    with_heads = len(runs)
+    runs.clear()
+    compiled(x, y, head_loss=HeadLoss("plain"), mtp=False)
+    assert with_heads == len(runs) * 2 > 0  # two blocks of the trunk, two of the heads
+    runs.clear()
+    with uncompiled_blocks(compiled):
+        objective_and_grads(compiled, x, y)
+    assert runs == []
+    assert all(block._compiled_call_impl is not None for block in compiled.mtp.blocks)
+
+
+def test_under_fsdp_each_heads_block_is_a_unit_of_its_own():
+    """FSDP2 sharding (strategy=fsdp; transforms.shard, which parallelize applies in each rank) wraps each
+    head's block as one unit, as each trunk block is: the root unit holds none of their parameters. A
+    one-rank process group in this process: the wrapping is what is checked, not the communication (the
+    two-process runs are tests/test_strategies.py's)."""
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule
+
+    from gptlab.parallel.transforms import model_blocks, shard
+
+    model = model_of(mtp={"depth": 2, "style": "sequential"})
+    plain = model_of(mtp={"depth": 2, "style": "sequential"})
+    names = {module: name for name, module in model.named_modules()}
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("data_parallel",))
+        strategy = SimpleNamespace(
+            device_mesh={"data_parallel": mesh}, hybrid=False, cpu_offload=False, reshard_after_forward=True
+        )
+        shard(model, strategy)
+        blocks = model_blocks(model)
+        assert blocks[-2:] == list(model.mtp.blocks)
+        assert all(isinstance(block, FSDPModule) for block in blocks) and isinstance(model, FSDPModule)
+
+        def unit_parameters(unit: nn.Module) -> set[str]:
+            group = unit._get_fsdp_state()._fsdp_param_group
+            return {f"{names[p._module_info.module]}.{p._module_info.param_name}" for p in group.fsdp_params}
+
+        for k, block in enumerate(model.mtp.blocks):
+            assert unit_parameters(block) == {
+                f"mtp.blocks.{k}.{name}" for name, _ in plain.mtp.blocks[k].named_parameters()
+            }
+        root = unit_parameters(model)
+        assert not any(name.startswith(("transformer.h.", "mtp.blocks.")) for name in root), root
+        assert "mtp.proj.0.weight" in root  # the sequential modules' projections stay with the root
+        # and the sharded model trains as the plain one
+        x, y = batch()
+        got, _ = objective_and_grads(model, x, y)
+        want, _ = objective_and_grads(plain, x, y)
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    finally:
+        dist.destroy_process_group()

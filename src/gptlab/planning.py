@@ -301,12 +301,18 @@ def activation_bytes_per_token(
         # input: one (N, h) more per norm
         per_layer += p * h * (4 if config.norm_placement == "sandwich" else 2)
         outside += p * h
-    # multi-token prediction: each extra head's layer (never recomputed) and its final norm's input; the
-    # sequential modules also keep the two normed inputs and their concatenation
+    # multi-token prediction: each extra head's layer and its final norm's input; the sequential modules also
+    # keep the two normed inputs and their concatenation. Under activation checkpointing a head's layer is
+    # checkpointed as the trunk's are (parallel.transforms.model_blocks): it keeps its input alone, which a
+    # parallel head shares with the trunk's last layer (counted among the L inputs) and a sequential module
+    # makes with its projection, and is recomputed in its backward like any layer (the one layer's
+    # activations counted below).
     sequential = config.mtp.style == "sequential"
-    mtp = config.mtp.depth * (per_layer + p * h + (4 * p * h if sequential else 0))
+    extra = 4 * p * h if sequential else 0
     if activation_checkpointing:
+        mtp = config.mtp.depth * (p * h + extra + (p * h if sequential else 0))
         return L * p * h + per_layer + outside + mtp
+    mtp = config.mtp.depth * (per_layer + p * h + extra)
     return L * per_layer + outside + mtp
 
 

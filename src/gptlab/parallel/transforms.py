@@ -1,5 +1,6 @@
 """Applied to the built model inside each rank, from outside the model code: activation checkpointing,
-`torch.compile` and FSDP2 sharding of every transformer block."""
+`torch.compile` and FSDP2 sharding of every transformer block, multi-token prediction's extra heads' blocks
+among them (`model_blocks`)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
+from torch import nn
 
 from gptlab.registry import build_options
 
@@ -101,14 +103,27 @@ class ParallelOptions:
         return self.compile_choice.on
 
 
+def model_blocks(model: GPT) -> list[nn.Module]:
+    """Every transformer block of ``model``: the trunk's (``model.transformer.h``), then those of multi-token
+    prediction's extra heads (``model.mtp.blocks``, mtp.depth > 0). Each is a `Block` of the model's last
+    layer's kind, as large as a trunk block and run once per training step like one, so each is checkpointed,
+    compiled and sharded as one: left out, a head's block kept its activations under activation
+    checkpointing, ran eagerly under compile and was gathered with the root unit under FSDP."""
+    blocks: list[nn.Module] = list(model.transformer.h)
+    if model.mtp is not None:
+        blocks += list(model.mtp.blocks)
+    return blocks
+
+
 def parallelize(model: GPT, options: ParallelOptions, strategy: Any = None, precision: Any = None) -> None:
     """Apply, in place and in this order, activation checkpointing, `torch.compile` and FSDP2 sharding to
-    every transformer block of ``model`` (``model.transformer.h``), then shard the rest of the model.
-    Parameter names stay those of the plain model, so checkpoints load into an unwrapped GPT."""
+    every transformer block of ``model`` (`model_blocks`: the trunk's and the extra heads'), then shard the
+    rest of the model. Parameter names stay those of the plain model, so checkpoints load into an unwrapped
+    GPT."""
     if getattr(model, "_gptlab_parallelized", False):  # configure_model runs again for validate/test
         return
     compiled = options.compiled  # compile=auto not resolved for the run's device is refused here
-    blocks = list(model.transformer.h)
+    blocks = model_blocks(model)
     if options.activation_checkpointing:
         from torch.distributed._composable import checkpoint
 
@@ -139,7 +154,7 @@ def uncompiled_blocks(model: GPT) -> Iterator[None]:
     # instead of _call_impl while it is set (torch 2.11 to 2.13); unset, the call is the plain module's.
     compiled = [
         (block, block._compiled_call_impl)
-        for block in model.transformer.h
+        for block in model_blocks(model)
         if block._compiled_call_impl is not None
     ]
     for block, _ in compiled:
@@ -152,8 +167,9 @@ def uncompiled_blocks(model: GPT) -> Iterator[None]:
 
 
 def shard(model: GPT, strategy: Any, precision: Any = None) -> None:
-    """FSDP2 over the data-parallel ranks of ``strategy`` (a `FullyShardedStrategy`): each block is one
-    unit; the root unit holds the embedding, the final norm and the (tied) head."""
+    """FSDP2 over the data-parallel ranks of ``strategy`` (a `FullyShardedStrategy`): each block (`model_blocks`,
+    the extra heads' too) is one unit; the root unit holds the embedding, the final norm and the (tied) head,
+    and the sequential heads' norms and projections."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
@@ -172,6 +188,6 @@ def shard(model: GPT, strategy: Any, precision: Any = None) -> None:
     if str(precision).startswith("bf16"):
         # Gather and compute in bf16, reduce gradients in fp32 (the master weights stay fp32).
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for block in model.transformer.h:
+    for block in model_blocks(model):
         fully_shard(block, reshard_after_forward=strategy.reshard_after_forward, **kwargs)
     fully_shard(model, reshard_after_forward=strategy.reshard_after_forward, **kwargs)
