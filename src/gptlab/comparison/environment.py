@@ -16,7 +16,7 @@ from typing import Any
 
 from gptlab.comparison.records import RunRecord
 from gptlab.comparison.table import Row
-from gptlab.runs.environment import FIELDS
+from gptlab.runs.environment import FIELDS, value_text
 
 ENVIRONMENT_HEADER = (
     "The runs differ in their environment, not only in their settings: differences between the rows named "
@@ -34,19 +34,6 @@ def rows_phrase(numbers: Sequence[int]) -> str:
             spans.append([n])
     text = ", ".join(f"{s[0]}-{s[-1]}" if len(s) > 1 else str(s[0]) for s in spans)
     return f"row{'s' if len(set(numbers)) > 1 else ''} {text}"
-
-
-def value_text(field: str, value: Any) -> str:
-    """One recorded value as a reader reads it: ``unset`` for an OMP_NUM_THREADS not set, ``on``/``off``,
-    a commit by its first 12 characters (``+dirty`` kept)."""
-    if value is None:
-        return "unset" if field == "omp_num_threads" else "none"
-    if isinstance(value, bool):
-        return "on" if value else "off"
-    if field == "commit" and isinstance(value, str) and len(value) > 12:
-        head, plus, dirty = value.partition("+")
-        return head[:12] + plus + dirty
-    return str(value)
 
 
 def environment_notes(rows: Sequence[Row]) -> list[str]:

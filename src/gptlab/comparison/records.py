@@ -447,8 +447,7 @@ def _status(run: Run, record: RunRecord, series: dict[str, list[tuple[int, float
 def _note_environment_changes(record: RunRecord, result: dict[str, Any]) -> None:
     """A note for each resumed part of the run that ran in another environment than the part before it
     (result.json's ``environment_changed``): its seeds' spread then holds more than seed noise."""
-    from gptlab.comparison.environment import value_text
-    from gptlab.runs.environment import FIELDS
+    from gptlab.runs.environment import FIELDS, value_text
 
     for part in result.get("parts") or []:
         changed = part.get("environment_changed") if isinstance(part, dict) else None

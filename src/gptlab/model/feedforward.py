@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import torch
 from torch import Tensor, nn
@@ -25,8 +25,21 @@ from gptlab.errors import ConfigError
 from gptlab.model import activations
 from gptlab.registry import NoOptions, Registry
 
-if TYPE_CHECKING:
-    from gptlab.model.config import GPTConfig
+
+class LayerShape(Protocol):
+    """What a feed-forward layer reads of the model's config (a :class:`gptlab.model.config.GPTConfig`,
+    which imports this module to check its ``mlp`` node: named here by what it provides, not imported)."""
+
+    n_embd: int
+    bias: bool
+    dropout: float
+    mlp_ratio: float | None
+    activation: Any  # the activation's Choice
+    mlp: Any  # this layer's Choice: its name and typed options
+
+    @property
+    def gated(self) -> bool: ...
+
 
 REGISTRY: Registry[type[Any]] = Registry("feed-forward layer", "mlp")
 register = REGISTRY.register
@@ -34,12 +47,12 @@ get = REGISTRY.get
 names = REGISTRY.names
 
 
-def build(config: GPTConfig) -> nn.Module:
+def build(config: LayerShape) -> nn.Module:
     """The feed-forward layer ``config.mlp`` chooses, for one block of ``config``."""
     return get(config.mlp.name)(config)
 
 
-def mlp_hidden_width(config: GPTConfig) -> int:
+def mlp_hidden_width(config: LayerShape) -> int:
     """The feed-forward hidden width: 4x n_embd, or for gated activations 2/3 of that rounded up to a
     multiple of 64, which keeps the parameter count of the 4x MLP (Shazeer 2020, "GLU Variants Improve
     Transformer"). ``mlp_ratio`` overrides either."""
@@ -58,7 +71,7 @@ class MLP(nn.Module):
 
     Options: ClassVar[type] = NoOptions
 
-    def __init__(self, config: GPTConfig, hidden: int | None = None, dropout: bool = True) -> None:
+    def __init__(self, config: LayerShape, hidden: int | None = None, dropout: bool = True) -> None:
         super().__init__()
         hidden = hidden or mlp_hidden_width(config)
         self.c_fc = nn.Linear(config.n_embd, hidden * (2 if config.gated else 1), bias=config.bias)
@@ -125,7 +138,7 @@ class MoEOptions:
             )
 
 
-def expert_hidden_width(config: GPTConfig, options: MoEOptions) -> int:
+def expert_hidden_width(config: LayerShape, options: MoEOptions) -> int:
     """An expert's hidden width: ``mlp.expert_hidden``, else the dense width divided by ``top_k``, rounded
     up (a token's routed experts then hold the dense MLP's parameters)."""
     if options.expert_hidden is not None:
@@ -166,7 +179,7 @@ class MoE(nn.Module):
 
     Options: ClassVar[type] = MoEOptions
 
-    def __init__(self, config: GPTConfig) -> None:
+    def __init__(self, config: LayerShape) -> None:
         super().__init__()
         options: MoEOptions = config.mlp.options
         self.options = options

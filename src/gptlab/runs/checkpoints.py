@@ -27,7 +27,15 @@ from typing import Any
 
 from gptlab.errors import CheckpointError
 from gptlab.runs import digests
-from gptlab.runs.layout import DCP, FILE, SHARDED_META_FILE, checkpoint_kind, run_of_path
+from gptlab.runs.layout import (
+    BEST_PREFIX,
+    DCP,
+    FILE,
+    LAST_CHECKPOINT_PATH,
+    SHARDED_META_FILE,
+    checkpoint_kind,
+    run_of_path,
+)
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +72,7 @@ def not_a_checkpoint(path: Path) -> str | None:
     return (
         f"Checkpoint {path} cannot be read: it is not a PyTorch checkpoint (it begins {head!r}; torch.save's "
         "files begin with a zip archive's b'PK'). Pass a run directory written by `python train.py` "
-        "(outputs/runs/<date>/<time>) or one of its checkpoints (checkpoints/last.ckpt, best-*.ckpt)."
+        f"(outputs/runs/<date>/<time>) or one of its checkpoints ({LAST_CHECKPOINT_PATH}, {BEST_PREFIX}*.ckpt)."
     )
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import platform
+import sys
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -77,7 +78,6 @@ def run_environment(device_type: str | None = None, precision: str | None = None
     Lightning and gptlab, and the commit of gptlab's checkout (``+dirty`` with uncommitted changes)."""
     import torch
 
-    import gptlab
     from gptlab.runs.layout import git_commit
 
     return {
@@ -88,7 +88,9 @@ def run_environment(device_type: str | None = None, precision: str | None = None
         "deterministic": torch.are_deterministic_algorithms_enabled(),
         "torch": str(torch.__version__),  # a TorchVersion, a str that OmegaConf (plain loggers) refuses
         "lightning": _version("lightning"),
-        "gptlab": gptlab.__version__,
+        # the package this module is in, imported before it: read, not imported (the package's face imports
+        # gptlab.api, which reaches this module through the comparison)
+        "gptlab": sys.modules[(__package__ or "gptlab").split(".")[0]].__version__,
         "commit": git_commit(),
     }
 
@@ -99,3 +101,16 @@ def recorded_environment(data: Any) -> dict[str, Any] | None:
     if not isinstance(data, dict):
         return None
     return {key: data.get(key) for key in FIELDS}
+
+
+def value_text(field: str, value: Any) -> str:
+    """One recorded value as a reader reads it: ``unset`` for an OMP_NUM_THREADS not set, ``on``/``off``,
+    a commit by its first 12 characters (``+dirty`` kept)."""
+    if value is None:
+        return "unset" if field == "omp_num_threads" else "none"
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if field == "commit" and isinstance(value, str) and len(value) > 12:
+        head, plus, dirty = value.partition("+")
+        return head[:12] + plus + dirty
+    return str(value)
