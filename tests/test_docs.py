@@ -58,7 +58,7 @@ MARKER_LIKE = re.compile(r"^<!--\s*(not[- _]?run|skip|no[- _]?run|exit|run)\b", 
 
 # Added to every `python train.py` command of a block that runs, unless the command sets the key.
 TRAIN_OVERRIDES = [
-    "model.n_layer=1",
+    "model.n_layer=2",  # 2: the card says "2 layers", as the pages show it (1 reads "1 layer")
     "model.n_head=2",
     "model.n_embd=32",
     "model.block_size=32",
