@@ -817,7 +817,11 @@ def section_main_command(ctx: Context) -> dict[str, Any]:
         wall = time.perf_counter() - t0
         loss = re.search(r"Final validation loss ([0-9.]+) nats", out)
         rate = re.search(r"training rate ([0-9,]+) tokens/s", out)
-        head = re.search(r"Output layer and loss: (\w+)", out)
+        # what the fit took: said apart only where it is not what the model card counted
+        # ("(loss.impl=auto: chunked, ... rows per chunk)")
+        head = re.search(r"Output layer and loss: (\w+)", out) or re.search(
+            r"\(loss\.impl=(?:\w+: )?(\w+)", out
+        )
         compiled = re.search(r"Compile: (on|off)", out)  # compile=auto: on CUDA, on
         rows.append(
             {
