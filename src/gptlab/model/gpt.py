@@ -214,6 +214,8 @@ class GPT(nn.Module):
         """The routing of the MoE layers (``mlp=moe``) in the last forward pass: the auxiliary losses a
         training step adds to the language-model loss, and the experts' load; None for a dense model. Each
         layer's record is taken (cleared), so that a later call never returns a stale pass."""
+        if self.config.mlp.name != "moe":  # called at every training step: a dense model walks nothing
+            return None
         layers = []
         for mlp in self.modules():  # the blocks', then multi-token prediction's extra blocks' (mtp.depth)
             if isinstance(mlp, MoE) and mlp.routing is not None:
