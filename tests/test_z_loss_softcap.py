@@ -67,7 +67,10 @@ def test_z_loss_and_softcap_equal_the_direct_formula_in_loss_and_gradients(impl,
     for got, want in zip(
         grads(terms.loss, (hidden, weight, b)), grads(expected, (hidden, weight, b)), strict=True
     ):
-        torch.testing.assert_close(got, want, **TOL)
+        # fp32 sums over chunks of rows in another order: rounding at the gradient's own scale (its largest
+        # entries ~1.7; an AMD EPYC's kernels put one entry 1.4e-6 off, where 1e-6 alone was the bound)
+        scale = float(want.abs().max().clamp_min(1.0))
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-6 * scale)
 
 
 def test_the_cap_changes_the_loss_and_bounds_every_logit_the_model_produces():
