@@ -100,7 +100,7 @@ def _hydra() -> Iterator[Hydra]:
     from hydra.core.utils import JobRuntime
     from hydra.initialize import get_gh_backup, restore_gh_from_backup
 
-    from gptlab.cli import register_help_resolver
+    from gptlab.cli import prefer_launcher_yamls, register_help_resolver, restore_launcher_entries
     from gptlab.registry import CONFIG_DIR
     from gptlab.runs.resume import register_resolvers
 
@@ -111,12 +111,16 @@ def _hydra() -> Iterator[Hydra]:
     backup, job = get_gh_backup(), copy.deepcopy(JobRuntime.instance().conf)  # the job's name lives there
     job_config = HydraConfig.instance().cfg  # a job's config (ours, when refused, lacks its output_dir)
     GlobalHydra.instance().clear()
+    # conf/hydra/launcher/joblib.yaml loaded without Hydra's warning of the plugin's same-named schema, as
+    # train.py loads it; the schema is put back for the caller's own Hydra apps
+    dropped = prefer_launcher_yamls()
     try:
         with initialize_config_dir(str(CONFIG_DIR), job_name=JOB_NAME, version_base="1.3"):
             hydra = GlobalHydra.instance().hydra
             assert hydra is not None
             yield hydra
     finally:
+        restore_launcher_entries(dropped)
         restore_gh_from_backup(backup)
         JobRuntime.instance().conf = job
         HydraConfig.instance().cfg = job_config
