@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from gptlab.errors import ConfigError, DataError
+from gptlab.errors import ConfigError, DataError, RunRequeued
 
 if TYPE_CHECKING:
     import torch
@@ -619,7 +619,10 @@ def train(*config: DictConfig | str | Sequence[str], run_dir: str | Path | None 
 
     Raises :class:`~gptlab.errors.ConfigError` for a config or run directory ``train.py`` refuses (with its
     message), and the task's own errors (:class:`~gptlab.errors.DataError`, ...). One process: a strategy
-    that launches more (``trainer.devices=2``) is for ``python train.py``."""
+    that launches more (``trainer.devices=2``) is for ``python train.py``. Under SLURM, a run its warning
+    signal stopped (SIGUSR1 before preemption) raises :class:`~gptlab.errors.RunRequeued` once its checkpoint
+    is saved and the job requeued: a SystemExit of status 0 that names the checkpoint (``.checkpoint``,
+    ``.step``), as the job is about to end."""
     from hydra.errors import HydraException
 
     if len(config) == 1 and isinstance(config[0], DictConfig):
@@ -641,6 +644,7 @@ def train(*config: DictConfig | str | Sequence[str], run_dir: str | Path | None 
             "(Hydra's run directory, logging, the random generators) is one per process. Wait for it to return, "
             "or train the other config in a process of its own (python train.py <overrides>)."
         )
+    requeued: RunRequeued | None = None
     try:
         _set_training_in(threading.current_thread().name)
         with (
@@ -653,8 +657,15 @@ def train(*config: DictConfig | str | Sequence[str], run_dir: str | Path | None 
                 job = hydra.run(CONFIG_NAME, task_function=_run_task, overrides=overrides)
             except HydraException as e:
                 raise _hydra_refusal(e) from e
+            except RunRequeued as stop:
+                # raised to the caller without the frames it came through: they hold the run's trainer and
+                # model, which a notebook keeps alive with its last exception (sys.last_value)
+                requeued = stop.with_traceback(None)
+                requeued.__context__ = None
     finally:
         _TRAINING.release()
+    if requeued is not None:
+        raise requeued
     assert job.hydra_cfg is not None  # run_job sets it
     return TrainResult.read(job.hydra_cfg.hydra.runtime.output_dir)
 

@@ -26,6 +26,7 @@ from gptlab.errors import (
     NonFiniteLossError,
     PreparationStopped,
     RankLostError,
+    RunRequeued,
     SweepStopped,
     signal_name,
 )
@@ -849,6 +850,10 @@ def run_task(cfg: DictConfig) -> float | None:
     except SweepStopped as stop:
         print("\n".join(sweep_stopped_lines(stop, HydraConfig.get())), flush=True)
         raise SystemExit(stop.exit_status) from None
+    except RunRequeued:
+        # SLURM requeued the job (its log has said so): status 0, a plain SystemExit as SLURM and a launcher's
+        # job runner have always seen it
+        raise SystemExit(0) from None
     except KeyboardInterrupt as stop:
         # Ctrl-C before training's own handler took the signal over (preparing the data, building the model,
         # starting the loggers), or a SIGTERM while a token cache is prepared (a scheduler preempting the
