@@ -296,6 +296,31 @@ def test_ctrl_c_as_lightning_starts_raises_keyboard_interrupt_not_system_exit(tm
         gptlab.load_run(tmp_path / "run")
 
 
+def compiled_entries(code) -> list:
+    """The compiled code Dynamo holds for ``code``, one per cache entry."""
+    return [entry.code for entry in torch._C._dynamo.eval_frame._debug_get_cache_entry_list(code)]
+
+
+def test_a_compiled_run_leaves_no_compiled_code_of_its_own_and_keeps_the_callers(tmp_path, monkeypatch):
+    """compile=true: the blocks' compiled code, shared by every model of the class in the process, goes when
+    train() returns, so that the next run compiles as in a fresh process (kept, the entries of earlier runs of
+    other widths reach torch's recompile limit, 8, and the fifth such run trains uncompiled: figures in
+    docs/python-api.md). A function the caller compiled is kept, its compiled code the same objects."""
+    from gptlab.model.gpt import Block
+    from gptlab.parallel import transforms
+
+    # Dynamo's own graph, run by the eager blocks: the compiles are counted without Inductor's minutes
+    monkeypatch.setattr(transforms, "BLOCK_BACKEND", "eager")
+    mine = torch.compile(lambda x: torch.sin(x) + 1, backend="eager")
+    mine(torch.ones(3))
+    held = compiled_entries(mine.__wrapped__.__code__)
+    assert len(held) == 1
+    result = gptlab.train(*SMALL, "compile=true", f"paths.root_dir={tmp_path}", run_dir=tmp_path / "run")
+    assert result.finished and result.raw["resolved"]["compile"] is True
+    assert compiled_entries(Block.forward.__code__) == []
+    assert compiled_entries(mine.__wrapped__.__code__) == held
+
+
 def test_train_in_a_thread_runs_and_a_second_train_meanwhile_is_refused(tmp_path, monkeypatch):
     """From a thread (signal handlers cannot be set there) the run trains, without catching signals; while it
     trains, train() from another thread is refused by name, and nothing of that run is touched."""

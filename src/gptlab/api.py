@@ -482,6 +482,44 @@ def _flushing_denormals() -> bool:
     return bool((torch.tensor([1e-40], dtype=torch.float32) * 1.0).item() == 0.0)
 
 
+def _codes_with_compiled_entries() -> dict[Any, int]:
+    """Every code object Dynamo has compiled in this process that holds compiled code now (its cache
+    entries), with their number."""
+    import torch._dynamo.convert_frame as convert_frame
+    from torch._C._dynamo import eval_frame
+
+    out = {}
+    for ref in list(convert_frame.input_codes.seen):
+        code = ref()
+        if code is not None:
+            entries = len(eval_frame._debug_get_cache_entry_list(code))
+            if entries:
+                out[code] = entries
+    return out
+
+
+def _drop_compiled_code_of_the_run(before: dict[Any, int]) -> list[Any]:
+    """Drop the compiled code that this run's ``torch.compile`` left (``compile=true``: every block's forward;
+    FlexAttention's kernels) in the code objects that held none before it; returns those code objects.
+
+    Dynamo keeps compiled code per code object, shared by every model of that class in the process, and at
+    ``torch._dynamo.config.recompile_limit`` (8) entries it stops compiling that code and runs it
+    uncompiled, silently: kept, the entries of earlier runs of other shapes (two per width) left the fifth
+    such run in a notebook training uncompiled (scripts/repeated_compiled_runs.py). Dropped, each run compiles
+    as in a fresh process. A code object that held compiled code before the run (the caller's own
+    ``torch.compile`` of the same function) is left as it is, the run's entries with the caller's: nothing
+    the caller compiled is taken. Not ``torch._dynamo.reset()``, which drops every compiled function of the
+    process, the caller's among them."""
+    import torch._dynamo.convert_frame as convert_frame
+    from torch._C._dynamo import eval_frame
+
+    dropped = [code for code in _codes_with_compiled_entries() if code not in before]
+    with convert_frame.compile_lock:
+        for code in dropped:
+            eval_frame.reset_code(code)
+    return dropped
+
+
 @contextmanager
 def _process_left_as_it_was() -> Iterator[None]:
     """What a run changes in the process for itself, put back as the caller had it when train() returns,
@@ -493,6 +531,8 @@ def _process_left_as_it_was() -> Iterator[None]:
     - the warnings filters the run adds (Lightning's messages it drops);
     - torch's flushing of subnormal floats (the task turns it on for speed; it changes the caller's numbers);
     - the handlers of :data:`RUN_SIGNALS` (main thread);
+    - the compiled code the run's ``torch.compile`` left in code objects that held none before it
+      (:func:`_drop_compiled_code_of_the_run`), the caller's own compiled functions untouched;
     - the run's objects held for the watch of lost ranks (:mod:`gptlab.parallel.ranks`: its trainer, model,
       optimizer state and data), which would keep their memory, on a GPU too, until the next run; and the
       run's objects themselves, collected at once."""
@@ -505,6 +545,7 @@ def _process_left_as_it_was() -> Iterator[None]:
     flushing = _flushing_denormals()
     main = threading.current_thread() is threading.main_thread()
     handlers = {s: signal.getsignal(s) for s in RUN_SIGNALS} if main else {}
+    compiled = _codes_with_compiled_entries()
     try:
         with warnings.catch_warnings():
             yield
@@ -512,6 +553,7 @@ def _process_left_as_it_was() -> Iterator[None]:
         from gptlab.parallel import ranks
 
         ranks.clear_reporter()  # the closures the task registered name its trainer: its memory goes with them
+        _drop_compiled_code_of_the_run(compiled)
         # The run's trainer, model and data hold one another in cycles, which only the cyclic collector frees,
         # whenever it next runs: collected now, their memory (the token files' maps, a GPU's tensors) is
         # free for the caller's next cell.
