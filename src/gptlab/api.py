@@ -485,7 +485,9 @@ def _flushing_denormals() -> bool:
 def _codes_with_compiled_entries() -> dict[Any, int]:
     """Every code object Dynamo has compiled in this process that holds compiled code now (its cache
     entries), with their number."""
-    import torch._dynamo.convert_frame as convert_frame
+    convert_frame = sys.modules.get("torch._dynamo.convert_frame")
+    if convert_frame is None:  # nothing compiled yet, and no need to import Dynamo to say so
+        return {}
     from torch._C._dynamo import eval_frame
 
     out = {}
