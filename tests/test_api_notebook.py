@@ -9,6 +9,7 @@ import csv
 import json
 import logging
 import os
+import pickle
 import random
 import signal
 import subprocess
@@ -245,6 +246,8 @@ def test_a_slurm_requeue_in_training_raises_run_requeued_naming_the_checkpoint(
     assert saved["global_step"] == stop.step
     said = str(stop)
     assert "SLURM job 4242" in said and str(stop.checkpoint) in said and f"step {stop.step}" in said
+    again = pickle.loads(pickle.dumps(stop))  # as a process pool's worker returns it
+    assert (str(again), again.checkpoint, again.code) == (said, stop.checkpoint, 0)
     assert process_state() == before
     assert held_claim(run_dir) is None and all(ref() is None for ref in built_modules)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import signal
 from pathlib import Path
+from typing import Any
 
 
 class ConfigError(ValueError):
@@ -113,9 +114,13 @@ class RunRequeued(SystemExit):
             f"SLURM job {job_id}: SIGUSR1 (its warning before preemption or the time limit) stopped the run at "
             f"step {step}; its checkpoint is {checkpoint}, and {then}"
         )
-        self.code = (
-            0  # the process ends with status 0, as train.py does (Python reads .code, not the message)
-        )
+        # the process ends with status 0, as train.py does (Python reads .code, not the message)
+        self.code = 0
+
+    def __reduce__(
+        self,
+    ) -> tuple[Any, ...]:  # pickled whole (a process pool's worker returns it to its parent)
+        return (type(self), (self.run_dir, self.checkpoint, self.step, self.job_id, self.requeued))
 
 
 __all__ = [
