@@ -10,6 +10,7 @@ import os
 import runpy
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -113,6 +114,28 @@ def test_compose_leaves_the_callers_hydra_as_it_was():
         assert GlobalHydra.instance().is_initialized()
         assert compose("train", return_hydra_config=True).hydra.job.name == "mine"
     assert not GlobalHydra.instance().is_initialized()
+
+
+def test_compose_with_the_joblib_launcher_gives_no_schema_warning_and_leaves_the_plugins_schema():
+    """hydra/launcher=joblib: conf/hydra/launcher/joblib.yaml is composed without Hydra's warning that it was
+    validated against the plugin's same-named schema, as train.py composes it; the schema is there again
+    afterwards, for a Hydra app of the caller's own that composes the plugin's config."""
+    from hydra.core.config_store import ConfigStore
+    from hydra.core.plugins import Plugins
+    from hydra_plugins.hydra_joblib_launcher.config import JobLibLauncherConf
+
+    Plugins.instance()
+    store = ConfigStore.instance()
+    # registered as in a fresh process (train.py, run in this process by other tests, drops it for good)
+    store.store(group="hydra/launcher", name="joblib", node=JobLibLauncherConf, provider="joblib_launcher")
+    schema = store.repo["hydra"]["launcher"]["joblib.yaml"]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cfg = gptlab.compose("hydra/launcher=joblib", "tokenizer=char")
+    assert cfg.tokenizer.name == "char"
+    said = [str(w.message) for w in caught]
+    assert not any("ConfigStore schema" in message for message in said), said
+    assert store.repo["hydra"]["launcher"]["joblib.yaml"] is schema
 
 
 # ---- train ---------------------------------------------------------------------------------------------

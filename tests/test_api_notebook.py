@@ -9,6 +9,7 @@ import csv
 import json
 import logging
 import os
+import pickle
 import random
 import signal
 import subprocess
@@ -162,16 +163,21 @@ def test_runs_in_one_process_leave_it_as_it_was_and_train_as_in_a_fresh_one(
     assert results["rope"].metrics["val/loss"] == written["val/loss"]
 
 
-def send_ctrl_c_after_step(monkeypatch, step: int) -> None:
-    """A real SIGINT to this process after the optimizer step ``step``, as a kernel's interrupt sends it."""
+def send_signal_after_step(monkeypatch, step: int, signum: int) -> None:
+    """A real ``signum`` to this process after the optimizer step ``step``: SIGINT as a kernel's interrupt
+    sends it, SIGUSR1 as SLURM sends it before it preempts a job."""
     original = ValidateAtLastStep.on_train_batch_end
 
     def on_train_batch_end(self, trainer, *rest):
         if trainer.global_step == step:
-            os.kill(os.getpid(), signal.SIGINT)
+            os.kill(os.getpid(), signum)
         original(self, trainer, *rest)
 
     monkeypatch.setattr(ValidateAtLastStep, "on_train_batch_end", on_train_batch_end)
+
+
+def send_ctrl_c_after_step(monkeypatch, step: int) -> None:
+    send_signal_after_step(monkeypatch, step, signal.SIGINT)
 
 
 def test_ctrl_c_in_training_returns_a_stopped_run_that_resumes_exactly(
@@ -200,6 +206,50 @@ def test_ctrl_c_in_training_returns_a_stopped_run_that_resumes_exactly(
         by_step = dict(losses(resumed.run_dir)[key])
         assert logged and all(by_step.get(step) == value for step, value in logged), key
         assert set(by_step) - dict(logged).keys() <= {str(stopped.step)}, key
+
+
+def test_a_slurm_requeue_in_training_raises_run_requeued_naming_the_checkpoint(
+    tmp_path, monkeypatch, built_modules
+):
+    """SIGUSR1 under SLURM (its warning before preemption or the time limit) in a job that trains through
+    train(): the run saves its preemption checkpoint, requeues the job and stops. train() raises RunRequeued,
+    which names the checkpoint, its step and the job, where a bare SystemExit(0) said nothing; a SystemExit
+    of status 0 still, so that a script under sbatch ends as train.py does and no ``except Exception`` of the
+    caller goes on to the next run while SLURM ends the job. The process is as it was."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    calls = tmp_path / "scontrol_calls.txt"  # no SLURM controller here: a stand-in that records its arguments
+    (bin_dir / "scontrol").write_text(f'#!/bin/sh\necho "$@" >> {calls}\n')
+    (bin_dir / "scontrol").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    for name, value in {
+        "SLURM_JOB_ID": "4242",
+        "SLURM_JOB_NAME": "gptlab",
+        "SLURM_NTASKS": "1",
+        "SLURM_PROCID": "0",
+        "SLURM_LOCALID": "0",
+        "SLURM_NODEID": "0",
+        "SLURM_NODELIST": "localhost",
+    }.items():
+        monkeypatch.setenv(name, value)
+    run_dir = tmp_path / "job_4242"
+    before = process_state()
+    with monkeypatch.context() as patched:
+        send_signal_after_step(patched, 3, signal.SIGUSR1)
+        with pytest.raises(gptlab.RunRequeued) as requeued:
+            gptlab.train(*SMALL, f"paths.root_dir={tmp_path}", run_dir=run_dir)
+    stop = requeued.value
+    assert isinstance(stop, SystemExit) and stop.code == 0
+    assert stop.requeued and stop.job_id == "4242" and calls.read_text().split() == ["requeue", "4242"]
+    assert stop.run_dir == run_dir and stop.checkpoint.parent == run_dir and 3 <= stop.step < 8
+    saved = torch.load(stop.checkpoint, map_location="cpu", weights_only=False)
+    assert saved["global_step"] == stop.step
+    said = str(stop)
+    assert "SLURM job 4242" in said and str(stop.checkpoint) in said and f"step {stop.step}" in said
+    again = pickle.loads(pickle.dumps(stop))  # as a process pool's worker returns it
+    assert (str(again), again.checkpoint, again.code) == (said, stop.checkpoint, 0)
+    assert process_state() == before
+    assert held_claim(run_dir) is None and all(ref() is None for ref in built_modules)
 
 
 def test_ctrl_c_before_training_raises_keyboard_interrupt_and_leaves_no_folder(tmp_path, monkeypatch, ctrl_c):
@@ -247,6 +297,31 @@ def test_ctrl_c_as_lightning_starts_raises_keyboard_interrupt_not_system_exit(tm
         gptlab.TrainResult.read(tmp_path / "run")
     with pytest.raises(CheckpointError, match=f"no checkpoint yet .*: {said}"):
         gptlab.load_run(tmp_path / "run")
+
+
+def compiled_entries(code) -> list:
+    """The compiled code Dynamo holds for ``code``, one per cache entry."""
+    return [entry.code for entry in torch._C._dynamo.eval_frame._debug_get_cache_entry_list(code)]
+
+
+def test_a_compiled_run_leaves_no_compiled_code_of_its_own_and_keeps_the_callers(tmp_path, monkeypatch):
+    """compile=true: the blocks' compiled code, shared by every model of the class in the process, goes when
+    train() returns, so that the next run compiles as in a fresh process (kept, the entries of earlier runs of
+    other widths reach torch's recompile limit, 8, and the fifth such run trains uncompiled: figures in
+    docs/python-api.md). A function the caller compiled is kept, its compiled code the same objects."""
+    from gptlab.model.gpt import Block
+    from gptlab.parallel import transforms
+
+    # Dynamo's own graph, run by the eager blocks: the compiles are counted without Inductor's minutes
+    monkeypatch.setattr(transforms, "BLOCK_BACKEND", "eager")
+    mine = torch.compile(lambda x: torch.sin(x) + 1, backend="eager")
+    mine(torch.ones(3))
+    held = compiled_entries(mine.__wrapped__.__code__)
+    assert len(held) == 1
+    result = gptlab.train(*SMALL, "compile=true", f"paths.root_dir={tmp_path}", run_dir=tmp_path / "run")
+    assert result.finished and result.raw["resolved"]["compile"] is True
+    assert compiled_entries(Block.forward.__code__) == []
+    assert compiled_entries(mine.__wrapped__.__code__) == held
 
 
 def test_train_in_a_thread_runs_and_a_second_train_meanwhile_is_refused(tmp_path, monkeypatch):

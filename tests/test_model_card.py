@@ -2,13 +2,15 @@
 memory against the tensors autograd really keeps, and the memory arithmetic of each strategy, read from the
 same strategy choices that training builds."""
 
+import json
 import re
+import subprocess
 import sys
 from dataclasses import replace
 
 import pytest
 import torch
-from conftest import CONF, load_script
+from conftest import CONF, ROOT, load_script
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -30,6 +32,21 @@ VARIANTS = [
     ["model.tie_weights=false", "pos=sinusoidal"],
     ["model.n_kv_head=1", "norm.placement=post", "activation=reglu", "model.mlp_ratio=3"],
     ["norm.placement=sandwich", "attention=gemma2", "attention.qk_norm=layernorm", "activation=geglu"],
+]
+
+
+#: scripts/fsdp_memory.py's arguments for a model whose root unit outweighs its blocks (docs/training-at-scale.md)
+FSDP_ROOT_HEAVY = [
+    "--vocab",
+    "16384",
+    "--width",
+    "64",
+    "--context",
+    "32",
+    "--batch",
+    "2",
+    "--chunk-rows",
+    "32",
 ]
 
 
@@ -198,6 +215,27 @@ def test_strategies_shard_what_zero_says():
     )
     with pytest.raises(ConfigError, match="Unknown strategy 'zero4'"):
         planning.memory_per_device(config, planning.TrainingPlan("zero4"))
+
+
+@pytest.mark.slow
+def test_the_fsdp_estimate_counts_the_root_unit_two_processes_gather():
+    """strategy=fsdp on two CPU processes (gloo), sharded as a run shards it: a model whose root unit (the
+    tied 16,384 x 64 embedding and output layer) outweighs its blocks. The estimate bounds the peak the
+    allocator recorded on each rank over a forward and backward pass, and is near it; without the root unit
+    gathered whole (its weights and gradients), it fell below what any rank held."""
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "fsdp_memory.py"), *FSDP_ROOT_HEAVY, "--json"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    figures = json.loads(proc.stdout.strip().splitlines()[-1])
+    measured, estimate = figures["measured_bytes"], figures["estimate_bytes"]
+    assert figures["parts_bytes"]["gathered root"] > 0
+    # ranks differ by a copy of the root unit, by when the collectives' buffers are freed (12.6 or 17.0 MiB)
+    assert max(measured) <= 1.1 * estimate and estimate <= 1.6 * min(measured), (measured, estimate)
+    assert figures["estimate_without_root_bytes"] < 0.85 * min(measured), figures
 
 
 def test_the_planner_reads_each_strategy_choice_that_training_builds():

@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from gptlab.errors import ConfigError, DataError
+from gptlab.errors import ConfigError, DataError, RunRequeued
 from gptlab.registry import CONFIG_DIR
 
 if TYPE_CHECKING:
@@ -55,6 +55,7 @@ __all__ = [
     "DataError",
     "GPTConfig",
     "LoadedRun",
+    "RunRequeued",
     "SweepRows",
     "TrainResult",
     "build_datamodule",

@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from gptlab.errors import ConfigError, DataError
+from gptlab.errors import ConfigError, DataError, RunRequeued
 
 if TYPE_CHECKING:
     import torch
@@ -100,7 +100,7 @@ def _hydra() -> Iterator[Hydra]:
     from hydra.core.utils import JobRuntime
     from hydra.initialize import get_gh_backup, restore_gh_from_backup
 
-    from gptlab.cli import register_help_resolver
+    from gptlab.cli import prefer_launcher_yamls, register_help_resolver, restore_launcher_entries
     from gptlab.registry import CONFIG_DIR
     from gptlab.runs.resume import register_resolvers
 
@@ -111,12 +111,16 @@ def _hydra() -> Iterator[Hydra]:
     backup, job = get_gh_backup(), copy.deepcopy(JobRuntime.instance().conf)  # the job's name lives there
     job_config = HydraConfig.instance().cfg  # a job's config (ours, when refused, lacks its output_dir)
     GlobalHydra.instance().clear()
+    # conf/hydra/launcher/joblib.yaml loaded without Hydra's warning of the plugin's same-named schema, as
+    # train.py loads it; the schema is put back for the caller's own Hydra apps
+    dropped = prefer_launcher_yamls()
     try:
         with initialize_config_dir(str(CONFIG_DIR), job_name=JOB_NAME, version_base="1.3"):
             hydra = GlobalHydra.instance().hydra
             assert hydra is not None
             yield hydra
     finally:
+        restore_launcher_entries(dropped)
         restore_gh_from_backup(backup)
         JobRuntime.instance().conf = job
         HydraConfig.instance().cfg = job_config
@@ -478,6 +482,46 @@ def _flushing_denormals() -> bool:
     return bool((torch.tensor([1e-40], dtype=torch.float32) * 1.0).item() == 0.0)
 
 
+def _codes_with_compiled_entries() -> dict[Any, int]:
+    """Every code object Dynamo has compiled in this process that holds compiled code now (its cache
+    entries), with their number."""
+    convert_frame = sys.modules.get("torch._dynamo.convert_frame")
+    if convert_frame is None:  # nothing compiled yet, and no need to import Dynamo to say so
+        return {}
+    from torch._C._dynamo import eval_frame
+
+    out = {}
+    for ref in list(convert_frame.input_codes.seen):
+        code = ref()
+        if code is not None:
+            entries = len(eval_frame._debug_get_cache_entry_list(code))
+            if entries:
+                out[code] = entries
+    return out
+
+
+def _drop_compiled_code_of_the_run(before: dict[Any, int]) -> list[Any]:
+    """Drop the compiled code that this run's ``torch.compile`` left (``compile=true``: every block's forward;
+    FlexAttention's kernels) in the code objects that held none before it; returns those code objects.
+
+    Dynamo keeps compiled code per code object, shared by every model of that class in the process, and at
+    ``torch._dynamo.config.recompile_limit`` (8) entries it stops compiling that code and runs it
+    uncompiled, silently: kept, the entries of earlier runs of other shapes (two per width) left the fifth
+    such run in a notebook training uncompiled (scripts/repeated_compiled_runs.py). Dropped, each run compiles
+    as in a fresh process. A code object that held compiled code before the run (the caller's own
+    ``torch.compile`` of the same function) is left as it is, the run's entries with the caller's: nothing
+    the caller compiled is taken. Not ``torch._dynamo.reset()``, which drops every compiled function of the
+    process, the caller's among them."""
+    import torch._dynamo.convert_frame as convert_frame
+    from torch._C._dynamo import eval_frame
+
+    dropped = [code for code in _codes_with_compiled_entries() if code not in before]
+    with convert_frame.compile_lock:
+        for code in dropped:
+            eval_frame.reset_code(code)
+    return dropped
+
+
 @contextmanager
 def _process_left_as_it_was() -> Iterator[None]:
     """What a run changes in the process for itself, put back as the caller had it when train() returns,
@@ -489,6 +533,8 @@ def _process_left_as_it_was() -> Iterator[None]:
     - the warnings filters the run adds (Lightning's messages it drops);
     - torch's flushing of subnormal floats (the task turns it on for speed; it changes the caller's numbers);
     - the handlers of :data:`RUN_SIGNALS` (main thread);
+    - the compiled code the run's ``torch.compile`` left in code objects that held none before it
+      (:func:`_drop_compiled_code_of_the_run`), the caller's own compiled functions untouched;
     - the run's objects held for the watch of lost ranks (:mod:`gptlab.parallel.ranks`: its trainer, model,
       optimizer state and data), which would keep their memory, on a GPU too, until the next run; and the
       run's objects themselves, collected at once."""
@@ -501,6 +547,7 @@ def _process_left_as_it_was() -> Iterator[None]:
     flushing = _flushing_denormals()
     main = threading.current_thread() is threading.main_thread()
     handlers = {s: signal.getsignal(s) for s in RUN_SIGNALS} if main else {}
+    compiled = _codes_with_compiled_entries()
     try:
         with warnings.catch_warnings():
             yield
@@ -508,6 +555,7 @@ def _process_left_as_it_was() -> Iterator[None]:
         from gptlab.parallel import ranks
 
         ranks.clear_reporter()  # the closures the task registered name its trainer: its memory goes with them
+        _drop_compiled_code_of_the_run(compiled)
         # The run's trainer, model and data hold one another in cycles, which only the cyclic collector frees,
         # whenever it next runs: collected now, their memory (the token files' maps, a GPU's tensors) is
         # free for the caller's next cell.
@@ -615,7 +663,10 @@ def train(*config: DictConfig | str | Sequence[str], run_dir: str | Path | None 
 
     Raises :class:`~gptlab.errors.ConfigError` for a config or run directory ``train.py`` refuses (with its
     message), and the task's own errors (:class:`~gptlab.errors.DataError`, ...). One process: a strategy
-    that launches more (``trainer.devices=2``) is for ``python train.py``."""
+    that launches more (``trainer.devices=2``) is for ``python train.py``. Under SLURM, a run its warning
+    signal stopped (SIGUSR1 before preemption) raises :class:`~gptlab.errors.RunRequeued` once its checkpoint
+    is saved and the job requeued: a SystemExit of status 0 that names the checkpoint (``.checkpoint``,
+    ``.step``), as the job is about to end."""
     from hydra.errors import HydraException
 
     if len(config) == 1 and isinstance(config[0], DictConfig):
@@ -637,6 +688,7 @@ def train(*config: DictConfig | str | Sequence[str], run_dir: str | Path | None 
             "(Hydra's run directory, logging, the random generators) is one per process. Wait for it to return, "
             "or train the other config in a process of its own (python train.py <overrides>)."
         )
+    requeued: RunRequeued | None = None
     try:
         _set_training_in(threading.current_thread().name)
         with (
@@ -649,8 +701,15 @@ def train(*config: DictConfig | str | Sequence[str], run_dir: str | Path | None 
                 job = hydra.run(CONFIG_NAME, task_function=_run_task, overrides=overrides)
             except HydraException as e:
                 raise _hydra_refusal(e) from e
+            except RunRequeued as stop:
+                # raised to the caller without the frames it came through: they hold the run's trainer and
+                # model, which a notebook keeps alive with its last exception (sys.last_value)
+                requeued = stop.with_traceback(None)
+                requeued.__context__ = None
     finally:
         _TRAINING.release()
+    if requeued is not None:
+        raise requeued
     assert job.hydra_cfg is not None  # run_job sets it
     return TrainResult.read(job.hydra_cfg.hydra.runtime.output_dir)
 

@@ -26,6 +26,7 @@ from gptlab.errors import (
     NonFiniteLossError,
     PreparationStopped,
     RankLostError,
+    RunRequeued,
     SweepStopped,
     signal_name,
 )
@@ -383,20 +384,34 @@ def state_gptlab_version() -> None:
 LAUNCHER_YAMLS_NAMED_AS_THEIR_PLUGIN = ("joblib",)
 
 
-def prefer_launcher_yamls() -> None:
+def prefer_launcher_yamls() -> dict[str, Any]:
     """A launcher YAML of conf/ named as its plugin's ConfigStore entry (``joblib``) is the one config
     ``hydra/launcher=joblib`` loads. Hydra finds the plugin's entry of that name and validates the YAML against
     it by name, a matching it deprecated since 1.1, with a warning from every process of the sweep (the command's
     composition and each joblib worker's). The plugins' registration runs when Hydra scans them, once a process
     (``Plugins.instance()``, which re-imports their modules), so the same-named entry is dropped after that scan;
-    the workers receive the ConfigStore as it stands then."""
+    the workers receive the ConfigStore as it stands then. Returns the entries dropped, for
+    :func:`restore_launcher_entries` (``gptlab.compose()`` drops them for its composition only)."""
     from hydra.core.config_store import ConfigStore
     from hydra.core.plugins import Plugins
 
     Plugins.instance()
     launchers = ConfigStore.instance().repo.get("hydra", {}).get("launcher", {})
+    dropped = {}
     for name in LAUNCHER_YAMLS_NAMED_AS_THEIR_PLUGIN:
-        launchers.pop(f"{name}.yaml", None)
+        entry = launchers.pop(f"{name}.yaml", None)
+        if entry is not None:
+            dropped[f"{name}.yaml"] = entry
+    return dropped
+
+
+def restore_launcher_entries(dropped: dict[str, Any]) -> None:
+    """Put back the ConfigStore entries :func:`prefer_launcher_yamls` dropped: a process that composes its own
+    Hydra app after ``gptlab.compose()`` finds the plugins' schemas as Hydra registered them."""
+    from hydra.core.config_store import ConfigStore
+
+    repo = ConfigStore.instance().repo
+    repo.setdefault("hydra", {}).setdefault("launcher", {}).update(dropped)
 
 
 def suggest_choices() -> None:
@@ -835,6 +850,10 @@ def run_task(cfg: DictConfig) -> float | None:
     except SweepStopped as stop:
         print("\n".join(sweep_stopped_lines(stop, HydraConfig.get())), flush=True)
         raise SystemExit(stop.exit_status) from None
+    except RunRequeued:
+        # SLURM requeued the job (its log has said so): status 0, a plain SystemExit as SLURM and a launcher's
+        # job runner have always seen it
+        raise SystemExit(0) from None
     except KeyboardInterrupt as stop:
         # Ctrl-C before training's own handler took the signal over (preparing the data, building the model,
         # starting the loggers), or a SIGTERM while a token cache is prepared (a scheduler preempting the

@@ -3,14 +3,16 @@
 ``ConfigError`` and its kinds end `python train.py` with exit status 2 and the message alone (no traceback);
 ``NonFiniteLossError``, ``DiskFullError`` and ``RankLostError`` end it with status 1, as a run that started and
 then failed. ``SweepStopped`` ends a sweep that a stop signal interrupted with 128 + the signal's number, as a shell
-reports a process a signal ended. ``EvaluationStopped`` never leaves the task that raised it: it ends an
-evaluation after training, and the task records the stop.
+reports a process a signal ended. ``RunRequeued`` ends it with status 0, as SLURM expects of a job it requeued.
+``EvaluationStopped`` never leaves the task that raised it: it ends an evaluation after training, and the task
+records the stop.
 """
 
 from __future__ import annotations
 
 import signal
 from pathlib import Path
+from typing import Any
 
 
 class ConfigError(ValueError):
@@ -86,6 +88,41 @@ class PreparationStopped(KeyboardInterrupt):
         super().__init__(f"{signal_name(signum)} stopped the preparation of a token cache")
 
 
+class RunRequeued(SystemExit):
+    """A run that SLURM's warning signal (SIGUSR1 before preemption or the time limit) stopped: its preemption
+    checkpoint ``checkpoint`` saved at step ``step`` in ``run_dir``, and the job ``job_id`` requeued
+    (``requeued``: whether ``scontrol requeue`` said it was). The requeued job runs the same command again and,
+    in the same run directory, continues from that checkpoint.
+
+    A ``SystemExit`` whose ``code`` is 0: the job is about to end, so nothing in the process should go on to
+    other work (no ``except Exception`` takes it), and a script under ``sbatch`` that calls
+    ``gptlab.train()`` ends with the status ``python train.py`` ends with. ``gptlab.train()`` raises it;
+    ``python train.py`` exits with status 0."""
+
+    def __init__(
+        self, run_dir: Path, checkpoint: Path, step: int, job_id: str | None, requeued: bool = True
+    ) -> None:
+        self.run_dir, self.checkpoint, self.step = run_dir, checkpoint, step
+        self.job_id, self.requeued = job_id, requeued
+        then = (
+            f"the requeued job runs the same command again and continues from it in {run_dir}."
+            if requeued
+            else f"`scontrol requeue {job_id}` failed, so the job was not requeued: submit the same command "
+            f"again (same run directory, {run_dir}) to continue from it."
+        )
+        super().__init__(
+            f"SLURM job {job_id}: SIGUSR1 (its warning before preemption or the time limit) stopped the run at "
+            f"step {step}; its checkpoint is {checkpoint}, and {then}"
+        )
+        # the process ends with status 0, as train.py does (Python reads .code, not the message)
+        self.code = 0
+
+    def __reduce__(
+        self,
+    ) -> tuple[Any, ...]:  # pickled whole (a process pool's worker returns it to its parent)
+        return (type(self), (self.run_dir, self.checkpoint, self.step, self.job_id, self.requeued))
+
+
 __all__ = [
     "CheckpointError",
     "ConfigError",
@@ -95,6 +132,7 @@ __all__ = [
     "NonFiniteLossError",
     "PreparationStopped",
     "RankLostError",
+    "RunRequeued",
     "SweepStopped",
     "WandbFileError",
     "signal_name",

@@ -13,8 +13,10 @@ Pure arithmetic on a :class:`GPTConfig` and a `strategy=` choice (no weights, no
   section 3.1); pure bf16 2 + 2 + 4.
 - sharding over N devices (Rajbhandari et al. 2020), as each strategy's `Placement` says: DDP none (plus its gradient buckets, one more copy of
   the gradients); ZeRO-1 the optimizer state / N; ZeRO-2 also the gradients / N; ZeRO-3 and FSDP also the
-  weights / N, plus the gathered weights and gradients of about two blocks at a time; offload moves the
-  optimizer state (ZeRO-3: also the weights) to host memory.
+  weights / N, plus the gathered weights and gradients of about two blocks at a time and of the root unit
+  (the embeddings, final norm and output layer, which FSDP gathers whole for the forward and the backward
+  pass, with its gradients whole until their reduce-scatter); offload moves the optimizer state (ZeRO-3: also
+  the weights) to host memory.
 - activations kept for the backward pass, per token and layer, in the activation dtype of p bytes
   (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models", section 4.1,
   adapted to fused attention, which keeps no T x T scores): the two norm inputs 2h, the QKV input h, Q, K, V
@@ -245,9 +247,11 @@ class MemoryEstimate:
     gradients: float
     optimizer: float
     activations: float
-    buffers: float  # DDP's gradient buckets; FSDP/ZeRO-3's gathered blocks
+    buffers: float  # DDP's gradient buckets; FSDP/ZeRO-3's gathered blocks and root unit (gathered_root)
     host: float  # state offloaded to host (CPU) memory, per device
     head: float = 0.0  # what the output layer and loss hold at the backward pass's start (HeadPlan)
+    # of buffers: the root unit's whole weights and unsharded gradients (FSDP/ZeRO-3; see memory_per_device)
+    gathered_root: float = 0.0
 
     @property
     def total(self) -> float:
@@ -343,14 +347,25 @@ def memory_per_device(config: GPTConfig, plan: TrainingPlan = TrainingPlan()) ->
         host, gradients = host + gradients, 0.0
     if placement.offload_weights:
         host, weights = host + weights, 0.0
-    buffers = 0.0
+    buffers = gathered_root = 0.0
     if placement.gradient_buckets and n_devices > 1:
         buffers = n * size["gradients"]
     if placement.shards_weights and shards > 1:
-        # Two blocks gathered at a time (the current one and the prefetched next), weights and gradients,
-        # in the activation dtype.
-        per_layer = parameter_counts(config)["per_layer"]
-        buffers = 2 * per_layer * 2 * size["activations"]
+        # Gathered in 16 bits under bf16-mixed (FSDP's mixed-precision policy; DeepSpeed's 16-bit weights), else
+        # in the weights' own dtype.
+        gathered = 2 if precision == "bf16-mixed" else size["weights"]
+        per_layer = counts["per_layer"]
+        # Two blocks gathered at a time (the current one and the prefetched next), weights and gradients.
+        blocks = 2 * per_layer * 2 * gathered
+        # The root unit: what no block holds (the embeddings, the final norm, an untied output layer, the
+        # sequential heads' projections, the padding rows); at GPT-2's width and vocabulary, five blocks' worth.
+        # Its weights are gathered whole for the whole forward pass (the output layer and loss among it) and
+        # again for the whole backward pass, and its gradients are whole until its reduce-scatter at the
+        # backward pass's end: two copies of the root unit (scripts/fsdp_memory.py measures the peak on two CPU
+        # processes; tests/test_model_card.py).
+        root = n - (config.n_layer + config.mtp.depth) * per_layer
+        gathered_root = 2 * root * gathered
+        buffers = blocks + gathered_root
     acts = (
         micro_batch
         * T
@@ -368,6 +383,7 @@ def memory_per_device(config: GPTConfig, plan: TrainingPlan = TrainingPlan()) ->
         optimizer=optimizer,
         activations=acts,
         buffers=buffers,
+        gathered_root=gathered_root,
         host=host,
         # the output layer and loss once for the next token and once for each head of multi-token prediction,
         # each call's kept until the backward pass

@@ -122,12 +122,18 @@ def slurm_job_id() -> str | None:
     return os.environ.get("SLURM_JOB_ID")
 
 
-def requeue_job() -> None:
-    """`scontrol requeue <job>`: SLURM starts the same command again, in the same run directory."""
+def requeue_job() -> bool:
+    """`scontrol requeue <job>`: SLURM starts the same command again, in the same run directory. Returns
+    whether scontrol succeeded."""
     job = slurm_job_id()
-    result = subprocess.call(["scontrol", "requeue", str(job)])
+    try:
+        result = subprocess.call(["scontrol", "requeue", str(job)])
+    except OSError as e:  # no scontrol on PATH
+        log.warning("scontrol requeue %s could not run: %s", job, e)
+        return False
     if result != 0:
         log.warning("scontrol requeue %s failed with exit code %d", job, result)
+    return result == 0
 
 
 def slurm_plugins() -> list[Any]:

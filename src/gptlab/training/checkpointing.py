@@ -22,8 +22,10 @@
     previous last checkpoint is left whole), the steps since the last saved checkpoint are lost, and the
     run's result still says where the run stopped and which checkpoint ``resume=auto`` continues from.
   - SIGUSR1 under SLURM (its warning before preemption or the time limit, `#SBATCH --signal=USR1@<s>`): save
-    ``<default_root_dir>/hpc_ckpt_<n>.ckpt``, requeue the job from rank 0 (`scontrol requeue`) and exit; the
-    requeued job runs the same command in the same run directory, and Lightning resumes from that file.
+    ``<default_root_dir>/hpc_ckpt_<n>.ckpt``, requeue the job from rank 0 (`scontrol requeue`) and end with
+    :class:`~gptlab.errors.RunRequeued` (a SystemExit of status 0, which ``gptlab.train()`` raises to its caller
+    naming the checkpoint); the requeued job runs the same command in the same run directory, and Lightning
+    resumes from that file.
 
   Saving from inside a signal handler (Lightning's own way) happens in the middle of a step and in each rank
   at its own moment, a collective at an arbitrary point that deadlocks when the signal lands inside another
@@ -51,7 +53,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.trainer.states import TrainerFn
 
-from gptlab.errors import ConfigError, NonFiniteLossError, signal_name
+from gptlab.errors import ConfigError, NonFiniteLossError, RunRequeued, signal_name
 from gptlab.parallel import hardware
 from gptlab.parallel.checkpoint_io import AtomicCheckpointIO, link_checkpoint
 from gptlab.runs import digests
@@ -535,8 +537,9 @@ class StopOnSignal(L.Callback):
             )
 
     def _save_and_requeue(self, trainer: L.Trainer) -> None:
-        path = trainer._checkpoint_connector.hpc_save_path(trainer.default_root_dir)
+        path = Path(trainer._checkpoint_connector.hpc_save_path(trainer.default_root_dir))
         trainer.save_checkpoint(path)
+        requeued = True
         if trainer.is_global_zero:
             log.info(
                 "SLURM signal: saved %s at step %d; requeueing job %s",
@@ -544,10 +547,11 @@ class StopOnSignal(L.Callback):
                 trainer.global_step,
                 hardware.slurm_job_id(),
             )
-            hardware.requeue_job()
+            requeued = hardware.requeue_job()
         # Stop here, as SLURM is about to: no end-of-run validation or checkpoint that the requeued job would
-        # find beside its own.
-        raise SystemExit(0)
+        # find beside its own. A SystemExit of status 0 (python train.py exits with it; gptlab.train() raises
+        # it, naming the checkpoint).
+        raise RunRequeued(path.parent, path, trainer.global_step, hardware.slurm_job_id(), requeued)
 
 
 # ---- fit ----------------------------------------------------------------------------------------------
