@@ -6,10 +6,11 @@ two-process test, in one launch of two CPU processes (gloo), each through the ru
 - ``resumed``: the same command resumed from that checkpoint.
 
 A tiny model with 16 experts and 8 tokens a rank (16 token-expert assignments) leaves some expert without a
-token on some rank at nearly every step. :class:`RankRecord` (a callback added by the command line) writes what
-the test compares into ``<out>/<run>-rank<r>.pt``: each step's assignments per expert on this rank, the first
-step's batch, weights and router gradients (reduced over the ranks), the counts the global load-balancing loss
-took, and the final weights.
+token on one rank and not the other in its first steps. :class:`RankRecord` (a callback added by the command line) writes what
+the test compares into ``<out>/<run>-rank<r>.pt``: each training pass's assignments per expert on this rank,
+the first optimizer step's micro-batches, weights, gradients (reduced over the ranks) and the counts the
+load-balancing loss took at its end, and the final weights. tests/test_moe.py adds it to runs in its own
+process too.
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ def full(tensor: torch.Tensor) -> torch.Tensor:
 
 
 class RankRecord(L.Callback):
-    """What this rank saw, written to ``<out>/<run>-rank<r>.pt`` at the end of the fit."""
+    """What this rank saw, written to ``path`` at the end of the fit."""
 
     def __init__(self, path: str) -> None:
         self.path = path
@@ -82,7 +83,8 @@ class RankRecord(L.Callback):
                 layer.router.register_forward_hook(count)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        self.record.setdefault("batch", [t.detach().clone() for t in batch[:2]])  # inputs, targets
+        if "grads" not in self.record:  # the first optimizer step's micro-batches: (inputs, targets) each
+            self.record.setdefault("batches", []).append([t.detach().clone() for t in batch[:2]])
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
         # Callbacks' hooks run before the module's: its step counts are still those the step's loss took.

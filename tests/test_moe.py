@@ -266,6 +266,15 @@ def test_muon_takes_each_expert_matrix_apart_and_the_router_goes_to_adamw(make_c
         (["mlp.expert_hidden=0"], "mlp.expert_hidden=0 must be a positive width"),
         (["mlp.shared_experts=-1"], "mlp.shared_experts=-1 must be 0 or more"),
         (["mlp.balance_coef=-0.01"], "mlp.balance_coef=-0.01 must be 0 or more"),
+        (
+            ["mlp.balance_scope=globl"],
+            "mlp.balance_scope='globl' must be one of 'micro_batch', 'global' (got str). Did you mean "
+            "mlp.balance_scope=global?",
+        ),
+        (
+            ["mlp.balance_scope=global", "mlp.balance_coef=0"],
+            "mlp.balance_scope=global with mlp.balance_coef=0: there is no load-balancing loss whose expert",
+        ),
         (["model.param=mup"], "mlp=moe cannot take model.param=mup"),
         (
             ["model.init_from=/nowhere"],
@@ -335,6 +344,63 @@ def test_trains_through_the_run_path_logs_the_routing_apart_and_resumes_exactly(
     b = torch.load(last_checkpoint(stopped), map_location="cpu", weights_only=True)["state_dict"]
     assert a.keys() == b.keys()
     assert [k for k in a if not torch.equal(a[k], b[k])] == []
+
+
+def test_global_balance_scope_in_one_process_is_the_default_and_counts_over_the_steps_micro_batches(tmp_path):
+    """mlp.balance_scope=global in one process: with one micro-batch a step, the same step as the default
+    scope, bit for bit; under gradient accumulation (2 micro-batches a step), the second micro-batch's
+    load-balancing loss takes f_i over both micro-batches' assignments (the later ones are not run yet when
+    the first's is taken), train/moe_balance_loss is the mean of the two, and train/moe_global_load_max the
+    busiest expert's share of the whole step's assignments."""
+    import lightning as L
+    from moe_ranks import RankRecord
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from gptlab.model.feedforward import balance_loss
+    from gptlab.training.module import GPTLitModule
+
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 61, (2, 9), generator=g)
+    data = DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=1)  # 8 tokens a micro-batch
+    config = tiny({"experts": 16}, block_size=8, n_layer=1)
+
+    def train(scope: str, accumulate: int = 1) -> tuple[dict, dict[str, float]]:
+        torch.manual_seed(0)
+        module = GPTLitModule(
+            config.to_dict() | {"mlp": {"name": "moe", "experts": 16, "balance_scope": scope}}
+        )
+        record = RankRecord(str(tmp_path / f"{scope}-{accumulate}.pt"))
+        trainer = L.Trainer(
+            accelerator="cpu", devices=1, max_steps=1, accumulate_grad_batches=accumulate, logger=False,
+            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+            callbacks=[record], default_root_dir=tmp_path,
+        )  # fmt: skip
+        trainer.fit(module, data)
+        return record.record, {k: float(v) for k, v in trainer.logged_metrics.items()}
+
+    default, global_scope = train("micro_batch")[0], train("global")[0]
+    assert len(default["counts"]) == 1
+    for name, value in default["final"].items():
+        assert torch.equal(value, global_scope["final"][name]), name
+
+    accumulated, logged = train("global", accumulate=2)
+    first, second = accumulated["counts"]  # the step's two micro-batches
+    assert torch.equal(accumulated["global_counts"][0], first + second)
+    model = GPT(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(accumulated["initial"][name])
+        routings = []
+        for x, y in accumulated["batches"]:
+            model(x, y)
+            routings.append(model.transformer.h[0].mlp.routing)
+    assert [torch.equal(r.counts, c) for r, c in zip(routings, (first, second))] == [True, True]
+    so_far = [balance_loss(first, routings[0].probs), balance_loss(first + second, routings[1].probs)]
+    assert logged["train/moe_balance_loss"] == pytest.approx(0.01 * float(sum(so_far)) / 2, rel=1e-5)
+    # what the default scope would have logged: near a uniform router, a few parts in a thousand away
+    each_own = 0.01 * float(routings[0].balance + routings[1].balance) / 2
+    assert logged["train/moe_balance_loss"] != pytest.approx(each_own, rel=1e-3)
+    assert logged["train/moe_global_load_max"] == pytest.approx(float((first + second).max()) / 32)
 
 
 def compiled_against_eager_in_bf16(device: str, train_steps: int = 3) -> None:
@@ -499,7 +565,7 @@ def test_two_processes_train_under_ddp_and_fsdp_and_global_balancing_is_the_whol
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(first["initial"][name])
-    x, y = (torch.cat([a, b]) for a, b in zip(first["batch"], second["batch"], strict=True))
+    x, y = (torch.cat([a, b]) for a, b in zip(first["batches"][0], second["batches"][0], strict=True))
 
     def objective_gradients(x: Tensor, y: Tensor):
         model.zero_grad()
