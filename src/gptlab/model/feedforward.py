@@ -279,7 +279,6 @@ class RoutingLosses:
     load_max: Tensor  # the largest share of any expert in any layer
     load_cv: Tensor  # the mean over the layers
     counts: Tensor  # (layers, E) int64: this pass's assignments per expert, each layer's row
-    shares: Tensor  # (layers, E): the f_i the balance loss took, each row summing to 1
 
     @classmethod
     def of(
@@ -302,5 +301,4 @@ class RoutingLosses:
             load_max=torch.stack([r.load_max for r in layers]).max(),
             load_cv=torch.stack([r.load_cv for r in layers]).mean(),
             counts=counts,
-            shares=over.float() / over.sum(dim=-1, keepdim=True).clamp_min(1),
         )
