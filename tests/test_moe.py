@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import csv
 import math
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import CPU_AND_CUDA, TINY, assert_cached_decoding_is_the_whole_pass
+from conftest import CPU_AND_CUDA, ROOT, TINY, assert_cached_decoding_is_the_whole_pass
 from torch import Tensor
 
 from gptlab.config import parse_gpt
@@ -24,6 +27,7 @@ from gptlab.model.counting import flops_per_token, parameter_counts
 from gptlab.model.feedforward import MoE
 from gptlab.model.gpt import GPT
 from gptlab.model.head_loss import HeadLoss
+from gptlab.runs.layout import last_checkpoint
 
 
 def tiny(mlp: dict | str = "moe", **kw) -> GPTConfig:
@@ -262,6 +266,15 @@ def test_muon_takes_each_expert_matrix_apart_and_the_router_goes_to_adamw(make_c
         (["mlp.expert_hidden=0"], "mlp.expert_hidden=0 must be a positive width"),
         (["mlp.shared_experts=-1"], "mlp.shared_experts=-1 must be 0 or more"),
         (["mlp.balance_coef=-0.01"], "mlp.balance_coef=-0.01 must be 0 or more"),
+        (
+            ["mlp.balance_scope=globl"],
+            "mlp.balance_scope='globl' must be one of 'micro_batch', 'global' (got str). Did you mean "
+            "mlp.balance_scope=global?",
+        ),
+        (
+            ["mlp.balance_scope=global", "mlp.balance_coef=0"],
+            "mlp.balance_scope=global with mlp.balance_coef=0: there is no load-balancing loss whose expert",
+        ),
         (["model.param=mup"], "mlp=moe cannot take model.param=mup"),
         (
             ["model.init_from=/nowhere"],
@@ -295,7 +308,6 @@ def test_trains_through_the_run_path_logs_the_routing_apart_and_resumes_exactly(
     cross-entropy, the auxiliary losses and the experts' load logged apart; and a run stopped at step 4 and
     resumed to step 8 ends with the uninterrupted run's weights, bit for bit (a constant rate after warmup,
     so that the longer trainer.max_steps of the resumed command changes no step's rate)."""
-    from gptlab.runs.layout import last_checkpoint
     from gptlab.tasks.gpt import run
 
     args = [*TINY, "model.n_layer=2", "tokenizer=char", "mlp=moe", "mlp.experts=4", "optim.warmup_steps=2"]
@@ -332,6 +344,63 @@ def test_trains_through_the_run_path_logs_the_routing_apart_and_resumes_exactly(
     b = torch.load(last_checkpoint(stopped), map_location="cpu", weights_only=True)["state_dict"]
     assert a.keys() == b.keys()
     assert [k for k in a if not torch.equal(a[k], b[k])] == []
+
+
+def test_global_balance_scope_in_one_process_is_the_default_and_counts_over_the_steps_micro_batches(tmp_path):
+    """mlp.balance_scope=global in one process: with one micro-batch a step, the same step as the default
+    scope, bit for bit; under gradient accumulation (2 micro-batches a step), the second micro-batch's
+    load-balancing loss takes f_i over both micro-batches' assignments (the later ones are not run yet when
+    the first's is taken), train/moe_balance_loss is the mean of the two, and train/moe_global_load_max the
+    busiest expert's share of the whole step's assignments."""
+    import lightning as L
+    from moe_ranks import RankRecord
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from gptlab.model.feedforward import balance_loss
+    from gptlab.training.module import GPTLitModule
+
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 61, (2, 9), generator=g)
+    data = DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=1)  # 8 tokens a micro-batch
+    config = tiny({"experts": 16}, block_size=8, n_layer=1)
+
+    def train(scope: str, accumulate: int = 1) -> tuple[dict, dict[str, float]]:
+        torch.manual_seed(0)
+        module = GPTLitModule(
+            config.to_dict() | {"mlp": {"name": "moe", "experts": 16, "balance_scope": scope}}
+        )
+        record = RankRecord(str(tmp_path / f"{scope}-{accumulate}.pt"))
+        trainer = L.Trainer(
+            accelerator="cpu", devices=1, max_steps=1, accumulate_grad_batches=accumulate, logger=False,
+            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+            callbacks=[record], default_root_dir=tmp_path,
+        )  # fmt: skip
+        trainer.fit(module, data)
+        return record.record, {k: float(v) for k, v in trainer.logged_metrics.items()}
+
+    default, global_scope = train("micro_batch")[0], train("global")[0]
+    assert len(default["counts"]) == 1
+    for name, value in default["final"].items():
+        assert torch.equal(value, global_scope["final"][name]), name
+
+    accumulated, logged = train("global", accumulate=2)
+    first, second = accumulated["counts"]  # the step's two micro-batches
+    assert torch.equal(accumulated["global_counts"][0], first + second)
+    model = GPT(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(accumulated["initial"][name])
+        routings = []
+        for x, y in accumulated["batches"]:
+            model(x, y)
+            routings.append(model.transformer.h[0].mlp.routing)
+    assert [torch.equal(r.counts, c) for r, c in zip(routings, (first, second))] == [True, True]
+    so_far = [balance_loss(first, routings[0].probs), balance_loss(first + second, routings[1].probs)]
+    assert logged["train/moe_balance_loss"] == pytest.approx(0.01 * float(sum(so_far)) / 2, rel=1e-5)
+    # what the default scope would have logged: near a uniform router, a few parts in a thousand away
+    each_own = 0.01 * float(routings[0].balance + routings[1].balance) / 2
+    assert logged["train/moe_balance_loss"] != pytest.approx(each_own, rel=1e-3)
+    assert logged["train/moe_global_load_max"] == pytest.approx(float((first + second).max()) / 32)
 
 
 def compiled_against_eager_in_bf16(device: str, train_steps: int = 3) -> None:
@@ -433,3 +502,90 @@ def test_a_compiled_block_is_not_recompiled_as_the_routing_changes():
         loss.backward()
         graphs.append(counters["stats"]["unique_graphs"])
     assert graphs[1:] == [graphs[0]] * 4, graphs  # every graph made at the first step, none since
+
+
+# ---- two processes ---------------------------------------------------------------------------------------
+def rank_records(out: Path, run: str) -> tuple[dict, dict]:
+    """What each rank of one of tests/moe_ranks.py's runs saw (its RankRecord)."""
+    first, second = (torch.load(out / f"{run}-rank{r}.pt", weights_only=False) for r in (0, 1))
+    return first, second
+
+
+def train_losses(run_dir: Path) -> dict[int, float]:
+    return {int(r["step"]): float(r["train/loss"]) for r in metrics_of(run_dir) if r.get("train/loss")}
+
+
+@pytest.mark.slow
+def test_two_processes_train_under_ddp_and_fsdp_and_global_balancing_is_the_whole_batchs(tmp_path):
+    """tests/moe_ranks.py, one launch of two CPU processes: strategy=ddp with mlp.balance_scope=global,
+    strategy=fsdp, and the FSDP run resumed from its step-3 checkpoint; 16 experts, 8 tokens a rank.
+
+    An expert can take tokens on one rank and none on the other: DDP reduces its gradient all the same (the
+    ranks' weights stay equal, bit for bit), FSDP reduces its shards; both train, and the resumed FSDP run ends
+    with the uninterrupted run's losses and weights.
+
+    Under the global scope, at the first step each rank's load-balancing loss took f_i from the two ranks'
+    assignments together, those of one process routing the two ranks' batches as one; the logged balance loss
+    is that process's, and the gradients DDP averaged are its gradients of the whole batch's objective. Per
+    micro-batch (the default scope) the router's would differ by about a tenth."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+        + [str(ROOT / "tests" / "moe_ranks.py"), str(tmp_path)],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for run in ("ddp", "fsdp"):
+        first, second = rank_records(tmp_path, run)
+        assert len(first["counts"]) == len(second["counts"]) == 6  # one router pass a step and rank
+        one_sided = [
+            int(((a == 0) & (b > 0)).sum() + ((b == 0) & (a > 0)).sum())
+            for a, b in zip(first["counts"], second["counts"], strict=True)
+        ]
+        assert sum(one_sided) > 0, (run, one_sided)  # some step had an expert empty on one rank alone
+        losses = train_losses(tmp_path / run)
+        assert sorted(losses) == [1, 2, 3, 4, 5, 6] and all(math.isfinite(v) for v in losses.values())
+        assert (losses[5] + losses[6]) / 2 < losses[1] - 0.5, (run, losses)
+    first, second = rank_records(tmp_path, "ddp")
+    for name, value in first["final"].items():
+        assert torch.equal(value, second["final"][name]), name
+    # FSDP: the sharded weights gathered whole, the resumed run against the uninterrupted one
+    whole_run, resumed = rank_records(tmp_path, "fsdp")[0], rank_records(tmp_path, "resumed")[0]
+    for name, value in whole_run["final"].items():
+        assert torch.equal(value, resumed["final"][name]), name
+    resumed_losses = train_losses(tmp_path / "resumed")
+    assert resumed_losses == {s: v for s, v in train_losses(tmp_path / "fsdp").items() if s > 3}
+
+    # the global scope against one process over the two ranks' batches together, at the first step
+    hparams = torch.load(last_checkpoint(tmp_path / "ddp"), map_location="cpu", weights_only=False)
+    model = GPT(GPTConfig.from_dict(dict(hparams["hyper_parameters"]["model"])))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(first["initial"][name])
+    x, y = (torch.cat([a, b]) for a, b in zip(first["batches"][0], second["batches"][0], strict=True))
+
+    def objective_gradients(x: Tensor, y: Tensor):
+        model.zero_grad()
+        _, loss = model(x, y)
+        routing = model.routing_losses()
+        (loss + routing.objective).backward()
+        return routing, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    whole, grads = objective_gradients(x, y)
+    assert int(whole.counts.sum()) == 2 * 8 * 2  # two ranks' 8 tokens, top-2
+    assert torch.equal(first["global_counts"], whole.counts)
+    assert torch.equal(second["global_counts"], whole.counts)
+    rows = metrics_of(tmp_path / "ddp")
+    logged = next(float(r["train/moe_balance_loss"]) for r in rows if r.get("train/moe_balance_loss"))
+    assert logged == pytest.approx(0.01 * float(whole.balance), rel=1e-6)
+    assert first["grads"].keys() == grads.keys()
+    for name, grad in grads.items():
+        torch.testing.assert_close(first["grads"][name], grad, rtol=1e-5, atol=1e-6, msg=name)
+
+    router = "transformer.h.0.mlp.router.weight"
+    halves = [objective_gradients(x[r : r + 1], y[r : r + 1])[1][router] for r in (0, 1)]
+    per_micro_batch = (halves[0] + halves[1]) / 2
+    assert float((per_micro_batch - grads[router]).norm()) > 0.02 * float(grads[router].norm())

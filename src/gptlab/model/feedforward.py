@@ -15,8 +15,9 @@ auxiliary losses a training step adds to the language-model loss, and the expert
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar, Literal, Protocol
 
 import torch
 from torch import Tensor, nn
@@ -99,6 +100,10 @@ class MoEOptions:
     renormalize: bool = True
     # Switch's load-balancing loss, N sum_i f_i P_i, times this (Fedus et al. 2021: 0.01).
     balance_coef: float = 0.01
+    # Where f_i, each expert's share of the assignments, is counted: in each micro-batch of each rank (Switch,
+    # Megatron's default), or over the data-parallel batch, every rank's micro-batch and the optimizer step's
+    # earlier ones (Qiu et al. 2025, "Demons in the Details"): the training step counts it (GPT.routing_losses).
+    balance_scope: Literal["micro_batch", "global"] = "micro_batch"
     # ST-MoE's router z-loss, the mean of logsumexp(router logits)^2, times this (Zoph et al. 2022: 0.001).
     z_loss_coef: float = 0.001
 
@@ -129,6 +134,12 @@ class MoEOptions:
             value = getattr(self, key)
             if not (value >= 0 and math.isfinite(value)):
                 raise ConfigError(f"mlp.{key}={value} must be 0 or more (0: no such loss).")
+        if self.balance_scope == "global" and self.balance_coef == 0:
+            raise ConfigError(
+                "mlp.balance_scope=global with mlp.balance_coef=0: there is no load-balancing loss whose expert "
+                "shares could be counted over the global batch. Set mlp.balance_coef above 0 (Switch: 0.01), or "
+                "leave mlp.balance_scope=micro_batch."
+            )
         if self.top_k == 1 and self.renormalize and self.experts > 1:
             raise ConfigError(
                 "mlp.top_k=1 with mlp.renormalize=true weights every token's one expert by 1: the router would "
@@ -146,15 +157,31 @@ def expert_hidden_width(config: LayerShape, options: MoEOptions) -> int:
     return -(-mlp_hidden_width(config) // options.top_k)
 
 
+def balance_loss(counts: Tensor, probs: Tensor) -> Tensor:
+    """Switch's load-balancing loss N sum_i f_i P_i (Fedus et al. 2021, eq. 4) of one layer: f_i the share of
+    the assignments ``counts`` gives expert i (a count, no gradient), P_i ``probs``, its mean router
+    probability over the tokens (the gradient's path to the router); both (E,)."""
+    share = counts.float() / counts.sum().clamp_min(1)
+    return probs.size(-1) * (share * probs).sum()
+
+
 @dataclass
 class Routing:
-    """One MoE layer's routing in its last forward pass: the two auxiliary losses, unweighted (each a
-    scalar with a gradient to the router), and the experts' load (no gradient)."""
+    """One MoE layer's routing in its last forward pass: the assignments each expert received and its mean
+    router probability (the load-balancing loss's two factors), the router z-loss, unweighted (a scalar with a
+    gradient to the router), and the experts' load (no gradient)."""
 
-    balance: Tensor  # N sum_i f_i P_i: 1 at a uniform router, up to N when one expert takes every token
+    counts: Tensor  # (E,) int64: the token-expert assignments each expert received, N top_k in all
+    probs: Tensor  # (E,) P_i: each expert's mean router probability over the tokens, fp32
     z: Tensor  # mean over tokens of logsumexp(router logits)^2
     load_max: Tensor  # the busiest expert's share of the token-expert assignments (1/N when even)
     load_cv: Tensor  # the assignments' coefficient of variation over the experts (0 when even)
+
+    @property
+    def balance(self) -> Tensor:
+        """N sum_i f_i P_i over this pass's assignments: 1 at a uniform router, up to N when one expert takes
+        every token."""
+        return balance_loss(self.counts, self.probs)
 
 
 @register("moe")
@@ -232,13 +259,12 @@ class MoE(nn.Module):
         return torch.cat([expert(part) for expert, part in zip(self.experts, parts, strict=True)])
 
     def _statistics(self, logits: Tensor, probs: Tensor, counts: Tensor, N: int) -> Routing:
-        E, k = self.options.experts, self.options.top_k
+        k = self.options.top_k
         share = counts.float() / max(1, N * k)  # f_i, no gradient (a count)
-        balance = E * (share * probs.mean(dim=0)).sum()
         z = torch.logsumexp(logits, dim=-1).square().mean()
         load = counts.float()
         cv = load.std(unbiased=False) / load.mean().clamp_min(1e-9)
-        return Routing(balance=balance, z=z, load_max=share.max(), load_cv=cv)
+        return Routing(counts=counts, probs=probs.mean(dim=0), z=z, load_max=share.max(), load_cv=cv)
 
 
 @dataclass
@@ -252,10 +278,21 @@ class RoutingLosses:
     objective: Tensor
     load_max: Tensor  # the largest share of any expert in any layer
     load_cv: Tensor  # the mean over the layers
+    counts: Tensor  # (layers, E) int64: this pass's assignments per expert, each layer's row
 
     @classmethod
-    def of(cls, layers: list[Routing], options: MoEOptions) -> RoutingLosses:
-        balance = torch.stack([r.balance for r in layers]).mean()
+    def of(
+        cls,
+        layers: list[Routing],
+        options: MoEOptions,
+        balance_counts: Callable[[Tensor], Tensor] | None = None,
+    ) -> RoutingLosses:
+        """``balance_counts``: from this pass's (layers, E) assignment counts to those f_i is counted over
+        (under ``mlp.balance_scope=global``, the training step's: summed over the data-parallel ranks and the
+        step's micro-batches); None: this pass's own."""
+        counts = torch.stack([r.counts for r in layers])  # (layers, E)
+        over = counts if balance_counts is None else balance_counts(counts)
+        balance = torch.stack([balance_loss(c, r.probs) for c, r in zip(over, layers, strict=True)]).mean()
         z = torch.stack([r.z for r in layers]).mean()
         return cls(
             balance=balance,
@@ -263,4 +300,5 @@ class RoutingLosses:
             objective=options.balance_coef * balance + options.z_loss_coef * z,
             load_max=torch.stack([r.load_max for r in layers]).max(),
             load_cv=torch.stack([r.load_cv for r in layers]).mean(),
+            counts=counts,
         )

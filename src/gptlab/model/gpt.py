@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -210,10 +211,15 @@ class GPT(nn.Module):
             "mtp": sum(p.numel() for p in self.mtp.parameters()) if self.mtp is not None else 0,
         }
 
-    def routing_losses(self) -> RoutingLosses | None:
+    def routing_losses(
+        self, balance_counts: Callable[[Tensor], Tensor] | None = None
+    ) -> RoutingLosses | None:
         """The routing of the MoE layers (``mlp=moe``) in the last forward pass: the auxiliary losses a
         training step adds to the language-model loss, and the experts' load; None for a dense model. Each
-        layer's record is taken (cleared), so that a later call never returns a stale pass."""
+        layer's record is taken (cleared), so that a later call never returns a stale pass.
+        ``balance_counts``: from the pass's (layers, experts) assignment counts to those the load-balancing
+        loss counts each expert's share over (``mlp.balance_scope=global``: the training step sums them over
+        the data-parallel batch, which the model knows nothing of); None: the pass's own."""
         if self.config.mlp.name != "moe":  # called at every training step: a dense model walks nothing
             return None
         layers = []
@@ -223,7 +229,7 @@ class GPT(nn.Module):
                 mlp.routing = None
         if not layers:
             return None
-        return RoutingLosses.of(layers, self.config.mlp.options)
+        return RoutingLosses.of(layers, self.config.mlp.options, balance_counts)
 
     # ---- forward --------------------------------------------------------------------------------
     def forward(

@@ -99,6 +99,9 @@ class GPTLitModule(L.LightningModule):
         self._step_losses: list[Tensor] = []  # the loss (with any z-loss) of each of them
         # the MoE layers' routing (mlp=moe) of each of them: detached losses and load, logged per step
         self._step_routing: list[dict[str, Tensor]] = []
+        # (layers, experts) token-expert assignments of the step's micro-batches so far: this rank's, or every
+        # rank's under mlp.balance_scope=global (where the load-balancing loss counts its shares over them)
+        self._step_counts: Tensor | None = None
         # under multi-token prediction: (each extra head's cross-entropy, the objective) of each of them
         self._step_mtp: list[tuple[list[Tensor], Tensor]] = []
 
@@ -210,15 +213,22 @@ class GPTLitModule(L.LightningModule):
             value = values.max() if key == "train/moe_load_max" else values.mean()
             reduce = "max" if key == "train/moe_load_max" else "mean"
             self.log(key, value, on_step=True, on_epoch=False, sync_dist=distributed, reduce_fx=reduce)
+        counts, self._step_counts = self._step_counts, None
+        if counts is not None:
+            self._log_global_load(counts, distributed)
 
     def _add_routing_losses(self, loss: Tensor) -> Tensor:
         """``loss`` plus the MoE layers' auxiliary losses (mlp=moe: load balance and router z-loss, each
         times its coefficient), which the step optimizes; train/loss and val/loss stay the cross-entropy.
         Each weighted term and the experts' load are logged apart (on_before_optimizer_step)."""
-        routing = self.model.routing_losses()
+        options = self.model_config.mlp.options
+        global_scope = getattr(options, "balance_scope", None) == "global"
+        routing = self.model.routing_losses(balance_counts=self._global_counts if global_scope else None)
         if routing is None:
             return loss
-        options = self.model_config.mlp.options
+        if not global_scope:
+            counts = routing.counts
+            self._step_counts = counts if self._step_counts is None else self._step_counts + counts
         self._step_routing.append(
             {
                 "train/moe_balance_loss": (options.balance_coef * routing.balance).detach(),
@@ -228,6 +238,36 @@ class GPTLitModule(L.LightningModule):
             }
         )
         return loss + routing.objective
+
+    def _global_counts(self, counts: Tensor) -> Tensor:
+        """Under ``mlp.balance_scope=global`` (Qiu et al. 2025, "Demons in the Details: On Implementing Load
+        Balancing Loss for Training Specialized Mixture-of-Expert Models"), the (layers, experts) assignment
+        counts the load-balancing loss takes each expert's share f_i over: this micro-batch's summed over the
+        data-parallel ranks (one all-reduce of layers x experts integers, no gradient), plus those of the
+        optimizer step's earlier micro-batches (the paper's buffer: under gradient accumulation the later
+        micro-batches are not run yet, so each counts over the step's batch so far). Every rank then takes the
+        same f_i, and the ranks' mean loss, the one whose gradient the strategy averages, is the loss of the
+        whole batch in one process. One process, one micro-batch a step: this micro-batch's own counts."""
+        counts = counts.clone()
+        if self.trainer.world_size > 1:  # every rank is a data-parallel one under each strategy here
+            torch.distributed.all_reduce(counts)
+        self._step_counts = counts if self._step_counts is None else self._step_counts + counts
+        return self._step_counts
+
+    def _log_global_load(self, counts: Tensor, distributed: bool) -> None:
+        """train/moe_global_load_max and train/moe_global_load_cv: the experts' load over the optimizer step's
+        whole batch (every micro-batch of every rank), as train/moe_load_max and train/moe_load_cv give it per
+        micro-batch and rank: the balance that mlp.balance_scope=global asks for. ``counts``: the step's
+        (layers, experts) assignments, this rank's alone unless the global scope summed them already."""
+        if distributed and self.model_config.mlp.options.balance_scope != "global":
+            counts = counts.clone()
+            torch.distributed.all_reduce(counts)
+        load = counts.float()
+        share = load / load.sum(dim=-1, keepdim=True).clamp_min(1)
+        cv = load.std(dim=-1, unbiased=False) / load.mean(dim=-1).clamp_min(1e-9)
+        # the same numbers on every rank: no further reduction
+        self.log("train/moe_global_load_max", share.max(), on_step=True, on_epoch=False)
+        self.log("train/moe_global_load_cv", cv.mean(), on_step=True, on_epoch=False)
 
     def _log_mtp(self, micro_batches: list[tuple[list[Tensor], Tensor]], distributed: bool) -> None:
         """train/objective (what the step differentiates: the next-token loss plus mtp.weight times the extra
