@@ -314,6 +314,12 @@ def test_a_compiled_run_leaves_no_compiled_code_of_its_own_and_keeps_the_callers
 
     # Dynamo's own graph, run by the eager blocks: the compiles are counted without Inductor's minutes
     monkeypatch.setattr(transforms, "BLOCK_BACKEND", "eager")
+    # the process as a notebook's first compiled run finds it: no block compiled yet (another test in this
+    # worker may have compiled them; train() leaves code that held compiled entries before it as it was)
+    from torch._C._dynamo import eval_frame
+
+    eval_frame.reset_code(Block.forward.__code__)
+    assert compiled_entries(Block.forward.__code__) == []
     mine = torch.compile(lambda x: torch.sin(x) + 1, backend="eager")
     mine(torch.ones(3))
     held = compiled_entries(mine.__wrapped__.__code__)
