@@ -98,23 +98,55 @@ torch.set_num_threads(min(2, torch.get_num_threads()))
 # Under pytest-xdist (`pytest` runs `-n auto`, pyproject's addopts) a file's tests stay on one worker, so that
 # its module fixtures (a trained run several tests read) are made once; the files that read the session's
 # sweep share a worker with it. The files that take longest are handed out first, so that no worker is left
-# with a long file at the end.
+# with a long file at the end: the longest first is the order that ends soonest when long files and many short
+# ones share the workers.
 SHARED_WORKER = {
     "test_compare.py": "tiny_sweep",
     "test_sweeps.py": "tiny_sweep",
     "test_run_identity.py": "tiny_sweep",
 }
-LONGEST_FIRST = ["test_docs.py", "test_resume.py", "test_strategies.py", "test_distributed_faults.py"]
+# The files (or groups of SHARED_WORKER) that took a minute or more of a worker (the sum of their tests'
+# durations under `pytest --durations=0` on a 2-core machine), longest first; the rest follow in collection
+# order. test_docs.py comes first whatever its own time: its two runners of the pages' commands start with it
+# and work beside the workers.
+LONGEST_FIRST = [
+    "test_docs.py",
+    "test_strategies.py",
+    "test_distributed_faults.py",
+    "test_resume.py",
+    "test_run_identity.py",  # with test_compare.py and test_sweeps.py, which read its sweep
+    "test_resume_runs.py",
+    "test_gpu_check.py",
+    "test_word2vec.py",
+    "test_resume_changes.py",
+    "test_eval_length.py",
+    "test_errors.py",
+    "test_cli.py",
+    "test_mtp.py",
+    "test_token_files.py",
+    "test_attention_variants.py",
+    "test_entry_point.py",
+    "test_model.py",
+    "test_model_card.py",
+    "test_api.py",
+    "test_moe.py",
+    "test_architecture.py",
+    "test_positional.py",
+]
 
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
-    """xdist's scheduling by scope, a scope being a test file (or the files that share the sweep); an explicit
-    other ``--dist`` than load (scripts/gpu_check.py's ``--dist worksteal``: the gpu tests, most of them in one
-    file and each with its own runs, spread over the workers one by one) is left to xdist."""
+    """xdist's scheduling by scope, a scope being a test file (or the files that share the sweep), handed out in
+    collection order (the order of ``LONGEST_FIRST``; xdist's own reordering, by the number of tests in a file,
+    would start a file of many quick tests before a file of a few long ones); an explicit other ``--dist`` than
+    load (scripts/gpu_check.py's ``--dist worksteal``: the gpu tests, most of them in one file and each with its
+    own runs, spread over the workers one by one) is left to xdist."""
     if config.getoption("dist") != "load":
         return None
     from xdist.scheduler import LoadScopeScheduling
+
+    config.option.loadscopereorder = False
 
     class ByFile(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
