@@ -92,7 +92,23 @@ os.environ["WANDB_MODE"] = "offline"
 os.environ["WANDB_SILENT"] = "true"
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-torch.set_num_threads(min(2, torch.get_num_threads()))
+
+
+def threads_per_process() -> int:
+    """torch threads for each process of the suite: in a pytest-xdist worker, the cores shared out among the
+    workers (one each on 2 cores with `-n auto`); at most 2 (a tiny model gains nothing from more). A test's
+    `python train.py` runs while its worker waits, beside the other workers: on 2 cores with 2 threads each,
+    OpenMP's threads spin waiting for a core another process holds. A tiny 30-step run in a subprocess beside
+    the suite took 17-20 s of CPU with 2 threads and 8 s with 1 (`/usr/bin/time`, OMP_NUM_THREADS=2 against 1,
+    twice each)."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    return max(1, min(2, len(os.sched_getaffinity(0)) // workers))
+
+
+torch.set_num_threads(threads_per_process())
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # the worker's `python train.py` subprocesses take as many (a value the caller set is kept)
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads_per_process()))
 
 
 # Under pytest-xdist (`pytest` runs `-n auto`, pyproject's addopts) a file's tests stay on one worker, so that
