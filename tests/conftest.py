@@ -92,29 +92,87 @@ os.environ["WANDB_MODE"] = "offline"
 os.environ["WANDB_SILENT"] = "true"
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-torch.set_num_threads(min(2, torch.get_num_threads()))
+
+
+def threads_per_process() -> int:
+    """torch threads for each process of the suite: in a pytest-xdist worker, the cores shared out among the
+    workers (one each on 2 cores with `-n auto`); at most 2 (a tiny model gains nothing from more). A test's
+    `python train.py` runs while its worker waits, beside the other workers: on 2 cores with 2 threads each,
+    OpenMP's threads spin waiting for a core another process holds. A tiny 30-step run in a subprocess beside
+    the suite took 17-20 s of CPU with 2 threads and 8 s with 1 (`/usr/bin/time`, OMP_NUM_THREADS=2 against 1,
+    twice each)."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    return max(1, min(2, len(os.sched_getaffinity(0)) // workers))
+
+
+torch.set_num_threads(threads_per_process())
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # the worker's `python train.py` subprocesses take as many (a value the caller set is kept)
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads_per_process()))
 
 
 # Under pytest-xdist (`pytest` runs `-n auto`, pyproject's addopts) a file's tests stay on one worker, so that
 # its module fixtures (a trained run several tests read) are made once; the files that read the session's
 # sweep share a worker with it. The files that take longest are handed out first, so that no worker is left
-# with a long file at the end.
+# with a long file at the end: the longest first is the order that ends soonest when long files and many short
+# ones share the workers.
 SHARED_WORKER = {
     "test_compare.py": "tiny_sweep",
     "test_sweeps.py": "tiny_sweep",
     "test_run_identity.py": "tiny_sweep",
 }
-LONGEST_FIRST = ["test_docs.py", "test_resume.py", "test_strategies.py", "test_distributed_faults.py"]
+# The files (or groups of SHARED_WORKER) that took a minute or more of a worker (the sum of their tests'
+# durations under `pytest --durations=0` on a 2-core machine), longest first; the rest follow in collection
+# order. test_docs.py comes first whatever its own time: its two runners of the pages' commands start with it
+# and work beside the workers.
+LONGEST_FIRST = [
+    "test_docs.py",
+    "test_strategies.py",
+    "test_distributed_faults.py",
+    "test_resume.py",
+    "test_run_identity.py",  # with test_compare.py and test_sweeps.py, which read its sweep
+    "test_lost_ranks.py",
+    "test_resume_runs.py",
+    "test_gpu_check.py",
+    "test_harness.py",
+    "test_word2vec.py",
+    "test_token_files.py",
+    "test_api_notebook.py",
+    "test_runs.py",
+    "test_resume_changes.py",
+    "test_eval_length.py",
+    "test_flex_compile.py",
+    "test_errors.py",
+    "test_downstream_eval.py",
+    "test_cli.py",
+    "test_run_claim.py",
+    "test_mtp.py",
+    "test_attention_variants.py",
+    "test_entry_point.py",
+    "test_streaming.py",
+    "test_model.py",
+    "test_benchmarks.py",
+    "test_numbers.py",
+    "test_model_card.py",
+    "test_api.py",
+    "test_moe.py",
+    "test_architecture.py",
+    "test_positional.py",
+]
 
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
-    """xdist's scheduling by scope, a scope being a test file (or the files that share the sweep); an explicit
-    other ``--dist`` than load (scripts/gpu_check.py's ``--dist worksteal``: the gpu tests, most of them in one
-    file and each with its own runs, spread over the workers one by one) is left to xdist."""
+    """xdist's scheduling by scope, a scope being a test file (or the files that share the sweep), handed out in
+    collection order (the order of ``LONGEST_FIRST``; xdist's own reordering, by the number of tests in a file,
+    would start a file of many quick tests before a file of a few long ones); an explicit other ``--dist`` than
+    load (scripts/gpu_check.py's ``--dist worksteal``: the gpu tests, most of them in one file and each with its
+    own runs, spread over the workers one by one) is left to xdist."""
     if config.getoption("dist") != "load":
         return None
     from xdist.scheduler import LoadScopeScheduling
+
+    config.option.loadscopereorder = False
 
     class ByFile(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:

@@ -344,34 +344,8 @@ def test_muon_with_wsd_trains_through_the_command_line(tmp_path):
     assert muon_lr[3] == pytest.approx(0.02)  # Muon's own rate, on the same schedule
 
 
-@pytest.mark.slow
-def test_muon_under_fsdp_on_two_processes_trains_and_resumes_the_same_curve(tmp_path):
-    # torch.optim.Muon on FSDP2's sharded DTensor parameters: the Newton-Schulz products redistribute the
-    # shards, so each rank orthogonalises the whole matrix; the wrapper's state goes through DCP.
-    common = [
-        *TINY,
-        *QUIET,
-        "strategy=fsdp",
-        *CPU2,
-        "optim=muon",
-        "optim.warmup_steps=1",
-        "trainer.max_steps=6",
-        "trainer.val_check_interval=3",
-        "callbacks.model_checkpoint.save_top_k=-1",
-        "logger=csv",
-        f"paths.root_dir={tmp_path}",
-    ]
-    full = tmp_path / "full"
-    run_train([*common, f"hydra.run.dir={full}"], cwd=tmp_path)
-    middle = next((full / "checkpoints").glob("best-step000003-*.ckpt"))
-    resumed = tmp_path / "resumed"
-    run_train([*common, f"resume={middle}", f"hydra.run.dir={resumed}"], cwd=tmp_path)
-    full_loss = {int(r["step"]): float(r["train/loss"]) for r in _csv(full) if r.get("train/loss")}
-    resumed_loss = {int(r["step"]): float(r["train/loss"]) for r in _csv(resumed) if r.get("train/loss")}
-    assert full_loss[6] < full_loss[1] - 0.3
-    assert sorted(resumed_loss) == [4, 5, 6]
-    for step in (4, 5, 6):  # Muon's momentum and AdamW's moments came back from the shards
-        assert resumed_loss[step] == pytest.approx(full_loss[step], abs=1e-4)
+# Muon on FSDP2's sharded parameters over two processes, trained and resumed to the same curve: the FSDP test of
+# tests/test_strategies.py runs under optim=muon.
 
 
 def test_a_warmup_that_outlasts_the_run_is_named_with_the_rate_it_reaches(make_cfg, caplog):

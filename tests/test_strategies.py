@@ -494,12 +494,15 @@ def test_two_ddp_processes_give_the_loss_curve_of_one_process_with_the_same_glob
 
 @pytest.mark.slow
 def test_fsdp_on_two_processes_trains_checkpoints_shards_and_resumes(tmp_path):
+    # Under optim=muon, which takes AdamW for the embeddings and norms: torch.optim.Muon on FSDP2's sharded
+    # DTensor parameters (the Newton-Schulz products redistribute the shards, so each rank orthogonalises the
+    # whole matrix), and both optimizers' states go through the sharded checkpoint and come back.
     common = [
         *TINY,
         *QUIET,
         "strategy=fsdp",
         *CPU2,
-        "optim.lr=1e-2",
+        "optim=muon",
         "optim.warmup_steps=1",
         "trainer.val_check_interval=3",
         "callbacks.model_checkpoint.save_top_k=-1",
@@ -515,7 +518,7 @@ def test_fsdp_on_two_processes_trains_checkpoints_shards_and_resumes(tmp_path):
         "__1_0.distcp",
     ]
     full_loss = column(metrics_csv(full), "train/loss")
-    assert full_loss[6] < full_loss[1] - 1.0  # it trained
+    assert full_loss[6] < full_loss[1] - 0.3  # it trained
     # The two ranks hashed the directory's files between them; rank 0 wrote the one digest file: one line per
     # file, every rank's shard included, which sha256sum checks as written.
     manifest = digests.read_digest(middle)
@@ -538,10 +541,10 @@ def test_fsdp_on_two_processes_trains_checkpoints_shards_and_resumes(tmp_path):
     assert "without verifying" not in proc.stdout + proc.stderr  # each rank checked the shards first
     resumed_loss = column(metrics_csv(resumed), "train/loss")
     assert sorted(resumed_loss) == [4, 5, 6]  # the steps after the third
-    # The sharded weights and optimizer states came back: the loss goes on from where it was, far below the
-    # untrained model's.
-    assert resumed_loss[4] < full_loss[1] - 0.4
-    assert abs(resumed_loss[6] - full_loss[6]) < 0.5
+    # The sharded weights and both optimizers' states came back (Muon's momentum, AdamW's moments): the loss
+    # goes on as in the run never stopped.
+    for step in (4, 5, 6):
+        assert resumed_loss[step] == pytest.approx(full_loss[step], abs=1e-4), (step, resumed_loss, full_loss)
     assert (last_checkpoint(resumed)).is_dir()
 
     # A shard that rank 1 checks when the two ranks load the checkpoint, changed in place (same size): both
