@@ -284,7 +284,11 @@ def _run_pool(
     except BaseException:
         _abandon(pool)
         raise
-    pool.terminate()  # every job has its result: the workers are idle
+    # Every job has its result: the workers are idle, and are ended as on the way out of an error. Not
+    # Pool.terminate, which takes the task queue's lock and then waits for each worker to exit: a worker that
+    # its SIGTERM found waiting for the progress queue's lock, held by a sibling that had already exited, never
+    # did, and the preparation waited for ever (seen once in the suite, its parent in waitpid).
+    _abandon(pool)
     return results
 
 
