@@ -24,6 +24,7 @@ a part built here is the part it trains:
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
 import logging
@@ -490,6 +491,13 @@ def _codes_with_compiled_entries() -> dict[Any, int]:
         return {}
     from torch._C._dynamo import eval_frame
 
+    # Dynamo's own bookkeeping (torch 2.11 to 2.13 have it): a torch without it keeps the compiled code
+    if not (
+        hasattr(getattr(convert_frame, "input_codes", None), "seen")
+        and hasattr(eval_frame, "_debug_get_cache_entry_list")
+        and hasattr(eval_frame, "reset_code")
+    ):
+        return {}
     out = {}
     for ref in list(convert_frame.input_codes.seen):
         code = ref()
@@ -512,11 +520,13 @@ def _drop_compiled_code_of_the_run(before: dict[Any, int]) -> list[Any]:
     ``torch.compile`` of the same function) is left as it is, the run's entries with the caller's: nothing
     the caller compiled is taken. Not ``torch._dynamo.reset()``, which drops every compiled function of the
     process, the caller's among them."""
+    dropped = [code for code in _codes_with_compiled_entries() if code not in before]
+    if not dropped:
+        return []
     import torch._dynamo.convert_frame as convert_frame
     from torch._C._dynamo import eval_frame
 
-    dropped = [code for code in _codes_with_compiled_entries() if code not in before]
-    with convert_frame.compile_lock:
+    with getattr(convert_frame, "compile_lock", contextlib.nullcontext()):
         for code in dropped:
             eval_frame.reset_code(code)
     return dropped
