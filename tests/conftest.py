@@ -101,6 +101,9 @@ def threads_per_process() -> int:
     OpenMP's threads spin waiting for a core another process holds. A tiny 30-step run in a subprocess beside
     the suite took 17-20 s of CPU with 2 threads and 8 s with 1 (`/usr/bin/time`, OMP_NUM_THREADS=2 against 1,
     twice each)."""
+    chosen = os.environ.get("OMP_NUM_THREADS", "")
+    if chosen.isdigit() and int(chosen) > 0:  # the caller's choice, which the subprocesses read too
+        return int(chosen)
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     return max(1, min(2, len(os.sched_getaffinity(0)) // workers))
 
