@@ -72,28 +72,12 @@ def estimate(args: argparse.Namespace) -> dict[str, float]:
     }
 
 
-def peak_bytes(step: Any) -> int:
-    """The most bytes the CPU allocator held at once over ``step()``, above what it held before."""
-    with torch.profiler.profile(
-        activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
-    ) as prof:
-        step()
-    events = sorted(
-        (e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
-        key=lambda e: e.start_ns(),
-    )
-    live = peak = 0
-    for event in events:
-        live += event.nbytes()  # negative for a free
-        peak = max(peak, live)
-    return peak
-
-
 def rank_main(rank: int, args: argparse.Namespace, store: str, out: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
 
     from gptlab.model.gpt import GPT
     from gptlab.parallel.transforms import shard
+    from gptlab.planning import cpu_peak_bytes
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
@@ -116,7 +100,7 @@ def rank_main(rank: int, args: argparse.Namespace, store: str, out: str) -> None
 
         step()  # FSDP's lazy set-up and first allocations outside the measure
         model.zero_grad(set_to_none=True)
-        measured = peak_bytes(step)
+        measured = cpu_peak_bytes(step)
         Path(out, f"rank{rank}.json").write_text(json.dumps({"measured": measured}))
     finally:
         dist.destroy_process_group()

@@ -303,19 +303,7 @@ def head_peak_bytes(loss: HeadLoss, hidden: torch.Tensor, weight: torch.Tensor, 
     """The most bytes the CPU allocator held at once, above what existed before, over one forward and backward
     pass of ``loss`` (the profiler's record of every allocation and free, in order)."""
     hidden, weight = hidden.detach().requires_grad_(), weight.detach().requires_grad_()
-    with torch.profiler.profile(
-        activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
-    ) as prof:
-        loss(hidden, weight, targets).backward()
-    events = sorted(
-        (e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
-        key=lambda e: e.start_ns(),
-    )
-    live = peak = 0
-    for event in events:
-        live += event.nbytes()  # negative for a free
-        peak = max(peak, live)
-    return peak
+    return planning.cpu_peak_bytes(lambda: loss(hidden, weight, targets).backward())
 
 
 needs_torch_lce = pytest.mark.skipif(

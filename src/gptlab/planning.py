@@ -68,6 +68,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
@@ -389,6 +390,25 @@ def memory_per_device(config: GPTConfig, plan: TrainingPlan = TrainingPlan()) ->
         # each call's kept until the backward pass
         head=plan.head.bytes(config, micro_batch * T) * (1 + config.mtp.depth),
     )
+
+
+def cpu_peak_bytes(work: Callable[[], object]) -> int:
+    """The most bytes torch's CPU allocator held at once while ``work()`` ran, above what it held before: the
+    profiler's record of every allocation and free, replayed in order. What the estimates above are measured
+    against on a CPU (scripts/fsdp_memory.py, the tests of the output layer's memory)."""
+    with torch.profiler.profile(
+        activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
+    ) as prof:
+        work()
+    events = sorted(
+        (e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+        key=lambda e: e.start_ns(),
+    )
+    live = peak = 0
+    for event in events:
+        live += event.nbytes()  # negative for a free
+        peak = max(peak, live)
+    return peak
 
 
 def distinct_choices(n_devices: int) -> list[tuple[str, Placement]]:
