@@ -264,6 +264,23 @@ def csv_rows(run_dir):
         return list(csv.DictReader(f))
 
 
+def test_with_a_z_loss_each_heads_term_is_logged_and_the_objective_is_their_sum(make_cfg, tmp_path):
+    """Every output call adds its z-loss to what the step differentiates: the next-token head's is train/z_loss,
+    head k's train/mtp_z_loss_<k>, and the logged parts add up to train/objective."""
+    from gptlab.tasks.gpt import run
+
+    out = tmp_path / "run"
+    overrides = [*TINY, "tokenizer=char", "logger=csv", "trainer.max_steps=3", "trainer.log_every_n_steps=1"]
+    run(make_cfg(*overrides, "mtp.depth=2", "mtp.weight=0.5", "loss.z_loss=0.01", f"paths.output_dir={out}"))
+    rows = [r for r in csv_rows(out) if r.get("train/objective")]
+    assert len(rows) == 3
+    for r in rows:
+        heads = [float(r[f"train/mtp_loss_{k}"]) + float(r[f"train/mtp_z_loss_{k}"]) for k in (1, 2)]
+        assert all(float(r[f"train/mtp_z_loss_{k}"]) > 0 for k in (1, 2))
+        parts = float(r["train/loss"]) + float(r["train/z_loss"]) + 0.5 * sum(heads)
+        assert float(r["train/objective"]) == pytest.approx(parts, rel=1e-5)
+
+
 def test_a_tiny_run_learns_and_logs_each_head_apart(make_cfg, tmp_path, capsys):
     from gptlab.runs.trained import load_run
     from gptlab.tasks.gpt import run

@@ -103,7 +103,8 @@ class GPTLitModule(L.LightningModule):
         # rank's under mlp.balance_scope=global (where the load-balancing loss counts its shares over them)
         self._step_counts: Tensor | None = None
         # under multi-token prediction: (each extra head's cross-entropy, the objective) of each of them
-        self._step_mtp: list[tuple[list[Tensor], Tensor]] = []
+        # per micro-batch: the extra heads' cross-entropies, their weighted z-loss terms, the objective
+        self._step_mtp: list[tuple[list[Tensor], list[Tensor | None], Tensor]] = []
 
     def forward(self, idx: Tensor, targets: Tensor | None = None):
         return self.model(idx, targets)
@@ -162,7 +163,14 @@ class GPTLitModule(L.LightningModule):
         # multi-token prediction the next-token call comes first, then one per extra head (model/mtp.py).
         terms, *extra = head.calls
         if self.model.mtp is not None:
-            self._step_mtp.append(([t.cross_entropy.detach() for t in extra], loss.detach()))
+            z = self.head_loss.z_loss
+            self._step_mtp.append(
+                (
+                    [t.cross_entropy.detach() for t in extra],
+                    [None if t.lse_square is None else (z * t.lse_square).detach() for t in extra],
+                    loss.detach(),
+                )
+            )
         self._step_terms.append(
             (
                 terms.cross_entropy.detach(),
@@ -269,18 +277,30 @@ class GPTLitModule(L.LightningModule):
         self.log("train/moe_global_load_max", share.max(), on_step=True, on_epoch=False)
         self.log("train/moe_global_load_cv", cv.mean(), on_step=True, on_epoch=False)
 
-    def _log_mtp(self, micro_batches: list[tuple[list[Tensor], Tensor]], distributed: bool) -> None:
-        """train/objective (what the step differentiates: the next-token loss plus mtp.weight times the extra
-        heads') and train/mtp_loss_<k>, the cross-entropy of the head predicting the token k after the next
-        one, each the mean over the step's micro-batches. A head whose targets were all ignored in a
-        micro-batch (model/mtp.py) is averaged over the others; in none of them, it is NaN."""
-        objective = torch.stack([o for _, o in micro_batches]).mean()
+    def _log_mtp(
+        self, micro_batches: list[tuple[list[Tensor], list[Tensor | None], Tensor]], distributed: bool
+    ) -> None:
+        """train/objective (what the step differentiates: the next-token loss and its z-loss plus mtp.weight
+        times the extra heads' losses and z-losses), train/mtp_loss_<k>, the cross-entropy of the head
+        predicting the token k after the next one, and with loss.z_loss set train/mtp_z_loss_<k>, that head's
+        weighted z-loss term, each the mean over the step's micro-batches: the objective is train/loss +
+        train/z_loss + mtp.weight * sum_k (train/mtp_loss_<k> + train/mtp_z_loss_<k>). A head whose targets
+        were all ignored in a micro-batch (model/mtp.py) is averaged over the others; in none of them, it is
+        NaN."""
+        objective = torch.stack([o for _, _, o in micro_batches]).mean()
         self.log("train/objective", objective, on_step=True, on_epoch=False, sync_dist=distributed)
         for k in range(1, self.model_config.mtp.depth + 1):
-            values = [losses[k - 1] for losses, _ in micro_batches if len(losses) >= k]
-            # every key on every rank (a distributed log is a collective); NaN where no target was scored
-            value = torch.stack(values).mean() if values else torch.full((), float("nan"), device=self.device)
-            self.log(f"train/mtp_loss_{k}", value, on_step=True, on_epoch=False, sync_dist=distributed)
+            keys: list[tuple[str, list[list[Tensor | None]]]] = [
+                (f"train/mtp_loss_{k}", [list(ce) for ce, _, _ in micro_batches])
+            ]
+            if self.head_loss.z_loss:
+                keys.append((f"train/mtp_z_loss_{k}", [z for _, z, _ in micro_batches]))
+            for key, per_batch in keys:
+                values = [t for v in per_batch if len(v) >= k and (t := v[k - 1]) is not None]
+                # every key on every rank (a distributed log is a collective); NaN where no target was scored
+                nan = torch.full((), float("nan"), device=self.device)
+                value = torch.stack(values).mean() if values else nan
+                self.log(key, value, on_step=True, on_epoch=False, sync_dist=distributed)
 
     # ---- validation -----------------------------------------------------------------------------
     def on_validation_epoch_start(self) -> None:
