@@ -191,45 +191,6 @@ def test_deepspeed_on_cpu_is_refused_before_any_work(tmp_path):
     assert not (tmp_path / "r" / "checkpoints").exists()
 
 
-@pytest.mark.slow
-def test_two_processes_print_each_message_once(tmp_path):
-    # DDP re-runs the command for rank 1. Pinned to one core (as `taskset -c 0` does; DDP's second process
-    # inherits it), two processes are more than the cores: the core-count warning is due, once.
-    proc = run_train(
-        [
-            *TINY,
-            "trainer.max_steps=4",
-            "trainer.val_check_interval=2",
-            "logger=csv",
-            "strategy=ddp",
-            *CPU2,
-            f"paths.root_dir={tmp_path}",
-            f"hydra.run.dir={tmp_path / 'run'}",
-        ],
-        cwd=tmp_path,
-        preexec_fn=lambda: os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}),
-    )
-    out = proc.stdout + proc.stderr
-    assert "Starting with 2 processes" in out  # two processes trained
-    once = [
-        "Initializing distributed: GLOBAL_RANK",  # rank 0's; "Starting with 2 processes" says the others joined
-        "trainer.devices=2 starts 2 training processes on the CPU, but this machine gives this run 1 core(s)",
-        "Windows of 33 tokens:",
-        "Data ready after",
-        "Final validation loss",
-        *(
-            f"step {n} {decoding}: 'In this case, the' -> "
-            for n in (2, 4)
-            for decoding in ("greedy", "sampled (temperature 1, top-k 40)")
-        ),
-    ]
-    assert {line: out.count(line) for line in once} == dict.fromkeys(once, 1), out[-4000:]
-    assert out.count("Token cache hit") + out.count("Preparing embedded corpus") == 1
-    assert "sync_dist" not in out  # the validation metrics are the same on every rank, and Lightning knows it
-    # the non-finite guard's all-gather of each step's loss draws no deprecation warning from any rank
-    assert "all_gather is deprecated" not in out, out[-4000:]
-
-
 def test_a_multirun_with_ddp_is_refused_and_points_to_ddp_spawn_and_slurm(tmp_path):
     sweep = tmp_path / "sweep"
     proc = run_train(
@@ -451,17 +412,20 @@ def test_fsdp_in_bf16_mixed_precision_logs_the_loss_its_training_step_computed(t
 
 # ---- several processes -----------------------------------------------------------------------------------
 @pytest.mark.slow
-def test_two_ddp_processes_give_the_loss_curve_of_one_process_with_the_same_global_batch(tmp_path):
+def test_two_ddp_processes_give_the_loss_curve_of_one_process_with_the_same_global_batch_and_print_once(
+    tmp_path,
+):
     # Same samples per step: under a distributed strategy Lightning draws one permutation of the training
     # windows (seeded by `seed`, the same in every rank) and rank r takes every other index of it, so the two
     # half batches together are the batch a world of one process takes. (A plain single-device run shuffles
     # with another permutation.) Mean losses over equal halves average to the full batch's mean; no dropout.
-    # The validation loss after every step is the mean over every validation token of every rank.
+    # The validation loss at steps 2 and 4 is the mean over every validation token of every rank.
     common = [
         *TINY,
-        *QUIET,
+        "trainer.log_every_n_steps=1",
+        "callbacks.sample_generation.max_new_tokens=2",
         "trainer.max_steps=4",
-        "trainer.val_check_interval=1",
+        "trainer.val_check_interval=2",
         "trainer.limit_val_batches=2",
         "logger=wandb",
         f"paths.root_dir={tmp_path}",
@@ -470,8 +434,33 @@ def test_two_ddp_processes_give_the_loss_curve_of_one_process_with_the_same_glob
     run_train([*common, *one_process, f"hydra.run.dir={tmp_path / 'one'}"], cwd=tmp_path)
     ddp_cwd = tmp_path / "ddp"
     ddp_cwd.mkdir()
-    proc = run_train([*common, "data.batch_size=4", "strategy=ddp", *CPU2], cwd=ddp_cwd)
-    assert "Starting with 2 processes" in proc.stdout + proc.stderr  # rank 0's: every rank joined
+    # DDP re-runs the command for rank 1. Pinned to one core (as `taskset -c 0` does; DDP's second process
+    # inherits it), two processes are more than the cores: the core-count warning is due, once.
+    proc = run_train(
+        [*common, "data.batch_size=4", "strategy=ddp", *CPU2],
+        cwd=ddp_cwd,
+        preexec_fn=lambda: os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}),
+    )
+    out = proc.stdout + proc.stderr
+    assert "Starting with 2 processes" in out  # rank 0's: every rank joined
+    # Each message once, not once per process
+    once = [
+        "Initializing distributed: GLOBAL_RANK",  # rank 0's; "Starting with 2 processes" says the others joined
+        "trainer.devices=2 starts 2 training processes on the CPU, but this machine gives this run 1 core(s)",
+        "Windows of 33 tokens:",
+        "Data ready after",
+        "Final validation loss",
+        *(
+            f"step {n} {decoding}: 'In this case, the' -> "
+            for n in (2, 4)
+            for decoding in ("greedy", "sampled (temperature 1, top-k 40)")
+        ),
+    ]
+    assert {line: out.count(line) for line in once} == dict.fromkeys(once, 1), out[-4000:]
+    assert out.count("Token cache hit") + out.count("Preparing embedded corpus") == 1
+    assert "sync_dist" not in out  # the validation metrics are the same on every rank, and Lightning knows it
+    # the non-finite guard's all-gather of each step's loss draws no deprecation warning from any rank
+    assert "all_gather is deprecated" not in out, out[-4000:]
 
     # One run directory and one W&B run for the two processes.
     run_dirs = [p for p in (ddp_cwd / "outputs" / "runs").glob("*/*") if p.is_dir()]
@@ -481,7 +470,7 @@ def test_two_ddp_processes_give_the_loss_curve_of_one_process_with_the_same_glob
 
     one = read_run(find_runs(tmp_path / "one" / "wandb")[0]).metric("val/loss")
     two = read_run(ddp_runs[0]).metric("val/loss")
-    assert [s for s, _ in one] == [s for s, _ in two] and len(one) == 4
+    assert [s for s, _ in one] == [s for s, _ in two] and len(one) == 2
     for (step, a), (_, b) in zip(one, two):
         assert abs(a - b) < 1e-5, (step, a, b)
     assert one[-1][1] < one[0][1]  # it trained
