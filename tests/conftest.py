@@ -242,6 +242,34 @@ def no_hydra_job_left_behind():
     GlobalHydra.instance().clear()
 
 
+def torch_settings() -> tuple:
+    """What a test might change in this process and a later test's runs depend on, to the last digit."""
+    return (
+        torch.get_num_threads(),
+        torch.get_default_dtype(),
+        torch.are_deterministic_algorithms_enabled(),
+        torch.get_float32_matmul_precision(),
+        torch.is_grad_enabled(),
+    )
+
+
+@pytest.fixture(autouse=True)
+def torch_settings_left_as_found(request):
+    """A test leaves torch's process-wide settings as it found them: the runs of the next test in the worker
+    would otherwise train under them (2 threads sum a product otherwise than 1, in the last digit) while a
+    `python train.py` beside them would not."""
+    before = torch_settings()
+    yield
+    after = torch_settings()
+    if after != before:
+        torch.set_num_threads(before[0])
+        torch.set_default_dtype(before[1])
+        torch.use_deterministic_algorithms(before[2])
+        torch.set_float32_matmul_precision(before[3])
+        torch.set_grad_enabled(before[4])
+        pytest.fail(f"{request.node.nodeid} changed torch's settings: {before} -> {after}")
+
+
 TINY = [
     "model.n_layer=1",
     "model.n_head=2",

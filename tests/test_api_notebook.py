@@ -114,7 +114,8 @@ def test_runs_in_one_process_leave_it_as_it_was_and_train_as_in_a_fresh_one(
     """learned (logged to W&B offline), word2vec, then rope, one after the other: after each the process is as
     the caller had it (logging, warnings, environment, signal handlers, torch's settings, the caller's own
     random draws), no W&B run is open, no file of the runs is open and no model is held; rope, trained third,
-    logs the losses of rope trained first in a fresh `python train.py` with as many threads, to every digit."""
+    logs the losses of rope trained first in a fresh `python train.py` with as many threads, to the last digit
+    (or one unit in it: fp32 sums in a process with another history may round otherwise)."""
     monkeypatch.chdir(tmp_path)
     common = [*SMALL, f"paths.root_dir={tmp_path}"]
     random.seed(7), np.random.seed(7), torch.manual_seed(7)
@@ -159,7 +160,13 @@ def test_runs_in_one_process_leave_it_as_it_was_and_train_as_in_a_fresh_one(
     # with this process's torch threads: a product summed over 2 threads differs from 1's in the last digit
     threads = {"OMP_NUM_THREADS": str(torch.get_num_threads())}
     run_train([*runs["rope"], f"hydra.run.dir={fresh / 'rope'}"], cwd=fresh, env=threads)
-    assert losses(results["rope"].run_dir) == losses(fresh / "rope")
+    in_process, fresh_losses = losses(results["rope"].run_dir), losses(fresh / "rope")
+    # to the last digit or one unit in it: the same steps and values, fp32 sums aside (a run that inherited
+    # another's state, its seed, data order or settings, differs in the second or third digit)
+    for key in ("train/loss", "val/loss"):
+        assert [step for step, _ in in_process[key]] == [step for step, _ in fresh_losses[key]], key
+        for (step, a), (_, b) in zip(in_process[key], fresh_losses[key]):
+            assert float(a) == pytest.approx(float(b), rel=2.5e-7, abs=0), (key, step, a, b)
     assert losses(fresh / "rope")["val/loss"] and losses(fresh / "rope")["train/loss"]
     written = json.loads((fresh / "rope" / "result.json").read_text())["metrics"]
     assert results["rope"].metrics["val/loss"] == written["val/loss"]
