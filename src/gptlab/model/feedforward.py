@@ -205,6 +205,7 @@ class MoE(nn.Module):
     (Zoph et al. 2022, eq. 5)."""
 
     Options: ClassVar[type] = MoEOptions
+    _experts_eager: ClassVar[bool] = False  # _run_experts wrapped by _keep_experts_eager
 
     def __init__(self, config: LayerShape) -> None:
         super().__init__()
@@ -221,6 +222,7 @@ class MoE(nn.Module):
         )
         self.dropout = nn.Dropout(config.dropout)
         self.routing: Routing | None = None
+        _keep_experts_eager()
 
     def expert_parameters(self) -> int:
         """The parameters of one routed expert."""
@@ -248,13 +250,13 @@ class MoE(nn.Module):
         self.routing = self._statistics(logits, probs, counts, N)
         return self.dropout(out.reshape(*x.shape[:-1], self.n_embd))
 
-    @torch.compiler.disable
     def _run_experts(self, inputs: Tensor, counts: Tensor) -> Tensor:
         """Each expert over its own rows of ``inputs`` (grouped by expert, ``counts`` rows each), in eager mode
-        under torch.compile: the split sizes are the routing's data, so a compiled graph would be specialised
-        to them and recompiled as they change (6 graphs in 4 steps of one layer), until torch's recompile
-        limit silently left the block uncompiled. Left out of the graph, the block compiles once, around a
-        break here; the experts' products are large matrix products that compiling would not speed up."""
+        under torch.compile (:func:`_keep_experts_eager`): the split sizes are the routing's data, so a compiled
+        graph would be specialised to them and recompiled as they change (6 graphs in 4 steps of one layer),
+        until torch's recompile limit silently left the block uncompiled. Left out of the graph, the block
+        compiles once, around a break here; the experts' products are large matrix products that compiling
+        would not speed up."""
         parts = inputs.split(counts.tolist())
         return torch.cat([expert(part) for expert, part in zip(self.experts, parts, strict=True)])
 
@@ -265,6 +267,16 @@ class MoE(nn.Module):
         load = counts.float()
         cv = load.std(unbiased=False) / load.mean().clamp_min(1e-9)
         return Routing(counts=counts, probs=probs.mean(dim=0), z=z, load_max=share.max(), load_cv=cv)
+
+
+def _keep_experts_eager() -> None:
+    """Wrap :meth:`MoE._run_experts` in ``torch.compiler.disable``, once, when the first MoE layer is made
+    rather than when this module is imported: the wrapper imports Dynamo, about 0.8 s of every process that
+    reads a model's config (a refused `python train.py model.n_head=3` took 2.8 s with it, 2.1 without), while
+    only a model with experts needs it, before any forward pass."""
+    if not getattr(MoE, "_experts_eager", False):
+        setattr(MoE, "_run_experts", torch.compiler.disable(MoE._run_experts))  # noqa: B010 (mypy: a method)
+        MoE._experts_eager = True
 
 
 @dataclass
