@@ -115,14 +115,15 @@ def test_bad_model_configs_are_refused_with_the_fix():
 
 
 def test_importing_the_model_pulls_in_no_training_framework():
-    """`from gptlab.model import GPT` needs torch only: no Lightning, Hydra, OmegaConf or W&B."""
+    """`from gptlab.model import GPT` needs torch only: no Lightning, Hydra, OmegaConf or W&B; nor Dynamo (0.8 s
+    of every process that reads a config), which a model imports only to compile or to keep experts eager."""
     import subprocess
     import sys
 
     code = (
         "import sys; from gptlab.model import GPT, GPTConfig; import gptlab.model.gpt; "
         "GPT(GPTConfig(vocab_size=11, block_size=8, n_layer=1, n_head=2, n_embd=8, pos='alibi')); "
-        "loaded = [m for m in ('lightning', 'omegaconf', 'hydra', 'wandb') if m in sys.modules]; "
+        "loaded = [m for m in ('lightning', 'omegaconf', 'hydra', 'wandb', 'torch._dynamo') if m in sys.modules]; "
         "assert not loaded, loaded"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
