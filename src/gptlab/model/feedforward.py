@@ -274,8 +274,8 @@ def _keep_experts_eager() -> None:
     rather than when this module is imported: the wrapper imports Dynamo, about 0.8 s of every process that
     reads a model's config (a refused `python train.py model.n_head=3` took 2.8 s with it, 2.1 without), while
     only a model with experts needs it, before any forward pass."""
-    if not getattr(MoE, "_experts_eager", False):
-        setattr(MoE, "_run_experts", torch.compiler.disable(MoE._run_experts))  # noqa: B010 (mypy: a method)
+    if not MoE._experts_eager:
+        MoE._run_experts = torch.compiler.disable(MoE._run_experts)  # type: ignore[method-assign]
         MoE._experts_eager = True
 
 

@@ -102,8 +102,8 @@ class GPTLitModule(L.LightningModule):
         # (layers, experts) token-expert assignments of the step's micro-batches so far: this rank's, or every
         # rank's under mlp.balance_scope=global (where the load-balancing loss counts its shares over them)
         self._step_counts: Tensor | None = None
-        # under multi-token prediction: (each extra head's cross-entropy, the objective) of each of them
-        # per micro-batch: the extra heads' cross-entropies, their weighted z-loss terms, the objective
+        # under multi-token prediction, per micro-batch: the extra heads' cross-entropies, their weighted z-loss
+        # terms (None without loss.z_loss), the objective
         self._step_mtp: list[tuple[list[Tensor], list[Tensor | None], Tensor]] = []
 
     def forward(self, idx: Tensor, targets: Tensor | None = None):
@@ -298,8 +298,9 @@ class GPTLitModule(L.LightningModule):
             for key, per_batch in keys:
                 values = [t for v in per_batch if len(v) >= k and (t := v[k - 1]) is not None]
                 # every key on every rank (a distributed log is a collective); NaN where no target was scored
-                nan = torch.full((), float("nan"), device=self.device)
-                value = torch.stack(values).mean() if values else nan
+                value = (
+                    torch.stack(values).mean() if values else torch.full((), float("nan"), device=self.device)
+                )
                 self.log(key, value, on_step=True, on_epoch=False, sync_dist=distributed)
 
     # ---- validation -----------------------------------------------------------------------------
