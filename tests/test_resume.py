@@ -153,6 +153,8 @@ def test_sigterm_through_the_cli_exits_0_then_resume_auto_continues_the_same_run
         f"Resuming from {run_dir / 'checkpoints' / 'last.ckpt'} (step {stopped})" in proc.stdout + proc.stderr
     )
     assert run_dirs(tmp_path) == [run_dir]  # continued in its own directory, no new one
+    # its own checkpoints there, not a warning that the directory is not empty
+    assert "exists and is not empty" not in proc.stdout + proc.stderr
     assert_bit_identical(weights(last_checkpoint(run_dir)), reference)
 
     first, second = (read_run(p) for p in find_runs(run_dir / "wandb"))

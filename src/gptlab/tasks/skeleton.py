@@ -89,8 +89,10 @@ def route_lightning_logs() -> None:
     without the deprecation warning Lightning's own code draws from torch 2.13 (``LeafSpec``) on every run,
     and without its warning that an epoch has fewer batches than ``trainer.log_every_n_steps``: Lightning
     counts that interval in optimizer steps across epochs (``_batches_that_stepped``), so a short epoch (a
-    small corpus, many ranks) still logs every ``log_every_n_steps`` steps, and gptlab trains in steps. Each
-    is that one message from that one module, nothing else."""
+    small corpus, many ranks) still logs every ``log_every_n_steps`` steps, and gptlab trains in steps; and
+    without its warning that the checkpoint directory is not empty, which every resume drew: a fresh run is
+    refused a used run directory (``overwrite=true`` moves the old run aside), so the checkpoints there are
+    the resumed run's own. Each is that one message from that one module, nothing else."""
     import warnings
 
     for name in ("lightning", "lightning.pytorch", "lightning.fabric"):
@@ -111,6 +113,11 @@ def route_lightning_logs() -> None:
         "ignore",
         message=r"The number of training batches \(\d+\) is smaller than the logging interval",
         module=r"lightning\.pytorch\.loops\.fit_loop",
+    )
+    warnings.filterwarnings(
+        "ignore",
+        message=r"Checkpoint directory .* exists and is not empty",
+        module=r"lightning\.pytorch\.callbacks\.model_checkpoint",
     )
     quiet_launched_ranks()  # again: importing Lightning set its loggers' level to INFO
 
