@@ -270,6 +270,27 @@ def torch_settings_left_as_found(request):
         pytest.fail(f"{request.node.nodeid} changed torch's settings: {before} -> {after}")
 
 
+def slurm_job(tmp_path: Path, job_id: str = "4242") -> tuple[dict[str, str], Path]:
+    """A one-task SLURM job where there is no SLURM controller: the job's environment (``PATH`` first to an
+    ``scontrol`` stand-in), and the file in which that stand-in records the arguments of each call."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    calls = tmp_path / "scontrol_calls.txt"
+    (bin_dir / "scontrol").write_text(f'#!/bin/sh\necho "$@" >> {calls}\n')
+    (bin_dir / "scontrol").chmod(0o755)
+    env = {
+        "PATH": f"{bin_dir}:{os.environ['PATH']}",
+        "SLURM_JOB_ID": job_id,
+        "SLURM_JOB_NAME": "gptlab",
+        "SLURM_NTASKS": "1",
+        "SLURM_PROCID": "0",
+        "SLURM_LOCALID": "0",
+        "SLURM_NODEID": "0",
+        "SLURM_NODELIST": "localhost",
+    }
+    return env, calls
+
+
 TINY = [
     "model.n_layer=1",
     "model.n_head=2",

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import ROOT, TINY, run_train
+from conftest import ROOT, TINY, run_train, slurm_job
 from hydra.core.global_hydra import GlobalHydra
 from hydra.core.hydra_config import HydraConfig
 
@@ -225,21 +225,8 @@ def test_a_slurm_requeue_in_training_raises_run_requeued_naming_the_checkpoint(
     which names the checkpoint, its step and the job, where a bare SystemExit(0) said nothing; a SystemExit
     of status 0 still, so that a script under sbatch ends as train.py does and no ``except Exception`` of the
     caller goes on to the next run while SLURM ends the job. The process is as it was."""
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    calls = tmp_path / "scontrol_calls.txt"  # no SLURM controller here: a stand-in that records its arguments
-    (bin_dir / "scontrol").write_text(f'#!/bin/sh\necho "$@" >> {calls}\n')
-    (bin_dir / "scontrol").chmod(0o755)
-    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
-    for name, value in {
-        "SLURM_JOB_ID": "4242",
-        "SLURM_JOB_NAME": "gptlab",
-        "SLURM_NTASKS": "1",
-        "SLURM_PROCID": "0",
-        "SLURM_LOCALID": "0",
-        "SLURM_NODEID": "0",
-        "SLURM_NODELIST": "localhost",
-    }.items():
+    env, calls = slurm_job(tmp_path)  # no SLURM controller here: scontrol is a stand-in
+    for name, value in env.items():
         monkeypatch.setenv(name, value)
     run_dir = tmp_path / "job_4242"
     before = process_state()

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import CONF, ROOT, TINY, run_train, signal_when_held
+from conftest import CONF, ROOT, TINY, run_train, signal_when_held, slurm_job
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import OmegaConf
@@ -333,22 +333,8 @@ def test_slurm_launcher_asks_for_one_task_per_device_and_lightnings_requeue_sign
 def test_a_preempted_slurm_job_saves_requeues_and_resumes_in_the_same_run_directory(tmp_path):
     # No SLURM controller here: the job's environment variables are set by hand and `scontrol` is a script
     # that records its arguments.
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    calls = tmp_path / "scontrol_calls.txt"
-    (bin_dir / "scontrol").write_text(f'#!/bin/sh\necho "$@" >> {calls}\n')
-    (bin_dir / "scontrol").chmod(0o755)
-    env = {
-        "PATH": f"{bin_dir}:{os.environ['PATH']}",
-        "SLURM_JOB_ID": "4242",
-        "SLURM_JOB_NAME": "gptlab",
-        "SLURM_NTASKS": "1",
-        "SLURM_PROCID": "0",
-        "SLURM_LOCALID": "0",
-        "SLURM_NODEID": "0",
-        "SLURM_NODELIST": "localhost",
-        "PYTHONUNBUFFERED": "1",
-    }
+    env, calls = slurm_job(tmp_path)
+    env["PYTHONUNBUFFERED"] = "1"
     run_dir = tmp_path / "job_4242"
     max_steps = 8
     args = [

@@ -289,19 +289,17 @@ class GPTLitModule(L.LightningModule):
         NaN."""
         objective = torch.stack([o for _, _, o in micro_batches]).mean()
         self.log("train/objective", objective, on_step=True, on_epoch=False, sync_dist=distributed)
+
+        def log_mean(key: str, values: list[Tensor]) -> None:
+            # every key on every rank (a distributed log is a collective); NaN where no target was scored
+            value = torch.stack(values).mean() if values else torch.full((), float("nan"), device=self.device)
+            self.log(key, value, on_step=True, on_epoch=False, sync_dist=distributed)
+
         for k in range(1, self.model_config.mtp.depth + 1):
-            keys: list[tuple[str, list[list[Tensor | None]]]] = [
-                (f"train/mtp_loss_{k}", [list(ce) for ce, _, _ in micro_batches])
-            ]
+            log_mean(f"train/mtp_loss_{k}", [ce[k - 1] for ce, _, _ in micro_batches if len(ce) >= k])
             if self.head_loss.z_loss:
-                keys.append((f"train/mtp_z_loss_{k}", [z for _, z, _ in micro_batches]))
-            for key, per_batch in keys:
-                values = [t for v in per_batch if len(v) >= k and (t := v[k - 1]) is not None]
-                # every key on every rank (a distributed log is a collective); NaN where no target was scored
-                value = (
-                    torch.stack(values).mean() if values else torch.full((), float("nan"), device=self.device)
-                )
-                self.log(key, value, on_step=True, on_epoch=False, sync_dist=distributed)
+                terms = [z[k - 1] for _, z, _ in micro_batches if len(z) >= k]
+                log_mean(f"train/mtp_z_loss_{k}", [t for t in terms if t is not None])
 
     # ---- validation -----------------------------------------------------------------------------
     def on_validation_epoch_start(self) -> None:
